@@ -1,1 +1,57 @@
-pub fn placeholder() {}
+//! # outbox: the transactional outbox (本地消息表) for Rust
+//!
+//! Write a message as a row of an outbox table **in the same local transaction** as the business
+//! change; a [`Relay`] publishes committed rows to a broker, retrying with backoff until the
+//! broker acknowledges; the consumer applies each message **once** through an [`Inbox`] in its
+//! own transaction.
+//!
+//! Promises (DESIGN.md §1): a committed message is published at least once whatever crashes;
+//! a rolled-back one never; an inbox consumer applies each message's effect once; SENT only after
+//! the broker's acknowledgement; every time decision on the database clock; a poison message ends
+//! in FAILED with its reason without blocking others.
+//!
+//! ## Parts
+//! - Contracts: [`NewMessage`], [`Message`], [`InboundMessage`], [`Status`], errors ([`error`]),
+//!   [`Backoff`].
+//! - Stores ([`store::Store`]): [`PgStore`] (feature `postgres`), [`SqliteStore`] (feature `sqlite`).
+//! - Transports ([`transport::Transport`]): [`MemoryTransport`], [`WebhookTransport`] (feature
+//!   `webhook`), [`NatsTransport`] (feature `nats`); [`Router`] maps topics to them.
+//! - [`Relay`]: claim, publish, complete, reap, probe.
+//! - [`Inbox`] and the [`consumer`] runners.
+//!
+//! See `docs/architecture.md` for the flow and the state diagram.
+#![warn(missing_docs)]
+
+pub mod consumer;
+pub mod error;
+pub mod ident;
+pub mod inbox;
+pub mod message;
+pub mod relay;
+pub mod retry;
+pub mod store;
+pub mod transport;
+
+pub use error::{
+    BoxError, ConfigError, EnqueueError, HandlerError, InboxError, StoreError, StoreErrorKind,
+    TransportError, TransportErrorKind,
+};
+pub use ident::TableName;
+pub use inbox::{Handler, Inbox, InboxBackend, Processed};
+pub use message::{Headers, InboundMessage, Limits, Message, NewMessage, Status};
+pub use relay::{
+    MetricsSnapshot, Relay, RelayBuilder, RelayConfig, RelayHandle, RelayHooks, RelayMetrics,
+};
+pub use retry::Backoff;
+#[cfg(feature = "postgres")]
+pub use store::postgres::PgStore;
+#[cfg(feature = "sqlite")]
+pub use store::sqlite::SqliteStore;
+pub use store::{
+    Claim, ClaimRequest, Completion, FailedMessage, Outcome, Stats, Store, StoreOptions,
+};
+#[cfg(feature = "nats")]
+pub use transport::nats::{NatsConfig, NatsTransport, StreamSetup};
+#[cfg(feature = "webhook")]
+pub use transport::webhook::{WebhookConfig, WebhookSigner, WebhookTransport};
+pub use transport::{MemoryTransport, Outgoing, Route, Router, TopicPattern, Transport};

@@ -1,0 +1,139 @@
+//! Webhook receiver feeding an [`Inbox`]: an axum [`Router`] whose `POST` handler answers `2xx`
+//! only after the inbox transaction committed.
+//!
+//! Answers: `200` applied or duplicate; `401` bad or missing signature (when a secret is set);
+//! `400` no usable message id (neither `outbox-message-id` nor `webhook-id`); `422` permanent
+//! handler error (the relay dead-letters the message); `503` transient handler or database error
+//! (the relay retries with backoff).
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::routing::post;
+
+use crate::consumer::ConsumerMetrics;
+use crate::error::ConfigError;
+use crate::inbox::{Handler, Inbox, InboxBackend, Processed};
+use crate::message::{HEADER_MESSAGE_ID, HEADER_TOPIC, Headers, InboundMessage};
+use crate::transport::webhook::WebhookSigner;
+
+struct AppState<DB: InboxBackend, H: ?Sized> {
+    inbox: Inbox<DB>,
+    handler: Arc<H>,
+    signer: Option<WebhookSigner>,
+    metrics: Arc<ConsumerMetrics>,
+}
+
+/// An axum router that accepts deliveries at `path` (see the module docs).
+///
+/// # Errors
+/// [`ConfigError`] naming `secret` when it is not a `whsec_` + base64 secret.
+pub fn router<DB, H>(
+    path: &str,
+    inbox: Inbox<DB>,
+    handler: Arc<H>,
+    secret: Option<&str>,
+    metrics: Arc<ConsumerMetrics>,
+) -> Result<Router, ConfigError>
+where
+    DB: InboxBackend,
+    H: Handler<DB> + ?Sized,
+{
+    let signer = secret.map(WebhookSigner::new).transpose()?;
+    let state = Arc::new(AppState {
+        inbox,
+        handler,
+        signer,
+        metrics,
+    });
+    Ok(Router::new()
+        .route(path, post(receive::<DB, H>))
+        .with_state(state))
+}
+
+async fn receive<DB, H>(
+    State(state): State<Arc<AppState<DB, H>>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> (StatusCode, String)
+where
+    DB: InboxBackend,
+    H: Handler<DB> + ?Sized,
+{
+    let get = |k: &str| {
+        headers
+            .get(k)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
+    if let Some(signer) = &state.signer {
+        let (Some(id), Some(ts), Some(sig)) = (
+            get("webhook-id"),
+            get("webhook-timestamp"),
+            get("webhook-signature"),
+        ) else {
+            return (
+                StatusCode::UNAUTHORIZED,
+                "missing webhook-id, webhook-timestamp or webhook-signature".into(),
+            );
+        };
+        let Ok(ts) = ts.parse::<i64>() else {
+            return (
+                StatusCode::UNAUTHORIZED,
+                "webhook-timestamp is not an integer".into(),
+            );
+        };
+        let now = chrono::Utc::now().timestamp();
+        if let Err(e) = signer.verify(&id, ts, &body, &sig, now, Duration::from_secs(300)) {
+            return (StatusCode::UNAUTHORIZED, e);
+        }
+    }
+    let mut map = Headers::new();
+    for (k, v) in &headers {
+        if let Ok(v) = v.to_str() {
+            map.insert(k.as_str().to_owned(), v.to_owned());
+        }
+    }
+    if !map.contains_key(HEADER_MESSAGE_ID) {
+        if let Some(id) = map.get("webhook-id").cloned() {
+            map.insert(HEADER_MESSAGE_ID.into(), id);
+        }
+    }
+    map.entry(HEADER_TOPIC.into())
+        .or_insert_with(|| "webhook".into());
+    let attempt = map
+        .get("outbox-attempt")
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(1);
+    let msg = match InboundMessage::from_wire(map, body.to_vec(), attempt) {
+        Ok(m) => m,
+        Err(reason) => {
+            state.metrics.malformed.fetch_add(1, Ordering::Relaxed);
+            return (StatusCode::BAD_REQUEST, reason);
+        }
+    };
+    match state.inbox.process(&msg, state.handler.as_ref()).await {
+        Ok(Processed::Applied) => {
+            state.metrics.applied.fetch_add(1, Ordering::Relaxed);
+            (StatusCode::OK, "applied".into())
+        }
+        Ok(Processed::Duplicate) => {
+            state.metrics.duplicates.fetch_add(1, Ordering::Relaxed);
+            (StatusCode::OK, "duplicate".into())
+        }
+        Err(e) => {
+            state.metrics.failures.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(error = %e, message_id = %msg.message_id, "webhook delivery not applied");
+            if e.is_retryable() {
+                (StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+            } else {
+                (StatusCode::UNPROCESSABLE_ENTITY, e.to_string())
+            }
+        }
+    }
+}

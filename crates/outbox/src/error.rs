@@ -1,0 +1,344 @@
+//! Error types, one enum per layer (STYLE.md "Errors"): [`EnqueueError`] for producers,
+//! [`StoreError`] for the database seam, [`TransportError`] for the broker seam, [`ConfigError`]
+//! for builders and configuration, [`HandlerError`] and [`InboxError`] for consumers.
+//!
+//! Each error keeps its `#[source]` chain. Tests and callers branch on kinds
+//! ([`StoreError::is_retryable`], [`TransportError::kind`]), never on message text.
+
+use std::time::Duration;
+
+/// A boxed error from a library below us (a broker client, an HTTP client).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Why an enqueue was refused. Every variant except [`EnqueueError::Database`] is raised before
+/// anything is written, so the caller's transaction is untouched and can still commit or roll
+/// back as the caller decides.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EnqueueError {
+    /// The topic is empty, longer than 255 characters, or has whitespace or control characters.
+    #[error("invalid topic {0:?}: 1 to 255 characters, no whitespace or control characters")]
+    InvalidTopic(String),
+    /// The partition key is empty, longer than 255 bytes or has control characters.
+    #[error("invalid partition key {0:?}: 1 to 255 bytes, no control characters")]
+    InvalidPartitionKey(String),
+    /// The payload is larger than [`Limits::max_payload_bytes`](crate::Limits).
+    #[error("payload of {size} bytes exceeds the limit of {limit} bytes")]
+    PayloadTooLarge {
+        /// Payload size in bytes.
+        size: usize,
+        /// The configured limit in bytes.
+        limit: usize,
+    },
+    /// More headers than [`Limits::max_headers`](crate::Limits).
+    #[error("{count} headers exceed the limit of {limit}")]
+    TooManyHeaders {
+        /// Headers given.
+        count: usize,
+        /// The configured limit.
+        limit: usize,
+    },
+    /// A header name outside `A-Z a-z 0-9 - _ .`, empty, longer than 128, or reserved
+    /// (`outbox-*`, `webhook-*`).
+    #[error(
+        "invalid header name {0:?}: 1 to 128 of A-Z a-z 0-9 - _ . and not reserved (outbox-*, webhook-*)"
+    )]
+    InvalidHeaderName(String),
+    /// A header value that is too long or has control characters.
+    #[error("invalid value for header {0:?}: too long or has control characters")]
+    InvalidHeaderValue(String),
+    /// `max_attempts` of 0.
+    #[error("max_attempts must be at least 1")]
+    InvalidMaxAttempts,
+    /// A delay over 365 days.
+    #[error("delay of {0:?} is longer than 365 days")]
+    DelayTooLong(Duration),
+    /// The payload value could not be serialized to JSON.
+    #[error("payload could not be serialized as JSON")]
+    Serialize(#[source] serde_json::Error),
+    /// The insert failed in the database; the caller's transaction should be rolled back.
+    #[error("outbox insert failed")]
+    Database(#[source] StoreError),
+}
+
+/// The kind of a [`StoreError`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StoreErrorKind {
+    /// Connection lost, pool timed out, deadlock, serialization failure, busy database: try again.
+    Transient,
+    /// The outbox or inbox table does not exist: run `outbox migrate`.
+    MissingTable,
+    /// The configuration of the store is wrong (identifier, URL, in-memory SQLite pool).
+    Config,
+    /// A row holds a value outside the schema (unknown status, headers that are not a JSON object).
+    Corrupt,
+    /// Any other database error.
+    Other,
+}
+
+/// An error from a store (PostgreSQL, SQLite).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// A database call failed during `op` (a short name such as `"claim"`).
+    #[error("database error during {op}")]
+    Database {
+        /// The store operation.
+        op: &'static str,
+        /// The driver's error.
+        #[source]
+        source: sqlx::Error,
+    },
+    /// The table is missing; the message says which and how to create it.
+    #[error("table {table:?} does not exist: run `outbox migrate --database URL` first")]
+    MissingTable {
+        /// The table name.
+        table: String,
+        /// The driver's error.
+        #[source]
+        source: sqlx::Error,
+    },
+    /// A table or schema name that is not a plain SQL identifier.
+    #[error(
+        "invalid identifier {0:?}: letters, digits and _ only, starting with a letter or _, at most 63 characters (optionally schema.table)"
+    )]
+    InvalidIdentifier(String),
+    /// A configuration problem found before any data was touched.
+    #[error("invalid store configuration: {0}")]
+    Config(String),
+    /// A row that does not fit the schema.
+    #[error("row {id} is corrupt: {reason}")]
+    Corrupt {
+        /// Row id.
+        id: i64,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+impl StoreError {
+    /// Wrap a driver error raised during `op`, recognising a missing table.
+    pub fn db(op: &'static str, table: &str, source: sqlx::Error) -> StoreError {
+        if is_missing_table(&source) {
+            return StoreError::MissingTable {
+                table: table.to_owned(),
+                source,
+            };
+        }
+        StoreError::Database { op, source }
+    }
+
+    /// The error's kind.
+    pub fn kind(&self) -> StoreErrorKind {
+        match self {
+            StoreError::Database { source, .. } if is_transient(source) => {
+                StoreErrorKind::Transient
+            }
+            StoreError::Database { .. } => StoreErrorKind::Other,
+            StoreError::MissingTable { .. } => StoreErrorKind::MissingTable,
+            StoreError::InvalidIdentifier(_) | StoreError::Config(_) => StoreErrorKind::Config,
+            StoreError::Corrupt { .. } => StoreErrorKind::Corrupt,
+        }
+    }
+
+    /// Whether trying the same operation again later can succeed.
+    pub fn is_retryable(&self) -> bool {
+        self.kind() == StoreErrorKind::Transient
+    }
+}
+
+fn is_missing_table(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Database(db) => {
+            db.code().as_deref() == Some("42P01") || db.message().contains("no such table")
+        }
+        _ => false,
+    }
+}
+
+/// Driver errors worth retrying: I/O, pool exhaustion, deadlock and serialization failures,
+/// lock timeouts, SQLite busy/locked, PostgreSQL admin shutdown.
+fn is_transient(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::WorkerCrashed => true,
+        sqlx::Error::Database(db) => {
+            let code = db.code();
+            matches!(
+                code.as_deref(),
+                Some(
+                    "40001"
+                        | "40P01"
+                        | "55P03"
+                        | "57P01"
+                        | "57P02"
+                        | "57P03"
+                        | "08000"
+                        | "08003"
+                        | "08006"
+                ) | Some("5" | "6" | "261" | "262" | "517" | "773")
+            ) || db.message().contains("database is locked")
+        }
+        _ => false,
+    }
+}
+
+/// The kind of a [`TransportError`], decided where the error is born (DESIGN.md §8).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TransportErrorKind {
+    /// The broker cannot be reached (connection refused, disconnected). The relay stops claiming,
+    /// probes with backoff and does not count the attempt against the message.
+    Unavailable,
+    /// This publish failed but a later one may succeed (timeout, nack, 5xx, 429).
+    Retryable,
+    /// This message can never be published as it is (too large, unknown destination, 4xx).
+    /// The message goes to FAILED at once.
+    Permanent,
+}
+
+/// An error from a transport: the broker did not acknowledge the message.
+#[derive(Debug, thiserror::Error)]
+#[error("{kind:?} transport error: {message}")]
+pub struct TransportError {
+    kind: TransportErrorKind,
+    message: String,
+    #[source]
+    source: Option<BoxError>,
+}
+
+impl TransportError {
+    /// A new error of `kind` with a human-readable `message` (stored as the row's `last_error`).
+    pub fn new(kind: TransportErrorKind, message: impl Into<String>) -> Self {
+        TransportError {
+            kind,
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    /// Shorthand for [`TransportErrorKind::Unavailable`].
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self::new(TransportErrorKind::Unavailable, message)
+    }
+
+    /// Shorthand for [`TransportErrorKind::Retryable`].
+    pub fn retryable(message: impl Into<String>) -> Self {
+        Self::new(TransportErrorKind::Retryable, message)
+    }
+
+    /// Shorthand for [`TransportErrorKind::Permanent`].
+    pub fn permanent(message: impl Into<String>) -> Self {
+        Self::new(TransportErrorKind::Permanent, message)
+    }
+
+    /// Attach the underlying error.
+    pub fn with_source(mut self, source: impl Into<BoxError>) -> Self {
+        self.source = Some(source.into());
+        self
+    }
+
+    /// The kind.
+    pub fn kind(&self) -> TransportErrorKind {
+        self.kind
+    }
+
+    /// The message, without the kind.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
+    /// The message followed by the source chain, for `last_error`.
+    pub fn report(&self) -> String {
+        let mut s = self.message.clone();
+        let mut src: Option<&(dyn std::error::Error + 'static)> = self
+            .source
+            .as_deref()
+            .map(|e| e as &(dyn std::error::Error + 'static));
+        while let Some(e) = src {
+            s.push_str(": ");
+            s.push_str(&e.to_string());
+            src = e.source();
+        }
+        s
+    }
+}
+
+/// A configuration value that failed validation; `field` names it as it is spelled in the TOML
+/// file or builder (for example `relay.lease`).
+#[derive(Debug, thiserror::Error)]
+#[error("invalid configuration field `{field}`: {reason}")]
+pub struct ConfigError {
+    /// The field, as spelled in the configuration.
+    pub field: String,
+    /// What is wrong with it.
+    pub reason: String,
+}
+
+impl ConfigError {
+    /// A new error for `field`.
+    pub fn new(field: impl Into<String>, reason: impl Into<String>) -> Self {
+        ConfigError {
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
+}
+
+/// An error returned by a consumer's handler. The inbox transaction is rolled back and the
+/// message is not acknowledged, so the broker delivers it again.
+#[derive(Debug, thiserror::Error)]
+#[error("handler failed: {source}")]
+pub struct HandlerError {
+    permanent: bool,
+    #[source]
+    source: BoxError,
+}
+
+impl HandlerError {
+    /// A failure that may pass (a timeout, a locked row): redeliver with backoff.
+    pub fn transient(source: impl Into<BoxError>) -> Self {
+        HandlerError {
+            permanent: false,
+            source: source.into(),
+        }
+    }
+
+    /// A failure that will not pass by retrying (a payload the handler cannot parse). The webhook
+    /// runner answers 422 so the relay dead-letters the message on the producer side; the NATS
+    /// runner redelivers with its longest backoff and logs at error level.
+    pub fn permanent(source: impl Into<BoxError>) -> Self {
+        HandlerError {
+            permanent: true,
+            source: source.into(),
+        }
+    }
+
+    /// Whether the handler said retrying cannot help.
+    pub fn is_permanent(&self) -> bool {
+        self.permanent
+    }
+}
+
+/// An error from [`Inbox::process`](crate::inbox::Inbox::process). In every case the transaction
+/// was rolled back and the message must not be acknowledged.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum InboxError {
+    /// The handler failed.
+    #[error(transparent)]
+    Handler(#[from] HandlerError),
+    /// The inbox insert, the begin or the commit failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl InboxError {
+    /// Whether redelivering can help (everything except a permanent handler error).
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            InboxError::Handler(h) => !h.is_permanent(),
+            InboxError::Store(_) => true,
+        }
+    }
+}

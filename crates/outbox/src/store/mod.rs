@@ -1,0 +1,264 @@
+//! The store seam: every database operation the relay needs, as whole operations
+//! (STYLE.md, after River's driver interface). Each dialect keeps its own SQL and migrations:
+//! [`PgStore`](crate::PgStore) for PostgreSQL and [`SqliteStore`](crate::SqliteStore) for SQLite.
+//!
+//! Enqueue is not on this trait: it takes the caller's own connection or transaction, whose type
+//! is per dialect (`PgStore::enqueue(&mut PgConnection, ..)`, `SqliteStore::enqueue(&mut
+//! SqliteConnection, ..)`).
+//!
+//! # Fencing
+//! A claim stamps every claimed row with a fresh random 63-bit lease token. Every later write by
+//! the claimer ([`Store::complete`]) is conditional on `status = SENDING AND lease_token = token`;
+//! a row that no longer matches (its lease expired and another relay took it, or the reaper put
+//! it back) is left untouched and counted as a lost lease. The reaper is a single conditional
+//! statement, so it cannot act on a stale snapshot (shared case C17).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use crate::error::StoreError;
+use crate::message::{Message, Status};
+
+#[cfg(feature = "postgres")]
+pub mod postgres;
+#[cfg(feature = "sqlite")]
+pub mod sqlite;
+
+/// A fencing token: random, drawn per claim, stored on every claimed row.
+pub type LeaseToken = i64;
+
+/// Parameters of a claim.
+#[derive(Debug, Clone)]
+pub struct ClaimRequest {
+    /// The relay's name, stored as `lease_owner` for operators.
+    pub owner: String,
+    /// Most rows to claim.
+    pub batch_size: u32,
+    /// How long the claim stays valid, from the database clock at claim time.
+    pub lease: Duration,
+}
+
+/// The rows of one claim, all stamped with `token`.
+#[derive(Debug, Clone)]
+pub struct Claim {
+    /// The fencing token of this claim.
+    pub token: LeaseToken,
+    /// Claimed messages, in `(available_at, id)` order; `attempts` already counts this attempt.
+    pub messages: Vec<Message>,
+}
+
+/// What happened to one claimed message; applied by [`Store::complete`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// The broker acknowledged it: SENDING → SENT, `sent_at = now()`.
+    Sent,
+    /// Publish failed and attempts remain: SENDING → PENDING, `available_at = now() + delay`,
+    /// `last_error = error`.
+    Retry {
+        /// Backoff before the next claim.
+        delay: Duration,
+        /// Why it failed.
+        error: String,
+    },
+    /// Permanent error or attempts exhausted: SENDING → FAILED with the reason.
+    Failed {
+        /// Why it is dead-lettered.
+        reason: String,
+    },
+    /// Not attempted (broker unavailable, shutdown): SENDING → PENDING with the attempt given
+    /// back (`attempts - 1`), `available_at = now() + delay`.
+    Release {
+        /// Delay before the next claim (zero on shutdown).
+        delay: Duration,
+    },
+}
+
+/// One row's outcome for [`Store::complete`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Completion {
+    /// Row id.
+    pub id: i64,
+    /// What to record.
+    pub outcome: Outcome,
+}
+
+/// Counts and ages for `outbox status`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Stats {
+    /// Rows per status (every status present, zero when empty).
+    pub counts: BTreeMap<Status, u64>,
+    /// Age of the oldest PENDING row that is due (`available_at <= now()`), by the database clock.
+    pub oldest_pending_age: Option<Duration>,
+    /// SENDING rows whose lease has expired (a relay died; the reaper will return them).
+    pub expired_leases: u64,
+}
+
+/// A dead-lettered message, for `outbox status`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FailedMessage {
+    /// Row id.
+    pub id: i64,
+    /// Message id.
+    pub message_id: uuid::Uuid,
+    /// Topic.
+    pub topic: String,
+    /// Attempts made.
+    pub attempts: u32,
+    /// The reason recorded.
+    pub last_error: Option<String>,
+}
+
+/// The database operations of the relay. Implemented by [`PgStore`](crate::PgStore) and
+/// [`SqliteStore`](crate::SqliteStore); the conformance suite in `outbox-testkit` runs against
+/// each on the real database.
+///
+/// All times are the database clock's (DESIGN.md §1.5).
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// A short name of the backend for logs (`"postgres"`, `"sqlite"`).
+    fn backend(&self) -> &'static str;
+
+    /// The outbox table name.
+    fn table(&self) -> &str;
+
+    /// Create or upgrade the outbox and inbox tables, idempotently.
+    ///
+    /// # Errors
+    /// The database error of the failing migration step; earlier steps stay applied.
+    async fn migrate(&self) -> Result<(), StoreError>;
+
+    /// Claim up to `req.batch_size` due PENDING rows: status SENDING, `attempts + 1`, a fresh
+    /// lease token, `lease_expires_at = now() + lease`. Rows locked by another claimer are
+    /// skipped, never waited on. Scans by state, never by "highest id seen" (shared case C01).
+    async fn claim(&self, req: &ClaimRequest) -> Result<Claim, StoreError>;
+
+    /// Apply the outcomes of a claim in one statement, fenced by `token`. Returns how many rows
+    /// matched; fewer than `completions.len()` means leases were lost (never overwritten).
+    async fn complete(
+        &self,
+        token: LeaseToken,
+        completions: &[Completion],
+    ) -> Result<u64, StoreError>;
+
+    /// Return up to `limit` SENDING rows whose lease expired to PENDING (due now), clearing the
+    /// lease; a row whose expired attempt was its last goes to FAILED with reason
+    /// `"lease expired on the last attempt"`. One conditional statement. Returns the rows moved.
+    async fn reap_expired_leases(&self, limit: u32, max_attempts: u32) -> Result<u64, StoreError>;
+
+    /// Time until the earliest PENDING row becomes due: `Some(ZERO)` when one is due now, `None`
+    /// when there is no PENDING row.
+    async fn next_due_in(&self) -> Result<Option<Duration>, StoreError>;
+
+    /// Counts per state and ages.
+    async fn stats(&self) -> Result<Stats, StoreError>;
+
+    /// The most recently failed messages, newest first.
+    async fn failed(&self, limit: u32) -> Result<Vec<FailedMessage>, StoreError>;
+
+    /// The shared in-process wake-up: [`Store::wake`] notifies it and the relay waits on it.
+    fn waker(&self) -> Arc<Notify>;
+
+    /// Wake an embedded relay now (call after committing a transaction that enqueued).
+    fn wake(&self) {
+        self.waker().notify_one();
+    }
+
+    /// Start a task that wakes `waker` when the database announces new rows (PostgreSQL
+    /// LISTEN/NOTIFY), until `cancel`. `None` where the database has no such mechanism.
+    fn spawn_listener(&self, cancel: CancellationToken) -> Option<tokio::task::JoinHandle<()>> {
+        let _ = cancel;
+        None
+    }
+}
+
+/// Milliseconds of a duration as i64, saturating.
+pub(crate) fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// Parse the headers column (a JSON object of strings).
+pub(crate) fn parse_headers(id: i64, raw: &str) -> Result<crate::Headers, StoreError> {
+    serde_json::from_str(raw).map_err(|e| StoreError::Corrupt {
+        id,
+        reason: format!("headers are not a JSON object of strings: {e}"),
+    })
+}
+
+/// Outcomes encoded as parallel arrays: (ids, statuses, delays in ms, errors, attempt give-back).
+pub(crate) struct CompletionColumns {
+    pub ids: Vec<i64>,
+    pub statuses: Vec<i16>,
+    pub delays_ms: Vec<i64>,
+    pub errors: Vec<Option<String>>,
+    pub give_back: Vec<i32>,
+}
+
+impl CompletionColumns {
+    pub(crate) fn from(completions: &[Completion]) -> Self {
+        let mut c = CompletionColumns {
+            ids: Vec::with_capacity(completions.len()),
+            statuses: Vec::with_capacity(completions.len()),
+            delays_ms: Vec::with_capacity(completions.len()),
+            errors: Vec::with_capacity(completions.len()),
+            give_back: Vec::with_capacity(completions.len()),
+        };
+        for comp in completions {
+            let (status, delay, error, give_back) = match &comp.outcome {
+                Outcome::Sent => (Status::Sent, 0, None, 0),
+                Outcome::Retry { delay, error } => {
+                    (Status::Pending, millis(*delay), Some(error.clone()), 0)
+                }
+                Outcome::Failed { reason } => (Status::Failed, 0, Some(reason.clone()), 0),
+                Outcome::Release { delay } => (Status::Pending, millis(*delay), None, 1),
+            };
+            c.ids.push(comp.id);
+            c.statuses.push(status.as_i16());
+            c.delays_ms.push(delay);
+            c.errors.push(error);
+            c.give_back.push(give_back);
+        }
+        c
+    }
+}
+
+/// Table names and limits of a store.
+///
+/// Defaults: outbox table `outbox`, inbox table `outbox_inbox`, [`Limits::default`](crate::Limits).
+/// Table names are validated ([`TableName`](crate::TableName)); on PostgreSQL they may be
+/// schema-qualified (`app.outbox`).
+#[derive(Debug, Clone)]
+pub struct StoreOptions {
+    /// Outbox table. Default `outbox`.
+    pub table: String,
+    /// Inbox table created by `migrate` beside the outbox. Default `outbox_inbox`.
+    pub inbox_table: String,
+    /// Enqueue limits.
+    pub limits: crate::Limits,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        StoreOptions {
+            table: "outbox".into(),
+            inbox_table: "outbox_inbox".into(),
+            limits: crate::Limits::default(),
+        }
+    }
+}
+
+impl StoreOptions {
+    /// Options with outbox table `table` and inbox table `{table}_inbox`.
+    pub fn table(table: impl Into<String>) -> Self {
+        let table = table.into();
+        StoreOptions {
+            inbox_table: format!("{table}_inbox"),
+            table,
+            ..StoreOptions::default()
+        }
+    }
+}

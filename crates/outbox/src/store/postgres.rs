@@ -1,0 +1,586 @@
+//! PostgreSQL store.
+//!
+//! - Claim: one statement, `UPDATE … FROM (SELECT … FOR UPDATE SKIP LOCKED) … RETURNING`, through a
+//!   partial index on PENDING rows `(available_at, id)`.
+//! - Wake-up: a statement-level `AFTER INSERT` trigger calls `pg_notify('<table>_outbox', '')`,
+//!   delivered at commit and merged per transaction, so rows inserted by any producer (this crate,
+//!   or plain SQL from another language) wake a listening relay at once. The listener reconnects
+//!   by itself and wakes the relay after each reconnect in case a notification was missed; the
+//!   poll timer stays as the safety net.
+//! - All times are `timestamptz` from the server clock (`now()`).
+//! - Needs PostgreSQL 13 or newer (`gen_random_uuid()` as the default message id for plain SQL
+//!   producers).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use sqlx::postgres::{PgListener, PgPoolOptions};
+use sqlx::{AssertSqlSafe, PgConnection, PgPool, Row};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use super::{
+    Claim, ClaimRequest, Completion, CompletionColumns, FailedMessage, LeaseToken, Stats, Store,
+    StoreOptions, millis,
+};
+use crate::error::{EnqueueError, StoreError};
+use crate::ident::TableName;
+use crate::message::{Limits, Message, NewMessage, Status};
+
+struct Sql {
+    insert: Arc<str>,
+    claim: Arc<str>,
+    complete: Arc<str>,
+    reap: Arc<str>,
+    next_due: Arc<str>,
+    counts: Arc<str>,
+    ages: Arc<str>,
+    failed: Arc<str>,
+}
+
+/// The outbox on PostgreSQL. Cheap to clone; clones share the pool and the in-process waker.
+#[derive(Clone)]
+pub struct PgStore {
+    pool: PgPool,
+    table: TableName,
+    inbox_table: TableName,
+    channel: String,
+    limits: Limits,
+    sql: Arc<Sql>,
+    waker: Arc<Notify>,
+}
+
+impl std::fmt::Debug for PgStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgStore")
+            .field("table", &self.table)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PgStore {
+    /// Connect to `url` (`postgres://user@host:port/db`) with a pool of up to 10 connections.
+    ///
+    /// # Errors
+    /// [`StoreError::Config`] for an invalid table name, [`StoreError::Database`] when the server
+    /// cannot be reached (the error names the cause).
+    pub async fn connect(url: &str, options: StoreOptions) -> Result<PgStore, StoreError> {
+        let pool = PgPoolOptions::new()
+            .max_connections(10)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect(url)
+            .await
+            .map_err(|e| StoreError::Database {
+                op: "connect",
+                source: e,
+            })?;
+        PgStore::from_pool(pool, options)
+    }
+
+    /// Use an existing pool (the application's own).
+    ///
+    /// # Errors
+    /// [`StoreError::InvalidIdentifier`] for an invalid table name.
+    pub fn from_pool(pool: PgPool, options: StoreOptions) -> Result<PgStore, StoreError> {
+        let table = TableName::new(&options.table)?;
+        let inbox_table = TableName::new(&options.inbox_table)?;
+        let t = table.as_str();
+        let cols = "o.id, o.message_id, o.topic, o.partition_key, o.headers::text, o.payload, o.attempts, o.max_attempts";
+        let sql = Sql {
+            insert: format!(
+                "INSERT INTO {t} (message_id, topic, partition_key, headers, payload, max_attempts, available_at) \
+                 SELECT m, tp, k, h::jsonb, p, ma, now() + make_interval(secs => d::float8 / 1000) \
+                 FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::bytea[], $6::int[], $7::bigint[]) \
+                 AS u(m, tp, k, h, p, ma, d)"
+            )
+            .into(),
+            claim: format!(
+                "UPDATE {t} o SET status = 1, attempts = o.attempts + 1, lease_owner = $1, lease_token = $2, \
+                 lease_expires_at = now() + make_interval(secs => $3::float8 / 1000), updated_at = now() \
+                 FROM (SELECT id FROM {t} WHERE status = 0 AND available_at <= now() \
+                       ORDER BY available_at, id LIMIT $4 FOR UPDATE SKIP LOCKED) c \
+                 WHERE o.id = c.id RETURNING {cols}"
+            )
+            .into(),
+            complete: format!(
+                "UPDATE {t} o SET status = u.st, attempts = o.attempts - u.gb, \
+                 available_at = CASE WHEN u.st = 0 THEN now() + make_interval(secs => u.delay_ms::float8 / 1000) ELSE o.available_at END, \
+                 sent_at = CASE WHEN u.st = 2 THEN now() ELSE o.sent_at END, \
+                 last_error = COALESCE(u.err, o.last_error), \
+                 lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL, updated_at = now() \
+                 FROM UNNEST($1::bigint[], $2::smallint[], $3::bigint[], $4::text[], $5::int[]) AS u(id, st, delay_ms, err, gb) \
+                 WHERE o.id = u.id AND o.status = 1 AND o.lease_token = $6"
+            )
+            .into(),
+            reap: format!(
+                "UPDATE {t} o SET \
+                 status = CASE WHEN o.attempts >= COALESCE(o.max_attempts, $2) THEN 4 ELSE 0 END, \
+                 last_error = CASE WHEN o.attempts >= COALESCE(o.max_attempts, $2) \
+                   THEN 'lease expired on the last attempt' \
+                   ELSE 'lease of ' || COALESCE(o.lease_owner, '?') || ' expired' END, \
+                 available_at = now(), lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL, updated_at = now() \
+                 FROM (SELECT id FROM {t} WHERE status = 1 AND lease_expires_at < now() \
+                       ORDER BY lease_expires_at LIMIT $1 FOR UPDATE SKIP LOCKED) c \
+                 WHERE o.id = c.id AND o.status = 1 AND o.lease_expires_at < now()"
+            )
+            .into(),
+            next_due: format!(
+                "SELECT GREATEST(CEIL(EXTRACT(EPOCH FROM (MIN(available_at) - now())) * 1000), 0)::bigint \
+                 FROM {t} WHERE status = 0"
+            )
+            .into(),
+            counts: format!("SELECT status, COUNT(*) FROM {t} GROUP BY status").into(),
+            ages: format!(
+                "SELECT (SELECT (EXTRACT(EPOCH FROM now() - MIN(created_at)) * 1000)::bigint FROM {t} \
+                         WHERE status = 0 AND available_at <= now()), \
+                        (SELECT COUNT(*) FROM {t} WHERE status = 1 AND lease_expires_at < now())"
+            )
+            .into(),
+            failed: format!(
+                "SELECT id, message_id, topic, attempts, last_error FROM {t} WHERE status = 4 \
+                 ORDER BY updated_at DESC, id DESC LIMIT $1"
+            )
+            .into(),
+        };
+        Ok(PgStore {
+            pool,
+            channel: format!("{}_outbox", table.flat()),
+            table,
+            inbox_table,
+            limits: options.limits,
+            sql: Arc::new(sql),
+            waker: Arc::new(Notify::new()),
+        })
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The LISTEN/NOTIFY channel of this outbox table (`<table>_outbox`, `.` replaced by `_`).
+    pub fn channel(&self) -> &str {
+        &self.channel
+    }
+
+    /// Insert `msg` through the caller's connection or transaction (`&mut *tx`, or `&mut tx`
+    /// which derefs to it). It becomes visible to relays, and a listening relay is notified, when
+    /// the caller's transaction commits; nothing is published if it rolls back.
+    ///
+    /// The borrow of the connection lasts until the insert is done, so the transaction cannot be
+    /// committed while an enqueue is still pending (shared case C10).
+    ///
+    /// # Errors
+    /// A validation [`EnqueueError`] before anything is written, or
+    /// [`EnqueueError::Database`] when the insert fails (roll the transaction back).
+    ///
+    /// # Examples
+    /// ```no_run
+    /// # async fn example(store: outbox::PgStore) -> Result<(), Box<dyn std::error::Error>> {
+    /// let mut tx = store.pool().begin().await?;
+    /// sqlx::query("INSERT INTO orders (id) VALUES (1)").execute(&mut *tx).await?;
+    /// store.enqueue(&mut tx, outbox::NewMessage::new("order-created", "{\"id\":1}")).await?;
+    /// store.commit(tx).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn enqueue(
+        &self,
+        conn: &mut PgConnection,
+        msg: NewMessage,
+    ) -> Result<Uuid, EnqueueError> {
+        let id = msg.message_id;
+        self.enqueue_many(conn, vec![msg]).await?;
+        Ok(id)
+    }
+
+    /// Insert several messages in one statement through the caller's connection; all are
+    /// validated before anything is written.
+    ///
+    /// # Errors
+    /// As [`PgStore::enqueue`].
+    pub async fn enqueue_many(
+        &self,
+        conn: &mut PgConnection,
+        msgs: Vec<NewMessage>,
+    ) -> Result<Vec<Uuid>, EnqueueError> {
+        for m in &msgs {
+            self.limits.validate(m)?;
+        }
+        if msgs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let n = msgs.len();
+        let mut ids = Vec::with_capacity(n);
+        let mut topics = Vec::with_capacity(n);
+        let mut keys = Vec::with_capacity(n);
+        let mut headers = Vec::with_capacity(n);
+        let mut payloads = Vec::with_capacity(n);
+        let mut max_attempts = Vec::with_capacity(n);
+        let mut delays = Vec::with_capacity(n);
+        for m in msgs {
+            ids.push(m.message_id);
+            headers.push(serde_json::to_string(&m.headers).map_err(EnqueueError::Serialize)?);
+            topics.push(m.topic);
+            keys.push(m.partition_key);
+            payloads.push(m.payload);
+            max_attempts.push(m.max_attempts.map(|a| i32::try_from(a).unwrap_or(i32::MAX)));
+            delays.push(m.delay.map(millis).unwrap_or(0));
+        }
+        sqlx::query(AssertSqlSafe(self.sql.insert.clone()))
+            .bind(&ids)
+            .bind(topics)
+            .bind(keys)
+            .bind(headers)
+            .bind(payloads)
+            .bind(max_attempts)
+            .bind(delays)
+            .execute(conn)
+            .await
+            .map_err(|e| {
+                EnqueueError::Database(StoreError::db("enqueue", self.table.as_str(), e))
+            })?;
+        Ok(ids)
+    }
+
+    /// Commit `tx` and wake an embedded relay in this process (a relay elsewhere is woken by
+    /// NOTIFY at the same commit).
+    ///
+    /// # Errors
+    /// The commit's error; nothing was published.
+    pub async fn commit(
+        &self,
+        tx: sqlx::Transaction<'_, sqlx::Postgres>,
+    ) -> Result<(), sqlx::Error> {
+        tx.commit().await?;
+        self.wake();
+        Ok(())
+    }
+
+    fn err(&self, op: &'static str) -> impl Fn(sqlx::Error) -> StoreError + '_ {
+        move |e| StoreError::db(op, self.table.as_str(), e)
+    }
+}
+
+fn migrations(table: &TableName, inbox: &TableName, channel: &str) -> Vec<(String, i64, String)> {
+    let t = table.as_str();
+    let f = table.flat();
+    let i = inbox.as_str();
+    let fi = inbox.flat();
+    let schema_of = |n: &TableName| match n.as_str().split_once('.') {
+        Some((s, _)) => format!("CREATE SCHEMA IF NOT EXISTS {s};"),
+        None => String::new(),
+    };
+    let fn_name = match t.split_once('.') {
+        Some((s, _)) => format!("{s}.{}_notify", table.unqualified()),
+        None => format!("{f}_notify"),
+    };
+    vec![
+        (
+            t.to_owned(),
+            1,
+            format!(
+                "{schema}
+                CREATE TABLE IF NOT EXISTS {t} (
+                    id bigint GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY,
+                    message_id uuid NOT NULL DEFAULT gen_random_uuid(),
+                    topic text NOT NULL,
+                    partition_key text,
+                    headers jsonb NOT NULL DEFAULT '{{}}',
+                    payload bytea NOT NULL,
+                    status smallint NOT NULL DEFAULT 0 CHECK (status BETWEEN 0 AND 6),
+                    attempts int NOT NULL DEFAULT 0,
+                    max_attempts int CHECK (max_attempts >= 1),
+                    available_at timestamptz NOT NULL DEFAULT now(),
+                    lease_owner text,
+                    lease_token bigint,
+                    lease_expires_at timestamptz,
+                    created_at timestamptz NOT NULL DEFAULT now(),
+                    sent_at timestamptz,
+                    confirmed_at timestamptz,
+                    updated_at timestamptz NOT NULL DEFAULT now(),
+                    last_error text,
+                    CONSTRAINT {f}_message_id_key UNIQUE (message_id)
+                );
+                CREATE INDEX IF NOT EXISTS {f}_claimable ON {t} (available_at, id) WHERE status = 0;
+                CREATE INDEX IF NOT EXISTS {f}_leased ON {t} (lease_expires_at) WHERE status = 1;
+                CREATE INDEX IF NOT EXISTS {f}_sent ON {t} (sent_at) WHERE status = 2;
+                CREATE INDEX IF NOT EXISTS {f}_failed ON {t} (updated_at) WHERE status = 4;
+                CREATE INDEX IF NOT EXISTS {f}_partition_key ON {t} (partition_key) WHERE partition_key IS NOT NULL;
+                CREATE OR REPLACE FUNCTION {fn_name}() RETURNS trigger LANGUAGE plpgsql AS $fn$
+                BEGIN PERFORM pg_notify('{channel}', ''); RETURN NULL; END $fn$;
+                DROP TRIGGER IF EXISTS {f}_notify ON {t};
+                CREATE TRIGGER {f}_notify AFTER INSERT ON {t} FOR EACH STATEMENT EXECUTE FUNCTION {fn_name}();",
+                schema = schema_of(table),
+            ),
+        ),
+        (
+            i.to_owned(),
+            1,
+            format!(
+                "{schema}
+                CREATE TABLE IF NOT EXISTS {i} (
+                    consumer text NOT NULL,
+                    message_id uuid NOT NULL,
+                    topic text NOT NULL,
+                    received_at timestamptz NOT NULL DEFAULT now(),
+                    outcome smallint NOT NULL DEFAULT 0,
+                    PRIMARY KEY (consumer, message_id)
+                );
+                CREATE INDEX IF NOT EXISTS {fi}_received_at ON {i} (received_at);",
+                schema = schema_of(inbox),
+            ),
+        ),
+    ]
+}
+
+pub(crate) fn inbox_migrations(inbox: &TableName) -> Vec<(String, i64, String)> {
+    let t = TableName::new("unused").expect("valid");
+    migrations(&t, inbox, "unused").split_off(1)
+}
+
+/// Apply migrations once each, recorded in `outbox_migrations`, serialised by an advisory lock
+/// so concurrent `migrate` calls are safe.
+pub(crate) async fn run_migrations(
+    pool: &PgPool,
+    steps: Vec<(String, i64, String)>,
+) -> Result<(), StoreError> {
+    let e = |op| move |e| StoreError::Database { op, source: e };
+    let mut tx = pool.begin().await.map_err(e("migrate"))?;
+    sqlx::query("SELECT pg_advisory_xact_lock(7263541029384756)")
+        .execute(&mut *tx)
+        .await
+        .map_err(e("migrate"))?;
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS outbox_migrations (table_name text NOT NULL, version int NOT NULL, \
+         applied_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (table_name, version))",
+    )
+    .execute(&mut *tx)
+    .await
+    .map_err(e("migrate"))?;
+    for (table, version, sql) in steps {
+        let done: Option<i32> = sqlx::query_scalar(
+            "SELECT version FROM outbox_migrations WHERE table_name = $1 AND version = $2",
+        )
+        .bind(&table)
+        .bind(version as i32)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(e("migrate"))?;
+        if done.is_some() {
+            continue;
+        }
+        sqlx::raw_sql(AssertSqlSafe(sql))
+            .execute(&mut *tx)
+            .await
+            .map_err(e("migrate"))?;
+        sqlx::query("INSERT INTO outbox_migrations (table_name, version) VALUES ($1, $2)")
+            .bind(&table)
+            .bind(version as i32)
+            .execute(&mut *tx)
+            .await
+            .map_err(e("migrate"))?;
+        tracing::info!(table, version, "applied PostgreSQL migration");
+    }
+    tx.commit().await.map_err(e("migrate"))?;
+    Ok(())
+}
+
+#[async_trait]
+impl Store for PgStore {
+    fn backend(&self) -> &'static str {
+        "postgres"
+    }
+
+    fn table(&self) -> &str {
+        self.table.as_str()
+    }
+
+    async fn migrate(&self) -> Result<(), StoreError> {
+        run_migrations(
+            &self.pool,
+            migrations(&self.table, &self.inbox_table, &self.channel),
+        )
+        .await
+    }
+
+    async fn claim(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
+        let token: LeaseToken = rand::random::<i64>() & i64::MAX;
+        let rows = sqlx::query(AssertSqlSafe(self.sql.claim.clone()))
+            .bind(&req.owner)
+            .bind(token)
+            .bind(millis(req.lease))
+            .bind(i64::from(req.batch_size))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(self.err("claim"))?;
+        let mut messages = Vec::with_capacity(rows.len());
+        for row in rows {
+            let id: i64 = row.try_get(0).map_err(self.err("claim"))?;
+            let headers: String = row.try_get(4).map_err(self.err("claim"))?;
+            let attempts: i32 = row.try_get(6).map_err(self.err("claim"))?;
+            let max_attempts: Option<i32> = row.try_get(7).map_err(self.err("claim"))?;
+            messages.push(Message {
+                id,
+                message_id: row.try_get(1).map_err(self.err("claim"))?,
+                topic: row.try_get(2).map_err(self.err("claim"))?,
+                partition_key: row.try_get(3).map_err(self.err("claim"))?,
+                headers: super::parse_headers(id, &headers)?,
+                payload: row.try_get(5).map_err(self.err("claim"))?,
+                attempts: u32::try_from(attempts).unwrap_or(0),
+                max_attempts: max_attempts
+                    .and_then(|m| u32::try_from(m).ok())
+                    .unwrap_or(0),
+            });
+        }
+        messages.sort_by_key(|m| m.id);
+        Ok(Claim { token, messages })
+    }
+
+    async fn complete(
+        &self,
+        token: LeaseToken,
+        completions: &[Completion],
+    ) -> Result<u64, StoreError> {
+        if completions.is_empty() {
+            return Ok(0);
+        }
+        let c = CompletionColumns::from(completions);
+        let done = sqlx::query(AssertSqlSafe(self.sql.complete.clone()))
+            .bind(c.ids)
+            .bind(c.statuses)
+            .bind(c.delays_ms)
+            .bind(c.errors)
+            .bind(c.give_back)
+            .bind(token)
+            .execute(&self.pool)
+            .await
+            .map_err(self.err("complete"))?;
+        Ok(done.rows_affected())
+    }
+
+    async fn reap_expired_leases(&self, limit: u32, max_attempts: u32) -> Result<u64, StoreError> {
+        let done = sqlx::query(AssertSqlSafe(self.sql.reap.clone()))
+            .bind(i64::from(limit))
+            .bind(i32::try_from(max_attempts).unwrap_or(i32::MAX))
+            .execute(&self.pool)
+            .await
+            .map_err(self.err("reap"))?;
+        Ok(done.rows_affected())
+    }
+
+    async fn next_due_in(&self) -> Result<Option<Duration>, StoreError> {
+        let ms: Option<i64> = sqlx::query_scalar(AssertSqlSafe(self.sql.next_due.clone()))
+            .fetch_one(&self.pool)
+            .await
+            .map_err(self.err("next_due"))?;
+        Ok(ms.map(|ms| Duration::from_millis(ms.max(0) as u64)))
+    }
+
+    async fn stats(&self) -> Result<Stats, StoreError> {
+        let mut stats = Stats::default();
+        for s in Status::ALL {
+            stats.counts.insert(s, 0);
+        }
+        let rows: Vec<(i16, i64)> = sqlx::query_as(AssertSqlSafe(self.sql.counts.clone()))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(self.err("stats"))?;
+        for (status, n) in rows {
+            let status = Status::from_i16(status).ok_or_else(|| StoreError::Corrupt {
+                id: 0,
+                reason: format!("unknown status {status}"),
+            })?;
+            stats.counts.insert(status, n as u64);
+        }
+        let (age, expired): (Option<i64>, i64) =
+            sqlx::query_as(AssertSqlSafe(self.sql.ages.clone()))
+                .fetch_one(&self.pool)
+                .await
+                .map_err(self.err("stats"))?;
+        stats.oldest_pending_age = age.map(|ms| Duration::from_millis(ms.max(0) as u64));
+        stats.expired_leases = expired as u64;
+        Ok(stats)
+    }
+
+    async fn failed(&self, limit: u32) -> Result<Vec<FailedMessage>, StoreError> {
+        let rows: Vec<(i64, Uuid, String, i32, Option<String>)> =
+            sqlx::query_as(AssertSqlSafe(self.sql.failed.clone()))
+                .bind(i64::from(limit))
+                .fetch_all(&self.pool)
+                .await
+                .map_err(self.err("failed"))?;
+        Ok(rows
+            .into_iter()
+            .map(
+                |(id, message_id, topic, attempts, last_error)| FailedMessage {
+                    id,
+                    message_id,
+                    topic,
+                    attempts: attempts.max(0) as u32,
+                    last_error,
+                },
+            )
+            .collect())
+    }
+
+    fn waker(&self) -> Arc<Notify> {
+        self.waker.clone()
+    }
+
+    fn spawn_listener(&self, cancel: CancellationToken) -> Option<tokio::task::JoinHandle<()>> {
+        let pool = self.pool.clone();
+        let channel = self.channel.clone();
+        let waker = self.waker.clone();
+        Some(tokio::spawn(async move {
+            let backoff = crate::Backoff {
+                base: Duration::from_millis(200),
+                max: Duration::from_secs(10),
+                ..Default::default()
+            };
+            let mut failures = 0u32;
+            while !cancel.is_cancelled() {
+                let mut listener = match PgListener::connect_with(&pool).await {
+                    Ok(l) => l,
+                    Err(e) => {
+                        failures += 1;
+                        tracing::warn!(error = %e, "LISTEN connection failed; polling meanwhile");
+                        tokio::select! {
+                            _ = cancel.cancelled() => return,
+                            _ = tokio::time::sleep(backoff.delay(failures)) => continue,
+                        }
+                    }
+                };
+                if let Err(e) = listener.listen(&channel).await {
+                    failures += 1;
+                    tracing::warn!(error = %e, channel, "LISTEN failed; polling meanwhile");
+                    tokio::select! {
+                        _ = cancel.cancelled() => return,
+                        _ = tokio::time::sleep(backoff.delay(failures)) => continue,
+                    }
+                }
+                failures = 0;
+                // Rows may have been inserted while we were not listening.
+                waker.notify_one();
+                loop {
+                    tokio::select! {
+                        _ = cancel.cancelled() => return,
+                        n = listener.try_recv() => match n {
+                            Ok(Some(_)) => waker.notify_one(),
+                            Ok(None) => {
+                                // Connection lost; sqlx reconnects on the next call. Catch up.
+                                tracing::debug!("LISTEN connection lost, reconnecting");
+                                waker.notify_one();
+                            }
+                            Err(e) => {
+                                tracing::warn!(error = %e, "LISTEN receive failed; reconnecting");
+                                break;
+                            }
+                        }
+                    }
+                }
+            }
+        }))
+    }
+}

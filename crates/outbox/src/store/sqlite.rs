@@ -1,0 +1,553 @@
+//! SQLite store: the embedded default.
+//!
+//! # Limits
+//! - One writer at a time (SQLite's rule). Claims are single `UPDATE … RETURNING` statements, which
+//!   take the write lock before reading, like `BEGIN IMMEDIATE`; writers wait up to the busy
+//!   timeout (default 10 s) instead of failing.
+//! - No LISTEN/NOTIFY: an embedded relay is woken in-process by [`Store::wake`] (or
+//!   [`SqliteStore::commit`]); other producers are picked up by adaptive polling.
+//! - Times are integer milliseconds since the Unix epoch from SQLite's own clock
+//!   (`unixepoch('subsec')`), so needs SQLite 3.42 or newer (the bundled library is newer).
+//! - An in-memory database only lives as long as one of its connections (shared case C24):
+//!   [`SqliteStore::connect`] pins a single never-recycled connection for in-memory URLs, and
+//!   [`SqliteStore::from_pool`] refuses an in-memory pool that could close its last connection.
+//! - Files are opened in WAL mode with `synchronous = FULL`, so a commit survives power loss.
+
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::{AssertSqlSafe, Row, SqliteConnection, SqlitePool};
+use tokio::sync::Notify;
+use uuid::Uuid;
+
+use super::{
+    Claim, ClaimRequest, Completion, CompletionColumns, FailedMessage, LeaseToken, Stats, Store,
+    millis, parse_headers,
+};
+use crate::error::{EnqueueError, StoreError};
+use crate::ident::TableName;
+use crate::message::{Limits, Message, NewMessage, Status};
+use crate::store::StoreOptions;
+
+/// SQLite's clock in integer milliseconds since the Unix epoch.
+const NOW_MS: &str = "CAST(unixepoch('subsec') * 1000 AS INTEGER)";
+
+struct Sql {
+    insert: Arc<str>,
+    claim: Arc<str>,
+    complete: Arc<str>,
+    reap: Arc<str>,
+    next_due: Arc<str>,
+    counts: Arc<str>,
+    ages: Arc<str>,
+    failed: Arc<str>,
+}
+
+/// The outbox on SQLite. Cheap to clone; clones share the pool and the in-process waker.
+#[derive(Clone)]
+pub struct SqliteStore {
+    pool: SqlitePool,
+    table: TableName,
+    inbox_table: TableName,
+    limits: Limits,
+    sql: Arc<Sql>,
+    waker: Arc<Notify>,
+}
+
+impl std::fmt::Debug for SqliteStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqliteStore")
+            .field("table", &self.table)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Whether `url` names an in-memory SQLite database.
+fn url_is_in_memory(url: &str) -> bool {
+    url.contains(":memory:") || url.contains("mode=memory")
+}
+
+impl SqliteStore {
+    /// Open (creating if missing) the database at `url` (`sqlite://path/to/file.db`,
+    /// `sqlite::memory:`) with WAL, `synchronous = FULL` and a 10 s busy timeout. An in-memory
+    /// URL gets a single pinned connection that is never closed (shared case C24).
+    ///
+    /// # Errors
+    /// [`StoreError::Config`] for a URL that cannot be parsed or an invalid table name;
+    /// [`StoreError::Database`] when the database cannot be opened.
+    pub async fn connect(url: &str, options: StoreOptions) -> Result<SqliteStore, StoreError> {
+        let connect = SqliteConnectOptions::from_str(url)
+            .map_err(|e| StoreError::Config(format!("bad SQLite URL {url:?}: {e}")))?
+            .create_if_missing(true)
+            .busy_timeout(Duration::from_secs(10));
+        let pool = if url_is_in_memory(url) {
+            SqlitePoolOptions::new()
+                .max_connections(1)
+                .min_connections(1)
+                .idle_timeout(None)
+                .max_lifetime(None)
+                .connect_with(connect)
+                .await
+        } else {
+            SqlitePoolOptions::new()
+                .max_connections(8)
+                .connect_with(
+                    connect
+                        .journal_mode(SqliteJournalMode::Wal)
+                        .synchronous(SqliteSynchronous::Full),
+                )
+                .await
+        }
+        .map_err(|e| StoreError::Database {
+            op: "connect",
+            source: e,
+        })?;
+        SqliteStore::from_pool(pool, options)
+    }
+
+    /// Use an existing pool (the application's own, so enqueue can share its transactions).
+    ///
+    /// # Errors
+    /// [`StoreError::Config`] for an in-memory pool that may close its last connection (it must
+    /// have `min_connections >= 1`, no idle timeout and no max lifetime), or an invalid table name.
+    pub fn from_pool(pool: SqlitePool, options: StoreOptions) -> Result<SqliteStore, StoreError> {
+        let connect = pool.connect_options();
+        let filename = connect.get_filename().to_string_lossy().into_owned();
+        let in_memory = filename == ":memory:"
+            || filename.starts_with("file:sqlx-in-memory")
+            || format!("{connect:?}").contains("in_memory: true");
+        let opts = pool.options();
+        if in_memory
+            && (opts.get_min_connections() < 1
+                || opts.get_idle_timeout().is_some()
+                || opts.get_max_lifetime().is_some())
+        {
+            return Err(StoreError::Config(
+                "in-memory SQLite pool would lose the database when its last connection closes: \
+                 set min_connections(1), idle_timeout(None) and max_lifetime(None), or use \
+                 SqliteStore::connect, which pins one connection (shared case C24)"
+                    .into(),
+            ));
+        }
+        let table = TableName::new(&options.table)?;
+        let inbox_table = TableName::new(&options.inbox_table)?;
+        if table.as_str().contains('.') || inbox_table.as_str().contains('.') {
+            return Err(StoreError::Config(
+                "SQLite table names cannot be schema-qualified".into(),
+            ));
+        }
+        let t = table.as_str();
+        let cols = "id, message_id, topic, partition_key, headers, payload, attempts, max_attempts";
+        let sql = Sql {
+            insert: format!(
+                "INSERT INTO {t} (message_id, topic, partition_key, headers, payload, max_attempts, available_at) \
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, {NOW_MS} + ?7)"
+            )
+            .into(),
+            claim: format!(
+                "UPDATE {t} SET status = 1, attempts = attempts + 1, lease_owner = ?1, lease_token = ?2, \
+                 lease_expires_at = {NOW_MS} + ?3, updated_at = {NOW_MS} \
+                 WHERE id IN (SELECT id FROM {t} WHERE status = 0 AND available_at <= {NOW_MS} \
+                 ORDER BY available_at, id LIMIT ?4) RETURNING {cols}"
+            )
+            .into(),
+            complete: format!(
+                "UPDATE {t} SET status = j.st, attempts = {t}.attempts - j.gb, \
+                 available_at = CASE WHEN j.st = 0 THEN {NOW_MS} + j.delay ELSE {t}.available_at END, \
+                 sent_at = CASE WHEN j.st = 2 THEN {NOW_MS} ELSE {t}.sent_at END, \
+                 last_error = COALESCE(j.err, {t}.last_error), \
+                 lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL, updated_at = {NOW_MS} \
+                 FROM (SELECT value ->> '$[0]' AS id, value ->> '$[1]' AS st, value ->> '$[2]' AS delay, \
+                       value ->> '$[3]' AS err, value ->> '$[4]' AS gb FROM json_each(?1)) AS j \
+                 WHERE {t}.id = j.id AND {t}.status = 1 AND {t}.lease_token = ?2"
+            )
+            .into(),
+            reap: format!(
+                "UPDATE {t} SET \
+                 status = CASE WHEN attempts >= COALESCE(max_attempts, ?2) THEN 4 ELSE 0 END, \
+                 last_error = CASE WHEN attempts >= COALESCE(max_attempts, ?2) \
+                   THEN 'lease expired on the last attempt' \
+                   ELSE 'lease of ' || COALESCE(lease_owner, '?') || ' expired' END, \
+                 available_at = {NOW_MS}, lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL, \
+                 updated_at = {NOW_MS} \
+                 WHERE id IN (SELECT id FROM {t} WHERE status = 1 AND lease_expires_at < {NOW_MS} \
+                 ORDER BY lease_expires_at LIMIT ?1) AND status = 1 AND lease_expires_at < {NOW_MS}"
+            )
+            .into(),
+            next_due: format!("SELECT MAX(MIN(available_at) - {NOW_MS}, 0) FROM {t} WHERE status = 0").into(),
+            counts: format!("SELECT status, COUNT(*) FROM {t} GROUP BY status").into(),
+            ages: format!(
+                "SELECT (SELECT {NOW_MS} - MIN(created_at) FROM {t} WHERE status = 0 AND available_at <= {NOW_MS}), \
+                 (SELECT COUNT(*) FROM {t} WHERE status = 1 AND lease_expires_at < {NOW_MS})"
+            )
+            .into(),
+            failed: format!(
+                "SELECT id, message_id, topic, attempts, last_error FROM {t} WHERE status = 4 \
+                 ORDER BY updated_at DESC, id DESC LIMIT ?1"
+            )
+            .into(),
+        };
+        Ok(SqliteStore {
+            pool,
+            table,
+            inbox_table,
+            limits: options.limits,
+            sql: Arc::new(sql),
+            waker: Arc::new(Notify::new()),
+        })
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
+    /// Insert `msg` into the outbox through the caller's connection or transaction
+    /// (`&mut *tx`). It becomes visible to relays when the caller's transaction commits and is
+    /// never published if it rolls back.
+    ///
+    /// The borrow of the connection lasts until the insert is done, so the transaction cannot be
+    /// committed while an enqueue is still pending (shared case C10).
+    ///
+    /// # Errors
+    /// A validation [`EnqueueError`] before anything is written, or
+    /// [`EnqueueError::Database`] when the insert fails (roll the transaction back).
+    ///
+    /// # Examples
+    /// ```no_run
+    /// # async fn example(store: outbox::SqliteStore) -> Result<(), Box<dyn std::error::Error>> {
+    /// let mut tx = store.pool().begin().await?;
+    /// sqlx::query("INSERT INTO orders (id) VALUES (1)").execute(&mut *tx).await?;
+    /// store.enqueue(&mut tx, outbox::NewMessage::new("order-created", "{\"id\":1}")).await?;
+    /// store.commit(tx).await?; // commit, then wake the embedded relay
+    /// # Ok(()) }
+    /// ```
+    pub async fn enqueue(
+        &self,
+        conn: &mut SqliteConnection,
+        msg: NewMessage,
+    ) -> Result<Uuid, EnqueueError> {
+        self.limits.validate(&msg)?;
+        self.insert(conn, &msg).await?;
+        Ok(msg.message_id)
+    }
+
+    /// Insert several messages through the caller's connection; all are validated before the
+    /// first is written.
+    ///
+    /// # Errors
+    /// As [`SqliteStore::enqueue`].
+    pub async fn enqueue_many(
+        &self,
+        conn: &mut SqliteConnection,
+        msgs: Vec<NewMessage>,
+    ) -> Result<Vec<Uuid>, EnqueueError> {
+        for m in &msgs {
+            self.limits.validate(m)?;
+        }
+        let mut ids = Vec::with_capacity(msgs.len());
+        for m in &msgs {
+            self.insert(conn, m).await?;
+            ids.push(m.message_id);
+        }
+        Ok(ids)
+    }
+
+    async fn insert(
+        &self,
+        conn: &mut SqliteConnection,
+        msg: &NewMessage,
+    ) -> Result<(), EnqueueError> {
+        let headers = serde_json::to_string(&msg.headers).map_err(EnqueueError::Serialize)?;
+        sqlx::query(AssertSqlSafe(self.sql.insert.clone()))
+            .bind(msg.message_id.to_string())
+            .bind(&msg.topic)
+            .bind(&msg.partition_key)
+            .bind(headers)
+            .bind(&msg.payload)
+            .bind(msg.max_attempts.map(i64::from))
+            .bind(msg.delay.map(millis).unwrap_or(0))
+            .execute(conn)
+            .await
+            .map_err(|e| {
+                EnqueueError::Database(StoreError::db("enqueue", self.table.as_str(), e))
+            })?;
+        Ok(())
+    }
+
+    /// Commit `tx` and wake the embedded relay.
+    ///
+    /// # Errors
+    /// The commit's error; nothing was published.
+    pub async fn commit(&self, tx: sqlx::Transaction<'_, sqlx::Sqlite>) -> Result<(), sqlx::Error> {
+        tx.commit().await?;
+        self.wake();
+        Ok(())
+    }
+
+    fn err(&self, op: &'static str) -> impl Fn(sqlx::Error) -> StoreError + '_ {
+        move |e| StoreError::db(op, self.table.as_str(), e)
+    }
+}
+
+fn migrations(t: &str, inbox: &str) -> Vec<(String, i64, String)> {
+    vec![
+        (
+            t.to_owned(),
+            1,
+            format!(
+                "CREATE TABLE IF NOT EXISTS {t} (
+                    id INTEGER PRIMARY KEY AUTOINCREMENT,
+                    message_id TEXT NOT NULL UNIQUE,
+                    topic TEXT NOT NULL,
+                    partition_key TEXT,
+                    headers TEXT NOT NULL DEFAULT '{{}}',
+                    payload BLOB NOT NULL,
+                    status INTEGER NOT NULL DEFAULT 0 CHECK (status BETWEEN 0 AND 6),
+                    attempts INTEGER NOT NULL DEFAULT 0,
+                    max_attempts INTEGER CHECK (max_attempts >= 1),
+                    available_at INTEGER NOT NULL DEFAULT ({NOW_MS}),
+                    lease_owner TEXT,
+                    lease_token INTEGER,
+                    lease_expires_at INTEGER,
+                    created_at INTEGER NOT NULL DEFAULT ({NOW_MS}),
+                    sent_at INTEGER,
+                    confirmed_at INTEGER,
+                    updated_at INTEGER NOT NULL DEFAULT ({NOW_MS}),
+                    last_error TEXT
+                );
+                CREATE INDEX IF NOT EXISTS {t}_claimable ON {t} (available_at, id) WHERE status = 0;
+                CREATE INDEX IF NOT EXISTS {t}_leased ON {t} (lease_expires_at) WHERE status = 1;
+                CREATE INDEX IF NOT EXISTS {t}_sent ON {t} (sent_at) WHERE status = 2;
+                CREATE INDEX IF NOT EXISTS {t}_failed ON {t} (updated_at) WHERE status = 4;
+                CREATE INDEX IF NOT EXISTS {t}_partition_key ON {t} (partition_key) WHERE partition_key IS NOT NULL;"
+            ),
+        ),
+        (
+            inbox.to_owned(),
+            1,
+            format!(
+                "CREATE TABLE IF NOT EXISTS {inbox} (
+                    consumer TEXT NOT NULL,
+                    message_id TEXT NOT NULL,
+                    topic TEXT NOT NULL,
+                    received_at INTEGER NOT NULL DEFAULT ({NOW_MS}),
+                    outcome INTEGER NOT NULL DEFAULT 0,
+                    PRIMARY KEY (consumer, message_id)
+                );
+                CREATE INDEX IF NOT EXISTS {inbox}_received_at ON {inbox} (received_at);"
+            ),
+        ),
+    ]
+}
+
+/// Apply migrations for the given tables, each once, recorded in `outbox_migrations`.
+pub(crate) async fn run_migrations(
+    pool: &SqlitePool,
+    steps: Vec<(String, i64, String)>,
+) -> Result<(), StoreError> {
+    let e = |op| move |e| StoreError::Database { op, source: e };
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS outbox_migrations (table_name TEXT NOT NULL, version INTEGER NOT NULL, \
+         applied_at INTEGER NOT NULL DEFAULT (CAST(unixepoch('subsec') * 1000 AS INTEGER)), \
+         PRIMARY KEY (table_name, version))",
+    )
+    .execute(pool)
+    .await
+    .map_err(e("migrate"))?;
+    for (table, version, sql) in steps {
+        let mut conn = pool.acquire().await.map_err(e("migrate"))?;
+        let mut tx = sqlx::Connection::begin_with(&mut *conn, "BEGIN IMMEDIATE")
+            .await
+            .map_err(e("migrate"))?;
+        let done: Option<i64> = sqlx::query_scalar(
+            "SELECT version FROM outbox_migrations WHERE table_name = ?1 AND version = ?2",
+        )
+        .bind(&table)
+        .bind(version)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(e("migrate"))?;
+        if done.is_some() {
+            continue;
+        }
+        sqlx::raw_sql(AssertSqlSafe(sql))
+            .execute(&mut *tx)
+            .await
+            .map_err(e("migrate"))?;
+        sqlx::query("INSERT INTO outbox_migrations (table_name, version) VALUES (?1, ?2)")
+            .bind(&table)
+            .bind(version)
+            .execute(&mut *tx)
+            .await
+            .map_err(e("migrate"))?;
+        tx.commit().await.map_err(e("migrate"))?;
+        tracing::info!(table, version, "applied SQLite migration");
+    }
+    Ok(())
+}
+
+pub(crate) fn inbox_migrations(inbox: &str) -> Vec<(String, i64, String)> {
+    migrations("unused", inbox).split_off(1)
+}
+
+#[async_trait]
+impl Store for SqliteStore {
+    fn backend(&self) -> &'static str {
+        "sqlite"
+    }
+
+    fn table(&self) -> &str {
+        self.table.as_str()
+    }
+
+    async fn migrate(&self) -> Result<(), StoreError> {
+        run_migrations(
+            &self.pool,
+            migrations(self.table.as_str(), self.inbox_table.as_str()),
+        )
+        .await
+    }
+
+    async fn claim(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
+        let token: LeaseToken = rand::random::<i64>() & i64::MAX;
+        let rows = sqlx::query(AssertSqlSafe(self.sql.claim.clone()))
+            .bind(&req.owner)
+            .bind(token)
+            .bind(millis(req.lease))
+            .bind(i64::from(req.batch_size))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(self.err("claim"))?;
+        let mut messages = Vec::with_capacity(rows.len());
+        for row in rows {
+            let id: i64 = row.try_get(0).map_err(self.err("claim"))?;
+            let message_id: String = row.try_get(1).map_err(self.err("claim"))?;
+            let message_id = Uuid::parse_str(&message_id).map_err(|e| StoreError::Corrupt {
+                id,
+                reason: format!("message_id is not a UUID: {e}"),
+            })?;
+            let headers: String = row.try_get(4).map_err(self.err("claim"))?;
+            let attempts: i64 = row.try_get(6).map_err(self.err("claim"))?;
+            let max_attempts: Option<i64> = row.try_get(7).map_err(self.err("claim"))?;
+            messages.push(Message {
+                id,
+                message_id,
+                topic: row.try_get(2).map_err(self.err("claim"))?,
+                partition_key: row.try_get(3).map_err(self.err("claim"))?,
+                headers: parse_headers(id, &headers)?,
+                payload: row.try_get(5).map_err(self.err("claim"))?,
+                attempts: u32::try_from(attempts).unwrap_or(u32::MAX),
+                max_attempts: max_attempts
+                    .and_then(|m| u32::try_from(m).ok())
+                    .unwrap_or(0),
+            });
+        }
+        messages.sort_by_key(|m| m.id);
+        Ok(Claim { token, messages })
+    }
+
+    async fn complete(
+        &self,
+        token: LeaseToken,
+        completions: &[Completion],
+    ) -> Result<u64, StoreError> {
+        if completions.is_empty() {
+            return Ok(0);
+        }
+        let c = CompletionColumns::from(completions);
+        let rows: Vec<serde_json::Value> = (0..c.ids.len())
+            .map(|i| {
+                serde_json::json!([
+                    c.ids[i],
+                    c.statuses[i],
+                    c.delays_ms[i],
+                    c.errors[i],
+                    c.give_back[i]
+                ])
+            })
+            .collect();
+        let json = serde_json::Value::Array(rows).to_string();
+        let done = sqlx::query(AssertSqlSafe(self.sql.complete.clone()))
+            .bind(json)
+            .bind(token)
+            .execute(&self.pool)
+            .await
+            .map_err(self.err("complete"))?;
+        Ok(done.rows_affected())
+    }
+
+    async fn reap_expired_leases(&self, limit: u32, max_attempts: u32) -> Result<u64, StoreError> {
+        let done = sqlx::query(AssertSqlSafe(self.sql.reap.clone()))
+            .bind(i64::from(limit))
+            .bind(i64::from(max_attempts))
+            .execute(&self.pool)
+            .await
+            .map_err(self.err("reap"))?;
+        Ok(done.rows_affected())
+    }
+
+    async fn next_due_in(&self) -> Result<Option<Duration>, StoreError> {
+        let ms: Option<i64> = sqlx::query_scalar(AssertSqlSafe(self.sql.next_due.clone()))
+            .fetch_one(&self.pool)
+            .await
+            .map_err(self.err("next_due"))?;
+        Ok(ms.map(|ms| Duration::from_millis(ms.max(0) as u64)))
+    }
+
+    async fn stats(&self) -> Result<Stats, StoreError> {
+        let mut stats = Stats::default();
+        for s in Status::ALL {
+            stats.counts.insert(s, 0);
+        }
+        let rows: Vec<(i64, i64)> = sqlx::query_as(AssertSqlSafe(self.sql.counts.clone()))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(self.err("stats"))?;
+        for (status, n) in rows {
+            let status = Status::from_i16(status as i16).ok_or_else(|| StoreError::Corrupt {
+                id: 0,
+                reason: format!("unknown status {status}"),
+            })?;
+            stats.counts.insert(status, n as u64);
+        }
+        let (age, expired): (Option<i64>, i64) =
+            sqlx::query_as(AssertSqlSafe(self.sql.ages.clone()))
+                .fetch_one(&self.pool)
+                .await
+                .map_err(self.err("stats"))?;
+        stats.oldest_pending_age = age.map(|ms| Duration::from_millis(ms.max(0) as u64));
+        stats.expired_leases = expired as u64;
+        Ok(stats)
+    }
+
+    async fn failed(&self, limit: u32) -> Result<Vec<FailedMessage>, StoreError> {
+        let rows: Vec<(i64, String, String, i64, Option<String>)> =
+            sqlx::query_as(AssertSqlSafe(self.sql.failed.clone()))
+                .bind(i64::from(limit))
+                .fetch_all(&self.pool)
+                .await
+                .map_err(self.err("failed"))?;
+        rows.into_iter()
+            .map(|(id, mid, topic, attempts, last_error)| {
+                Ok(FailedMessage {
+                    id,
+                    message_id: Uuid::parse_str(&mid).map_err(|e| StoreError::Corrupt {
+                        id,
+                        reason: e.to_string(),
+                    })?,
+                    topic,
+                    attempts: attempts as u32,
+                    last_error,
+                })
+            })
+            .collect()
+    }
+
+    fn waker(&self) -> Arc<Notify> {
+        self.waker.clone()
+    }
+}

@@ -1,0 +1,370 @@
+//! HTTP webhook transport: one `POST` per message, `2xx` is the acknowledgement.
+//!
+//! Deliveries follow the Standard Webhooks specification (<https://www.standardwebhooks.com/>):
+//! `webhook-id` = message id, `webhook-timestamp` = Unix seconds, and, when a secret is
+//! configured, `webhook-signature` = `v1,` + base64(HMAC-SHA256(key, "{id}.{timestamp}.{body}"))
+//! where `key` is the base64-decoded part of a `whsec_…` secret. Receivers in any language can
+//! verify them with that specification's libraries. The body is the payload, byte-exact; the
+//! message's headers travel as HTTP headers (`outbox-message-id`, `outbox-topic`,
+//! `outbox-partition-key`, `outbox-attempt`, `traceparent`, user headers).
+//!
+//! Classification of the answer: `2xx` acknowledged; `408`, `425`, `429` and `5xx` retryable; any
+//! other status permanent (the receiver refused the message; it goes to FAILED with the status
+//! and the start of the body). A refused connection is `Unavailable` (the relay pauses and
+//! probes); a timeout is retryable.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use base64::Engine;
+use futures::StreamExt;
+use hmac::{Hmac, Mac};
+use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
+use sha2::Sha256;
+
+use super::{Outgoing, Transport};
+use crate::error::{ConfigError, TransportError};
+
+/// Webhook transport settings.
+#[derive(Debug, Clone)]
+pub struct WebhookConfig {
+    /// Default target URL, used when a route's destination is empty. Required.
+    pub url: String,
+    /// Signing secret, `whsec_` + base64 (Standard Webhooks). Default: none (unsigned).
+    pub secret: Option<String>,
+    /// Timeout of one request, connect included. Default 10 s.
+    pub timeout: Duration,
+    /// Requests in flight at once per batch. Default 64.
+    pub concurrency: usize,
+}
+
+impl WebhookConfig {
+    /// Settings for `url` with the defaults.
+    pub fn new(url: impl Into<String>) -> Self {
+        WebhookConfig {
+            url: url.into(),
+            secret: None,
+            timeout: Duration::from_secs(10),
+            concurrency: 64,
+        }
+    }
+}
+
+/// Signs deliveries the Standard Webhooks way (see the module docs).
+#[derive(Clone)]
+pub struct WebhookSigner {
+    key: Vec<u8>,
+}
+
+impl std::fmt::Debug for WebhookSigner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("WebhookSigner(<secret>)")
+    }
+}
+
+impl WebhookSigner {
+    /// A signer for a `whsec_…` secret (the prefix is optional).
+    ///
+    /// # Errors
+    /// [`ConfigError`] when the secret is not base64 or is empty. The secret is never echoed.
+    pub fn new(secret: &str) -> Result<Self, ConfigError> {
+        let b64 = secret.strip_prefix("whsec_").unwrap_or(secret);
+        let key = base64::engine::general_purpose::STANDARD
+            .decode(b64)
+            .map_err(|_| ConfigError::new("secret", "not a whsec_ + base64 secret"))?;
+        if key.is_empty() {
+            return Err(ConfigError::new("secret", "empty secret"));
+        }
+        Ok(WebhookSigner { key })
+    }
+
+    /// The signature header value `v1,<base64>` for `id`, `timestamp` (Unix seconds) and `body`.
+    pub fn sign(&self, id: &str, timestamp: i64, body: &[u8]) -> String {
+        let mut mac = Hmac::<Sha256>::new_from_slice(&self.key).expect("HMAC takes any key length");
+        mac.update(id.as_bytes());
+        mac.update(b".");
+        mac.update(timestamp.to_string().as_bytes());
+        mac.update(b".");
+        mac.update(body);
+        format!(
+            "v1,{}",
+            base64::engine::general_purpose::STANDARD.encode(mac.finalize().into_bytes())
+        )
+    }
+
+    /// Check a `webhook-signature` header (space-separated `v1,…` entries) in constant time, and
+    /// that `timestamp` is within `tolerance` of `now` (Unix seconds).
+    ///
+    /// # Errors
+    /// A text saying what did not match.
+    pub fn verify(
+        &self,
+        id: &str,
+        timestamp: i64,
+        body: &[u8],
+        signature_header: &str,
+        now: i64,
+        tolerance: Duration,
+    ) -> Result<(), String> {
+        if (now - timestamp).unsigned_abs() > tolerance.as_secs() {
+            return Err(format!(
+                "timestamp {timestamp} is outside the tolerance of {tolerance:?}"
+            ));
+        }
+        let mut mac = Hmac::<Sha256>::new_from_slice(&self.key).expect("HMAC takes any key length");
+        mac.update(format!("{id}.{timestamp}.").as_bytes());
+        mac.update(body);
+        let ok = signature_header
+            .split(' ')
+            .filter_map(|s| s.strip_prefix("v1,"))
+            .any(|sig| {
+                base64::engine::general_purpose::STANDARD
+                    .decode(sig)
+                    .map(|raw| mac.clone().verify_slice(&raw).is_ok())
+                    .unwrap_or(false)
+            });
+        if ok {
+            Ok(())
+        } else {
+            Err("no matching v1 signature".into())
+        }
+    }
+}
+
+/// Publishes messages as HTTP `POST`s (see the module docs).
+pub struct WebhookTransport {
+    client: reqwest::Client,
+    config: WebhookConfig,
+    signer: Option<WebhookSigner>,
+}
+
+impl std::fmt::Debug for WebhookTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WebhookTransport")
+            .field("url", &self.config.url)
+            .finish_non_exhaustive()
+    }
+}
+
+impl WebhookTransport {
+    /// Build the transport.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming `url`, `secret`, `timeout` or `concurrency` when invalid.
+    pub fn new(config: WebhookConfig) -> Result<Self, ConfigError> {
+        let url =
+            reqwest::Url::parse(&config.url).map_err(|e| ConfigError::new("url", e.to_string()))?;
+        if !matches!(url.scheme(), "http" | "https") {
+            return Err(ConfigError::new("url", "scheme must be http or https"));
+        }
+        if config.timeout.is_zero() {
+            return Err(ConfigError::new("timeout", "must be greater than zero"));
+        }
+        if config.concurrency == 0 {
+            return Err(ConfigError::new("concurrency", "must be at least 1"));
+        }
+        let signer = config
+            .secret
+            .as_deref()
+            .map(WebhookSigner::new)
+            .transpose()?;
+        // reqwest is built without a default crypto provider (to avoid aws-lc); use ring.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let client = reqwest::Client::builder()
+            .timeout(config.timeout)
+            .connect_timeout(config.timeout)
+            .pool_max_idle_per_host(config.concurrency)
+            .build()
+            .map_err(|e| ConfigError::new("url", format!("cannot build HTTP client: {e}")))?;
+        Ok(WebhookTransport {
+            client,
+            config,
+            signer,
+        })
+    }
+
+    async fn post(&self, out: Outgoing<'_>) -> Result<(), TransportError> {
+        let m = out.message;
+        let url = if out.destination.is_empty() {
+            self.config.url.as_str()
+        } else {
+            out.destination
+        };
+        let id = m.message_id.to_string();
+        let ts = chrono::Utc::now().timestamp();
+        let mut headers = HeaderMap::new();
+        for (k, v) in m.wire_headers() {
+            let (Ok(name), Ok(value)) = (
+                HeaderName::try_from(k.as_str()),
+                HeaderValue::try_from(v.as_str()),
+            ) else {
+                return Err(TransportError::permanent(format!(
+                    "header {k:?} cannot be sent over HTTP"
+                )));
+            };
+            headers.insert(name, value);
+        }
+        if !headers.contains_key(reqwest::header::CONTENT_TYPE) {
+            headers.insert(
+                reqwest::header::CONTENT_TYPE,
+                HeaderValue::from_static("application/octet-stream"),
+            );
+        }
+        headers.insert(
+            "webhook-id",
+            HeaderValue::try_from(id.as_str()).expect("uuid is ascii"),
+        );
+        headers.insert("webhook-timestamp", HeaderValue::from(ts));
+        if let Some(s) = &self.signer {
+            let sig = s.sign(&id, ts, &m.payload);
+            headers.insert(
+                "webhook-signature",
+                HeaderValue::try_from(sig).expect("base64 is ascii"),
+            );
+        }
+        let resp = self
+            .client
+            .post(url)
+            .headers(headers)
+            .body(m.payload.clone())
+            .send()
+            .await;
+        let resp = match resp {
+            Ok(r) => r,
+            Err(e) if e.is_connect() => {
+                return Err(
+                    TransportError::unavailable(format!("cannot connect to {url}")).with_source(e),
+                );
+            }
+            Err(e) if e.is_timeout() => {
+                return Err(
+                    TransportError::retryable(format!("POST {url} timed out")).with_source(e)
+                );
+            }
+            Err(e) if e.is_builder() => {
+                return Err(
+                    TransportError::permanent(format!("bad webhook request to {url}"))
+                        .with_source(e),
+                );
+            }
+            Err(e) => {
+                return Err(TransportError::retryable(format!("POST {url} failed")).with_source(e));
+            }
+        };
+        let status = resp.status();
+        if status.is_success() {
+            return Ok(());
+        }
+        let body = resp.text().await.unwrap_or_default();
+        let snippet: String = body.chars().take(200).collect();
+        let msg = format!("POST {url} answered {status}: {snippet}");
+        match status.as_u16() {
+            408 | 425 | 429 | 500..=599 => Err(TransportError::retryable(msg)),
+            _ => Err(TransportError::permanent(msg)),
+        }
+    }
+}
+
+#[async_trait]
+impl Transport for WebhookTransport {
+    fn name(&self) -> &str {
+        "webhook"
+    }
+
+    async fn publish(&self, batch: &[Outgoing<'_>]) -> Vec<Result<(), TransportError>> {
+        let mut posts: Vec<futures::future::BoxFuture<'_, Result<(), TransportError>>> =
+            Vec::with_capacity(batch.len());
+        for o in batch {
+            posts.push(Box::pin(self.post(*o)));
+        }
+        futures::stream::iter(posts)
+            .buffered(self.config.concurrency)
+            .collect()
+            .await
+    }
+
+    async fn probe(&self) -> Result<(), TransportError> {
+        let url = reqwest::Url::parse(&self.config.url)
+            .map_err(|e| TransportError::permanent(e.to_string()))?;
+        let host = url.host_str().unwrap_or("localhost").to_owned();
+        let port = url.port_or_known_default().unwrap_or(80);
+        match tokio::time::timeout(
+            self.config.timeout,
+            tokio::net::TcpStream::connect((host.as_str(), port)),
+        )
+        .await
+        {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(TransportError::unavailable(format!(
+                "cannot connect to {host}:{port}"
+            ))
+            .with_source(e)),
+            Err(_) => Err(TransportError::unavailable(format!(
+                "connect to {host}:{port} timed out"
+            ))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sign_and_verify_round_trip() {
+        let secret = format!(
+            "whsec_{}",
+            base64::engine::general_purpose::STANDARD.encode(b"0123456789abcdef")
+        );
+        let s = WebhookSigner::new(&secret).unwrap();
+        let sig = s.sign("msg_1", 1_700_000_000, b"\xff\x00body");
+        assert!(sig.starts_with("v1,"));
+        let tol = Duration::from_secs(300);
+        assert!(
+            s.verify(
+                "msg_1",
+                1_700_000_000,
+                b"\xff\x00body",
+                &sig,
+                1_700_000_010,
+                tol
+            )
+            .is_ok()
+        );
+        assert!(
+            s.verify("msg_1", 1_700_000_000, b"other", &sig, 1_700_000_010, tol)
+                .is_err()
+        );
+        assert!(
+            s.verify(
+                "msg_1",
+                1_700_000_000,
+                b"\xff\x00body",
+                &sig,
+                1_700_001_000,
+                tol
+            )
+            .is_err()
+        );
+        assert!(WebhookSigner::new("whsec_!!!").is_err());
+    }
+
+    #[test]
+    fn config_errors_name_the_field() {
+        assert_eq!(
+            WebhookTransport::new(WebhookConfig::new("not a url"))
+                .unwrap_err()
+                .field,
+            "url"
+        );
+        assert_eq!(
+            WebhookTransport::new(WebhookConfig::new("ftp://x"))
+                .unwrap_err()
+                .field,
+            "url"
+        );
+        let mut c = WebhookConfig::new("http://127.0.0.1:1/");
+        c.concurrency = 0;
+        assert_eq!(WebhookTransport::new(c).unwrap_err().field, "concurrency");
+    }
+}
