@@ -1,8 +1,16 @@
 //! The `outbox` command: migrate, relay daemon, status, demo.
 
+mod config;
 mod demo;
 
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
+use outbox::{PgStore, SqliteStore, Status, Store, StoreOptions};
+use tokio_util::sync::CancellationToken;
 
 /// Transactional outbox (本地消息表): migrate the tables, run the relay, inspect the outbox, or
 /// watch the order → inventory demo.
@@ -13,22 +21,228 @@ struct Cli {
     command: Command,
 }
 
+#[derive(Debug, clap::Args)]
+struct DbArgs {
+    /// Database URL: `postgres://user@host:port/db` or `sqlite://path/to/file.db`.
+    #[arg(long, env = "OUTBOX_DATABASE_URL")]
+    database: String,
+    /// Outbox table (optionally `schema.table` on PostgreSQL).
+    #[arg(long, default_value = "outbox")]
+    table: String,
+    /// Inbox table.
+    #[arg(long, default_value = "outbox_inbox")]
+    inbox_table: String,
+}
+
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Create or upgrade the outbox and inbox tables (idempotent, versioned).
+    Migrate(DbArgs),
+    /// Run the relay daemon until SIGTERM or Ctrl-C.
+    Relay {
+        /// TOML configuration file (see docs/configuration.md).
+        #[arg(long, short)]
+        config: PathBuf,
+        /// Override `[database] url`.
+        #[arg(long, env = "OUTBOX_DATABASE_URL")]
+        database: Option<String>,
+    },
+    /// Show counts per state, the oldest pending age and the latest dead letters.
+    Status {
+        #[command(flatten)]
+        db: DbArgs,
+        /// How many dead letters to list.
+        #[arg(long, default_value_t = 10)]
+        failed: u32,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Run the order → inventory demo with injected faults and print a report.
     Demo(demo::DemoArgs),
+}
+
+/// Open the store named by `url`.
+///
+/// # Errors
+/// An unsupported scheme, a URL the driver rejects, or an unreachable server, each named.
+pub async fn open_store(
+    url: &str,
+    table: &str,
+    inbox_table: &str,
+) -> anyhow::Result<Arc<dyn Store>> {
+    let options = StoreOptions {
+        table: table.into(),
+        inbox_table: inbox_table.into(),
+        ..StoreOptions::default()
+    };
+    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        let store = PgStore::connect(url, options)
+            .await
+            .with_context(|| format!("cannot open {}", redact(url)))?;
+        Ok(Arc::new(store))
+    } else if url.starts_with("sqlite:") {
+        let store = SqliteStore::connect(url, options)
+            .await
+            .with_context(|| format!("cannot open {}", redact(url)))?;
+        Ok(Arc::new(store))
+    } else {
+        bail!(
+            "unsupported database URL {:?}: expected postgres://… or sqlite://…",
+            redact(url)
+        )
+    }
+}
+
+/// The URL with any password replaced by `***`.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => {
+            let creds = &url[s + 3..at];
+            match creds.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &url[..s + 3], &url[at..]),
+                None => url.to_owned(),
+            }
+        }
+        _ => url.to_owned(),
+    }
+}
+
+fn fmt_age(d: Option<Duration>) -> String {
+    match d {
+        None => "-".into(),
+        Some(d) if d < Duration::from_secs(1) => format!("{} ms", d.as_millis()),
+        Some(d) => humantime::format_duration(Duration::from_secs(d.as_secs())).to_string(),
+    }
+}
+
+async fn status(db: DbArgs, failed: u32, json: bool) -> anyhow::Result<()> {
+    let store = open_store(&db.database, &db.table, &db.inbox_table).await?;
+    let stats = store.stats().await?;
+    let dead = store.failed(failed).await?;
+    if json {
+        let counts: serde_json::Map<String, serde_json::Value> = stats
+            .counts
+            .iter()
+            .map(|(s, n)| (s.name().to_owned(), (*n).into()))
+            .collect();
+        let out = serde_json::json!({
+            "table": store.table(),
+            "counts": counts,
+            "oldest_pending_age_ms": stats.oldest_pending_age.map(|d| d.as_millis() as u64),
+            "expired_leases": stats.expired_leases,
+            "failed": dead.iter().map(|f| serde_json::json!({
+                "id": f.id, "message_id": f.message_id, "topic": f.topic,
+                "attempts": f.attempts, "last_error": f.last_error,
+            })).collect::<Vec<_>>(),
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    println!("outbox table {} ({})", store.table(), store.backend());
+    for s in Status::ALL {
+        println!(
+            "  {:<10} {:>10}",
+            s.name(),
+            stats.counts.get(&s).copied().unwrap_or(0)
+        );
+    }
+    println!(
+        "  oldest pending (due) age: {}",
+        fmt_age(stats.oldest_pending_age)
+    );
+    println!("  expired leases awaiting reap: {}", stats.expired_leases);
+    if !dead.is_empty() {
+        println!("latest dead letters (FAILED):");
+        for f in dead {
+            println!(
+                "  id={} message_id={} topic={} attempts={} reason={}",
+                f.id,
+                f.message_id,
+                f.topic,
+                f.attempts,
+                f.last_error.unwrap_or_default()
+            );
+        }
+    }
+    Ok(())
+}
+
+async fn relay(config: PathBuf, database: Option<String>) -> anyhow::Result<()> {
+    let mut file = config::FileConfig::load(Some(&config))?;
+    if let Some(url) = database {
+        file.database.url = url;
+    }
+    file.validate()?;
+    let relay_config = file.relay_config()?;
+    let store = open_store(
+        &file.database.url,
+        &file.database.table,
+        &file.database.inbox_table,
+    )
+    .await?;
+    let router = file.router().await?;
+    let relay = outbox::Relay::builder(store)
+        .router(router)
+        .config(relay_config)
+        .build()?;
+    let cancel = CancellationToken::new();
+    let c = cancel.clone();
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        tracing::info!("shutdown signal received; stopping the relay");
+        c.cancel();
+    });
+    relay.run(cancel).await?;
+    let m = relay.metrics().snapshot();
+    eprintln!(
+        "relay stopped: sent={} retried={} failed={} lost_leases={}",
+        m.sent, m.retried, m.failed, m.lost_leases
+    );
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("SIGTERM handler");
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = tokio::signal::ctrl_c().await;
 }
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,sqlx=warn".into()),
         )
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Migrate(db) => {
+            async {
+                let store = open_store(&db.database, &db.table, &db.inbox_table).await?;
+                store.migrate().await?;
+                println!(
+                    "migrated {} and {} on {}",
+                    db.table,
+                    db.inbox_table,
+                    store.backend()
+                );
+                Ok(())
+            }
+            .await
+        }
+        Command::Relay { config, database } => relay(config, database).await,
+        Command::Status { db, failed, json } => status(db, failed, json).await,
         Command::Demo(args) => demo::run(args).await,
     };
     match result {
@@ -37,5 +251,17 @@ async fn main() -> std::process::ExitCode {
             eprintln!("error: {e:#}");
             std::process::ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redacts_passwords() {
+        assert_eq!(redact("postgres://u:secret@h/db"), "postgres://u:***@h/db");
+        assert_eq!(redact("postgres://u@h/db"), "postgres://u@h/db");
+        assert_eq!(redact("sqlite://x.db"), "sqlite://x.db");
     }
 }

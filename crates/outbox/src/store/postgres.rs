@@ -67,6 +67,15 @@ impl PgStore {
     /// [`StoreError::Config`] for an invalid table name, [`StoreError::Database`] when the server
     /// cannot be reached (the error names the cause).
     pub async fn connect(url: &str, options: StoreOptions) -> Result<PgStore, StoreError> {
+        // One direct connection first, so an unreachable server or a bad URL is reported with
+        // its cause instead of as a pool timeout.
+        let conn = <PgConnection as sqlx::Connection>::connect(url)
+            .await
+            .map_err(|e| StoreError::Database {
+                op: "connect",
+                source: e,
+            })?;
+        let _ = sqlx::Connection::close(conn).await;
         let pool = PgPoolOptions::new()
             .max_connections(10)
             .acquire_timeout(Duration::from_secs(10))

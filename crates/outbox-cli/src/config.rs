@@ -1,0 +1,424 @@
+//! The `outbox relay` configuration file (TOML), with environment overrides.
+//!
+//! Every field is documented in `docs/configuration.md`. Unknown fields are errors; durations are
+//! written like `"30s"`, `"500ms"`, `"5m"`. Environment variables override the file:
+//! `OUTBOX_<SECTION>__<FIELD>` (double underscore between levels), for example
+//! `OUTBOX_DATABASE__URL=postgres://…` or `OUTBOX_RELAY__BATCH_SIZE=1000`. Secrets are never
+//! written in the file: a transport names the environment variable that holds them.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use figment::Figment;
+use figment::providers::{Env, Format, Toml};
+use outbox::{Backoff, ConfigError, RelayConfig, Router, Transport};
+use serde::Deserialize;
+
+/// The whole file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    /// `[database]`.
+    pub database: DatabaseSection,
+    /// `[relay]`; every field optional.
+    #[serde(default)]
+    pub relay: RelaySection,
+    /// `[transports.<name>]`: named transports.
+    #[serde(default)]
+    pub transports: BTreeMap<String, TransportSection>,
+    /// `[[routes]]`: topic patterns to transports, first match wins.
+    #[serde(default)]
+    pub routes: Vec<RouteSection>,
+}
+
+/// `[database]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DatabaseSection {
+    /// `postgres://…` or `sqlite://path` (required).
+    pub url: String,
+    /// Outbox table. Default `outbox`.
+    #[serde(default = "default_table")]
+    pub table: String,
+    /// Inbox table created by `migrate`. Default `outbox_inbox`.
+    #[serde(default = "default_inbox_table")]
+    pub inbox_table: String,
+}
+
+fn default_table() -> String {
+    "outbox".into()
+}
+
+fn default_inbox_table() -> String {
+    "outbox_inbox".into()
+}
+
+/// `[relay]`: see [`RelayConfig`] for meanings and defaults.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RelaySection {
+    /// Lease owner name.
+    pub name: Option<String>,
+    /// Rows per claim.
+    pub batch_size: Option<u32>,
+    /// Claim lease.
+    #[serde(default, with = "humantime_serde")]
+    pub lease: Option<Duration>,
+    /// Longest publish of one batch.
+    #[serde(default, with = "humantime_serde")]
+    pub publish_timeout: Option<Duration>,
+    /// Longest idle sleep.
+    #[serde(default, with = "humantime_serde")]
+    pub poll_interval: Option<Duration>,
+    /// Attempts before dead letter.
+    pub max_attempts: Option<u32>,
+    /// First retry delay.
+    #[serde(default, with = "humantime_serde")]
+    pub backoff_base: Option<Duration>,
+    /// Largest retry delay.
+    #[serde(default, with = "humantime_serde")]
+    pub backoff_max: Option<Duration>,
+    /// Reaper period.
+    #[serde(default, with = "humantime_serde")]
+    pub reap_interval: Option<Duration>,
+    /// Batches in flight.
+    pub in_flight_batches: Option<usize>,
+    /// Graceful shutdown limit.
+    #[serde(default, with = "humantime_serde")]
+    pub shutdown_timeout: Option<Duration>,
+}
+
+/// `[transports.<name>]`, tagged by `kind`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum TransportSection {
+    /// `kind = "webhook"`.
+    Webhook(WebhookSection),
+    /// `kind = "nats"`.
+    Nats(NatsSection),
+}
+
+/// Webhook transport settings.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WebhookSection {
+    /// Target URL (required).
+    pub url: String,
+    /// Name of the environment variable holding the `whsec_…` secret. Default: unsigned.
+    pub secret_env: Option<String>,
+    /// Request timeout. Default 10 s.
+    #[serde(default, with = "humantime_serde")]
+    pub timeout: Option<Duration>,
+    /// Requests in flight per batch. Default 64.
+    pub concurrency: Option<usize>,
+}
+
+/// NATS JetStream transport settings.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NatsSection {
+    /// Server URL (required).
+    pub url: String,
+    /// Stream to check or create. Default: none.
+    pub stream: Option<String>,
+    /// Subjects of the stream when it is created. Default `["<stream>.>"]` lower-cased.
+    #[serde(default)]
+    pub subjects: Vec<String>,
+    /// Create the stream when missing. Default true.
+    #[serde(default = "yes")]
+    pub create_stream: bool,
+    /// PubAck timeout. Default 5 s.
+    #[serde(default, with = "humantime_serde")]
+    pub ack_timeout: Option<Duration>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// `[[routes]]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteSection {
+    /// `*`, `prefix*` or an exact topic.
+    pub topics: String,
+    /// Name of a `[transports.<name>]` section.
+    pub transport: String,
+    /// Destination template, `{topic}` replaced. Default `{topic}` (webhooks: the transport's URL).
+    pub destination: Option<String>,
+}
+
+impl FileConfig {
+    /// Read `path` (if given) and the `OUTBOX_*__*` environment overrides.
+    ///
+    /// # Errors
+    /// The file is missing or not TOML, a field is unknown or has the wrong type (the error
+    /// names the key).
+    pub fn load(path: Option<&Path>) -> anyhow::Result<FileConfig> {
+        let mut fig = Figment::new();
+        if let Some(p) = path {
+            if !p.exists() {
+                bail!("configuration file {} does not exist", p.display());
+            }
+            fig = fig.merge(Toml::file(p));
+        }
+        fig = fig.merge(
+            Env::prefixed("OUTBOX_")
+                .filter(|k| {
+                    ["database__", "relay__", "transports__"]
+                        .iter()
+                        .any(|s| k.as_str().starts_with(s))
+                })
+                .split("__"),
+        );
+        fig.extract()
+            .map_err(|e| anyhow::anyhow!("invalid configuration: {e}"))
+    }
+
+    /// The relay configuration, validated.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming the field.
+    pub fn relay_config(&self) -> Result<RelayConfig, ConfigError> {
+        let r = &self.relay;
+        let mut c = RelayConfig::default();
+        if let Some(v) = &r.name {
+            c.name = v.clone();
+        }
+        macro_rules! set {
+            ($($f:ident),*) => { $( if let Some(v) = r.$f { c.$f = v; } )* };
+        }
+        set!(
+            batch_size,
+            lease,
+            publish_timeout,
+            poll_interval,
+            max_attempts,
+            reap_interval,
+            in_flight_batches,
+            shutdown_timeout
+        );
+        c.backoff = Backoff {
+            base: r.backoff_base.unwrap_or(c.backoff.base),
+            max: r.backoff_max.unwrap_or(c.backoff.max),
+            ..c.backoff
+        };
+        if c.backoff.base.is_zero() {
+            return Err(ConfigError::new(
+                "relay.backoff_base",
+                "must be greater than zero",
+            ));
+        }
+        if c.backoff.max < c.backoff.base {
+            return Err(ConfigError::new(
+                "relay.backoff_max",
+                "must not be less than relay.backoff_base",
+            ));
+        }
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Check routes and transports without connecting.
+    ///
+    /// # Errors
+    /// A [`ConfigError`] naming the field (`routes[0].transport`, `transports.x.url`, …).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.relay_config()?;
+        if self.routes.is_empty() {
+            return Err(ConfigError::new(
+                "routes",
+                "at least one [[routes]] entry is needed",
+            ));
+        }
+        for (i, r) in self.routes.iter().enumerate() {
+            if !self.transports.contains_key(&r.transport) {
+                return Err(ConfigError::new(
+                    format!("routes[{i}].transport"),
+                    format!("no [transports.{}] section", r.transport),
+                ));
+            }
+            if r.topics.is_empty() {
+                return Err(ConfigError::new(
+                    format!("routes[{i}].topics"),
+                    "must not be empty",
+                ));
+            }
+        }
+        for (name, t) in &self.transports {
+            match t {
+                TransportSection::Webhook(w) => {
+                    let url = url_ok(&w.url, &["http", "https"]);
+                    url.map_err(|r| ConfigError::new(format!("transports.{name}.url"), r))?;
+                    if let Some(var) = &w.secret_env {
+                        if std::env::var(var).is_err() {
+                            return Err(ConfigError::new(
+                                format!("transports.{name}.secret_env"),
+                                format!("environment variable {var} is not set"),
+                            ));
+                        }
+                    }
+                }
+                TransportSection::Nats(n) => {
+                    url_ok(&n.url, &["nats", "tls"])
+                        .map_err(|r| ConfigError::new(format!("transports.{name}.url"), r))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Connect every transport and build the router.
+    ///
+    /// # Errors
+    /// A transport that cannot be built or reached, named.
+    pub async fn router(&self) -> anyhow::Result<Router> {
+        self.validate()?;
+        let mut built: BTreeMap<&str, Arc<dyn Transport>> = BTreeMap::new();
+        for (name, t) in &self.transports {
+            if !self.routes.iter().any(|r| &r.transport == name) {
+                continue;
+            }
+            let transport: Arc<dyn Transport> = match t {
+                TransportSection::Webhook(w) => {
+                    let mut c = outbox::WebhookConfig::new(&w.url);
+                    if let Some(var) = &w.secret_env {
+                        c.secret = Some(
+                            std::env::var(var)
+                                .with_context(|| format!("transports.{name}.secret_env"))?,
+                        );
+                    }
+                    if let Some(t) = w.timeout {
+                        c.timeout = t;
+                    }
+                    if let Some(n) = w.concurrency {
+                        c.concurrency = n;
+                    }
+                    Arc::new(outbox::WebhookTransport::new(c).map_err(|e| prefix(e, name))?)
+                }
+                TransportSection::Nats(n) => {
+                    let mut c = outbox::NatsConfig::new(&n.url);
+                    if let Some(s) = &n.stream {
+                        let subjects = if n.subjects.is_empty() {
+                            vec![format!("{}.>", s.to_lowercase())]
+                        } else {
+                            n.subjects.clone()
+                        };
+                        c.stream = Some(outbox::StreamSetup {
+                            name: s.clone(),
+                            subjects,
+                            create: n.create_stream,
+                        });
+                    }
+                    if let Some(t) = n.ack_timeout {
+                        c.ack_timeout = t;
+                    }
+                    Arc::new(
+                        outbox::NatsTransport::connect(c)
+                            .await
+                            .map_err(|e| prefix(e, name))?,
+                    )
+                }
+            };
+            built.insert(name, transport);
+        }
+        let mut router = Router::new();
+        for r in &self.routes {
+            let t = built[r.transport.as_str()].clone();
+            let default_dest = match &self.transports[&r.transport] {
+                TransportSection::Webhook(_) => "",
+                TransportSection::Nats(_) => "{topic}",
+            };
+            router = router.route(
+                &r.topics,
+                t,
+                r.destination.clone().unwrap_or_else(|| default_dest.into()),
+            );
+        }
+        Ok(router)
+    }
+}
+
+fn prefix(e: ConfigError, name: &str) -> ConfigError {
+    ConfigError::new(format!("transports.{name}.{}", e.field), e.reason)
+}
+
+fn url_ok(url: &str, schemes: &[&str]) -> Result<(), String> {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return Err(format!(
+            "{url:?} is not a URL (expected {}://…)",
+            schemes[0]
+        ));
+    };
+    if !schemes.contains(&scheme) {
+        return Err(format!("scheme {scheme:?} is not one of {schemes:?}"));
+    }
+    if rest.is_empty() {
+        return Err("host is missing".into());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(s: &str) -> Result<FileConfig, figment::Error> {
+        Figment::from(Toml::string(s)).extract()
+    }
+
+    const GOOD: &str = r#"
+        [database]
+        url = "sqlite://x.db"
+        [relay]
+        batch_size = 100
+        lease = "30s"
+        [transports.hooks]
+        kind = "webhook"
+        url = "http://127.0.0.1:9/"
+        [transports.bus]
+        kind = "nats"
+        url = "nats://127.0.0.1:4222"
+        stream = "ORDERS"
+        [[routes]]
+        topics = "order-*"
+        transport = "bus"
+        destination = "orders.{topic}"
+        [[routes]]
+        topics = "*"
+        transport = "hooks"
+    "#;
+
+    #[test]
+    fn good_file_parses_and_validates() {
+        let c = parse(GOOD).unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.relay_config().unwrap().batch_size, 100);
+        assert_eq!(c.database.table, "outbox");
+    }
+
+    #[test]
+    fn unknown_field_is_named() {
+        let e = parse(&GOOD.replace("batch_size = 100", "batch_sise = 100"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("batch_sise"), "{e}");
+    }
+
+    #[test]
+    fn bad_values_name_the_field() {
+        let c = parse(&GOOD.replace("lease = \"30s\"", "lease = \"1s\"")).unwrap();
+        assert_eq!(c.validate().unwrap_err().field, "relay.lease");
+        let c = parse(&GOOD.replace("transport = \"bus\"", "transport = \"nope\"")).unwrap();
+        assert_eq!(c.validate().unwrap_err().field, "routes[0].transport");
+        let c = parse(&GOOD.replace("http://127.0.0.1:9/", "ftp://x")).unwrap();
+        assert_eq!(c.validate().unwrap_err().field, "transports.hooks.url");
+        let e = parse(&GOOD.replace("batch_size = 100", "batch_size = \"many\""))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("batch_size"), "{e}");
+    }
+}
