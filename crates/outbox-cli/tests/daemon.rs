@@ -1,0 +1,361 @@
+//! The `outbox` binary as an operator runs it: plain-SQL producers, the relay daemon with a TOML
+//! file, SIGTERM and kill -9, and configuration errors. Needs the PostgreSQL and NATS JetStream
+//! servers (`OUTBOX_TEST_POSTGRES_URL`, `OUTBOX_TEST_NATS_URL`).
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use futures::StreamExt;
+use sqlx::PgPool;
+
+fn pg_url() -> String {
+    std::env::var("OUTBOX_TEST_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+fn nats_url() -> String {
+    std::env::var("OUTBOX_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+}
+
+async fn pg() -> PgPool {
+    PgPool::connect(&pg_url()).await.unwrap_or_else(|e| {
+        panic!(
+            "PostgreSQL is required at {} (set OUTBOX_TEST_POSTGRES_URL): {e}",
+            pg_url()
+        )
+    })
+}
+
+async fn nats() -> async_nats::jetstream::Context {
+    let client = async_nats::connect(nats_url()).await.unwrap_or_else(|e| {
+        panic!(
+            "NATS JetStream is required at {} (set OUTBOX_TEST_NATS_URL): {e}",
+            nats_url()
+        )
+    });
+    async_nats::jetstream::new(client)
+}
+
+fn outbox() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_outbox"))
+}
+
+struct Fixture {
+    dir: PathBuf,
+    table: String,
+    stream: String,
+    subject: String,
+}
+
+impl Fixture {
+    fn new(name: &str) -> Fixture {
+        let suffix = format!("{:08x}", rand::random::<u32>());
+        let dir = std::env::temp_dir().join(format!("outbox-daemon-{name}-{suffix}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        Fixture {
+            dir,
+            table: format!("daemon_{name}_{suffix}"),
+            stream: format!("DAEMON_{}_{suffix}", name.to_uppercase()),
+            subject: format!("daemon.{name}.{suffix}"),
+        }
+    }
+
+    fn config(&self, lease: &str, publish_timeout: &str) -> PathBuf {
+        let path = self.dir.join("outbox.toml");
+        std::fs::write(
+            &path,
+            format!(
+                r#"
+[database]
+url = "{pg}"
+table = "{table}"
+inbox_table = "{table}_inbox"
+
+[relay]
+poll_interval = "30s"
+lease = "{lease}"
+publish_timeout = "{publish_timeout}"
+reap_interval = "500ms"
+batch_size = 200
+
+[transports.bus]
+kind = "nats"
+url = "{nats}"
+stream = "{stream}"
+subjects = ["{subject}.>"]
+
+[[routes]]
+topics = "*"
+transport = "bus"
+destination = "{subject}.{{topic}}"
+"#,
+                pg = pg_url(),
+                nats = nats_url(),
+                table = self.table,
+                stream = self.stream,
+                subject = self.subject,
+            ),
+        )
+        .unwrap();
+        path
+    }
+
+    fn spawn_relay(&self, config: &Path) -> Child {
+        outbox()
+            .args(["relay", "--config"])
+            .arg(config)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start outbox relay")
+    }
+
+    fn migrate(&self) {
+        let out = outbox()
+            .args([
+                "migrate",
+                "--database",
+                &pg_url(),
+                "--table",
+                &self.table,
+                "--inbox-table",
+            ])
+            .arg(format!("{}_inbox", self.table))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "migrate failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+async fn count(pool: &PgPool, table: &str, status: i16) -> i64 {
+    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM {table} WHERE status = $1"
+    )))
+    .bind(status)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+async fn wait_until_sent(pool: &PgPool, table: &str, n: i64, within: Duration) {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let sent = count(pool, table, 2).await;
+        if sent == n {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "only {sent} of {n} rows SENT within {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The message ids in the stream, read with an ephemeral consumer; panics on a duplicate.
+async fn stream_ids(
+    js: &async_nats::jetstream::Context,
+    stream: &str,
+    expected: usize,
+) -> HashSet<String> {
+    let stream = js.get_stream(stream).await.unwrap();
+    let consumer = stream
+        .create_consumer(async_nats::jetstream::consumer::pull::Config {
+            ack_policy: async_nats::jetstream::consumer::AckPolicy::None,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let mut ids = HashSet::new();
+    let mut messages = consumer
+        .fetch()
+        .max_messages(expected + 10)
+        .expires(Duration::from_secs(2))
+        .messages()
+        .await
+        .unwrap();
+    while let Some(m) = messages.next().await {
+        let m = m.unwrap();
+        let id = m
+            .headers
+            .as_ref()
+            .and_then(|h| h.get("Nats-Msg-Id"))
+            .map(|v| v.to_string())
+            .expect("Nats-Msg-Id");
+        assert!(
+            ids.insert(id.clone()),
+            "message {id} is in the stream twice"
+        );
+    }
+    ids
+}
+
+#[tokio::test]
+async fn plain_sql_rows_are_published_to_nats_and_sigterm_exits_cleanly() {
+    let f = Fixture::new("sql");
+    f.migrate();
+    let pool = pg().await;
+    let js = nats().await;
+    let config = f.config("30s", "5s");
+    let mut relay = f.spawn_relay(&config);
+    // A producer in another language: plain SQL, its own transaction, no library involved.
+    let mut tx = pool.begin().await.unwrap();
+    for i in 0..50 {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO {} (topic, partition_key, payload) VALUES ('order-created', $1, $2)",
+            f.table
+        )))
+        .bind(format!("order-{i}"))
+        .bind(format!("{{\"order\":{i}}}").into_bytes())
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    }
+    tx.commit().await.unwrap();
+    // poll_interval is 30 s: only the NOTIFY wake-up can deliver this fast.
+    wait_until_sent(&pool, &f.table, 50, Duration::from_secs(10)).await;
+    let ids = stream_ids(&js, &f.stream, 50).await;
+    let rows: Vec<uuid::Uuid> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT message_id FROM {}",
+        f.table
+    )))
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let expected: HashSet<String> = rows.iter().map(|u| u.to_string()).collect();
+    assert_eq!(ids, expected);
+
+    nix_kill(&relay, "TERM");
+    let status = wait_exit(&mut relay, Duration::from_secs(20));
+    assert_eq!(
+        status.code(),
+        Some(0),
+        "relay did not exit 0 on SIGTERM: {status:?}"
+    );
+    assert_eq!(
+        count(&pool, &f.table, 1).await,
+        0,
+        "rows left SENDING after shutdown"
+    );
+    js.delete_stream(&f.stream).await.unwrap();
+}
+
+#[tokio::test]
+async fn relay_killed_with_sigkill_mid_stream_loses_nothing() {
+    let f = Fixture::new("kill");
+    f.migrate();
+    let pool = pg().await;
+    let js = nats().await;
+    let n = 20_000i64;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {} (topic, payload) SELECT 'order-created', convert_to(g::text, 'UTF8') FROM generate_series(1, $1) g",
+        f.table
+    )))
+    .bind(n)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let config = f.config("3s", "1s");
+    for round in 0..3 {
+        let mut relay = f.spawn_relay(&config);
+        // Kill it once it has made progress, wherever it is.
+        let target = (round + 1) * n / 5;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while count(&pool, &f.table, 2).await < target {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "relay made no progress in round {round}"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        nix_kill(&relay, "KILL");
+        wait_exit(&mut relay, Duration::from_secs(5));
+    }
+    let mut relay = f.spawn_relay(&config);
+    wait_until_sent(&pool, &f.table, n, Duration::from_secs(60)).await;
+    nix_kill(&relay, "TERM");
+    wait_exit(&mut relay, Duration::from_secs(20));
+    // Every row is in the stream once: re-publishes carry the same Nats-Msg-Id and JetStream
+    // drops them within its duplicate window.
+    let ids = stream_ids(&js, &f.stream, n as usize).await;
+    assert_eq!(ids.len() as i64, n);
+    let failed = count(&pool, &f.table, 4).await;
+    assert_eq!(failed, 0);
+    js.delete_stream(&f.stream).await.unwrap();
+}
+
+#[test]
+fn bad_configuration_is_named_and_exits_non_zero() {
+    let f = Fixture::new("badcfg");
+    let path = f.dir.join("bad.toml");
+    std::fs::write(
+        &path,
+        "[database]\nurl = \"sqlite://x.db\"\n[relay]\nlease = \"1s\"\n[transports.t]\nkind = \"webhook\"\nurl = \"http://127.0.0.1:9/\"\n[[routes]]\ntopics = \"*\"\ntransport = \"t\"\n",
+    )
+    .unwrap();
+    let out = outbox()
+        .args(["relay", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("relay.lease"), "{err}");
+
+    std::fs::write(&path, "[database]\nurl = \"sqlite://x.db\"\nbogus = 1\n").unwrap();
+    let out = outbox()
+        .args(["relay", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("bogus"));
+
+    let out = outbox()
+        .args(["status", "--database", "mysql://nope"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unsupported database URL"));
+
+    let db = format!("sqlite://{}", f.dir.join("empty.db").display());
+    let out = outbox()
+        .args(["status", "--database", &db])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("outbox migrate"),
+        "missing-table error must say how to fix it"
+    );
+}
+
+fn nix_kill(child: &Child, signal: &str) {
+    let ok = Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg(child.id().to_string())
+        .status()
+        .unwrap();
+    assert!(ok.success());
+}
+
+fn wait_exit(child: &mut Child, within: Duration) -> std::process::ExitStatus {
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("process did not exit within {within:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
