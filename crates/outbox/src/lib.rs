@@ -55,3 +55,8 @@ pub use transport::nats::{NatsConfig, NatsTransport, StreamSetup};
 #[cfg(feature = "webhook")]
 pub use transport::webhook::{WebhookConfig, WebhookSigner, WebhookTransport};
 pub use transport::{MemoryTransport, Outgoing, Route, Router, TopicPattern, Transport};
+
+/// The README's examples, compiled as doc tests so they stay true.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeExamples;
