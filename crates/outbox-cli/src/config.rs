@@ -253,13 +253,13 @@ impl FileConfig {
                 TransportSection::Webhook(w) => {
                     let url = url_ok(&w.url, &["http", "https"]);
                     url.map_err(|r| ConfigError::new(format!("transports.{name}.url"), r))?;
-                    if let Some(var) = &w.secret_env {
-                        if std::env::var(var).is_err() {
-                            return Err(ConfigError::new(
-                                format!("transports.{name}.secret_env"),
-                                format!("environment variable {var} is not set"),
-                            ));
-                        }
+                    if let Some(var) = &w.secret_env
+                        && std::env::var(var).is_err()
+                    {
+                        return Err(ConfigError::new(
+                            format!("transports.{name}.secret_env"),
+                            format!("environment variable {var} is not set"),
+                        ));
                     }
                 }
                 TransportSection::Nats(n) => {
@@ -366,8 +366,8 @@ fn url_ok(url: &str, schemes: &[&str]) -> Result<(), String> {
 mod tests {
     use super::*;
 
-    fn parse(s: &str) -> Result<FileConfig, figment::Error> {
-        Figment::from(Toml::string(s)).extract()
+    fn parse(s: &str) -> Result<FileConfig, Box<figment::Error>> {
+        Figment::from(Toml::string(s)).extract().map_err(Box::new)
     }
 
     const GOOD: &str = r#"

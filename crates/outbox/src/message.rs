@@ -233,10 +233,10 @@ impl Limits {
     /// The first problem found, as an [`EnqueueError`] variant that names it.
     pub fn validate(&self, msg: &NewMessage) -> Result<(), EnqueueError> {
         validate_topic(&msg.topic)?;
-        if let Some(key) = &msg.partition_key {
-            if key.is_empty() || key.len() > 255 || key.chars().any(char::is_control) {
-                return Err(EnqueueError::InvalidPartitionKey(key.clone()));
-            }
+        if let Some(key) = &msg.partition_key
+            && (key.is_empty() || key.len() > 255 || key.chars().any(char::is_control))
+        {
+            return Err(EnqueueError::InvalidPartitionKey(key.clone()));
         }
         if msg.payload.len() > self.max_payload_bytes {
             return Err(EnqueueError::PayloadTooLarge {
@@ -261,10 +261,10 @@ impl Limits {
         if msg.max_attempts == Some(0) {
             return Err(EnqueueError::InvalidMaxAttempts);
         }
-        if let Some(delay) = msg.delay {
-            if delay > Duration::from_secs(365 * 24 * 3600) {
-                return Err(EnqueueError::DelayTooLong(delay));
-            }
+        if let Some(delay) = msg.delay
+            && delay > Duration::from_secs(365 * 24 * 3600)
+        {
+            return Err(EnqueueError::DelayTooLong(delay));
         }
         Ok(())
     }

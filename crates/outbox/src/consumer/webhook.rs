@@ -99,10 +99,10 @@ where
             map.insert(k.as_str().to_owned(), v.to_owned());
         }
     }
-    if !map.contains_key(HEADER_MESSAGE_ID) {
-        if let Some(id) = map.get("webhook-id").cloned() {
-            map.insert(HEADER_MESSAGE_ID.into(), id);
-        }
+    if !map.contains_key(HEADER_MESSAGE_ID)
+        && let Some(id) = map.get("webhook-id").cloned()
+    {
+        map.insert(HEADER_MESSAGE_ID.into(), id);
     }
     map.entry(HEADER_TOPIC.into())
         .or_insert_with(|| "webhook".into());

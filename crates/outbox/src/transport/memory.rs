@@ -92,11 +92,11 @@ impl Transport for MemoryTransport {
                 if st.down {
                     return Err(TransportError::unavailable("memory broker is down"));
                 }
-                if let Some(kinds) = st.fail_next.get_mut(&o.message.message_id) {
-                    if !kinds.is_empty() {
-                        let kind = kinds.remove(0);
-                        return Err(TransportError::new(kind, "injected failure"));
-                    }
+                if let Some(kinds) = st.fail_next.get_mut(&o.message.message_id)
+                    && !kinds.is_empty()
+                {
+                    let kind = kinds.remove(0);
+                    return Err(TransportError::new(kind, "injected failure"));
                 }
                 st.delivered.push(Delivered {
                     message: o.message.clone(),
