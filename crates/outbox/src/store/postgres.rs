@@ -136,7 +136,9 @@ impl PgStore {
             )
             .into(),
             next_due: format!(
-                "SELECT GREATEST(CEIL(EXTRACT(EPOCH FROM (MIN(available_at) - now())) * 1000), 0)::bigint \
+                // GREATEST ignores NULLs, so an empty table needs the CASE to answer NULL (no row).
+                "SELECT CASE WHEN MIN(available_at) IS NULL THEN NULL ELSE \
+                 GREATEST(CEIL(EXTRACT(EPOCH FROM (MIN(available_at) - now())) * 1000), 0)::bigint END \
                  FROM {t} WHERE status = 0"
             )
             .into(),

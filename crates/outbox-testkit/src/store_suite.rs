@@ -1,0 +1,481 @@
+//! The store conformance suite: one async function per property, generic over
+//! [`StoreFixture`](crate::StoreFixture), run against every dialect on the real database.
+//!
+//! Each function panics on a violation (they are called from `#[tokio::test]`s).
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use outbox::store::{ClaimRequest, Completion, Outcome};
+use outbox::{EnqueueError, NewMessage, Status, StoreErrorKind};
+
+use crate::{StoreFixture, wait_until};
+
+fn req(batch: u32, lease: Duration) -> ClaimRequest {
+    ClaimRequest {
+        owner: "suite".into(),
+        batch_size: batch,
+        lease,
+    }
+}
+
+const LONG: Duration = Duration::from_secs(60);
+
+/// `migrate` can run again (twice) without error or data loss.
+pub async fn migrate_is_idempotent<F: StoreFixture>(fx: &F) {
+    let ids = fx
+        .enqueue_commit(vec![NewMessage::new("t", "x")])
+        .await
+        .unwrap();
+    fx.store().migrate().await.expect("second migrate");
+    fx.store().migrate().await.expect("third migrate");
+    let rows = fx.rows().await;
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].message_id, ids[0]);
+}
+
+/// A rolled-back enqueue is never visible; a committed one is claimed.
+pub async fn rollback_is_never_visible<F: StoreFixture>(fx: &F) {
+    fx.enqueue_rollback(vec![NewMessage::new("t", "rolled-back")])
+        .await
+        .expect("enqueue inside the transaction works");
+    let store = fx.store();
+    let claim = store.claim(&req(10, LONG)).await.unwrap();
+    assert!(claim.messages.is_empty(), "rolled back message claimed");
+    assert!(fx.rows().await.is_empty());
+    let ids = fx
+        .enqueue_commit(vec![NewMessage::new("t", "committed")])
+        .await
+        .unwrap();
+    let claim = store.claim(&req(10, LONG)).await.unwrap();
+    assert_eq!(
+        claim
+            .messages
+            .iter()
+            .map(|m| m.message_id)
+            .collect::<Vec<_>>(),
+        ids
+    );
+}
+
+/// Two claimers racing over 200 rows never get the same row, and together get them all.
+pub async fn claims_are_exclusive<F: StoreFixture>(fx: &F) {
+    let msgs: Vec<NewMessage> = (0..200)
+        .map(|i| NewMessage::new("t", format!("{i}")))
+        .collect();
+    fx.enqueue_commit(msgs).await.unwrap();
+    let run = |store: std::sync::Arc<dyn outbox::Store>| async move {
+        let mut got = Vec::new();
+        loop {
+            let c = store.claim(&req(7, LONG)).await.expect("claim");
+            if c.messages.is_empty() {
+                return got;
+            }
+            got.extend(c.messages.into_iter().map(|m| (m.id, m.attempts)));
+            tokio::task::yield_now().await;
+        }
+    };
+    let (a, b) = tokio::join!(tokio::spawn(run(fx.store())), tokio::spawn(run(fx.store())));
+    let (a, b) = (a.unwrap(), b.unwrap());
+    let mut all = HashSet::new();
+    for (id, attempts) in a.iter().chain(b.iter()) {
+        assert!(all.insert(*id), "row {id} claimed twice");
+        assert_eq!(*attempts, 1);
+    }
+    assert_eq!(all.len(), 200, "a: {}, b: {}", a.len(), b.len());
+    assert!(
+        fx.rows()
+            .await
+            .iter()
+            .all(|r| r.status == Status::Sending.as_i16())
+    );
+}
+
+/// A claim with a short lease expires; the reaper returns the row to PENDING, due now, attempts
+/// kept; a live lease is not reaped; an expired last attempt goes to FAILED.
+pub async fn lease_expiry_and_reaping<F: StoreFixture>(fx: &F) {
+    let store = fx.store();
+    let ids = fx
+        .enqueue_commit(vec![NewMessage::new("t", "short")])
+        .await
+        .unwrap();
+    let c = store
+        .claim(&req(10, Duration::from_millis(300)))
+        .await
+        .unwrap();
+    assert_eq!(c.messages.len(), 1);
+    let live = fx
+        .enqueue_commit(vec![NewMessage::new("t", "long")])
+        .await
+        .unwrap();
+    let c2 = store.claim(&req(10, LONG)).await.unwrap();
+    assert_eq!(c2.messages[0].message_id, live[0]);
+    // Not yet expired: nothing to reap.
+    assert_eq!(store.reap_expired_leases(100, 16).await.unwrap(), 0);
+    wait_until(
+        "the short lease to be reaped",
+        Duration::from_secs(5),
+        || {
+            let store = store.clone();
+            async move { store.reap_expired_leases(100, 16).await.unwrap() == 1 }
+        },
+    )
+    .await;
+    let r = fx.row(ids[0]).await;
+    assert_eq!(r.status, Status::Pending.as_i16());
+    assert_eq!(r.attempts, 1, "reaping keeps the attempt count");
+    assert!(r.lease_token.is_none());
+    assert!(r.due_in_ms <= 0, "reaped row is due now");
+    assert!(r.last_error.is_some(), "reaping records why");
+    assert_eq!(
+        fx.row(live[0]).await.status,
+        Status::Sending.as_i16(),
+        "a live lease is not reaped"
+    );
+    let again = store.claim(&req(10, LONG)).await.unwrap();
+    assert_eq!(again.messages.len(), 1);
+    assert_eq!(again.messages[0].message_id, ids[0]);
+    assert_eq!(again.messages[0].attempts, 2);
+
+    // Last attempt expired: FAILED.
+    let last = fx
+        .enqueue_commit(vec![NewMessage::new("t", "last").with_max_attempts(1)])
+        .await
+        .unwrap();
+    store
+        .claim(&req(10, Duration::from_millis(200)))
+        .await
+        .unwrap();
+    wait_until(
+        "the last-attempt lease to be reaped",
+        Duration::from_secs(5),
+        || {
+            let store = store.clone();
+            async move { store.reap_expired_leases(100, 16).await.unwrap() == 1 }
+        },
+    )
+    .await;
+    let r = fx.row(last[0]).await;
+    assert_eq!(r.status, Status::Failed.as_i16());
+    assert!(r.last_error.is_some());
+}
+
+/// A completion with a stale token matches no row and changes nothing; the right token works.
+pub async fn fenced_completion<F: StoreFixture>(fx: &F) {
+    let store = fx.store();
+    let ids = fx
+        .enqueue_commit(vec![NewMessage::new("t", "a"), NewMessage::new("t", "b")])
+        .await
+        .unwrap();
+    let c = store.claim(&req(10, LONG)).await.unwrap();
+    assert_eq!(c.messages.len(), 2);
+    let snapshot = |rows: Vec<crate::RowState>| {
+        rows.into_iter()
+            .map(|r| crate::RowState { due_in_ms: 0, ..r })
+            .collect::<Vec<_>>()
+    };
+    let before = snapshot(fx.rows().await);
+    let stale = c.token ^ 1;
+    let done: Vec<Completion> = c
+        .messages
+        .iter()
+        .map(|m| Completion {
+            id: m.id,
+            outcome: Outcome::Sent,
+        })
+        .collect();
+    assert_eq!(store.complete(stale, &done).await.unwrap(), 0);
+    assert_eq!(
+        snapshot(fx.rows().await),
+        before,
+        "a stale token changed a row"
+    );
+    assert_eq!(store.complete(c.token, &done).await.unwrap(), 2);
+    for id in &ids {
+        let r = fx.row(*id).await;
+        assert_eq!(r.status, Status::Sent.as_i16());
+        assert!(r.sent);
+        assert!(r.lease_token.is_none());
+    }
+    // A second completion with the same token is refused too (the lease is gone).
+    assert_eq!(store.complete(c.token, &done).await.unwrap(), 0);
+    let stats = store.stats().await.unwrap();
+    assert_eq!(stats.counts[&Status::Sent], 2);
+    assert_eq!(stats.counts[&Status::Sending], 0);
+}
+
+/// `Retry` puts the row back to PENDING due `delay` later on the database clock: not claimable
+/// at once, claimable after the delay, attempts kept, error recorded.
+pub async fn retry_backs_off_on_the_database_clock<F: StoreFixture>(fx: &F) {
+    let store = fx.store();
+    let ids = fx
+        .enqueue_commit(vec![NewMessage::new("t", "x")])
+        .await
+        .unwrap();
+    let c = store.claim(&req(10, LONG)).await.unwrap();
+    let delay = Duration::from_millis(1500);
+    let n = store
+        .complete(
+            c.token,
+            &[Completion {
+                id: c.messages[0].id,
+                outcome: Outcome::Retry {
+                    delay,
+                    error: "broker said no".into(),
+                },
+            }],
+        )
+        .await
+        .unwrap();
+    assert_eq!(n, 1);
+    let started = tokio::time::Instant::now();
+    let r = fx.row(ids[0]).await;
+    assert_eq!(r.status, Status::Pending.as_i16());
+    assert_eq!(r.attempts, 1);
+    assert_eq!(r.last_error.as_deref(), Some("broker said no"));
+    assert!(
+        (1000..=1600).contains(&r.due_in_ms),
+        "due in {} ms on the database clock",
+        r.due_in_ms
+    );
+    assert!(
+        store
+            .claim(&req(10, LONG))
+            .await
+            .unwrap()
+            .messages
+            .is_empty()
+    );
+    let due = store.next_due_in().await.unwrap().expect("a pending row");
+    assert!(due > Duration::from_millis(900) && due <= delay, "{due:?}");
+    wait_until(
+        "the retried row to be claimable",
+        Duration::from_secs(5),
+        || {
+            let store = store.clone();
+            async move {
+                !store
+                    .claim(&req(10, LONG))
+                    .await
+                    .unwrap()
+                    .messages
+                    .is_empty()
+            }
+        },
+    )
+    .await;
+    assert!(started.elapsed() >= Duration::from_millis(900));
+    assert_eq!(fx.row(ids[0]).await.attempts, 2);
+}
+
+/// `Failed` dead-letters with the reason; stats and `failed()` show it.
+pub async fn dead_letter<F: StoreFixture>(fx: &F) {
+    let store = fx.store();
+    let ids = fx
+        .enqueue_commit(vec![
+            NewMessage::new("poison", "x"),
+            NewMessage::new("t", "y"),
+        ])
+        .await
+        .unwrap();
+    let c = store.claim(&req(10, LONG)).await.unwrap();
+    let comps = vec![
+        Completion {
+            id: c.messages[0].id,
+            outcome: Outcome::Failed {
+                reason: "too large for the broker".into(),
+            },
+        },
+        Completion {
+            id: c.messages[1].id,
+            outcome: Outcome::Sent,
+        },
+    ];
+    assert_eq!(store.complete(c.token, &comps).await.unwrap(), 2);
+    let r = fx.row(ids[0]).await;
+    assert_eq!(r.status, Status::Failed.as_i16());
+    assert_eq!(r.last_error.as_deref(), Some("too large for the broker"));
+    let stats = store.stats().await.unwrap();
+    assert_eq!(stats.counts[&Status::Failed], 1);
+    assert_eq!(stats.counts[&Status::Sent], 1);
+    let failed = store.failed(10).await.unwrap();
+    assert_eq!(failed.len(), 1);
+    assert_eq!(failed[0].message_id, ids[0]);
+    assert_eq!(failed[0].topic, "poison");
+    assert_eq!(failed[0].attempts, 1);
+    assert_eq!(
+        failed[0].last_error.as_deref(),
+        Some("too large for the broker")
+    );
+    assert!(
+        store
+            .claim(&req(10, LONG))
+            .await
+            .unwrap()
+            .messages
+            .is_empty()
+    );
+}
+
+/// `Release` gives the attempt back.
+pub async fn release_gives_the_attempt_back<F: StoreFixture>(fx: &F) {
+    let store = fx.store();
+    let ids = fx
+        .enqueue_commit(vec![NewMessage::new("t", "x")])
+        .await
+        .unwrap();
+    let c = store.claim(&req(10, LONG)).await.unwrap();
+    assert_eq!(c.messages[0].attempts, 1);
+    store
+        .complete(
+            c.token,
+            &[Completion {
+                id: c.messages[0].id,
+                outcome: Outcome::Release {
+                    delay: Duration::ZERO,
+                },
+            }],
+        )
+        .await
+        .unwrap();
+    let r = fx.row(ids[0]).await;
+    assert_eq!(r.status, Status::Pending.as_i16());
+    assert_eq!(r.attempts, 0);
+    let c = store.claim(&req(10, LONG)).await.unwrap();
+    assert_eq!(c.messages.len(), 1);
+    assert_eq!(c.messages[0].attempts, 1);
+}
+
+/// Validation errors are typed and raised before anything is written, and a bad message in a
+/// batch writes none of the batch.
+pub async fn validation_errors_write_nothing<F: StoreFixture>(fx: &F) {
+    let e = fx
+        .enqueue_commit(vec![NewMessage::new("", "x")])
+        .await
+        .unwrap_err();
+    assert!(matches!(e, EnqueueError::InvalidTopic(_)), "{e:?}");
+    let e = fx
+        .enqueue_commit(vec![NewMessage::new("t", vec![0u8; 1024 * 1024 + 1])])
+        .await
+        .unwrap_err();
+    assert!(matches!(e, EnqueueError::PayloadTooLarge { .. }), "{e:?}");
+    let e = fx
+        .enqueue_commit(vec![NewMessage::new("t", "x").with_header("bad name", "v")])
+        .await
+        .unwrap_err();
+    assert!(matches!(e, EnqueueError::InvalidHeaderName(_)), "{e:?}");
+    let e = fx
+        .enqueue_commit(vec![
+            NewMessage::new("t", "good"),
+            NewMessage::new("t", "x").with_header("outbox-topic", "spoof"),
+        ])
+        .await
+        .unwrap_err();
+    assert!(matches!(e, EnqueueError::InvalidHeaderName(_)), "{e:?}");
+    assert!(fx.rows().await.is_empty(), "a refused enqueue wrote rows");
+}
+
+/// Payload bytes round-trip byte-exact: invalid UTF-8 (0xFF 0xFE), NUL bytes, and JSON with a
+/// `\u0000` escape (shared case C08).
+pub async fn payload_round_trips_byte_exact<F: StoreFixture>(fx: &F) {
+    let binary = vec![0xFF, 0xFE, 0x00, 0x01, 0x80, 0xC3, 0x28];
+    let json =
+        NewMessage::json("t", &serde_json::json!({"s": "a\u{0000}b", "emoji": "😀"})).unwrap();
+    let json_bytes = json.payload().to_vec();
+    assert!(
+        json_bytes.windows(6).any(|w| w == b"\\u0000"),
+        "the JSON carries the \\u0000 escape"
+    );
+    let raw_nul = b"{\"s\":\"a\x00b\"}".to_vec();
+    let ids = fx
+        .enqueue_commit(vec![
+            NewMessage::new("t", binary.clone()),
+            json,
+            NewMessage::new("t", raw_nul.clone()),
+            NewMessage::new("t", Vec::new()),
+        ])
+        .await
+        .unwrap();
+    let c = fx.store().claim(&req(10, LONG)).await.unwrap();
+    let by_id = |id| {
+        c.messages
+            .iter()
+            .find(|m| m.message_id == id)
+            .expect("claimed")
+            .payload
+            .clone()
+    };
+    assert_eq!(by_id(ids[0]), binary);
+    assert_eq!(by_id(ids[1]), json_bytes);
+    assert_eq!(by_id(ids[2]), raw_nul);
+    assert_eq!(by_id(ids[3]), Vec::<u8>::new());
+    let json_msg = c.messages.iter().find(|m| m.message_id == ids[1]).unwrap();
+    assert_eq!(
+        json_msg.headers.get("content-type").map(String::as_str),
+        Some("application/json")
+    );
+}
+
+/// A row inserted with plain SQL by a foreign producer, giving only the required columns, is
+/// claimed with the defaults.
+pub async fn plain_sql_insert_is_claimed<F: StoreFixture>(fx: &F) {
+    let id = fx.insert_plain_sql("foreign.topic", b"from java").await;
+    let c = fx.store().claim(&req(10, LONG)).await.unwrap();
+    assert_eq!(c.messages.len(), 1);
+    let m = &c.messages[0];
+    assert_eq!(m.message_id, id);
+    assert_eq!(m.topic, "foreign.topic");
+    assert_eq!(m.payload, b"from java");
+    assert!(m.headers.is_empty());
+    assert_eq!(m.attempts, 1);
+}
+
+/// Table names that are not plain identifiers are rejected before any SQL runs.
+pub async fn invalid_table_identifiers_are_rejected<F: StoreFixture>(fx: &F) {
+    for bad in [
+        "outbox; DROP TABLE outbox",
+        "",
+        "1outbox",
+        "out box",
+        "\"outbox\"",
+        "a.b.c",
+    ] {
+        let e = fx.open_with_table(bad).await.expect_err(bad);
+        assert_eq!(e.kind(), StoreErrorKind::Config, "{bad:?}: {e:?}");
+    }
+}
+
+/// `next_due_in` and `stats` on an empty and a non-empty table; a delayed message is not
+/// claimable before its delay.
+pub async fn delayed_message_and_stats<F: StoreFixture>(fx: &F) {
+    let store = fx.store();
+    assert_eq!(store.next_due_in().await.unwrap(), None);
+    let stats = store.stats().await.unwrap();
+    assert!(stats.counts.values().all(|n| *n == 0));
+    assert_eq!(stats.oldest_pending_age, None);
+    fx.enqueue_commit(vec![
+        NewMessage::new("t", "later").with_delay(Duration::from_secs(30)),
+    ])
+    .await
+    .unwrap();
+    let due = store.next_due_in().await.unwrap().expect("pending row");
+    assert!(
+        due > Duration::from_secs(28) && due <= Duration::from_secs(30),
+        "{due:?}"
+    );
+    assert!(
+        store
+            .claim(&req(10, LONG))
+            .await
+            .unwrap()
+            .messages
+            .is_empty()
+    );
+    fx.enqueue_commit(vec![NewMessage::new("t", "now")])
+        .await
+        .unwrap();
+    assert_eq!(store.next_due_in().await.unwrap(), Some(Duration::ZERO));
+    let stats = store.stats().await.unwrap();
+    assert_eq!(stats.counts[&Status::Pending], 2);
+    assert!(stats.oldest_pending_age.is_some());
+}

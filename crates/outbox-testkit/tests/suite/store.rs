@@ -1,0 +1,100 @@
+//! The store conformance suite, run against SQLite (temporary file) and PostgreSQL (own schema).
+
+macro_rules! store_conformance {
+    ($backend:ident, $fixture:ty) => {
+        mod $backend {
+            use outbox_testkit::StoreFixture as _;
+            use outbox_testkit::store_suite;
+
+            macro_rules! case {
+                ($name:ident, $suite_fn:ident) => {
+                    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                    async fn $name() {
+                        crate::init_tracing();
+                        let fx = <$fixture>::new().await;
+                        store_suite::$suite_fn(&fx).await;
+                        fx.cleanup().await;
+                    }
+                };
+            }
+
+            case!(migrate_is_idempotent, migrate_is_idempotent);
+            case!(rollback_is_never_visible, rollback_is_never_visible);
+            case!(claims_are_exclusive, claims_are_exclusive);
+            case!(lease_expiry_and_reaping, lease_expiry_and_reaping);
+            case!(fenced_completion, fenced_completion);
+            case!(
+                retry_backs_off_on_the_database_clock,
+                retry_backs_off_on_the_database_clock
+            );
+            case!(dead_letter, dead_letter);
+            case!(
+                release_gives_the_attempt_back,
+                release_gives_the_attempt_back
+            );
+            case!(
+                validation_errors_write_nothing,
+                validation_errors_write_nothing
+            );
+            case!(
+                c08_payload_round_trips_byte_exact,
+                payload_round_trips_byte_exact
+            );
+            case!(plain_sql_insert_is_claimed, plain_sql_insert_is_claimed);
+            case!(
+                invalid_table_identifiers_are_rejected,
+                invalid_table_identifiers_are_rejected
+            );
+            case!(delayed_message_and_stats, delayed_message_and_stats);
+        }
+    };
+}
+
+store_conformance!(sqlite, outbox_testkit::SqliteFixture);
+store_conformance!(postgres, outbox_testkit::PgFixture);
+
+/// Concurrent `migrate` calls on PostgreSQL are serialised and all succeed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_concurrent_migrate() {
+    use outbox::store::Store as _;
+    use outbox_testkit::StoreFixture as _;
+    let fx = outbox_testkit::PgFixture::new().await;
+    let (a, b, c) = tokio::join!(fx.store.migrate(), fx.store.migrate(), fx.store.migrate());
+    a.unwrap();
+    b.unwrap();
+    c.unwrap();
+    fx.cleanup().await;
+}
+
+/// An unqualified PostgreSQL table name (the default layout) migrates and works too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_unqualified_table() {
+    use outbox::store::{ClaimRequest, Store as _};
+    let pool = outbox_testkit::pg_pool(4).await;
+    let t = outbox_testkit::unique("obx");
+    let store = outbox::PgStore::from_pool(pool.clone(), outbox::StoreOptions::table(&t)).unwrap();
+    store.migrate().await.unwrap();
+    store.migrate().await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    let id = store
+        .enqueue(&mut tx, outbox::NewMessage::new("t", "x"))
+        .await
+        .unwrap();
+    store.commit(tx).await.unwrap();
+    let c = store
+        .claim(&ClaimRequest {
+            owner: "t".into(),
+            batch_size: 10,
+            lease: std::time::Duration::from_secs(30),
+        })
+        .await
+        .unwrap();
+    assert_eq!(c.messages[0].message_id, id);
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP TABLE {t}, {t}_inbox; DROP FUNCTION {t}_notify; \
+         DELETE FROM outbox_migrations WHERE table_name IN ('{t}', '{t}_inbox')"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+}
