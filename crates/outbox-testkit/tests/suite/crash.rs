@@ -1,1 +1,317 @@
-//! TODO
+//! Crashes and stalls: a relay that dies between the broker's ack and recording SENT; a relay
+//! paused past its lease (C15); two relays sharing 20,000 messages.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use outbox::consumer::ConsumerMetrics;
+use outbox::consumer::nats::NatsConsumerConfig;
+use outbox::store::Claim;
+use outbox::transport::memory::Delivered;
+use outbox::{
+    InboundMessage, Inbox, MemoryTransport, NewMessage, Processed, Relay, RelayConfig, RelayHooks,
+    Router, Status,
+};
+use outbox_testkit::{
+    AckThenHang, NatsFixture, PgFixture, StoreFixture, TransportFixture as _, wait_until, within,
+};
+use sqlx::PgPool;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use crate::inbox::{EffectHandler, pg_count, pg_effects};
+use crate::relay::{counts_by_id, fast_config, relay_to, wait_all_status};
+
+/// Feed every delivery (duplicates included) through a PostgreSQL inbox, as a consumer would.
+pub async fn apply_through_inbox(
+    pool: &PgPool,
+    inbox_table: &str,
+    effects: &str,
+    deliveries: &[Delivered],
+) -> (usize, usize) {
+    let inbox = Inbox::<sqlx::Postgres>::new(pool.clone(), inbox_table, "consumer").unwrap();
+    let h = EffectHandler::new(effects);
+    let (mut applied, mut dup) = (0, 0);
+    for d in deliveries {
+        let m = InboundMessage::from_wire(d.message.wire_headers(), d.message.payload.clone(), 1)
+            .unwrap();
+        match inbox.process(&m, &h).await.unwrap() {
+            Processed::Applied => applied += 1,
+            Processed::Duplicate => dup += 1,
+        }
+    }
+    (applied, dup)
+}
+
+/// The relay dies after the broker acknowledged a batch but before it recorded SENT: the rows
+/// stay SENDING until their lease expires, a new relay publishes them again (same message ids),
+/// and the inbox applies each effect once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_after_ack_before_completion_republishes_once_applied() {
+    crate::init_tracing();
+    let fx = PgFixture::new().await;
+    let pool = fx.store.pool().clone();
+    let effects = format!("{}.effects", fx.schema);
+    pg_effects(&pool, &effects).await;
+    let mem = Arc::new(MemoryTransport::new());
+    let hang = Arc::new(AckThenHang::new(mem.clone(), 1));
+    let r1 = relay_to(&fx, hang.clone(), fast_config("r1")).spawn();
+    let ids = fx
+        .enqueue_commit(
+            (0..10)
+                .map(|i| NewMessage::new("t", format!("{i}")))
+                .collect(),
+        )
+        .await
+        .unwrap();
+    within(
+        "the broker ack",
+        Duration::from_secs(10),
+        hang.acked.notified(),
+    )
+    .await;
+    r1.abort();
+    assert_eq!(mem.count(), 10);
+    assert!(
+        fx.rows()
+            .await
+            .iter()
+            .all(|r| r.status == Status::Sending.as_i16()),
+        "acknowledged but not recorded: still SENDING"
+    );
+    let r2 = relay_to(&fx, mem.clone(), fast_config("r2")).spawn();
+    within("the re-publish", Duration::from_secs(10), mem.wait_for(20)).await;
+    wait_all_status(&fx, Status::Sent, Duration::from_secs(5)).await;
+    let counts = counts_by_id(&mem.delivered());
+    for id in &ids {
+        assert_eq!(counts[id], 2, "published once before the crash, once after");
+    }
+    let (applied, dup) =
+        apply_through_inbox(&pool, &fx.inbox_table(), &effects, &mem.delivered()).await;
+    assert_eq!((applied, dup), (10, 10));
+    assert_eq!(
+        pg_count(&pool, &format!("SELECT COUNT(*) FROM {effects}")).await,
+        10
+    );
+    r2.shutdown().await.unwrap();
+    fx.cleanup().await;
+}
+
+/// The same crash with NATS: the re-publish carries the same `Nats-Msg-Id`, so the stream keeps
+/// one copy, and the consumer runner applies each message once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_after_ack_nats_duplicate_window_and_inbox() {
+    crate::init_tracing();
+    let fx = PgFixture::new().await;
+    let nats = NatsFixture::new().await;
+    let pool = fx.store.pool().clone();
+    let effects = format!("{}.effects", fx.schema);
+    pg_effects(&pool, &effects).await;
+    let dest = format!("{}.{{topic}}", nats.prefix);
+    let hang = Arc::new(AckThenHang::new(nats.transport.clone(), 1));
+    let r1 = Relay::builder(fx.store())
+        .router(Router::new().route("*", hang.clone(), dest.clone()))
+        .config(fast_config("r1"))
+        .build()
+        .unwrap()
+        .spawn();
+    fx.enqueue_commit(
+        (0..10)
+            .map(|i| NewMessage::new("t", format!("{i}")))
+            .collect(),
+    )
+    .await
+    .unwrap();
+    within(
+        "the broker ack",
+        Duration::from_secs(10),
+        hang.acked.notified(),
+    )
+    .await;
+    r1.abort();
+    let r2 = Relay::builder(fx.store())
+        .router(Router::new().route("*", nats.transport.clone(), dest))
+        .config(fast_config("r2"))
+        .build()
+        .unwrap()
+        .spawn();
+    wait_all_status(&fx, Status::Sent, Duration::from_secs(10)).await;
+    assert_eq!(r2.metrics().snapshot().sent, 10, "r2 published them again");
+    assert_eq!(
+        nats.stored().await,
+        10,
+        "the duplicate window dropped the copies"
+    );
+    let cancel = CancellationToken::new();
+    let consumer = tokio::spawn(outbox::consumer::nats::run(
+        nats.transport.jetstream().clone(),
+        NatsConsumerConfig::new(nats.stream.clone(), "billing"),
+        Inbox::<sqlx::Postgres>::new(pool.clone(), &fx.inbox_table(), "billing").unwrap(),
+        Arc::new(EffectHandler::new(&effects)),
+        Arc::new(ConsumerMetrics::default()),
+        cancel.clone(),
+    ));
+    wait_until("10 effects", Duration::from_secs(10), || async {
+        pg_count(&pool, &format!("SELECT COUNT(*) FROM {effects}")).await >= 10
+    })
+    .await;
+    assert_eq!(
+        pg_count(
+            &pool,
+            &format!("SELECT COUNT(DISTINCT message_id) FROM {effects}")
+        )
+        .await,
+        10
+    );
+    cancel.cancel();
+    let _ = within("consumer stop", Duration::from_secs(5), consumer).await;
+    r2.shutdown().await.unwrap();
+    nats.cleanup().await;
+    fx.cleanup().await;
+}
+
+/// Pauses the first claim until told to resume.
+struct PauseFirstClaim {
+    first: AtomicBool,
+    entered: Notify,
+    resume: Notify,
+}
+
+#[async_trait]
+impl RelayHooks for PauseFirstClaim {
+    async fn after_claim(&self, _claim: &Claim) {
+        if self.first.swap(false, Ordering::SeqCst) {
+            self.entered.notify_one();
+            self.resume.notified().await;
+        }
+    }
+}
+
+/// C15: R1 is paused right after its claim for longer than the lease. R2 takes the message over
+/// and publishes it; R1, on resume, does not publish (stale batch) or has its completion refused
+/// (lost lease). The inbox applies the message once; no row is left SENDING.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c15_paused_relay_past_its_lease() {
+    crate::init_tracing();
+    let fx = PgFixture::new().await;
+    let pool = fx.store.pool().clone();
+    let effects = format!("{}.effects", fx.schema);
+    pg_effects(&pool, &effects).await;
+    let hooks = Arc::new(PauseFirstClaim {
+        first: AtomicBool::new(true),
+        entered: Notify::new(),
+        resume: Notify::new(),
+    });
+    let mem1 = Arc::new(MemoryTransport::new());
+    let mem2 = Arc::new(MemoryTransport::new());
+    let r1 = Relay::builder(fx.store())
+        .router(Router::single(mem1.clone()))
+        .config(fast_config("r1"))
+        .hooks(hooks.clone())
+        .build()
+        .unwrap()
+        .spawn();
+    let ids = fx
+        .enqueue_commit(vec![NewMessage::new("t", "m1")])
+        .await
+        .unwrap();
+    within(
+        "R1 to claim",
+        Duration::from_secs(5),
+        hooks.entered.notified(),
+    )
+    .await;
+    let r2 = relay_to(&fx, mem2.clone(), fast_config("r2")).spawn();
+    within(
+        "R2 to take over after the lease",
+        Duration::from_secs(10),
+        mem2.wait_for(1),
+    )
+    .await;
+    wait_all_status(&fx, Status::Sent, Duration::from_secs(5)).await;
+    hooks.resume.notify_one();
+    wait_until(
+        "R1 to notice its stale claim",
+        Duration::from_secs(5),
+        || async {
+            let m = r1.metrics().snapshot();
+            m.stale_batches + m.lost_leases >= 1
+        },
+    )
+    .await;
+    let mut all = mem1.delivered();
+    all.extend(mem2.delivered());
+    let (applied, _) = apply_through_inbox(&pool, &fx.inbox_table(), &effects, &all).await;
+    assert_eq!(applied, 1);
+    assert_eq!(
+        pg_count(&pool, &format!("SELECT COUNT(*) FROM {effects}")).await,
+        1
+    );
+    let row = fx.row(ids[0]).await;
+    assert_eq!(
+        row.status,
+        Status::Sent.as_i16(),
+        "R1's late outcome overwrote R2's"
+    );
+    assert_eq!(row.attempts, 2);
+    r1.shutdown().await.unwrap();
+    r2.shutdown().await.unwrap();
+    assert!(
+        fx.rows()
+            .await
+            .iter()
+            .all(|r| r.status != Status::Sending.as_i16())
+    );
+    fx.cleanup().await;
+}
+
+/// Two relays on PostgreSQL share 20,000 messages: none lost, none published twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_relays_share_20000_messages() {
+    crate::init_tracing();
+    let fx = PgFixture::new().await;
+    for chunk in 0..20 {
+        fx.enqueue_commit(
+            (0..1000)
+                .map(|i| NewMessage::new("bulk", format!("{chunk}-{i}")))
+                .collect(),
+        )
+        .await
+        .unwrap();
+    }
+    let mem1 = Arc::new(MemoryTransport::new());
+    let mem2 = Arc::new(MemoryTransport::new());
+    let config = |name: &str| RelayConfig {
+        batch_size: 500,
+        lease: Duration::from_secs(30),
+        publish_timeout: Duration::from_secs(10),
+        ..fast_config(name)
+    };
+    let r1 = relay_to(&fx, mem1.clone(), config("r1")).spawn();
+    let r2 = relay_to(&fx, mem2.clone(), config("r2")).spawn();
+    let store = fx.store();
+    wait_until("20,000 SENT", Duration::from_secs(60), || {
+        let store = store.clone();
+        async move { store.stats().await.unwrap().counts[&Status::Sent] == 20_000 }
+    })
+    .await;
+    r1.shutdown().await.unwrap();
+    r2.shutdown().await.unwrap();
+    let mut counts: HashMap<Uuid, usize> = counts_by_id(&mem1.delivered());
+    for (id, n) in counts_by_id(&mem2.delivered()) {
+        *counts.entry(id).or_insert(0) += n;
+    }
+    assert_eq!(counts.len(), 20_000, "messages lost");
+    let twice = counts.values().filter(|n| **n > 1).count();
+    assert_eq!(twice, 0, "{twice} messages published more than once");
+    eprintln!(
+        "r1 published {}, r2 published {}",
+        mem1.count(),
+        mem2.count()
+    );
+    fx.cleanup().await;
+}

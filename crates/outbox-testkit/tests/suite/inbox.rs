@@ -1,1 +1,298 @@
-//! TODO
+//! The inbox on SQLite and PostgreSQL: duplicates skip the handler, handler errors roll back,
+//! concurrent copies apply once (C25), a failing inbox write is an error, never an ack (C27).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use outbox::message::{HEADER_MESSAGE_ID, HEADER_TOPIC};
+use outbox::{HandlerError, Headers, InboundMessage, Inbox, InboxError, Processed};
+use outbox_testkit::{PgFixture, StoreFixture as _};
+use sqlx::{AssertSqlSafe, PgConnection, PgPool, SqliteConnection};
+use uuid::Uuid;
+
+/// A handler that records its effect as a row of `effects` (no unique key, so a duplicate
+/// effect would show as a second row), optionally waiting first or failing.
+pub struct EffectHandler {
+    pub effects: String,
+    pub calls: AtomicUsize,
+    pub delay: Duration,
+    pub fail: bool,
+}
+
+impl EffectHandler {
+    pub fn new(effects: &str) -> Self {
+        EffectHandler {
+            effects: effects.into(),
+            calls: AtomicUsize::new(0),
+            delay: Duration::ZERO,
+            fail: false,
+        }
+    }
+}
+
+#[async_trait]
+impl outbox::Handler<sqlx::Postgres> for EffectHandler {
+    async fn handle(
+        &self,
+        conn: &mut PgConnection,
+        msg: &InboundMessage,
+    ) -> Result<(), HandlerError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {} (message_id, payload) VALUES ($1, $2)",
+            self.effects
+        )))
+        .bind(msg.message_id)
+        .bind(&msg.payload)
+        .execute(&mut *conn)
+        .await
+        .map_err(HandlerError::transient)?;
+        tokio::time::sleep(self.delay).await;
+        if self.fail {
+            return Err(HandlerError::transient("handler refused"));
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl outbox::Handler<sqlx::Sqlite> for EffectHandler {
+    async fn handle(
+        &self,
+        conn: &mut SqliteConnection,
+        msg: &InboundMessage,
+    ) -> Result<(), HandlerError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {} (message_id, payload) VALUES (?1, ?2)",
+            self.effects
+        )))
+        .bind(msg.message_id.to_string())
+        .bind(&msg.payload)
+        .execute(&mut *conn)
+        .await
+        .map_err(HandlerError::transient)?;
+        if self.fail {
+            return Err(HandlerError::transient("handler refused"));
+        }
+        Ok(())
+    }
+}
+
+pub fn inbound(id: Uuid) -> InboundMessage {
+    let mut h = Headers::new();
+    h.insert(HEADER_MESSAGE_ID.into(), id.to_string());
+    h.insert(HEADER_TOPIC.into(), "orders.created".into());
+    InboundMessage::from_wire(h, b"{\"order\":1}".to_vec(), 1).unwrap()
+}
+
+/// Create the effects table `name` on PostgreSQL.
+pub async fn pg_effects(pool: &PgPool, name: &str) {
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "CREATE TABLE {name} (message_id uuid NOT NULL, payload bytea)"
+    )))
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+pub async fn pg_count(pool: &PgPool, sql: &str) -> i64 {
+    sqlx::query_scalar(AssertSqlSafe(sql.to_owned()))
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_duplicate_skips_handler_and_error_rolls_back() {
+    let fx = outbox_testkit::SqliteFixture::new().await;
+    let pool = fx.store.pool().clone();
+    sqlx::query("CREATE TABLE effects (message_id TEXT NOT NULL, payload BLOB)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let inbox = Inbox::<sqlx::Sqlite>::new(pool.clone(), "outbox_inbox", "billing").unwrap();
+    inbox.migrate().await.unwrap();
+    let h = EffectHandler::new("effects");
+    let m = inbound(Uuid::now_v7());
+    assert_eq!(inbox.process(&m, &h).await.unwrap(), Processed::Applied);
+    assert_eq!(inbox.process(&m, &h).await.unwrap(), Processed::Duplicate);
+    assert_eq!(
+        h.calls.load(Ordering::SeqCst),
+        1,
+        "the duplicate ran the handler"
+    );
+    let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM effects")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(n, 1);
+    // Another consumer name is a separate dedup scope.
+    let other = Inbox::<sqlx::Sqlite>::new(pool.clone(), "outbox_inbox", "shipping").unwrap();
+    assert_eq!(other.process(&m, &h).await.unwrap(), Processed::Applied);
+
+    let failing = EffectHandler {
+        fail: true,
+        ..EffectHandler::new("effects")
+    };
+    let m2 = inbound(Uuid::now_v7());
+    let e = inbox.process(&m2, &failing).await.unwrap_err();
+    assert!(matches!(e, InboxError::Handler(_)), "{e:?}");
+    assert!(e.is_retryable());
+    let (effects, rows): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT COUNT(*) FROM effects WHERE message_id = ?1), \
+         (SELECT COUNT(*) FROM outbox_inbox WHERE message_id = ?1)",
+    )
+    .bind(m2.message_id.to_string())
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!((effects, rows), (0, 0), "a failed handler left traces");
+    // Redelivery after the failure applies it.
+    assert_eq!(inbox.process(&m2, &h).await.unwrap(), Processed::Applied);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_duplicate_skips_handler_and_error_rolls_back() {
+    let fx = PgFixture::new().await;
+    let pool = fx.store.pool().clone();
+    let effects = format!("{}.effects", fx.schema);
+    pg_effects(&pool, &effects).await;
+    let inbox = Inbox::<sqlx::Postgres>::new(pool.clone(), &fx.inbox_table(), "billing").unwrap();
+    inbox.migrate().await.unwrap();
+    let h = EffectHandler::new(&effects);
+    let m = inbound(Uuid::now_v7());
+    assert_eq!(inbox.process(&m, &h).await.unwrap(), Processed::Applied);
+    assert_eq!(inbox.process(&m, &h).await.unwrap(), Processed::Duplicate);
+    assert_eq!(h.calls.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        pg_count(&pool, &format!("SELECT COUNT(*) FROM {effects}")).await,
+        1
+    );
+
+    let failing = EffectHandler {
+        fail: true,
+        ..EffectHandler::new(&effects)
+    };
+    let m2 = inbound(Uuid::now_v7());
+    let e = inbox.process(&m2, &failing).await.unwrap_err();
+    assert!(matches!(e, InboxError::Handler(_)), "{e:?}");
+    let sql = format!(
+        "SELECT (SELECT COUNT(*) FROM {effects} WHERE message_id = '{id}') + \
+         (SELECT COUNT(*) FROM {inbox} WHERE message_id = '{id}')",
+        id = m2.message_id,
+        inbox = fx.inbox_table()
+    );
+    assert_eq!(
+        pg_count(&pool, &sql).await,
+        0,
+        "a failed handler left traces"
+    );
+    assert_eq!(inbox.process(&m2, &h).await.unwrap(), Processed::Applied);
+    fx.cleanup().await;
+}
+
+/// C25: two consumer instances process two copies of one message at the same time with a
+/// handler that waits: the effect is applied once and the inbox holds one row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c25_concurrent_copies_apply_once() {
+    let fx = PgFixture::new().await;
+    let pool = fx.store.pool().clone();
+    let effects = format!("{}.effects", fx.schema);
+    pg_effects(&pool, &effects).await;
+    // Two instances: separate pools, same consumer name.
+    let inbox_a = Inbox::<sqlx::Postgres>::new(pool.clone(), &fx.inbox_table(), "billing").unwrap();
+    let inbox_b = Inbox::<sqlx::Postgres>::new(
+        outbox_testkit::pg_pool(2).await,
+        &fx.inbox_table(),
+        "billing",
+    )
+    .unwrap();
+    let h = Arc::new(EffectHandler {
+        delay: Duration::from_millis(1500),
+        ..EffectHandler::new(&effects)
+    });
+    let m = inbound(Uuid::now_v7());
+    let (a, b) = tokio::join!(
+        {
+            let (h, m) = (h.clone(), m.clone());
+            tokio::spawn(async move { inbox_a.process(&m, h.as_ref()).await })
+        },
+        {
+            let (h, m) = (h.clone(), m.clone());
+            tokio::spawn(async move { inbox_b.process(&m, h.as_ref()).await })
+        }
+    );
+    let mut outcomes = vec![a.unwrap().unwrap(), b.unwrap().unwrap()];
+    outcomes.sort_by_key(|p| *p == Processed::Duplicate);
+    assert_eq!(outcomes, vec![Processed::Applied, Processed::Duplicate]);
+    assert_eq!(
+        pg_count(&pool, &format!("SELECT COUNT(*) FROM {effects}")).await,
+        1
+    );
+    assert_eq!(
+        pg_count(&pool, &format!("SELECT COUNT(*) FROM {}", fx.inbox_table())).await,
+        1
+    );
+    fx.cleanup().await;
+}
+
+/// C27: while the inbox insert fails (a trigger raises), `process` returns an error, so the
+/// runner does not acknowledge and nothing is applied; after the trigger is dropped each message
+/// is applied once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c27_failing_inbox_write_is_an_error_not_an_ack() {
+    let fx = PgFixture::new().await;
+    let pool = fx.store.pool().clone();
+    let s = &fx.schema;
+    let effects = format!("{s}.effects");
+    pg_effects(&pool, &effects).await;
+    let inbox = Inbox::<sqlx::Postgres>::new(pool.clone(), &fx.inbox_table(), "billing").unwrap();
+    fx.exec(&format!(
+        "CREATE FUNCTION {s}.refuse() RETURNS trigger LANGUAGE plpgsql AS \
+         $$ BEGIN RAISE EXCEPTION 'inbox writes are refused'; END $$; \
+         CREATE TRIGGER refuse BEFORE INSERT ON {} FOR EACH ROW EXECUTE FUNCTION {s}.refuse();",
+        fx.inbox_table()
+    ))
+    .await;
+    let h = EffectHandler::new(&effects);
+    let msgs: Vec<InboundMessage> = (0..10).map(|_| inbound(Uuid::now_v7())).collect();
+    for m in &msgs {
+        let e = inbox.process(m, &h).await.unwrap_err();
+        assert!(matches!(e, InboxError::Store(_)), "{e:?}");
+        assert!(
+            e.is_retryable(),
+            "a failed inbox write must lead to redelivery"
+        );
+    }
+    assert_eq!(
+        h.calls.load(Ordering::SeqCst),
+        0,
+        "handler ran without its inbox row"
+    );
+    assert_eq!(
+        pg_count(&pool, &format!("SELECT COUNT(*) FROM {effects}")).await,
+        0
+    );
+    fx.exec(&format!("DROP TRIGGER refuse ON {}", fx.inbox_table()))
+        .await;
+    for m in &msgs {
+        assert_eq!(inbox.process(m, &h).await.unwrap(), Processed::Applied);
+        assert_eq!(inbox.process(m, &h).await.unwrap(), Processed::Duplicate);
+    }
+    assert_eq!(
+        pg_count(&pool, &format!("SELECT COUNT(*) FROM {effects}")).await,
+        10
+    );
+    assert_eq!(
+        pg_count(
+            &pool,
+            &format!("SELECT COUNT(DISTINCT message_id) FROM {effects}")
+        )
+        .await,
+        10
+    );
+    fx.cleanup().await;
+}

@@ -1,1 +1,227 @@
-//! TODO
+//! The transport conformance suite against a webhook receiver and NATS JetStream, plus each
+//! transport's own classification rules.
+
+use std::time::Duration;
+
+use outbox::transport::{Outgoing, Transport};
+use outbox::{TransportErrorKind, WebhookConfig, WebhookTransport};
+use outbox_testkit::{NatsFixture, TransportFixture, WebhookFixture, claimed_message};
+
+macro_rules! transport_conformance {
+    ($backend:ident, $fixture:ty) => {
+        mod $backend {
+            use outbox_testkit::TransportFixture as _;
+            use outbox_testkit::transport_suite;
+
+            macro_rules! case {
+                ($name:ident, $suite_fn:ident) => {
+                    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                    async fn $name() {
+                        crate::init_tracing();
+                        let fx = <$fixture>::new().await;
+                        transport_suite::$suite_fn(&fx).await;
+                        fx.cleanup().await;
+                    }
+                };
+            }
+
+            case!(
+                publish_is_acked_and_carries_id_headers_payload,
+                publish_is_acked_and_carries_id_headers_payload
+            );
+            case!(
+                c08_binary_payload_is_byte_exact,
+                binary_payload_is_byte_exact
+            );
+            case!(results_are_in_input_order, results_are_in_input_order);
+        }
+    };
+}
+
+transport_conformance!(webhook, outbox_testkit::WebhookFixture);
+transport_conformance!(nats, outbox_testkit::NatsFixture);
+
+async fn publish_one(t: &dyn Transport, dest: &str) -> Result<(), outbox::TransportError> {
+    let m = claimed_message("t", "{}");
+    t.publish(&[Outgoing {
+        message: &m,
+        destination: dest,
+    }])
+    .await
+    .pop()
+    .expect("one result")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhook_classifies_answers() {
+    let fx = WebhookFixture::new().await;
+    let t = fx.transport();
+    publish_one(t.as_ref(), &fx.receiver.url("/ok"))
+        .await
+        .expect("2xx acknowledges");
+    let e = publish_one(t.as_ref(), &fx.receiver.url("/unavailable"))
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), TransportErrorKind::Retryable, "503: {e:?}");
+    let e = publish_one(t.as_ref(), &fx.receiver.url("/bad"))
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), TransportErrorKind::Permanent, "400: {e:?}");
+    let e = publish_one(t.as_ref(), &fx.receiver.url("/missing"))
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), TransportErrorKind::Permanent, "404: {e:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhook_connection_refused_is_unavailable() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let url = format!("http://127.0.0.1:{port}/hook");
+    let mut config = WebhookConfig::new(url.clone());
+    config.timeout = Duration::from_secs(2);
+    let t = WebhookTransport::new(config).unwrap();
+    let e = publish_one(&t, &url).await.unwrap_err();
+    assert_eq!(e.kind(), TransportErrorKind::Unavailable, "{e:?}");
+    let e = t.probe().await.unwrap_err();
+    assert_eq!(e.kind(), TransportErrorKind::Unavailable, "{e:?}");
+}
+
+/// Deliveries verify with the Standard Webhooks reference library; the message id is in
+/// `webhook-id` and `outbox-message-id`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhook_signature_verifies_with_standardwebhooks() {
+    let fx = WebhookFixture::new().await;
+    let mut m = claimed_message("orders.created", "{\"order\":42,\"note\":\"héllo 😀\"}");
+    m.headers
+        .insert("content-type".into(), "application/json".into());
+    let dest = fx.good_destination();
+    let r = fx
+        .transport()
+        .publish(&[Outgoing {
+            message: &m,
+            destination: &dest,
+        }])
+        .await;
+    assert!(r[0].is_ok(), "{r:?}");
+    let raw = fx.receiver.raw();
+    assert_eq!(raw.len(), 1);
+    let (headers, body, _) = &raw[0];
+    let wh = standardwebhooks::Webhook::new(&fx.secret).unwrap();
+    wh.verify(body, headers).expect("signature verifies");
+    assert_eq!(headers["webhook-id"], m.message_id.to_string().as_str());
+    assert_eq!(
+        headers["outbox-message-id"],
+        m.message_id.to_string().as_str()
+    );
+    assert_eq!(headers["content-type"], "application/json");
+    // A tampered body does not verify.
+    let mut tampered = body.clone();
+    tampered.push(b' ');
+    assert!(wh.verify(&tampered, headers).is_err());
+}
+
+/// Publishing the same message twice stores it once: `Nats-Msg-Id` is the message id and the
+/// stream's duplicate window drops the copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_same_message_twice_is_stored_once() {
+    let fx = NatsFixture::new().await;
+    let dest = fx.good_destination();
+    let m = claimed_message("t", "once");
+    for _ in 0..2 {
+        let r = fx
+            .transport()
+            .publish(&[Outgoing {
+                message: &m,
+                destination: &dest,
+            }])
+            .await;
+        assert!(r[0].is_ok(), "{r:?}");
+    }
+    assert_eq!(fx.stored().await, 1);
+    let received = fx.received().await;
+    assert_eq!(
+        received[0].native_id.as_deref(),
+        Some(m.message_id.to_string().as_str())
+    );
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_subject_without_stream_is_permanent() {
+    let fx = NatsFixture::new().await;
+    let e = publish_one(fx.transport().as_ref(), &fx.rejecting_destination())
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), TransportErrorKind::Permanent, "{e:?}");
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_payload_over_max_payload_is_permanent() {
+    let fx = NatsFixture::new().await;
+    let max = fx.transport.client().server_info().max_payload;
+    let m = claimed_message("t", vec![7u8; max + 1]);
+    let dest = fx.good_destination();
+    let small = claimed_message("t", "small");
+    let r = fx
+        .transport()
+        .publish(&[
+            Outgoing {
+                message: &m,
+                destination: &dest,
+            },
+            Outgoing {
+                message: &small,
+                destination: &dest,
+            },
+        ])
+        .await;
+    let e = r[0].as_ref().unwrap_err();
+    assert_eq!(e.kind(), TransportErrorKind::Permanent, "{e:?}");
+    assert!(r[1].is_ok(), "the next message is unaffected: {:?}", r[1]);
+    assert_eq!(fx.stored().await, 1);
+    fx.cleanup().await;
+}
+
+/// NATS behind a proxy that cuts the connection: publishes fail `Unavailable` (not permanent, not
+/// a burned attempt), the probe says unavailable, and both recover when the network does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_cut_connection_is_unavailable_then_recovers() {
+    let proxy =
+        outbox_testkit::FaultProxy::start(outbox_testkit::host_port(&outbox_testkit::nats_url()))
+            .await;
+    let client = outbox_testkit::nats_client_at(&format!("nats://{}", proxy.addr)).await;
+    let fx = NatsFixture::with_client(client).await;
+    let dest = fx.good_destination();
+    publish_one(fx.transport().as_ref(), &dest)
+        .await
+        .expect("publish through the proxy");
+    proxy.set_blocked(true);
+    outbox_testkit::wait_until(
+        "the client to notice the cut",
+        Duration::from_secs(10),
+        || {
+            let t = fx.transport.clone();
+            async move { t.probe().await.is_err() }
+        },
+    )
+    .await;
+    let e = publish_one(fx.transport().as_ref(), &dest)
+        .await
+        .unwrap_err();
+    assert_ne!(e.kind(), TransportErrorKind::Permanent, "{e:?}");
+    assert_eq!(e.kind(), TransportErrorKind::Unavailable, "{e:?}");
+    proxy.set_blocked(false);
+    outbox_testkit::wait_until("the client to reconnect", Duration::from_secs(15), || {
+        let t = fx.transport.clone();
+        async move { t.probe().await.is_ok() }
+    })
+    .await;
+    publish_one(fx.transport().as_ref(), &dest)
+        .await
+        .expect("publish after reconnect");
+    fx.cleanup().await;
+}
