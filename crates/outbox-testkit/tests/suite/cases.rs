@@ -1,1 +1,611 @@
-//! TODO
+//! Shared failure cases (see `/work/shared/cases/README.md`), one test per case id. C08 and C25/C27
+//! also have tests in the store, transport and inbox modules; C10's compile-time half is the
+//! `compile_fail` doc test in the test kit's crate docs.
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use outbox::store::{ClaimRequest, Completion, Outcome, Store as _};
+use outbox::{
+    HandlerError, InboundMessage, Inbox, MemoryTransport, NewMessage, PgStore, Processed,
+    RelayConfig, SqliteStore, Status, StoreErrorKind, StoreOptions, TransportErrorKind,
+};
+use outbox_testkit::{PgFixture, SqliteFixture, StoreFixture, wait_until, within};
+use sqlx::{AssertSqlSafe, Executor as _, PgConnection};
+use tokio::sync::Notify;
+
+use crate::crash::PauseFirstClaim;
+use crate::inbox::inbound;
+use crate::relay::{counts_by_id, fast_config, relay_to, wait_all_status};
+
+fn req(lease: Duration) -> ClaimRequest {
+    ClaimRequest {
+        owner: "case".into(),
+        batch_size: 100,
+        lease,
+    }
+}
+
+/// C01: a row whose transaction commits after a later row's is still published (claim by
+/// state, no id cursor).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c01_late_commit_is_published() {
+    crate::init_tracing();
+    let fx = PgFixture::new().await;
+    let mem = Arc::new(MemoryTransport::new());
+    let relay = relay_to(&fx, mem.clone(), fast_config("r1")).spawn();
+    // Session A draws the lower id and does not commit.
+    let mut a = fx.store.pool().begin().await.unwrap();
+    sqlx::query("SELECT 1").execute(&mut *a).await.unwrap();
+    let m1 = fx
+        .store
+        .enqueue(&mut a, NewMessage::new("t", "M1"))
+        .await
+        .unwrap();
+    // Session B draws the next id and commits.
+    let m2 = fx
+        .enqueue_commit(vec![NewMessage::new("t", "M2")])
+        .await
+        .unwrap()[0];
+    within("M2 published", Duration::from_secs(5), mem.wait_for(1)).await;
+    assert_eq!(mem.delivered()[0].message.message_id, m2);
+    // The scenario's "wait 2 poll intervals" while A stays open: M1 is invisible meanwhile.
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    assert_eq!(mem.count(), 1);
+    a.commit().await.unwrap();
+    within(
+        "M1 published after A commits",
+        Duration::from_secs(5),
+        mem.wait_for(2),
+    )
+    .await;
+    let delivered = mem.delivered();
+    assert_eq!(delivered[1].message.message_id, m1);
+    assert!(
+        delivered[1].message.id < delivered[0].message.id,
+        "M1 drew the lower id"
+    );
+    relay.shutdown().await.unwrap();
+    fx.cleanup().await;
+}
+
+/// C05: while the broker is down, messages are not dead-lettered and their attempts are not
+/// burned; they are delivered when it comes back (max_attempts = 5).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c05_broker_outage_does_not_burn_attempts() {
+    crate::init_tracing();
+    let fx = SqliteFixture::new().await;
+    let mem = Arc::new(MemoryTransport::new());
+    mem.set_down(true);
+    let relay = relay_to(
+        &fx,
+        mem.clone(),
+        RelayConfig {
+            max_attempts: 5,
+            ..fast_config("r1")
+        },
+    )
+    .spawn();
+    fx.enqueue_commit(
+        (0..5)
+            .map(|i| NewMessage::new("t", format!("{i}")))
+            .collect(),
+    )
+    .await
+    .unwrap();
+    wait_until(
+        "the outage to be noticed",
+        Duration::from_secs(5),
+        || async { relay.metrics().snapshot().outages >= 1 },
+    )
+    .await;
+    // The outage lasts 2 s: about 20 poll intervals and many probes.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let m = relay.metrics().snapshot();
+    assert_eq!(m.failed, 0);
+    assert!(
+        m.claimed <= 10,
+        "the relay kept claiming while the broker was down: {m:?}"
+    );
+    for r in fx.rows().await {
+        assert_eq!(r.status, Status::Pending.as_i16(), "{r:?}");
+        assert_eq!(r.attempts, 0, "an outage burned an attempt: {r:?}");
+    }
+    mem.set_down(false);
+    within(
+        "delivery after the outage",
+        Duration::from_secs(5),
+        mem.wait_for(5),
+    )
+    .await;
+    wait_all_status(&fx, Status::Sent, Duration::from_secs(5)).await;
+    assert!(fx.rows().await.iter().all(|r| r.attempts == 1));
+    relay.shutdown().await.unwrap();
+}
+
+/// C07: a permanent error dead-letters that message after one attempt, with its reason, while
+/// the rest of the batch is delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c07_permanent_error_dead_letters_only_that_message() {
+    crate::init_tracing();
+    let fx = SqliteFixture::new().await;
+    let mem = Arc::new(MemoryTransport::new());
+    let msgs: Vec<NewMessage> = (0..5)
+        .map(|i| NewMessage::new("t", format!("{i}")))
+        .collect();
+    let poison = msgs[2].message_id();
+    let flaky = msgs[3].message_id();
+    mem.fail_next(poison, vec![TransportErrorKind::Permanent]);
+    mem.fail_next(flaky, vec![TransportErrorKind::Retryable]);
+    fx.enqueue_commit(msgs).await.unwrap();
+    let relay = relay_to(&fx, mem.clone(), fast_config("r1")).spawn();
+    within("4 deliveries", Duration::from_secs(5), mem.wait_for(4)).await;
+    wait_until("poison FAILED", Duration::from_secs(5), || async {
+        fx.row(poison).await.status == Status::Failed.as_i16()
+    })
+    .await;
+    let r = fx.row(poison).await;
+    assert_eq!(r.attempts, 1);
+    assert!(r.last_error.as_deref().is_some_and(|e| !e.is_empty()));
+    assert_eq!(fx.row(flaky).await.attempts, 2, "retryable error retried");
+    let failed = fx.store().failed(10).await.unwrap();
+    assert_eq!(failed.len(), 1);
+    assert_eq!(failed[0].message_id, poison);
+    let counts = counts_by_id(&mem.delivered());
+    assert_eq!(counts.len(), 4);
+    assert!(!counts.contains_key(&poison));
+    for r in fx.rows().await {
+        if r.message_id != poison {
+            assert_eq!(r.status, Status::Sent.as_i16());
+        }
+    }
+    relay.shutdown().await.unwrap();
+}
+
+/// C08 end to end on PostgreSQL: a JSON payload with `\u0000` and raw bytes 0xFF 0xFE are
+/// stored byte-exact (bytea, not jsonb) and delivered byte-identical.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c08_nul_json_and_invalid_utf8_delivered_byte_identical() {
+    crate::init_tracing();
+    let fx = PgFixture::new().await;
+    let mem = Arc::new(MemoryTransport::new());
+    let json = NewMessage::json("t", &serde_json::json!({"name": "nul\u{0000}here"})).unwrap();
+    let json_bytes = json.payload().to_vec();
+    let binary = vec![0xFF, 0xFE, 0x00, 0xFF];
+    let ids = fx
+        .enqueue_commit(vec![json, NewMessage::new("t", binary.clone())])
+        .await
+        .unwrap();
+    let relay = relay_to(&fx, mem.clone(), fast_config("r1")).spawn();
+    within("2 deliveries", Duration::from_secs(5), mem.wait_for(2)).await;
+    for d in mem.delivered() {
+        let expected = if d.message.message_id == ids[0] {
+            &json_bytes
+        } else {
+            &binary
+        };
+        assert_eq!(&d.message.payload, expected);
+    }
+    relay.shutdown().await.unwrap();
+    fx.cleanup().await;
+}
+
+/// A consumer handler that enqueues a reply in the inbox transaction (the C10 setting).
+struct ReplyHandler {
+    store: PgStore,
+}
+
+#[async_trait]
+impl outbox::Handler<sqlx::Postgres> for ReplyHandler {
+    async fn handle(
+        &self,
+        conn: &mut PgConnection,
+        msg: &InboundMessage,
+    ) -> Result<(), HandlerError> {
+        self.store
+            .enqueue(conn, NewMessage::new("reply", msg.payload.clone()))
+            .await
+            .map_err(HandlerError::transient)?;
+        Ok(())
+    }
+}
+
+/// C10 at run time: replies enqueued inside 300 consumer transactions are all delivered (the
+/// enqueue is awaited inside the transaction; committing first does not compile, see the crate
+/// docs).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c10_replies_enqueued_in_consumer_transactions_are_all_delivered() {
+    crate::init_tracing();
+    let fx = PgFixture::new().await;
+    let mem = Arc::new(MemoryTransport::new());
+    let relay = relay_to(&fx, mem.clone(), fast_config("r1")).spawn();
+    let inbox = Inbox::<sqlx::Postgres>::new(fx.store.pool().clone(), &fx.inbox_table(), "replier")
+        .unwrap();
+    let handler = Arc::new(ReplyHandler {
+        store: fx.store.clone(),
+    });
+    let mut tasks = Vec::new();
+    for _ in 0..300 {
+        let (inbox, handler) = (inbox.clone(), handler.clone());
+        tasks.push(tokio::spawn(async move {
+            inbox
+                .process(&inbound(uuid::Uuid::now_v7()), handler.as_ref())
+                .await
+        }));
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap().unwrap(), Processed::Applied);
+    }
+    within("300 replies", Duration::from_secs(10), mem.wait_for(300)).await;
+    wait_all_status(&fx, Status::Sent, Duration::from_secs(5)).await;
+    assert_eq!(counts_by_id(&mem.delivered()).len(), 300);
+    assert_eq!(fx.rows().await.len(), 300, "no row deleted or lost");
+    relay.shutdown().await.unwrap();
+    fx.cleanup().await;
+}
+
+/// C17 on PostgreSQL: every state change is conditional on the expected state and token.
+/// (a) A completion that lands after the lease expired but before any reap stays SENT; a later
+/// reap does not reset it. (b) A reaper racing a completion that holds the row lock skips the
+/// row. (c) Once reaped, the late completion is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c17_reaper_never_overwrites_a_completion() {
+    crate::init_tracing();
+    let fx = PgFixture::new().await;
+    let store = fx.store();
+    let table = fx.table();
+
+    // (a) + (b): the completion holds the row lock while the reaper runs.
+    let ids = fx
+        .enqueue_commit(vec![NewMessage::new("t", "m1")])
+        .await
+        .unwrap();
+    let c = store.claim(&req(Duration::from_millis(300))).await.unwrap();
+    let id = c.messages[0].id;
+    wait_until("the lease to expire", Duration::from_secs(5), || {
+        let store = store.clone();
+        async move { store.stats().await.unwrap().expired_leases == 1 }
+    })
+    .await;
+    let mut x = fx.store.pool().begin().await.unwrap();
+    sqlx::query(AssertSqlSafe(format!(
+        "SELECT id FROM {table} WHERE id = $1 FOR UPDATE"
+    )))
+    .bind(id)
+    .execute(&mut *x)
+    .await
+    .unwrap();
+    let completion = {
+        let store = store.clone();
+        let token = c.token;
+        tokio::spawn(async move {
+            store
+                .complete(
+                    token,
+                    &[Completion {
+                        id,
+                        outcome: Outcome::Sent,
+                    }],
+                )
+                .await
+        })
+    };
+    // The reaper does not wait for the locked row and does not touch it.
+    assert_eq!(store.reap_expired_leases(100, 16).await.unwrap(), 0);
+    x.commit().await.unwrap();
+    assert_eq!(completion.await.unwrap().unwrap(), 1);
+    let sent = fx.row(ids[0]).await;
+    assert_eq!(sent.status, Status::Sent.as_i16());
+    assert_eq!(store.reap_expired_leases(100, 16).await.unwrap(), 0);
+    let after = fx.row(ids[0]).await;
+    assert_eq!(
+        after.status,
+        Status::Sent.as_i16(),
+        "a reap reset a SENT row"
+    );
+    assert_eq!(after.attempts, sent.attempts);
+    assert_eq!(after.last_error, sent.last_error);
+    assert!(after.sent);
+
+    // (c): reaped first, then the late completion is refused.
+    let ids = fx
+        .enqueue_commit(vec![NewMessage::new("t", "m2")])
+        .await
+        .unwrap();
+    let c = store.claim(&req(Duration::from_millis(300))).await.unwrap();
+    wait_until(
+        "the second lease to be reaped",
+        Duration::from_secs(5),
+        || {
+            let store = store.clone();
+            async move { store.reap_expired_leases(100, 16).await.unwrap() == 1 }
+        },
+    )
+    .await;
+    let late = store
+        .complete(
+            c.token,
+            &[Completion {
+                id: c.messages[0].id,
+                outcome: Outcome::Sent,
+            }],
+        )
+        .await
+        .unwrap();
+    assert_eq!(late, 0, "a completion on a reaped lease was applied");
+    assert_eq!(fx.row(ids[0]).await.status, Status::Pending.as_i16());
+    fx.cleanup().await;
+}
+
+/// C17 on SQLite: a completion after lease expiry stays SENT through a later reap; a late
+/// completion after a reap is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c17_sqlite_reaper_never_overwrites_a_completion() {
+    let fx = SqliteFixture::new().await;
+    let store = fx.store();
+    let ids = fx
+        .enqueue_commit(vec![NewMessage::new("t", "m1")])
+        .await
+        .unwrap();
+    let c = store.claim(&req(Duration::from_millis(200))).await.unwrap();
+    wait_until("the lease to expire", Duration::from_secs(5), || {
+        let store = store.clone();
+        async move { store.stats().await.unwrap().expired_leases == 1 }
+    })
+    .await;
+    let comp = [Completion {
+        id: c.messages[0].id,
+        outcome: Outcome::Sent,
+    }];
+    assert_eq!(store.complete(c.token, &comp).await.unwrap(), 1);
+    assert_eq!(store.reap_expired_leases(100, 16).await.unwrap(), 0);
+    assert_eq!(fx.row(ids[0]).await.status, Status::Sent.as_i16());
+
+    let ids = fx
+        .enqueue_commit(vec![NewMessage::new("t", "m2")])
+        .await
+        .unwrap();
+    let c = store.claim(&req(Duration::from_millis(200))).await.unwrap();
+    wait_until("the lease to be reaped", Duration::from_secs(5), || {
+        let store = store.clone();
+        async move { store.reap_expired_leases(100, 16).await.unwrap() == 1 }
+    })
+    .await;
+    let comp = [Completion {
+        id: c.messages[0].id,
+        outcome: Outcome::Sent,
+    }];
+    assert_eq!(store.complete(c.token, &comp).await.unwrap(), 0);
+    assert_eq!(fx.row(ids[0]).await.status, Status::Pending.as_i16());
+}
+
+/// C20: the relay is killed after claiming 37 of 100 messages and before writing any result.
+/// After a restart every message is published, none of the in-flight rows stays SENDING past
+/// its lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c20_rows_in_flight_at_a_crash_are_published_after_restart() {
+    crate::init_tracing();
+    let fx = PgFixture::new().await;
+    fx.enqueue_commit(
+        (0..100)
+            .map(|i| NewMessage::new("t", format!("{i}")))
+            .collect(),
+    )
+    .await
+    .unwrap();
+    let hooks = Arc::new(PauseFirstClaim {
+        first: AtomicBool::new(true),
+        entered: Notify::new(),
+        resume: Notify::new(),
+    });
+    let mem = Arc::new(MemoryTransport::new());
+    let config = RelayConfig {
+        batch_size: 37,
+        in_flight_batches: 1,
+        ..fast_config("r1")
+    };
+    let r1 = outbox::Relay::builder(fx.store())
+        .router(outbox::Router::single(mem.clone()))
+        .config(config)
+        .hooks(hooks.clone())
+        .build()
+        .unwrap()
+        .spawn();
+    within(
+        "R1 to claim",
+        Duration::from_secs(5),
+        hooks.entered.notified(),
+    )
+    .await;
+    r1.abort();
+    let sending = fx
+        .rows()
+        .await
+        .iter()
+        .filter(|r| r.status == Status::Sending.as_i16())
+        .count();
+    assert_eq!(sending, 37);
+    assert_eq!(mem.count(), 0);
+    let restarted = tokio::time::Instant::now();
+    let r2 = relay_to(&fx, mem.clone(), fast_config("r2")).spawn();
+    wait_all_status(&fx, Status::Sent, Duration::from_secs(10)).await;
+    // Lease 2 s + reap interval + a poll: well within 4 s.
+    assert!(
+        restarted.elapsed() < Duration::from_secs(4),
+        "{:?}",
+        restarted.elapsed()
+    );
+    let counts = counts_by_id(&mem.delivered());
+    assert_eq!(counts.len(), 100);
+    assert!(counts.values().all(|n| *n == 1));
+    r2.shutdown().await.unwrap();
+    fx.cleanup().await;
+}
+
+/// C24: an in-memory SQLite pool that can close idle connections is refused at start-up;
+/// `SqliteStore::connect("sqlite::memory:")` pins its connection, keeps its tables through idle
+/// time, and publishes 10 messages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c24_in_memory_sqlite_pool() {
+    crate::init_tracing();
+    let pool = sqlx::sqlite::SqlitePoolOptions::new()
+        .max_connections(4)
+        .idle_timeout(Duration::from_secs(1))
+        .connect("sqlite::memory:")
+        .await
+        .unwrap();
+    let e = SqliteStore::from_pool(pool, StoreOptions::default()).unwrap_err();
+    assert_eq!(e.kind(), StoreErrorKind::Config, "{e:?}");
+
+    let store = SqliteStore::connect("sqlite::memory:", StoreOptions::default())
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    let mut tx = store.pool().begin().await.unwrap();
+    store
+        .enqueue_many(
+            &mut tx,
+            (0..10)
+                .map(|i| NewMessage::new("t", format!("{i}")))
+                .collect(),
+        )
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    // Idle longer than the refused pool's idle timeout.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let mem = Arc::new(MemoryTransport::new());
+    let relay = outbox::Relay::builder(Arc::new(store.clone()))
+        .router(outbox::Router::single(mem.clone()))
+        .config(fast_config("r1"))
+        .build()
+        .unwrap()
+        .spawn();
+    within("10 deliveries", Duration::from_secs(5), mem.wait_for(10)).await;
+    wait_until("10 SENT", Duration::from_secs(5), || {
+        let store = store.clone();
+        async move { store.stats().await.unwrap().counts[&Status::Sent] == 10 }
+    })
+    .await;
+    relay.shutdown().await.unwrap();
+}
+
+async fn pg_store_in_time_zone(fx: &PgFixture, tz: &'static str) -> PgStore {
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .after_connect(move |conn, _| {
+            Box::pin(async move {
+                conn.execute(AssertSqlSafe(format!("SET TIME ZONE '{tz}'")))
+                    .await?;
+                Ok(())
+            })
+        })
+        .connect(&outbox_testkit::postgres_url())
+        .await
+        .expect("PostgreSQL (OUTBOX_TEST_POSTGRES_URL)");
+    PgStore::from_pool(pool, StoreOptions::table(fx.table())).unwrap()
+}
+
+async fn epoch(store: &PgStore, sql: &str, id: uuid::Uuid) -> f64 {
+    sqlx::query_scalar(AssertSqlSafe(sql.to_owned()))
+        .bind(id)
+        .fetch_one(store.pool())
+        .await
+        .unwrap()
+}
+
+/// C35: two instances whose sessions run in Asia/Shanghai and UTC enqueue at the same moment:
+/// the stored instants agree within 1 s, and delays and retries are measured on the database
+/// clock whatever the session time zone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c35_session_time_zones_do_not_shift_times() {
+    crate::init_tracing();
+    let fx = PgFixture::new().await;
+    let shanghai = pg_store_in_time_zone(&fx, "Asia/Shanghai").await;
+    let utc = pg_store_in_time_zone(&fx, "UTC").await;
+    let tz: String = sqlx::query_scalar("SHOW TimeZone")
+        .fetch_one(shanghai.pool())
+        .await
+        .unwrap();
+    assert_eq!(tz, "Asia/Shanghai");
+    let enqueue = |store: PgStore, msg: NewMessage| async move {
+        let mut tx = store.pool().begin().await.unwrap();
+        let id = store.enqueue(&mut tx, msg).await.unwrap();
+        tx.commit().await.unwrap();
+        id
+    };
+    let (a, b) = tokio::join!(
+        enqueue(shanghai.clone(), NewMessage::new("t", "sh")),
+        enqueue(utc.clone(), NewMessage::new("t", "utc"))
+    );
+    let (da, db) = tokio::join!(
+        enqueue(
+            shanghai.clone(),
+            NewMessage::new("t", "sh-late").with_delay(Duration::from_secs(60))
+        ),
+        enqueue(
+            utc.clone(),
+            NewMessage::new("t", "utc-late").with_delay(Duration::from_secs(60))
+        )
+    );
+    let t = fx.table();
+    let created =
+        format!("SELECT EXTRACT(EPOCH FROM created_at)::float8 FROM {t} WHERE message_id = $1");
+    for reader in [&shanghai, &utc] {
+        let (ca, cb) = (
+            epoch(reader, &created, a).await,
+            epoch(reader, &created, b).await,
+        );
+        assert!((ca - cb).abs() < 1.0, "created_at differ by {} s", ca - cb);
+        let now: f64 = sqlx::query_scalar("SELECT EXTRACT(EPOCH FROM now())::float8")
+            .fetch_one(reader.pool())
+            .await
+            .unwrap();
+        assert!(
+            (now - ca).abs() < 5.0,
+            "created_at is {} s from now()",
+            now - ca
+        );
+    }
+    let due_in = format!(
+        "SELECT EXTRACT(EPOCH FROM available_at - now())::float8 FROM {t} WHERE message_id = $1"
+    );
+    for reader in [&shanghai, &utc] {
+        for id in [da, db] {
+            let d = epoch(reader, &due_in, id).await;
+            assert!((58.0..=60.0).contains(&d), "delayed message due in {d} s");
+        }
+    }
+    // Claim in the Shanghai session, fail both once with a 60 s retry.
+    let c = shanghai.claim(&req(Duration::from_secs(30))).await.unwrap();
+    assert_eq!(c.messages.len(), 2);
+    let comps: Vec<Completion> = c
+        .messages
+        .iter()
+        .map(|m| Completion {
+            id: m.id,
+            outcome: Outcome::Retry {
+                delay: Duration::from_secs(60),
+                error: "broker nack".into(),
+            },
+        })
+        .collect();
+    assert_eq!(shanghai.complete(c.token, &comps).await.unwrap(), 2);
+    for reader in [&shanghai, &utc] {
+        for id in [a, b] {
+            let d = epoch(reader, &due_in, id).await;
+            assert!((58.0..=60.0).contains(&d), "retry due in {d} s");
+        }
+    }
+    assert!(
+        utc.claim(&req(Duration::from_secs(30)))
+            .await
+            .unwrap()
+            .messages
+            .is_empty()
+    );
+    let _ = (shanghai.pool().close().await, utc.pool().close().await);
+    fx.cleanup().await;
+}

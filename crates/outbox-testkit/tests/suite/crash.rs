@@ -175,10 +175,10 @@ async fn crash_after_ack_nats_duplicate_window_and_inbox() {
 }
 
 /// Pauses the first claim until told to resume.
-struct PauseFirstClaim {
-    first: AtomicBool,
-    entered: Notify,
-    resume: Notify,
+pub struct PauseFirstClaim {
+    pub first: AtomicBool,
+    pub entered: Notify,
+    pub resume: Notify,
 }
 
 #[async_trait]
@@ -210,7 +210,12 @@ async fn c15_paused_relay_past_its_lease() {
     let mem2 = Arc::new(MemoryTransport::new());
     let r1 = Relay::builder(fx.store())
         .router(Router::single(mem1.clone()))
-        .config(fast_config("r1"))
+        // One batch in flight: while its batch is paused R1 claims nothing else, so the
+        // takeover is R2's.
+        .config(RelayConfig {
+            in_flight_batches: 1,
+            ..fast_config("r1")
+        })
         .hooks(hooks.clone())
         .build()
         .unwrap()
