@@ -25,25 +25,15 @@
 //!     tx.commit().await.unwrap();
 //! }
 //! ```
-//! and this does not (the commit moves `tx` while `pending` still borrows it):
+//! and this does not (the commit moves `tx` while `pending` still borrows it). The two
+//! examples differ only in the order of those two lines, so the compile error is the borrow
+//! (stable rustdoc does not check the error code itself):
 //! ```compile_fail,E0505
 //! async fn racy(store: outbox::PgStore) {
 //!     let mut tx = store.pool().begin().await.unwrap();
 //!     let pending = store.enqueue(&mut tx, outbox::NewMessage::new("t", "x"));
 //!     tx.commit().await.unwrap();
 //!     pending.await.unwrap();
-//! }
-//! ```
-//! Nor can the enqueue be moved to a spawned task, which needs `'static`:
-//! ```compile_fail,E0597
-//! async fn spawned(store: outbox::SqliteStore) {
-//!     let mut tx = store.pool().begin().await.unwrap();
-//!     let s = store.clone();
-//!     let task = tokio::spawn(async move {
-//!         s.enqueue(&mut tx, outbox::NewMessage::new("t", "x")).await
-//!     });
-//!     drop(task);
-//!     let _ = &tx;
 //! }
 //! ```
 
@@ -495,12 +485,15 @@ pub fn claimed_message(topic: &str, payload: impl Into<Vec<u8>>) -> Message {
     }
 }
 
+/// One webhook delivery as received: headers, body, URL path.
+pub type RawDelivery = (axum::http::HeaderMap, Vec<u8>, String);
+
 /// An axum server that records webhook deliveries and answers by path:
 /// `/ok` 200, `/unavailable` 503, `/bad` 400, anything else 404.
 pub struct WebhookReceiver {
     /// Where it listens.
     pub addr: SocketAddr,
-    received: Arc<Mutex<Vec<(axum::http::HeaderMap, Vec<u8>, String)>>>,
+    received: Arc<Mutex<Vec<RawDelivery>>>,
     shutdown: tokio_util::sync::CancellationToken,
 }
 
@@ -511,7 +504,7 @@ impl WebhookReceiver {
     /// When it cannot bind.
     pub async fn start() -> WebhookReceiver {
         use axum::http::{StatusCode, Uri};
-        let received: Arc<Mutex<Vec<(axum::http::HeaderMap, Vec<u8>, String)>>> = Arc::default();
+        let received: Arc<Mutex<Vec<RawDelivery>>> = Arc::default();
         let rec = received.clone();
         let app = axum::Router::new().fallback(
             move |uri: Uri, headers: axum::http::HeaderMap, body: axum::body::Bytes| {
@@ -554,7 +547,7 @@ impl WebhookReceiver {
     }
 
     /// Raw deliveries: headers, body, path.
-    pub fn raw(&self) -> Vec<(axum::http::HeaderMap, Vec<u8>, String)> {
+    pub fn raw(&self) -> Vec<RawDelivery> {
         self.received.lock().expect("poisoned").clone()
     }
 }

@@ -18,3 +18,35 @@ pub fn init_tracing() {
         .with_test_writer()
         .try_init();
 }
+
+/// Compile-time check (STYLE.md): the futures of the stores, transports, relay and inbox are
+/// `Send`, so they can run on a multi-threaded runtime. Nothing is awaited.
+#[test]
+fn futures_are_send() {
+    use outbox::store::Store;
+    use outbox::transport::Transport;
+    fn send<T: Send>(_: &T) {}
+    #[allow(dead_code, clippy::too_many_arguments)]
+    fn check(
+        pg: outbox::PgStore,
+        sqlite: outbox::SqliteStore,
+        pg_conn: &mut sqlx::PgConnection,
+        sqlite_conn: &mut sqlx::SqliteConnection,
+        nats: outbox::NatsTransport,
+        webhook: outbox::WebhookTransport,
+        relay: outbox::Relay,
+        inbox: outbox::Inbox<sqlx::Postgres>,
+        msg: outbox::InboundMessage,
+        handler: &inbox::EffectHandler,
+    ) {
+        send(&pg.enqueue(pg_conn, outbox::NewMessage::new("t", "x")));
+        send(&sqlite.enqueue(sqlite_conn, outbox::NewMessage::new("t", "x")));
+        send(&pg.migrate());
+        send(&sqlite.stats());
+        send(&nats.publish(&[]));
+        send(&webhook.publish(&[]));
+        send(&relay.run(tokio_util::sync::CancellationToken::new()));
+        send(&inbox.process(&msg, handler));
+    }
+    let _ = check;
+}
