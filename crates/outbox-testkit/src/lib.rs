@@ -85,6 +85,21 @@ pub fn unique(prefix: &str) -> String {
 /// When PostgreSQL does not answer, naming the URL and `OUTBOX_TEST_POSTGRES_URL`.
 pub async fn pg_pool(max: u32) -> PgPool {
     let url = postgres_url();
+    // Fail fast, naming the service, when nothing answers (the pool itself would wait 20 s).
+    let probe = tokio::time::timeout(
+        Duration::from_secs(5),
+        <sqlx::PgConnection as sqlx::Connection>::connect(&url),
+    )
+    .await;
+    match probe {
+        Ok(Ok(conn)) => drop(conn),
+        Ok(Err(e)) => panic!(
+            "PostgreSQL is not reachable at {url} ({e}); start it or set OUTBOX_TEST_POSTGRES_URL"
+        ),
+        Err(_) => panic!(
+            "PostgreSQL at {url} did not answer within 5 s; start it or set OUTBOX_TEST_POSTGRES_URL"
+        ),
+    }
     sqlx::postgres::PgPoolOptions::new()
         .max_connections(max)
         .acquire_timeout(Duration::from_secs(20))

@@ -609,3 +609,106 @@ async fn c35_session_time_zones_do_not_shift_times() {
     let _ = (shanghai.pool().close().await, utc.pool().close().await);
     fx.cleanup().await;
 }
+
+/// C27 through the JetStream consumer runner: while the inbox insert fails (a trigger raises),
+/// no message is acknowledged (each is negatively acknowledged and redelivered) and nothing is
+/// applied; after the trigger is dropped all 10 are applied once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c27_nats_runner_does_not_ack_while_inbox_write_fails() {
+    use outbox::consumer::ConsumerMetrics;
+    use outbox::consumer::nats::NatsConsumerConfig;
+    use outbox_testkit::{NatsFixture, TransportFixture as _};
+    use std::sync::atomic::Ordering;
+
+    crate::init_tracing();
+    let fx = PgFixture::new().await;
+    let nats = NatsFixture::new().await;
+    let pool = fx.store.pool().clone();
+    let s = &fx.schema;
+    let effects = format!("{s}.effects");
+    crate::inbox::pg_effects(&pool, &effects).await;
+    let inbox = Inbox::<sqlx::Postgres>::new(pool.clone(), &fx.inbox_table(), "billing").unwrap();
+    inbox.migrate().await.unwrap();
+    fx.exec(&format!(
+        "CREATE FUNCTION {s}.refuse() RETURNS trigger LANGUAGE plpgsql AS \
+         $$ BEGIN RAISE EXCEPTION 'inbox writes are refused'; END $$; \
+         CREATE TRIGGER refuse BEFORE INSERT ON {} FOR EACH ROW EXECUTE FUNCTION {s}.refuse();",
+        fx.inbox_table()
+    ))
+    .await;
+    let relay = outbox::Relay::builder(fx.store())
+        .router(outbox::Router::new().route(
+            "*",
+            nats.transport.clone(),
+            format!("{}.{{topic}}", nats.prefix),
+        ))
+        .config(fast_config("r1"))
+        .build()
+        .unwrap()
+        .spawn();
+    let mut config = NatsConsumerConfig::new(nats.stream.clone(), "billing");
+    config.retry = outbox::Backoff {
+        base: Duration::from_millis(100),
+        factor: 2.0,
+        max: Duration::from_millis(400),
+        jitter: 0.2,
+    };
+    let metrics = Arc::new(ConsumerMetrics::default());
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let consumer = tokio::spawn(outbox::consumer::nats::run(
+        nats.transport.jetstream().clone(),
+        config,
+        inbox,
+        Arc::new(crate::inbox::EffectHandler::new(&effects)),
+        metrics.clone(),
+        cancel.clone(),
+    ));
+    fx.enqueue_commit(
+        (0..10)
+            .map(|i| NewMessage::new("t", format!("{i}")))
+            .collect(),
+    )
+    .await
+    .unwrap();
+    wait_until("20 failed deliveries", Duration::from_secs(15), || async {
+        metrics.failures.load(Ordering::Relaxed) >= 20
+    })
+    .await;
+    assert_eq!(metrics.applied.load(Ordering::Relaxed), 0);
+    let count = format!("SELECT COUNT(*) FROM {effects}");
+    assert_eq!(crate::inbox::pg_count(&pool, &count).await, 0);
+    // Nothing was acknowledged: every message is still pending on the consumer.
+    let mut c = nats
+        .transport
+        .jetstream()
+        .get_stream(&nats.stream)
+        .await
+        .unwrap()
+        .get_consumer::<async_nats::jetstream::consumer::pull::Config>("billing")
+        .await
+        .unwrap();
+    let info = c.info().await.unwrap();
+    assert_eq!(info.ack_floor.stream_sequence, 0, "a message was acked");
+    fx.exec(&format!("DROP TRIGGER refuse ON {}", fx.inbox_table()))
+        .await;
+    wait_until(
+        "10 effects after restore",
+        Duration::from_secs(15),
+        || async { crate::inbox::pg_count(&pool, &count).await >= 10 },
+    )
+    .await;
+    assert_eq!(
+        crate::inbox::pg_count(
+            &pool,
+            &format!("SELECT COUNT(DISTINCT message_id) FROM {effects}")
+        )
+        .await,
+        10
+    );
+    assert_eq!(crate::inbox::pg_count(&pool, &count).await, 10);
+    cancel.cancel();
+    let _ = within("consumer stop", Duration::from_secs(5), consumer).await;
+    relay.shutdown().await.unwrap();
+    nats.cleanup().await;
+    fx.cleanup().await;
+}
