@@ -82,21 +82,18 @@ async fn run(seed: u64, steps: usize) {
                     .await
                     .unwrap();
                 for id in ids {
-                    if !model.contains_key(&id) {
+                    if let std::collections::btree_map::Entry::Vacant(e) = model.entry(id) {
                         assert!(
                             commit,
                             "seed {seed} step {step}: a rolled-back message is visible"
                         );
-                        model.insert(
-                            id,
-                            Row {
-                                status: Status::Pending,
-                                attempts: 0,
-                                token: None,
-                                due: true,
-                                lease_short: false,
-                            },
-                        );
+                        e.insert(Row {
+                            status: Status::Pending,
+                            attempts: 0,
+                            token: None,
+                            due: true,
+                            lease_short: false,
+                        });
                     }
                 }
             }
