@@ -403,6 +403,9 @@ impl Relay {
             tracing::warn!(error = %e, "store not ready at start; will retry");
         }
         let background = cancel.child_token();
+        // A relay future dropped mid-run (a crash, `RelayHandle::abort`) must not leave its
+        // reaper and listener running: the guard cancels them when `run` is dropped.
+        let _stop_background_on_drop = background.clone().drop_guard();
         let _listener = inner.store.spawn_listener(background.clone());
         let reaper = tokio::spawn(reap_loop(self.clone(), background.clone()));
         let mut batches: JoinSet<()> = JoinSet::new();
@@ -577,15 +580,22 @@ impl Relay {
                                     .map(|_| Err(TransportError::retryable(msg.clone())))
                                     .collect()
                             }
-                            Err(_) => batch
-                                .iter()
-                                .map(|_| {
-                                    Err(TransportError::retryable(format!(
-                                        "publish timed out after {:?}",
-                                        cfg.publish_timeout
-                                    )))
-                                })
-                                .collect(),
+                            Err(_) => {
+                                // A timeout while the broker is unreachable is an outage, not a
+                                // failed attempt: ask the transport which it was.
+                                let reason =
+                                    format!("publish timed out after {:?}", cfg.publish_timeout);
+                                let kind = match transport.probe().await {
+                                    Err(e) if e.kind() == TransportErrorKind::Unavailable => {
+                                        TransportErrorKind::Unavailable
+                                    }
+                                    _ => TransportErrorKind::Retryable,
+                                };
+                                batch
+                                    .iter()
+                                    .map(|_| Err(TransportError::new(kind, reason.clone())))
+                                    .collect()
+                            }
                         };
                     (ti, results)
                 }
