@@ -1,4 +1,68 @@
 //! `outbox demo`: the order → inventory story end to end, with faults injected.
+//!
+//! Two services, each with its own database:
+//! - the **order service** writes an order row and an `order-created` outbox message in one
+//!   local transaction ([`outbox::SqliteStore`] or [`outbox::PgStore`]);
+//! - the **inventory service** receives the message (webhook or NATS JetStream) and, in one
+//!   transaction with its [`outbox::Inbox`] row, deducts stock and appends to a deduction log.
+//!
+//! Between them an embedded [`outbox::Relay`] publishes through a fault-injecting transport
+//! (deliveries lost before the consumer, acknowledgements lost after it committed, duplicated
+//! deliveries) and is killed and restarted without cleanup a few times. At the end the demo
+//! checks that every order was applied exactly once and prints a report; a broken promise is an
+//! error (non-zero exit).
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use anyhow::{Context, bail, ensure};
+use async_trait::async_trait;
+use base64::Engine;
+use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+use outbox::consumer::ConsumerMetrics;
+use outbox::consumer::nats::NatsConsumerConfig;
+use outbox::{
+    Backoff, HandlerError, InboundMessage, Inbox, InboxBackend, NatsConfig, NatsTransport,
+    NewMessage, Outgoing, PgStore, Relay, RelayConfig, RelayHandle, RelayMetrics, Router,
+    SqliteStore, Status, Store, StoreOptions, Transport, TransportError, WebhookConfig,
+    WebhookTransport,
+};
+use rand::Rng;
+use serde::{Deserialize, Serialize};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
+};
+use sqlx::{ConnectOptions, PgConnection, SqliteConnection};
+use tokio::task::{JoinHandle, JoinSet};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+/// Topic of the message the order service publishes.
+const TOPIC: &str = "order-created";
+/// Products on sale; order `n` buys `SKUS[n % SKUS.len()]`.
+const SKUS: [&str; 8] = [
+    "apple",
+    "banana",
+    "cherry",
+    "date",
+    "elderberry",
+    "fig",
+    "grape",
+    "kiwi",
+];
+/// JetStream stream of the NATS variant (deleted and recreated at start).
+const NATS_STREAM: &str = "DEMO_ORDERS";
+/// Subjects the stream captures; the route publishes to `demo.orders.<topic>`.
+const NATS_SUBJECTS: &str = "demo.orders.>";
+/// Consumer name of the inventory service, in the inbox and as the JetStream durable.
+const CONSUMER: &str = "inventory";
+/// How often the monitor refreshes the progress bars and checks for the drain.
+const TICK: Duration = Duration::from_millis(100);
 
 /// Options of `outbox demo`.
 #[derive(Debug, Clone, clap::Args)]
@@ -6,9 +70,1339 @@ pub struct DemoArgs {
     /// Orders to place.
     #[arg(long, default_value_t = 10_000)]
     pub orders: usize,
+
+    /// Concurrent clients placing orders.
+    #[arg(long, default_value_t = 16)]
+    pub clients: usize,
+
+    /// Directory of the two SQLite databases (orders.db, inventory.db); the demo's files in it
+    /// are deleted at start.
+    #[arg(long, default_value = "./demo-data")]
+    pub data_dir: PathBuf,
+
+    /// Run both services on this PostgreSQL database (`postgres://user@host:port/db`) instead
+    /// of SQLite files; the demo_* tables are dropped and recreated at start.
+    #[arg(long, value_name = "URL")]
+    pub database: Option<String>,
+
+    /// Deliver over NATS JetStream at this URL (`nats://host:port`) instead of webhooks; the
+    /// DEMO_ORDERS stream is deleted and recreated at start.
+    #[arg(long, value_name = "URL")]
+    pub transport: Option<String>,
+
+    /// Fraction of deliveries lost before they reach the consumer.
+    #[arg(long, default_value_t = 0.10, value_parser = parse_fraction)]
+    pub loss_before: f64,
+
+    /// Fraction of acknowledgements lost after the consumer committed.
+    #[arg(long, default_value_t = 0.10, value_parser = parse_fraction)]
+    pub loss_after: f64,
+
+    /// Fraction of deliveries sent twice.
+    #[arg(long, default_value_t = 0.05, value_parser = parse_fraction)]
+    pub duplicate: f64,
+
+    /// Times the relay is killed (aborted without cleanup) and restarted during the run.
+    #[arg(long, default_value_t = 3)]
+    pub kills: usize,
+
+    /// Longest time to wait for every order to take effect before giving up.
+    #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
+    pub timeout: Duration,
+}
+
+fn parse_fraction(s: &str) -> Result<f64, String> {
+    let f: f64 = s
+        .parse()
+        .map_err(|e| format!("{s:?} is not a number: {e}"))?;
+    if (0.0..1.0).contains(&f) {
+        Ok(f)
+    } else {
+        Err(format!("{f} is not a fraction in [0, 1)"))
+    }
 }
 
 /// Run the demo; an invariant failure is an error (non-zero exit).
 pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
-    anyhow::bail!("demo not implemented yet ({} orders)", args.orders)
+    ensure!(args.orders > 0, "--orders must be at least 1");
+    ensure!(args.clients > 0, "--clients must be at least 1");
+    let started = Instant::now();
+    let services = Services::open(&args).await?;
+    let delivery = Delivery::open(args.transport.as_deref()).await?;
+    println!(
+        "outbox demo: {} orders from {} clients; order and inventory services on {}, delivery over {}",
+        args.orders,
+        args.clients,
+        services.describe(&args),
+        delivery.describe()
+    );
+    println!(
+        "faults: {:.0}% of deliveries lost before the consumer, {:.0}% of acknowledgements lost, \
+         {:.0}% duplicated; relay killed {} times",
+        args.loss_before * 100.0,
+        args.loss_after * 100.0,
+        args.duplicate * 100.0,
+        args.kills
+    );
+
+    let timeline = Arc::new(Timeline::new(args.orders));
+    let consumer_metrics = Arc::new(ConsumerMetrics::default());
+    let cancel = CancellationToken::new();
+    let handler = Arc::new(InventoryHandler {
+        tables: services.tables(),
+        timeline: timeline.clone(),
+    });
+    let (endpoint, consumers) = match &services {
+        Services::Sqlite { inbox, .. } => {
+            delivery
+                .start_consumer(inbox.clone(), handler, consumer_metrics.clone(), &cancel)
+                .await?
+        }
+        Services::Postgres { inbox, .. } => {
+            delivery
+                .start_consumer(inbox.clone(), handler, consumer_metrics.clone(), &cancel)
+                .await?
+        }
+    };
+
+    let faults = Faults {
+        loss_before: args.loss_before,
+        loss_after: args.loss_after,
+        duplicate: args.duplicate,
+    };
+    let fault_stats = Arc::new(FaultStats::default());
+    let mut relays = RelaySupervisor {
+        store: services.store(),
+        delivery: &delivery,
+        endpoint: &endpoint,
+        faults,
+        fault_stats: fault_stats.clone(),
+        current: None,
+        metrics: Vec::new(),
+    };
+    relays.start().await?;
+
+    // The clients: each order is one local transaction (order row + outbox row).
+    let placed = Arc::new(AtomicUsize::new(0));
+    let next_order = Arc::new(AtomicUsize::new(1));
+    let mut clients = JoinSet::new();
+    for _ in 0..args.clients {
+        let services = services.clone();
+        let (placed, next_order, timeline) = (placed.clone(), next_order.clone(), timeline.clone());
+        let orders = args.orders;
+        clients.spawn(async move {
+            loop {
+                let n = next_order.fetch_add(1, Ordering::Relaxed);
+                if n > orders {
+                    return anyhow::Ok(());
+                }
+                let order = Order::number(n);
+                services.place_order(&order).await?;
+                timeline.committed(order.order_id);
+                placed.fetch_add(1, Ordering::Relaxed);
+            }
+        });
+    }
+
+    // Monitor: progress bars, scheduled relay kills, and the drain check.
+    let bars = Bars::new(args.orders);
+    let deadline = started + args.timeout;
+    let mut tick = tokio::time::interval(TICK);
+    let mut kills_done = 0;
+    let drained = loop {
+        tick.tick().await;
+        while let Some(joined) = clients.try_join_next() {
+            joined
+                .context("an order client panicked")?
+                .context("placing an order failed")?;
+        }
+        let placed_now = placed.load(Ordering::Relaxed);
+        let applied = consumer_metrics.applied.load(Ordering::Relaxed);
+        bars.update(placed_now, applied, kills_done, args.kills);
+        // Kill k of n when (k / (n + 1)) of the orders have taken effect.
+        if kills_done < args.kills
+            && applied as usize >= args.orders * (kills_done + 1) / (args.kills + 1)
+        {
+            relays.kill_and_restart().await?;
+            kills_done += 1;
+        }
+        if placed_now == args.orders && clients.is_empty() {
+            // Drained: nothing left to publish, and every message the broker acknowledged has
+            // its deduction (counted in the database: a delivery whose HTTP exchange was cut by
+            // a relay kill may have committed without the consumer counting it).
+            let stats = services.store().stats().await?;
+            let count = |s| stats.counts.get(&s).copied().unwrap_or(0);
+            if count(Status::Pending) == 0
+                && count(Status::Sending) == 0
+                && services.orders_with_deduction().await? >= count(Status::Sent)
+            {
+                break true;
+            }
+        }
+        if Instant::now() >= deadline {
+            break false;
+        }
+    };
+    bars.finish();
+    let elapsed = started.elapsed();
+
+    relays.shutdown().await?;
+    cancel.cancel();
+    for c in consumers {
+        c.await.context("consumer task panicked")??;
+    }
+
+    let report = Report::gather(
+        &services,
+        &timeline,
+        &consumer_metrics,
+        &fault_stats,
+        &relays.metrics,
+        kills_done,
+        elapsed,
+    )
+    .await?;
+    report.print(&delivery);
+    if !drained {
+        bail!(
+            "the run did not drain within {}",
+            humantime::format_duration(args.timeout)
+        );
+    }
+    report.verdict()
+}
+
+/// One order: order `n` buys `1 + n % 3` of `SKUS[n % 8]`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Order {
+    order_id: i64,
+    sku: String,
+    qty: i64,
+}
+
+impl Order {
+    fn number(n: usize) -> Order {
+        Order {
+            order_id: n as i64,
+            sku: SKUS[n % SKUS.len()].to_owned(),
+            qty: 1 + (n % 3) as i64,
+        }
+    }
+}
+
+/// Units of each SKU in stock at start: enough that no order is refused.
+fn initial_stock(orders: usize) -> i64 {
+    3 * orders as i64
+}
+
+/// Table names of both services.
+#[derive(Debug, Clone, Copy)]
+struct Tables {
+    orders: &'static str,
+    outbox: &'static str,
+    stock: &'static str,
+    inbox: &'static str,
+    deductions: &'static str,
+}
+
+/// SQLite: each service has its own file, so plain names.
+const SQLITE_TABLES: Tables = Tables {
+    orders: "orders",
+    outbox: "outbox",
+    stock: "stock",
+    inbox: "inbox",
+    deductions: "deductions",
+};
+
+/// PostgreSQL: both services share the database, so distinct prefixed names.
+const PG_TABLES: Tables = Tables {
+    orders: "demo_orders",
+    outbox: "demo_outbox",
+    stock: "demo_stock",
+    inbox: "demo_inbox",
+    deductions: "demo_deductions",
+};
+
+/// The two services' databases.
+#[derive(Clone)]
+enum Services {
+    Sqlite {
+        store: SqliteStore,
+        inventory: SqlitePool,
+        inbox: Inbox<sqlx::Sqlite>,
+    },
+    Postgres {
+        store: PgStore,
+        inventory: PgPool,
+        inbox: Inbox<sqlx::Postgres>,
+    },
+}
+
+impl Services {
+    /// Create fresh databases for both services.
+    async fn open(args: &DemoArgs) -> anyhow::Result<Services> {
+        match &args.database {
+            None => Services::open_sqlite(&args.data_dir, args.orders).await,
+            Some(url) if url.starts_with("postgres://") || url.starts_with("postgresql://") => {
+                Services::open_postgres(url, args.orders).await
+            }
+            Some(url) => bail!("--database must be a postgres:// URL, not {url:?}"),
+        }
+    }
+
+    async fn open_sqlite(dir: &Path, orders: usize) -> anyhow::Result<Services> {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+        for db in ["orders.db", "inventory.db"] {
+            for suffix in ["", "-wal", "-shm"] {
+                let file = dir.join(format!("{db}{suffix}"));
+                match std::fs::remove_file(&file) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(e).context(format!("cannot delete {}", file.display())),
+                }
+            }
+        }
+        let t = SQLITE_TABLES;
+        let store = SqliteStore::from_pool(
+            sqlite_pool(&dir.join("orders.db"))
+                .await
+                .context("cannot open the order database")?,
+            StoreOptions::table(t.outbox),
+        )?;
+        store.migrate().await?;
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "CREATE TABLE {} (id INTEGER PRIMARY KEY, sku TEXT NOT NULL, qty INTEGER NOT NULL, \
+             created_at INTEGER NOT NULL DEFAULT (CAST(unixepoch('subsec') * 1000 AS INTEGER)))",
+            t.orders
+        )))
+        .execute(store.pool())
+        .await?;
+
+        let inventory = sqlite_pool(&dir.join("inventory.db"))
+            .await
+            .context("cannot open the inventory database")?;
+        let inbox = Inbox::new(inventory.clone(), t.inbox, CONSUMER)?;
+        inbox.migrate().await?;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "CREATE TABLE {stock} (sku TEXT PRIMARY KEY, qty INTEGER NOT NULL);
+             CREATE TABLE {log} (id INTEGER PRIMARY KEY AUTOINCREMENT, order_id INTEGER NOT NULL,
+                 sku TEXT NOT NULL, qty INTEGER NOT NULL, message_id TEXT NOT NULL);
+             CREATE INDEX {log}_order_id ON {log} (order_id);",
+            stock = t.stock,
+            log = t.deductions
+        )))
+        .execute(&inventory)
+        .await?;
+        for sku in SKUS {
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "INSERT INTO {} (sku, qty) VALUES (?1, ?2)",
+                t.stock
+            )))
+            .bind(sku)
+            .bind(initial_stock(orders))
+            .execute(&inventory)
+            .await?;
+        }
+        Ok(Services::Sqlite {
+            store,
+            inventory,
+            inbox,
+        })
+    }
+
+    async fn open_postgres(url: &str, orders: usize) -> anyhow::Result<Services> {
+        let t = PG_TABLES;
+        let outbox_options = StoreOptions::table(t.outbox);
+        let store = PgStore::from_pool(
+            pg_pool(url)
+                .await
+                .context("cannot connect to PostgreSQL for the order service")?,
+            outbox_options.clone(),
+        )?;
+        let inventory = pg_pool(url)
+            .await
+            .context("cannot connect to PostgreSQL for the inventory service")?;
+
+        // Start from scratch: drop the demo tables and forget their migrations.
+        let ours = [
+            t.orders,
+            t.outbox,
+            outbox_options.inbox_table.as_str(),
+            t.stock,
+            t.inbox,
+            t.deductions,
+        ];
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DROP TABLE IF EXISTS {} CASCADE",
+            ours.join(", ")
+        )))
+        .execute(&inventory)
+        .await?;
+        let has_migrations: Option<String> =
+            sqlx::query_scalar("SELECT to_regclass('outbox_migrations')::text")
+                .fetch_one(&inventory)
+                .await?;
+        if has_migrations.is_some() {
+            sqlx::query("DELETE FROM outbox_migrations WHERE table_name = ANY($1)")
+                .bind(ours.map(str::to_owned).to_vec())
+                .execute(&inventory)
+                .await?;
+        }
+
+        store.migrate().await?;
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "CREATE TABLE {} (id bigint PRIMARY KEY, sku text NOT NULL, qty bigint NOT NULL, \
+             created_at timestamptz NOT NULL DEFAULT now())",
+            t.orders
+        )))
+        .execute(store.pool())
+        .await?;
+
+        let inbox = Inbox::new(inventory.clone(), t.inbox, CONSUMER)?;
+        inbox.migrate().await?;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "CREATE TABLE {stock} (sku text PRIMARY KEY, qty bigint NOT NULL);
+             CREATE TABLE {log} (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+                 order_id bigint NOT NULL, sku text NOT NULL, qty bigint NOT NULL,
+                 message_id uuid NOT NULL);
+             CREATE INDEX {log}_order_id ON {log} (order_id);",
+            stock = t.stock,
+            log = t.deductions
+        )))
+        .execute(&inventory)
+        .await?;
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO {} (sku, qty) SELECT s, $2 FROM UNNEST($1::text[]) AS s",
+            t.stock
+        )))
+        .bind(SKUS.map(str::to_owned).to_vec())
+        .bind(initial_stock(orders))
+        .execute(&inventory)
+        .await?;
+        Ok(Services::Postgres {
+            store,
+            inventory,
+            inbox,
+        })
+    }
+
+    fn describe(&self, args: &DemoArgs) -> String {
+        match self {
+            Services::Sqlite { .. } => format!(
+                "SQLite ({0}/orders.db, {0}/inventory.db)",
+                args.data_dir.display()
+            ),
+            Services::Postgres { .. } => {
+                "PostgreSQL (demo_orders + demo_outbox, demo_stock + demo_inbox + demo_deductions)"
+                    .into()
+            }
+        }
+    }
+
+    fn tables(&self) -> Tables {
+        match self {
+            Services::Sqlite { .. } => SQLITE_TABLES,
+            Services::Postgres { .. } => PG_TABLES,
+        }
+    }
+
+    /// The order service's outbox store, for the relay.
+    fn store(&self) -> Arc<dyn Store> {
+        match self {
+            Services::Sqlite { store, .. } => Arc::new(store.clone()),
+            Services::Postgres { store, .. } => Arc::new(store.clone()),
+        }
+    }
+
+    /// Place one order: the order row and its `order-created` message in one transaction.
+    async fn place_order(&self, order: &Order) -> anyhow::Result<()> {
+        let message =
+            NewMessage::json(TOPIC, order)?.with_partition_key(order.order_id.to_string());
+        let orders = self.tables().orders;
+        match self {
+            Services::Sqlite { store, .. } => {
+                let mut tx = store.pool().begin().await?;
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "INSERT INTO {orders} (id, sku, qty) VALUES (?1, ?2, ?3)"
+                )))
+                .bind(order.order_id)
+                .bind(&order.sku)
+                .bind(order.qty)
+                .execute(&mut *tx)
+                .await?;
+                store.enqueue(&mut tx, message).await?;
+                store.commit(tx).await?;
+            }
+            Services::Postgres { store, .. } => {
+                let mut tx = store.pool().begin().await?;
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "INSERT INTO {orders} (id, sku, qty) VALUES ($1, $2, $3)"
+                )))
+                .bind(order.order_id)
+                .bind(&order.sku)
+                .bind(order.qty)
+                .execute(&mut *tx)
+                .await?;
+                store.enqueue(&mut tx, message).await?;
+                store.commit(tx).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Every order row: (id, sku, qty).
+    async fn orders(&self) -> anyhow::Result<Vec<(i64, String, i64)>> {
+        let sql = format!("SELECT id, sku, qty FROM {}", self.tables().orders);
+        Ok(match self {
+            Services::Sqlite { store, .. } => {
+                sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                    .fetch_all(store.pool())
+                    .await?
+            }
+            Services::Postgres { store, .. } => {
+                sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                    .fetch_all(store.pool())
+                    .await?
+            }
+        })
+    }
+
+    /// Every deduction log row: (order id, sku, qty).
+    async fn deductions(&self) -> anyhow::Result<Vec<(i64, String, i64)>> {
+        let sql = format!(
+            "SELECT order_id, sku, qty FROM {}",
+            self.tables().deductions
+        );
+        Ok(match self {
+            Services::Sqlite { inventory, .. } => {
+                sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                    .fetch_all(inventory)
+                    .await?
+            }
+            Services::Postgres { inventory, .. } => {
+                sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                    .fetch_all(inventory)
+                    .await?
+            }
+        })
+    }
+
+    /// Orders with at least one deduction.
+    async fn orders_with_deduction(&self) -> anyhow::Result<u64> {
+        let sql = format!(
+            "SELECT COUNT(DISTINCT order_id) FROM {}",
+            self.tables().deductions
+        );
+        let n: i64 = match self {
+            Services::Sqlite { inventory, .. } => {
+                sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+                    .fetch_one(inventory)
+                    .await?
+            }
+            Services::Postgres { inventory, .. } => {
+                sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+                    .fetch_one(inventory)
+                    .await?
+            }
+        };
+        Ok(n as u64)
+    }
+
+    /// Stock per SKU now.
+    async fn stock(&self) -> anyhow::Result<Vec<(String, i64)>> {
+        let sql = format!("SELECT sku, qty FROM {}", self.tables().stock);
+        Ok(match self {
+            Services::Sqlite { inventory, .. } => {
+                sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                    .fetch_all(inventory)
+                    .await?
+            }
+            Services::Postgres { inventory, .. } => {
+                sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                    .fetch_all(inventory)
+                    .await?
+            }
+        })
+    }
+
+    /// Publish attempts recorded in the outbox (the sum of `attempts`).
+    async fn publish_attempts(&self) -> anyhow::Result<i64> {
+        let sql = format!(
+            "SELECT CAST(COALESCE(SUM(attempts), 0) AS BIGINT) FROM {}",
+            self.tables().outbox
+        );
+        Ok(match self {
+            Services::Sqlite { store, .. } => {
+                sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+                    .fetch_one(store.pool())
+                    .await?
+            }
+            Services::Postgres { store, .. } => {
+                sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+                    .fetch_one(store.pool())
+                    .await?
+            }
+        })
+    }
+}
+
+/// A pool on a fresh SQLite file: WAL, `synchronous = FULL`, a 10 s busy timeout. Statement
+/// logging is off: waiting for SQLite's single write lock under 16 concurrent clients is the
+/// expected contention here, not a slow query worth a warning.
+async fn sqlite_pool(file: &Path) -> Result<SqlitePool, sqlx::Error> {
+    SqlitePoolOptions::new()
+        .max_connections(8)
+        .connect_with(
+            SqliteConnectOptions::new()
+                .filename(file)
+                .create_if_missing(true)
+                .journal_mode(SqliteJournalMode::Wal)
+                .synchronous(SqliteSynchronous::Full)
+                .busy_timeout(Duration::from_secs(10))
+                .disable_statement_logging(),
+        )
+        .await
+}
+
+/// A pool of up to 10 PostgreSQL connections, statement logging off (row-lock waits on the hot
+/// stock rows are expected contention).
+async fn pg_pool(url: &str) -> Result<PgPool, sqlx::Error> {
+    let options = PgConnectOptions::from_str(url)?.disable_statement_logging();
+    PgPoolOptions::new()
+        .max_connections(10)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect_with(options)
+        .await
+}
+
+/// The inventory service's message handler: deduct stock and log the deduction, inside the
+/// inbox transaction.
+struct InventoryHandler {
+    tables: Tables,
+    timeline: Arc<Timeline>,
+}
+
+impl InventoryHandler {
+    fn order(msg: &InboundMessage) -> Result<Order, HandlerError> {
+        msg.json().map_err(HandlerError::permanent)
+    }
+}
+
+#[async_trait]
+impl outbox::Handler<sqlx::Sqlite> for InventoryHandler {
+    async fn handle(
+        &self,
+        conn: &mut SqliteConnection,
+        msg: &InboundMessage,
+    ) -> Result<(), HandlerError> {
+        let order = Self::order(msg)?;
+        let t = self.tables;
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE {} SET qty = qty - ?1 WHERE sku = ?2",
+            t.stock
+        )))
+        .bind(order.qty)
+        .bind(&order.sku)
+        .execute(&mut *conn)
+        .await
+        .map_err(HandlerError::transient)?;
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO {} (order_id, sku, qty, message_id) VALUES (?1, ?2, ?3, ?4)",
+            t.deductions
+        )))
+        .bind(order.order_id)
+        .bind(&order.sku)
+        .bind(order.qty)
+        .bind(msg.message_id.to_string())
+        .execute(&mut *conn)
+        .await
+        .map_err(HandlerError::transient)?;
+        self.timeline.applied(order.order_id);
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl outbox::Handler<sqlx::Postgres> for InventoryHandler {
+    async fn handle(
+        &self,
+        conn: &mut PgConnection,
+        msg: &InboundMessage,
+    ) -> Result<(), HandlerError> {
+        let order = Self::order(msg)?;
+        let t = self.tables;
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE {} SET qty = qty - $1 WHERE sku = $2",
+            t.stock
+        )))
+        .bind(order.qty)
+        .bind(&order.sku)
+        .execute(&mut *conn)
+        .await
+        .map_err(HandlerError::transient)?;
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO {} (order_id, sku, qty, message_id) VALUES ($1, $2, $3, $4)",
+            t.deductions
+        )))
+        .bind(order.order_id)
+        .bind(&order.sku)
+        .bind(order.qty)
+        .bind(msg.message_id)
+        .execute(&mut *conn)
+        .await
+        .map_err(HandlerError::transient)?;
+        self.timeline.applied(order.order_id);
+        Ok(())
+    }
+}
+
+/// When each order committed (client side) and took effect (handler side), in microseconds
+/// since the start plus one (zero: not yet).
+struct Timeline {
+    start: Instant,
+    committed: Vec<AtomicU64>,
+    applied: Vec<AtomicU64>,
+}
+
+impl Timeline {
+    fn new(orders: usize) -> Timeline {
+        Timeline {
+            start: Instant::now(),
+            committed: (0..orders).map(|_| AtomicU64::new(0)).collect(),
+            applied: (0..orders).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+
+    fn now(&self) -> u64 {
+        self.start.elapsed().as_micros() as u64 + 1
+    }
+
+    fn slot(slots: &[AtomicU64], order_id: i64) -> Option<&AtomicU64> {
+        usize::try_from(order_id - 1)
+            .ok()
+            .and_then(|i| slots.get(i))
+    }
+
+    fn committed(&self, order_id: i64) {
+        if let Some(s) = Self::slot(&self.committed, order_id) {
+            s.store(self.now(), Ordering::Relaxed);
+        }
+    }
+
+    /// Record the effect; a handler run whose transaction rolled back is overwritten by the
+    /// run that commits, which comes later.
+    fn applied(&self, order_id: i64) {
+        if let Some(s) = Self::slot(&self.applied, order_id) {
+            s.store(self.now(), Ordering::Relaxed);
+        }
+    }
+
+    /// Commit-to-effect latencies in microseconds.
+    fn latencies(&self) -> anyhow::Result<hdrhistogram::Histogram<u64>> {
+        let mut h = hdrhistogram::Histogram::<u64>::new(3)?;
+        for (c, a) in self.committed.iter().zip(&self.applied) {
+            let (c, a) = (c.load(Ordering::Relaxed), a.load(Ordering::Relaxed));
+            if c > 0 && a > 0 {
+                h.record(a.saturating_sub(c).max(1))?;
+            }
+        }
+        Ok(h)
+    }
+}
+
+/// Fault rates of the [`FaultyTransport`].
+#[derive(Debug, Clone, Copy)]
+struct Faults {
+    loss_before: f64,
+    loss_after: f64,
+    duplicate: f64,
+}
+
+/// What the fault injector did.
+#[derive(Debug, Default)]
+struct FaultStats {
+    lost_before: AtomicU64,
+    acks_lost: AtomicU64,
+    duplicated: AtomicU64,
+    copies_sent: AtomicU64,
+}
+
+/// A transport wrapper that injects faults: a delivery lost before the broker (a retryable
+/// error, nothing sent), an acknowledgement lost after the broker accepted (sent, then a
+/// retryable error), a duplicated delivery (sent twice).
+struct FaultyTransport {
+    inner: Arc<dyn Transport>,
+    faults: Faults,
+    stats: Arc<FaultStats>,
+}
+
+/// The fault drawn for one message of a batch.
+#[derive(Debug, Clone, Copy, Default)]
+struct Fate {
+    lost_before: bool,
+    ack_lost: bool,
+    duplicated: bool,
+}
+
+#[async_trait]
+impl Transport for FaultyTransport {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    async fn publish(&self, batch: &[Outgoing<'_>]) -> Vec<Result<(), TransportError>> {
+        let fates: Vec<Fate> = {
+            let mut rng = rand::rng();
+            batch
+                .iter()
+                .map(|_| {
+                    let lost_before = rng.random_bool(self.faults.loss_before);
+                    Fate {
+                        lost_before,
+                        ack_lost: !lost_before && rng.random_bool(self.faults.loss_after),
+                        duplicated: !lost_before && rng.random_bool(self.faults.duplicate),
+                    }
+                })
+                .collect()
+        };
+        let mut sends = Vec::with_capacity(batch.len());
+        let mut origin = Vec::with_capacity(batch.len());
+        for (i, (out, fate)) in batch.iter().zip(&fates).enumerate() {
+            let copies = match fate {
+                Fate {
+                    lost_before: true, ..
+                } => 0,
+                Fate {
+                    duplicated: true, ..
+                } => 2,
+                _ => 1,
+            };
+            for _ in 0..copies {
+                sends.push(*out);
+                origin.push(i);
+            }
+        }
+        let stats = &self.stats;
+        let count = |a: &AtomicU64, n: usize| a.fetch_add(n as u64, Ordering::Relaxed);
+        count(&stats.copies_sent, sends.len());
+        let results = if sends.is_empty() {
+            Vec::new()
+        } else {
+            self.inner.publish(&sends).await
+        };
+
+        // One result per input: a message is acknowledged when any of its copies was.
+        let mut merged: Vec<Option<Result<(), TransportError>>> =
+            (0..batch.len()).map(|_| None).collect();
+        for (i, r) in origin.into_iter().zip(results) {
+            if !matches!(merged[i], Some(Ok(()))) {
+                merged[i] = Some(r);
+            }
+        }
+        merged
+            .into_iter()
+            .zip(fates)
+            .map(|(result, fate)| {
+                if fate.lost_before {
+                    count(&stats.lost_before, 1);
+                    return Err(TransportError::retryable(
+                        "injected fault: delivery lost before the consumer",
+                    ));
+                }
+                if fate.duplicated {
+                    count(&stats.duplicated, 1);
+                }
+                match result {
+                    Some(Ok(())) if fate.ack_lost => {
+                        count(&stats.acks_lost, 1);
+                        Err(TransportError::retryable(
+                            "injected fault: acknowledgement lost after the consumer committed",
+                        ))
+                    }
+                    Some(r) => r,
+                    None => Err(TransportError::retryable("transport returned no result")),
+                }
+            })
+            .collect()
+    }
+
+    async fn probe(&self) -> Result<(), TransportError> {
+        self.inner.probe().await
+    }
+}
+
+/// How messages travel from the relay to the inventory service.
+enum Delivery {
+    /// Standard Webhooks POSTs to an axum server in this process.
+    Webhook { secret: String },
+    /// NATS JetStream: stream [`NATS_STREAM`], durable pull consumer [`CONSUMER`].
+    Nats {
+        url: String,
+        js: Box<async_nats::jetstream::Context>,
+    },
+}
+
+/// Where the relay delivers: the webhook URL, or nothing for NATS (the route names the subject).
+type Endpoint = Option<String>;
+
+impl Delivery {
+    async fn open(transport: Option<&str>) -> anyhow::Result<Delivery> {
+        match transport {
+            None | Some("webhook") => {
+                let key: [u8; 24] = rand::random();
+                let secret = format!(
+                    "whsec_{}",
+                    base64::engine::general_purpose::STANDARD.encode(key)
+                );
+                Ok(Delivery::Webhook { secret })
+            }
+            Some(url) if url.starts_with("nats://") => {
+                let client = async_nats::connect(url)
+                    .await
+                    .with_context(|| format!("cannot connect to NATS at {url}"))?;
+                let js = async_nats::jetstream::new(client);
+                // Start from an empty stream so runs are independent; a missing stream is fine.
+                let _ = js.delete_stream(NATS_STREAM).await;
+                js.create_stream(async_nats::jetstream::stream::Config {
+                    name: NATS_STREAM.into(),
+                    subjects: vec![NATS_SUBJECTS.into()],
+                    duplicate_window: Duration::from_secs(120),
+                    ..Default::default()
+                })
+                .await
+                .with_context(|| format!("cannot create the JetStream stream {NATS_STREAM}"))?;
+                Ok(Delivery::Nats {
+                    url: url.to_owned(),
+                    js: Box::new(js),
+                })
+            }
+            Some(other) => bail!("--transport must be a nats:// URL or \"webhook\", not {other:?}"),
+        }
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            Delivery::Webhook { .. } => "signed webhooks (in-process axum receiver)".into(),
+            Delivery::Nats { url, .. } => {
+                format!("NATS JetStream at {url} (stream {NATS_STREAM}, durable {CONSUMER})")
+            }
+        }
+    }
+
+    /// Start the inventory service's receiver; it runs until `cancel`.
+    async fn start_consumer<DB, H>(
+        &self,
+        inbox: Inbox<DB>,
+        handler: Arc<H>,
+        metrics: Arc<ConsumerMetrics>,
+        cancel: &CancellationToken,
+    ) -> anyhow::Result<(Endpoint, Vec<JoinHandle<anyhow::Result<()>>>)>
+    where
+        DB: InboxBackend,
+        H: outbox::Handler<DB>,
+    {
+        match self {
+            Delivery::Webhook { secret } => {
+                let path = "/inventory/order-events";
+                let app =
+                    outbox::consumer::webhook::router(path, inbox, handler, Some(secret), metrics)?;
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+                let url = format!("http://{}{path}", listener.local_addr()?);
+                let cancel = cancel.clone();
+                let server = tokio::spawn(async move {
+                    axum::serve(listener, app)
+                        .with_graceful_shutdown(cancel.cancelled_owned())
+                        .await
+                        .context("webhook server failed")
+                });
+                Ok((Some(url), vec![server]))
+            }
+            Delivery::Nats { js, .. } => {
+                let config = NatsConsumerConfig::new(NATS_STREAM, CONSUMER);
+                // Create the durable once, so the runners below do not race to create it.
+                js.get_stream(NATS_STREAM)
+                    .await?
+                    .get_or_create_consumer(
+                        CONSUMER,
+                        async_nats::jetstream::consumer::pull::Config {
+                            durable_name: Some(CONSUMER.into()),
+                            ack_policy: async_nats::jetstream::consumer::AckPolicy::Explicit,
+                            ack_wait: config.ack_wait,
+                            max_ack_pending: 10_000,
+                            ..Default::default()
+                        },
+                    )
+                    .await
+                    .context("cannot create the JetStream consumer")?;
+                // Several runners share the durable, as instances of one service would.
+                let runners = (0..4)
+                    .map(|_| {
+                        let run = outbox::consumer::nats::run(
+                            (**js).clone(),
+                            config.clone(),
+                            inbox.clone(),
+                            handler.clone(),
+                            metrics.clone(),
+                            cancel.clone(),
+                        );
+                        tokio::spawn(async move { run.await.context("NATS consumer failed") })
+                    })
+                    .collect();
+                Ok((None, runners))
+            }
+        }
+    }
+
+    /// A fresh transport for one relay incarnation, and its route destination.
+    async fn transport(&self, endpoint: &Endpoint) -> anyhow::Result<(Arc<dyn Transport>, String)> {
+        match self {
+            Delivery::Webhook { secret } => {
+                let url = endpoint.clone().context("webhook receiver not started")?;
+                let mut config = WebhookConfig::new(url);
+                config.secret = Some(secret.clone());
+                config.timeout = Duration::from_secs(1);
+                // Empty destination: post to the configured URL.
+                Ok((Arc::new(WebhookTransport::new(config)?), String::new()))
+            }
+            Delivery::Nats { url, .. } => {
+                let mut config = NatsConfig::new(url.clone());
+                config.ack_timeout = Duration::from_secs(1);
+                let transport = NatsTransport::connect(config).await?;
+                Ok((Arc::new(transport), "demo.orders.{topic}".into()))
+            }
+        }
+    }
+}
+
+/// Starts, kills and restarts the embedded relay.
+struct RelaySupervisor<'a> {
+    store: Arc<dyn Store>,
+    delivery: &'a Delivery,
+    endpoint: &'a Endpoint,
+    faults: Faults,
+    fault_stats: Arc<FaultStats>,
+    current: Option<RelayHandle>,
+    metrics: Vec<Arc<RelayMetrics>>,
+}
+
+impl RelaySupervisor<'_> {
+    /// Start a new relay incarnation (a fresh transport, as after a process restart).
+    async fn start(&mut self) -> anyhow::Result<()> {
+        let (transport, destination) = self.delivery.transport(self.endpoint).await?;
+        let faulty: Arc<dyn Transport> = Arc::new(FaultyTransport {
+            inner: transport,
+            faults: self.faults,
+            stats: self.fault_stats.clone(),
+        });
+        let config = RelayConfig {
+            name: format!("demo-relay-{}", self.metrics.len() + 1),
+            batch_size: 100,
+            lease: Duration::from_secs(3),
+            publish_timeout: Duration::from_secs(1),
+            poll_interval: Duration::from_millis(500),
+            max_attempts: 50,
+            backoff: Backoff {
+                base: Duration::from_millis(100),
+                factor: 2.0,
+                max: Duration::from_secs(2),
+                jitter: 0.2,
+            },
+            reap_interval: Duration::from_secs(1),
+            in_flight_batches: 4,
+            ..RelayConfig::default()
+        };
+        let relay = Relay::builder(self.store.clone())
+            .router(Router::new().route("*", faulty, destination))
+            .config(config)
+            .build()?;
+        self.metrics.push(relay.metrics().clone());
+        self.current = Some(relay.spawn());
+        Ok(())
+    }
+
+    /// Crash the relay (claimed rows stay SENDING until their lease expires) and start another.
+    async fn kill_and_restart(&mut self) -> anyhow::Result<()> {
+        if let Some(relay) = self.current.take() {
+            relay.abort();
+        }
+        self.start().await
+    }
+
+    /// Stop the relay gracefully.
+    async fn shutdown(&mut self) -> anyhow::Result<()> {
+        if let Some(relay) = self.current.take() {
+            relay.shutdown().await?;
+        }
+        Ok(())
+    }
+}
+
+/// Two progress bars: orders placed, effects applied.
+struct Bars {
+    placed: ProgressBar,
+    applied: ProgressBar,
+    _multi: MultiProgress,
+}
+
+impl Bars {
+    fn new(orders: usize) -> Bars {
+        let multi = MultiProgress::new();
+        let style = ProgressStyle::with_template(
+            "{prefix:>16} [{bar:40.cyan/blue}] {pos:>6}/{len} {per_sec:>12} {msg}",
+        )
+        .expect("valid template")
+        .progress_chars("=> ");
+        let bar = |name: &str| {
+            let b = multi.add(ProgressBar::new(orders as u64));
+            b.set_style(style.clone());
+            b.set_prefix(name.to_owned());
+            b
+        };
+        Bars {
+            placed: bar("orders placed"),
+            applied: bar("effects applied"),
+            _multi: multi,
+        }
+    }
+
+    fn update(&self, placed: usize, applied: u64, kills: usize, planned: usize) {
+        self.placed.set_position(placed as u64);
+        self.applied.set_position(applied);
+        self.applied
+            .set_message(format!("relay kills {kills}/{planned}"));
+    }
+
+    fn finish(&self) {
+        self.placed.finish();
+        self.applied.finish();
+    }
+}
+
+/// The end-of-run figures and checks.
+struct Report {
+    orders: usize,
+    statuses: BTreeMap<Status, u64>,
+    attempts: i64,
+    deductions: usize,
+    duplicates: u64,
+    consumer_failures: u64,
+    lost: Vec<i64>,
+    applied_twice: Vec<i64>,
+    stock_problems: Vec<String>,
+    units_deducted: i64,
+    faults: [u64; 4],
+    relay: outbox::MetricsSnapshot,
+    kills: usize,
+    latency: hdrhistogram::Histogram<u64>,
+    elapsed: Duration,
+}
+
+impl Report {
+    async fn gather(
+        services: &Services,
+        timeline: &Timeline,
+        consumer: &ConsumerMetrics,
+        faults: &FaultStats,
+        relays: &[Arc<RelayMetrics>],
+        kills: usize,
+        elapsed: Duration,
+    ) -> anyhow::Result<Report> {
+        let orders = services.orders().await?;
+        let deductions = services.deductions().await?;
+        let stock = services.stock().await?;
+
+        let mut per_order: HashMap<i64, usize> = HashMap::new();
+        let mut deducted: HashMap<&str, i64> = HashMap::new();
+        for (order_id, sku, qty) in &deductions {
+            *per_order.entry(*order_id).or_default() += 1;
+            *deducted.entry(sku.as_str()).or_default() += qty;
+        }
+        let mut ordered: HashMap<&str, i64> = HashMap::new();
+        let (mut lost, mut applied_twice) = (Vec::new(), Vec::new());
+        for (id, sku, qty) in &orders {
+            *ordered.entry(sku.as_str()).or_default() += qty;
+            match per_order.get(id).copied().unwrap_or(0) {
+                0 => lost.push(*id),
+                1 => {}
+                _ => applied_twice.push(*id),
+            }
+        }
+        lost.sort_unstable();
+        applied_twice.sort_unstable();
+
+        // Stock: initial − now = deducted = ordered, per SKU, and never negative.
+        let initial = initial_stock(orders.len());
+        let mut stock_problems = Vec::new();
+        for (sku, now) in &stock {
+            let gone = initial - now;
+            let d = deducted.get(sku.as_str()).copied().unwrap_or(0);
+            let o = ordered.get(sku.as_str()).copied().unwrap_or(0);
+            if gone != d || d != o || *now < 0 {
+                stock_problems.push(format!(
+                    "{sku}: stock fell by {gone}, deduction log says {d}, orders say {o}, now {now}"
+                ));
+            }
+        }
+        if stock.len() != SKUS.len() {
+            stock_problems.push(format!(
+                "{} stock rows, expected {}",
+                stock.len(),
+                SKUS.len()
+            ));
+        }
+
+        let mut relay = outbox::MetricsSnapshot::default();
+        for m in relays {
+            let s = m.snapshot();
+            relay.claimed += s.claimed;
+            relay.sent += s.sent;
+            relay.retried += s.retried;
+            relay.failed += s.failed;
+            relay.released += s.released;
+            relay.lost_leases += s.lost_leases;
+            relay.stale_batches += s.stale_batches;
+            relay.reaped += s.reaped;
+            relay.store_errors += s.store_errors;
+            relay.outages += s.outages;
+        }
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        Ok(Report {
+            orders: orders.len(),
+            statuses: services.store().stats().await?.counts,
+            attempts: services.publish_attempts().await?,
+            deductions: deductions.len(),
+            duplicates: load(&consumer.duplicates),
+            consumer_failures: load(&consumer.failures),
+            lost,
+            applied_twice,
+            stock_problems,
+            units_deducted: deducted.values().sum(),
+            faults: [
+                load(&faults.lost_before),
+                load(&faults.acks_lost),
+                load(&faults.duplicated),
+                load(&faults.copies_sent),
+            ],
+            relay,
+            kills,
+            latency: timeline.latencies()?,
+            elapsed,
+        })
+    }
+
+    fn print(&self, delivery: &Delivery) {
+        let ms = |q: f64| self.latency.value_at_quantile(q) as f64 / 1000.0;
+        let statuses: Vec<String> = self
+            .statuses
+            .iter()
+            .filter(|(_, n)| **n > 0)
+            .map(|(s, n)| format!("{s} {n}"))
+            .collect();
+        let [lost_before, acks_lost, duplicated, copies] = self.faults;
+        let check = |ok: bool| if ok { "ok" } else { "FAILED" };
+        let ids = |v: &[i64]| {
+            if v.is_empty() {
+                String::new()
+            } else {
+                let shown: Vec<String> = v.iter().take(10).map(i64::to_string).collect();
+                format!(
+                    "  (orders {}{})",
+                    shown.join(", "),
+                    if v.len() > 10 { ", ..." } else { "" }
+                )
+            }
+        };
+        println!();
+        println!("== outbox demo report ==");
+        println!("orders placed              {:>10}", self.orders);
+        println!("outbox rows by status      {:>10}", statuses.join(", "));
+        println!(
+            "publish attempts           {:>10}  ({:.2} per order)",
+            self.attempts,
+            self.attempts as f64 / self.orders.max(1) as f64
+        );
+        println!(
+            "faults injected            {:>10}  lost before consumer {lost_before}, acks lost {acks_lost}, duplicated {duplicated}",
+            lost_before + acks_lost + duplicated
+        );
+        println!("copies handed to transport {copies:>10}");
+        println!(
+            "relay kills                {:>10}  (rows reaped after lease expiry {}, lost leases {}, retries {}, dead letters {})",
+            self.kills,
+            self.relay.reaped,
+            self.relay.lost_leases,
+            self.relay.retried,
+            self.relay.failed
+        );
+        println!(
+            "deductions                 {:>10}  ({} units)",
+            self.deductions, self.units_deducted
+        );
+        println!(
+            "duplicates absorbed (inbox){:>10}{}",
+            self.duplicates,
+            match delivery {
+                Delivery::Nats { .. } =>
+                    "  (JetStream's duplicate window drops re-publishes of a message id first)",
+                Delivery::Webhook { .. } => "",
+            }
+        );
+        if self.consumer_failures > 0 {
+            println!("consumer failures (retried){:>10}", self.consumer_failures);
+        }
+        println!(
+            "lost                       {:>10}  {}{}",
+            self.lost.len(),
+            check(self.lost.is_empty()),
+            ids(&self.lost)
+        );
+        println!(
+            "applied twice              {:>10}  {}{}",
+            self.applied_twice.len(),
+            check(self.applied_twice.is_empty()),
+            ids(&self.applied_twice)
+        );
+        println!(
+            "stock consistency          {:>10}  {}",
+            check(self.stock_problems.is_empty()),
+            if self.stock_problems.is_empty() {
+                "initial - final = deducted = ordered, for every SKU".to_owned()
+            } else {
+                self.stock_problems.join("; ")
+            }
+        );
+        println!(
+            "commit-to-effect latency   p50 {:.1} ms, p90 {:.1} ms, p99 {:.1} ms, max {:.1} ms ({} samples)",
+            ms(0.5),
+            ms(0.9),
+            ms(0.99),
+            self.latency.max() as f64 / 1000.0,
+            self.latency.len()
+        );
+        println!(
+            "elapsed                    {:>9.1}s  ({:.0} orders/s end to end)",
+            self.elapsed.as_secs_f64(),
+            self.orders as f64 / self.elapsed.as_secs_f64()
+        );
+    }
+
+    /// `Ok` when every promise held.
+    fn verdict(&self) -> anyhow::Result<()> {
+        ensure!(
+            self.lost.is_empty(),
+            "{} orders never took effect",
+            self.lost.len()
+        );
+        ensure!(
+            self.applied_twice.is_empty(),
+            "{} orders took effect more than once",
+            self.applied_twice.len()
+        );
+        ensure!(
+            self.stock_problems.is_empty(),
+            "stock is inconsistent: {}",
+            self.stock_problems.join("; ")
+        );
+        Ok(())
+    }
 }

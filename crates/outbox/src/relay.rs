@@ -728,9 +728,14 @@ impl Relay {
 async fn reap_loop(relay: Relay, cancel: CancellationToken) {
     let inner = &relay.inner;
     let mut failures = 0u32;
+    // A full batch of expired leases (a relay died holding several batches) is followed by
+    // another reap at once, so the backlog returns in one go rather than a batch per interval.
+    let mut full = false;
     loop {
         let wait = if failures > 0 {
             inner.config.probe_backoff.delay(failures)
+        } else if full {
+            Duration::ZERO
         } else {
             inner.config.reap_interval
         };
@@ -743,9 +748,13 @@ async fn reap_loop(relay: Relay, cancel: CancellationToken) {
             .reap_expired_leases(inner.config.batch_size, inner.config.max_attempts)
             .await
         {
-            Ok(0) => failures = 0,
+            Ok(0) => {
+                failures = 0;
+                full = false;
+            }
             Ok(n) => {
                 failures = 0;
+                full = n >= u64::from(inner.config.batch_size);
                 add(&inner.metrics.reaped, n);
                 tracing::info!(rows = n, "reaped expired leases");
                 inner.store.wake();
