@@ -217,7 +217,9 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
                 .context("placing an order failed")?;
         }
         let placed_now = placed.load(Ordering::Relaxed);
-        let applied = consumer_metrics.applied.load(Ordering::Relaxed);
+        // Effects are counted in the inventory database: a delivery whose HTTP exchange was cut
+        // by a relay kill may have committed without the receiver counting it.
+        let applied = services.orders_with_deduction().await?;
         bars.update(placed_now, applied, kills_done, args.kills);
         // Kill k of n when (k / (n + 1)) of the orders have taken effect.
         if kills_done < args.kills
@@ -228,13 +230,12 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         }
         if placed_now == args.orders && clients.is_empty() {
             // Drained: nothing left to publish, and every message the broker acknowledged has
-            // its deduction (counted in the database: a delivery whose HTTP exchange was cut by
-            // a relay kill may have committed without the consumer counting it).
+            // taken effect.
             let stats = services.store().stats().await?;
             let count = |s| stats.counts.get(&s).copied().unwrap_or(0);
             if count(Status::Pending) == 0
                 && count(Status::Sending) == 0
-                && services.orders_with_deduction().await? >= count(Status::Sent)
+                && applied >= count(Status::Sent)
             {
                 break true;
             }
@@ -1148,7 +1149,7 @@ impl Bars {
     fn new(orders: usize) -> Bars {
         let multi = MultiProgress::new();
         let style = ProgressStyle::with_template(
-            "{prefix:>16} [{bar:40.cyan/blue}] {pos:>6}/{len} {per_sec:>12} {msg}",
+            "{prefix:>16} [{bar:40.cyan/blue}] {pos:>6}/{len} [{elapsed}] {msg}",
         )
         .expect("valid template")
         .progress_chars("=> ");
