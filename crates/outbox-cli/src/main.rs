@@ -218,14 +218,19 @@ async fn shutdown_signal() {
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    // The demo draws progress bars: only warnings unless RUST_LOG says otherwise.
+    let default_filter = match cli.command {
+        Command::Demo(_) => "warn",
+        _ => "info,sqlx=warn",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info,sqlx=warn".into()),
+                .unwrap_or_else(|_| default_filter.into()),
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
     let result = match cli.command {
         Command::Migrate(db) => {
             async {

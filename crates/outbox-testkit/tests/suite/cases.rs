@@ -617,7 +617,7 @@ async fn c35_session_time_zones_do_not_shift_times() {
 async fn c27_nats_runner_does_not_ack_while_inbox_write_fails() {
     use outbox::consumer::ConsumerMetrics;
     use outbox::consumer::nats::NatsConsumerConfig;
-    use outbox_testkit::{NatsFixture, TransportFixture as _};
+    use outbox_testkit::NatsFixture;
     use std::sync::atomic::Ordering;
 
     crate::init_tracing();

@@ -22,7 +22,7 @@ use crate::inbox::{Handler, Inbox, InboxBackend, Processed};
 use crate::message::{HEADER_MESSAGE_ID, HEADER_TOPIC, Headers, InboundMessage};
 use crate::transport::webhook::WebhookSigner;
 
-struct AppState<DB: InboxBackend, H: ?Sized> {
+struct AppState<DB: InboxBackend, H: ?Sized + 'static> {
     inbox: Inbox<DB>,
     handler: Arc<H>,
     signer: Option<WebhookSigner>,
@@ -117,23 +117,34 @@ where
             return (StatusCode::BAD_REQUEST, reason);
         }
     };
-    match state.inbox.process(&msg, state.handler.as_ref()).await {
-        Ok(Processed::Applied) => {
-            state.metrics.applied.fetch_add(1, Ordering::Relaxed);
-            (StatusCode::OK, "applied".into())
-        }
-        Ok(Processed::Duplicate) => {
-            state.metrics.duplicates.fetch_add(1, Ordering::Relaxed);
-            (StatusCode::OK, "duplicate".into())
-        }
-        Err(e) => {
-            state.metrics.failures.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(error = %e, message_id = %msg.message_id, "webhook delivery not applied");
-            if e.is_retryable() {
-                (StatusCode::SERVICE_UNAVAILABLE, e.to_string())
-            } else {
-                (StatusCode::UNPROCESSABLE_ENTITY, e.to_string())
+    // Processed on its own task: a client that hangs up mid-request (a relay crash, a timeout)
+    // must not cancel the inbox transaction or the counters half-way.
+    let task = tokio::spawn(async move {
+        let result = state.inbox.process(&msg, state.handler.as_ref()).await;
+        match result {
+            Ok(Processed::Applied) => {
+                state.metrics.applied.fetch_add(1, Ordering::Relaxed);
+                (StatusCode::OK, "applied".into())
+            }
+            Ok(Processed::Duplicate) => {
+                state.metrics.duplicates.fetch_add(1, Ordering::Relaxed);
+                (StatusCode::OK, "duplicate".into())
+            }
+            Err(e) => {
+                state.metrics.failures.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(error = %e, message_id = %msg.message_id, "webhook delivery not applied");
+                if e.is_retryable() {
+                    (StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+                } else {
+                    (StatusCode::UNPROCESSABLE_ENTITY, e.to_string())
+                }
             }
         }
-    }
+    });
+    task.await.unwrap_or_else(|e| {
+        (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("handler task failed: {e}"),
+        )
+    })
 }

@@ -183,13 +183,33 @@ impl WebhookTransport {
         })
     }
 
+    /// The URL for a route destination: empty → the configured URL; an absolute `http(s)://`
+    /// URL → itself; anything else → a path resolved against the configured URL (so
+    /// `Router::single` with destination `{topic}` posts to `<url>/<topic>` when the URL ends
+    /// with `/`).
+    fn target(&self, destination: &str) -> Result<reqwest::Url, TransportError> {
+        let base = reqwest::Url::parse(&self.config.url)
+            .map_err(|e| TransportError::permanent(format!("bad webhook URL: {e}")))?;
+        if destination.is_empty() {
+            return Ok(base);
+        }
+        if destination.starts_with("http://") || destination.starts_with("https://") {
+            return reqwest::Url::parse(destination).map_err(|e| {
+                TransportError::permanent(format!("bad webhook destination {destination:?}: {e}"))
+            });
+        }
+        base.join(destination).map_err(|e| {
+            TransportError::permanent(format!("bad webhook destination {destination:?}: {e}"))
+        })
+    }
+
     async fn post(&self, out: Outgoing<'_>) -> Result<(), TransportError> {
         let m = out.message;
-        let url = if out.destination.is_empty() {
-            self.config.url.as_str()
-        } else {
-            out.destination
+        let url = match self.target(out.destination) {
+            Ok(u) => u,
+            Err(e) => return Err(e),
         };
+        let url = url.as_str();
         let id = m.message_id.to_string();
         let ts = chrono::Utc::now().timestamp();
         let mut headers = HeaderMap::new();
@@ -347,6 +367,17 @@ mod tests {
             .is_err()
         );
         assert!(WebhookSigner::new("whsec_!!!").is_err());
+    }
+
+    #[test]
+    fn destinations_resolve_against_the_url() {
+        let t = WebhookTransport::new(WebhookConfig::new("http://h:1/hooks/")).unwrap();
+        assert_eq!(t.target("").unwrap().as_str(), "http://h:1/hooks/");
+        assert_eq!(
+            t.target("order-created").unwrap().as_str(),
+            "http://h:1/hooks/order-created"
+        );
+        assert_eq!(t.target("https://x/y").unwrap().as_str(), "https://x/y");
     }
 
     #[test]
