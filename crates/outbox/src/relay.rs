@@ -449,7 +449,7 @@ impl Relay {
                     }
                 }
             };
-            let n = claim.messages.len();
+            let n = claim.messages.len() + claim.malformed.len();
             if n > 0 {
                 add(&inner.metrics.claimed, n as u64);
                 let relay = self.clone();
@@ -635,11 +635,17 @@ impl Relay {
                 self.mark_down(ti, reason);
             }
         }
-        let completions: Vec<Completion> = messages
+        let mut completions: Vec<Completion> = messages
             .iter()
             .zip(outcomes)
             .filter_map(|(m, o)| o.map(|outcome| Completion { id: m.id, outcome }))
             .collect();
+        completions.extend(claim.malformed.into_iter().map(|(id, reason)| Completion {
+            id,
+            outcome: Outcome::Failed {
+                reason: format!("malformed row: {reason}"),
+            },
+        }));
         for c in &completions {
             let counter = match c.outcome {
                 Outcome::Sent => &inner.metrics.sent,

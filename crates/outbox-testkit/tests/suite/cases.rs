@@ -844,3 +844,110 @@ async fn c05_nats_outage_through_proxy_pauses_and_recovers() {
     relay.shutdown().await.unwrap();
     outbox_testkit::TransportFixture::cleanup(&nats).await;
 }
+
+/// Rows written by a foreign producer with plain SQL: a payload stored as TEXT is published as its
+/// bytes; headers that are not a JSON object of strings, or a message id that is not a UUID, send
+/// that row to FAILED with the reason at once, and the rest of its batch is delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_malformed_foreign_rows_are_dead_lettered_without_blocking() {
+    crate::init_tracing();
+    let fx = SqliteFixture::new().await;
+    let pool = fx.store.pool().clone();
+    let ok = uuid::Uuid::now_v7();
+    for (mid, headers, payload) in [
+        (ok.to_string(), "{}", "text payload"),
+        (uuid::Uuid::now_v7().to_string(), "[1,2]", "bad headers"),
+        ("not-a-uuid".to_string(), "{}", "bad id"),
+    ] {
+        sqlx::query(
+            "INSERT INTO outbox (message_id, topic, headers, payload) VALUES (?1, 't', ?2, ?3)",
+        )
+        .bind(mid)
+        .bind(headers)
+        .bind(payload)
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    let good = fx
+        .enqueue_commit(vec![NewMessage::new("t", "library")])
+        .await
+        .unwrap()[0];
+    let mem = Arc::new(MemoryTransport::new());
+    let relay = relay_to(&fx, mem.clone(), fast_config("r1")).spawn();
+    within(
+        "the two good rows",
+        Duration::from_secs(10),
+        mem.wait_for(2),
+    )
+    .await;
+    wait_until(
+        "no row left PENDING or SENDING",
+        Duration::from_secs(10),
+        || {
+            let pool = pool.clone();
+            async move {
+                let n: i64 =
+                    sqlx::query_scalar("SELECT count(*) FROM outbox WHERE status IN (0, 1)")
+                        .fetch_one(&pool)
+                        .await
+                        .unwrap();
+                n == 0
+            }
+        },
+    )
+    .await;
+    let delivered = mem.delivered();
+    let by_id: std::collections::HashMap<_, _> = delivered
+        .iter()
+        .map(|d| (d.message.message_id, d.message.payload.clone()))
+        .collect();
+    assert_eq!(
+        by_id.get(&ok).map(Vec::as_slice),
+        Some(&b"text payload"[..])
+    );
+    assert!(by_id.contains_key(&good));
+    let failed: Vec<(String, String)> =
+        sqlx::query_as("SELECT message_id, last_error FROM outbox WHERE status = 4 ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(failed.len(), 2, "{failed:?}");
+    assert!(
+        failed.iter().all(|(_, e)| e.starts_with("malformed row")),
+        "{failed:?}"
+    );
+    assert!(failed[1].1.contains("not a UUID"), "{failed:?}");
+    assert_eq!(relay.metrics().snapshot().store_errors, 0);
+    relay.shutdown().await.unwrap();
+}
+
+/// The same on PostgreSQL: headers that are valid JSON but not an object of strings.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_malformed_foreign_rows_are_dead_lettered_without_blocking() {
+    crate::init_tracing();
+    let fx = PgFixture::new().await;
+    let t = fx.table();
+    fx.exec(&format!(
+        "INSERT INTO {t} (topic, headers, payload) VALUES ('t', '[1]', 'x'), ('t', '{{\"a\": 1}}', 'y'), ('t', '{{}}', 'z')"
+    ))
+    .await;
+    let mem = Arc::new(MemoryTransport::new());
+    let relay = relay_to(&fx, mem.clone(), fast_config("r1")).spawn();
+    within("the good row", Duration::from_secs(10), mem.wait_for(1)).await;
+    wait_until(
+        "two rows dead-lettered",
+        Duration::from_secs(10),
+        || async {
+            fx.count(&format!(
+                "{t} WHERE status = 4 AND last_error LIKE 'malformed row%'"
+            ))
+            .await
+                == 2
+        },
+    )
+    .await;
+    assert_eq!(mem.delivered()[0].message.payload, b"z");
+    relay.shutdown().await.unwrap();
+    fx.cleanup().await;
+}

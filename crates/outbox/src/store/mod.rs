@@ -50,6 +50,10 @@ pub struct Claim {
     pub token: LeaseToken,
     /// Claimed messages, in `(available_at, id)` order; `attempts` already counts this attempt.
     pub messages: Vec<Message>,
+    /// Claimed rows that could not be decoded (a plain-SQL producer wrote headers that are not a
+    /// JSON object of strings, or a message id that is not a UUID), with the reason. The relay
+    /// dead-letters them at once, so one malformed row never holds back the rest of its batch.
+    pub malformed: Vec<(i64, String)>,
 }
 
 /// What happened to one claimed message; applied by [`Store::complete`].

@@ -427,26 +427,20 @@ impl Store for PgStore {
             .await
             .map_err(self.err("claim"))?;
         let mut messages = Vec::with_capacity(rows.len());
+        let mut malformed = Vec::new();
         for row in rows {
             let id: i64 = row.try_get(0).map_err(self.err("claim"))?;
-            let headers: String = row.try_get(4).map_err(self.err("claim"))?;
-            let attempts: i32 = row.try_get(6).map_err(self.err("claim"))?;
-            let max_attempts: Option<i32> = row.try_get(7).map_err(self.err("claim"))?;
-            messages.push(Message {
-                id,
-                message_id: row.try_get(1).map_err(self.err("claim"))?,
-                topic: row.try_get(2).map_err(self.err("claim"))?,
-                partition_key: row.try_get(3).map_err(self.err("claim"))?,
-                headers: super::parse_headers(id, &headers)?,
-                payload: row.try_get(5).map_err(self.err("claim"))?,
-                attempts: u32::try_from(attempts).unwrap_or(0),
-                max_attempts: max_attempts
-                    .and_then(|m| u32::try_from(m).ok())
-                    .unwrap_or(0),
-            });
+            match decode_row(id, &row) {
+                Ok(m) => messages.push(m),
+                Err(reason) => malformed.push((id, reason)),
+            }
         }
         messages.sort_by_key(|m| m.id);
-        Ok(Claim { token, messages })
+        Ok(Claim {
+            token,
+            messages,
+            malformed,
+        })
     }
 
     async fn complete(
@@ -594,4 +588,24 @@ impl Store for PgStore {
             }
         }))
     }
+}
+
+/// Decode one claimed row; the error says what a foreign producer got wrong.
+fn decode_row(id: i64, row: &sqlx::postgres::PgRow) -> Result<Message, String> {
+    let get_err = |col: &str, e: sqlx::Error| format!("column {col}: {e}");
+    let headers: String = row.try_get(4).map_err(|e| get_err("headers", e))?;
+    let attempts: i32 = row.try_get(6).map_err(|e| get_err("attempts", e))?;
+    let max_attempts: Option<i32> = row.try_get(7).map_err(|e| get_err("max_attempts", e))?;
+    Ok(Message {
+        id,
+        message_id: row.try_get(1).map_err(|e| get_err("message_id", e))?,
+        topic: row.try_get(2).map_err(|e| get_err("topic", e))?,
+        partition_key: row.try_get(3).map_err(|e| get_err("partition_key", e))?,
+        headers: super::parse_headers(id, &headers).map_err(|e| e.to_string())?,
+        payload: row.try_get(5).map_err(|e| get_err("payload", e))?,
+        attempts: u32::try_from(attempts).unwrap_or(0),
+        max_attempts: max_attempts
+            .and_then(|m| u32::try_from(m).ok())
+            .unwrap_or(0),
+    })
 }

@@ -140,7 +140,7 @@ impl SqliteStore {
             ));
         }
         let t = table.as_str();
-        let cols = "id, message_id, topic, partition_key, headers, payload, attempts, max_attempts";
+        let cols = "id, message_id, topic, partition_key, headers, CAST(payload AS BLOB), attempts, max_attempts";
         let sql = Sql {
             insert: format!(
                 "INSERT INTO {t} (message_id, topic, partition_key, headers, payload, max_attempts, available_at) \
@@ -423,31 +423,20 @@ impl Store for SqliteStore {
             .await
             .map_err(self.err("claim"))?;
         let mut messages = Vec::with_capacity(rows.len());
+        let mut malformed = Vec::new();
         for row in rows {
             let id: i64 = row.try_get(0).map_err(self.err("claim"))?;
-            let message_id: String = row.try_get(1).map_err(self.err("claim"))?;
-            let message_id = Uuid::parse_str(&message_id).map_err(|e| StoreError::Corrupt {
-                id,
-                reason: format!("message_id is not a UUID: {e}"),
-            })?;
-            let headers: String = row.try_get(4).map_err(self.err("claim"))?;
-            let attempts: i64 = row.try_get(6).map_err(self.err("claim"))?;
-            let max_attempts: Option<i64> = row.try_get(7).map_err(self.err("claim"))?;
-            messages.push(Message {
-                id,
-                message_id,
-                topic: row.try_get(2).map_err(self.err("claim"))?,
-                partition_key: row.try_get(3).map_err(self.err("claim"))?,
-                headers: parse_headers(id, &headers)?,
-                payload: row.try_get(5).map_err(self.err("claim"))?,
-                attempts: u32::try_from(attempts).unwrap_or(u32::MAX),
-                max_attempts: max_attempts
-                    .and_then(|m| u32::try_from(m).ok())
-                    .unwrap_or(0),
-            });
+            match decode_row(id, &row) {
+                Ok(m) => messages.push(m),
+                Err(reason) => malformed.push((id, reason)),
+            }
         }
         messages.sort_by_key(|m| m.id);
-        Ok(Claim { token, messages })
+        Ok(Claim {
+            token,
+            messages,
+            malformed,
+        })
     }
 
     async fn complete(
@@ -550,4 +539,27 @@ impl Store for SqliteStore {
     fn waker(&self) -> Arc<Notify> {
         self.waker.clone()
     }
+}
+
+/// Decode one claimed row; the error says what a foreign producer got wrong.
+fn decode_row(id: i64, row: &sqlx::sqlite::SqliteRow) -> Result<Message, String> {
+    let get_err = |col: &str, e: sqlx::Error| format!("column {col}: {e}");
+    let message_id: String = row.try_get(1).map_err(|e| get_err("message_id", e))?;
+    let message_id = Uuid::parse_str(&message_id)
+        .map_err(|e| format!("message_id {message_id:?} is not a UUID: {e}"))?;
+    let headers: String = row.try_get(4).map_err(|e| get_err("headers", e))?;
+    let attempts: i64 = row.try_get(6).map_err(|e| get_err("attempts", e))?;
+    let max_attempts: Option<i64> = row.try_get(7).map_err(|e| get_err("max_attempts", e))?;
+    Ok(Message {
+        id,
+        message_id,
+        topic: row.try_get(2).map_err(|e| get_err("topic", e))?,
+        partition_key: row.try_get(3).map_err(|e| get_err("partition_key", e))?,
+        headers: parse_headers(id, &headers).map_err(|e| e.to_string())?,
+        payload: row.try_get(5).map_err(|e| get_err("payload", e))?,
+        attempts: u32::try_from(attempts).unwrap_or(u32::MAX),
+        max_attempts: max_attempts
+            .and_then(|m| u32::try_from(m).ok())
+            .unwrap_or(0),
+    })
 }
