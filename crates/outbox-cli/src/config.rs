@@ -21,7 +21,8 @@ use serde::Deserialize;
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FileConfig {
-    /// `[database]`.
+    /// `[database]`; may be left out when `--database` or `OUTBOX_DATABASE_URL` gives the URL.
+    #[serde(default)]
     pub database: DatabaseSection,
     /// `[relay]`; every field optional.
     #[serde(default)]
@@ -38,7 +39,8 @@ pub struct FileConfig {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DatabaseSection {
-    /// `postgres://…` or `sqlite://path` (required).
+    /// `postgres://…` or `sqlite://path` (required here or on the command line).
+    #[serde(default)]
     pub url: String,
     /// Outbox table. Default `outbox`.
     #[serde(default = "default_table")]
@@ -46,6 +48,16 @@ pub struct DatabaseSection {
     /// Inbox table created by `migrate`. Default `outbox_inbox`.
     #[serde(default = "default_inbox_table")]
     pub inbox_table: String,
+}
+
+impl Default for DatabaseSection {
+    fn default() -> Self {
+        DatabaseSection {
+            url: String::new(),
+            table: default_table(),
+            inbox_table: default_inbox_table(),
+        }
+    }
 }
 
 fn default_table() -> String {
@@ -168,9 +180,10 @@ impl FileConfig {
         fig = fig.merge(
             Env::prefixed("OUTBOX_")
                 .filter(|k| {
+                    let k = k.as_str().to_ascii_lowercase();
                     ["database__", "relay__", "transports__"]
                         .iter()
-                        .any(|s| k.as_str().starts_with(s))
+                        .any(|s| k.starts_with(s))
                 })
                 .split("__"),
         );
@@ -228,6 +241,12 @@ impl FileConfig {
     /// A [`ConfigError`] naming the field (`routes[0].transport`, `transports.x.url`, …).
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.relay_config()?;
+        if self.database.url.is_empty() {
+            return Err(ConfigError::new(
+                "database.url",
+                "missing: set it in [database], with --database, or in OUTBOX_DATABASE_URL",
+            ));
+        }
         if self.routes.is_empty() {
             return Err(ConfigError::new(
                 "routes",
@@ -241,10 +260,10 @@ impl FileConfig {
                     format!("no [transports.{}] section", r.transport),
                 ));
             }
-            if r.topics.is_empty() {
+            if r.topics.is_empty() || r.topics.trim_end_matches('*').contains('*') {
                 return Err(ConfigError::new(
                     format!("routes[{i}].topics"),
-                    "must not be empty",
+                    "must be \"*\", \"prefix*\" or an exact topic (a '*' only at the end)",
                 ));
             }
         }

@@ -373,7 +373,7 @@ impl Services {
         store.migrate().await?;
         sqlx::query(sqlx::AssertSqlSafe(format!(
             "CREATE TABLE {} (id INTEGER PRIMARY KEY, sku TEXT NOT NULL, qty INTEGER NOT NULL, \
-             created_at INTEGER NOT NULL DEFAULT (CAST(unixepoch('subsec') * 1000 AS INTEGER)))",
+             created_at INTEGER NOT NULL DEFAULT (CAST(ROUND((julianday('now') - 2440587.5) * 86400000) AS INTEGER)))",
             t.orders
         )))
         .execute(store.pool())

@@ -58,6 +58,17 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Requeue dead letters: FAILED → PENDING with attempts reset (the last error is kept).
+    Requeue {
+        #[command(flatten)]
+        db: DbArgs,
+        /// Row ids to requeue (as `outbox status` lists them).
+        #[arg(long = "id", required_unless_present = "all", conflicts_with = "all")]
+        ids: Vec<i64>,
+        /// Requeue every FAILED row.
+        #[arg(long)]
+        all: bool,
+    },
     /// Run the order → inventory demo with injected faults and print a report.
     Demo(demo::DemoArgs),
 }
@@ -248,6 +259,17 @@ async fn main() -> std::process::ExitCode {
         }
         Command::Relay { config, database } => relay(config, database).await,
         Command::Status { db, failed, json } => status(db, failed, json).await,
+        Command::Requeue { db, ids, all } => {
+            async {
+                let store = open_store(&db.database, &db.table, &db.inbox_table).await?;
+                let n = store
+                    .requeue_failed(if all { None } else { Some(&ids) })
+                    .await?;
+                println!("requeued {n} dead letter(s) in {}", store.table());
+                Ok(())
+            }
+            .await
+        }
         Command::Demo(args) => demo::run(args).await,
     };
     match result {

@@ -318,6 +318,34 @@ fn bad_configuration_is_named_and_exits_non_zero() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("bogus"));
 
+    // Environment overrides use OUTBOX_<SECTION>__<FIELD>, upper case as documented.
+    std::fs::write(
+        &path,
+        "[relay]\nbatch_size = 100\n[transports.t]\nkind = \"webhook\"\nurl = \"http://127.0.0.1:9/\"\n[[routes]]\ntopics = \"*\"\ntransport = \"t\"\n",
+    )
+    .unwrap();
+    let out = outbox()
+        .args(["relay", "--config"])
+        .arg(&path)
+        .env("OUTBOX_DATABASE__URL", "sqlite://x.db")
+        .env("OUTBOX_RELAY__BATCH_SIZE", "0")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("relay.batch_size"),
+        "upper-case env override ignored: {err}"
+    );
+    let out = outbox()
+        .args(["relay", "--config"])
+        .arg(&path)
+        .env_remove("OUTBOX_DATABASE_URL")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("database.url"));
+
     let out = outbox()
         .args(["status", "--database", "mysql://nope"])
         .output()
@@ -358,4 +386,68 @@ fn wait_exit(child: &mut Child, within: Duration) -> std::process::ExitStatus {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+#[test]
+fn requeue_moves_dead_letters_back_to_pending() {
+    let f = Fixture::new("requeue");
+    let db = format!("sqlite://{}", f.dir.join("rq.db").display());
+    assert!(
+        outbox()
+            .args(["migrate", "--database", &db])
+            .output()
+            .unwrap()
+            .status
+            .success()
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let pool = sqlx::SqlitePool::connect(&db).await.unwrap();
+        sqlx::query(
+            "INSERT INTO outbox (message_id, topic, payload, status, attempts, last_error) VALUES \
+             ('00000000-0000-7000-8000-000000000001', 't', x'00', 4, 16, 'attempts exhausted'), \
+             ('00000000-0000-7000-8000-000000000002', 't', x'00', 4, 16, 'attempts exhausted'), \
+             ('00000000-0000-7000-8000-000000000003', 't', x'00', 2, 1, NULL)",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+    });
+    let out = outbox()
+        .args(["requeue", "--database", &db, "--id", "1", "--id", "3"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("requeued 1 "),
+        "a SENT row must not be requeued"
+    );
+    let out = outbox()
+        .args(["requeue", "--database", &db])
+        .output()
+        .unwrap();
+    assert!(
+        !out.status.success(),
+        "requeue without --id or --all must be refused"
+    );
+    rt.block_on(async {
+        let pool = sqlx::SqlitePool::connect(&db).await.unwrap();
+        let rows: Vec<(i64, i64, i64, Option<String>)> =
+            sqlx::query_as("SELECT id, status, attempts, last_error FROM outbox ORDER BY id")
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+        assert_eq!(rows[0], (1, 0, 0, Some("attempts exhausted".into())));
+        assert_eq!(rows[1].1, 4);
+        assert_eq!(rows[2].1, 2);
+    });
+    let out = outbox()
+        .args(["requeue", "--database", &db, "--all"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).contains("requeued 1 "));
 }

@@ -295,7 +295,7 @@ impl StoreFixture for SqliteFixture {
     async fn rows(&self) -> Vec<RowState> {
         let rows = sqlx::query(
             "SELECT id, message_id, status, attempts, last_error, \
-             available_at - CAST(unixepoch('subsec') * 1000 AS INTEGER), lease_token, sent_at IS NOT NULL, payload \
+             available_at - CAST(ROUND((julianday('now') - 2440587.5) * 86400000) AS INTEGER), lease_token, sent_at IS NOT NULL, payload \
              FROM outbox ORDER BY id",
         )
         .fetch_all(self.store.pool())

@@ -300,7 +300,7 @@ pub async fn dead_letter<F: StoreFixture>(fx: &F) {
     assert_eq!(stats.counts[&Status::Sent], 1);
     let failed = store.failed(10).await.unwrap();
     assert_eq!(failed.len(), 1);
-    assert_eq!(failed[0].message_id, ids[0]);
+    assert_eq!(failed[0].message_id, ids[0].to_string());
     assert_eq!(failed[0].topic, "poison");
     assert_eq!(failed[0].attempts, 1);
     assert_eq!(

@@ -101,7 +101,7 @@ pub enum StoreError {
     },
     /// A table or schema name that is not a plain SQL identifier.
     #[error(
-        "invalid identifier {0:?}: letters, digits and _ only, starting with a letter or _, at most 63 characters (optionally schema.table)"
+        "invalid identifier {0:?}: letters, digits and _ only, starting with a letter or _, at most 48 characters per part (optionally schema.table)"
     )]
     InvalidIdentifier(String),
     /// A configuration problem found before any data was touched.

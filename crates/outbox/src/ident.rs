@@ -3,7 +3,7 @@
 
 use crate::error::StoreError;
 
-/// A validated table name: `name` or `schema.name`, each part 1 to 63 characters of ASCII
+/// A validated table name: `name` or `schema.name`, each part 1 to 48 characters of ASCII
 /// letters, digits and `_`, not starting with a digit. Stored lower-case.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct TableName {
@@ -20,7 +20,7 @@ impl TableName {
         let ok = (1..=2).contains(&parts.len())
             && parts.iter().all(|p| {
                 !p.is_empty()
-                    && p.len() <= 63
+                    && p.len() <= 48
                     && !p.as_bytes()[0].is_ascii_digit()
                     && p.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
             });
@@ -82,7 +82,7 @@ mod tests {
             "a.b.c",
             "a.",
             "\"x\"",
-            &"x".repeat(64),
+            &"x".repeat(49),
         ] {
             assert!(TableName::new(bad).is_err(), "{bad:?} accepted");
         }

@@ -152,7 +152,7 @@ async fn c07_permanent_error_dead_letters_only_that_message() {
     assert_eq!(fx.row(flaky).await.attempts, 2, "retryable error retried");
     let failed = fx.store().failed(10).await.unwrap();
     assert_eq!(failed.len(), 1);
-    assert_eq!(failed[0].message_id, poison);
+    assert_eq!(failed[0].message_id, poison.to_string());
     let counts = counts_by_id(&mem.delivered());
     assert_eq!(counts.len(), 4);
     assert!(!counts.contains_key(&poison));

@@ -107,8 +107,8 @@ pub struct Stats {
 pub struct FailedMessage {
     /// Row id.
     pub id: i64,
-    /// Message id.
-    pub message_id: uuid::Uuid,
+    /// Message id as stored (text, so a malformed id written by a foreign producer still shows).
+    pub message_id: String,
     /// Topic.
     pub topic: String,
     /// Attempts made.
@@ -160,6 +160,11 @@ pub trait Store: Send + Sync + 'static {
 
     /// Counts per state and ages.
     async fn stats(&self) -> Result<Stats, StoreError>;
+
+    /// Operator requeue of dead letters: FAILED → PENDING, due now, `attempts` reset to 0,
+    /// `last_error` kept for the record. `ids = None` requeues every FAILED row. Rows in any other
+    /// state are left alone. Returns the rows moved.
+    async fn requeue_failed(&self, ids: Option<&[i64]>) -> Result<u64, StoreError>;
 
     /// The most recently failed messages, newest first.
     async fn failed(&self, limit: u32) -> Result<Vec<FailedMessage>, StoreError>;

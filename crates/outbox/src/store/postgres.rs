@@ -150,14 +150,18 @@ impl PgStore {
             )
             .into(),
             failed: format!(
-                "SELECT id, message_id, topic, attempts, last_error FROM {t} WHERE status = 4 \
+                "SELECT id, message_id::text, topic, attempts, last_error FROM {t} WHERE status = 4 \
                  ORDER BY updated_at DESC, id DESC LIMIT $1"
             )
             .into(),
         };
         Ok(PgStore {
             pool,
-            channel: format!("{}_outbox", table.flat()),
+            // At most 63 bytes, so neither LISTEN nor pg_notify truncates or refuses it.
+            channel: format!("{}_outbox", table.flat())
+                .chars()
+                .take(63)
+                .collect(),
             table,
             inbox_table,
             limits: options.limits,
@@ -276,9 +280,11 @@ impl PgStore {
 
 fn migrations(table: &TableName, inbox: &TableName, channel: &str) -> Vec<(String, i64, String)> {
     let t = table.as_str();
-    let f = table.flat();
+    // Index, constraint and trigger names live in the table's own schema: the unqualified name
+    // keeps them within PostgreSQL's 63-character limit (tables are at most 48 per part).
+    let f = table.unqualified();
     let i = inbox.as_str();
-    let fi = inbox.flat();
+    let fi = inbox.unqualified();
     let schema_of = |n: &TableName| match n.as_str().split_once('.') {
         Some((s, _)) => format!("CREATE SCHEMA IF NOT EXISTS {s};"),
         None => String::new(),
@@ -509,8 +515,22 @@ impl Store for PgStore {
         Ok(stats)
     }
 
+    async fn requeue_failed(&self, ids: Option<&[i64]>) -> Result<u64, StoreError> {
+        let t = self.table.as_str();
+        let sql = format!(
+            "UPDATE {t} SET status = 0, attempts = 0, available_at = now(), updated_at = now() \
+             WHERE status = 4 AND ($1::bigint[] IS NULL OR id = ANY($1))"
+        );
+        let done = sqlx::query(AssertSqlSafe(sql))
+            .bind(ids.map(<[i64]>::to_vec))
+            .execute(&self.pool)
+            .await
+            .map_err(self.err("requeue"))?;
+        Ok(done.rows_affected())
+    }
+
     async fn failed(&self, limit: u32) -> Result<Vec<FailedMessage>, StoreError> {
-        let rows: Vec<(i64, Uuid, String, i32, Option<String>)> =
+        let rows: Vec<(i64, String, String, i32, Option<String>)> =
             sqlx::query_as(AssertSqlSafe(self.sql.failed.clone()))
                 .bind(i64::from(limit))
                 .fetch_all(&self.pool)

@@ -7,7 +7,8 @@
 //! - No LISTEN/NOTIFY: an embedded relay is woken in-process by [`Store::wake`] (or
 //!   [`SqliteStore::commit`]); other producers are picked up by adaptive polling.
 //! - Times are integer milliseconds since the Unix epoch from SQLite's own clock
-//!   (`unixepoch('subsec')`), so needs SQLite 3.42 or newer (the bundled library is newer).
+//!   (`julianday('now')`, millisecond resolution), which every SQLite 3 version has, so producers
+//!   in other languages can insert rows through their platform's SQLite library.
 //! - An in-memory database only lives as long as one of its connections (shared case C24):
 //!   [`SqliteStore::connect`] pins a single never-recycled connection for in-memory URLs, and
 //!   [`SqliteStore::from_pool`] refuses an in-memory pool that could close its last connection.
@@ -33,7 +34,7 @@ use crate::message::{Limits, Message, NewMessage, Status};
 use crate::store::StoreOptions;
 
 /// SQLite's clock in integer milliseconds since the Unix epoch.
-const NOW_MS: &str = "CAST(unixepoch('subsec') * 1000 AS INTEGER)";
+const NOW_MS: &str = "CAST(ROUND((julianday('now') - 2440587.5) * 86400000) AS INTEGER)";
 
 struct Sql {
     insert: Arc<str>,
@@ -185,7 +186,7 @@ impl SqliteStore {
             )
             .into(),
             failed: format!(
-                "SELECT id, message_id, topic, attempts, last_error FROM {t} WHERE status = 4 \
+                "SELECT id, CAST(message_id AS TEXT), CAST(topic AS TEXT), attempts, last_error FROM {t} WHERE status = 4 \
                  ORDER BY updated_at DESC, id DESC LIMIT ?1"
             )
             .into(),
@@ -352,7 +353,7 @@ pub(crate) async fn run_migrations(
     let e = |op| move |e| StoreError::Database { op, source: e };
     sqlx::query(
         "CREATE TABLE IF NOT EXISTS outbox_migrations (table_name TEXT NOT NULL, version INTEGER NOT NULL, \
-         applied_at INTEGER NOT NULL DEFAULT (CAST(unixepoch('subsec') * 1000 AS INTEGER)), \
+         applied_at INTEGER NOT NULL DEFAULT (CAST(ROUND((julianday('now') - 2440587.5) * 86400000) AS INTEGER)), \
          PRIMARY KEY (table_name, version))",
     )
     .execute(pool)
@@ -513,6 +514,21 @@ impl Store for SqliteStore {
         Ok(stats)
     }
 
+    async fn requeue_failed(&self, ids: Option<&[i64]>) -> Result<u64, StoreError> {
+        let t = self.table.as_str();
+        let sql = format!(
+            "UPDATE {t} SET status = 0, attempts = 0, available_at = {NOW_MS}, updated_at = {NOW_MS} \
+             WHERE status = 4 AND (?1 IS NULL OR id IN (SELECT value FROM json_each(?1)))"
+        );
+        let ids = ids.map(|ids| serde_json::to_string(ids).expect("ids serialize"));
+        let done = sqlx::query(AssertSqlSafe(sql))
+            .bind(ids)
+            .execute(&self.pool)
+            .await
+            .map_err(self.err("requeue"))?;
+        Ok(done.rows_affected())
+    }
+
     async fn failed(&self, limit: u32) -> Result<Vec<FailedMessage>, StoreError> {
         let rows: Vec<(i64, String, String, i64, Option<String>)> =
             sqlx::query_as(AssertSqlSafe(self.sql.failed.clone()))
@@ -520,20 +536,18 @@ impl Store for SqliteStore {
                 .fetch_all(&self.pool)
                 .await
                 .map_err(self.err("failed"))?;
-        rows.into_iter()
-            .map(|(id, mid, topic, attempts, last_error)| {
-                Ok(FailedMessage {
+        Ok(rows
+            .into_iter()
+            .map(
+                |(id, message_id, topic, attempts, last_error)| FailedMessage {
                     id,
-                    message_id: Uuid::parse_str(&mid).map_err(|e| StoreError::Corrupt {
-                        id,
-                        reason: e.to_string(),
-                    })?,
+                    message_id,
                     topic,
-                    attempts: attempts as u32,
+                    attempts: attempts.max(0) as u32,
                     last_error,
-                })
-            })
-            .collect()
+                },
+            )
+            .collect())
     }
 
     fn waker(&self) -> Arc<Notify> {

@@ -143,6 +143,23 @@ impl NatsTransport {
     }
 }
 
+/// Check a publish subject: dot-separated tokens, none empty, no whitespace, no wildcards
+/// (<https://docs.nats.io/nats-concepts/subjects>).
+fn validate_subject(subject: &str) -> Result<(), String> {
+    let bad = subject.is_empty()
+        || subject.chars().any(|c| c.is_whitespace() || c.is_control())
+        || subject
+            .split('.')
+            .any(|t| t.is_empty() || t == "*" || t == ">");
+    if bad {
+        Err(format!(
+            "invalid NATS subject {subject:?}: dot-separated non-empty tokens, no whitespace or wildcards"
+        ))
+    } else {
+        Ok(())
+    }
+}
+
 fn classify(e: &jetstream::context::PublishError, connected: bool) -> TransportErrorKind {
     match e.kind() {
         PublishErrorKind::StreamNotFound | PublishErrorKind::MaxPayloadExceeded => {
@@ -162,6 +179,10 @@ impl Transport for NatsTransport {
     async fn publish(&self, batch: &[Outgoing<'_>]) -> Vec<Result<(), TransportError>> {
         let mut pending = Vec::with_capacity(batch.len());
         for o in batch {
+            if let Err(reason) = validate_subject(o.destination) {
+                pending.push(Err(TransportError::permanent(reason)));
+                continue;
+            }
             let m = o.message;
             let mut publish = PublishMessage::build()
                 .payload(m.payload.clone().into())
@@ -169,25 +190,25 @@ impl Transport for NatsTransport {
             for (k, v) in m.wire_headers() {
                 publish = publish.header(k.as_str(), v.as_str());
             }
-            pending.push(
-                self.js
-                    .send_publish(o.destination.to_owned(), publish)
-                    .await,
-            );
+            pending.push(Ok(self
+                .js
+                .send_publish(o.destination.to_owned(), publish)
+                .await));
         }
         let mut results = Vec::with_capacity(batch.len());
         for p in pending {
             let r = match p {
-                Ok(ack) => ack.await,
-                Err(e) => Err(e),
+                Err(invalid) => {
+                    results.push(Err(invalid));
+                    continue;
+                }
+                Ok(Ok(ack)) => ack.await,
+                Ok(Err(e)) => Err(e),
             };
             results.push(r.map(|_| ()).map_err(|e| {
                 let connected = self.client.connection_state() == State::Connected;
-                TransportError::new(
-                    classify(&e, connected),
-                    format!("JetStream publish failed: {e}"),
-                )
-                .with_source(e)
+                TransportError::new(classify(&e, connected), "JetStream publish failed")
+                    .with_source(e)
             }));
         }
         results
@@ -201,5 +222,18 @@ impl Transport for NatsTransport {
             .await
             .map_err(|_| TransportError::unavailable("NATS flush timed out"))?
             .map_err(|e| TransportError::unavailable("NATS flush failed").with_source(e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn subjects_are_validated() {
+        for ok in ["a", "orders.created", "a.b-c_d.e"] {
+            assert!(super::validate_subject(ok).is_ok(), "{ok}");
+        }
+        for bad in ["", "a b", "a..b", ".a", "a.", "a.*", "a.>", "a\tb"] {
+            assert!(super::validate_subject(bad).is_err(), "{bad:?}");
+        }
     }
 }
