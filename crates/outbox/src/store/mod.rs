@@ -185,6 +185,57 @@ pub trait Store: Send + Sync + 'static {
     }
 }
 
+/// A fresh fencing token: random, non-negative.
+pub(crate) fn new_token() -> LeaseToken {
+    rand::random::<i64>() & i64::MAX
+}
+
+/// Split decoded claim rows into messages (sorted by id) and malformed rows with their reason.
+pub(crate) fn claim_from_rows<R>(
+    token: LeaseToken,
+    rows: Vec<R>,
+    decode: impl Fn(&R) -> Result<(i64, Result<Message, String>), StoreError>,
+) -> Result<Claim, StoreError> {
+    let mut messages = Vec::with_capacity(rows.len());
+    let mut malformed = Vec::new();
+    for row in &rows {
+        match decode(row)? {
+            (_, Ok(m)) => messages.push(m),
+            (id, Err(reason)) => malformed.push((id, reason)),
+        }
+    }
+    messages.sort_by_key(|m| m.id);
+    Ok(Claim {
+        token,
+        messages,
+        malformed,
+    })
+}
+
+/// Stats from `(status, count)` rows, the oldest due pending age and the expired-lease count
+/// (milliseconds and counts as the database returns them).
+pub(crate) fn stats_from(
+    counts: impl IntoIterator<Item = (i64, i64)>,
+    oldest_pending_ms: Option<i64>,
+    expired: i64,
+) -> Result<Stats, StoreError> {
+    let mut stats = Stats::default();
+    for s in Status::ALL {
+        stats.counts.insert(s, 0);
+    }
+    for (status, n) in counts {
+        let known = i16::try_from(status).ok().and_then(Status::from_i16);
+        let status = known.ok_or_else(|| StoreError::Corrupt {
+            id: 0,
+            reason: format!("unknown status {status}"),
+        })?;
+        stats.counts.insert(status, n.max(0) as u64);
+    }
+    stats.oldest_pending_age = oldest_pending_ms.map(|ms| Duration::from_millis(ms.max(0) as u64));
+    stats.expired_leases = expired.max(0) as u64;
+    Ok(stats)
+}
+
 /// Milliseconds of a duration as i64, saturating.
 pub(crate) fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)

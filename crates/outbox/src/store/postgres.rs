@@ -23,11 +23,11 @@ use uuid::Uuid;
 
 use super::{
     Claim, ClaimRequest, Completion, CompletionColumns, FailedMessage, LeaseToken, Stats, Store,
-    StoreOptions, millis,
+    StoreOptions, claim_from_rows, millis, new_token, stats_from,
 };
 use crate::error::{EnqueueError, StoreError};
 use crate::ident::TableName;
-use crate::message::{Limits, Message, NewMessage, Status};
+use crate::message::{Limits, Message, NewMessage};
 
 struct Sql {
     insert: Arc<str>,
@@ -423,7 +423,7 @@ impl Store for PgStore {
     }
 
     async fn claim(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
-        let token: LeaseToken = rand::random::<i64>() & i64::MAX;
+        let token = new_token();
         let rows = sqlx::query(AssertSqlSafe(self.sql.claim.clone()))
             .bind(&req.owner)
             .bind(token)
@@ -432,20 +432,9 @@ impl Store for PgStore {
             .fetch_all(&self.pool)
             .await
             .map_err(self.err("claim"))?;
-        let mut messages = Vec::with_capacity(rows.len());
-        let mut malformed = Vec::new();
-        for row in rows {
+        claim_from_rows(token, rows, |row| {
             let id: i64 = row.try_get(0).map_err(self.err("claim"))?;
-            match decode_row(id, &row) {
-                Ok(m) => messages.push(m),
-                Err(reason) => malformed.push((id, reason)),
-            }
-        }
-        messages.sort_by_key(|m| m.id);
-        Ok(Claim {
-            token,
-            messages,
-            malformed,
+            Ok((id, decode_row(id, row)))
         })
     }
 
@@ -490,29 +479,20 @@ impl Store for PgStore {
     }
 
     async fn stats(&self) -> Result<Stats, StoreError> {
-        let mut stats = Stats::default();
-        for s in Status::ALL {
-            stats.counts.insert(s, 0);
-        }
         let rows: Vec<(i16, i64)> = sqlx::query_as(AssertSqlSafe(self.sql.counts.clone()))
             .fetch_all(&self.pool)
             .await
             .map_err(self.err("stats"))?;
-        for (status, n) in rows {
-            let status = Status::from_i16(status).ok_or_else(|| StoreError::Corrupt {
-                id: 0,
-                reason: format!("unknown status {status}"),
-            })?;
-            stats.counts.insert(status, n as u64);
-        }
         let (age, expired): (Option<i64>, i64) =
             sqlx::query_as(AssertSqlSafe(self.sql.ages.clone()))
                 .fetch_one(&self.pool)
                 .await
                 .map_err(self.err("stats"))?;
-        stats.oldest_pending_age = age.map(|ms| Duration::from_millis(ms.max(0) as u64));
-        stats.expired_leases = expired as u64;
-        Ok(stats)
+        stats_from(
+            rows.into_iter().map(|(s, n)| (i64::from(s), n)),
+            age,
+            expired,
+        )
     }
 
     async fn requeue_failed(&self, ids: Option<&[i64]>) -> Result<u64, StoreError> {
