@@ -453,8 +453,9 @@ impl Relay {
             if n > 0 {
                 add(&inner.metrics.claimed, n as u64);
                 let relay = self.clone();
+                let background = background.clone();
                 batches.spawn(async move {
-                    relay.process(claim, claimed_at).await;
+                    relay.process(claim, claimed_at, &background).await;
                     drop(permit);
                 });
             } else {
@@ -501,7 +502,7 @@ impl Relay {
         Ok(())
     }
 
-    async fn process(&self, claim: Claim, claimed_at: Instant) {
+    async fn process(&self, claim: Claim, claimed_at: Instant, background: &CancellationToken) {
         let inner = &self.inner;
         let cfg = &inner.config;
         if let Some(h) = &inner.hooks {
@@ -632,7 +633,7 @@ impl Relay {
                 });
             }
             if let Some(reason) = unavailable {
-                self.mark_down(ti, reason);
+                self.mark_down(ti, reason, background.clone());
             }
         }
         let mut completions: Vec<Completion> = messages
@@ -693,7 +694,7 @@ impl Relay {
         }
     }
 
-    fn mark_down(&self, ti: usize, reason: String) {
+    fn mark_down(&self, ti: usize, reason: String, stop: CancellationToken) {
         let inner = &self.inner;
         if inner.health[ti].down.swap(true, Ordering::AcqRel) {
             return;
@@ -711,7 +712,15 @@ impl Relay {
             let mut n = 0u32;
             loop {
                 n += 1;
-                tokio::time::sleep(inner.config.probe_backoff.delay(n)).await;
+                tokio::select! {
+                    // The relay stopped or crashed: nobody needs the answer any more. A later
+                    // run starts with the transport presumed up and finds out again.
+                    _ = stop.cancelled() => {
+                        inner.health[ti].down.store(false, Ordering::Release);
+                        return;
+                    }
+                    _ = tokio::time::sleep(inner.config.probe_backoff.delay(n)) => {}
+                }
                 match transport.probe().await {
                     Ok(()) => break,
                     Err(e) => {
