@@ -285,38 +285,69 @@ impl ConfigError {
     }
 }
 
-/// An error returned by a consumer's handler. The inbox transaction is rolled back and the
-/// message is not acknowledged, so the broker delivers it again.
+/// What a consumer's handler says when it does not apply a message. In every case the inbox
+/// transaction is rolled back.
+///
+/// - [`HandlerError::transient`]: may pass (a timeout, a locked row); the message is not
+///   acknowledged and the broker redelivers it with backoff, up to the runner's
+///   `max_deliveries`, after which it goes to the consumer's dead-letter table.
+/// - [`HandlerError::permanent`]: will not pass by retrying (a payload the handler cannot parse);
+///   the message goes to the dead-letter table at once.
+/// - [`HandlerError::reject`]: a business refusal ("insufficient stock"); not an error of the
+///   consumer: the inbox records the verdict, the message is acknowledged, and a `Rejected`
+///   confirmation lets the producer compensate.
 #[derive(Debug, thiserror::Error)]
 #[error("handler failed: {source}")]
 pub struct HandlerError {
-    permanent: bool,
+    kind: HandlerErrorKind,
     #[source]
     source: BoxError,
 }
 
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum HandlerErrorKind {
+    Transient,
+    Permanent,
+    Rejected(String),
+}
+
 impl HandlerError {
-    /// A failure that may pass (a timeout, a locked row): redeliver with backoff.
+    /// A failure that may pass: redeliver with backoff.
     pub fn transient(source: impl Into<BoxError>) -> Self {
         HandlerError {
-            permanent: false,
+            kind: HandlerErrorKind::Transient,
             source: source.into(),
         }
     }
 
-    /// A failure that will not pass by retrying (a payload the handler cannot parse). The webhook
-    /// runner answers 422 so the relay dead-letters the message on the producer side; the NATS
-    /// runner redelivers with its longest backoff and logs at error level.
+    /// A failure that will not pass by retrying: dead-letter at once.
     pub fn permanent(source: impl Into<BoxError>) -> Self {
         HandlerError {
-            permanent: true,
+            kind: HandlerErrorKind::Permanent,
             source: source.into(),
         }
     }
 
-    /// Whether the handler said retrying cannot help.
+    /// A business refusal with its `reason`: recorded, acknowledged and confirmed as `Rejected`.
+    pub fn reject(reason: impl Into<String>) -> Self {
+        let reason = reason.into();
+        HandlerError {
+            source: format!("rejected: {reason}").into(),
+            kind: HandlerErrorKind::Rejected(reason),
+        }
+    }
+
+    /// Whether the handler said retrying cannot help (permanent failure or rejection).
     pub fn is_permanent(&self) -> bool {
-        self.permanent
+        self.kind != HandlerErrorKind::Transient
+    }
+
+    /// The reason, when this is a business rejection.
+    pub fn rejection(&self) -> Option<&str> {
+        match &self.kind {
+            HandlerErrorKind::Rejected(r) => Some(r),
+            _ => None,
+        }
     }
 }
 

@@ -18,10 +18,12 @@
 //!   `webhook`), [`NatsTransport`] (feature `nats`); [`Router`] maps topics to them.
 //! - [`Relay`]: claim, publish, complete, reap, probe.
 //! - [`Inbox`] and the [`consumer`] runners.
+//! - [`confirm`]: consumer confirmations, rejection hooks (compensation), check-back.
 //!
 //! See `docs/architecture.md` for the flow and the state diagram.
 #![warn(missing_docs)]
 
+pub mod confirm;
 pub mod consumer;
 pub mod error;
 pub mod ident;
@@ -32,12 +34,16 @@ pub mod retry;
 pub mod store;
 pub mod transport;
 
+pub use confirm::{
+    ConfirmPolicy, ConfirmReport, Confirmation, ConfirmationSender, RejectedMessage, RejectionHook,
+    Verdict,
+};
 pub use error::{
     BoxError, ConfigError, EnqueueError, HandlerError, InboxError, StoreError, StoreErrorKind,
     TransportError, TransportErrorKind,
 };
 pub use ident::TableName;
-pub use inbox::{Handler, Inbox, InboxBackend, Processed};
+pub use inbox::{DeadLetter, Handler, Inbox, InboxBackend, Processed, Replayed};
 pub use message::{Headers, InboundMessage, Limits, Message, NewMessage, Status};
 pub use relay::{
     MetricsSnapshot, Relay, RelayBuilder, RelayConfig, RelayHandle, RelayHooks, RelayMetrics,

@@ -72,6 +72,12 @@ pub struct RelayConfig {
     pub in_flight_batches: usize,
     /// How long shutdown waits for batches in flight. Default 15 s.
     pub shutdown_timeout: Duration,
+    /// Check-backs of an unconfirmed message before it goes to FAILED as `unconfirmed`.
+    /// Default 3.
+    pub max_check_backs: u32,
+    /// How long CONFIRMED and REJECTED rows (and SENT rows that await no confirmation) are kept
+    /// before the relay deletes them, in bounded batches. `None` keeps them. Default 7 days.
+    pub retention: Option<Duration>,
 }
 
 impl Default for RelayConfig {
@@ -93,6 +99,8 @@ impl Default for RelayConfig {
             reap_interval: Duration::from_secs(5),
             in_flight_batches: 2,
             shutdown_timeout: Duration::from_secs(15),
+            max_check_backs: 3,
+            retention: Some(Duration::from_secs(7 * 24 * 3600)),
         }
     }
 }
@@ -157,6 +165,10 @@ pub struct RelayMetrics {
     pub stale_batches: AtomicU64,
     /// Rows returned to PENDING (or FAILED) by this relay's reaper.
     pub reaped: AtomicU64,
+    /// Unconfirmed SENT rows past their deadline sent back to PENDING (or FAILED `unconfirmed`).
+    pub checked_back: AtomicU64,
+    /// Finished rows deleted by retention.
+    pub purged: AtomicU64,
     /// Failed database calls (claim, completion, reap), all retried.
     pub store_errors: AtomicU64,
     /// Times a transport was found unavailable.
@@ -182,6 +194,10 @@ pub struct MetricsSnapshot {
     pub stale_batches: u64,
     /// See [`RelayMetrics::reaped`].
     pub reaped: u64,
+    /// See [`RelayMetrics::checked_back`].
+    pub checked_back: u64,
+    /// See [`RelayMetrics::purged`].
+    pub purged: u64,
     /// See [`RelayMetrics::store_errors`].
     pub store_errors: u64,
     /// See [`RelayMetrics::outages`].
@@ -201,6 +217,8 @@ impl RelayMetrics {
             lost_leases: g(&self.lost_leases),
             stale_batches: g(&self.stale_batches),
             reaped: g(&self.reaped),
+            checked_back: g(&self.checked_back),
+            purged: g(&self.purged),
             store_errors: g(&self.store_errors),
             outages: g(&self.outages),
         }
@@ -524,11 +542,19 @@ impl Relay {
                 m.max_attempts = cfg.max_attempts;
             }
         }
-        // Group by transport.
+        // Group by transport; remember which route asks for a confirmation.
         let mut groups: Vec<Vec<(usize, String)>> = vec![Vec::new(); inner.transports.len()];
-        for (i, m) in messages.iter().enumerate() {
+        let mut confirm_within: Vec<Option<Duration>> = vec![None; messages.len()];
+        for (i, m) in messages.iter_mut().enumerate() {
             match inner.router.resolve(&m.topic) {
                 Some((route, dest)) => {
+                    if let Some(policy) = &inner.router.routes()[route].confirm {
+                        m.headers.insert(
+                            crate::confirm::HEADER_REPLY_TO.into(),
+                            policy.reply_to.clone(),
+                        );
+                        confirm_within[i] = Some(policy.timeout);
+                    }
                     let t = &inner.router.routes()[route].transport;
                     let ti = inner
                         .transports
@@ -607,7 +633,10 @@ impl Relay {
             for ((i, _), r) in groups[ti].iter().zip(res) {
                 let m = &messages[*i];
                 outcomes[*i] = Some(match r {
-                    Ok(()) => Outcome::Sent,
+                    Ok(()) => match confirm_within[*i] {
+                        Some(within) => Outcome::SentAwaitingConfirmation { within },
+                        None => Outcome::Sent,
+                    },
                     Err(e) => match e.kind() {
                         TransportErrorKind::Unavailable => {
                             unavailable = Some(e.report());
@@ -649,7 +678,7 @@ impl Relay {
         }));
         for c in &completions {
             let counter = match c.outcome {
-                Outcome::Sent => &inner.metrics.sent,
+                Outcome::Sent | Outcome::SentAwaitingConfirmation { .. } => &inner.metrics.sent,
                 Outcome::Retry { .. } => &inner.metrics.retried,
                 Outcome::Failed { ref reason } => {
                     tracing::warn!(id = c.id, reason, "message dead-lettered");
@@ -740,44 +769,66 @@ impl Relay {
     }
 }
 
+/// Maintenance, on every relay, each step one bounded conditional statement so relays never
+/// do the same work twice: reap expired leases, check back unconfirmed messages past their
+/// deadline, and delete finished rows past the retention period. A step that fills a whole
+/// batch runs again at once.
 async fn reap_loop(relay: Relay, cancel: CancellationToken) {
     let inner = &relay.inner;
+    let cfg = &inner.config;
     let mut failures = 0u32;
-    // A full batch of expired leases (a relay died holding several batches) is followed by
-    // another reap at once, so the backlog returns in one go rather than a batch per interval.
     let mut full = false;
     loop {
         let wait = if failures > 0 {
-            inner.config.probe_backoff.delay(failures)
+            cfg.probe_backoff.delay(failures)
         } else if full {
             Duration::ZERO
         } else {
-            inner.config.reap_interval
+            cfg.reap_interval
         };
         tokio::select! {
             _ = cancel.cancelled() => return,
             _ = tokio::time::sleep(wait) => {}
         }
-        match inner
-            .store
-            .reap_expired_leases(inner.config.batch_size, inner.config.max_attempts)
-            .await
-        {
-            Ok(0) => {
+        let limit = cfg.batch_size;
+        let steps = async {
+            let reaped = inner
+                .store
+                .reap_expired_leases(limit, cfg.max_attempts)
+                .await?;
+            let checked = inner.store.check_back(limit, cfg.max_check_backs).await?;
+            let purged = match cfg.retention {
+                Some(r) => inner.store.purge_finished(r, limit).await?,
+                None => 0,
+            };
+            Ok::<_, StoreError>((reaped, checked, purged))
+        };
+        match steps.await {
+            Ok((reaped, checked, purged)) => {
                 failures = 0;
-                full = false;
-            }
-            Ok(n) => {
-                failures = 0;
-                full = n >= u64::from(inner.config.batch_size);
-                add(&inner.metrics.reaped, n);
-                tracing::info!(rows = n, "reaped expired leases");
-                inner.store.wake();
+                full = [reaped, checked, purged]
+                    .iter()
+                    .any(|n| *n >= u64::from(limit));
+                if reaped > 0 {
+                    add(&inner.metrics.reaped, reaped);
+                    tracing::info!(rows = reaped, "reaped expired leases");
+                }
+                if checked > 0 {
+                    add(&inner.metrics.checked_back, checked);
+                    tracing::info!(rows = checked, "checked back unconfirmed messages");
+                }
+                if purged > 0 {
+                    add(&inner.metrics.purged, purged);
+                    tracing::debug!(rows = purged, "purged finished rows past retention");
+                }
+                if reaped + checked > 0 {
+                    inner.store.wake();
+                }
             }
             Err(e) => {
                 failures += 1;
                 add(&inner.metrics.store_errors, 1);
-                tracing::warn!(error = %e, "reaping expired leases failed");
+                tracing::warn!(error = %e, "relay maintenance failed");
             }
         }
     }

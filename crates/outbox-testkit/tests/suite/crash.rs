@@ -42,6 +42,7 @@ pub async fn apply_through_inbox(
         match inbox.process(&m, &h).await.unwrap() {
             Processed::Applied => applied += 1,
             Processed::Duplicate => dup += 1,
+            Processed::Rejected { reason } => panic!("unexpected rejection: {reason}"),
         }
     }
     (applied, dup)

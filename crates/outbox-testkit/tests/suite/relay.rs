@@ -43,6 +43,7 @@ pub fn fast_config(name: &str) -> RelayConfig {
         reap_interval: Duration::from_millis(200),
         in_flight_batches: 2,
         shutdown_timeout: Duration::from_secs(5),
+        ..RelayConfig::default()
     }
 }
 

@@ -1,7 +1,27 @@
-//! Consumer runners: receive from a broker, apply through an [`Inbox`](crate::Inbox), and
-//! acknowledge only after the inbox transaction committed.
+//! Consumer runners: receive from a broker, apply through an [`Inbox`](crate::Inbox), acknowledge
+//! only after the inbox transaction committed, and confirm the verdict to the producer.
+//!
+//! Every runner treats a delivery the same way ([`deliver`]):
+//! - applied, rejected by the handler, or a duplicate → acknowledge, and send the recorded
+//!   verdict as a confirmation when the message names a reply destination (`outbox-reply-to`);
+//! - transient handler failure → do not acknowledge; redeliver after a backoff by delivery count
+//!   (the broker's own mechanism where it has one), until `max_deliveries`;
+//! - permanent handler failure, or a transient one at `max_deliveries` → the consumer's
+//!   dead-letter table, a `Rejected` confirmation, acknowledge, move on;
+//! - the inbox's own database failing → do not acknowledge, redeliver later; a database outage
+//!   never dead-letters a message (shared case C27).
 
-use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::confirm::{Confirmation, ConfirmationSender, HEADER_REPLY_TO, Verdict};
+use crate::error::InboxError;
+use crate::inbox::{Handler, Inbox, InboxBackend, Processed};
+use crate::message::InboundMessage;
+use crate::retry::Backoff;
 
 #[cfg(feature = "nats")]
 pub mod nats;
@@ -13,10 +33,209 @@ pub mod webhook;
 pub struct ConsumerMetrics {
     /// Messages applied (first delivery).
     pub applied: AtomicU64,
+    /// Messages the handler rejected (business refusal), recorded and confirmed as rejected.
+    pub rejected: AtomicU64,
     /// Copies recognised by the inbox and acknowledged without running the handler.
     pub duplicates: AtomicU64,
-    /// Handler or inbox failures (message negatively acknowledged).
+    /// Handler or inbox failures (message not acknowledged, redelivered).
     pub failures: AtomicU64,
+    /// Messages moved to the consumer's dead-letter table.
+    pub dead_lettered: AtomicU64,
     /// Messages without a readable message id, terminated and logged.
     pub malformed: AtomicU64,
+    /// Confirmations sent.
+    pub confirmations_sent: AtomicU64,
+    /// Confirmations that could not be sent (the producer's check-back recovers them).
+    pub confirmation_failures: AtomicU64,
+    /// Dead letters replayed on an operator's request.
+    pub replayed: AtomicU64,
+}
+
+/// Settings shared by the runners.
+#[derive(Clone)]
+pub struct DeliveryPolicy {
+    /// Deliveries before a transiently failing message is dead-lettered. Default 5.
+    pub max_deliveries: u32,
+    /// Delay before redelivering a failed message, by delivery count. Default 500 ms, ×2, ≤ 60 s.
+    pub retry: Backoff,
+    /// Where confirmations go out; `None` sends none. Default none.
+    pub confirmations: Option<Arc<dyn ConfirmationSender>>,
+}
+
+impl std::fmt::Debug for DeliveryPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeliveryPolicy")
+            .field("max_deliveries", &self.max_deliveries)
+            .field("retry", &self.retry)
+            .field("confirmations", &self.confirmations.is_some())
+            .finish()
+    }
+}
+
+impl Default for DeliveryPolicy {
+    fn default() -> Self {
+        DeliveryPolicy {
+            max_deliveries: 5,
+            retry: Backoff {
+                base: Duration::from_millis(500),
+                factor: 2.0,
+                max: Duration::from_secs(60),
+                jitter: 0.2,
+            },
+            confirmations: None,
+        }
+    }
+}
+
+/// What a runner does with the broker's copy of a message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Disposition {
+    /// Acknowledge: the verdict is recorded (and was confirmed when asked for).
+    Ack(Verdict),
+    /// Do not acknowledge; redeliver after this delay.
+    Retry(Duration),
+}
+
+/// Process one delivery of `msg` (its `delivery_count`-th) through `inbox` and `handler` and
+/// decide its disposition, as the module docs describe. Sends the confirmation when the message
+/// asks for one and `policy.confirmations` is set.
+pub async fn deliver<DB, H>(
+    inbox: &Inbox<DB>,
+    handler: &H,
+    msg: &InboundMessage,
+    policy: &DeliveryPolicy,
+    metrics: &ConsumerMetrics,
+) -> Disposition
+where
+    DB: InboxBackend,
+    H: Handler<DB> + ?Sized,
+{
+    let count = |c: &AtomicU64| {
+        c.fetch_add(1, Ordering::Relaxed);
+    };
+    let deliveries = msg.delivery_count.max(1);
+    let verdict = match inbox.process(msg, handler).await {
+        Ok(Processed::Applied) => {
+            count(&metrics.applied);
+            Verdict::Processed
+        }
+        Ok(Processed::Rejected { reason }) => {
+            count(&metrics.rejected);
+            Verdict::Rejected { reason }
+        }
+        Ok(Processed::Duplicate) => {
+            count(&metrics.duplicates);
+            match inbox.verdict(msg.message_id).await {
+                Ok(Some(v)) => v,
+                Ok(None) => Verdict::Processed,
+                Err(e) => {
+                    tracing::warn!(error = %e, "verdict lookup failed; redelivering");
+                    return Disposition::Retry(policy.retry.delay(deliveries));
+                }
+            }
+        }
+        Err(InboxError::Handler(e)) if !e.is_permanent() && deliveries < policy.max_deliveries => {
+            count(&metrics.failures);
+            tracing::warn!(error = %e, message_id = %msg.message_id, deliveries, "handler failed; redelivering later");
+            return Disposition::Retry(policy.retry.delay(deliveries));
+        }
+        Err(InboxError::Handler(e)) => {
+            count(&metrics.failures);
+            match inbox.dead_letter(msg, &e.to_string(), deliveries).await {
+                Ok(v) => {
+                    count(&metrics.dead_lettered);
+                    tracing::error!(error = %e, message_id = %msg.message_id, deliveries, "message dead-lettered by the consumer");
+                    v
+                }
+                Err(db) => {
+                    tracing::warn!(error = %db, "dead-lettering failed; redelivering later");
+                    return Disposition::Retry(policy.retry.delay(deliveries));
+                }
+            }
+        }
+        Err(e) => {
+            count(&metrics.failures);
+            tracing::warn!(error = %e, message_id = %msg.message_id, "inbox failed; not acknowledging");
+            return Disposition::Retry(policy.retry.delay(deliveries));
+        }
+    };
+    confirm(inbox.consumer(), msg, &verdict, policy, metrics).await;
+    Disposition::Ack(verdict)
+}
+
+async fn confirm(
+    consumer: &str,
+    msg: &InboundMessage,
+    verdict: &Verdict,
+    policy: &DeliveryPolicy,
+    metrics: &ConsumerMetrics,
+) {
+    let (Some(sender), Some(reply_to)) = (&policy.confirmations, msg.headers.get(HEADER_REPLY_TO))
+    else {
+        return;
+    };
+    let c = Confirmation {
+        message_id: msg.message_id,
+        consumer: consumer.to_owned(),
+        verdict: verdict.clone(),
+    };
+    match sender.send(reply_to, &c).await {
+        Ok(()) => metrics.confirmations_sent.fetch_add(1, Ordering::Relaxed),
+        Err(e) => {
+            tracing::warn!(error = %e.report(), reply_to, "confirmation not sent; the producer's check-back will ask again");
+            metrics
+                .confirmation_failures
+                .fetch_add(1, Ordering::Relaxed)
+        }
+    };
+}
+
+/// Consumer maintenance until `cancel`: every `interval`, run the dead letters an operator asked
+/// to replay (confirming their new verdict) and delete inbox records older than `dedup_window`
+/// (`None` keeps them) in bounded batches. The NATS runner starts it itself; a webhook receiver
+/// runs it beside its server.
+pub async fn maintenance<DB, H>(
+    inbox: Inbox<DB>,
+    handler: Arc<H>,
+    policy: DeliveryPolicy,
+    dedup_window: Option<Duration>,
+    interval: Duration,
+    metrics: Arc<ConsumerMetrics>,
+    cancel: CancellationToken,
+) where
+    DB: InboxBackend,
+    H: Handler<DB> + ?Sized,
+{
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(interval) => {}
+        }
+        match inbox.replay_requested(handler.as_ref(), 100).await {
+            Ok(done) => {
+                for r in done {
+                    metrics.replayed.fetch_add(1, Ordering::Relaxed);
+                    match r.result {
+                        Ok(v) => confirm(inbox.consumer(), &r.message, &v, &policy, &metrics).await,
+                        Err(e) => {
+                            tracing::warn!(error = e, message_id = %r.message.message_id, "replay failed again")
+                        }
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "loading replay requests failed"),
+        }
+        if let Some(window) = dedup_window {
+            loop {
+                match inbox.purge(window, 1000).await {
+                    Ok(n) if n >= 1000 => continue,
+                    Ok(_) => break,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "inbox purge failed");
+                        break;
+                    }
+                }
+            }
+        }
+    }
 }

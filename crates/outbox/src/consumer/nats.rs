@@ -1,10 +1,13 @@
 //! JetStream pull consumer feeding an [`Inbox`].
 //!
-//! Each message is processed in the inbox transaction; after commit it is acknowledged with a
-//! double ack (the server confirms the ack). A handler or inbox failure is negatively
-//! acknowledged with a delay from [`Backoff`] by delivery count, JetStream's own redelivery
-//! mechanism, so nothing is acknowledged that was not stored (shared case C27). A message whose
-//! ack was lost is delivered again and reported as a duplicate by the inbox.
+//! Each message goes through [`deliver`]: after the inbox transaction commits it is acknowledged
+//! with a double ack (the server confirms the ack) and its verdict is confirmed to the producer; a
+//! transient failure is negatively acknowledged with a delay from [`Backoff`] by delivery count
+//! (JetStream's own redelivery), so nothing is acknowledged that was not stored (shared case
+//! C27); a message that keeps failing goes to the consumer's dead-letter table. A message whose
+//! ack was lost is delivered again and recognised by the inbox.
+//!
+//! The runner also performs the consumer's [`maintenance`] (operator replays, inbox retention).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -15,14 +18,15 @@ use async_nats::jetstream::{self, AckKind};
 use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 
-use crate::consumer::ConsumerMetrics;
+use crate::confirm::ConfirmationSender;
+use crate::consumer::{ConsumerMetrics, DeliveryPolicy, Disposition, deliver, maintenance};
 use crate::error::ConfigError;
-use crate::inbox::{Handler, Inbox, InboxBackend, Processed};
+use crate::inbox::{Handler, Inbox, InboxBackend};
 use crate::message::{Headers, InboundMessage};
 use crate::retry::Backoff;
 
 /// Settings of a JetStream consumer runner.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct NatsConsumerConfig {
     /// Stream to consume. Required.
     pub stream: String,
@@ -37,24 +41,51 @@ pub struct NatsConsumerConfig {
     /// Delay before redelivering a message whose handler failed, by delivery count.
     /// Default 500 ms, ×2, ≤ 60 s.
     pub retry: Backoff,
+    /// Deliveries before a transiently failing message is dead-lettered. Default 5.
+    pub max_deliveries: u32,
+    /// Where confirmations go out (`outbox-reply-to` of each message). Default none.
+    pub confirmations: Option<Arc<dyn ConfirmationSender>>,
+    /// Inbox records older than this are deleted. Default 7 days; `None` keeps them.
+    pub dedup_window: Option<Duration>,
+    /// Period of the maintenance (replays, retention). Default 2 s.
+    pub maintenance_interval: Duration,
+}
+
+impl std::fmt::Debug for NatsConsumerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsConsumerConfig")
+            .field("stream", &self.stream)
+            .field("durable", &self.durable)
+            .field("filter_subject", &self.filter_subject)
+            .field("batch", &self.batch)
+            .field("max_deliveries", &self.max_deliveries)
+            .field("confirmations", &self.confirmations.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl NatsConsumerConfig {
     /// Settings with the defaults.
     pub fn new(stream: impl Into<String>, durable: impl Into<String>) -> Self {
+        let d = DeliveryPolicy::default();
         NatsConsumerConfig {
             stream: stream.into(),
             durable: durable.into(),
             filter_subject: None,
             batch: 100,
             ack_wait: Duration::from_secs(30),
-            retry: Backoff {
-                base: Duration::from_millis(500),
-                factor: 2.0,
-                max: Duration::from_secs(60),
-                jitter: 0.2,
-            },
+            retry: d.retry,
+            max_deliveries: d.max_deliveries,
+            confirmations: None,
+            dedup_window: Some(Duration::from_secs(7 * 24 * 3600)),
+            maintenance_interval: Duration::from_secs(2),
         }
+    }
+
+    /// Send confirmations through `sender`.
+    pub fn with_confirmations(mut self, sender: Arc<dyn ConfirmationSender>) -> Self {
+        self.confirmations = Some(sender);
+        self
     }
 }
 
@@ -97,6 +128,22 @@ where
                 format!("cannot create consumer {}: {e}", config.durable),
             )
         })?;
+    let policy = DeliveryPolicy {
+        max_deliveries: config.max_deliveries,
+        retry: config.retry,
+        confirmations: config.confirmations.clone(),
+    };
+    let background = cancel.child_token();
+    let _stop_maintenance = background.clone().drop_guard();
+    tokio::spawn(maintenance(
+        inbox.clone(),
+        handler.clone(),
+        policy.clone(),
+        config.dedup_window,
+        config.maintenance_interval,
+        metrics.clone(),
+        background,
+    ));
     let mut failures = 0u32;
     while !cancel.is_cancelled() {
         let fetched = consumer
@@ -151,31 +198,14 @@ where
                     continue;
                 }
             };
-            match inbox.process(&inbound, handler.as_ref()).await {
-                Ok(p) => {
-                    let counter = if p == Processed::Applied {
-                        &metrics.applied
-                    } else {
-                        &metrics.duplicates
-                    };
-                    counter.fetch_add(1, Ordering::Relaxed);
+            match deliver(&inbox, handler.as_ref(), &inbound, &policy, &metrics).await {
+                Disposition::Ack(_) => {
                     if let Err(e) = msg.double_ack().await {
-                        // The effect is committed; a redelivery will be recognised as a duplicate.
+                        // The verdict is committed; a redelivery will be recognised as a duplicate.
                         tracing::warn!(error = %e, message_id = %inbound.message_id, "ack failed after commit");
                     }
                 }
-                Err(e) => {
-                    metrics.failures.fetch_add(1, Ordering::Relaxed);
-                    let delay = if e.is_retryable() {
-                        config.retry.delay(delivered)
-                    } else {
-                        config.retry.max
-                    };
-                    if e.is_retryable() {
-                        tracing::warn!(error = %e, message_id = %inbound.message_id, delivered, "handler failed; redelivering later");
-                    } else {
-                        tracing::error!(error = %e, message_id = %inbound.message_id, delivered, "handler failed permanently; redelivering with the longest backoff");
-                    }
+                Disposition::Retry(delay) => {
                     let _ = msg.ack_with(AckKind::Nak(Some(delay))).await;
                 }
             }

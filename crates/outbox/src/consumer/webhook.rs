@@ -1,10 +1,16 @@
 //! Webhook receiver feeding an [`Inbox`]: an axum [`Router`] whose `POST` handler answers `2xx`
 //! only after the inbox transaction committed.
 //!
-//! Answers: `200` applied or duplicate; `401` bad or missing signature (when a secret is set);
-//! `400` no usable message id (neither `outbox-message-id` nor `webhook-id`); `422` permanent
-//! handler error (the relay dead-letters the message); `503` transient handler or database error
-//! (the relay retries with backoff).
+//! Each delivery goes through [`deliver`](crate::consumer::deliver); the delivery count is the
+//! relay's `outbox-attempt` header. Answers: `200` when the verdict is recorded (processed,
+//! rejected by the handler, dead-lettered by the consumer, or a duplicate; the confirmation is
+//! sent when the message asks for one); `503` when it must be delivered again (transient handler
+//! failure below `max_deliveries`, or the inbox database failing: the relay retries with
+//! backoff); `401` bad or missing signature (when a secret is set); `400` no usable message id
+//! (neither `outbox-message-id` nor `webhook-id`).
+//!
+//! Run [`maintenance`](crate::consumer::maintenance) beside the server for operator replays and
+//! inbox retention.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -16,9 +22,10 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
 
-use crate::consumer::ConsumerMetrics;
+use crate::confirm::Verdict;
+use crate::consumer::{ConsumerMetrics, DeliveryPolicy, Disposition, deliver};
 use crate::error::ConfigError;
-use crate::inbox::{Handler, Inbox, InboxBackend, Processed};
+use crate::inbox::{Handler, Inbox, InboxBackend};
 use crate::message::{HEADER_MESSAGE_ID, HEADER_TOPIC, Headers, InboundMessage};
 use crate::transport::webhook::WebhookSigner;
 
@@ -27,6 +34,7 @@ struct AppState<DB: InboxBackend, H: ?Sized + 'static> {
     handler: Arc<H>,
     signer: Option<WebhookSigner>,
     metrics: Arc<ConsumerMetrics>,
+    policy: DeliveryPolicy,
 }
 
 /// An axum router that accepts deliveries at `path` (see the module docs).
@@ -44,12 +52,39 @@ where
     DB: InboxBackend,
     H: Handler<DB> + ?Sized,
 {
+    router_with(
+        path,
+        inbox,
+        handler,
+        secret,
+        metrics,
+        DeliveryPolicy::default(),
+    )
+}
+
+/// As [`router`] with a [`DeliveryPolicy`] (confirmations, `max_deliveries`, retry delays).
+///
+/// # Errors
+/// [`ConfigError`] naming `secret` when it is not a `whsec_` + base64 secret.
+pub fn router_with<DB, H>(
+    path: &str,
+    inbox: Inbox<DB>,
+    handler: Arc<H>,
+    secret: Option<&str>,
+    metrics: Arc<ConsumerMetrics>,
+    policy: DeliveryPolicy,
+) -> Result<Router, ConfigError>
+where
+    DB: InboxBackend,
+    H: Handler<DB> + ?Sized,
+{
     let signer = secret.map(WebhookSigner::new).transpose()?;
     let state = Arc::new(AppState {
         inbox,
         handler,
         signer,
         metrics,
+        policy,
     });
     Ok(Router::new()
         .route(path, post(receive::<DB, H>))
@@ -120,25 +155,23 @@ where
     // Processed on its own task: a client that hangs up mid-request (a relay crash, a timeout)
     // must not cancel the inbox transaction or the counters half-way.
     let task = tokio::spawn(async move {
-        let result = state.inbox.process(&msg, state.handler.as_ref()).await;
-        match result {
-            Ok(Processed::Applied) => {
-                state.metrics.applied.fetch_add(1, Ordering::Relaxed);
-                (StatusCode::OK, "applied".into())
+        match deliver(
+            &state.inbox,
+            state.handler.as_ref(),
+            &msg,
+            &state.policy,
+            &state.metrics,
+        )
+        .await
+        {
+            Disposition::Ack(Verdict::Processed) => (StatusCode::OK, "processed".to_owned()),
+            Disposition::Ack(Verdict::Rejected { reason }) => {
+                (StatusCode::OK, format!("rejected: {reason}"))
             }
-            Ok(Processed::Duplicate) => {
-                state.metrics.duplicates.fetch_add(1, Ordering::Relaxed);
-                (StatusCode::OK, "duplicate".into())
-            }
-            Err(e) => {
-                state.metrics.failures.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(error = %e, message_id = %msg.message_id, "webhook delivery not applied");
-                if e.is_retryable() {
-                    (StatusCode::SERVICE_UNAVAILABLE, e.to_string())
-                } else {
-                    (StatusCode::UNPROCESSABLE_ENTITY, e.to_string())
-                }
-            }
+            Disposition::Retry(delay) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("not applied; retry in {} ms", delay.as_millis()),
+            ),
         }
     });
     task.await.unwrap_or_else(|e| {

@@ -1,4 +1,5 @@
-//! The inbox: apply each message's effect once (DESIGN.md §1.3).
+//! The inbox: apply each message's effect once (DESIGN.md §1.3), record the consumer's verdict,
+//! and keep the consumer's dead letters.
 //!
 //! [`Inbox::process`] opens a transaction on the consumer's database, inserts
 //! `(consumer, message_id)` into the inbox table under its primary key **first**, runs the
@@ -8,24 +9,44 @@
 //! (shared case C25). A handler error or a failed insert rolls everything back and is returned,
 //! so the runner does not acknowledge the message (shared case C27).
 //!
+//! A handler that refuses the message for a business reason returns [`HandlerError::reject`]:
+//! its writes are rolled back, the inbox records the verdict `Rejected` with the reason, and the
+//! runner acknowledges the message and sends a `Rejected` confirmation. [`Inbox::verdict`] gives
+//! the recorded verdict, so a redelivered copy is confirmed again the same way.
+//!
+//! A message that keeps failing goes to the consumer's dead-letter table `<inbox>_dlq`
+//! ([`Inbox::dead_letter`]) with its error and delivery count; the inbox records it as rejected so
+//! copies are not retried, and the runner moves on. An operator lists them
+//! ([`Inbox::dead_letters`], `outbox inbox dead-letters`) and asks for a replay
+//! ([`Inbox::request_replay`], `outbox inbox replay`), which the consumer's runner performs with
+//! its handler ([`Inbox::replay_requested`]).
+//!
 //! Runners that feed an inbox from a broker: [`consumer::nats`](crate::consumer::nats) (JetStream
 //! pull consumer) and [`consumer::webhook`](crate::consumer::webhook) (axum handler).
 
-use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::future::BoxFuture;
 use sqlx::{AssertSqlSafe, Pool};
+use uuid::Uuid;
 
+use crate::confirm::Verdict;
 use crate::error::{HandlerError, InboxError, StoreError};
 use crate::ident::TableName;
-use crate::message::InboundMessage;
+use crate::message::{Headers, InboundMessage};
 
-/// What [`Inbox::process`] did with a message. Both variants mean "acknowledge it".
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// What [`Inbox::process`] did with a message. Every variant means "acknowledge it".
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Processed {
     /// First delivery: the handler ran and its effect committed with the inbox row.
     Applied,
+    /// First delivery: the handler refused it ([`HandlerError::reject`]); nothing of it
+    /// committed, the verdict is recorded.
+    Rejected {
+        /// The handler's reason.
+        reason: String,
+    },
     /// Already recorded: the handler did not run.
     Duplicate,
 }
@@ -39,7 +60,8 @@ pub trait Handler<DB: sqlx::Database>: Send + Sync + 'static {
     /// Apply `msg`.
     ///
     /// # Errors
-    /// [`HandlerError`]: the transaction is rolled back and the message is not acknowledged.
+    /// [`HandlerError`]: the transaction is rolled back. Transient and permanent errors are not
+    /// acknowledged (the runner redelivers or dead-letters); a rejection is recorded and confirmed.
     async fn handle(
         &self,
         conn: &mut DB::Connection,
@@ -47,46 +69,276 @@ pub trait Handler<DB: sqlx::Database>: Send + Sync + 'static {
     ) -> Result<(), HandlerError>;
 }
 
-/// The SQL a database needs for the inbox. Implemented for `sqlx::Postgres` and `sqlx::Sqlite`.
+/// A message in the consumer's dead-letter table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadLetter {
+    /// The message as received.
+    pub message: InboundMessage,
+    /// The last error.
+    pub error: String,
+    /// Deliveries before it was dead-lettered.
+    pub deliveries: u32,
+    /// Whether an operator asked for a replay that has not run yet.
+    pub replay_requested: bool,
+}
+
+/// A replay performed by [`Inbox::replay_requested`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Replayed {
+    /// The message.
+    pub message: InboundMessage,
+    /// The verdict now, or the error that sent it back to the dead-letter table.
+    pub result: Result<Verdict, String>,
+}
+
+type Row = (
+    String,
+    String,
+    Option<String>,
+    String,
+    Vec<u8>,
+    String,
+    i64,
+    bool,
+);
+type PgRow = (
+    String,
+    String,
+    Option<String>,
+    String,
+    Vec<u8>,
+    String,
+    i32,
+    bool,
+);
+/// A recorded verdict: outcome (0 processed, 1 rejected) and reason.
+type VerdictRow = (i64, Option<String>);
+
+/// The SQL a database needs for the inbox. Implemented for `sqlx::Postgres` and `sqlx::Sqlite`;
+/// each method is one statement on `conn` or `pool`.
 pub trait InboxBackend: sqlx::Database {
-    /// `INSERT … ON CONFLICT DO NOTHING` for `table`.
-    fn insert_sql(table: &str) -> String;
-    /// Run the insert; `true` when the row was new.
+    /// Insert `(consumer, message_id, topic, outcome, reason)` unless present; `true` when new.
+    /// `outcome` 0 = processed, 1 = rejected.
     fn insert<'c>(
         conn: &'c mut Self::Connection,
-        sql: Arc<str>,
+        table: &'c str,
         consumer: &'c str,
         msg: &'c InboundMessage,
+        rejected: Option<&'c str>,
     ) -> BoxFuture<'c, Result<bool, sqlx::Error>>;
-    /// Create the inbox table if it does not exist.
+    /// The recorded `(outcome, reason)`.
+    fn verdict<'c>(
+        pool: &'c Pool<Self>,
+        table: &'c str,
+        consumer: &'c str,
+        id: Uuid,
+    ) -> BoxFuture<'c, Result<Option<VerdictRow>, sqlx::Error>>;
+    /// Upsert a dead letter (and clear any replay request).
+    fn insert_dead_letter<'c>(
+        conn: &'c mut Self::Connection,
+        table: &'c str,
+        consumer: &'c str,
+        msg: &'c InboundMessage,
+        error: &'c str,
+        deliveries: u32,
+    ) -> BoxFuture<'c, Result<(), sqlx::Error>>;
+    /// Dead letters of `consumer`, newest first; only those with a replay requested when
+    /// `replay_only`.
+    fn dead_letters<'c>(
+        pool: &'c Pool<Self>,
+        table: &'c str,
+        consumer: &'c str,
+        replay_only: bool,
+        limit: u32,
+    ) -> BoxFuture<'c, Result<Vec<Row>, sqlx::Error>>;
+    /// Set or clear the replay request; rows matched.
+    fn set_replay<'c>(
+        pool: &'c Pool<Self>,
+        table: &'c str,
+        consumer: &'c str,
+        id: Uuid,
+        requested: bool,
+    ) -> BoxFuture<'c, Result<u64, sqlx::Error>>;
+    /// Delete the inbox row and the dead letter of `id` (the start of a replay).
+    fn forget<'c>(
+        conn: &'c mut Self::Connection,
+        table: &'c str,
+        consumer: &'c str,
+        id: Uuid,
+    ) -> BoxFuture<'c, Result<(), sqlx::Error>>;
+    /// Delete up to `limit` inbox rows received more than `older_than_ms` ago; rows deleted.
+    fn purge<'c>(
+        pool: &'c Pool<Self>,
+        table: &'c str,
+        older_than_ms: i64,
+        limit: u32,
+    ) -> BoxFuture<'c, Result<u64, sqlx::Error>>;
+    /// Create the inbox tables if missing.
     fn migrate<'a>(
         pool: &'a Pool<Self>,
         table: &'a TableName,
     ) -> BoxFuture<'a, Result<(), StoreError>>;
 }
 
+fn headers_json(h: &Headers) -> String {
+    serde_json::to_string(h).expect("headers serialize")
+}
+
 #[cfg(feature = "postgres")]
 impl InboxBackend for sqlx::Postgres {
-    fn insert_sql(table: &str) -> String {
-        format!(
-            "INSERT INTO {table} (consumer, message_id, topic) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING"
-        )
-    }
-
     fn insert<'c>(
         conn: &'c mut sqlx::PgConnection,
-        sql: Arc<str>,
+        table: &'c str,
         consumer: &'c str,
         msg: &'c InboundMessage,
+        rejected: Option<&'c str>,
     ) -> BoxFuture<'c, Result<bool, sqlx::Error>> {
         Box::pin(async move {
-            let r = sqlx::query(AssertSqlSafe(sql))
-                .bind(consumer)
-                .bind(msg.message_id)
-                .bind(&msg.topic)
-                .execute(conn)
-                .await?;
+            let r = sqlx::query(AssertSqlSafe(format!(
+                "INSERT INTO {table} (consumer, message_id, topic, outcome, reason) VALUES ($1, $2, $3, $4, $5) \
+                 ON CONFLICT DO NOTHING"
+            )))
+            .bind(consumer)
+            .bind(msg.message_id)
+            .bind(&msg.topic)
+            .bind(i16::from(rejected.is_some()))
+            .bind(rejected)
+            .execute(conn)
+            .await?;
             Ok(r.rows_affected() == 1)
+        })
+    }
+
+    fn verdict<'c>(
+        pool: &'c Pool<Self>,
+        table: &'c str,
+        consumer: &'c str,
+        id: Uuid,
+    ) -> BoxFuture<'c, Result<Option<VerdictRow>, sqlx::Error>> {
+        Box::pin(async move {
+            let r: Option<(i16, Option<String>)> = sqlx::query_as(AssertSqlSafe(format!(
+                "SELECT outcome, reason FROM {table} WHERE consumer = $1 AND message_id = $2"
+            )))
+            .bind(consumer)
+            .bind(id)
+            .fetch_optional(pool)
+            .await?;
+            Ok(r.map(|(o, r)| (i64::from(o), r)))
+        })
+    }
+
+    fn insert_dead_letter<'c>(
+        conn: &'c mut sqlx::PgConnection,
+        table: &'c str,
+        consumer: &'c str,
+        msg: &'c InboundMessage,
+        error: &'c str,
+        deliveries: u32,
+    ) -> BoxFuture<'c, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            sqlx::query(AssertSqlSafe(format!(
+                "INSERT INTO {table}_dlq (consumer, message_id, topic, partition_key, headers, payload, error, deliveries) \
+                 VALUES ($1, $2, $3, $4, $5::jsonb, $6, $7, $8) \
+                 ON CONFLICT (consumer, message_id) DO UPDATE SET error = EXCLUDED.error, \
+                 deliveries = EXCLUDED.deliveries, failed_at = now(), replay_requested_at = NULL"
+            )))
+            .bind(consumer)
+            .bind(msg.message_id)
+            .bind(&msg.topic)
+            .bind(&msg.partition_key)
+            .bind(headers_json(&msg.headers))
+            .bind(&msg.payload)
+            .bind(error)
+            .bind(i32::try_from(deliveries).unwrap_or(i32::MAX))
+            .execute(conn)
+            .await?;
+            Ok(())
+        })
+    }
+
+    fn dead_letters<'c>(
+        pool: &'c Pool<Self>,
+        table: &'c str,
+        consumer: &'c str,
+        replay_only: bool,
+        limit: u32,
+    ) -> BoxFuture<'c, Result<Vec<Row>, sqlx::Error>> {
+        Box::pin(async move {
+            let rows: Vec<PgRow> =
+                sqlx::query_as(AssertSqlSafe(format!(
+                    "SELECT message_id::text, topic, partition_key, headers::text, payload, error, deliveries, \
+                     replay_requested_at IS NOT NULL FROM {table}_dlq \
+                     WHERE consumer = $1 AND (NOT $2 OR replay_requested_at IS NOT NULL) \
+                     ORDER BY failed_at DESC LIMIT $3"
+                )))
+                .bind(consumer)
+                .bind(replay_only)
+                .bind(i64::from(limit))
+                .fetch_all(pool)
+                .await?;
+            Ok(rows
+                .into_iter()
+                .map(|(a, b, c, d, e, f, g, h)| (a, b, c, d, e, f, i64::from(g), h))
+                .collect())
+        })
+    }
+
+    fn set_replay<'c>(
+        pool: &'c Pool<Self>,
+        table: &'c str,
+        consumer: &'c str,
+        id: Uuid,
+        requested: bool,
+    ) -> BoxFuture<'c, Result<u64, sqlx::Error>> {
+        Box::pin(async move {
+            let r = sqlx::query(AssertSqlSafe(format!(
+                "UPDATE {table}_dlq SET replay_requested_at = CASE WHEN $3 THEN now() ELSE NULL END \
+                 WHERE consumer = $1 AND message_id = $2"
+            )))
+            .bind(consumer)
+            .bind(id)
+            .bind(requested)
+            .execute(pool)
+            .await?;
+            Ok(r.rows_affected())
+        })
+    }
+
+    fn forget<'c>(
+        conn: &'c mut sqlx::PgConnection,
+        table: &'c str,
+        consumer: &'c str,
+        id: Uuid,
+    ) -> BoxFuture<'c, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            sqlx::query(AssertSqlSafe(format!(
+                "WITH d AS (DELETE FROM {table}_dlq WHERE consumer = $1 AND message_id = $2) \
+                 DELETE FROM {table} WHERE consumer = $1 AND message_id = $2"
+            )))
+            .bind(consumer)
+            .bind(id)
+            .execute(conn)
+            .await?;
+            Ok(())
+        })
+    }
+
+    fn purge<'c>(
+        pool: &'c Pool<Self>,
+        table: &'c str,
+        older_than_ms: i64,
+        limit: u32,
+    ) -> BoxFuture<'c, Result<u64, sqlx::Error>> {
+        Box::pin(async move {
+            let r = sqlx::query(AssertSqlSafe(format!(
+                "DELETE FROM {table} WHERE (consumer, message_id) IN (SELECT consumer, message_id FROM {table} \
+                 WHERE received_at < now() - make_interval(secs => $1::float8 / 1000) LIMIT $2 FOR UPDATE SKIP LOCKED)"
+            )))
+            .bind(older_than_ms)
+            .bind(i64::from(limit))
+            .execute(pool)
+            .await?;
+            Ok(r.rows_affected())
         })
     }
 
@@ -102,27 +354,158 @@ impl InboxBackend for sqlx::Postgres {
 }
 
 #[cfg(feature = "sqlite")]
-impl InboxBackend for sqlx::Sqlite {
-    fn insert_sql(table: &str) -> String {
-        format!(
-            "INSERT INTO {table} (consumer, message_id, topic) VALUES (?1, ?2, ?3) ON CONFLICT DO NOTHING"
-        )
-    }
+const SQLITE_NOW_MS: &str = "CAST(ROUND((julianday('now') - 2440587.5) * 86400000) AS INTEGER)";
 
+#[cfg(feature = "sqlite")]
+impl InboxBackend for sqlx::Sqlite {
     fn insert<'c>(
         conn: &'c mut sqlx::SqliteConnection,
-        sql: Arc<str>,
+        table: &'c str,
         consumer: &'c str,
         msg: &'c InboundMessage,
+        rejected: Option<&'c str>,
     ) -> BoxFuture<'c, Result<bool, sqlx::Error>> {
         Box::pin(async move {
-            let r = sqlx::query(AssertSqlSafe(sql))
-                .bind(consumer)
-                .bind(msg.message_id.to_string())
-                .bind(&msg.topic)
-                .execute(conn)
-                .await?;
+            let r = sqlx::query(AssertSqlSafe(format!(
+                "INSERT INTO {table} (consumer, message_id, topic, outcome, reason) VALUES (?1, ?2, ?3, ?4, ?5) \
+                 ON CONFLICT DO NOTHING"
+            )))
+            .bind(consumer)
+            .bind(msg.message_id.to_string())
+            .bind(&msg.topic)
+            .bind(i64::from(rejected.is_some()))
+            .bind(rejected)
+            .execute(conn)
+            .await?;
             Ok(r.rows_affected() == 1)
+        })
+    }
+
+    fn verdict<'c>(
+        pool: &'c Pool<Self>,
+        table: &'c str,
+        consumer: &'c str,
+        id: Uuid,
+    ) -> BoxFuture<'c, Result<Option<VerdictRow>, sqlx::Error>> {
+        Box::pin(async move {
+            sqlx::query_as(AssertSqlSafe(format!(
+                "SELECT outcome, reason FROM {table} WHERE consumer = ?1 AND message_id = ?2"
+            )))
+            .bind(consumer)
+            .bind(id.to_string())
+            .fetch_optional(pool)
+            .await
+        })
+    }
+
+    fn insert_dead_letter<'c>(
+        conn: &'c mut sqlx::SqliteConnection,
+        table: &'c str,
+        consumer: &'c str,
+        msg: &'c InboundMessage,
+        error: &'c str,
+        deliveries: u32,
+    ) -> BoxFuture<'c, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            sqlx::query(AssertSqlSafe(format!(
+                "INSERT INTO {table}_dlq (consumer, message_id, topic, partition_key, headers, payload, error, deliveries) \
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8) \
+                 ON CONFLICT (consumer, message_id) DO UPDATE SET error = excluded.error, \
+                 deliveries = excluded.deliveries, failed_at = {SQLITE_NOW_MS}, replay_requested_at = NULL"
+            )))
+            .bind(consumer)
+            .bind(msg.message_id.to_string())
+            .bind(&msg.topic)
+            .bind(&msg.partition_key)
+            .bind(headers_json(&msg.headers))
+            .bind(&msg.payload)
+            .bind(error)
+            .bind(i64::from(deliveries))
+            .execute(conn)
+            .await?;
+            Ok(())
+        })
+    }
+
+    fn dead_letters<'c>(
+        pool: &'c Pool<Self>,
+        table: &'c str,
+        consumer: &'c str,
+        replay_only: bool,
+        limit: u32,
+    ) -> BoxFuture<'c, Result<Vec<Row>, sqlx::Error>> {
+        Box::pin(async move {
+            sqlx::query_as(AssertSqlSafe(format!(
+                "SELECT message_id, topic, partition_key, headers, CAST(payload AS BLOB), error, deliveries, \
+                 replay_requested_at IS NOT NULL FROM {table}_dlq \
+                 WHERE consumer = ?1 AND (NOT ?2 OR replay_requested_at IS NOT NULL) \
+                 ORDER BY failed_at DESC LIMIT ?3"
+            )))
+            .bind(consumer)
+            .bind(replay_only)
+            .bind(i64::from(limit))
+            .fetch_all(pool)
+            .await
+        })
+    }
+
+    fn set_replay<'c>(
+        pool: &'c Pool<Self>,
+        table: &'c str,
+        consumer: &'c str,
+        id: Uuid,
+        requested: bool,
+    ) -> BoxFuture<'c, Result<u64, sqlx::Error>> {
+        Box::pin(async move {
+            let r = sqlx::query(AssertSqlSafe(format!(
+                "UPDATE {table}_dlq SET replay_requested_at = CASE WHEN ?3 THEN {SQLITE_NOW_MS} ELSE NULL END \
+                 WHERE consumer = ?1 AND message_id = ?2"
+            )))
+            .bind(consumer)
+            .bind(id.to_string())
+            .bind(requested)
+            .execute(pool)
+            .await?;
+            Ok(r.rows_affected())
+        })
+    }
+
+    fn forget<'c>(
+        conn: &'c mut sqlx::SqliteConnection,
+        table: &'c str,
+        consumer: &'c str,
+        id: Uuid,
+    ) -> BoxFuture<'c, Result<(), sqlx::Error>> {
+        Box::pin(async move {
+            for t in [format!("{table}_dlq"), table.to_owned()] {
+                sqlx::query(AssertSqlSafe(format!(
+                    "DELETE FROM {t} WHERE consumer = ?1 AND message_id = ?2"
+                )))
+                .bind(consumer)
+                .bind(id.to_string())
+                .execute(&mut *conn)
+                .await?;
+            }
+            Ok(())
+        })
+    }
+
+    fn purge<'c>(
+        pool: &'c Pool<Self>,
+        table: &'c str,
+        older_than_ms: i64,
+        limit: u32,
+    ) -> BoxFuture<'c, Result<u64, sqlx::Error>> {
+        Box::pin(async move {
+            let r = sqlx::query(AssertSqlSafe(format!(
+                "DELETE FROM {table} WHERE rowid IN (SELECT rowid FROM {table} \
+                 WHERE received_at < {SQLITE_NOW_MS} - ?1 LIMIT ?2)"
+            )))
+            .bind(older_than_ms)
+            .bind(i64::from(limit))
+            .execute(pool)
+            .await?;
+            Ok(r.rows_affected())
         })
     }
 
@@ -142,7 +525,6 @@ pub struct Inbox<DB: InboxBackend> {
     pool: Pool<DB>,
     table: TableName,
     consumer: String,
-    insert: Arc<str>,
 }
 
 impl<DB: InboxBackend> Clone for Inbox<DB> {
@@ -151,7 +533,6 @@ impl<DB: InboxBackend> Clone for Inbox<DB> {
             pool: self.pool.clone(),
             table: self.table.clone(),
             consumer: self.consumer.clone(),
-            insert: self.insert.clone(),
         }
     }
 }
@@ -165,9 +546,20 @@ impl<DB: InboxBackend> std::fmt::Debug for Inbox<DB> {
     }
 }
 
+fn verdict_of(outcome: i64, reason: Option<String>) -> Verdict {
+    if outcome == 0 {
+        Verdict::Processed
+    } else {
+        Verdict::Rejected {
+            reason: reason.unwrap_or_default(),
+        }
+    }
+}
+
 impl<DB: InboxBackend> Inbox<DB> {
-    /// An inbox in `table` (default name `outbox_inbox`) for the consumer named `consumer` (one
-    /// name per logical consumer; its instances share it so they deduplicate together).
+    /// An inbox in `table` (default name `outbox_inbox`; dead letters in `<table>_dlq`) for the
+    /// consumer named `consumer` (one name per logical consumer; its instances share it so they
+    /// deduplicate together).
     ///
     /// # Errors
     /// [`StoreError::InvalidIdentifier`] for a bad table name; [`StoreError::Config`] for an
@@ -182,16 +574,14 @@ impl<DB: InboxBackend> Inbox<DB> {
         if consumer.is_empty() {
             return Err(StoreError::Config("consumer name must not be empty".into()));
         }
-        let insert = DB::insert_sql(table.as_str()).into();
         Ok(Inbox {
             pool,
             table,
             consumer,
-            insert,
         })
     }
 
-    /// Create the inbox table if missing (idempotent).
+    /// Create the inbox and dead-letter tables if missing (idempotent, versioned).
     ///
     /// # Errors
     /// The database error.
@@ -209,6 +599,10 @@ impl<DB: InboxBackend> Inbox<DB> {
         &self.pool
     }
 
+    fn err(&self, op: &'static str) -> impl Fn(sqlx::Error) -> StoreError + '_ {
+        move |e| StoreError::db(op, self.table.as_str(), e)
+    }
+
     /// Apply `msg` once (see the module docs).
     ///
     /// # Errors
@@ -218,20 +612,222 @@ impl<DB: InboxBackend> Inbox<DB> {
         msg: &InboundMessage,
         handler: &H,
     ) -> Result<Processed, InboxError> {
-        let e = |op| {
-            let table = self.table.as_str().to_owned();
-            move |err| InboxError::Store(StoreError::db(op, &table, err))
-        };
-        let mut tx = self.pool.begin().await.map_err(e("inbox begin"))?;
-        let fresh = DB::insert(&mut tx, self.insert.clone(), &self.consumer, msg)
+        let t = self.table.as_str();
+        let mut tx = self.pool.begin().await.map_err(self.err("inbox begin"))?;
+        let fresh = DB::insert(&mut tx, t, &self.consumer, msg, None)
             .await
-            .map_err(e("inbox insert"))?;
+            .map_err(self.err("inbox insert"))?;
         if !fresh {
-            tx.rollback().await.map_err(e("inbox rollback"))?;
+            tx.rollback().await.map_err(self.err("inbox rollback"))?;
             return Ok(Processed::Duplicate);
         }
-        handler.handle(&mut tx, msg).await?;
-        tx.commit().await.map_err(e("inbox commit"))?;
-        Ok(Processed::Applied)
+        match handler.handle(&mut tx, msg).await {
+            Ok(()) => {
+                tx.commit().await.map_err(self.err("inbox commit"))?;
+                Ok(Processed::Applied)
+            }
+            Err(e) => {
+                tx.rollback().await.map_err(self.err("inbox rollback"))?;
+                let Some(reason) = e.rejection() else {
+                    return Err(e.into());
+                };
+                let reason = reason.to_owned();
+                let mut tx = self.pool.begin().await.map_err(self.err("inbox begin"))?;
+                let fresh = DB::insert(&mut tx, t, &self.consumer, msg, Some(&reason))
+                    .await
+                    .map_err(self.err("inbox insert"))?;
+                tx.commit().await.map_err(self.err("inbox commit"))?;
+                Ok(if fresh {
+                    Processed::Rejected { reason }
+                } else {
+                    Processed::Duplicate
+                })
+            }
+        }
+    }
+
+    /// The verdict recorded for `message_id`, if any: what to confirm for a duplicate.
+    ///
+    /// # Errors
+    /// The database error.
+    pub async fn verdict(&self, message_id: Uuid) -> Result<Option<Verdict>, StoreError> {
+        let r = DB::verdict(&self.pool, self.table.as_str(), &self.consumer, message_id)
+            .await
+            .map_err(self.err("inbox verdict"))?;
+        Ok(r.map(|(o, reason)| verdict_of(o, reason)))
+    }
+
+    /// Move `msg` to the dead-letter table with `error` after `deliveries` deliveries, and record
+    /// it as rejected in the inbox (one transaction). Returns the verdict to confirm.
+    ///
+    /// # Errors
+    /// The database error; the message must then not be acknowledged.
+    pub async fn dead_letter(
+        &self,
+        msg: &InboundMessage,
+        error: &str,
+        deliveries: u32,
+    ) -> Result<Verdict, StoreError> {
+        let t = self.table.as_str();
+        let reason = format!(
+            "dead-lettered by {} after {deliveries} deliveries: {error}",
+            self.consumer
+        );
+        let mut tx = self.pool.begin().await.map_err(self.err("dead letter"))?;
+        DB::insert_dead_letter(&mut tx, t, &self.consumer, msg, error, deliveries)
+            .await
+            .map_err(self.err("dead letter"))?;
+        DB::insert(&mut tx, t, &self.consumer, msg, Some(&reason))
+            .await
+            .map_err(self.err("dead letter"))?;
+        tx.commit().await.map_err(self.err("dead letter"))?;
+        Ok(Verdict::Rejected { reason })
+    }
+
+    /// The consumer's dead letters, newest first.
+    ///
+    /// # Errors
+    /// The database error, or [`StoreError::Corrupt`] for a row that does not decode.
+    pub async fn dead_letters(&self, limit: u32) -> Result<Vec<DeadLetter>, StoreError> {
+        self.load_dead_letters(false, limit).await
+    }
+
+    async fn load_dead_letters(
+        &self,
+        replay_only: bool,
+        limit: u32,
+    ) -> Result<Vec<DeadLetter>, StoreError> {
+        let rows = DB::dead_letters(
+            &self.pool,
+            self.table.as_str(),
+            &self.consumer,
+            replay_only,
+            limit,
+        )
+        .await
+        .map_err(self.err("dead letters"))?;
+        rows.into_iter()
+            .map(
+                |(id, topic, partition_key, headers, payload, error, deliveries, replay)| {
+                    let message_id = Uuid::parse_str(&id).map_err(|e| StoreError::Corrupt {
+                        id: 0,
+                        reason: format!("dead letter id {id:?}: {e}"),
+                    })?;
+                    let headers = crate::store::parse_headers(0, &headers)?;
+                    Ok(DeadLetter {
+                        message: InboundMessage {
+                            message_id,
+                            topic,
+                            partition_key,
+                            headers,
+                            payload,
+                            delivery_count: u32::try_from(deliveries).unwrap_or(0),
+                        },
+                        error,
+                        deliveries: u32::try_from(deliveries).unwrap_or(0),
+                        replay_requested: replay,
+                    })
+                },
+            )
+            .collect()
+    }
+
+    /// Ask the consumer's runner to run dead letter `message_id` again. Returns whether it exists.
+    ///
+    /// # Errors
+    /// The database error.
+    pub async fn request_replay(&self, message_id: Uuid) -> Result<bool, StoreError> {
+        let n = DB::set_replay(
+            &self.pool,
+            self.table.as_str(),
+            &self.consumer,
+            message_id,
+            true,
+        )
+        .await
+        .map_err(self.err("replay"))?;
+        Ok(n > 0)
+    }
+
+    /// Run up to `limit` dead letters whose replay was requested through `handler`. For each, one
+    /// transaction forgets the dead letter and its inbox record and processes the message afresh;
+    /// if the handler fails again, that transaction rolls back and the dead letter stays (with
+    /// its replay request cleared and the new error).
+    ///
+    /// # Errors
+    /// A database error while loading the requests.
+    pub async fn replay_requested<H: Handler<DB> + ?Sized>(
+        &self,
+        handler: &H,
+        limit: u32,
+    ) -> Result<Vec<Replayed>, StoreError> {
+        let t = self.table.as_str();
+        let mut done = Vec::new();
+        for dl in self.load_dead_letters(true, limit).await? {
+            let msg = dl.message;
+            let mut tx = self.pool.begin().await.map_err(self.err("replay"))?;
+            DB::forget(&mut tx, t, &self.consumer, msg.message_id)
+                .await
+                .map_err(self.err("replay"))?;
+            DB::insert(&mut tx, t, &self.consumer, &msg, None)
+                .await
+                .map_err(self.err("replay"))?;
+            let result = match handler.handle(&mut tx, &msg).await {
+                Ok(()) => {
+                    tx.commit().await.map_err(self.err("replay"))?;
+                    Ok(Verdict::Processed)
+                }
+                Err(e) => {
+                    tx.rollback().await.map_err(self.err("replay"))?;
+                    if let Some(reason) = e.rejection() {
+                        let mut tx = self.pool.begin().await.map_err(self.err("replay"))?;
+                        DB::forget(&mut tx, t, &self.consumer, msg.message_id)
+                            .await
+                            .map_err(self.err("replay"))?;
+                        DB::insert(&mut tx, t, &self.consumer, &msg, Some(reason))
+                            .await
+                            .map_err(self.err("replay"))?;
+                        tx.commit().await.map_err(self.err("replay"))?;
+                        Ok(Verdict::Rejected {
+                            reason: reason.to_owned(),
+                        })
+                    } else {
+                        let mut conn = self.pool.acquire().await.map_err(self.err("replay"))?;
+                        DB::insert_dead_letter(
+                            &mut conn,
+                            t,
+                            &self.consumer,
+                            &msg,
+                            &e.to_string(),
+                            dl.deliveries + 1,
+                        )
+                        .await
+                        .map_err(self.err("replay"))?;
+                        Err(e.to_string())
+                    }
+                }
+            };
+            done.push(Replayed {
+                message: msg,
+                result,
+            });
+        }
+        Ok(done)
+    }
+
+    /// Delete up to `limit` inbox records received more than `older_than` ago (the dedup
+    /// window); call again while it returns `limit`. Dead letters are kept.
+    ///
+    /// # Errors
+    /// The database error.
+    pub async fn purge(&self, older_than: Duration, limit: u32) -> Result<u64, StoreError> {
+        DB::purge(
+            &self.pool,
+            self.table.as_str(),
+            crate::store::millis(older_than),
+            limit,
+        )
+        .await
+        .map_err(self.err("inbox purge"))
     }
 }

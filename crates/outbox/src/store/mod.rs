@@ -61,6 +61,13 @@ pub struct Claim {
 pub enum Outcome {
     /// The broker acknowledged it: SENDING → SENT, `sent_at = now()`.
     Sent,
+    /// The broker acknowledged it and the route requires the consumer's confirmation:
+    /// SENDING → SENT with `confirm_deadline = now() + within`; past the deadline the message is
+    /// checked back ([`Store::check_back`]).
+    SentAwaitingConfirmation {
+        /// How long the consumer has to confirm.
+        within: Duration,
+    },
     /// Publish failed and attempts remain: SENDING → PENDING, `available_at = now() + delay`,
     /// `last_error = error`.
     Retry {
@@ -100,6 +107,10 @@ pub struct Stats {
     pub oldest_pending_age: Option<Duration>,
     /// SENDING rows whose lease has expired (a relay died; the reaper will return them).
     pub expired_leases: u64,
+    /// SENT rows waiting for the consumer's confirmation.
+    pub awaiting_confirmation: u64,
+    /// Age since SENT of the oldest message still waiting for its confirmation.
+    pub oldest_unconfirmed_age: Option<Duration>,
 }
 
 /// A dead-lettered message, for `outbox status`.
@@ -161,6 +172,26 @@ pub trait Store: Send + Sync + 'static {
     /// Counts per state and ages.
     async fn stats(&self) -> Result<Stats, StoreError>;
 
+    /// Apply consumer confirmations (see [`crate::confirm`]): `Processed` → CONFIRMED in one
+    /// statement; each `Rejected` → REJECTED with the reason in its own transaction that also runs
+    /// the store's rejection hook. Only rows in PENDING, SENDING, SENT or FAILED move, so a
+    /// duplicate or late confirmation changes nothing and a hook never runs twice.
+    async fn apply_confirmations(
+        &self,
+        batch: &[crate::confirm::Confirmation],
+    ) -> Result<crate::confirm::ConfirmReport, StoreError>;
+
+    /// Check back up to `limit` SENT rows whose confirmation deadline passed: back to PENDING (due
+    /// now, `check_backs + 1`) so they are published again and the consumer's inbox answers the
+    /// copy, or FAILED with reason `unconfirmed` once `check_backs` reached `max_check_backs`.
+    /// One conditional statement, safe to run on every relay. Returns the rows moved.
+    async fn check_back(&self, limit: u32, max_check_backs: u32) -> Result<u64, StoreError>;
+
+    /// Delete up to `limit` finished rows older than `older_than`: CONFIRMED and REJECTED rows
+    /// by `confirmed_at`, and SENT rows that await no confirmation by `sent_at`. One bounded
+    /// statement; call again while it returns `limit`. Returns the rows deleted.
+    async fn purge_finished(&self, older_than: Duration, limit: u32) -> Result<u64, StoreError>;
+
     /// Operator requeue of dead letters: FAILED → PENDING, due now, `attempts` reset to 0,
     /// `last_error` kept for the record. `ids = None` requeues every FAILED row. Rows in any other
     /// state are left alone. Returns the rows moved.
@@ -216,8 +247,12 @@ pub(crate) fn claim_from_rows<R>(
 /// (milliseconds and counts as the database returns them).
 pub(crate) fn stats_from(
     counts: impl IntoIterator<Item = (i64, i64)>,
-    oldest_pending_ms: Option<i64>,
-    expired: i64,
+    (oldest_pending_ms, expired, awaiting, oldest_unconfirmed_ms): (
+        Option<i64>,
+        i64,
+        i64,
+        Option<i64>,
+    ),
 ) -> Result<Stats, StoreError> {
     let mut stats = Stats::default();
     for s in Status::ALL {
@@ -233,6 +268,9 @@ pub(crate) fn stats_from(
     }
     stats.oldest_pending_age = oldest_pending_ms.map(|ms| Duration::from_millis(ms.max(0) as u64));
     stats.expired_leases = expired.max(0) as u64;
+    stats.awaiting_confirmation = awaiting.max(0) as u64;
+    stats.oldest_unconfirmed_age =
+        oldest_unconfirmed_ms.map(|ms| Duration::from_millis(ms.max(0) as u64));
     Ok(stats)
 }
 
@@ -256,6 +294,7 @@ pub(crate) struct CompletionColumns {
     pub delays_ms: Vec<i64>,
     pub errors: Vec<Option<String>>,
     pub give_back: Vec<i32>,
+    pub confirm_ms: Vec<Option<i64>>,
 }
 
 impl CompletionColumns {
@@ -266,10 +305,16 @@ impl CompletionColumns {
             delays_ms: Vec::with_capacity(completions.len()),
             errors: Vec::with_capacity(completions.len()),
             give_back: Vec::with_capacity(completions.len()),
+            confirm_ms: Vec::with_capacity(completions.len()),
         };
         for comp in completions {
+            let mut confirm = None;
             let (status, delay, error, give_back) = match &comp.outcome {
                 Outcome::Sent => (Status::Sent, 0, None, 0),
+                Outcome::SentAwaitingConfirmation { within } => {
+                    confirm = Some(millis(*within));
+                    (Status::Sent, 0, None, 0)
+                }
                 Outcome::Retry { delay, error } => {
                     (Status::Pending, millis(*delay), Some(error.clone()), 0)
                 }
@@ -281,6 +326,7 @@ impl CompletionColumns {
             c.delays_ms.push(delay);
             c.errors.push(error);
             c.give_back.push(give_back);
+            c.confirm_ms.push(confirm);
         }
         c
     }

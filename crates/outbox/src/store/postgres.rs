@@ -25,6 +25,7 @@ use super::{
     Claim, ClaimRequest, Completion, CompletionColumns, FailedMessage, LeaseToken, Stats, Store,
     StoreOptions, claim_from_rows, millis, new_token, stats_from,
 };
+use crate::confirm::{ConfirmReport, Confirmation, RejectedMessage, RejectionHook, Verdict};
 use crate::error::{EnqueueError, StoreError};
 use crate::ident::TableName;
 use crate::message::{Limits, Message, NewMessage};
@@ -50,6 +51,7 @@ pub struct PgStore {
     limits: Limits,
     sql: Arc<Sql>,
     waker: Arc<Notify>,
+    hook: Option<Arc<dyn RejectionHook<sqlx::Postgres>>>,
 }
 
 impl std::fmt::Debug for PgStore {
@@ -117,9 +119,12 @@ impl PgStore {
                 "UPDATE {t} o SET status = u.st, attempts = o.attempts - u.gb, \
                  available_at = CASE WHEN u.st = 0 THEN now() + make_interval(secs => u.delay_ms::float8 / 1000) ELSE o.available_at END, \
                  sent_at = CASE WHEN u.st = 2 THEN now() ELSE o.sent_at END, \
+                 confirm_deadline = CASE WHEN u.st = 2 AND u.confirm_ms IS NOT NULL \
+                   THEN now() + make_interval(secs => u.confirm_ms::float8 / 1000) ELSE NULL END, \
                  last_error = COALESCE(u.err, o.last_error), \
                  lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL, updated_at = now() \
-                 FROM UNNEST($1::bigint[], $2::smallint[], $3::bigint[], $4::text[], $5::int[]) AS u(id, st, delay_ms, err, gb) \
+                 FROM UNNEST($1::bigint[], $2::smallint[], $3::bigint[], $4::text[], $5::int[], $7::bigint[]) \
+                   AS u(id, st, delay_ms, err, gb, confirm_ms) \
                  WHERE o.id = u.id AND o.status = 1 AND o.lease_token = $6"
             )
             .into(),
@@ -146,7 +151,10 @@ impl PgStore {
             ages: format!(
                 "SELECT (SELECT (EXTRACT(EPOCH FROM now() - MIN(created_at)) * 1000)::bigint FROM {t} \
                          WHERE status = 0 AND available_at <= now()), \
-                        (SELECT COUNT(*) FROM {t} WHERE status = 1 AND lease_expires_at < now())"
+                        (SELECT COUNT(*) FROM {t} WHERE status = 1 AND lease_expires_at < now()), \
+                        (SELECT COUNT(*) FROM {t} WHERE status = 2 AND confirm_deadline IS NOT NULL), \
+                        (SELECT (EXTRACT(EPOCH FROM now() - MIN(sent_at)) * 1000)::bigint FROM {t} \
+                         WHERE status = 2 AND confirm_deadline IS NOT NULL)"
             )
             .into(),
             failed: format!(
@@ -167,7 +175,15 @@ impl PgStore {
             limits: options.limits,
             sql: Arc::new(sql),
             waker: Arc::new(Notify::new()),
+            hook: None,
         })
+    }
+
+    /// Run `hook` for every message the consumer rejects, inside the producer transaction that
+    /// records REJECTED (see [`crate::confirm`]). Default: no hook.
+    pub fn with_rejection_hook(mut self, hook: Arc<dyn RejectionHook<sqlx::Postgres>>) -> Self {
+        self.hook = Some(hook);
+        self
     }
 
     /// The pool.
@@ -283,8 +299,6 @@ fn migrations(table: &TableName, inbox: &TableName, channel: &str) -> Vec<(Strin
     // Index, constraint and trigger names live in the table's own schema: the unqualified name
     // keeps them within PostgreSQL's 63-character limit (tables are at most 48 per part).
     let f = table.unqualified();
-    let i = inbox.as_str();
-    let fi = inbox.unqualified();
     let schema_of = |n: &TableName| match n.as_str().split_once('.') {
         Some((s, _)) => format!("CREATE SCHEMA IF NOT EXISTS {s};"),
         None => String::new(),
@@ -293,7 +307,7 @@ fn migrations(table: &TableName, inbox: &TableName, channel: &str) -> Vec<(Strin
         Some((s, _)) => format!("{s}.{}_notify", table.unqualified()),
         None => format!("{f}_notify"),
     };
-    vec![
+    let mut steps = vec![
         (
             t.to_owned(),
             1,
@@ -333,6 +347,30 @@ fn migrations(table: &TableName, inbox: &TableName, channel: &str) -> Vec<(Strin
             ),
         ),
         (
+            t.to_owned(),
+            2,
+            format!(
+                "ALTER TABLE {t} ADD COLUMN IF NOT EXISTS confirm_deadline timestamptz;
+                ALTER TABLE {t} ADD COLUMN IF NOT EXISTS check_backs int NOT NULL DEFAULT 0;
+                CREATE INDEX IF NOT EXISTS {f}_unconfirmed ON {t} (confirm_deadline) WHERE status = 2 AND confirm_deadline IS NOT NULL;
+                CREATE INDEX IF NOT EXISTS {f}_finished ON {t} (confirmed_at) WHERE status IN (3, 6);"
+            ),
+        ),
+    ];
+    steps.extend(inbox_steps(inbox));
+    steps
+}
+
+/// The inbox table and the consumer dead-letter table `<inbox>_dlq`.
+fn inbox_steps(inbox: &TableName) -> Vec<(String, i64, String)> {
+    let i = inbox.as_str();
+    let fi = inbox.unqualified();
+    let schema_of = |n: &TableName| match n.as_str().split_once('.') {
+        Some((s, _)) => format!("CREATE SCHEMA IF NOT EXISTS {s};"),
+        None => String::new(),
+    };
+    vec![
+        (
             i.to_owned(),
             1,
             format!(
@@ -349,12 +387,32 @@ fn migrations(table: &TableName, inbox: &TableName, channel: &str) -> Vec<(Strin
                 schema = schema_of(inbox),
             ),
         ),
+        (
+            i.to_owned(),
+            2,
+            format!(
+                "ALTER TABLE {i} ADD COLUMN IF NOT EXISTS reason text;
+                CREATE TABLE IF NOT EXISTS {i}_dlq (
+                    consumer text NOT NULL,
+                    message_id uuid NOT NULL,
+                    topic text NOT NULL,
+                    partition_key text,
+                    headers jsonb NOT NULL,
+                    payload bytea NOT NULL,
+                    error text NOT NULL,
+                    deliveries int NOT NULL,
+                    failed_at timestamptz NOT NULL DEFAULT now(),
+                    replay_requested_at timestamptz,
+                    PRIMARY KEY (consumer, message_id)
+                );
+                CREATE INDEX IF NOT EXISTS {fi}_dlq_replay ON {i}_dlq (consumer) WHERE replay_requested_at IS NOT NULL;"
+            ),
+        ),
     ]
 }
 
 pub(crate) fn inbox_migrations(inbox: &TableName) -> Vec<(String, i64, String)> {
-    let t = TableName::new("unused").expect("valid");
-    migrations(&t, inbox, "unused").split_off(1)
+    inbox_steps(inbox)
 }
 
 /// Apply migrations once each, recorded in `outbox_migrations`, serialised by an advisory lock
@@ -454,6 +512,7 @@ impl Store for PgStore {
             .bind(c.errors)
             .bind(c.give_back)
             .bind(token)
+            .bind(c.confirm_ms)
             .execute(&self.pool)
             .await
             .map_err(self.err("complete"))?;
@@ -483,16 +542,132 @@ impl Store for PgStore {
             .fetch_all(&self.pool)
             .await
             .map_err(self.err("stats"))?;
-        let (age, expired): (Option<i64>, i64) =
+        let ages: (Option<i64>, i64, i64, Option<i64>) =
             sqlx::query_as(AssertSqlSafe(self.sql.ages.clone()))
                 .fetch_one(&self.pool)
                 .await
                 .map_err(self.err("stats"))?;
-        stats_from(
-            rows.into_iter().map(|(s, n)| (i64::from(s), n)),
-            age,
-            expired,
-        )
+        stats_from(rows.into_iter().map(|(s, n)| (i64::from(s), n)), ages)
+    }
+
+    async fn apply_confirmations(
+        &self,
+        batch: &[Confirmation],
+    ) -> Result<ConfirmReport, StoreError> {
+        let t = self.table.as_str();
+        let mut report = ConfirmReport::default();
+        let processed: Vec<Uuid> = batch
+            .iter()
+            .filter(|c| c.verdict == Verdict::Processed)
+            .map(|c| c.message_id)
+            .collect();
+        let mut unmatched: Vec<Uuid> = Vec::new();
+        if !processed.is_empty() {
+            let moved: Vec<Uuid> = sqlx::query_scalar(AssertSqlSafe(format!(
+                "UPDATE {t} SET status = 3, confirmed_at = now(), confirm_deadline = NULL, updated_at = now() \
+                 WHERE message_id = ANY($1) AND status IN (0, 1, 2, 4) RETURNING message_id"
+            )))
+            .bind(&processed)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(self.err("confirm"))?;
+            report.confirmed = moved.len() as u64;
+            unmatched.extend(processed.iter().filter(|id| !moved.contains(id)));
+        }
+        for c in batch {
+            let Verdict::Rejected { reason } = &c.verdict else {
+                continue;
+            };
+            let mut tx = self.pool.begin().await.map_err(self.err("confirm"))?;
+            let row: Option<(i64, String, Option<String>, String, Vec<u8>)> =
+                sqlx::query_as(AssertSqlSafe(format!(
+                    "UPDATE {t} SET status = 6, confirmed_at = now(), confirm_deadline = NULL, updated_at = now(), \
+                     last_error = $2 WHERE message_id = $1 AND status IN (0, 1, 2, 4) \
+                     RETURNING id, topic, partition_key, headers::text, payload"
+                )))
+                .bind(c.message_id)
+                .bind(format!("rejected by {}: {reason}", c.consumer))
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(self.err("confirm"))?;
+            let Some((id, topic, partition_key, headers, payload)) = row else {
+                tx.rollback().await.map_err(self.err("confirm"))?;
+                unmatched.push(c.message_id);
+                continue;
+            };
+            if let Some(hook) = &self.hook {
+                let rejected = RejectedMessage {
+                    id,
+                    message_id: c.message_id,
+                    topic,
+                    partition_key,
+                    headers: super::parse_headers(id, &headers).unwrap_or_default(),
+                    payload,
+                    consumer: c.consumer.clone(),
+                    reason: reason.clone(),
+                };
+                if let Err(e) = hook.on_rejected(&mut tx, &rejected).await {
+                    tracing::error!(error = %e, message_id = %c.message_id, "rejection hook failed; rolled back");
+                    tx.rollback().await.map_err(self.err("confirm"))?;
+                    continue;
+                }
+            }
+            tx.commit().await.map_err(self.err("confirm"))?;
+            report.rejected += 1;
+        }
+        if !unmatched.is_empty() {
+            let known: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+                "SELECT COUNT(*) FROM {t} WHERE message_id = ANY($1)"
+            )))
+            .bind(&unmatched)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(self.err("confirm"))?;
+            report.duplicates = known as u64;
+            report.unknown = unmatched.len() as u64 - known as u64;
+        }
+        Ok(report)
+    }
+
+    async fn check_back(&self, limit: u32, max_check_backs: u32) -> Result<u64, StoreError> {
+        let t = self.table.as_str();
+        let done = sqlx::query(AssertSqlSafe(format!(
+            "UPDATE {t} o SET \
+             status = CASE WHEN o.check_backs >= $2 THEN 4 ELSE 0 END, \
+             last_error = CASE WHEN o.check_backs >= $2 \
+               THEN 'unconfirmed: no confirmation after ' || o.check_backs || ' check-backs' \
+               ELSE 'check-back: no confirmation by the deadline' END, \
+             check_backs = o.check_backs + CASE WHEN o.check_backs >= $2 THEN 0 ELSE 1 END, \
+             available_at = now(), confirm_deadline = NULL, updated_at = now() \
+             FROM (SELECT id FROM {t} WHERE status = 2 AND confirm_deadline < now() \
+                   ORDER BY confirm_deadline LIMIT $1 FOR UPDATE SKIP LOCKED) c \
+             WHERE o.id = c.id AND o.status = 2 AND o.confirm_deadline < now()"
+        )))
+        .bind(i64::from(limit))
+        .bind(i32::try_from(max_check_backs).unwrap_or(i32::MAX))
+        .execute(&self.pool)
+        .await
+        .map_err(self.err("check_back"))?;
+        Ok(done.rows_affected())
+    }
+
+    async fn purge_finished(&self, older_than: Duration, limit: u32) -> Result<u64, StoreError> {
+        let t = self.table.as_str();
+        let done = sqlx::query(AssertSqlSafe(format!(
+            "DELETE FROM {t} WHERE id IN ( \
+               (SELECT id FROM {t} WHERE status IN (3, 6) \
+                  AND confirmed_at < now() - make_interval(secs => $1::float8 / 1000) LIMIT $2 FOR UPDATE SKIP LOCKED) \
+               UNION ALL \
+               (SELECT id FROM {t} WHERE status = 2 AND confirm_deadline IS NULL \
+                  AND sent_at < now() - make_interval(secs => $1::float8 / 1000) LIMIT $2 FOR UPDATE SKIP LOCKED) \
+               LIMIT $2)"
+        )))
+        .bind(millis(older_than))
+        .bind(i64::from(limit))
+        .execute(&self.pool)
+        .await
+        .map_err(self.err("purge"))?;
+        Ok(done.rows_affected())
     }
 
     async fn requeue_failed(&self, ids: Option<&[i64]>) -> Result<u64, StoreError> {

@@ -28,6 +28,7 @@ use super::{
     Claim, ClaimRequest, Completion, CompletionColumns, FailedMessage, LeaseToken, Stats, Store,
     claim_from_rows, millis, new_token, parse_headers, stats_from,
 };
+use crate::confirm::{ConfirmReport, Confirmation, RejectedMessage, RejectionHook, Verdict};
 use crate::error::{EnqueueError, StoreError};
 use crate::ident::TableName;
 use crate::message::{Limits, Message, NewMessage};
@@ -56,6 +57,7 @@ pub struct SqliteStore {
     limits: Limits,
     sql: Arc<Sql>,
     waker: Arc<Notify>,
+    hook: Option<Arc<dyn RejectionHook<sqlx::Sqlite>>>,
 }
 
 impl std::fmt::Debug for SqliteStore {
@@ -159,10 +161,11 @@ impl SqliteStore {
                 "UPDATE {t} SET status = j.st, attempts = {t}.attempts - j.gb, \
                  available_at = CASE WHEN j.st = 0 THEN {NOW_MS} + j.delay ELSE {t}.available_at END, \
                  sent_at = CASE WHEN j.st = 2 THEN {NOW_MS} ELSE {t}.sent_at END, \
+                 confirm_deadline = CASE WHEN j.st = 2 AND j.confirm IS NOT NULL THEN {NOW_MS} + j.confirm ELSE NULL END, \
                  last_error = COALESCE(j.err, {t}.last_error), \
                  lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL, updated_at = {NOW_MS} \
                  FROM (SELECT value ->> '$[0]' AS id, value ->> '$[1]' AS st, value ->> '$[2]' AS delay, \
-                       value ->> '$[3]' AS err, value ->> '$[4]' AS gb FROM json_each(?1)) AS j \
+                       value ->> '$[3]' AS err, value ->> '$[4]' AS gb, value ->> '$[5]' AS confirm FROM json_each(?1)) AS j \
                  WHERE {t}.id = j.id AND {t}.status = 1 AND {t}.lease_token = ?2"
             )
             .into(),
@@ -182,7 +185,9 @@ impl SqliteStore {
             counts: format!("SELECT status, COUNT(*) FROM {t} GROUP BY status").into(),
             ages: format!(
                 "SELECT (SELECT {NOW_MS} - MIN(created_at) FROM {t} WHERE status = 0 AND available_at <= {NOW_MS}), \
-                 (SELECT COUNT(*) FROM {t} WHERE status = 1 AND lease_expires_at < {NOW_MS})"
+                 (SELECT COUNT(*) FROM {t} WHERE status = 1 AND lease_expires_at < {NOW_MS}), \
+                 (SELECT COUNT(*) FROM {t} WHERE status = 2 AND confirm_deadline IS NOT NULL), \
+                 (SELECT {NOW_MS} - MIN(sent_at) FROM {t} WHERE status = 2 AND confirm_deadline IS NOT NULL)"
             )
             .into(),
             failed: format!(
@@ -198,7 +203,15 @@ impl SqliteStore {
             limits: options.limits,
             sql: Arc::new(sql),
             waker: Arc::new(Notify::new()),
+            hook: None,
         })
+    }
+
+    /// Run `hook` for every message the consumer rejects, inside the producer transaction that
+    /// records REJECTED (see [`crate::confirm`]). Default: no hook.
+    pub fn with_rejection_hook(mut self, hook: Arc<dyn RejectionHook<sqlx::Sqlite>>) -> Self {
+        self.hook = Some(hook);
+        self
     }
 
     /// The pool.
@@ -295,7 +308,7 @@ impl SqliteStore {
 }
 
 fn migrations(t: &str, inbox: &str) -> Vec<(String, i64, String)> {
-    vec![
+    let mut steps = vec![
         (
             t.to_owned(),
             1,
@@ -328,6 +341,24 @@ fn migrations(t: &str, inbox: &str) -> Vec<(String, i64, String)> {
             ),
         ),
         (
+            t.to_owned(),
+            2,
+            format!(
+                "ALTER TABLE {t} ADD COLUMN confirm_deadline INTEGER;
+                ALTER TABLE {t} ADD COLUMN check_backs INTEGER NOT NULL DEFAULT 0;
+                CREATE INDEX IF NOT EXISTS {t}_unconfirmed ON {t} (confirm_deadline) WHERE status = 2 AND confirm_deadline IS NOT NULL;
+                CREATE INDEX IF NOT EXISTS {t}_finished ON {t} (confirmed_at) WHERE status IN (3, 6);"
+            ),
+        ),
+    ];
+    steps.extend(inbox_steps(inbox));
+    steps
+}
+
+/// The inbox table and the consumer dead-letter table `<inbox>_dlq`.
+fn inbox_steps(inbox: &str) -> Vec<(String, i64, String)> {
+    vec![
+        (
             inbox.to_owned(),
             1,
             format!(
@@ -340,6 +371,26 @@ fn migrations(t: &str, inbox: &str) -> Vec<(String, i64, String)> {
                     PRIMARY KEY (consumer, message_id)
                 );
                 CREATE INDEX IF NOT EXISTS {inbox}_received_at ON {inbox} (received_at);"
+            ),
+        ),
+        (
+            inbox.to_owned(),
+            2,
+            format!(
+                "ALTER TABLE {inbox} ADD COLUMN reason TEXT;
+                CREATE TABLE IF NOT EXISTS {inbox}_dlq (
+                    consumer TEXT NOT NULL,
+                    message_id TEXT NOT NULL,
+                    topic TEXT NOT NULL,
+                    partition_key TEXT,
+                    headers TEXT NOT NULL,
+                    payload BLOB NOT NULL,
+                    error TEXT NOT NULL,
+                    deliveries INTEGER NOT NULL,
+                    failed_at INTEGER NOT NULL DEFAULT ({NOW_MS}),
+                    replay_requested_at INTEGER,
+                    PRIMARY KEY (consumer, message_id)
+                );"
             ),
         ),
     ]
@@ -392,7 +443,7 @@ pub(crate) async fn run_migrations(
 }
 
 pub(crate) fn inbox_migrations(inbox: &str) -> Vec<(String, i64, String)> {
-    migrations("unused", inbox).split_off(1)
+    inbox_steps(inbox)
 }
 
 #[async_trait]
@@ -445,7 +496,8 @@ impl Store for SqliteStore {
                     c.statuses[i],
                     c.delays_ms[i],
                     c.errors[i],
-                    c.give_back[i]
+                    c.give_back[i],
+                    c.confirm_ms[i]
                 ])
             })
             .collect();
@@ -482,12 +534,132 @@ impl Store for SqliteStore {
             .fetch_all(&self.pool)
             .await
             .map_err(self.err("stats"))?;
-        let (age, expired): (Option<i64>, i64) =
+        let ages: (Option<i64>, i64, i64, Option<i64>) =
             sqlx::query_as(AssertSqlSafe(self.sql.ages.clone()))
                 .fetch_one(&self.pool)
                 .await
                 .map_err(self.err("stats"))?;
-        stats_from(rows, age, expired)
+        stats_from(rows, ages)
+    }
+
+    async fn apply_confirmations(
+        &self,
+        batch: &[Confirmation],
+    ) -> Result<ConfirmReport, StoreError> {
+        let t = self.table.as_str();
+        let mut report = ConfirmReport::default();
+        let processed: Vec<String> = batch
+            .iter()
+            .filter(|c| c.verdict == Verdict::Processed)
+            .map(|c| c.message_id.to_string())
+            .collect();
+        let mut unmatched: Vec<String> = Vec::new();
+        if !processed.is_empty() {
+            let moved: Vec<String> = sqlx::query_scalar(AssertSqlSafe(format!(
+                "UPDATE {t} SET status = 3, confirmed_at = {NOW_MS}, confirm_deadline = NULL, updated_at = {NOW_MS} \
+                 WHERE message_id IN (SELECT value FROM json_each(?1)) AND status IN (0, 1, 2, 4) \
+                 RETURNING message_id"
+            )))
+            .bind(serde_json::to_string(&processed).expect("ids serialize"))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(self.err("confirm"))?;
+            report.confirmed = moved.len() as u64;
+            unmatched.extend(processed.into_iter().filter(|id| !moved.contains(id)));
+        }
+        for c in batch {
+            let Verdict::Rejected { reason } = &c.verdict else {
+                continue;
+            };
+            let mut conn = self.pool.acquire().await.map_err(self.err("confirm"))?;
+            let mut tx = sqlx::Connection::begin_with(&mut *conn, "BEGIN IMMEDIATE")
+                .await
+                .map_err(self.err("confirm"))?;
+            let row: Option<(i64, String, Option<String>, String, Vec<u8>)> =
+                sqlx::query_as(AssertSqlSafe(format!(
+                    "UPDATE {t} SET status = 6, confirmed_at = {NOW_MS}, confirm_deadline = NULL, \
+                     updated_at = {NOW_MS}, last_error = ?2 WHERE message_id = ?1 AND status IN (0, 1, 2, 4) \
+                     RETURNING id, topic, partition_key, headers, CAST(payload AS BLOB)"
+                )))
+                .bind(c.message_id.to_string())
+                .bind(format!("rejected by {}: {reason}", c.consumer))
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(self.err("confirm"))?;
+            let Some((id, topic, partition_key, headers, payload)) = row else {
+                tx.rollback().await.map_err(self.err("confirm"))?;
+                unmatched.push(c.message_id.to_string());
+                continue;
+            };
+            if let Some(hook) = &self.hook {
+                let rejected = RejectedMessage {
+                    id,
+                    message_id: c.message_id,
+                    topic,
+                    partition_key,
+                    headers: parse_headers(id, &headers).unwrap_or_default(),
+                    payload,
+                    consumer: c.consumer.clone(),
+                    reason: reason.clone(),
+                };
+                if let Err(e) = hook.on_rejected(&mut tx, &rejected).await {
+                    tracing::error!(error = %e, message_id = %c.message_id, "rejection hook failed; rolled back");
+                    tx.rollback().await.map_err(self.err("confirm"))?;
+                    continue;
+                }
+            }
+            tx.commit().await.map_err(self.err("confirm"))?;
+            report.rejected += 1;
+        }
+        if !unmatched.is_empty() {
+            let known: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+                "SELECT COUNT(*) FROM {t} WHERE message_id IN (SELECT value FROM json_each(?1))"
+            )))
+            .bind(serde_json::to_string(&unmatched).expect("ids serialize"))
+            .fetch_one(&self.pool)
+            .await
+            .map_err(self.err("confirm"))?;
+            report.duplicates = known as u64;
+            report.unknown = unmatched.len() as u64 - known as u64;
+        }
+        Ok(report)
+    }
+
+    async fn check_back(&self, limit: u32, max_check_backs: u32) -> Result<u64, StoreError> {
+        let t = self.table.as_str();
+        let done = sqlx::query(AssertSqlSafe(format!(
+            "UPDATE {t} SET \
+             status = CASE WHEN check_backs >= ?2 THEN 4 ELSE 0 END, \
+             last_error = CASE WHEN check_backs >= ?2 \
+               THEN 'unconfirmed: no confirmation after ' || check_backs || ' check-backs' \
+               ELSE 'check-back: no confirmation by the deadline' END, \
+             check_backs = check_backs + CASE WHEN check_backs >= ?2 THEN 0 ELSE 1 END, \
+             available_at = {NOW_MS}, confirm_deadline = NULL, updated_at = {NOW_MS} \
+             WHERE id IN (SELECT id FROM {t} WHERE status = 2 AND confirm_deadline < {NOW_MS} \
+                          ORDER BY confirm_deadline LIMIT ?1) \
+               AND status = 2 AND confirm_deadline < {NOW_MS}"
+        )))
+        .bind(i64::from(limit))
+        .bind(i64::from(max_check_backs))
+        .execute(&self.pool)
+        .await
+        .map_err(self.err("check_back"))?;
+        Ok(done.rows_affected())
+    }
+
+    async fn purge_finished(&self, older_than: Duration, limit: u32) -> Result<u64, StoreError> {
+        let t = self.table.as_str();
+        let done = sqlx::query(AssertSqlSafe(format!(
+            "DELETE FROM {t} WHERE id IN (SELECT id FROM {t} WHERE \
+               (status IN (3, 6) AND confirmed_at < {NOW_MS} - ?1) \
+               OR (status = 2 AND confirm_deadline IS NULL AND sent_at < {NOW_MS} - ?1) LIMIT ?2)"
+        )))
+        .bind(millis(older_than))
+        .bind(i64::from(limit))
+        .execute(&self.pool)
+        .await
+        .map_err(self.err("purge"))?;
+        Ok(done.rows_affected())
     }
 
     async fn requeue_failed(&self, ids: Option<&[i64]>) -> Result<u64, StoreError> {

@@ -102,6 +102,9 @@ pub struct Route {
     /// Destination template; `{topic}` is replaced by the topic. For NATS a subject, for webhooks
     /// a URL (or empty for the transport's own URL).
     pub destination: String,
+    /// Whether the consumer must confirm messages of this route, where to and by when. Default:
+    /// none (SENT is final).
+    pub confirm: Option<crate::confirm::ConfirmPolicy>,
 }
 
 impl std::fmt::Debug for Route {
@@ -110,6 +113,7 @@ impl std::fmt::Debug for Route {
             .field("pattern", &self.pattern)
             .field("transport", &self.transport.name())
             .field("destination", &self.destination)
+            .field("confirm", &self.confirm)
             .finish()
     }
 }
@@ -143,7 +147,23 @@ impl Router {
             pattern: TopicPattern::parse(pattern),
             transport,
             destination: destination.into(),
+            confirm: None,
         });
+        self
+    }
+
+    /// Add a route whose messages the consumer must confirm (see [`crate::confirm`]): the relay
+    /// puts `policy.reply_to` in the `outbox-reply-to` header and, once the broker acknowledged,
+    /// records a confirmation deadline of `policy.timeout`.
+    pub fn route_confirmed(
+        mut self,
+        pattern: &str,
+        transport: Arc<dyn Transport>,
+        destination: impl Into<String>,
+        policy: crate::confirm::ConfirmPolicy,
+    ) -> Self {
+        self = self.route(pattern, transport, destination);
+        self.routes.last_mut().expect("just pushed").confirm = Some(policy);
         self
     }
 

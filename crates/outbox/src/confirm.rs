@@ -1,0 +1,409 @@
+//! Consumer confirmations, result feedback and compensation (DESIGN.md §4, §9).
+//!
+//! After its inbox transaction commits, a consumer sends a [`Confirmation`] (message id, consumer
+//! name, [`Verdict`]) to the reply destination the relay put in the message's `outbox-reply-to`
+//! header. The producer side applies confirmations in batches with
+//! [`Store::apply_confirmations`](crate::Store::apply_confirmations): SENT → CONFIRMED, or SENT →
+//! REJECTED with the consumer's reason, running the store's [`RejectionHook`] inside the same
+//! producer-database transaction (the compensation: cancel the order and enqueue
+//! `order-cancelled`). The status change is conditional, so a duplicate or late confirmation
+//! changes nothing and never runs the hook twice.
+//!
+//! A confirmation that is lost is recovered by the check-back: a SENT message of a route that
+//! requires confirmation and is still unconfirmed at its deadline is published again; the
+//! consumer's inbox recognises the copy and sends the recorded verdict again.
+//!
+//! Transports for confirmations: [`ConfirmationSender`] on the consumer side
+//! ([`NatsConfirmationSender`](crate::confirm::nats::NatsConfirmationSender),
+//! [`WebhookConfirmationSender`](crate::confirm::webhook::WebhookConfirmationSender)); listeners on the producer side
+//! ([`nats::listen`], [`webhook::router`]).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use crate::error::{BoxError, TransportError};
+use crate::message::Headers;
+
+/// Header naming where confirmations of this message go (a NATS subject or a URL).
+pub const HEADER_REPLY_TO: &str = "outbox-reply-to";
+
+/// The consumer's verdict on a message.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum Verdict {
+    /// The effect was applied.
+    Processed,
+    /// The consumer processed the message and refused it (a business rule, or its dead letter).
+    Rejected {
+        /// Why, for the producer's compensation and for operators.
+        reason: String,
+    },
+}
+
+/// A confirmation as it travels: JSON `{"message_id": "…", "consumer": "…", "outcome":
+/// "processed"}` or `{…, "outcome": "rejected", "reason": "…"}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Confirmation {
+    /// The producer's message id.
+    pub message_id: Uuid,
+    /// The consumer's name (its inbox consumer name).
+    pub consumer: String,
+    /// The verdict.
+    #[serde(flatten)]
+    pub verdict: Verdict,
+}
+
+/// What [`Store::apply_confirmations`](crate::Store::apply_confirmations) did with a batch.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ConfirmReport {
+    /// Messages moved to CONFIRMED.
+    pub confirmed: u64,
+    /// Messages moved to REJECTED (their hook ran once).
+    pub rejected: u64,
+    /// Confirmations for messages already CONFIRMED or REJECTED: harmless duplicates.
+    pub duplicates: u64,
+    /// Confirmations for message ids this outbox does not have (counted and logged).
+    pub unknown: u64,
+}
+
+impl ConfirmReport {
+    /// Add another report's counts.
+    pub fn add(&mut self, o: ConfirmReport) {
+        self.confirmed += o.confirmed;
+        self.rejected += o.rejected;
+        self.duplicates += o.duplicates;
+        self.unknown += o.unknown;
+    }
+}
+
+/// A message the consumer rejected, as the [`RejectionHook`] sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RejectedMessage {
+    /// Outbox row id.
+    pub id: i64,
+    /// Message id.
+    pub message_id: Uuid,
+    /// Topic.
+    pub topic: String,
+    /// Partition key.
+    pub partition_key: Option<String>,
+    /// Headers as enqueued.
+    pub headers: Headers,
+    /// Payload as enqueued.
+    pub payload: Vec<u8>,
+    /// The consumer that rejected it.
+    pub consumer: String,
+    /// Its reason.
+    pub reason: String,
+}
+
+/// The producer's compensation for a rejected message, run inside the producer-database
+/// transaction that records REJECTED, so it runs exactly once per message: write through `conn`
+/// (and enqueue follow-up messages through it) and the writes commit with the status change.
+///
+/// # Errors
+/// Any error rolls the transaction back: the message stays as it was and the rejection is applied
+/// again when the confirmation comes again (the check-back makes it come again).
+#[async_trait]
+pub trait RejectionHook<DB: sqlx::Database>: Send + Sync + 'static {
+    /// Compensate for `rejected`.
+    async fn on_rejected(
+        &self,
+        conn: &mut DB::Connection,
+        rejected: &RejectedMessage,
+    ) -> Result<(), BoxError>;
+}
+
+/// Confirmation policy of a route: where confirmations go and how long to wait for one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfirmPolicy {
+    /// Reply destination put in `outbox-reply-to` (a NATS subject or a URL the producer serves).
+    pub reply_to: String,
+    /// Deadline after SENT; past it the message is checked back. Default 5 min (the seeds').
+    pub timeout: Duration,
+}
+
+impl ConfirmPolicy {
+    /// A policy replying to `reply_to` with the default 5-minute deadline.
+    pub fn new(reply_to: impl Into<String>) -> Self {
+        ConfirmPolicy {
+            reply_to: reply_to.into(),
+            timeout: Duration::from_secs(300),
+        }
+    }
+}
+
+/// Sends confirmations from the consumer side.
+#[async_trait]
+pub trait ConfirmationSender: Send + Sync + 'static {
+    /// Send `confirmation` to `reply_to`.
+    ///
+    /// # Errors
+    /// A [`TransportError`]; the runner logs and counts it, and the producer's check-back recovers.
+    async fn send(&self, reply_to: &str, confirmation: &Confirmation)
+    -> Result<(), TransportError>;
+}
+
+/// Parse a confirmation body: one JSON object or an array of them.
+///
+/// # Errors
+/// The JSON error, for a `400` answer or a log line.
+pub fn parse_confirmations(body: &[u8]) -> Result<Vec<Confirmation>, serde_json::Error> {
+    match serde_json::from_slice::<Vec<Confirmation>>(body) {
+        Ok(v) => Ok(v),
+        Err(_) => serde_json::from_slice::<Confirmation>(body).map(|c| vec![c]),
+    }
+}
+
+/// Apply with retries: transient database errors are retried with backoff up to `tries` times.
+pub(crate) async fn apply_with_retry(
+    store: &Arc<dyn crate::Store>,
+    batch: &[Confirmation],
+    tries: u32,
+) -> Result<ConfirmReport, crate::StoreError> {
+    let backoff = crate::Backoff {
+        base: Duration::from_millis(100),
+        max: Duration::from_secs(5),
+        ..Default::default()
+    };
+    let mut n = 0;
+    loop {
+        match store.apply_confirmations(batch).await {
+            Ok(r) => return Ok(r),
+            Err(e) if e.is_retryable() && n + 1 < tries => {
+                n += 1;
+                tracing::warn!(error = %e, "applying confirmations failed; retrying");
+                tokio::time::sleep(backoff.delay(n)).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+#[cfg(feature = "nats")]
+pub mod nats {
+    //! Confirmations over NATS: consumers publish to the reply subject; the producer listens on
+    //! it (queue group, so several producer instances share the work) and applies batches.
+
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use async_trait::async_trait;
+    use futures::StreamExt;
+    use tokio_util::sync::CancellationToken;
+
+    use super::{
+        ConfirmReport, Confirmation, ConfirmationSender, apply_with_retry, parse_confirmations,
+    };
+    use crate::Store;
+    use crate::error::TransportError;
+
+    /// Publishes confirmations on core NATS (fire and forget; the check-back covers a loss).
+    #[derive(Debug, Clone)]
+    pub struct NatsConfirmationSender {
+        client: async_nats::Client,
+    }
+
+    impl NatsConfirmationSender {
+        /// A sender over `client`.
+        pub fn new(client: async_nats::Client) -> Self {
+            NatsConfirmationSender { client }
+        }
+    }
+
+    #[async_trait]
+    impl ConfirmationSender for NatsConfirmationSender {
+        async fn send(&self, reply_to: &str, c: &Confirmation) -> Result<(), TransportError> {
+            let body = serde_json::to_vec(c).expect("confirmation serializes");
+            self.client
+                .publish(reply_to.to_owned(), body.into())
+                .await
+                .map_err(|e| {
+                    TransportError::retryable("confirmation publish failed").with_source(e)
+                })
+        }
+    }
+
+    fn push(batch: &mut Vec<Confirmation>, payload: &[u8]) {
+        match parse_confirmations(payload) {
+            Ok(cs) => batch.extend(cs),
+            Err(e) => tracing::warn!(error = %e, "malformed confirmation ignored"),
+        }
+    }
+
+    /// Listen on `subject` (queue group `queue`) and apply confirmations to `store` in batches of
+    /// up to 500, until `cancel`. Returns the totals.
+    ///
+    /// # Errors
+    /// The subscription error at start.
+    pub async fn listen(
+        client: async_nats::Client,
+        subject: String,
+        queue: String,
+        store: Arc<dyn Store>,
+        cancel: CancellationToken,
+    ) -> Result<ConfirmReport, async_nats::SubscribeError> {
+        let mut sub = client.queue_subscribe(subject, queue).await?;
+        let mut total = ConfirmReport::default();
+        loop {
+            let first = tokio::select! {
+                _ = cancel.cancelled() => return Ok(total),
+                m = sub.next() => match m { Some(m) => m, None => return Ok(total) },
+            };
+            let mut batch = Vec::new();
+            push(&mut batch, &first.payload);
+            // Take whatever else is already here, without waiting, up to 500.
+            while batch.len() < 500 {
+                match tokio::time::timeout(Duration::from_millis(2), sub.next()).await {
+                    Ok(Some(m)) => push(&mut batch, &m.payload),
+                    _ => break,
+                }
+            }
+            if batch.is_empty() {
+                continue;
+            }
+            match apply_with_retry(&store, &batch, 5).await {
+                Ok(r) => {
+                    if r.unknown > 0 {
+                        tracing::warn!(
+                            unknown = r.unknown,
+                            "confirmations for unknown message ids"
+                        );
+                    }
+                    total.add(r);
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, n = batch.len(), "confirmations not applied; the check-back will bring them again")
+                }
+            }
+        }
+    }
+}
+
+#[cfg(feature = "webhook")]
+pub mod webhook {
+    //! Confirmations over HTTP: consumers `POST` JSON to the producer's confirmation endpoint,
+    //! an axum route that applies the batch and answers `200` after commit.
+
+    use std::sync::Arc;
+
+    use async_trait::async_trait;
+    use axum::Router;
+    use axum::body::Bytes;
+    use axum::extract::State;
+    use axum::http::StatusCode;
+    use axum::routing::post;
+
+    use super::{Confirmation, ConfirmationSender, apply_with_retry, parse_confirmations};
+    use crate::Store;
+    use crate::error::TransportError;
+
+    /// `POST`s confirmations as JSON.
+    #[derive(Debug, Clone)]
+    pub struct WebhookConfirmationSender {
+        client: reqwest::Client,
+    }
+
+    impl WebhookConfirmationSender {
+        /// A sender with a 10 s timeout.
+        pub fn new() -> Self {
+            let _ = rustls::crypto::ring::default_provider().install_default();
+            let client = reqwest::Client::builder()
+                .timeout(std::time::Duration::from_secs(10))
+                .build()
+                .expect("HTTP client");
+            WebhookConfirmationSender { client }
+        }
+    }
+
+    impl Default for WebhookConfirmationSender {
+        fn default() -> Self {
+            Self::new()
+        }
+    }
+
+    #[async_trait]
+    impl ConfirmationSender for WebhookConfirmationSender {
+        async fn send(&self, reply_to: &str, c: &Confirmation) -> Result<(), TransportError> {
+            let resp = self
+                .client
+                .post(reply_to)
+                .header("content-type", "application/json")
+                .body(serde_json::to_vec(c).expect("confirmation serializes"))
+                .send()
+                .await
+                .map_err(|e| {
+                    TransportError::retryable(format!("POST {reply_to} failed")).with_source(e)
+                })?;
+            if resp.status().is_success() {
+                Ok(())
+            } else {
+                Err(TransportError::retryable(format!(
+                    "POST {reply_to} answered {}",
+                    resp.status()
+                )))
+            }
+        }
+    }
+
+    /// An axum router accepting confirmations at `path` (one JSON object or an array) and
+    /// applying them to `store`: `200` with the counts after commit, `400` for a body that is not
+    /// a confirmation, `503` when the database failed (the consumer may retry; the check-back
+    /// recovers otherwise).
+    pub fn router(path: &str, store: Arc<dyn Store>) -> Router {
+        Router::new().route(path, post(receive)).with_state(store)
+    }
+
+    async fn receive(State(store): State<Arc<dyn Store>>, body: Bytes) -> (StatusCode, String) {
+        let batch: Vec<Confirmation> = match parse_confirmations(&body) {
+            Ok(b) => b,
+            Err(e) => return (StatusCode::BAD_REQUEST, format!("not a confirmation: {e}")),
+        };
+        // Own task: a client that hangs up must not cancel the transaction half-way.
+        let task = tokio::spawn(async move { apply_with_retry(&store, &batch, 3).await });
+        match task.await {
+            Ok(Ok(r)) => (
+                StatusCode::OK,
+                format!(
+                    "{{\"confirmed\":{},\"rejected\":{},\"duplicates\":{},\"unknown\":{}}}",
+                    r.confirmed, r.rejected, r.duplicates, r.unknown
+                ),
+            ),
+            Ok(Err(e)) => (StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+            Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wire_format_round_trips() {
+        let id = Uuid::now_v7();
+        let c = Confirmation {
+            message_id: id,
+            consumer: "inventory".into(),
+            verdict: Verdict::Rejected {
+                reason: "insufficient stock".into(),
+            },
+        };
+        let json = serde_json::to_string(&c).unwrap();
+        assert!(json.contains("\"outcome\":\"rejected\""), "{json}");
+        assert_eq!(
+            parse_confirmations(json.as_bytes()).unwrap(),
+            vec![c.clone()]
+        );
+        let arr = format!(
+            "[{json},{{\"message_id\":\"{id}\",\"consumer\":\"x\",\"outcome\":\"processed\"}}]"
+        );
+        let parsed = parse_confirmations(arr.as_bytes()).unwrap();
+        assert_eq!(parsed[1].verdict, Verdict::Processed);
+        assert!(parse_confirmations(b"{\"message_id\":1}").is_err());
+    }
+}
