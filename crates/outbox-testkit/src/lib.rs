@@ -497,6 +497,7 @@ pub fn claimed_message(topic: &str, payload: impl Into<Vec<u8>>) -> Message {
         payload: payload.into(),
         attempts: 1,
         max_attempts: 5,
+        check_backs: 0,
     }
 }
 
@@ -904,4 +905,212 @@ pub fn header_message_id(r: &Received) -> Option<Uuid> {
     r.headers
         .get(HEADER_MESSAGE_ID)
         .and_then(|v| Uuid::parse_str(v).ok())
+}
+
+/// Controls a [`RecordingHook`]: make it fail, slow it down, count its runs.
+#[derive(Debug, Default)]
+pub struct HookControl {
+    /// When set, the hook writes its row and then fails (so the write must roll back).
+    pub fail: AtomicBool,
+    /// Milliseconds the hook waits after writing (holding the producer transaction open).
+    pub delay_ms: std::sync::atomic::AtomicU64,
+    /// Runs, including failed ones.
+    pub calls: std::sync::atomic::AtomicU64,
+}
+
+/// A rejection hook that records each compensation as a row `(message_id, reason)` of its table
+/// (no unique key, so a second run shows as a second row), controlled by a [`HookControl`].
+pub struct RecordingHook {
+    /// The compensations table.
+    pub table: String,
+    /// The control.
+    pub ctl: Arc<HookControl>,
+}
+
+impl RecordingHook {
+    async fn after_write(&self) -> Result<(), outbox::BoxError> {
+        let delay = self.ctl.delay_ms.load(Ordering::SeqCst);
+        if delay > 0 {
+            tokio::time::sleep(Duration::from_millis(delay)).await;
+        }
+        if self.ctl.fail.load(Ordering::SeqCst) {
+            return Err("compensation refused (test)".into());
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl outbox::RejectionHook<sqlx::Postgres> for RecordingHook {
+    async fn on_rejected(
+        &self,
+        conn: &mut sqlx::PgConnection,
+        rejected: &outbox::RejectedMessage,
+    ) -> Result<(), outbox::BoxError> {
+        self.ctl.calls.fetch_add(1, Ordering::SeqCst);
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {} (message_id, reason) VALUES ($1, $2)",
+            self.table
+        )))
+        .bind(rejected.message_id.to_string())
+        .bind(&rejected.reason)
+        .execute(&mut *conn)
+        .await?;
+        self.after_write().await
+    }
+}
+
+#[async_trait]
+impl outbox::RejectionHook<sqlx::Sqlite> for RecordingHook {
+    async fn on_rejected(
+        &self,
+        conn: &mut sqlx::SqliteConnection,
+        rejected: &outbox::RejectedMessage,
+    ) -> Result<(), outbox::BoxError> {
+        self.ctl.calls.fetch_add(1, Ordering::SeqCst);
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {} (message_id, reason) VALUES (?1, ?2)",
+            self.table
+        )))
+        .bind(rejected.message_id.to_string())
+        .bind(&rejected.reason)
+        .execute(&mut *conn)
+        .await?;
+        self.after_write().await
+    }
+}
+
+/// Confirmation columns of one outbox row.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfirmState {
+    /// `confirm_deadline - now()` in milliseconds, when a deadline is set.
+    pub deadline_in_ms: Option<i64>,
+    /// Check-backs so far.
+    pub check_backs: i64,
+    /// Whether `confirmed_at` is set.
+    pub confirmed: bool,
+}
+
+/// The dialect-specific operations the confirmation part of the store suite needs.
+#[async_trait]
+pub trait ConfirmFixture: StoreFixture {
+    /// The store with a [`RecordingHook`] controlled by `ctl` (its table is created if missing).
+    async fn store_with_hook(&self, ctl: Arc<HookControl>) -> Arc<dyn Store>;
+    /// Compensation rows written for `message_id`.
+    async fn compensations(&self, message_id: Uuid) -> i64;
+    /// The confirmation columns of `message_id`.
+    async fn confirm_state(&self, message_id: Uuid) -> ConfirmState;
+    /// Move every timestamp of `message_id` except the confirmation deadline `by` into the past.
+    async fn backdate(&self, message_id: Uuid, by: Duration);
+}
+
+#[async_trait]
+impl ConfirmFixture for SqliteFixture {
+    async fn store_with_hook(&self, ctl: Arc<HookControl>) -> Arc<dyn Store> {
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS compensations (message_id TEXT NOT NULL, reason TEXT)",
+        )
+        .execute(self.store.pool())
+        .await
+        .expect("create compensations");
+        let hook = RecordingHook {
+            table: "compensations".into(),
+            ctl,
+        };
+        Arc::new(self.store.clone().with_rejection_hook(Arc::new(hook)))
+    }
+
+    async fn compensations(&self, message_id: Uuid) -> i64 {
+        sqlx::query_scalar("SELECT COUNT(*) FROM compensations WHERE message_id = ?1")
+            .bind(message_id.to_string())
+            .fetch_one(self.store.pool())
+            .await
+            .unwrap_or(0)
+    }
+
+    async fn confirm_state(&self, message_id: Uuid) -> ConfirmState {
+        let (deadline_in_ms, check_backs, confirmed): (Option<i64>, i64, bool) = sqlx::query_as(
+            "SELECT confirm_deadline - CAST(ROUND((julianday('now') - 2440587.5) * 86400000) AS INTEGER), \
+             check_backs, confirmed_at IS NOT NULL FROM outbox WHERE message_id = ?1",
+        )
+        .bind(message_id.to_string())
+        .fetch_one(self.store.pool())
+        .await
+        .expect("confirm state");
+        ConfirmState {
+            deadline_in_ms,
+            check_backs,
+            confirmed,
+        }
+    }
+
+    async fn backdate(&self, message_id: Uuid, by: Duration) {
+        let ms = i64::try_from(by.as_millis()).expect("duration");
+        sqlx::query(
+            "UPDATE outbox SET created_at = created_at - ?1, updated_at = updated_at - ?1, \
+             sent_at = sent_at - ?1, confirmed_at = confirmed_at - ?1 WHERE message_id = ?2",
+        )
+        .bind(ms)
+        .bind(message_id.to_string())
+        .execute(self.store.pool())
+        .await
+        .expect("backdate");
+    }
+}
+
+#[async_trait]
+impl ConfirmFixture for PgFixture {
+    async fn store_with_hook(&self, ctl: Arc<HookControl>) -> Arc<dyn Store> {
+        let table = format!("{}.compensations", self.schema);
+        self.exec(&format!(
+            "CREATE TABLE IF NOT EXISTS {table} (message_id text NOT NULL, reason text)"
+        ))
+        .await;
+        let hook = RecordingHook { table, ctl };
+        Arc::new(self.store.clone().with_rejection_hook(Arc::new(hook)))
+    }
+
+    async fn compensations(&self, message_id: Uuid) -> i64 {
+        sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT COUNT(*) FROM {}.compensations WHERE message_id = $1",
+            self.schema
+        )))
+        .bind(message_id.to_string())
+        .fetch_one(self.store.pool())
+        .await
+        .unwrap_or(0)
+    }
+
+    async fn confirm_state(&self, message_id: Uuid) -> ConfirmState {
+        let (deadline_in_ms, check_backs, confirmed): (Option<i64>, i32, bool) =
+            sqlx::query_as(AssertSqlSafe(format!(
+                "SELECT (EXTRACT(EPOCH FROM confirm_deadline - now()) * 1000)::bigint, check_backs, \
+                 confirmed_at IS NOT NULL FROM {} WHERE message_id = $1",
+                self.table()
+            )))
+            .bind(message_id)
+            .fetch_one(self.store.pool())
+            .await
+            .expect("confirm state");
+        ConfirmState {
+            deadline_in_ms,
+            check_backs: i64::from(check_backs),
+            confirmed,
+        }
+    }
+
+    async fn backdate(&self, message_id: Uuid, by: Duration) {
+        sqlx::query(AssertSqlSafe(format!(
+            "UPDATE {} SET created_at = created_at - make_interval(secs => $1), \
+             updated_at = updated_at - make_interval(secs => $1), \
+             sent_at = sent_at - make_interval(secs => $1), \
+             confirmed_at = confirmed_at - make_interval(secs => $1) WHERE message_id = $2",
+            self.table()
+        )))
+        .bind(by.as_secs_f64())
+        .bind(message_id)
+        .execute(self.store.pool())
+        .await
+        .expect("backdate");
+    }
 }

@@ -46,6 +46,17 @@ macro_rules! store_conformance {
                 invalid_table_identifiers_are_rejected
             );
             case!(delayed_message_and_stats, delayed_message_and_stats);
+            case!(
+                confirmations_apply_in_batches,
+                confirmations_apply_in_batches
+            );
+            case!(rejection_runs_the_hook_once, rejection_runs_the_hook_once);
+            case!(check_back_then_unconfirmed, check_back_then_unconfirmed);
+            case!(purge_finished_only_old, purge_finished_only_old);
+            case!(
+                stats_show_awaiting_confirmation,
+                stats_show_awaiting_confirmation
+            );
         }
     };
 }

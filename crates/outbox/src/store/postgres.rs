@@ -98,7 +98,7 @@ impl PgStore {
         let table = TableName::new(&options.table)?;
         let inbox_table = TableName::new(&options.inbox_table)?;
         let t = table.as_str();
-        let cols = "o.id, o.message_id, o.topic, o.partition_key, o.headers::text, o.payload, o.attempts, o.max_attempts";
+        let cols = "o.id, o.message_id, o.topic, o.partition_key, o.headers::text, o.payload, o.attempts, o.max_attempts, o.check_backs";
         let sql = Sql {
             insert: format!(
                 "INSERT INTO {t} (message_id, topic, partition_key, headers, payload, max_attempts, available_at) \
@@ -571,8 +571,15 @@ impl Store for PgStore {
             .fetch_all(&self.pool)
             .await
             .map_err(self.err("confirm"))?;
-            report.confirmed = moved.len() as u64;
-            unmatched.extend(processed.iter().filter(|id| !moved.contains(id)));
+            // Each moved row counts once; any other copy of its id in the batch is a duplicate.
+            let mut moved: std::collections::HashSet<Uuid> = moved.into_iter().collect();
+            for id in processed {
+                if moved.remove(&id) {
+                    report.confirmed += 1;
+                } else {
+                    unmatched.push(id);
+                }
+            }
         }
         for c in batch {
             let Verdict::Rejected { reason } = &c.verdict else {
@@ -616,15 +623,18 @@ impl Store for PgStore {
             report.rejected += 1;
         }
         if !unmatched.is_empty() {
-            let known: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
-                "SELECT COUNT(*) FROM {t} WHERE message_id = ANY($1)"
-            )))
+            // Counted per confirmation, so an id repeated in the batch counts each time.
+            let known: std::collections::HashSet<Uuid> = sqlx::query_scalar(AssertSqlSafe(
+                format!("SELECT message_id FROM {t} WHERE message_id = ANY($1)"),
+            ))
             .bind(&unmatched)
-            .fetch_one(&self.pool)
+            .fetch_all(&self.pool)
             .await
-            .map_err(self.err("confirm"))?;
-            report.duplicates = known as u64;
-            report.unknown = unmatched.len() as u64 - known as u64;
+            .map_err(self.err("confirm"))?
+            .into_iter()
+            .collect();
+            report.duplicates = unmatched.iter().filter(|id| known.contains(id)).count() as u64;
+            report.unknown = unmatched.len() as u64 - report.duplicates;
         }
         Ok(report)
     }
@@ -654,13 +664,12 @@ impl Store for PgStore {
     async fn purge_finished(&self, older_than: Duration, limit: u32) -> Result<u64, StoreError> {
         let t = self.table.as_str();
         let done = sqlx::query(AssertSqlSafe(format!(
-            "DELETE FROM {t} WHERE id IN ( \
-               (SELECT id FROM {t} WHERE status IN (3, 6) \
-                  AND confirmed_at < now() - make_interval(secs => $1::float8 / 1000) LIMIT $2 FOR UPDATE SKIP LOCKED) \
-               UNION ALL \
-               (SELECT id FROM {t} WHERE status = 2 AND confirm_deadline IS NULL \
-                  AND sent_at < now() - make_interval(secs => $1::float8 / 1000) LIMIT $2 FOR UPDATE SKIP LOCKED) \
-               LIMIT $2)"
+            // One SELECT: PostgreSQL refuses FOR UPDATE under UNION.
+            "DELETE FROM {t} WHERE id IN (SELECT id FROM {t} WHERE \
+               (status IN (3, 6) AND confirmed_at < now() - make_interval(secs => $1::float8 / 1000)) \
+               OR (status = 2 AND confirm_deadline IS NULL \
+                   AND sent_at < now() - make_interval(secs => $1::float8 / 1000)) \
+               LIMIT $2 FOR UPDATE SKIP LOCKED)"
         )))
         .bind(millis(older_than))
         .bind(i64::from(limit))
@@ -771,7 +780,9 @@ fn decode_row(id: i64, row: &sqlx::postgres::PgRow) -> Result<Message, String> {
     let headers: String = row.try_get(4).map_err(|e| get_err("headers", e))?;
     let attempts: i32 = row.try_get(6).map_err(|e| get_err("attempts", e))?;
     let max_attempts: Option<i32> = row.try_get(7).map_err(|e| get_err("max_attempts", e))?;
+    let check_backs: i32 = row.try_get(8).map_err(|e| get_err("check_backs", e))?;
     Ok(Message {
+        check_backs: u32::try_from(check_backs).unwrap_or(0),
         id,
         message_id: row.try_get(1).map_err(|e| get_err("message_id", e))?,
         topic: row.try_get(2).map_err(|e| get_err("topic", e))?,

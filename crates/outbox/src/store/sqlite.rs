@@ -143,7 +143,7 @@ impl SqliteStore {
             ));
         }
         let t = table.as_str();
-        let cols = "id, message_id, topic, partition_key, headers, CAST(payload AS BLOB), attempts, max_attempts";
+        let cols = "id, message_id, topic, partition_key, headers, CAST(payload AS BLOB), attempts, max_attempts, check_backs";
         let sql = Sql {
             insert: format!(
                 "INSERT INTO {t} (message_id, topic, partition_key, headers, payload, max_attempts, available_at) \
@@ -564,8 +564,15 @@ impl Store for SqliteStore {
             .fetch_all(&self.pool)
             .await
             .map_err(self.err("confirm"))?;
-            report.confirmed = moved.len() as u64;
-            unmatched.extend(processed.into_iter().filter(|id| !moved.contains(id)));
+            // Each moved row counts once; any other copy of its id in the batch is a duplicate.
+            let mut moved: std::collections::HashSet<String> = moved.into_iter().collect();
+            for id in processed {
+                if moved.remove(&id) {
+                    report.confirmed += 1;
+                } else {
+                    unmatched.push(id);
+                }
+            }
         }
         for c in batch {
             let Verdict::Rejected { reason } = &c.verdict else {
@@ -612,15 +619,20 @@ impl Store for SqliteStore {
             report.rejected += 1;
         }
         if !unmatched.is_empty() {
-            let known: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
-                "SELECT COUNT(*) FROM {t} WHERE message_id IN (SELECT value FROM json_each(?1))"
-            )))
+            // Counted per confirmation, so an id repeated in the batch counts each time.
+            let known: std::collections::HashSet<String> = sqlx::query_scalar(AssertSqlSafe(
+                format!(
+                    "SELECT message_id FROM {t} WHERE message_id IN (SELECT value FROM json_each(?1))"
+                ),
+            ))
             .bind(serde_json::to_string(&unmatched).expect("ids serialize"))
-            .fetch_one(&self.pool)
+            .fetch_all(&self.pool)
             .await
-            .map_err(self.err("confirm"))?;
-            report.duplicates = known as u64;
-            report.unknown = unmatched.len() as u64 - known as u64;
+            .map_err(self.err("confirm"))?
+            .into_iter()
+            .collect();
+            report.duplicates = unmatched.iter().filter(|id| known.contains(*id)).count() as u64;
+            report.unknown = unmatched.len() as u64 - report.duplicates;
         }
         Ok(report)
     }
@@ -712,7 +724,9 @@ fn decode_row(id: i64, row: &sqlx::sqlite::SqliteRow) -> Result<Message, String>
     let headers: String = row.try_get(4).map_err(|e| get_err("headers", e))?;
     let attempts: i64 = row.try_get(6).map_err(|e| get_err("attempts", e))?;
     let max_attempts: Option<i64> = row.try_get(7).map_err(|e| get_err("max_attempts", e))?;
+    let check_backs: i64 = row.try_get(8).map_err(|e| get_err("check_backs", e))?;
     Ok(Message {
+        check_backs: u32::try_from(check_backs).unwrap_or(0),
         id,
         message_id,
         topic: row.try_get(2).map_err(|e| get_err("topic", e))?,
