@@ -33,6 +33,8 @@ pub struct FileConfig {
     /// `[[routes]]`: topic patterns to transports, first match wins.
     #[serde(default)]
     pub routes: Vec<RouteSection>,
+    /// `[confirmations]`: where consumer confirmations are received. Default: none.
+    pub confirmations: Option<ConfirmationsSection>,
 }
 
 /// `[database]`.
@@ -101,6 +103,10 @@ pub struct RelaySection {
     /// Graceful shutdown limit.
     #[serde(default, with = "humantime_serde")]
     pub shutdown_timeout: Option<Duration>,
+    /// Check-backs before an unconfirmed message is FAILED.
+    pub max_check_backs: Option<u32>,
+    /// Retention of finished rows (`"7d"` or `"forever"`).
+    pub retention: Option<Retention>,
 }
 
 /// `[transports.<name>]`, tagged by `kind`.
@@ -161,6 +167,76 @@ pub struct RouteSection {
     pub transport: String,
     /// Destination template, `{topic}` replaced. Default `{topic}` (webhooks: the transport's URL).
     pub destination: Option<String>,
+    /// Require the consumer's confirmation for this route. Default: none (SENT is final).
+    pub confirm: Option<ConfirmSection>,
+}
+
+/// `confirm = { reply_to = "…", timeout = "5m" }` on a route.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConfirmSection {
+    /// Reply destination put in `outbox-reply-to`: the subject or URL of `[confirmations]`.
+    pub reply_to: String,
+    /// Deadline after SENT before a check-back. Default 5 min.
+    #[serde(default, with = "humantime_serde")]
+    pub timeout: Option<Duration>,
+}
+
+/// `[confirmations]`: the listener `outbox relay` runs for consumer confirmations.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
+pub enum ConfirmationsSection {
+    /// `kind = "nats"`: subscribe to `subject` in queue group `queue`.
+    Nats {
+        /// Server URL.
+        url: String,
+        /// Subject the consumers reply to.
+        subject: String,
+        /// Queue group shared by relay instances. Default `outbox-confirmations`.
+        #[serde(default = "default_queue")]
+        queue: String,
+    },
+    /// `kind = "http"`: serve `POST path` on `listen`.
+    Http {
+        /// Socket address, e.g. `127.0.0.1:8081`.
+        listen: String,
+        /// Path. Default `/confirmations`.
+        #[serde(default = "default_confirm_path")]
+        path: String,
+    },
+}
+
+fn default_queue() -> String {
+    "outbox-confirmations".into()
+}
+
+fn default_confirm_path() -> String {
+    "/confirmations".into()
+}
+
+/// How long finished rows are kept: a duration (`"7d"`) or `"forever"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retention {
+    /// Delete finished rows older than this.
+    For(Duration),
+    /// Never delete.
+    Forever,
+}
+
+impl<'de> Deserialize<'de> for Retention {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        if s == "forever" {
+            return Ok(Retention::Forever);
+        }
+        humantime::parse_duration(&s)
+            .map(Retention::For)
+            .map_err(|e| {
+                serde::de::Error::custom(format!(
+                    "{s:?} is neither a duration nor \"forever\": {e}"
+                ))
+            })
+    }
 }
 
 impl FileConfig {
@@ -181,7 +257,7 @@ impl FileConfig {
             Env::prefixed("OUTBOX_")
                 .filter(|k| {
                     let k = k.as_str().to_ascii_lowercase();
-                    ["database__", "relay__", "transports__"]
+                    ["database__", "relay__", "transports__", "confirmations__"]
                         .iter()
                         .any(|s| k.starts_with(s))
                 })
@@ -212,8 +288,20 @@ impl FileConfig {
             max_attempts,
             reap_interval,
             in_flight_batches,
-            shutdown_timeout
+            shutdown_timeout,
+            max_check_backs
         );
+        match r.retention {
+            Some(Retention::Forever) => c.retention = None,
+            Some(Retention::For(d)) if d.is_zero() => {
+                return Err(ConfigError::new(
+                    "relay.retention",
+                    "must be greater than zero, or \"forever\"",
+                ));
+            }
+            Some(Retention::For(d)) => c.retention = Some(d),
+            None => {}
+        }
         c.backoff = Backoff {
             base: r.backoff_base.unwrap_or(c.backoff.base),
             max: r.backoff_max.unwrap_or(c.backoff.max),
@@ -259,6 +347,20 @@ impl FileConfig {
                     format!("routes[{i}].transport"),
                     format!("no [transports.{}] section", r.transport),
                 ));
+            }
+            if let Some(c) = &r.confirm {
+                if c.reply_to.is_empty() {
+                    return Err(ConfigError::new(
+                        format!("routes[{i}].confirm.reply_to"),
+                        "must not be empty",
+                    ));
+                }
+                if c.timeout.is_some_and(|t| t.is_zero()) {
+                    return Err(ConfigError::new(
+                        format!("routes[{i}].confirm.timeout"),
+                        "must be greater than zero",
+                    ));
+                }
             }
             if r.topics.is_empty() || r.topics.trim_end_matches('*').contains('*') {
                 return Err(ConfigError::new(
@@ -351,11 +453,17 @@ impl FileConfig {
                 TransportSection::Webhook(_) => "",
                 TransportSection::Nats(_) => "{topic}",
             };
-            router = router.route(
-                &r.topics,
-                t,
-                r.destination.clone().unwrap_or_else(|| default_dest.into()),
-            );
+            let dest = r.destination.clone().unwrap_or_else(|| default_dest.into());
+            router = match &r.confirm {
+                Some(c) => {
+                    let mut policy = outbox::ConfirmPolicy::new(&c.reply_to);
+                    if let Some(t) = c.timeout {
+                        policy.timeout = t;
+                    }
+                    router.route_confirmed(&r.topics, t, dest, policy)
+                }
+                None => router.route(&r.topics, t, dest),
+            };
         }
         Ok(router)
     }
@@ -417,6 +525,43 @@ mod tests {
         c.validate().unwrap();
         assert_eq!(c.relay_config().unwrap().batch_size, 100);
         assert_eq!(c.database.table, "outbox");
+    }
+
+    #[test]
+    fn confirmations_and_retention_parse() {
+        let with = GOOD.replace(
+            "destination = \"orders.{topic}\"",
+            "destination = \"orders.{topic}\"\nconfirm = { reply_to = \"orders.confirm\", timeout = \"2m\" }",
+        ) + "\n[confirmations]\nkind = \"nats\"\nurl = \"nats://127.0.0.1:4222\"\nsubject = \"orders.confirm\"\n";
+        let with = with.replace(
+            "lease = \"30s\"",
+            "lease = \"30s\"\nretention = \"forever\"\nmax_check_backs = 7",
+        );
+        let c = parse(&with).unwrap();
+        c.validate().unwrap();
+        let r = c.relay_config().unwrap();
+        assert_eq!(r.retention, None);
+        assert_eq!(r.max_check_backs, 7);
+        assert_eq!(
+            c.routes[0].confirm.as_ref().unwrap().timeout,
+            Some(Duration::from_secs(120))
+        );
+        assert!(
+            matches!(c.confirmations, Some(ConfirmationsSection::Nats { ref queue, .. }) if queue == "outbox-confirmations")
+        );
+        let e = parse(&with.replace("retention = \"forever\"", "retention = \"soon\""))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("retention"), "{e}");
+        let e = parse(&with.replace("subject = \"orders.confirm\"", "subject = \"x\"\nbogus = 1"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("bogus"), "{e}");
+        let c = parse(&with.replace("retention = \"forever\"", "retention = \"3d\"")).unwrap();
+        assert_eq!(
+            c.relay_config().unwrap().retention,
+            Some(Duration::from_secs(3 * 86400))
+        );
     }
 
     #[test]

@@ -69,8 +69,109 @@ enum Command {
         #[arg(long)]
         all: bool,
     },
+    /// Inspect a consumer's inbox: its dead letters, and replays of them.
+    #[command(subcommand)]
+    Inbox(InboxCommand),
     /// Run the order → inventory demo with injected faults and print a report.
     Demo(demo::DemoArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct InboxArgs {
+    /// The consumer's database URL: `postgres://…` or `sqlite://…`.
+    #[arg(long, env = "OUTBOX_DATABASE_URL")]
+    database: String,
+    /// Inbox table (dead letters are in `<table>_dlq`).
+    #[arg(long, default_value = "outbox_inbox")]
+    inbox_table: String,
+    /// Consumer name.
+    #[arg(long)]
+    consumer: String,
+}
+
+#[derive(Debug, Subcommand)]
+enum InboxCommand {
+    /// List the consumer's dead letters, newest first.
+    DeadLetters {
+        #[command(flatten)]
+        inbox: InboxArgs,
+        /// How many to list.
+        #[arg(long, default_value_t = 20)]
+        limit: u32,
+    },
+    /// Ask the consumer's runner to run a dead letter again (it does so within its maintenance
+    /// interval, with its handler, and confirms the new verdict).
+    Replay {
+        #[command(flatten)]
+        inbox: InboxArgs,
+        /// Message id of the dead letter.
+        message_id: uuid::Uuid,
+    },
+}
+
+async fn inbox_command(cmd: InboxCommand) -> anyhow::Result<()> {
+    let (args, limit, replay) = match cmd {
+        InboxCommand::DeadLetters { inbox, limit } => (inbox, limit, None),
+        InboxCommand::Replay { inbox, message_id } => (inbox, 0, Some(message_id)),
+    };
+    let url = args.database.as_str();
+    let (dead, found) = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        let pool = sqlx::PgPool::connect(url)
+            .await
+            .with_context(|| format!("cannot open {}", redact(url)))?;
+        let inbox = outbox::Inbox::<sqlx::Postgres>::new(pool, &args.inbox_table, &args.consumer)?;
+        match replay {
+            Some(id) => (Vec::new(), inbox.request_replay(id).await?),
+            None => (inbox.dead_letters(limit).await?, true),
+        }
+    } else if url.starts_with("sqlite:") {
+        let pool = sqlx::SqlitePool::connect(url)
+            .await
+            .with_context(|| format!("cannot open {}", redact(url)))?;
+        let inbox = outbox::Inbox::<sqlx::Sqlite>::new(pool, &args.inbox_table, &args.consumer)?;
+        match replay {
+            Some(id) => (Vec::new(), inbox.request_replay(id).await?),
+            None => (inbox.dead_letters(limit).await?, true),
+        }
+    } else {
+        bail!(
+            "unsupported database URL {:?}: expected postgres://… or sqlite://…",
+            redact(url)
+        );
+    };
+    if let Some(id) = replay {
+        if !found {
+            bail!(
+                "no dead letter {id} for consumer {:?} in {}_dlq",
+                args.consumer,
+                args.inbox_table
+            );
+        }
+        println!(
+            "replay of {id} requested; the consumer's runner will run it within its maintenance interval"
+        );
+        return Ok(());
+    }
+    println!(
+        "dead letters of consumer {:?} ({}):",
+        args.consumer,
+        dead.len()
+    );
+    for d in dead {
+        println!(
+            "  message_id={} topic={} deliveries={}{} error={}",
+            d.message.message_id,
+            d.message.topic,
+            d.deliveries,
+            if d.replay_requested {
+                " replay=requested"
+            } else {
+                ""
+            },
+            d.error
+        );
+    }
+    Ok(())
 }
 
 /// Open the store named by `url`.
@@ -142,6 +243,8 @@ async fn status(db: DbArgs, failed: u32, json: bool) -> anyhow::Result<()> {
             "counts": counts,
             "oldest_pending_age_ms": stats.oldest_pending_age.map(|d| d.as_millis() as u64),
             "expired_leases": stats.expired_leases,
+            "awaiting_confirmation": stats.awaiting_confirmation,
+            "oldest_unconfirmed_age_ms": stats.oldest_unconfirmed_age.map(|d| d.as_millis() as u64),
             "failed": dead.iter().map(|f| serde_json::json!({
                 "id": f.id, "message_id": f.message_id, "topic": f.topic,
                 "attempts": f.attempts, "last_error": f.last_error,
@@ -163,6 +266,11 @@ async fn status(db: DbArgs, failed: u32, json: bool) -> anyhow::Result<()> {
         fmt_age(stats.oldest_pending_age)
     );
     println!("  expired leases awaiting reap: {}", stats.expired_leases);
+    println!(
+        "  SENT awaiting confirmation: {} (oldest {})",
+        stats.awaiting_confirmation,
+        fmt_age(stats.oldest_unconfirmed_age)
+    );
     if !dead.is_empty() {
         println!("latest dead letters (FAILED):");
         for f in dead {
@@ -193,7 +301,7 @@ async fn relay(config: PathBuf, database: Option<String>) -> anyhow::Result<()> 
     )
     .await?;
     let router = file.router().await?;
-    let relay = outbox::Relay::builder(store)
+    let relay = outbox::Relay::builder(store.clone())
         .router(router)
         .config(relay_config)
         .build()?;
@@ -204,13 +312,61 @@ async fn relay(config: PathBuf, database: Option<String>) -> anyhow::Result<()> 
         tracing::info!("shutdown signal received; stopping the relay");
         c.cancel();
     });
-    relay.run(cancel).await?;
+    let listener = match &file.confirmations {
+        None => None,
+        Some(c) => Some(spawn_confirmations(c, store.clone(), cancel.clone()).await?),
+    };
+    relay.run(cancel.clone()).await?;
+    cancel.cancel();
+    if let Some(l) = listener {
+        let _ = l.await;
+    }
     let m = relay.metrics().snapshot();
     eprintln!(
         "relay stopped: sent={} retried={} failed={} lost_leases={}",
         m.sent, m.retried, m.failed, m.lost_leases
     );
     Ok(())
+}
+
+/// Start the confirmation listener of `[confirmations]`.
+async fn spawn_confirmations(
+    c: &config::ConfirmationsSection,
+    store: Arc<dyn Store>,
+    cancel: CancellationToken,
+) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+    Ok(match c.clone() {
+        config::ConfirmationsSection::Nats {
+            url,
+            subject,
+            queue,
+        } => {
+            let client = async_nats::connect(url.as_str())
+                .await
+                .with_context(|| format!("confirmations.url: cannot connect to NATS at {url}"))?;
+            tracing::info!(subject, queue, "listening for confirmations on NATS");
+            tokio::spawn(async move {
+                match outbox::confirm::nats::listen(client, subject, queue, store, cancel).await {
+                    Ok(total) => tracing::info!(?total, "confirmation listener stopped"),
+                    Err(e) => tracing::error!(error = %e, "confirmation listener failed"),
+                }
+            })
+        }
+        config::ConfirmationsSection::Http { listen, path } => {
+            let socket = tokio::net::TcpListener::bind(&listen)
+                .await
+                .with_context(|| format!("confirmations.listen: cannot bind {listen}"))?;
+            tracing::info!(listen, path, "listening for confirmations over HTTP");
+            let app = outbox::confirm::webhook::router(&path, store);
+            tokio::spawn(async move {
+                let served = axum::serve(socket, app)
+                    .with_graceful_shutdown(async move { cancel.cancelled().await });
+                if let Err(e) = served.await {
+                    tracing::error!(error = %e, "confirmation endpoint failed");
+                }
+            })
+        }
+    })
 }
 
 async fn shutdown_signal() {
@@ -270,6 +426,7 @@ async fn main() -> std::process::ExitCode {
             }
             .await
         }
+        Command::Inbox(cmd) => inbox_command(cmd).await,
         Command::Demo(args) => demo::run(args).await,
     };
     match result {

@@ -451,3 +451,143 @@ fn requeue_moves_dead_letters_back_to_pending() {
         .unwrap();
     assert!(String::from_utf8_lossy(&out.stdout).contains("requeued 1 "));
 }
+
+/// The daemon with a route that requires confirmation and a NATS confirmation listener: a
+/// consumer that confirms gets its message CONFIRMED (or REJECTED with the reason); a message
+/// nobody confirms is checked back (published again with the same id) and, after the configured
+/// check-backs, FAILED as unconfirmed.
+#[tokio::test]
+async fn daemon_applies_confirmations_and_checks_back_the_unconfirmed() {
+    let f = Fixture::new("confirm");
+    f.migrate();
+    let pool = pg().await;
+    let js = nats().await;
+    // Outside the stream's subjects, so confirmations are not stored as messages.
+    let reply = format!("replies.{}", f.table);
+    let config = f.config("30s", "5s");
+    let mut toml = std::fs::read_to_string(&config).unwrap();
+    toml = toml.replace(
+        "destination = \"daemon.confirm.",
+        &format!("confirm = {{ reply_to = \"{reply}\", timeout = \"1s\" }}\ndestination = \"daemon.confirm."),
+    );
+    toml = toml.replace("batch_size = 200", "batch_size = 200\nmax_check_backs = 1");
+    toml.push_str(&format!(
+        "\n[confirmations]\nkind = \"nats\"\nurl = \"{}\"\nsubject = \"{reply}\"\n",
+        nats_url()
+    ));
+    std::fs::write(&config, toml).unwrap();
+    let mut relay = f.spawn_relay(&config);
+    for payload in ["confirm-me", "reject-me", "ignore-me"] {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO {} (topic, payload) VALUES ('order-created', $1)",
+            f.table
+        )))
+        .bind(payload.as_bytes())
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    // A consumer reading the stream: answers the first two, never the third.
+    let client = async_nats::connect(nats_url()).await.unwrap();
+    let started = tokio::time::Instant::now();
+    let stream = loop {
+        // The relay creates the stream at start-up.
+        match js.get_stream(&f.stream).await {
+            Ok(s) => break s,
+            Err(e) => assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "stream never created: {e}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let consumer = stream
+        .create_consumer(async_nats::jetstream::consumer::pull::Config {
+            ack_policy: async_nats::jetstream::consumer::AckPolicy::None,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let mut copies_of_ignored = 0;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let status_of = |payload: &'static str| {
+        let pool = pool.clone();
+        let table = f.table.clone();
+        async move {
+            let (status, err): (i16, Option<String>) = sqlx::query_as(sqlx::AssertSqlSafe(
+                format!("SELECT status, last_error FROM {table} WHERE payload = $1"),
+            ))
+            .bind(payload.as_bytes())
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            (status, err)
+        }
+    };
+    loop {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "confirmations not applied in time"
+        );
+        let mut batch = consumer
+            .fetch()
+            .max_messages(10)
+            .expires(Duration::from_millis(300))
+            .messages()
+            .await
+            .unwrap();
+        while let Some(m) = batch.next().await {
+            let m = m.unwrap();
+            let h = m.headers.clone().unwrap();
+            let id = h.get("outbox-message-id").unwrap().to_string();
+            let reply_to = h
+                .get("outbox-reply-to")
+                .expect("reply-to header")
+                .to_string();
+            assert_eq!(reply_to, reply);
+            let body = match &m.payload[..] {
+                b"confirm-me" => format!(
+                    "{{\"message_id\":\"{id}\",\"consumer\":\"c\",\"outcome\":\"processed\"}}"
+                ),
+                b"reject-me" => format!(
+                    "{{\"message_id\":\"{id}\",\"consumer\":\"c\",\"outcome\":\"rejected\",\"reason\":\"no stock\"}}"
+                ),
+                _ => {
+                    copies_of_ignored += 1;
+                    continue;
+                }
+            };
+            client.publish(reply_to, body.into()).await.unwrap();
+        }
+        client.flush().await.unwrap();
+        if status_of("confirm-me").await.0 == 3
+            && status_of("reject-me").await.0 == 6
+            && status_of("ignore-me").await.0 == 4
+        {
+            break;
+        }
+    }
+    let (_, reason) = status_of("reject-me").await;
+    assert!(reason.unwrap().contains("no stock"));
+    let (_, reason) = status_of("ignore-me").await;
+    assert!(reason.unwrap().starts_with("unconfirmed"));
+    assert_eq!(
+        copies_of_ignored, 2,
+        "the unconfirmed message is published once, then once per check-back"
+    );
+    let out = outbox()
+        .args(["status", "--database", &pg_url(), "--table", &f.table])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("CONFIRMED") && text.contains("SENT awaiting confirmation: 0"),
+        "{text}"
+    );
+    nix_kill(&relay, "TERM");
+    assert_eq!(
+        wait_exit(&mut relay, Duration::from_secs(20)).code(),
+        Some(0)
+    );
+    js.delete_stream(&f.stream).await.unwrap();
+}

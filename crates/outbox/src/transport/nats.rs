@@ -143,6 +143,16 @@ impl NatsTransport {
     }
 }
 
+/// The `Nats-Msg-Id`: the message id, suffixed `-cb<n>` on the n-th check-back redelivery so
+/// JetStream's duplicate window drops relay re-publishes but not intentional redeliveries.
+fn dedup_id(m: &crate::message::Message) -> String {
+    if m.check_backs == 0 {
+        m.message_id.to_string()
+    } else {
+        format!("{}-cb{}", m.message_id, m.check_backs)
+    }
+}
+
 /// Check a publish subject: dot-separated tokens, none empty, no whitespace, no wildcards
 /// (<https://docs.nats.io/nats-concepts/subjects>).
 fn validate_subject(subject: &str) -> Result<(), String> {
@@ -186,7 +196,7 @@ impl Transport for NatsTransport {
             let m = o.message;
             let mut publish = PublishMessage::build()
                 .payload(m.payload.clone().into())
-                .message_id(m.message_id.to_string());
+                .message_id(dedup_id(m));
             for (k, v) in m.wire_headers() {
                 publish = publish.header(k.as_str(), v.as_str());
             }
