@@ -1,16 +1,29 @@
-//! `outbox demo`: the order → inventory story end to end, with faults injected.
+//! `outbox demo`: the order → inventory story end to end, with faults injected, through the
+//! whole state machine (DESIGN.md §4, §9).
 //!
 //! Two services, each with its own database:
-//! - the **order service** writes an order row and an `order-created` outbox message in one
-//!   local transaction ([`outbox::SqliteStore`] or [`outbox::PgStore`]);
+//! - the **order service** writes an order row (status `PLACED`) and an `order-created` outbox
+//!   message in one local transaction ([`outbox::SqliteStore`] or [`outbox::PgStore`]), and
+//!   serves a confirmation endpoint (an axum route, or a NATS subject it listens on);
 //! - the **inventory service** receives the message (webhook or NATS JetStream) and, in one
-//!   transaction with its [`outbox::Inbox`] row, deducts stock and appends to a deduction log.
+//!   transaction with its [`outbox::Inbox`] row, deducts stock and appends to a deduction log, or
+//!   refuses an order that asks for more than the stock holds
+//!   ([`HandlerError::reject`]: nothing is deducted); it then confirms its verdict to the order
+//!   service.
+//!
+//! The `order-created` route requires confirmation: a `processed` verdict moves the outbox row
+//! SENT → CONFIRMED; a `rejected` one moves it to REJECTED and runs the order service's
+//! rejection hook in the same producer transaction, which cancels the order and enqueues an
+//! `order-cancelled` event through the outbox. A confirmation that is lost is recovered by the
+//! relay's check-back: the message is published again, the inbox recognises the copy and sends
+//! the recorded verdict again.
 //!
 //! Between them an embedded [`outbox::Relay`] publishes through a fault-injecting transport
 //! (deliveries lost before the consumer, acknowledgements lost after it committed, duplicated
-//! deliveries) and is killed and restarted without cleanup a few times. At the end the demo
-//! checks that every order was applied exactly once and prints a report; a broken promise is an
-//! error (non-zero exit).
+//! deliveries) and is killed and restarted without cleanup a few times; the consumer's
+//! confirmations are dropped at a configurable rate. At the end the demo checks that every order
+//! ended either deducted once and CONFIRMED or CANCELLED with nothing deducted, and prints a
+//! report; a broken promise is an error (non-zero exit).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -23,11 +36,14 @@ use anyhow::{Context, bail, ensure};
 use async_trait::async_trait;
 use base64::Engine;
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
-use outbox::consumer::ConsumerMetrics;
+use outbox::confirm::nats::NatsConfirmationSender;
+use outbox::confirm::webhook::WebhookConfirmationSender;
 use outbox::consumer::nats::NatsConsumerConfig;
+use outbox::consumer::{ConsumerMetrics, DeliveryPolicy};
 use outbox::{
-    Backoff, HandlerError, InboundMessage, Inbox, InboxBackend, NatsConfig, NatsTransport,
-    NewMessage, Outgoing, PgStore, Relay, RelayConfig, RelayHandle, RelayMetrics, Router,
+    Backoff, BoxError, ConfirmPolicy, Confirmation, ConfirmationSender, HandlerError,
+    InboundMessage, Inbox, InboxBackend, NatsConfig, NatsTransport, NewMessage, Outgoing, PgStore,
+    RejectedMessage, RejectionHook, Relay, RelayConfig, RelayHandle, RelayMetrics, Router,
     SqliteStore, Status, Store, StoreOptions, Transport, TransportError, WebhookConfig,
     WebhookTransport,
 };
@@ -42,8 +58,20 @@ use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-/// Topic of the message the order service publishes.
+/// Topic of the message the order service publishes for each order (confirmation required).
 const TOPIC: &str = "order-created";
+/// Topic of the event the rejection hook enqueues when the inventory service refused an order.
+const CANCELLED_TOPIC: &str = "order-cancelled";
+/// Order status at placement.
+const PLACED: &str = "PLACED";
+/// Order status after the inventory service refused the order.
+const CANCELLED: &str = "CANCELLED";
+/// Path of the order service's confirmation endpoint (webhook variant).
+const CONFIRM_PATH: &str = "/confirmations";
+/// Subject the order service listens on for confirmations (NATS variant); outside the stream.
+const CONFIRM_SUBJECT: &str = "demo.confirmations";
+/// Queue group of the order service's confirmation listeners.
+const CONFIRM_QUEUE: &str = "demo-order-service";
 /// Products on sale; order `n` buys `SKUS[n % SKUS.len()]`.
 const SKUS: [&str; 8] = [
     "apple",
@@ -106,6 +134,24 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 3)]
     pub kills: usize,
 
+    /// Fraction of orders asking for more than the stock holds; the inventory service rejects
+    /// them and the order service cancels them.
+    #[arg(long, default_value_t = 0.10, value_parser = parse_fraction)]
+    pub oversized: f64,
+
+    /// Fraction of the consumer's confirmations dropped on the way to the order service; the
+    /// relay's check-back recovers them.
+    #[arg(long, default_value_t = 0.10, value_parser = parse_fraction)]
+    pub lost_confirmations: f64,
+
+    /// How long the order service waits for a confirmation before checking the message back.
+    #[arg(long, default_value = "4s", value_parser = humantime::parse_duration)]
+    pub confirm_timeout: Duration,
+
+    /// Check-backs of an unconfirmed message before it is dead-lettered as unconfirmed.
+    #[arg(long, default_value_t = 5)]
+    pub max_check_backs: u32,
+
     /// Longest time to wait for every order to take effect before giving up.
     #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
     pub timeout: Duration,
@@ -126,9 +172,13 @@ fn parse_fraction(s: &str) -> Result<f64, String> {
 pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     ensure!(args.orders > 0, "--orders must be at least 1");
     ensure!(args.clients > 0, "--clients must be at least 1");
+    ensure!(
+        !args.confirm_timeout.is_zero(),
+        "--confirm-timeout must be greater than zero"
+    );
     let started = Instant::now();
     let services = Services::open(&args).await?;
-    let delivery = Delivery::open(args.transport.as_deref()).await?;
+    let delivery = Delivery::open(args.transport.as_deref(), args.confirm_timeout).await?;
     println!(
         "outbox demo: {} orders from {} clients; order and inventory services on {}, delivery over {}",
         args.orders,
@@ -138,45 +188,80 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     );
     println!(
         "faults: {:.0}% of deliveries lost before the consumer, {:.0}% of acknowledgements lost, \
-         {:.0}% duplicated; relay killed {} times",
+         {:.0}% duplicated, {:.0}% of confirmations lost; relay killed {} times",
         args.loss_before * 100.0,
         args.loss_after * 100.0,
         args.duplicate * 100.0,
+        args.lost_confirmations * 100.0,
         args.kills
+    );
+    println!(
+        "business: {:.0}% of orders ask for more than the stock holds (rejected, then cancelled); \
+         confirmations due within {}, checked back up to {} times",
+        args.oversized * 100.0,
+        humantime::format_duration(args.confirm_timeout),
+        args.max_check_backs
     );
 
     let timeline = Arc::new(Timeline::new(args.orders));
     let consumer_metrics = Arc::new(ConsumerMetrics::default());
+    let fault_stats = Arc::new(FaultStats::default());
     let cancel = CancellationToken::new();
+
+    // The order service's confirmation endpoint, then the inventory service, which confirms to it.
+    let (reply_to, listener) = delivery
+        .start_confirmation_listener(services.store(), &cancel)
+        .await?;
+    let confirmations: Arc<dyn ConfirmationSender> = Arc::new(LossyConfirmations {
+        inner: delivery.confirmation_sender(),
+        rate: args.lost_confirmations,
+        stats: fault_stats.clone(),
+    });
     let handler = Arc::new(InventoryHandler {
         tables: services.tables(),
         timeline: timeline.clone(),
     });
-    let (endpoint, consumers) = match &services {
+    let (endpoint, mut tasks) = match &services {
         Services::Sqlite { inbox, .. } => {
             delivery
-                .start_consumer(inbox.clone(), handler, consumer_metrics.clone(), &cancel)
+                .start_consumer(
+                    inbox.clone(),
+                    handler,
+                    confirmations,
+                    consumer_metrics.clone(),
+                    &cancel,
+                )
                 .await?
         }
         Services::Postgres { inbox, .. } => {
             delivery
-                .start_consumer(inbox.clone(), handler, consumer_metrics.clone(), &cancel)
+                .start_consumer(
+                    inbox.clone(),
+                    handler,
+                    confirmations,
+                    consumer_metrics.clone(),
+                    &cancel,
+                )
                 .await?
         }
     };
+    tasks.push(listener);
 
     let faults = Faults {
         loss_before: args.loss_before,
         loss_after: args.loss_after,
         duplicate: args.duplicate,
     };
-    let fault_stats = Arc::new(FaultStats::default());
+    let mut confirm = ConfirmPolicy::new(reply_to);
+    confirm.timeout = args.confirm_timeout;
     let mut relays = RelaySupervisor {
         store: services.store(),
         delivery: &delivery,
         endpoint: &endpoint,
         faults,
         fault_stats: fault_stats.clone(),
+        confirm,
+        max_check_backs: args.max_check_backs,
         current: None,
         metrics: Vec::new(),
     };
@@ -189,14 +274,15 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     for _ in 0..args.clients {
         let services = services.clone();
         let (placed, next_order, timeline) = (placed.clone(), next_order.clone(), timeline.clone());
-        let orders = args.orders;
+        let (orders, oversized) = (args.orders, args.oversized);
         clients.spawn(async move {
             loop {
                 let n = next_order.fetch_add(1, Ordering::Relaxed);
                 if n > orders {
                     return anyhow::Ok(());
                 }
-                let order = Order::number(n);
+                let too_big = rand::rng().random_bool(oversized);
+                let order = Order::number(n, orders, too_big);
                 services.place_order(&order).await?;
                 timeline.committed(order.order_id);
                 placed.fetch_add(1, Ordering::Relaxed);
@@ -220,25 +306,33 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         // Effects are counted in the inventory database: a delivery whose HTTP exchange was cut
         // by a relay kill may have committed without the receiver counting it.
         let applied = services.orders_with_deduction().await?;
-        bars.update(placed_now, applied, kills_done, args.kills);
-        // Kill k of n when (k / (n + 1)) of the orders have taken effect.
+        let refused = consumer_metrics.rejected.load(Ordering::Relaxed);
+        let stats = services.store().stats().await?;
+        let count = |s| stats.counts.get(&s).copied().unwrap_or(0);
+        let verdicts = count(Status::Confirmed) + count(Status::Rejected);
+        bars.update(
+            placed_now,
+            applied + refused,
+            verdicts,
+            kills_done,
+            args.kills,
+        );
+        // Kill k of n when (k / (n + 1)) of the orders have been processed by the consumer.
         if kills_done < args.kills
-            && applied as usize >= args.orders * (kills_done + 1) / (args.kills + 1)
+            && (applied + refused) as usize >= args.orders * (kills_done + 1) / (args.kills + 1)
         {
             relays.kill_and_restart().await?;
             kills_done += 1;
         }
-        if placed_now == args.orders && clients.is_empty() {
-            // Drained: nothing left to publish, and every message the broker acknowledged has
-            // taken effect.
-            let stats = services.store().stats().await?;
-            let count = |s| stats.counts.get(&s).copied().unwrap_or(0);
-            if count(Status::Pending) == 0
-                && count(Status::Sending) == 0
-                && applied >= count(Status::Sent)
-            {
-                break true;
-            }
+        // Drained: every order placed, nothing left to publish (orders and cancellations), and no
+        // order-created message still waiting for its consumer's verdict.
+        if placed_now == args.orders
+            && clients.is_empty()
+            && count(Status::Pending) == 0
+            && count(Status::Sending) == 0
+            && stats.awaiting_confirmation == 0
+        {
+            break true;
         }
         if Instant::now() >= deadline {
             break false;
@@ -249,8 +343,8 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
 
     relays.shutdown().await?;
     cancel.cancel();
-    for c in consumers {
-        c.await.context("consumer task panicked")??;
+    for t in tasks {
+        t.await.context("service task panicked")??;
     }
 
     let report = Report::gather(
@@ -273,7 +367,8 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     report.verdict()
 }
 
-/// One order: order `n` buys `1 + n % 3` of `SKUS[n % 8]`.
+/// One order: order `n` buys `1 + n % 3` of `SKUS[n % 8]`, or, when oversized, one unit more
+/// than the stock of a SKU holds at start (so the inventory service always refuses it).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct Order {
     order_id: i64,
@@ -282,16 +377,28 @@ struct Order {
 }
 
 impl Order {
-    fn number(n: usize) -> Order {
+    fn number(n: usize, orders: usize, oversized: bool) -> Order {
         Order {
             order_id: n as i64,
             sku: SKUS[n % SKUS.len()].to_owned(),
-            qty: 1 + (n % 3) as i64,
+            qty: if oversized {
+                initial_stock(orders) + 1
+            } else {
+                1 + (n % 3) as i64
+            },
         }
     }
 }
 
-/// Units of each SKU in stock at start: enough that no order is refused.
+/// The `order-cancelled` event the rejection hook enqueues.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct OrderCancelled {
+    order_id: i64,
+    reason: String,
+}
+
+/// Units of each SKU in stock at start: enough for every regular order (at most 3 units each),
+/// never enough for an oversized one.
 fn initial_stock(orders: usize) -> i64 {
     3 * orders as i64
 }
@@ -373,11 +480,18 @@ impl Services {
         store.migrate().await?;
         sqlx::query(sqlx::AssertSqlSafe(format!(
             "CREATE TABLE {} (id INTEGER PRIMARY KEY, sku TEXT NOT NULL, qty INTEGER NOT NULL, \
+             status TEXT NOT NULL DEFAULT '{PLACED}', \
              created_at INTEGER NOT NULL DEFAULT (CAST(ROUND((julianday('now') - 2440587.5) * 86400000) AS INTEGER)))",
             t.orders
         )))
         .execute(store.pool())
         .await?;
+        // The compensation enqueues through a store without a hook of its own (enqueue needs
+        // only the table); the store the relay and the confirmation listener use runs it.
+        let store = store.clone().with_rejection_hook(Arc::new(CancelOrder {
+            orders: t.orders,
+            outbox: store,
+        }));
 
         let inventory = sqlite_pool(&dir.join("inventory.db"))
             .await
@@ -424,7 +538,8 @@ impl Services {
             .await
             .context("cannot connect to PostgreSQL for the inventory service")?;
 
-        // Start from scratch: drop the demo tables and forget their migrations.
+        // Start from scratch: drop the demo tables (with the inboxes' dead-letter tables) and
+        // forget their migrations.
         let ours = [
             t.orders,
             t.outbox,
@@ -433,9 +548,14 @@ impl Services {
             t.inbox,
             t.deductions,
         ];
+        let dead_letters = [
+            format!("{}_dlq", outbox_options.inbox_table),
+            format!("{}_dlq", t.inbox),
+        ];
         sqlx::query(sqlx::AssertSqlSafe(format!(
-            "DROP TABLE IF EXISTS {} CASCADE",
-            ours.join(", ")
+            "DROP TABLE IF EXISTS {}, {} CASCADE",
+            ours.join(", "),
+            dead_letters.join(", ")
         )))
         .execute(&inventory)
         .await?;
@@ -453,11 +573,15 @@ impl Services {
         store.migrate().await?;
         sqlx::query(sqlx::AssertSqlSafe(format!(
             "CREATE TABLE {} (id bigint PRIMARY KEY, sku text NOT NULL, qty bigint NOT NULL, \
-             created_at timestamptz NOT NULL DEFAULT now())",
+             status text NOT NULL DEFAULT '{PLACED}', created_at timestamptz NOT NULL DEFAULT now())",
             t.orders
         )))
         .execute(store.pool())
         .await?;
+        let store = store.clone().with_rejection_hook(Arc::new(CancelOrder {
+            orders: t.orders,
+            outbox: store,
+        }));
 
         let inbox = Inbox::new(inventory.clone(), t.inbox, CONSUMER)?;
         inbox.migrate().await?;
@@ -551,9 +675,9 @@ impl Services {
         Ok(())
     }
 
-    /// Every order row: (id, sku, qty).
-    async fn orders(&self) -> anyhow::Result<Vec<(i64, String, i64)>> {
-        let sql = format!("SELECT id, sku, qty FROM {}", self.tables().orders);
+    /// Every order row: (id, sku, qty, status).
+    async fn orders(&self) -> anyhow::Result<Vec<(i64, String, i64, String)>> {
+        let sql = format!("SELECT id, sku, qty, status FROM {}", self.tables().orders);
         Ok(match self {
             Services::Sqlite { store, .. } => {
                 sqlx::query_as(sqlx::AssertSqlSafe(sql))
@@ -565,6 +689,50 @@ impl Services {
                     .fetch_all(store.pool())
                     .await?
             }
+        })
+    }
+
+    /// Every outbox row: (topic, partition key = order id, status number).
+    async fn outbox_rows(&self) -> anyhow::Result<Vec<(String, Option<String>, i64)>> {
+        let sql = format!(
+            "SELECT CAST(topic AS TEXT), CAST(partition_key AS TEXT), CAST(status AS BIGINT) FROM {}",
+            self.tables().outbox
+        );
+        Ok(match self {
+            Services::Sqlite { store, .. } => {
+                sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                    .fetch_all(store.pool())
+                    .await?
+            }
+            Services::Postgres { store, .. } => {
+                sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                    .fetch_all(store.pool())
+                    .await?
+            }
+        })
+    }
+
+    /// Commit-to-verdict latency of every `order-created` message that got its verdict
+    /// (`confirmed_at - created_at`, database clock), in microseconds.
+    async fn verdict_latencies(&self) -> anyhow::Result<Vec<i64>> {
+        let t = self.tables().outbox;
+        Ok(match self {
+            Services::Sqlite { store, .. } => {
+                sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                    "SELECT (confirmed_at - created_at) * 1000 FROM {t} \
+                     WHERE topic = ?1 AND confirmed_at IS NOT NULL"
+                )))
+                .bind(TOPIC)
+                .fetch_all(store.pool())
+                .await?
+            }
+            Services::Postgres { store, .. } => sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                "SELECT CAST(EXTRACT(EPOCH FROM confirmed_at - created_at) * 1000000 AS BIGINT) \
+                     FROM {t} WHERE topic = $1 AND confirmed_at IS NOT NULL"
+            )))
+            .bind(TOPIC)
+            .fetch_all(store.pool())
+            .await?,
         })
     }
 
@@ -676,16 +844,34 @@ async fn pg_pool(url: &str) -> Result<PgPool, sqlx::Error> {
         .await
 }
 
-/// The inventory service's message handler: deduct stock and log the deduction, inside the
-/// inbox transaction.
+/// The inventory service's message handler, inside the inbox transaction: an `order-created`
+/// message deducts stock and logs the deduction, or is refused when the stock cannot cover it
+/// (nothing deducted); an `order-cancelled` event is acknowledged without effect.
 struct InventoryHandler {
     tables: Tables,
     timeline: Arc<Timeline>,
 }
 
 impl InventoryHandler {
-    fn order(msg: &InboundMessage) -> Result<Order, HandlerError> {
-        msg.json().map_err(HandlerError::permanent)
+    /// The order of an `order-created` message; `None` for the events this service ignores.
+    fn order(msg: &InboundMessage) -> Result<Option<Order>, HandlerError> {
+        match msg.topic.as_str() {
+            TOPIC => msg.json().map(Some).map_err(HandlerError::permanent),
+            CANCELLED_TOPIC => Ok(None),
+            other => Err(HandlerError::permanent(format!(
+                "unexpected topic {other:?}"
+            ))),
+        }
+    }
+
+    fn insufficient(order: &Order, in_stock: Option<i64>) -> HandlerError {
+        HandlerError::reject(format!(
+            "insufficient stock: order {} wants {} {}, {} in stock",
+            order.order_id,
+            order.qty,
+            order.sku,
+            in_stock.map_or_else(|| "none".to_owned(), |n| n.to_string())
+        ))
     }
 }
 
@@ -696,17 +882,31 @@ impl outbox::Handler<sqlx::Sqlite> for InventoryHandler {
         conn: &mut SqliteConnection,
         msg: &InboundMessage,
     ) -> Result<(), HandlerError> {
-        let order = Self::order(msg)?;
+        let Some(order) = Self::order(msg)? else {
+            return Ok(());
+        };
         let t = self.tables;
-        sqlx::query(sqlx::AssertSqlSafe(format!(
-            "UPDATE {} SET qty = qty - ?1 WHERE sku = ?2",
+        let deducted = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE {} SET qty = qty - ?1 WHERE sku = ?2 AND qty >= ?1",
             t.stock
         )))
         .bind(order.qty)
         .bind(&order.sku)
         .execute(&mut *conn)
         .await
-        .map_err(HandlerError::transient)?;
+        .map_err(HandlerError::transient)?
+        .rows_affected();
+        if deducted == 0 {
+            let in_stock: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                "SELECT qty FROM {} WHERE sku = ?1",
+                t.stock
+            )))
+            .bind(&order.sku)
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(HandlerError::transient)?;
+            return Err(Self::insufficient(&order, in_stock));
+        }
         sqlx::query(sqlx::AssertSqlSafe(format!(
             "INSERT INTO {} (order_id, sku, qty, message_id) VALUES (?1, ?2, ?3, ?4)",
             t.deductions
@@ -730,17 +930,31 @@ impl outbox::Handler<sqlx::Postgres> for InventoryHandler {
         conn: &mut PgConnection,
         msg: &InboundMessage,
     ) -> Result<(), HandlerError> {
-        let order = Self::order(msg)?;
+        let Some(order) = Self::order(msg)? else {
+            return Ok(());
+        };
         let t = self.tables;
-        sqlx::query(sqlx::AssertSqlSafe(format!(
-            "UPDATE {} SET qty = qty - $1 WHERE sku = $2",
+        let deducted = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE {} SET qty = qty - $1 WHERE sku = $2 AND qty >= $1",
             t.stock
         )))
         .bind(order.qty)
         .bind(&order.sku)
         .execute(&mut *conn)
         .await
-        .map_err(HandlerError::transient)?;
+        .map_err(HandlerError::transient)?
+        .rows_affected();
+        if deducted == 0 {
+            let in_stock: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                "SELECT qty FROM {} WHERE sku = $1",
+                t.stock
+            )))
+            .bind(&order.sku)
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(HandlerError::transient)?;
+            return Err(Self::insufficient(&order, in_stock));
+        }
         sqlx::query(sqlx::AssertSqlSafe(format!(
             "INSERT INTO {} (order_id, sku, qty, message_id) VALUES ($1, $2, $3, $4)",
             t.deductions
@@ -753,6 +967,89 @@ impl outbox::Handler<sqlx::Postgres> for InventoryHandler {
         .await
         .map_err(HandlerError::transient)?;
         self.timeline.applied(order.order_id);
+        Ok(())
+    }
+}
+
+/// The order service's compensation for a refused order, run by the store inside the producer
+/// transaction that records REJECTED: the order becomes CANCELLED and an `order-cancelled`
+/// event is enqueued through the outbox, all committed together (or not at all).
+struct CancelOrder<S> {
+    /// The orders table.
+    orders: &'static str,
+    /// The outbox to enqueue the event into (a store without a hook: enqueue needs the table).
+    outbox: S,
+}
+
+impl<S> CancelOrder<S> {
+    /// The refused order and its `order-cancelled` event; `None` for other topics.
+    fn event(rejected: &RejectedMessage) -> Result<Option<(i64, NewMessage)>, BoxError> {
+        if rejected.topic != TOPIC {
+            return Ok(None);
+        }
+        let order: Order = serde_json::from_slice(&rejected.payload)?;
+        let event = OrderCancelled {
+            order_id: order.order_id,
+            reason: rejected.reason.clone(),
+        };
+        let message = NewMessage::json(CANCELLED_TOPIC, &event)?
+            .with_partition_key(order.order_id.to_string());
+        Ok(Some((order.order_id, message)))
+    }
+
+    fn check_cancelled(order_id: i64, rows: u64) -> Result<(), BoxError> {
+        if rows == 1 {
+            Ok(())
+        } else {
+            Err(format!("order {order_id} is not {PLACED}; refusing to cancel it").into())
+        }
+    }
+}
+
+#[async_trait]
+impl RejectionHook<sqlx::Sqlite> for CancelOrder<SqliteStore> {
+    async fn on_rejected(
+        &self,
+        conn: &mut SqliteConnection,
+        rejected: &RejectedMessage,
+    ) -> Result<(), BoxError> {
+        let Some((order_id, event)) = Self::event(rejected)? else {
+            return Ok(());
+        };
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE {} SET status = '{CANCELLED}' WHERE id = ?1 AND status = '{PLACED}'",
+            self.orders
+        )))
+        .bind(order_id)
+        .execute(&mut *conn)
+        .await?
+        .rows_affected();
+        Self::check_cancelled(order_id, rows)?;
+        self.outbox.enqueue(conn, event).await?;
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl RejectionHook<sqlx::Postgres> for CancelOrder<PgStore> {
+    async fn on_rejected(
+        &self,
+        conn: &mut PgConnection,
+        rejected: &RejectedMessage,
+    ) -> Result<(), BoxError> {
+        let Some((order_id, event)) = Self::event(rejected)? else {
+            return Ok(());
+        };
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE {} SET status = '{CANCELLED}' WHERE id = $1 AND status = '{PLACED}'",
+            self.orders
+        )))
+        .bind(order_id)
+        .execute(&mut *conn)
+        .await?
+        .rows_affected();
+        Self::check_cancelled(order_id, rows)?;
+        self.outbox.enqueue(conn, event).await?;
         Ok(())
     }
 }
@@ -826,6 +1123,32 @@ struct FaultStats {
     acks_lost: AtomicU64,
     duplicated: AtomicU64,
     copies_sent: AtomicU64,
+    confirmations_lost: AtomicU64,
+}
+
+/// A confirmation sender that drops a share of the consumer's confirmations silently, as a
+/// network would (the consumer believes it sent them); the producer's check-back recovers them.
+struct LossyConfirmations {
+    inner: Arc<dyn ConfirmationSender>,
+    rate: f64,
+    stats: Arc<FaultStats>,
+}
+
+#[async_trait]
+impl ConfirmationSender for LossyConfirmations {
+    async fn send(
+        &self,
+        reply_to: &str,
+        confirmation: &Confirmation,
+    ) -> Result<(), TransportError> {
+        if rand::rng().random_bool(self.rate) {
+            self.stats
+                .confirmations_lost
+                .fetch_add(1, Ordering::Relaxed);
+            return Ok(());
+        }
+        self.inner.send(reply_to, confirmation).await
+    }
 }
 
 /// A transport wrapper that injects faults: a delivery lost before the broker (a retryable
@@ -932,11 +1255,13 @@ impl Transport for FaultyTransport {
     }
 }
 
-/// How messages travel from the relay to the inventory service.
+/// How messages travel from the relay to the inventory service, and confirmations back.
 enum Delivery {
-    /// Standard Webhooks POSTs to an axum server in this process.
+    /// Standard Webhooks POSTs to an axum server in this process; confirmations are POSTed to
+    /// the order service's own axum server.
     Webhook { secret: String },
-    /// NATS JetStream: stream [`NATS_STREAM`], durable pull consumer [`CONSUMER`].
+    /// NATS JetStream: stream [`NATS_STREAM`], durable pull consumer [`CONSUMER`];
+    /// confirmations on core NATS subject [`CONFIRM_SUBJECT`].
     Nats {
         url: String,
         js: Box<async_nats::jetstream::Context>,
@@ -946,8 +1271,14 @@ enum Delivery {
 /// Where the relay delivers: the webhook URL, or nothing for NATS (the route names the subject).
 type Endpoint = Option<String>;
 
+/// A task of one of the services, joined at the end of the run.
+type ServiceTask = JoinHandle<anyhow::Result<()>>;
+
 impl Delivery {
-    async fn open(transport: Option<&str>) -> anyhow::Result<Delivery> {
+    /// Set up the delivery; for NATS, a fresh stream whose duplicate window is shorter than the
+    /// confirmation timeout, so a checked-back message reaches the consumer again instead of
+    /// being dropped by JetStream as a re-publish of the same message id.
+    async fn open(transport: Option<&str>, confirm_timeout: Duration) -> anyhow::Result<Delivery> {
         match transport {
             None | Some("webhook") => {
                 let key: [u8; 24] = rand::random();
@@ -967,7 +1298,7 @@ impl Delivery {
                 js.create_stream(async_nats::jetstream::stream::Config {
                     name: NATS_STREAM.into(),
                     subjects: vec![NATS_SUBJECTS.into()],
-                    duplicate_window: Duration::from_secs(120),
+                    duplicate_window: (confirm_timeout / 2).max(Duration::from_millis(100)),
                     ..Default::default()
                 })
                 .await
@@ -983,21 +1314,79 @@ impl Delivery {
 
     fn describe(&self) -> String {
         match self {
-            Delivery::Webhook { .. } => "signed webhooks (in-process axum receiver)".into(),
+            Delivery::Webhook { .. } => {
+                "signed webhooks (in-process axum receiver), confirmations POSTed to the order service"
+                    .into()
+            }
             Delivery::Nats { url, .. } => {
-                format!("NATS JetStream at {url} (stream {NATS_STREAM}, durable {CONSUMER})")
+                format!(
+                    "NATS JetStream at {url} (stream {NATS_STREAM}, durable {CONSUMER}), \
+                     confirmations on {CONFIRM_SUBJECT}"
+                )
             }
         }
     }
 
-    /// Start the inventory service's receiver; it runs until `cancel`.
+    /// Start the order service's confirmation endpoint, applying confirmations to `store` until
+    /// `cancel`; returns the reply destination to name in the messages.
+    async fn start_confirmation_listener(
+        &self,
+        store: Arc<dyn Store>,
+        cancel: &CancellationToken,
+    ) -> anyhow::Result<(String, ServiceTask)> {
+        match self {
+            Delivery::Webhook { .. } => {
+                let app = outbox::confirm::webhook::router(CONFIRM_PATH, store);
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+                let url = format!("http://{}{CONFIRM_PATH}", listener.local_addr()?);
+                let cancel = cancel.clone();
+                let server = tokio::spawn(async move {
+                    axum::serve(listener, app)
+                        .with_graceful_shutdown(cancel.cancelled_owned())
+                        .await
+                        .context("confirmation endpoint failed")
+                });
+                Ok((url, server))
+            }
+            Delivery::Nats { js, .. } => {
+                let listen = outbox::confirm::nats::listen(
+                    js.client(),
+                    CONFIRM_SUBJECT.into(),
+                    CONFIRM_QUEUE.into(),
+                    store,
+                    cancel.clone(),
+                );
+                // A confirmation published before the subscription reaches the server is lost
+                // like any other; the check-back recovers it.
+                let task = tokio::spawn(async move {
+                    listen
+                        .await
+                        .map(|_| ())
+                        .context("cannot subscribe to the confirmation subject")
+                });
+                Ok((CONFIRM_SUBJECT.into(), task))
+            }
+        }
+    }
+
+    /// The consumer side's confirmation sender for this delivery.
+    fn confirmation_sender(&self) -> Arc<dyn ConfirmationSender> {
+        match self {
+            Delivery::Webhook { .. } => Arc::new(WebhookConfirmationSender::new()),
+            Delivery::Nats { js, .. } => Arc::new(NatsConfirmationSender::new(js.client())),
+        }
+    }
+
+    /// Start the inventory service's receiver, confirming through `confirmations`; it runs until
+    /// `cancel`.
     async fn start_consumer<DB, H>(
         &self,
         inbox: Inbox<DB>,
         handler: Arc<H>,
+        confirmations: Arc<dyn ConfirmationSender>,
         metrics: Arc<ConsumerMetrics>,
         cancel: &CancellationToken,
-    ) -> anyhow::Result<(Endpoint, Vec<JoinHandle<anyhow::Result<()>>>)>
+    ) -> anyhow::Result<(Endpoint, Vec<ServiceTask>)>
     where
         DB: InboxBackend,
         H: outbox::Handler<DB>,
@@ -1005,21 +1394,46 @@ impl Delivery {
         match self {
             Delivery::Webhook { secret } => {
                 let path = "/inventory/order-events";
-                let app =
-                    outbox::consumer::webhook::router(path, inbox, handler, Some(secret), metrics)?;
+                let policy = DeliveryPolicy {
+                    confirmations: Some(confirmations),
+                    ..DeliveryPolicy::default()
+                };
+                let app = outbox::consumer::webhook::router_with(
+                    path,
+                    inbox.clone(),
+                    handler.clone(),
+                    Some(secret),
+                    metrics.clone(),
+                    policy.clone(),
+                )?;
                 let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
                 let url = format!("http://{}{path}", listener.local_addr()?);
-                let cancel = cancel.clone();
+                let server_cancel = cancel.clone();
                 let server = tokio::spawn(async move {
                     axum::serve(listener, app)
-                        .with_graceful_shutdown(cancel.cancelled_owned())
+                        .with_graceful_shutdown(server_cancel.cancelled_owned())
                         .await
                         .context("webhook server failed")
                 });
-                Ok((Some(url), vec![server]))
+                // Beside the server, as a webhook receiver should run it: operator replays of
+                // dead letters (none expected here) and inbox retention (kept for the report).
+                let maintenance = tokio::spawn(outbox::consumer::maintenance(
+                    inbox,
+                    handler,
+                    policy,
+                    None,
+                    Duration::from_secs(2),
+                    metrics,
+                    cancel.clone(),
+                ));
+                let maintenance =
+                    tokio::spawn(async move { maintenance.await.context("maintenance panicked") });
+                Ok((Some(url), vec![server, maintenance]))
             }
             Delivery::Nats { js, .. } => {
-                let config = NatsConsumerConfig::new(NATS_STREAM, CONSUMER);
+                let mut config = NatsConsumerConfig::new(NATS_STREAM, CONSUMER)
+                    .with_confirmations(confirmations);
+                config.dedup_window = None;
                 // Create the durable once, so the runners below do not race to create it.
                 js.get_stream(NATS_STREAM)
                     .await?
@@ -1082,6 +1496,10 @@ struct RelaySupervisor<'a> {
     endpoint: &'a Endpoint,
     faults: Faults,
     fault_stats: Arc<FaultStats>,
+    /// Confirmation policy of the `order-created` route.
+    confirm: ConfirmPolicy,
+    /// Check-backs before an unconfirmed message is dead-lettered.
+    max_check_backs: u32,
     current: Option<RelayHandle>,
     metrics: Vec<Arc<RelayMetrics>>,
 }
@@ -1110,10 +1528,23 @@ impl RelaySupervisor<'_> {
             },
             reap_interval: Duration::from_secs(1),
             in_flight_batches: 4,
+            max_check_backs: self.max_check_backs,
+            // Keep every finished row: the report reads them.
+            retention: None,
             ..RelayConfig::default()
         };
+        // Orders need the consumer's verdict; cancellations are plain notifications (SENT is
+        // final) over the same faulty transport.
+        let router = Router::new()
+            .route_confirmed(
+                TOPIC,
+                faulty.clone(),
+                destination.clone(),
+                self.confirm.clone(),
+            )
+            .route(CANCELLED_TOPIC, faulty, destination);
         let relay = Relay::builder(self.store.clone())
-            .router(Router::new().route("*", faulty, destination))
+            .router(router)
             .config(config)
             .build()?;
         self.metrics.push(relay.metrics().clone());
@@ -1138,10 +1569,12 @@ impl RelaySupervisor<'_> {
     }
 }
 
-/// Two progress bars: orders placed, effects applied.
+/// Three progress bars: orders placed, orders processed by the consumer (deducted or refused),
+/// verdicts confirmed back to the order service.
 struct Bars {
     placed: ProgressBar,
-    applied: ProgressBar,
+    processed: ProgressBar,
+    verdicts: ProgressBar,
     _multi: MultiProgress,
 }
 
@@ -1149,7 +1582,7 @@ impl Bars {
     fn new(orders: usize) -> Bars {
         let multi = MultiProgress::new();
         let style = ProgressStyle::with_template(
-            "{prefix:>16} [{bar:40.cyan/blue}] {pos:>6}/{len} [{elapsed}] {msg}",
+            "{prefix:>18} [{bar:40.cyan/blue}] {pos:>6}/{len} [{elapsed}] {msg}",
         )
         .expect("valid template")
         .progress_chars("=> ");
@@ -1161,22 +1594,36 @@ impl Bars {
         };
         Bars {
             placed: bar("orders placed"),
-            applied: bar("effects applied"),
+            processed: bar("orders processed"),
+            verdicts: bar("verdicts confirmed"),
             _multi: multi,
         }
     }
 
-    fn update(&self, placed: usize, applied: u64, kills: usize, planned: usize) {
+    fn update(&self, placed: usize, processed: u64, verdicts: u64, kills: usize, planned: usize) {
         self.placed.set_position(placed as u64);
-        self.applied.set_position(applied);
-        self.applied
+        self.processed.set_position(processed);
+        self.processed
             .set_message(format!("relay kills {kills}/{planned}"));
+        self.verdicts.set_position(verdicts);
     }
 
     fn finish(&self) {
         self.placed.finish();
-        self.applied.finish();
+        self.processed.finish();
+        self.verdicts.finish();
     }
+}
+
+/// How one order ended, from the order service's and the inventory service's records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ending {
+    /// Deducted once, its `order-created` message CONFIRMED, the order still PLACED.
+    DeductedAndConfirmed,
+    /// Nothing deducted, its message REJECTED, the order CANCELLED, one `order-cancelled` event.
+    Cancelled,
+    /// Anything else: a broken promise.
+    InBetween,
 }
 
 /// The end-of-run figures and checks.
@@ -1187,14 +1634,26 @@ struct Report {
     deductions: usize,
     duplicates: u64,
     consumer_failures: u64,
+    consumer_rejected: u64,
+    consumer_dead_letters: u64,
+    confirmations_sent: u64,
+    confirmation_failures: u64,
+    confirmed: usize,
+    rejected: usize,
+    cancelled: usize,
+    cancellation_events: usize,
+    oversized: usize,
     lost: Vec<i64>,
     applied_twice: Vec<i64>,
+    in_between: Vec<(i64, String)>,
+    refused_but_fit: Vec<i64>,
     stock_problems: Vec<String>,
     units_deducted: i64,
-    faults: [u64; 4],
+    faults: [u64; 5],
     relay: outbox::MetricsSnapshot,
     kills: usize,
     latency: hdrhistogram::Histogram<u64>,
+    verdict_latency: hdrhistogram::Histogram<u64>,
     elapsed: Duration,
 }
 
@@ -1211,6 +1670,8 @@ impl Report {
         let orders = services.orders().await?;
         let deductions = services.deductions().await?;
         let stock = services.stock().await?;
+        let rows = services.outbox_rows().await?;
+        let initial = initial_stock(orders.len());
 
         let mut per_order: HashMap<i64, usize> = HashMap::new();
         let mut deducted: HashMap<&str, i64> = HashMap::new();
@@ -1218,21 +1679,79 @@ impl Report {
             *per_order.entry(*order_id).or_default() += 1;
             *deducted.entry(sku.as_str()).or_default() += qty;
         }
+        // The outbox rows of each order, by partition key: its order-created statuses and its
+        // order-cancelled events.
+        let mut created: HashMap<i64, Vec<Status>> = HashMap::new();
+        let mut cancel_events: HashMap<i64, usize> = HashMap::new();
+        for (topic, key, status) in &rows {
+            let Some(id) = key.as_deref().and_then(|k| k.parse::<i64>().ok()) else {
+                continue;
+            };
+            let status = i16::try_from(*status)
+                .ok()
+                .and_then(Status::from_i16)
+                .with_context(|| format!("unknown outbox status {status}"))?;
+            match topic.as_str() {
+                TOPIC => created.entry(id).or_default().push(status),
+                CANCELLED_TOPIC => *cancel_events.entry(id).or_default() += 1,
+                _ => {}
+            }
+        }
+
         let mut ordered: HashMap<&str, i64> = HashMap::new();
-        let (mut lost, mut applied_twice) = (Vec::new(), Vec::new());
-        for (id, sku, qty) in &orders {
-            *ordered.entry(sku.as_str()).or_default() += qty;
-            match per_order.get(id).copied().unwrap_or(0) {
-                0 => lost.push(*id),
-                1 => {}
+        let (mut lost, mut applied_twice, mut in_between, mut refused_but_fit) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut confirmed, mut rejected, mut cancelled, mut oversized) = (0, 0, 0, 0);
+        for (id, sku, qty, status) in &orders {
+            let n_deducted = per_order.get(id).copied().unwrap_or(0);
+            let message = match created.get(id).map(Vec::as_slice) {
+                Some([s]) => Some(*s),
+                _ => None,
+            };
+            let events = cancel_events.get(id).copied().unwrap_or(0);
+            let ending = match (message, status.as_str(), n_deducted, events) {
+                (Some(Status::Confirmed), PLACED, 1, 0) => Ending::DeductedAndConfirmed,
+                (Some(Status::Rejected), CANCELLED, 0, 1) => Ending::Cancelled,
+                _ => Ending::InBetween,
+            };
+            match ending {
+                Ending::DeductedAndConfirmed => confirmed += 1,
+                Ending::Cancelled => {
+                    rejected += 1;
+                    cancelled += 1;
+                }
+                Ending::InBetween => in_between.push((
+                    *id,
+                    format!(
+                        "order {id}: message {}, order {status}, {n_deducted} deductions, {events} cancellation events",
+                        match created.get(id) {
+                            None => "missing".to_owned(),
+                            Some(v) => v.iter().map(|s| s.to_string()).collect::<Vec<_>>().join("+"),
+                        }
+                    ),
+                )),
+            }
+            if status != CANCELLED {
+                *ordered.entry(sku.as_str()).or_default() += qty;
+            }
+            let too_big = *qty > initial;
+            oversized += usize::from(too_big);
+            if ending == Ending::Cancelled && !too_big {
+                refused_but_fit.push(*id);
+            }
+            match n_deducted {
+                0 if status != CANCELLED => lost.push(*id),
+                0 | 1 => {}
                 _ => applied_twice.push(*id),
             }
         }
         lost.sort_unstable();
         applied_twice.sort_unstable();
+        in_between.sort_unstable();
+        refused_but_fit.sort_unstable();
 
-        // Stock: initial − now = deducted = ordered, per SKU, and never negative.
-        let initial = initial_stock(orders.len());
+        // Stock: initial − now = deducted = ordered by orders not cancelled, per SKU, and never
+        // negative.
         let mut stock_problems = Vec::new();
         for (sku, now) in &stock {
             let gone = initial - now;
@@ -1240,7 +1759,7 @@ impl Report {
             let o = ordered.get(sku.as_str()).copied().unwrap_or(0);
             if gone != d || d != o || *now < 0 {
                 stock_problems.push(format!(
-                    "{sku}: stock fell by {gone}, deduction log says {d}, orders say {o}, now {now}"
+                    "{sku}: stock fell by {gone}, deduction log says {d}, orders not cancelled say {o}, now {now}"
                 ));
             }
         }
@@ -1263,8 +1782,14 @@ impl Report {
             relay.lost_leases += s.lost_leases;
             relay.stale_batches += s.stale_batches;
             relay.reaped += s.reaped;
+            relay.checked_back += s.checked_back;
+            relay.purged += s.purged;
             relay.store_errors += s.store_errors;
             relay.outages += s.outages;
+        }
+        let mut verdict_latency = hdrhistogram::Histogram::<u64>::new(3)?;
+        for us in services.verdict_latencies().await? {
+            verdict_latency.record(us.max(1) as u64)?;
         }
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
         Ok(Report {
@@ -1274,8 +1799,19 @@ impl Report {
             deductions: deductions.len(),
             duplicates: load(&consumer.duplicates),
             consumer_failures: load(&consumer.failures),
+            consumer_rejected: load(&consumer.rejected),
+            consumer_dead_letters: load(&consumer.dead_lettered),
+            confirmations_sent: load(&consumer.confirmations_sent),
+            confirmation_failures: load(&consumer.confirmation_failures),
+            confirmed,
+            rejected,
+            cancelled,
+            cancellation_events: cancel_events.values().sum(),
+            oversized,
             lost,
             applied_twice,
+            in_between,
+            refused_but_fit,
             stock_problems,
             units_deducted: deducted.values().sum(),
             faults: [
@@ -1283,23 +1819,41 @@ impl Report {
                 load(&faults.acks_lost),
                 load(&faults.duplicated),
                 load(&faults.copies_sent),
+                load(&faults.confirmations_lost),
             ],
             relay,
             kills,
             latency: timeline.latencies()?,
+            verdict_latency,
             elapsed,
         })
     }
 
     fn print(&self, delivery: &Delivery) {
-        let ms = |q: f64| self.latency.value_at_quantile(q) as f64 / 1000.0;
+        let ms = |h: &hdrhistogram::Histogram<u64>, q: f64| h.value_at_quantile(q) as f64 / 1000.0;
+        let latency = |h: &hdrhistogram::Histogram<u64>| {
+            format!(
+                "p50 {:.1} ms, p90 {:.1} ms, p99 {:.1} ms, max {:.1} ms ({} samples)",
+                ms(h, 0.5),
+                ms(h, 0.9),
+                ms(h, 0.99),
+                h.max() as f64 / 1000.0,
+                h.len()
+            )
+        };
         let statuses: Vec<String> = self
             .statuses
             .iter()
             .filter(|(_, n)| **n > 0)
             .map(|(s, n)| format!("{s} {n}"))
             .collect();
-        let [lost_before, acks_lost, duplicated, copies] = self.faults;
+        let [
+            lost_before,
+            acks_lost,
+            duplicated,
+            copies,
+            confirmations_lost,
+        ] = self.faults;
         let check = |ok: bool| if ok { "ok" } else { "FAILED" };
         let ids = |v: &[i64]| {
             if v.is_empty() {
@@ -1313,6 +1867,7 @@ impl Report {
                 )
             }
         };
+        let failed = self.statuses.get(&Status::Failed).copied().unwrap_or(0);
         println!();
         println!("== outbox demo report ==");
         println!("orders placed              {:>10}", self.orders);
@@ -1323,8 +1878,8 @@ impl Report {
             self.attempts as f64 / self.orders.max(1) as f64
         );
         println!(
-            "faults injected            {:>10}  lost before consumer {lost_before}, acks lost {acks_lost}, duplicated {duplicated}",
-            lost_before + acks_lost + duplicated
+            "faults injected            {:>10}  lost before consumer {lost_before}, acks lost {acks_lost}, duplicated {duplicated}, confirmations lost {confirmations_lost}",
+            lost_before + acks_lost + duplicated + confirmations_lost
         );
         println!("copies handed to transport {copies:>10}");
         println!(
@@ -1340,17 +1895,73 @@ impl Report {
             self.deductions, self.units_deducted
         );
         println!(
+            "refused by inventory       {:>10}  (insufficient stock; {} orders asked for more than the stock holds)",
+            self.consumer_rejected, self.oversized
+        );
+        println!(
             "duplicates absorbed (inbox){:>10}{}",
             self.duplicates,
             match delivery {
                 Delivery::Nats { .. } =>
-                    "  (JetStream's duplicate window drops re-publishes of a message id first)",
+                    "  (JetStream's duplicate window drops quick re-publishes of a message id first)",
                 Delivery::Webhook { .. } => "",
             }
         );
-        if self.consumer_failures > 0 {
-            println!("consumer failures (retried){:>10}", self.consumer_failures);
+        if self.consumer_failures > 0 || self.consumer_dead_letters > 0 {
+            println!(
+                "consumer failures (retried){:>10}  (dead-lettered by the consumer {})",
+                self.consumer_failures, self.consumer_dead_letters
+            );
         }
+        println!(
+            "confirmations sent         {:>10}  (of them lost on the way {confirmations_lost}; send failures {})",
+            self.confirmations_sent, self.confirmation_failures
+        );
+        println!(
+            "checked back               {:>10}  (unconfirmed past the deadline, published again)",
+            self.relay.checked_back
+        );
+        println!("confirmed                  {:>10}", self.confirmed);
+        println!("rejected                   {:>10}", self.rejected);
+        println!(
+            "cancelled                  {:>10}  ({} order-cancelled events enqueued by the rejection hook)",
+            self.cancelled, self.cancellation_events
+        );
+        println!(
+            "ended in between           {:>10}  {}{}",
+            self.in_between.len(),
+            check(self.in_between.is_empty()),
+            if self.in_between.is_empty() {
+                "  every order DEDUCTED-and-CONFIRMED or CANCELLED".to_owned()
+            } else {
+                let shown: Vec<&str> = self
+                    .in_between
+                    .iter()
+                    .take(5)
+                    .map(|(_, why)| why.as_str())
+                    .collect();
+                format!(
+                    "  ({}{})",
+                    shown.join("; "),
+                    if self.in_between.len() > 5 {
+                        "; ..."
+                    } else {
+                        ""
+                    }
+                )
+            }
+        );
+        println!(
+            "refused though stock fit   {:>10}  {}{}",
+            self.refused_but_fit.len(),
+            check(self.refused_but_fit.is_empty()),
+            ids(&self.refused_but_fit)
+        );
+        println!(
+            "dead letters (FAILED)      {:>10}  {}",
+            failed,
+            check(failed == 0)
+        );
         println!(
             "lost                       {:>10}  {}{}",
             self.lost.len(),
@@ -1367,18 +1978,16 @@ impl Report {
             "stock consistency          {:>10}  {}",
             check(self.stock_problems.is_empty()),
             if self.stock_problems.is_empty() {
-                "initial - final = deducted = ordered, for every SKU".to_owned()
+                "initial - final = deducted = ordered by orders not cancelled, for every SKU"
+                    .to_owned()
             } else {
                 self.stock_problems.join("; ")
             }
         );
+        println!("commit-to-effect latency   {}", latency(&self.latency));
         println!(
-            "commit-to-effect latency   p50 {:.1} ms, p90 {:.1} ms, p99 {:.1} ms, max {:.1} ms ({} samples)",
-            ms(0.5),
-            ms(0.9),
-            ms(0.99),
-            self.latency.max() as f64 / 1000.0,
-            self.latency.len()
+            "commit-to-verdict latency  {}",
+            latency(&self.verdict_latency)
         );
         println!(
             "elapsed                    {:>9.1}s  ({:.0} orders/s end to end)",
@@ -1399,6 +2008,18 @@ impl Report {
             "{} orders took effect more than once",
             self.applied_twice.len()
         );
+        ensure!(
+            self.in_between.is_empty(),
+            "{} orders ended neither DEDUCTED-and-CONFIRMED nor CANCELLED",
+            self.in_between.len()
+        );
+        ensure!(
+            self.refused_but_fit.is_empty(),
+            "{} orders were cancelled although the stock covered them",
+            self.refused_but_fit.len()
+        );
+        let failed = self.statuses.get(&Status::Failed).copied().unwrap_or(0);
+        ensure!(failed == 0, "{failed} outbox messages were dead-lettered");
         ensure!(
             self.stock_problems.is_empty(),
             "stock is inconsistent: {}",
