@@ -5,6 +5,7 @@
 //! fails with a message naming it.
 
 mod cases;
+mod confirm;
 mod crash;
 mod inbox;
 mod relay;

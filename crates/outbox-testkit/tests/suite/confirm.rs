@@ -1,0 +1,997 @@
+//! Confirmations end to end (DESIGN.md §4, §9): relay → broker → consumer runner → inbox →
+//! confirmation → producer, over NATS with PostgreSQL on both sides and over webhooks with SQLite
+//! on both sides; rejections and the producer's compensation hook; a lost confirmation recovered
+//! by the check-back; a consumer crash between commit and ack; poison messages in the consumer's
+//! dead-letter table and their replay; inbox retention; migration from a v1 schema.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use outbox::confirm::nats::NatsConfirmationSender;
+use outbox::confirm::webhook::WebhookConfirmationSender;
+use outbox::consumer::nats::NatsConsumerConfig;
+use outbox::consumer::{ConsumerMetrics, DeliveryPolicy};
+use outbox::store::Store;
+use outbox::{
+    Backoff, ConfirmPolicy, Confirmation, ConfirmationSender, HandlerError, InboundMessage, Inbox,
+    NewMessage, Relay, RelayConfig, RelayHandle, Router, Status, TransportError, Verdict,
+};
+use outbox_testkit::{
+    ConfirmFixture, HookControl, NatsFixture, PgFixture, SqliteFixture, StoreFixture,
+    TransportFixture as _, unique, wait_until, within,
+};
+use sqlx::{AssertSqlSafe, PgConnection, SqliteConnection};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use crate::relay::fast_config;
+
+/// A consumer handler driven by the payload: writes an effect row (no unique key, so a second
+/// application shows), then `reject…` refuses it (business rejection), `poison…` fails
+/// permanently and `flaky…` transiently, until `fixed` is set.
+pub struct ScriptedHandler {
+    effects: String,
+    fixed: AtomicBool,
+    calls: AtomicU64,
+}
+
+impl ScriptedHandler {
+    fn new(effects: &str) -> Arc<Self> {
+        Arc::new(ScriptedHandler {
+            effects: effects.into(),
+            fixed: AtomicBool::new(false),
+            calls: AtomicU64::new(0),
+        })
+    }
+
+    fn verdict(&self, msg: &InboundMessage) -> Result<(), HandlerError> {
+        let p = String::from_utf8_lossy(&msg.payload);
+        if p.starts_with("reject") {
+            return Err(HandlerError::reject(format!("refused {p}")));
+        }
+        if self.fixed.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        if p.starts_with("poison") {
+            return Err(HandlerError::permanent(format!("cannot parse {p}")));
+        }
+        if p.starts_with("flaky") {
+            return Err(HandlerError::transient(format!("{p} timed out")));
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl outbox::Handler<sqlx::Postgres> for ScriptedHandler {
+    async fn handle(
+        &self,
+        conn: &mut PgConnection,
+        msg: &InboundMessage,
+    ) -> Result<(), HandlerError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {} (message_id, payload) VALUES ($1, $2)",
+            self.effects
+        )))
+        .bind(msg.message_id.to_string())
+        .bind(&msg.payload)
+        .execute(&mut *conn)
+        .await
+        .map_err(HandlerError::transient)?;
+        self.verdict(msg)
+    }
+}
+
+#[async_trait]
+impl outbox::Handler<sqlx::Sqlite> for ScriptedHandler {
+    async fn handle(
+        &self,
+        conn: &mut SqliteConnection,
+        msg: &InboundMessage,
+    ) -> Result<(), HandlerError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {} (message_id, payload) VALUES (?1, ?2)",
+            self.effects
+        )))
+        .bind(msg.message_id.to_string())
+        .bind(&msg.payload)
+        .execute(&mut *conn)
+        .await
+        .map_err(HandlerError::transient)?;
+        self.verdict(msg)
+    }
+}
+
+/// A confirmation sender that drops the first confirmation of each id in `lose` (as a lost
+/// packet), hangs forever on the first confirmation of `hang` (a consumer that dies after its
+/// commit, before the ack), and passes everything else to `inner`, recording what it sent.
+pub struct FaultySender {
+    inner: Arc<dyn ConfirmationSender>,
+    lose: Mutex<HashSet<Uuid>>,
+    hang: Mutex<HashSet<Uuid>>,
+    /// Notified when a hung confirmation was reached (so the inbox commit is done).
+    pub hung: tokio::sync::Notify,
+    /// Confirmations dropped.
+    pub lost: AtomicU64,
+    /// Confirmations passed on.
+    pub sent: Mutex<Vec<Confirmation>>,
+}
+
+impl FaultySender {
+    fn new(inner: Arc<dyn ConfirmationSender>) -> Arc<Self> {
+        Arc::new(FaultySender {
+            inner,
+            lose: Mutex::default(),
+            hang: Mutex::default(),
+            hung: tokio::sync::Notify::new(),
+            lost: AtomicU64::new(0),
+            sent: Mutex::default(),
+        })
+    }
+
+    fn sent_for(&self, id: Uuid) -> Vec<Verdict> {
+        self.sent
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|c| c.message_id == id)
+            .map(|c| c.verdict.clone())
+            .collect()
+    }
+}
+
+#[async_trait]
+impl ConfirmationSender for FaultySender {
+    async fn send(&self, reply_to: &str, c: &Confirmation) -> Result<(), TransportError> {
+        if self.lose.lock().unwrap().remove(&c.message_id) {
+            self.lost.fetch_add(1, Ordering::SeqCst);
+            return Ok(());
+        }
+        if self.hang.lock().unwrap().remove(&c.message_id) {
+            self.hung.notify_one();
+            std::future::pending::<()>().await;
+        }
+        self.inner.send(reply_to, c).await?;
+        self.sent.lock().unwrap().push(c.clone());
+        Ok(())
+    }
+}
+
+fn confirm_config(name: &str) -> RelayConfig {
+    RelayConfig {
+        max_check_backs: 3,
+        ..fast_config(name)
+    }
+}
+
+fn fast_retry() -> Backoff {
+    Backoff {
+        base: Duration::from_millis(50),
+        factor: 2.0,
+        max: Duration::from_millis(200),
+        jitter: 0.2,
+    }
+}
+
+async fn pg_count(fx: &PgFixture, sql: &str) -> i64 {
+    sqlx::query_scalar(AssertSqlSafe(sql.to_owned()))
+        .fetch_one(fx.store.pool())
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+}
+
+/// Wait until the row of every id has `status`.
+async fn wait_status(fx: &dyn StoreFixture, ids: &[Uuid], status: Status, timeout: Duration) {
+    wait_until(
+        &format!("{} messages {status}", ids.len()),
+        timeout,
+        || async {
+            let rows = fx.rows().await;
+            ids.iter().all(|id| {
+                rows.iter()
+                    .any(|r| r.message_id == *id && r.status == status.as_i16())
+            })
+        },
+    )
+    .await;
+}
+
+/// The NATS side of a test: PostgreSQL producer with a compensation hook, a relay routing every
+/// topic with confirmations, the producer's confirmation listener, and an inbox in the same
+/// database (its own table).
+struct NatsSetup {
+    fx: PgFixture,
+    nats: NatsFixture,
+    ctl: Arc<HookControl>,
+    relay: RelayHandle,
+    inbox: Inbox<sqlx::Postgres>,
+    effects: String,
+    stop_listener: CancellationToken,
+    listener: tokio::task::JoinHandle<Result<outbox::ConfirmReport, async_nats::SubscribeError>>,
+}
+
+impl NatsSetup {
+    async fn new() -> NatsSetup {
+        let fx = PgFixture::new().await;
+        let nats = NatsFixture::new().await;
+        let ctl = Arc::new(HookControl::default());
+        let store = fx.store_with_hook(ctl.clone()).await;
+        let effects = format!("{}.effects", fx.schema);
+        fx.exec(&format!(
+            "CREATE TABLE {effects} (message_id text NOT NULL, payload bytea)"
+        ))
+        .await;
+        let reply = format!("{}_confirm.producer", nats.prefix);
+        let policy = ConfirmPolicy {
+            reply_to: reply.clone(),
+            timeout: Duration::from_secs(1),
+        };
+        let relay = Relay::builder(store.clone())
+            .router(Router::new().route_confirmed(
+                "*",
+                nats.transport.clone(),
+                format!("{}.{{topic}}", nats.prefix),
+                policy,
+            ))
+            .config(confirm_config("r1"))
+            .build()
+            .expect("relay")
+            .spawn();
+        let stop_listener = CancellationToken::new();
+        let client = outbox_testkit::nats_client().await;
+        let listener = tokio::spawn(outbox::confirm::nats::listen(
+            client,
+            reply,
+            "producer".into(),
+            store,
+            stop_listener.clone(),
+        ));
+        let inbox = Inbox::<sqlx::Postgres>::new(
+            fx.store.pool().clone(),
+            &format!("{}.consumer_inbox", fx.schema),
+            "billing",
+        )
+        .unwrap();
+        inbox.migrate().await.unwrap();
+        NatsSetup {
+            fx,
+            nats,
+            ctl,
+            relay,
+            inbox,
+            effects,
+            stop_listener,
+            listener,
+        }
+    }
+
+    fn consumer_config(&self, sender: Arc<dyn ConfirmationSender>) -> NatsConsumerConfig {
+        let mut c =
+            NatsConsumerConfig::new(self.nats.stream.clone(), "billing").with_confirmations(sender);
+        c.retry = fast_retry();
+        c.ack_wait = Duration::from_secs(1);
+        c.maintenance_interval = Duration::from_millis(200);
+        c
+    }
+
+    fn spawn_consumer(
+        &self,
+        config: NatsConsumerConfig,
+        handler: Arc<ScriptedHandler>,
+        metrics: Arc<ConsumerMetrics>,
+        cancel: CancellationToken,
+    ) -> tokio::task::JoinHandle<Result<(), outbox::ConfigError>> {
+        tokio::spawn(outbox::consumer::nats::run(
+            self.nats.transport.jetstream().clone(),
+            config,
+            self.inbox.clone(),
+            handler,
+            metrics,
+            cancel,
+        ))
+    }
+
+    async fn effects_of(&self, id: Uuid) -> i64 {
+        pg_count(
+            &self.fx,
+            &format!(
+                "SELECT COUNT(*) FROM {} WHERE message_id = '{id}'",
+                self.effects
+            ),
+        )
+        .await
+    }
+
+    async fn finish(self) {
+        self.stop_listener.cancel();
+        let _ = within("listener to stop", Duration::from_secs(5), self.listener).await;
+        self.relay.shutdown().await.unwrap();
+        self.nats.cleanup().await;
+        self.fx.cleanup().await;
+    }
+}
+
+/// NATS, PostgreSQL on both sides: every processed message ends CONFIRMED; rejected ones end
+/// REJECTED with the compensation run once each and no effect; a lost confirmation is recovered
+/// by the check-back (the redelivered copy is a duplicate at the inbox, its verdict is sent
+/// again), and its effect happened exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn nats_postgres_confirmed_rejected_and_lost_confirmation() {
+    crate::init_tracing();
+    let s = NatsSetup::new().await;
+    let client = outbox_testkit::nats_client().await;
+    let sender = FaultySender::new(Arc::new(NatsConfirmationSender::new(client)));
+    let mut msgs: Vec<NewMessage> = (0..10)
+        .map(|i| NewMessage::new("orders", format!("ok-{i}")))
+        .collect();
+    msgs.extend((0..3).map(|i| NewMessage::new("orders", format!("reject-{i}"))));
+    msgs.push(NewMessage::new("orders", "lost"));
+    let lost = msgs[13].message_id();
+    sender.lose.lock().unwrap().insert(lost);
+    let handler = ScriptedHandler::new(&s.effects);
+    let metrics = Arc::new(ConsumerMetrics::default());
+    let cancel = CancellationToken::new();
+    let consumer = s.spawn_consumer(
+        s.consumer_config(sender.clone()),
+        handler.clone(),
+        metrics.clone(),
+        cancel.clone(),
+    );
+    let ids = s.fx.enqueue_commit(msgs).await.unwrap();
+    let (ok, rejected) = (&ids[..10], &ids[10..13]);
+
+    wait_status(&s.fx, ok, Status::Confirmed, Duration::from_secs(15)).await;
+    wait_status(&s.fx, rejected, Status::Rejected, Duration::from_secs(15)).await;
+    wait_status(&s.fx, &[lost], Status::Confirmed, Duration::from_secs(15)).await;
+
+    for id in rejected {
+        assert_eq!(s.fx.compensations(*id).await, 1, "compensation ran once");
+        assert_eq!(s.effects_of(*id).await, 0, "a rejection leaves no effect");
+        let err = s.fx.row(*id).await.last_error.unwrap_or_default();
+        assert!(err.contains("refused reject-"), "{err}");
+    }
+    assert_eq!(s.ctl.calls.load(Ordering::SeqCst), 3);
+    for id in ok.iter().chain([&lost]) {
+        assert_eq!(s.effects_of(*id).await, 1, "effect exactly once");
+        assert_eq!(s.fx.compensations(*id).await, 0);
+    }
+    assert_eq!(sender.lost.load(Ordering::SeqCst), 1);
+    assert!(
+        s.fx.confirm_state(lost).await.check_backs >= 1,
+        "the lost confirmation was recovered by a check-back"
+    );
+    assert_eq!(sender.sent_for(lost), vec![Verdict::Processed]);
+    assert!(metrics.duplicates.load(Ordering::Relaxed) >= 1);
+    assert_eq!(metrics.applied.load(Ordering::Relaxed), 11);
+    assert_eq!(metrics.rejected.load(Ordering::Relaxed), 3);
+    assert!(s.relay.metrics().snapshot().checked_back >= 1);
+    let stats = s.fx.store().stats().await.unwrap();
+    assert_eq!(stats.awaiting_confirmation, 0);
+    cancel.cancel();
+    within("consumer to stop", Duration::from_secs(5), consumer)
+        .await
+        .unwrap()
+        .unwrap();
+    s.finish().await;
+}
+
+/// NATS consumer crash between the inbox commit and the broker ack: the effect is committed, the
+/// ack and the confirmation are never sent; after a restart the broker redelivers, the inbox sees
+/// a duplicate, the confirmation goes out and the message ends CONFIRMED, effect once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn nats_consumer_crash_between_commit_and_ack() {
+    crate::init_tracing();
+    let s = NatsSetup::new().await;
+    let client = outbox_testkit::nats_client().await;
+    let real: Arc<dyn ConfirmationSender> = Arc::new(NatsConfirmationSender::new(client));
+    let sender = FaultySender::new(real.clone());
+    let msg = NewMessage::new("orders", "crash");
+    let id = msg.message_id();
+    sender.hang.lock().unwrap().insert(id);
+    let handler = ScriptedHandler::new(&s.effects);
+    let metrics = Arc::new(ConsumerMetrics::default());
+    let consumer = s.spawn_consumer(
+        s.consumer_config(sender.clone()),
+        handler.clone(),
+        metrics.clone(),
+        CancellationToken::new(),
+    );
+    s.fx.enqueue_commit(vec![msg]).await.unwrap();
+    within(
+        "the consumer to commit and reach its confirmation",
+        Duration::from_secs(10),
+        sender.hung.notified(),
+    )
+    .await;
+    consumer.abort();
+    let _ = consumer.await;
+    assert_eq!(s.effects_of(id).await, 1, "the commit happened");
+    assert_eq!(
+        s.inbox.verdict(id).await.unwrap(),
+        Some(Verdict::Processed),
+        "the verdict is recorded"
+    );
+    // No confirmation was sent (under load the deadline may already have passed and the
+    // row been checked back; it is still not confirmed).
+    assert_ne!(
+        s.fx.row(id).await.status,
+        Status::Confirmed.as_i16(),
+        "no confirmation was sent"
+    );
+
+    // Restart with a working sender: the unacked copy comes back after ack_wait.
+    let metrics2 = Arc::new(ConsumerMetrics::default());
+    let cancel = CancellationToken::new();
+    let consumer = s.spawn_consumer(
+        s.consumer_config(real),
+        handler.clone(),
+        metrics2.clone(),
+        cancel.clone(),
+    );
+    wait_status(&s.fx, &[id], Status::Confirmed, Duration::from_secs(15)).await;
+    assert_eq!(s.effects_of(id).await, 1, "effect exactly once");
+    assert_eq!(handler.calls.load(Ordering::SeqCst), 1, "handler ran once");
+    assert!(metrics2.duplicates.load(Ordering::Relaxed) >= 1);
+    assert!(metrics2.confirmations_sent.load(Ordering::Relaxed) >= 1);
+    cancel.cancel();
+    within("consumer to stop", Duration::from_secs(5), consumer)
+        .await
+        .unwrap()
+        .unwrap();
+    s.finish().await;
+}
+
+/// Poison messages at a NATS consumer: a permanent failure is dead-lettered at once, a transient
+/// one after `max_deliveries`; both land in `<inbox>_dlq` with their error, the producer gets a
+/// `Rejected` confirmation (REJECTED, compensation once), and the other messages keep flowing.
+/// An operator replay with a now-working handler applies each once and empties the DLQ.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn nats_poison_messages_dead_lettered_and_replayed() {
+    crate::init_tracing();
+    let s = NatsSetup::new().await;
+    let client = outbox_testkit::nats_client().await;
+    let sender = FaultySender::new(Arc::new(NatsConfirmationSender::new(client)));
+    let handler = ScriptedHandler::new(&s.effects);
+    let metrics = Arc::new(ConsumerMetrics::default());
+    let cancel = CancellationToken::new();
+    let mut config = s.consumer_config(sender.clone());
+    config.max_deliveries = 3;
+    let consumer = s.spawn_consumer(config, handler.clone(), metrics.clone(), cancel.clone());
+    let mut msgs = vec![
+        NewMessage::new("orders", "poison-1"),
+        NewMessage::new("orders", "flaky-1"),
+    ];
+    msgs.extend((0..8).map(|i| NewMessage::new("orders", format!("ok-{i}"))));
+    let ids = s.fx.enqueue_commit(msgs).await.unwrap();
+    let (poison, flaky, ok) = (ids[0], ids[1], &ids[2..]);
+
+    wait_status(&s.fx, ok, Status::Confirmed, Duration::from_secs(15)).await;
+    wait_status(
+        &s.fx,
+        &[poison, flaky],
+        Status::Rejected,
+        Duration::from_secs(15),
+    )
+    .await;
+    let dlq = s.inbox.dead_letters(100).await.unwrap();
+    assert_eq!(dlq.len(), 2, "{dlq:?}");
+    let p = dlq.iter().find(|d| d.message.message_id == poison).unwrap();
+    assert!(p.error.contains("cannot parse poison-1"), "{}", p.error);
+    assert_eq!(
+        p.deliveries, 1,
+        "a permanent failure is dead-lettered at once"
+    );
+    assert_eq!(p.message.payload, b"poison-1");
+    let f = dlq.iter().find(|d| d.message.message_id == flaky).unwrap();
+    assert!(f.error.contains("flaky-1 timed out"), "{}", f.error);
+    assert_eq!(f.deliveries, 3, "transient failures until max_deliveries");
+    assert!(!p.replay_requested && !f.replay_requested);
+    for id in [poison, flaky] {
+        assert_eq!(s.fx.compensations(id).await, 1);
+        assert_eq!(s.effects_of(id).await, 0);
+        let err = s.fx.row(id).await.last_error.unwrap_or_default();
+        assert!(err.contains("dead-lettered"), "{err}");
+        assert!(matches!(
+            s.inbox.verdict(id).await.unwrap(),
+            Some(Verdict::Rejected { .. })
+        ));
+    }
+    assert_eq!(metrics.dead_lettered.load(Ordering::Relaxed), 2);
+    for id in ok {
+        assert_eq!(s.effects_of(*id).await, 1);
+    }
+
+    // Replay with the handler fixed.
+    handler.fixed.store(true, Ordering::SeqCst);
+    assert!(s.inbox.request_replay(poison).await.unwrap());
+    assert!(s.inbox.request_replay(flaky).await.unwrap());
+    assert!(!s.inbox.request_replay(Uuid::now_v7()).await.unwrap());
+    wait_until("replays to run", Duration::from_secs(10), || async {
+        s.inbox.dead_letters(100).await.unwrap().is_empty()
+    })
+    .await;
+    assert_eq!(metrics.replayed.load(Ordering::Relaxed), 2);
+    for id in [poison, flaky] {
+        assert_eq!(s.effects_of(id).await, 1, "replay applied once");
+        assert_eq!(s.inbox.verdict(id).await.unwrap(), Some(Verdict::Processed));
+        wait_until(
+            "the replay's confirmation",
+            Duration::from_secs(5),
+            || async { sender.sent_for(id).last() == Some(&Verdict::Processed) },
+        )
+        .await;
+        // The producer's verdict was final: the late Processed is a duplicate there.
+        assert_eq!(s.fx.row(id).await.status, Status::Rejected.as_i16());
+        assert_eq!(s.fx.compensations(id).await, 1);
+    }
+    // A second replay request finds nothing; nothing runs twice.
+    assert!(!s.inbox.request_replay(poison).await.unwrap());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(s.effects_of(poison).await, 1);
+    cancel.cancel();
+    within("consumer to stop", Duration::from_secs(5), consumer)
+        .await
+        .unwrap()
+        .unwrap();
+    s.finish().await;
+}
+
+/// Webhooks, SQLite on both sides: the consumer's axum receiver (`router_with`) confirms to the
+/// producer's confirmation endpoint (`confirm::webhook::router`); processed → CONFIRMED, rejected
+/// → REJECTED with the compensation once, a lost confirmation recovered by the check-back with
+/// the effect once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn webhook_sqlite_confirmed_rejected_and_lost_confirmation() {
+    crate::init_tracing();
+    let producer = SqliteFixture::new().await;
+    let consumer_db = SqliteFixture::new().await;
+    let ctl = Arc::new(HookControl::default());
+    let store = producer.store_with_hook(ctl.clone()).await;
+    let cpool = consumer_db.store.pool().clone();
+    sqlx::query("CREATE TABLE effects (message_id TEXT NOT NULL, payload BLOB)")
+        .execute(&cpool)
+        .await
+        .unwrap();
+    let inbox = Inbox::<sqlx::Sqlite>::new(cpool.clone(), "consumer_inbox", "shipping").unwrap();
+    inbox.migrate().await.unwrap();
+
+    let shutdown = CancellationToken::new();
+    let serve = |app: axum::Router| {
+        let shutdown = shutdown.clone();
+        async move {
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = l.local_addr().unwrap();
+            tokio::spawn(async move {
+                axum::serve(l, app)
+                    .with_graceful_shutdown(async move { shutdown.cancelled().await })
+                    .await
+            });
+            addr
+        }
+    };
+    let confirm_addr = serve(outbox::confirm::webhook::router("/confirm", store.clone())).await;
+
+    let sender = FaultySender::new(Arc::new(WebhookConfirmationSender::new()));
+    let handler = ScriptedHandler::new("effects");
+    let metrics = Arc::new(ConsumerMetrics::default());
+    let policy = DeliveryPolicy {
+        max_deliveries: 3,
+        retry: fast_retry(),
+        confirmations: Some(sender.clone()),
+    };
+    let app = outbox::consumer::webhook::router_with(
+        "/in",
+        inbox.clone(),
+        handler.clone(),
+        None,
+        metrics.clone(),
+        policy,
+    )
+    .unwrap();
+    let consumer_addr = serve(app).await;
+
+    let mut wc = outbox::WebhookConfig::new(format!("http://{consumer_addr}/in"));
+    wc.timeout = Duration::from_secs(5);
+    let transport = Arc::new(outbox::WebhookTransport::new(wc).unwrap());
+    let relay = Relay::builder(store.clone())
+        .router(Router::new().route_confirmed(
+            "*",
+            transport,
+            "",
+            ConfirmPolicy {
+                reply_to: format!("http://{confirm_addr}/confirm"),
+                timeout: Duration::from_secs(1),
+            },
+        ))
+        .config(confirm_config("w1"))
+        .build()
+        .unwrap()
+        .spawn();
+
+    let mut msgs: Vec<NewMessage> = (0..6)
+        .map(|i| NewMessage::new("orders", format!("ok-{i}")))
+        .collect();
+    msgs.extend((0..2).map(|i| NewMessage::new("orders", format!("reject-{i}"))));
+    msgs.push(NewMessage::new("orders", "lost"));
+    let lost = msgs[8].message_id();
+    sender.lose.lock().unwrap().insert(lost);
+    let ids = producer.enqueue_commit(msgs).await.unwrap();
+    let (ok, rejected) = (&ids[..6], &ids[6..8]);
+    wait_status(&producer, ok, Status::Confirmed, Duration::from_secs(15)).await;
+    wait_status(
+        &producer,
+        rejected,
+        Status::Rejected,
+        Duration::from_secs(15),
+    )
+    .await;
+    wait_status(
+        &producer,
+        &[lost],
+        Status::Confirmed,
+        Duration::from_secs(15),
+    )
+    .await;
+
+    let effects_of = |id: Uuid| {
+        let cpool = cpool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM effects WHERE message_id = ?1")
+                .bind(id.to_string())
+                .fetch_one(&cpool)
+                .await
+                .unwrap()
+        }
+    };
+    for id in rejected {
+        assert_eq!(producer.compensations(*id).await, 1);
+        assert_eq!(effects_of(*id).await, 0);
+    }
+    assert_eq!(ctl.calls.load(Ordering::SeqCst), 2);
+    for id in ok.iter().chain([&lost]) {
+        assert_eq!(effects_of(*id).await, 1, "effect exactly once");
+    }
+    assert_eq!(sender.lost.load(Ordering::SeqCst), 1);
+    assert!(producer.confirm_state(lost).await.check_backs >= 1);
+    assert!(metrics.duplicates.load(Ordering::Relaxed) >= 1);
+    assert_eq!(metrics.applied.load(Ordering::Relaxed), 7);
+    assert_eq!(metrics.rejected.load(Ordering::Relaxed), 2);
+    assert_eq!(store.stats().await.unwrap().awaiting_confirmation, 0);
+
+    // The endpoint itself: counts after commit, 400 for a body that is not a confirmation.
+    let http = reqwest::Client::new();
+    let url = format!("http://{confirm_addr}/confirm");
+    let body = serde_json::json!([
+        {"message_id": ok[0], "consumer": "x", "outcome": "processed"},
+        {"message_id": Uuid::now_v7(), "consumer": "x", "outcome": "processed"}
+    ]);
+    let resp = http
+        .post(&url)
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let counts: serde_json::Value = serde_json::from_str(&resp.text().await.unwrap()).unwrap();
+    assert_eq!(
+        counts,
+        serde_json::json!({"confirmed": 0, "rejected": 0, "duplicates": 1, "unknown": 1})
+    );
+    let resp = http.post(&url).body("not json").send().await.unwrap();
+    assert_eq!(resp.status(), 400);
+
+    relay.shutdown().await.unwrap();
+    shutdown.cancel();
+}
+
+/// Inbox retention on both dialects: `purge` deletes only records older than the window, at most
+/// `limit` per call, and keeps dead letters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inbox_purge_only_old_in_bounded_batches() {
+    crate::init_tracing();
+    // SQLite.
+    let fx = SqliteFixture::new().await;
+    let pool = fx.store.pool().clone();
+    sqlx::query("CREATE TABLE effects (message_id TEXT NOT NULL, payload BLOB)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let inbox = Inbox::<sqlx::Sqlite>::new(pool.clone(), "outbox_inbox", "c").unwrap();
+    inbox.migrate().await.unwrap();
+    let ids = fill_inbox(&inbox, &ScriptedHandler::new("effects")).await;
+    for id in &ids[..5] {
+        sqlx::query(
+            "UPDATE outbox_inbox SET received_at = received_at - 7200000 WHERE message_id = ?1",
+        )
+        .bind(id.to_string())
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    check_purge(&inbox, &ids).await;
+
+    // PostgreSQL.
+    let fx = PgFixture::new().await;
+    let effects = format!("{}.effects", fx.schema);
+    fx.exec(&format!(
+        "CREATE TABLE {effects} (message_id text NOT NULL, payload bytea)"
+    ))
+    .await;
+    let inbox =
+        Inbox::<sqlx::Postgres>::new(fx.store.pool().clone(), &fx.inbox_table(), "c").unwrap();
+    inbox.migrate().await.unwrap();
+    let ids = fill_inbox(&inbox, &ScriptedHandler::new(&effects)).await;
+    for id in &ids[..5] {
+        fx.exec(&format!(
+            "UPDATE {} SET received_at = received_at - interval '2 hours' WHERE message_id = '{id}'",
+            fx.inbox_table()
+        ))
+        .await;
+    }
+    check_purge(&inbox, &ids).await;
+    fx.cleanup().await;
+}
+
+/// Process 8 messages (the last one dead-lettered) and return their ids.
+async fn fill_inbox<DB: outbox::InboxBackend>(
+    inbox: &Inbox<DB>,
+    handler: &ScriptedHandler,
+) -> Vec<Uuid>
+where
+    ScriptedHandler: outbox::Handler<DB>,
+{
+    let mut ids = Vec::new();
+    for i in 0..8 {
+        let msg = crate::inbox::inbound(Uuid::now_v7());
+        if i == 7 {
+            inbox.dead_letter(&msg, "boom", 1).await.unwrap();
+        } else {
+            assert_eq!(
+                inbox.process(&msg, handler).await.unwrap(),
+                outbox::Processed::Applied
+            );
+        }
+        ids.push(msg.message_id);
+    }
+    ids
+}
+
+/// `ids[..5]` are old: purged 2 + 2 + 1; the rest stay, and the dead letter too.
+async fn check_purge<DB: outbox::InboxBackend>(inbox: &Inbox<DB>, ids: &[Uuid]) {
+    let hour = Duration::from_secs(3600);
+    let mut batches = Vec::new();
+    loop {
+        let n = inbox.purge(hour, 2).await.unwrap();
+        batches.push(n);
+        if n < 2 {
+            break;
+        }
+        assert!(batches.len() < 10, "{batches:?}");
+    }
+    assert_eq!(batches, vec![2, 2, 1,]);
+    for id in &ids[..5] {
+        assert_eq!(inbox.verdict(*id).await.unwrap(), None, "old record purged");
+    }
+    for id in &ids[5..7] {
+        assert_eq!(inbox.verdict(*id).await.unwrap(), Some(Verdict::Processed));
+    }
+    assert!(matches!(
+        inbox.verdict(ids[7]).await.unwrap(),
+        Some(Verdict::Rejected { .. })
+    ));
+    assert_eq!(
+        inbox.dead_letters(10).await.unwrap().len(),
+        1,
+        "dead letters kept"
+    );
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(inbox.purge(Duration::ZERO, 100).await.unwrap(), 3);
+    assert_eq!(
+        inbox.dead_letters(10).await.unwrap().len(),
+        1,
+        "dead letters kept"
+    );
+}
+
+/// The v1 outbox and inbox tables (as released before confirmations), PostgreSQL.
+fn pg_v1_sql(t: &str, i: &str) -> String {
+    format!(
+        "CREATE TABLE {t} (
+            id bigint GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY,
+            message_id uuid NOT NULL DEFAULT gen_random_uuid(),
+            topic text NOT NULL,
+            partition_key text,
+            headers jsonb NOT NULL DEFAULT '{{}}',
+            payload bytea NOT NULL,
+            status smallint NOT NULL DEFAULT 0 CHECK (status BETWEEN 0 AND 6),
+            attempts int NOT NULL DEFAULT 0,
+            max_attempts int CHECK (max_attempts >= 1),
+            available_at timestamptz NOT NULL DEFAULT now(),
+            lease_owner text,
+            lease_token bigint,
+            lease_expires_at timestamptz,
+            created_at timestamptz NOT NULL DEFAULT now(),
+            sent_at timestamptz,
+            confirmed_at timestamptz,
+            updated_at timestamptz NOT NULL DEFAULT now(),
+            last_error text,
+            CONSTRAINT {t}_message_id_key UNIQUE (message_id)
+        );
+        CREATE INDEX {t}_claimable ON {t} (available_at, id) WHERE status = 0;
+        CREATE INDEX {t}_sent ON {t} (sent_at) WHERE status = 2;
+        CREATE TABLE {i} (
+            consumer text NOT NULL,
+            message_id uuid NOT NULL,
+            topic text NOT NULL,
+            received_at timestamptz NOT NULL DEFAULT now(),
+            outcome smallint NOT NULL DEFAULT 0,
+            PRIMARY KEY (consumer, message_id)
+        );
+        CREATE INDEX {i}_received_at ON {i} (received_at);
+        CREATE TABLE IF NOT EXISTS outbox_migrations (table_name text NOT NULL, version int NOT NULL,
+            applied_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (table_name, version));
+        INSERT INTO outbox_migrations (table_name, version) VALUES ('{t}', 1), ('{i}', 1);"
+    )
+}
+
+/// The v1 tables, SQLite.
+fn sqlite_v1_sql(t: &str, i: &str) -> String {
+    let now = "CAST(ROUND((julianday('now') - 2440587.5) * 86400000) AS INTEGER)";
+    format!(
+        "CREATE TABLE {t} (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            message_id TEXT NOT NULL UNIQUE,
+            topic TEXT NOT NULL,
+            partition_key TEXT,
+            headers TEXT NOT NULL DEFAULT '{{}}',
+            payload BLOB NOT NULL,
+            status INTEGER NOT NULL DEFAULT 0 CHECK (status BETWEEN 0 AND 6),
+            attempts INTEGER NOT NULL DEFAULT 0,
+            max_attempts INTEGER CHECK (max_attempts >= 1),
+            available_at INTEGER NOT NULL DEFAULT ({now}),
+            lease_owner TEXT,
+            lease_token INTEGER,
+            lease_expires_at INTEGER,
+            created_at INTEGER NOT NULL DEFAULT ({now}),
+            sent_at INTEGER,
+            confirmed_at INTEGER,
+            updated_at INTEGER NOT NULL DEFAULT ({now}),
+            last_error TEXT
+        );
+        CREATE INDEX {t}_claimable ON {t} (available_at, id) WHERE status = 0;
+        CREATE TABLE {i} (
+            consumer TEXT NOT NULL,
+            message_id TEXT NOT NULL,
+            topic TEXT NOT NULL,
+            received_at INTEGER NOT NULL DEFAULT ({now}),
+            outcome INTEGER NOT NULL DEFAULT 0,
+            PRIMARY KEY (consumer, message_id)
+        );
+        CREATE TABLE IF NOT EXISTS outbox_migrations (table_name TEXT NOT NULL, version INTEGER NOT NULL,
+            applied_at INTEGER NOT NULL DEFAULT ({now}), PRIMARY KEY (table_name, version));
+        INSERT INTO outbox_migrations (table_name, version) VALUES ('{t}', 1), ('{i}', 1);"
+    )
+}
+
+/// A v1 database with a SENT row and an inbox record upgrades to v2 (twice, idempotently): the
+/// rows are kept, the SENT row awaits no confirmation, the old inbox record reads as processed,
+/// and the confirmation cycle works on the upgraded tables.
+async fn check_upgraded(store: &dyn Store, pending: Uuid) {
+    store.migrate().await.expect("upgrade to v2");
+    store.migrate().await.expect("migrate again");
+    let st = store.stats().await.unwrap();
+    assert_eq!(st.counts[&Status::Sent], 1);
+    assert_eq!(st.counts[&Status::Pending], 1);
+    assert_eq!(st.awaiting_confirmation, 0, "a v1 SENT row awaits nothing");
+    assert_eq!(store.check_back(100, 3).await.unwrap(), 0);
+    let c = store
+        .claim(&outbox::store::ClaimRequest {
+            owner: "t".into(),
+            batch_size: 10,
+            lease: Duration::from_secs(30),
+        })
+        .await
+        .unwrap();
+    assert_eq!(c.messages.len(), 1);
+    assert_eq!(c.messages[0].message_id, pending);
+    store
+        .complete(
+            c.token,
+            &[outbox::store::Completion {
+                id: c.messages[0].id,
+                outcome: outbox::store::Outcome::SentAwaitingConfirmation {
+                    within: Duration::from_secs(60),
+                },
+            }],
+        )
+        .await
+        .unwrap();
+    assert_eq!(store.stats().await.unwrap().awaiting_confirmation, 1);
+    let r = store
+        .apply_confirmations(&[Confirmation {
+            message_id: pending,
+            consumer: "c".into(),
+            verdict: Verdict::Processed,
+        }])
+        .await
+        .unwrap();
+    assert_eq!(r.confirmed, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_from_v1_postgres() {
+    crate::init_tracing();
+    let pool = outbox_testkit::pg_pool(4).await;
+    let t = unique("obxv1");
+    let i = format!("{t}_inbox");
+    sqlx::raw_sql(AssertSqlSafe(pg_v1_sql(&t, &i)))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let (sent, pending, old) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "INSERT INTO {t} (message_id, topic, payload, status, sent_at) VALUES ('{sent}', 't', 'x', 2, now()); \
+         INSERT INTO {t} (message_id, topic, payload) VALUES ('{pending}', 't', 'y'); \
+         INSERT INTO {i} (consumer, message_id, topic) VALUES ('c', '{old}', 't');"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let store = outbox::PgStore::from_pool(pool.clone(), outbox::StoreOptions::table(&t)).unwrap();
+    check_upgraded(&store, pending).await;
+    let inbox = Inbox::<sqlx::Postgres>::new(pool.clone(), &i, "c").unwrap();
+    inbox.migrate().await.unwrap();
+    assert_eq!(inbox.verdict(old).await.unwrap(), Some(Verdict::Processed));
+    assert!(inbox.dead_letters(10).await.unwrap().is_empty());
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "DROP TABLE {t}, {i}, {i}_dlq; DROP FUNCTION IF EXISTS {t}_notify; \
+         DELETE FROM outbox_migrations WHERE table_name IN ('{t}', '{i}')"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_from_v1_sqlite() {
+    crate::init_tracing();
+    let path = std::env::temp_dir().join(format!("{}.db", unique("outbox_v1")));
+    let url = format!("sqlite://{}?mode=rwc", path.display());
+    let pool = sqlx::sqlite::SqlitePoolOptions::new()
+        .max_connections(2)
+        .connect(&url)
+        .await
+        .unwrap();
+    sqlx::raw_sql(AssertSqlSafe(sqlite_v1_sql("outbox", "outbox_inbox")))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let (sent, pending, old) = (Uuid::now_v7(), Uuid::now_v7(), Uuid::now_v7());
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "INSERT INTO outbox (message_id, topic, payload, status, sent_at) VALUES ('{sent}', 't', X'78', 2, 1); \
+         INSERT INTO outbox (message_id, topic, payload) VALUES ('{pending}', 't', X'79'); \
+         INSERT INTO outbox_inbox (consumer, message_id, topic) VALUES ('c', '{old}', 't');"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let store =
+        outbox::SqliteStore::from_pool(pool.clone(), outbox::StoreOptions::default()).unwrap();
+    check_upgraded(&store, pending).await;
+    let inbox = Inbox::<sqlx::Sqlite>::new(pool.clone(), "outbox_inbox", "c").unwrap();
+    inbox.migrate().await.unwrap();
+    assert_eq!(inbox.verdict(old).await.unwrap(), Some(Verdict::Processed));
+    assert!(inbox.dead_letters(10).await.unwrap().is_empty());
+    pool.close().await;
+    for suffix in ["", "-wal", "-shm"] {
+        let mut p = path.clone().into_os_string();
+        p.push(suffix);
+        let _ = std::fs::remove_file(p);
+    }
+}
