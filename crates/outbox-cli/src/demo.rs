@@ -178,7 +178,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     );
     let started = Instant::now();
     let services = Services::open(&args).await?;
-    let delivery = Delivery::open(args.transport.as_deref(), args.confirm_timeout).await?;
+    let delivery = Delivery::open(args.transport.as_deref()).await?;
     println!(
         "outbox demo: {} orders from {} clients; order and inventory services on {}, delivery over {}",
         args.orders,
@@ -1275,10 +1275,10 @@ type Endpoint = Option<String>;
 type ServiceTask = JoinHandle<anyhow::Result<()>>;
 
 impl Delivery {
-    /// Set up the delivery; for NATS, a fresh stream whose duplicate window is shorter than the
-    /// confirmation timeout, so a checked-back message reaches the consumer again instead of
-    /// being dropped by JetStream as a re-publish of the same message id.
-    async fn open(transport: Option<&str>, confirm_timeout: Duration) -> anyhow::Result<Delivery> {
+    /// Set up the delivery; for NATS, a fresh stream with a 2-minute duplicate window (relay
+    /// re-publishes of a message id are dropped; check-back redeliveries carry their own
+    /// `Nats-Msg-Id` and get through).
+    async fn open(transport: Option<&str>) -> anyhow::Result<Delivery> {
         match transport {
             None | Some("webhook") => {
                 let key: [u8; 24] = rand::random();
@@ -1298,7 +1298,7 @@ impl Delivery {
                 js.create_stream(async_nats::jetstream::stream::Config {
                     name: NATS_STREAM.into(),
                     subjects: vec![NATS_SUBJECTS.into()],
-                    duplicate_window: (confirm_timeout / 2).max(Duration::from_millis(100)),
+                    duplicate_window: Duration::from_secs(120),
                     ..Default::default()
                 })
                 .await
