@@ -105,6 +105,10 @@ pub struct RejectedMessage {
 /// transaction that records REJECTED, so it runs exactly once per message: write through `conn`
 /// (and enqueue follow-up messages through it) and the writes commit with the status change.
 ///
+/// To enqueue follow-up messages, the hook holds its own clone of the store, taken before the
+/// hook is attached: `let hook = Cancel { outbox: store.clone() }; let store =
+/// store.with_rejection_hook(Arc::new(hook));` and calls `self.outbox.enqueue(conn, …)`.
+///
 /// # Errors
 /// Any error rolls the transaction back: the message stays as it was and the rejection is applied
 /// again when the confirmation comes again (the check-back makes it come again).

@@ -206,7 +206,14 @@ async fn run(seed: u64, steps: usize) {
                         },
                     };
                     let r = model.get_mut(&id).unwrap();
-                    if r.status == Status::Sending && r.token == Some(token) {
+                    if matches!(r.status, Status::Confirmed | Status::Rejected)
+                        && r.token == Some(token)
+                    {
+                        // Confirmed while SENDING: the completion matches, clears the lease and
+                        // keeps the verdict.
+                        expected_matches += 1;
+                        r.token = None;
+                    } else if r.status == Status::Sending && r.token == Some(token) {
                         expected_matches += 1;
                         r.token = None;
                         match &outcome {

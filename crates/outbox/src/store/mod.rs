@@ -153,7 +153,9 @@ pub trait Store: Send + Sync + 'static {
     async fn claim(&self, req: &ClaimRequest) -> Result<Claim, StoreError>;
 
     /// Apply the outcomes of a claim in one statement, fenced by `token`. Returns how many rows
-    /// matched; fewer than `completions.len()` means leases were lost (never overwritten).
+    /// matched; fewer than `completions.len()` means leases were lost (never overwritten). A row
+    /// the consumer already confirmed or rejected while it was SENDING (its confirmation overtook
+    /// the broker's acknowledgement) still matches: its lease is cleared and its verdict kept.
     async fn complete(
         &self,
         token: LeaseToken,

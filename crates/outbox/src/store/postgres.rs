@@ -116,16 +116,18 @@ impl PgStore {
             )
             .into(),
             complete: format!(
-                "UPDATE {t} o SET status = u.st, attempts = o.attempts - u.gb, \
-                 available_at = CASE WHEN u.st = 0 THEN now() + make_interval(secs => u.delay_ms::float8 / 1000) ELSE o.available_at END, \
+                "UPDATE {t} o SET status = CASE WHEN o.status = 1 THEN u.st ELSE o.status END, \
+                 attempts = o.attempts - CASE WHEN o.status = 1 THEN u.gb ELSE 0 END, \
+                 available_at = CASE WHEN o.status = 1 AND u.st = 0 \
+                   THEN now() + make_interval(secs => u.delay_ms::float8 / 1000) ELSE o.available_at END, \
                  sent_at = CASE WHEN u.st = 2 THEN now() ELSE o.sent_at END, \
-                 confirm_deadline = CASE WHEN u.st = 2 AND u.confirm_ms IS NOT NULL \
+                 confirm_deadline = CASE WHEN o.status = 1 AND u.st = 2 AND u.confirm_ms IS NOT NULL \
                    THEN now() + make_interval(secs => u.confirm_ms::float8 / 1000) ELSE NULL END, \
-                 last_error = COALESCE(u.err, o.last_error), \
+                 last_error = CASE WHEN o.status = 1 THEN COALESCE(u.err, o.last_error) ELSE o.last_error END, \
                  lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL, updated_at = now() \
                  FROM UNNEST($1::bigint[], $2::smallint[], $3::bigint[], $4::text[], $5::int[], $7::bigint[]) \
                    AS u(id, st, delay_ms, err, gb, confirm_ms) \
-                 WHERE o.id = u.id AND o.status = 1 AND o.lease_token = $6"
+                 WHERE o.id = u.id AND o.status IN (1, 3, 6) AND o.lease_token = $6"
             )
             .into(),
             reap: format!(

@@ -158,15 +158,17 @@ impl SqliteStore {
             )
             .into(),
             complete: format!(
-                "UPDATE {t} SET status = j.st, attempts = {t}.attempts - j.gb, \
-                 available_at = CASE WHEN j.st = 0 THEN {NOW_MS} + j.delay ELSE {t}.available_at END, \
+                "UPDATE {t} SET status = CASE WHEN {t}.status = 1 THEN j.st ELSE {t}.status END, \
+                 attempts = {t}.attempts - CASE WHEN {t}.status = 1 THEN j.gb ELSE 0 END, \
+                 available_at = CASE WHEN {t}.status = 1 AND j.st = 0 THEN {NOW_MS} + j.delay ELSE {t}.available_at END, \
                  sent_at = CASE WHEN j.st = 2 THEN {NOW_MS} ELSE {t}.sent_at END, \
-                 confirm_deadline = CASE WHEN j.st = 2 AND j.confirm IS NOT NULL THEN {NOW_MS} + j.confirm ELSE NULL END, \
-                 last_error = COALESCE(j.err, {t}.last_error), \
+                 confirm_deadline = CASE WHEN {t}.status = 1 AND j.st = 2 AND j.confirm IS NOT NULL \
+                   THEN {NOW_MS} + j.confirm ELSE NULL END, \
+                 last_error = CASE WHEN {t}.status = 1 THEN COALESCE(j.err, {t}.last_error) ELSE {t}.last_error END, \
                  lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL, updated_at = {NOW_MS} \
                  FROM (SELECT value ->> '$[0]' AS id, value ->> '$[1]' AS st, value ->> '$[2]' AS delay, \
                        value ->> '$[3]' AS err, value ->> '$[4]' AS gb, value ->> '$[5]' AS confirm FROM json_each(?1)) AS j \
-                 WHERE {t}.id = j.id AND {t}.status = 1 AND {t}.lease_token = ?2"
+                 WHERE {t}.id = j.id AND {t}.status IN (1, 3, 6) AND {t}.lease_token = ?2"
             )
             .into(),
             reap: format!(
