@@ -516,6 +516,7 @@ fn report(confirmed: u64, rejected: u64, duplicates: u64, unknown: u64) -> Confi
         rejected,
         duplicates,
         unknown,
+        failed_hooks: 0,
     }
 }
 
@@ -685,7 +686,8 @@ pub async fn rejection_runs_the_hook_once<F: ConfirmFixture>(fx: &F) {
         r.is_ok(),
         "a failing hook is not an error of the batch: {r:?}"
     );
-    assert_eq!(r.unwrap().rejected, 0);
+    let r = r.unwrap();
+    assert_eq!((r.rejected, r.failed_hooks), (0, 1), "{r:?}");
     assert_eq!(ctl.calls.load(Ordering::SeqCst), calls + 1, "the hook ran");
     assert_eq!(check(z).await, Status::Sent.as_i16(), "rolled back");
     assert!(

@@ -68,6 +68,9 @@ pub struct ConfirmReport {
     pub duplicates: u64,
     /// Confirmations for message ids this outbox does not have (counted and logged).
     pub unknown: u64,
+    /// Rejections whose hook failed: rolled back, the message unchanged; applied when the
+    /// rejection comes again (logged at error level).
+    pub failed_hooks: u64,
 }
 
 impl ConfirmReport {
@@ -77,6 +80,7 @@ impl ConfirmReport {
         self.rejected += o.rejected;
         self.duplicates += o.duplicates;
         self.unknown += o.unknown;
+        self.failed_hooks += o.failed_hooks;
     }
 }
 

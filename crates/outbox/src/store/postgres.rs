@@ -618,6 +618,7 @@ impl Store for PgStore {
                 if let Err(e) = hook.on_rejected(&mut tx, &rejected).await {
                     tracing::error!(error = %e, message_id = %c.message_id, "rejection hook failed; rolled back");
                     tx.rollback().await.map_err(self.err("confirm"))?;
+                    report.failed_hooks += 1;
                     continue;
                 }
             }
