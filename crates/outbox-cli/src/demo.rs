@@ -331,6 +331,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
             && count(Status::Pending) == 0
             && count(Status::Sending) == 0
             && stats.awaiting_confirmation == 0
+            && verdicts >= args.orders as u64
         {
             break true;
         }

@@ -532,15 +532,18 @@ impl Store for SqliteStore {
     }
 
     async fn stats(&self) -> Result<Stats, StoreError> {
+        // One snapshot for both statements, so counts and ages agree.
+        let mut tx = self.pool.begin().await.map_err(self.err("stats"))?;
         let rows: Vec<(i64, i64)> = sqlx::query_as(AssertSqlSafe(self.sql.counts.clone()))
-            .fetch_all(&self.pool)
+            .fetch_all(&mut *tx)
             .await
             .map_err(self.err("stats"))?;
         let ages: (Option<i64>, i64, i64, Option<i64>) =
             sqlx::query_as(AssertSqlSafe(self.sql.ages.clone()))
-                .fetch_one(&self.pool)
+                .fetch_one(&mut *tx)
                 .await
                 .map_err(self.err("stats"))?;
+        tx.commit().await.map_err(self.err("stats"))?;
         stats_from(rows, ages)
     }
 
