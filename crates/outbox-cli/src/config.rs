@@ -389,6 +389,47 @@ impl FileConfig {
                 }
             }
         }
+        match &self.confirmations {
+            Some(ConfirmationsSection::Nats {
+                url,
+                subject,
+                queue,
+            }) => {
+                url_ok(url, &["nats", "tls"])
+                    .map_err(|r| ConfigError::new("confirmations.url", r))?;
+                let bad = |s: &str| {
+                    s.is_empty()
+                        || s.chars().any(|c| c.is_whitespace() || c.is_control())
+                        || s.split('.').any(str::is_empty)
+                };
+                if bad(subject) {
+                    return Err(ConfigError::new(
+                        "confirmations.subject",
+                        format!(
+                            "{subject:?} is not a NATS subject (dot-separated non-empty tokens, no whitespace)"
+                        ),
+                    ));
+                }
+                if queue.is_empty() || queue.chars().any(|c| c.is_whitespace()) {
+                    return Err(ConfigError::new(
+                        "confirmations.queue",
+                        "must be a non-empty name without whitespace",
+                    ));
+                }
+            }
+            Some(ConfirmationsSection::Http { listen, path }) => {
+                if listen.parse::<std::net::SocketAddr>().is_err() {
+                    return Err(ConfigError::new(
+                        "confirmations.listen",
+                        format!("{listen:?} is not a socket address such as 127.0.0.1:8081"),
+                    ));
+                }
+                if !path.starts_with('/') {
+                    return Err(ConfigError::new("confirmations.path", "must start with /"));
+                }
+            }
+            None => {}
+        }
         Ok(())
     }
 
@@ -557,6 +598,16 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("bogus"), "{e}");
+        let c = parse(&with.replace("subject = \"orders.confirm\"", "subject = \"r c\"")).unwrap();
+        assert_eq!(c.validate().unwrap_err().field, "confirmations.subject");
+        let http = with.replace(
+            "kind = \"nats\"\nurl = \"nats://127.0.0.1:4222\"\nsubject = \"orders.confirm\"",
+            "kind = \"http\"\nlisten = \"127.0.0.1:8081\"\npath = \"confirm\"",
+        );
+        assert_eq!(
+            parse(&http).unwrap().validate().unwrap_err().field,
+            "confirmations.path"
+        );
         let c = parse(&with.replace("retention = \"forever\"", "retention = \"3d\"")).unwrap();
         assert_eq!(
             c.relay_config().unwrap().retention,

@@ -312,14 +312,49 @@ async fn relay(config: PathBuf, database: Option<String>) -> anyhow::Result<()> 
         tracing::info!("shutdown signal received; stopping the relay");
         c.cancel();
     });
+    if file.confirmations.is_none() && file.routes.iter().any(|r| r.confirm.is_some()) {
+        tracing::warn!(
+            "routes require confirmation but there is no [confirmations] listener: unless another \
+             process applies them, those messages will end FAILED as unconfirmed"
+        );
+    }
     let listener = match &file.confirmations {
         None => None,
         Some(c) => Some(spawn_confirmations(c, store.clone(), cancel.clone()).await?),
     };
-    relay.run(cancel.clone()).await?;
-    cancel.cancel();
-    if let Some(l) = listener {
-        let _ = l.await;
+    let mut relay_task = {
+        let relay = relay.clone();
+        let cancel = cancel.clone();
+        tokio::spawn(async move { relay.run(cancel).await })
+    };
+    // A listener that stops while the relay runs would let every confirmed route end FAILED
+    // "unconfirmed": stop the daemon instead, with an error.
+    match listener {
+        None => relay_task.await??,
+        Some(mut l) => {
+            tokio::select! {
+                r = &mut relay_task => {
+                    r??;
+                    cancel.cancel();
+                    let _ = l.await;
+                }
+                r = &mut l => {
+                    let shutting_down = cancel.is_cancelled();
+                    cancel.cancel();
+                    relay_task.await??;
+                    if shutting_down && matches!(r, Ok(Ok(()))) {
+                        // SIGTERM reached the listener first: a normal shutdown.
+                        return Ok(());
+                    }
+                    let e = match r {
+                        Ok(Ok(())) => anyhow::anyhow!("the confirmation listener stopped"),
+                        Ok(Err(e)) => e,
+                        Err(e) => anyhow::anyhow!("the confirmation listener panicked: {e}"),
+                    };
+                    return Err(e.context("confirmation listener failed; relay stopped"));
+                }
+            }
+        }
     }
     let m = relay.metrics().snapshot();
     eprintln!(
@@ -334,7 +369,7 @@ async fn spawn_confirmations(
     c: &config::ConfirmationsSection,
     store: Arc<dyn Store>,
     cancel: CancellationToken,
-) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+) -> anyhow::Result<tokio::task::JoinHandle<anyhow::Result<()>>> {
     Ok(match c.clone() {
         config::ConfirmationsSection::Nats {
             url,
@@ -346,9 +381,20 @@ async fn spawn_confirmations(
                 .with_context(|| format!("confirmations.url: cannot connect to NATS at {url}"))?;
             tracing::info!(subject, queue, "listening for confirmations on NATS");
             tokio::spawn(async move {
-                match outbox::confirm::nats::listen(client, subject, queue, store, cancel).await {
-                    Ok(total) => tracing::info!(?total, "confirmation listener stopped"),
-                    Err(e) => tracing::error!(error = %e, "confirmation listener failed"),
+                let stop = cancel.clone();
+                let total =
+                    outbox::confirm::nats::listen(client, subject, queue, store, cancel).await?;
+                tracing::info!(
+                    confirmed = total.confirmed,
+                    rejected = total.rejected,
+                    duplicates = total.duplicates,
+                    unknown = total.unknown,
+                    "confirmation listener stopped"
+                );
+                if stop.is_cancelled() {
+                    Ok(())
+                } else {
+                    anyhow::bail!("the NATS subscription ended")
                 }
             })
         }
@@ -359,11 +405,10 @@ async fn spawn_confirmations(
             tracing::info!(listen, path, "listening for confirmations over HTTP");
             let app = outbox::confirm::webhook::router(&path, store);
             tokio::spawn(async move {
-                let served = axum::serve(socket, app)
-                    .with_graceful_shutdown(async move { cancel.cancelled().await });
-                if let Err(e) = served.await {
-                    tracing::error!(error = %e, "confirmation endpoint failed");
-                }
+                axum::serve(socket, app)
+                    .with_graceful_shutdown(async move { cancel.cancelled().await })
+                    .await
+                    .context("confirmation endpoint failed")
             })
         }
     })

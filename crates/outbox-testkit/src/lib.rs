@@ -497,7 +497,7 @@ pub fn claimed_message(topic: &str, payload: impl Into<Vec<u8>>) -> Message {
         payload: payload.into(),
         attempts: 1,
         max_attempts: 5,
-        check_backs: 0,
+        redelivery: 0,
     }
 }
 

@@ -316,10 +316,11 @@ pub struct Message {
     pub attempts: u32,
     /// Attempts allowed before the message is dead-lettered.
     pub max_attempts: u32,
-    /// Check-backs so far: 0 on the first publication, n on the n-th redelivery of an
-    /// unconfirmed message. Brokers that drop duplicates by id (JetStream) get an id that varies
-    /// with it, so an intentional redelivery is not dropped as a duplicate.
-    pub check_backs: u32,
+    /// Intentional redeliveries so far: 0 until a check-back or an operator requeue sends the
+    /// message again, then 1, 2, … . Brokers that drop duplicates by id (JetStream) get an id that
+    /// varies with it, so an intentional redelivery is not dropped as a duplicate, while a relay's
+    /// crash re-publish (same value) still is.
+    pub redelivery: u32,
 }
 
 impl Message {
@@ -462,7 +463,7 @@ mod tests {
             payload: b"p".to_vec(),
             attempts: 2,
             max_attempts: 5,
-            check_backs: 0,
+            redelivery: 0,
         };
         let inbound = InboundMessage::from_wire(m.wire_headers(), m.payload.clone(), 1).unwrap();
         assert_eq!(inbound.message_id, m.message_id);

@@ -194,8 +194,9 @@ pub trait Store: Send + Sync + 'static {
     /// statement; call again while it returns `limit`. Returns the rows deleted.
     async fn purge_finished(&self, older_than: Duration, limit: u32) -> Result<u64, StoreError>;
 
-    /// Operator requeue of dead letters: FAILED → PENDING, due now, `attempts` reset to 0,
-    /// `last_error` kept for the record. `ids = None` requeues every FAILED row. Rows in any other
+    /// Operator requeue of dead letters: FAILED → PENDING, due now, `attempts` and
+    /// `check_backs` reset to 0, `redelivery + 1` (so a broker that deduplicates by id accepts the
+    /// new copy), `last_error` kept for the record. `ids = None` requeues every FAILED row. Rows in any other
     /// state are left alone. Returns the rows moved.
     async fn requeue_failed(&self, ids: Option<&[i64]>) -> Result<u64, StoreError>;
 

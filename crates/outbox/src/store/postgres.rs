@@ -98,7 +98,7 @@ impl PgStore {
         let table = TableName::new(&options.table)?;
         let inbox_table = TableName::new(&options.inbox_table)?;
         let t = table.as_str();
-        let cols = "o.id, o.message_id, o.topic, o.partition_key, o.headers::text, o.payload, o.attempts, o.max_attempts, o.check_backs";
+        let cols = "o.id, o.message_id, o.topic, o.partition_key, o.headers::text, o.payload, o.attempts, o.max_attempts, o.redelivery";
         let sql = Sql {
             insert: format!(
                 "INSERT INTO {t} (message_id, topic, partition_key, headers, payload, max_attempts, available_at) \
@@ -357,6 +357,11 @@ fn migrations(table: &TableName, inbox: &TableName, channel: &str) -> Vec<(Strin
                 CREATE INDEX IF NOT EXISTS {f}_unconfirmed ON {t} (confirm_deadline) WHERE status = 2 AND confirm_deadline IS NOT NULL;
                 CREATE INDEX IF NOT EXISTS {f}_finished ON {t} (confirmed_at) WHERE status IN (3, 6);"
             ),
+        ),
+        (
+            t.to_owned(),
+            3,
+            format!("ALTER TABLE {t} ADD COLUMN IF NOT EXISTS redelivery int NOT NULL DEFAULT 0;"),
         ),
     ];
     steps.extend(inbox_steps(inbox));
@@ -658,6 +663,7 @@ impl Store for PgStore {
                THEN 'unconfirmed: no confirmation after ' || o.check_backs || ' check-backs' \
                ELSE 'check-back: no confirmation by the deadline' END, \
              check_backs = o.check_backs + CASE WHEN o.check_backs >= $2 THEN 0 ELSE 1 END, \
+             redelivery = o.redelivery + CASE WHEN o.check_backs >= $2 THEN 0 ELSE 1 END, \
              available_at = now(), confirm_deadline = NULL, updated_at = now() \
              FROM (SELECT id FROM {t} WHERE status = 2 AND confirm_deadline < now() \
                    ORDER BY confirm_deadline LIMIT $1 FOR UPDATE SKIP LOCKED) c \
@@ -692,7 +698,8 @@ impl Store for PgStore {
     async fn requeue_failed(&self, ids: Option<&[i64]>) -> Result<u64, StoreError> {
         let t = self.table.as_str();
         let sql = format!(
-            "UPDATE {t} SET status = 0, attempts = 0, available_at = now(), updated_at = now() \
+            "UPDATE {t} SET status = 0, attempts = 0, check_backs = 0, redelivery = redelivery + 1, \
+             available_at = now(), updated_at = now() \
              WHERE status = 4 AND ($1::bigint[] IS NULL OR id = ANY($1))"
         );
         let done = sqlx::query(AssertSqlSafe(sql))
@@ -790,9 +797,9 @@ fn decode_row(id: i64, row: &sqlx::postgres::PgRow) -> Result<Message, String> {
     let headers: String = row.try_get(4).map_err(|e| get_err("headers", e))?;
     let attempts: i32 = row.try_get(6).map_err(|e| get_err("attempts", e))?;
     let max_attempts: Option<i32> = row.try_get(7).map_err(|e| get_err("max_attempts", e))?;
-    let check_backs: i32 = row.try_get(8).map_err(|e| get_err("check_backs", e))?;
+    let redelivery: i32 = row.try_get(8).map_err(|e| get_err("redelivery", e))?;
     Ok(Message {
-        check_backs: u32::try_from(check_backs).unwrap_or(0),
+        redelivery: u32::try_from(redelivery).unwrap_or(0),
         id,
         message_id: row.try_get(1).map_err(|e| get_err("message_id", e))?,
         topic: row.try_get(2).map_err(|e| get_err("topic", e))?,

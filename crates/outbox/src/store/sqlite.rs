@@ -143,7 +143,7 @@ impl SqliteStore {
             ));
         }
         let t = table.as_str();
-        let cols = "id, message_id, topic, partition_key, headers, CAST(payload AS BLOB), attempts, max_attempts, check_backs";
+        let cols = "id, message_id, topic, partition_key, headers, CAST(payload AS BLOB), attempts, max_attempts, redelivery";
         let sql = Sql {
             insert: format!(
                 "INSERT INTO {t} (message_id, topic, partition_key, headers, payload, max_attempts, available_at) \
@@ -351,6 +351,11 @@ fn migrations(t: &str, inbox: &str) -> Vec<(String, i64, String)> {
                 CREATE INDEX IF NOT EXISTS {t}_unconfirmed ON {t} (confirm_deadline) WHERE status = 2 AND confirm_deadline IS NOT NULL;
                 CREATE INDEX IF NOT EXISTS {t}_finished ON {t} (confirmed_at) WHERE status IN (3, 6);"
             ),
+        ),
+        (
+            t.to_owned(),
+            3,
+            format!("ALTER TABLE {t} ADD COLUMN redelivery INTEGER NOT NULL DEFAULT 0;"),
         ),
     ];
     steps.extend(inbox_steps(inbox));
@@ -652,6 +657,7 @@ impl Store for SqliteStore {
                THEN 'unconfirmed: no confirmation after ' || check_backs || ' check-backs' \
                ELSE 'check-back: no confirmation by the deadline' END, \
              check_backs = check_backs + CASE WHEN check_backs >= ?2 THEN 0 ELSE 1 END, \
+             redelivery = redelivery + CASE WHEN check_backs >= ?2 THEN 0 ELSE 1 END, \
              available_at = {NOW_MS}, confirm_deadline = NULL, updated_at = {NOW_MS} \
              WHERE id IN (SELECT id FROM {t} WHERE status = 2 AND confirm_deadline < {NOW_MS} \
                           ORDER BY confirm_deadline LIMIT ?1) \
@@ -683,7 +689,8 @@ impl Store for SqliteStore {
     async fn requeue_failed(&self, ids: Option<&[i64]>) -> Result<u64, StoreError> {
         let t = self.table.as_str();
         let sql = format!(
-            "UPDATE {t} SET status = 0, attempts = 0, available_at = {NOW_MS}, updated_at = {NOW_MS} \
+            "UPDATE {t} SET status = 0, attempts = 0, check_backs = 0, redelivery = redelivery + 1, \
+             available_at = {NOW_MS}, updated_at = {NOW_MS} \
              WHERE status = 4 AND (?1 IS NULL OR id IN (SELECT value FROM json_each(?1)))"
         );
         let ids = ids.map(|ids| serde_json::to_string(ids).expect("ids serialize"));
@@ -730,9 +737,9 @@ fn decode_row(id: i64, row: &sqlx::sqlite::SqliteRow) -> Result<Message, String>
     let headers: String = row.try_get(4).map_err(|e| get_err("headers", e))?;
     let attempts: i64 = row.try_get(6).map_err(|e| get_err("attempts", e))?;
     let max_attempts: Option<i64> = row.try_get(7).map_err(|e| get_err("max_attempts", e))?;
-    let check_backs: i64 = row.try_get(8).map_err(|e| get_err("check_backs", e))?;
+    let redelivery: i64 = row.try_get(8).map_err(|e| get_err("redelivery", e))?;
     Ok(Message {
-        check_backs: u32::try_from(check_backs).unwrap_or(0),
+        redelivery: u32::try_from(redelivery).unwrap_or(0),
         id,
         message_id,
         topic: row.try_get(2).map_err(|e| get_err("topic", e))?,

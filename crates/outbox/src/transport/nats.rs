@@ -143,13 +143,14 @@ impl NatsTransport {
     }
 }
 
-/// The `Nats-Msg-Id`: the message id, suffixed `-cb<n>` on the n-th check-back redelivery so
-/// JetStream's duplicate window drops relay re-publishes but not intentional redeliveries.
+/// The `Nats-Msg-Id`: the message id, suffixed `-r<n>` on the n-th intentional redelivery
+/// (check-back or requeue) so JetStream's duplicate window drops a relay's crash re-publishes but
+/// not intentional redeliveries.
 fn dedup_id(m: &crate::message::Message) -> String {
-    if m.check_backs == 0 {
+    if m.redelivery == 0 {
         m.message_id.to_string()
     } else {
-        format!("{}-cb{}", m.message_id, m.check_backs)
+        format!("{}-r{}", m.message_id, m.redelivery)
     }
 }
 
