@@ -219,6 +219,45 @@ pub trait Store: Send + Sync + 'static {
     }
 }
 
+/// The claimed-for-rejection row a dialect read back: id, topic, partition key, headers JSON,
+/// payload.
+pub(crate) type RejectedRow = (i64, String, Option<String>, String, Vec<u8>);
+
+/// Finish one rejection inside `tx` (whose UPDATE to REJECTED returned `row`): run the hook, then
+/// commit; a failing hook rolls back and is counted. Shared by every dialect.
+pub(crate) async fn finish_rejection<DB: sqlx::Database>(
+    mut tx: sqlx::Transaction<'_, DB>,
+    hook: Option<&std::sync::Arc<dyn crate::confirm::RejectionHook<DB>>>,
+    c: &crate::confirm::Confirmation,
+    reason: &str,
+    (id, topic, partition_key, headers, payload): RejectedRow,
+    report: &mut crate::confirm::ConfirmReport,
+    table: &str,
+) -> Result<(), StoreError> {
+    let err = |e| StoreError::db("confirm", table, e);
+    if let Some(hook) = hook {
+        let rejected = crate::confirm::RejectedMessage {
+            id,
+            message_id: c.message_id,
+            topic,
+            partition_key,
+            headers: parse_headers(id, &headers).unwrap_or_default(),
+            payload,
+            consumer: c.consumer.clone(),
+            reason: reason.to_owned(),
+        };
+        if let Err(e) = hook.on_rejected(&mut tx, &rejected).await {
+            tracing::error!(error = %e, message_id = %c.message_id, "rejection hook failed; rolled back");
+            tx.rollback().await.map_err(err)?;
+            report.failed_hooks += 1;
+            return Ok(());
+        }
+    }
+    tx.commit().await.map_err(err)?;
+    report.rejected += 1;
+    Ok(())
+}
+
 /// A fresh fencing token: random, non-negative.
 pub(crate) fn new_token() -> LeaseToken {
     rand::random::<i64>() & i64::MAX

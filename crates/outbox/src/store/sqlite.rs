@@ -28,7 +28,7 @@ use super::{
     Claim, ClaimRequest, Completion, CompletionColumns, FailedMessage, LeaseToken, Stats, Store,
     claim_from_rows, millis, new_token, parse_headers, stats_from,
 };
-use crate::confirm::{ConfirmReport, Confirmation, RejectedMessage, RejectionHook, Verdict};
+use crate::confirm::{ConfirmReport, Confirmation, RejectionHook, Verdict};
 use crate::error::{EnqueueError, StoreError};
 use crate::ident::TableName;
 use crate::message::{Limits, Message, NewMessage};
@@ -592,7 +592,7 @@ impl Store for SqliteStore {
             let mut tx = sqlx::Connection::begin_with(&mut *conn, "BEGIN IMMEDIATE")
                 .await
                 .map_err(self.err("confirm"))?;
-            let row: Option<(i64, String, Option<String>, String, Vec<u8>)> =
+            let row: Option<super::RejectedRow> =
                 sqlx::query_as(AssertSqlSafe(format!(
                     "UPDATE {t} SET status = 6, confirmed_at = {NOW_MS}, confirm_deadline = NULL, \
                      updated_at = {NOW_MS}, last_error = ?2 WHERE message_id = ?1 AND status IN (0, 1, 2, 4) \
@@ -603,31 +603,21 @@ impl Store for SqliteStore {
                 .fetch_optional(&mut *tx)
                 .await
                 .map_err(self.err("confirm"))?;
-            let Some((id, topic, partition_key, headers, payload)) = row else {
+            let Some(row) = row else {
                 tx.rollback().await.map_err(self.err("confirm"))?;
                 unmatched.push(c.message_id.to_string());
                 continue;
             };
-            if let Some(hook) = &self.hook {
-                let rejected = RejectedMessage {
-                    id,
-                    message_id: c.message_id,
-                    topic,
-                    partition_key,
-                    headers: parse_headers(id, &headers).unwrap_or_default(),
-                    payload,
-                    consumer: c.consumer.clone(),
-                    reason: reason.clone(),
-                };
-                if let Err(e) = hook.on_rejected(&mut tx, &rejected).await {
-                    tracing::error!(error = %e, message_id = %c.message_id, "rejection hook failed; rolled back");
-                    tx.rollback().await.map_err(self.err("confirm"))?;
-                    report.failed_hooks += 1;
-                    continue;
-                }
-            }
-            tx.commit().await.map_err(self.err("confirm"))?;
-            report.rejected += 1;
+            super::finish_rejection(
+                tx,
+                self.hook.as_ref(),
+                c,
+                reason,
+                row,
+                &mut report,
+                self.table.as_str(),
+            )
+            .await?;
         }
         if !unmatched.is_empty() {
             // Counted per confirmation, so an id repeated in the batch counts each time.
