@@ -151,15 +151,23 @@ impl StoreError {
 fn is_missing_table(e: &sqlx::Error) -> bool {
     match e {
         sqlx::Error::Database(db) => {
-            db.code().as_deref() == Some("42P01") || db.message().contains("no such table")
+            matches!(db.code().as_deref(), Some("42P01" | "42S02"))
+                || db.message().contains("no such table")
         }
         _ => false,
     }
 }
 
 /// Driver errors worth retrying: I/O, pool exhaustion, deadlock and serialization failures,
-/// lock timeouts, SQLite busy/locked, PostgreSQL admin shutdown.
+/// lock timeouts, SQLite busy/locked, PostgreSQL admin shutdown, MySQL/MariaDB deadlock (1213) and
+/// lock wait timeout (1205). MySQL errors carry a SQLSTATE (`40001` for a deadlock, the generic
+/// `HY000` for a lock wait timeout) and a number; sqlx reports the SQLSTATE as `code()`, so the
+/// number is checked too.
 fn is_transient(e: &sqlx::Error) -> bool {
+    #[cfg(feature = "mysql")]
+    if crate::store::mysql::is_lock_conflict(e) {
+        return true;
+    }
     match e {
         sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::WorkerCrashed => true,
         sqlx::Error::Database(db) => {

@@ -13,7 +13,8 @@
 //! ## Parts
 //! - Contracts: [`NewMessage`], [`Message`], [`InboundMessage`], [`Status`], errors ([`error`]),
 //!   [`Backoff`].
-//! - Stores ([`store::Store`]): [`PgStore`] (feature `postgres`), [`SqliteStore`] (feature `sqlite`).
+//! - Stores ([`store::Store`]): [`PgStore`] (feature `postgres`), [`SqliteStore`] (feature `sqlite`),
+//!   [`MySqlStore`] (feature `mysql`: MySQL 8.0.1+, MariaDB 10.6+).
 //! - Transports ([`transport::Transport`]): [`MemoryTransport`], [`WebhookTransport`] (feature
 //!   `webhook`), [`NatsTransport`] (feature `nats`); [`Router`] maps topics to them.
 //! - [`Relay`]: claim, publish, complete, reap, probe.
@@ -49,6 +50,8 @@ pub use relay::{
     MetricsSnapshot, Relay, RelayBuilder, RelayConfig, RelayHandle, RelayHooks, RelayMetrics,
 };
 pub use retry::Backoff;
+#[cfg(feature = "mysql")]
+pub use store::mysql::MySqlStore;
 #[cfg(feature = "postgres")]
 pub use store::postgres::PgStore;
 #[cfg(feature = "sqlite")]

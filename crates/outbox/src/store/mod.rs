@@ -1,6 +1,7 @@
 //! The store seam: every database operation the relay needs, as whole operations
 //! (STYLE.md, after River's driver interface). Each dialect keeps its own SQL and migrations:
-//! [`PgStore`](crate::PgStore) for PostgreSQL and [`SqliteStore`](crate::SqliteStore) for SQLite.
+//! [`PgStore`](crate::PgStore) for PostgreSQL, [`SqliteStore`](crate::SqliteStore) for SQLite and
+//! [`MySqlStore`](crate::MySqlStore) for MySQL 8.0.1+ / MariaDB 10.6+.
 //!
 //! Enqueue is not on this trait: it takes the caller's own connection or transaction, whose type
 //! is per dialect (`PgStore::enqueue(&mut PgConnection, ..)`, `SqliteStore::enqueue(&mut
@@ -24,6 +25,8 @@ use tokio_util::sync::CancellationToken;
 use crate::error::StoreError;
 use crate::message::{Message, Status};
 
+#[cfg(feature = "mysql")]
+pub mod mysql;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 #[cfg(feature = "sqlite")]
