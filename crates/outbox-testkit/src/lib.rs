@@ -5,7 +5,7 @@
 //!   enabled for a service never passes silently without it.
 //! - Unique names ([`unique`]) so tests run in parallel, each with its own schema, table or stream.
 //! - The store conformance suite ([`store_suite`]), written once against [`StoreFixture`] and run
-//!   against [`SqliteFixture`] and [`PgFixture`].
+//!   against [`SqliteFixture`], [`PgFixture`] and [`MySqlFixture`].
 //! - The transport conformance suite ([`transport_suite`]), written once against
 //!   [`TransportFixture`] and run against a webhook receiver ([`WebhookReceiver`]) and NATS
 //!   JetStream ([`NatsFixture`]).
@@ -48,10 +48,10 @@ use outbox::message::HEADER_MESSAGE_ID;
 use outbox::store::Store;
 use outbox::transport::{Outgoing, Transport};
 use outbox::{
-    EnqueueError, Message, NatsConfig, NatsTransport, NewMessage, PgStore, SqliteStore,
+    EnqueueError, Message, MySqlStore, NatsConfig, NatsTransport, NewMessage, PgStore, SqliteStore,
     StoreOptions, StreamSetup, TransportError,
 };
-use sqlx::{AssertSqlSafe, PgPool, Row};
+use sqlx::{AssertSqlSafe, MySqlPool, PgPool, Row};
 use tokio::sync::Notify;
 use uuid::Uuid;
 
@@ -1109,6 +1109,262 @@ impl ConfirmFixture for PgFixture {
         )))
         .bind(by.as_secs_f64())
         .bind(message_id)
+        .execute(self.store.pool())
+        .await
+        .expect("backdate");
+    }
+}
+
+/// Default MySQL/MariaDB URL when `OUTBOX_TEST_MYSQL_URL` is unset.
+pub const DEFAULT_MYSQL_URL: &str = "mysql://root@127.0.0.1:3306/test";
+
+/// `OUTBOX_TEST_MYSQL_URL`, or [`DEFAULT_MYSQL_URL`].
+pub fn mysql_url() -> String {
+    std::env::var("OUTBOX_TEST_MYSQL_URL").unwrap_or_else(|_| DEFAULT_MYSQL_URL.into())
+}
+
+/// Connect a pool of up to `max` connections to the test MySQL/MariaDB.
+///
+/// # Panics
+/// When the server does not answer, naming the URL and `OUTBOX_TEST_MYSQL_URL`.
+pub async fn mysql_pool(max: u32) -> MySqlPool {
+    let url = mysql_url();
+    let probe = tokio::time::timeout(
+        Duration::from_secs(5),
+        <sqlx::MySqlConnection as sqlx::Connection>::connect(&url),
+    )
+    .await;
+    match probe {
+        Ok(Ok(conn)) => drop(conn),
+        Ok(Err(e)) => panic!(
+            "MySQL/MariaDB is not reachable at {url} ({e}); start it or set OUTBOX_TEST_MYSQL_URL"
+        ),
+        Err(_) => panic!(
+            "MySQL/MariaDB at {url} did not answer within 5 s; start it or set OUTBOX_TEST_MYSQL_URL"
+        ),
+    }
+    sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(max)
+        .acquire_timeout(Duration::from_secs(20))
+        .connect(&url)
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "MySQL/MariaDB is not reachable at {url} ({e}); start it or set OUTBOX_TEST_MYSQL_URL"
+            )
+        })
+}
+
+/// MySQL/MariaDB with the outbox in tables of its own (`<prefix>`, `<prefix>_inbox`).
+pub struct MySqlFixture {
+    /// The store.
+    pub store: MySqlStore,
+    /// The outbox table.
+    pub table: String,
+}
+
+impl MySqlFixture {
+    /// Fresh tables, migrated.
+    ///
+    /// # Panics
+    /// When MySQL/MariaDB does not answer (naming `OUTBOX_TEST_MYSQL_URL`) or migration fails.
+    pub async fn new() -> MySqlFixture {
+        Self::with_pool(mysql_pool(10).await).await
+    }
+
+    /// As [`MySqlFixture::new`] on an existing pool.
+    ///
+    /// # Panics
+    /// When migration fails.
+    pub async fn with_pool(pool: MySqlPool) -> MySqlFixture {
+        let table = unique("obx");
+        let store =
+            MySqlStore::from_pool(pool, StoreOptions::table(&table)).expect("valid table name");
+        store.migrate().await.expect("migrate MySQL");
+        MySqlFixture { store, table }
+    }
+
+    /// The inbox table created beside the outbox.
+    pub fn inbox_table(&self) -> String {
+        format!("{}_inbox", self.table)
+    }
+
+    /// Run one statement (or several, `;`-separated).
+    ///
+    /// # Panics
+    /// On a database error.
+    pub async fn exec(&self, sql: &str) {
+        sqlx::raw_sql(AssertSqlSafe(sql.to_owned()))
+            .execute(self.store.pool())
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    }
+
+    /// Count rows of `table` with an optional `WHERE` clause.
+    ///
+    /// # Panics
+    /// On a database error.
+    pub async fn count(&self, table_and_where: &str) -> i64 {
+        sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT COUNT(*) FROM {table_and_where}"
+        )))
+        .fetch_one(self.store.pool())
+        .await
+        .unwrap_or_else(|e| panic!("count {table_and_where}: {e}"))
+    }
+}
+
+#[async_trait]
+impl StoreFixture for MySqlFixture {
+    fn store(&self) -> Arc<dyn Store> {
+        Arc::new(self.store.clone())
+    }
+
+    async fn enqueue_commit(&self, msgs: Vec<NewMessage>) -> Result<Vec<Uuid>, EnqueueError> {
+        let mut tx = self.store.pool().begin().await.expect("begin");
+        let ids = self.store.enqueue_many(&mut tx, msgs).await?;
+        self.store.commit(tx).await.expect("commit");
+        Ok(ids)
+    }
+
+    async fn enqueue_rollback(&self, msgs: Vec<NewMessage>) -> Result<Vec<Uuid>, EnqueueError> {
+        let mut tx = self.store.pool().begin().await.expect("begin");
+        let r = self.store.enqueue_many(&mut tx, msgs).await;
+        tx.rollback().await.expect("rollback");
+        r
+    }
+
+    async fn insert_plain_sql(&self, topic: &str, payload: &[u8]) -> Uuid {
+        let id = Uuid::now_v7();
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {} (message_id, topic, payload) VALUES (?, ?, ?)",
+            self.table
+        )))
+        .bind(id.to_string())
+        .bind(topic)
+        .bind(payload)
+        .execute(self.store.pool())
+        .await
+        .expect("plain SQL insert");
+        id
+    }
+
+    async fn rows(&self) -> Vec<RowState> {
+        let rows = sqlx::query(AssertSqlSafe(format!(
+            "SELECT id, message_id, status, attempts, last_error, \
+             CAST(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), available_at) DIV 1000 AS SIGNED), \
+             lease_token, CASE WHEN sent_at IS NULL THEN 0 ELSE 1 END, payload \
+             FROM {} ORDER BY id",
+            self.table
+        )))
+        .fetch_all(self.store.pool())
+        .await
+        .expect("read rows");
+        rows.into_iter()
+            .map(|r| RowState {
+                id: r.get(0),
+                message_id: Uuid::parse_str(&r.get::<String, _>(1)).expect("uuid"),
+                status: r.get::<i64, _>(2) as i16,
+                attempts: r.get(3),
+                last_error: r.get(4),
+                due_in_ms: r.get(5),
+                lease_token: r.get(6),
+                sent: r.get::<i64, _>(7) != 0,
+                payload: r.get(8),
+            })
+            .collect()
+    }
+
+    async fn open_with_table(&self, table: &str) -> Result<(), outbox::StoreError> {
+        MySqlStore::from_pool(self.store.pool().clone(), StoreOptions::table(table)).map(|_| ())
+    }
+
+    async fn cleanup(&self) {
+        let t = &self.table;
+        self.exec(&format!(
+            "DROP TABLE IF EXISTS {t}, {t}_inbox, {t}_inbox_dlq, {t}_compensations; \
+             DELETE FROM outbox_migrations WHERE table_name IN ('{t}', '{t}_inbox');"
+        ))
+        .await;
+    }
+}
+
+#[async_trait]
+impl outbox::RejectionHook<sqlx::MySql> for RecordingHook {
+    async fn on_rejected(
+        &self,
+        conn: &mut sqlx::MySqlConnection,
+        rejected: &outbox::RejectedMessage,
+    ) -> Result<(), outbox::BoxError> {
+        self.ctl.calls.fetch_add(1, Ordering::SeqCst);
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {} (message_id, reason) VALUES (?, ?)",
+            self.table
+        )))
+        .bind(rejected.message_id.to_string())
+        .bind(&rejected.reason)
+        .execute(&mut *conn)
+        .await?;
+        self.after_write().await
+    }
+}
+
+#[async_trait]
+impl ConfirmFixture for MySqlFixture {
+    async fn store_with_hook(&self, ctl: Arc<HookControl>) -> Arc<dyn Store> {
+        let table = format!("{}_compensations", self.table);
+        self.exec(&format!(
+            "CREATE TABLE IF NOT EXISTS {table} (message_id CHAR(36) NOT NULL, reason TEXT) \
+             ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"
+        ))
+        .await;
+        let hook = RecordingHook { table, ctl };
+        Arc::new(self.store.clone().with_rejection_hook(Arc::new(hook)))
+    }
+
+    async fn compensations(&self, message_id: Uuid) -> i64 {
+        sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT COUNT(*) FROM {}_compensations WHERE message_id = ?",
+            self.table
+        )))
+        .bind(message_id.to_string())
+        .fetch_one(self.store.pool())
+        .await
+        .unwrap_or(0)
+    }
+
+    async fn confirm_state(&self, message_id: Uuid) -> ConfirmState {
+        let (deadline_in_ms, check_backs, confirmed): (Option<i64>, i64, i64) =
+            sqlx::query_as(AssertSqlSafe(format!(
+                "SELECT CAST(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), confirm_deadline) DIV 1000 AS SIGNED), \
+                 check_backs, CASE WHEN confirmed_at IS NULL THEN 0 ELSE 1 END FROM {} WHERE message_id = ?",
+                self.table
+            )))
+            .bind(message_id.to_string())
+            .fetch_one(self.store.pool())
+            .await
+            .expect("confirm state");
+        ConfirmState {
+            deadline_in_ms,
+            check_backs,
+            confirmed: confirmed != 0,
+        }
+    }
+
+    async fn backdate(&self, message_id: Uuid, by: Duration) {
+        let us = i64::try_from(by.as_micros()).expect("duration");
+        sqlx::query(AssertSqlSafe(format!(
+            "UPDATE {} SET created_at = created_at - INTERVAL ? MICROSECOND, \
+             updated_at = updated_at - INTERVAL ? MICROSECOND, \
+             sent_at = sent_at - INTERVAL ? MICROSECOND, \
+             confirmed_at = confirmed_at - INTERVAL ? MICROSECOND WHERE message_id = ?",
+            self.table
+        )))
+        .bind(us)
+        .bind(us)
+        .bind(us)
+        .bind(us)
+        .bind(message_id.to_string())
         .execute(self.store.pool())
         .await
         .expect("backdate");

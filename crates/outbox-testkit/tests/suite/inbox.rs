@@ -1,4 +1,4 @@
-//! The inbox on SQLite and PostgreSQL: duplicates skip the handler, handler errors roll back,
+//! The inbox on SQLite, PostgreSQL and MySQL/MariaDB: duplicates skip the handler, handler errors roll back,
 //! concurrent copies apply once (C25), a failing inbox write is an error, never an ack (C27).
 
 use std::sync::Arc;
@@ -8,8 +8,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use outbox::message::{HEADER_MESSAGE_ID, HEADER_TOPIC};
 use outbox::{HandlerError, Headers, InboundMessage, Inbox, InboxError, Processed};
-use outbox_testkit::{PgFixture, StoreFixture as _};
-use sqlx::{AssertSqlSafe, PgConnection, PgPool, SqliteConnection};
+use outbox_testkit::{MySqlFixture, PgFixture, StoreFixture as _};
+use sqlx::{AssertSqlSafe, MySqlConnection, MySqlPool, PgConnection, PgPool, SqliteConnection};
 use uuid::Uuid;
 
 /// A handler that records its effect as a row of `effects` (no unique key, so a duplicate
@@ -74,6 +74,31 @@ impl outbox::Handler<sqlx::Sqlite> for EffectHandler {
         .execute(&mut *conn)
         .await
         .map_err(HandlerError::transient)?;
+        if self.fail {
+            return Err(HandlerError::transient("handler refused"));
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl outbox::Handler<sqlx::MySql> for EffectHandler {
+    async fn handle(
+        &self,
+        conn: &mut MySqlConnection,
+        msg: &InboundMessage,
+    ) -> Result<(), HandlerError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {} (message_id, payload) VALUES (?, ?)",
+            self.effects
+        )))
+        .bind(msg.message_id.to_string())
+        .bind(&msg.payload)
+        .execute(&mut *conn)
+        .await
+        .map_err(HandlerError::transient)?;
+        tokio::time::sleep(self.delay).await;
         if self.fail {
             return Err(HandlerError::transient("handler refused"));
         }
@@ -295,4 +320,173 @@ async fn c27_failing_inbox_write_is_an_error_not_an_ack() {
         10
     );
     fx.cleanup().await;
+}
+
+/// Create the effects table `name` on MySQL/MariaDB.
+pub async fn mysql_effects(pool: &MySqlPool, name: &str) {
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "CREATE TABLE {name} (message_id CHAR(36) NOT NULL, payload LONGBLOB) ENGINE=InnoDB"
+    )))
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+pub async fn mysql_count(pool: &MySqlPool, sql: &str) -> i64 {
+    sqlx::query_scalar(AssertSqlSafe(sql.to_owned()))
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+async fn mysql_drop(fx: &MySqlFixture, effects: &str) {
+    fx.exec(&format!("DROP TABLE IF EXISTS {effects}")).await;
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_duplicate_skips_handler_and_error_rolls_back() {
+    let fx = MySqlFixture::new().await;
+    let pool = fx.store.pool().clone();
+    let effects = format!("{}_effects", fx.table);
+    mysql_effects(&pool, &effects).await;
+    let inbox = Inbox::<sqlx::MySql>::new(pool.clone(), &fx.inbox_table(), "billing").unwrap();
+    inbox.migrate().await.unwrap();
+    let h = EffectHandler::new(&effects);
+    let m = inbound(Uuid::now_v7());
+    assert_eq!(inbox.process(&m, &h).await.unwrap(), Processed::Applied);
+    assert_eq!(inbox.process(&m, &h).await.unwrap(), Processed::Duplicate);
+    assert_eq!(h.calls.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        mysql_count(&pool, &format!("SELECT COUNT(*) FROM {effects}")).await,
+        1
+    );
+    let other = Inbox::<sqlx::MySql>::new(pool.clone(), &fx.inbox_table(), "shipping").unwrap();
+    assert_eq!(other.process(&m, &h).await.unwrap(), Processed::Applied);
+
+    let failing = EffectHandler {
+        fail: true,
+        ..EffectHandler::new(&effects)
+    };
+    let m2 = inbound(Uuid::now_v7());
+    let e = inbox.process(&m2, &failing).await.unwrap_err();
+    assert!(matches!(e, InboxError::Handler(_)), "{e:?}");
+    let sql = format!(
+        "SELECT (SELECT COUNT(*) FROM {effects} WHERE message_id = '{id}') + \
+         (SELECT COUNT(*) FROM {inbox} WHERE message_id = '{id}')",
+        id = m2.message_id,
+        inbox = fx.inbox_table()
+    );
+    assert_eq!(
+        mysql_count(&pool, &sql).await,
+        0,
+        "a failed handler left traces"
+    );
+    assert_eq!(inbox.process(&m2, &h).await.unwrap(), Processed::Applied);
+
+    // Dead letters and replay on MySQL.
+    let m3 = inbound(Uuid::now_v7());
+    inbox.dead_letter(&m3, "poison", 5).await.unwrap();
+    inbox.dead_letter(&m3, "poison again", 6).await.unwrap();
+    let dl = inbox.dead_letters(10).await.unwrap();
+    assert_eq!(dl.len(), 1);
+    assert!(inbox.request_replay(m3.message_id).await.unwrap());
+    let replayed = inbox.replay_requested(&h, 10).await.unwrap();
+    assert_eq!(replayed.len(), 1, "{replayed:?}");
+    assert!(inbox.dead_letters(10).await.unwrap().is_empty());
+    assert_eq!(inbox.purge(Duration::ZERO, 100).await.unwrap(), 4);
+    mysql_drop(&fx, &effects).await;
+}
+
+/// C25 on MariaDB: two instances process two copies of one message at the same time with a
+/// handler that waits: the effect is applied once and the inbox holds one row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_c25_concurrent_copies_apply_once() {
+    let fx = MySqlFixture::new().await;
+    let pool = fx.store.pool().clone();
+    let effects = format!("{}_effects", fx.table);
+    mysql_effects(&pool, &effects).await;
+    let inbox_a = Inbox::<sqlx::MySql>::new(pool.clone(), &fx.inbox_table(), "billing").unwrap();
+    let inbox_b = Inbox::<sqlx::MySql>::new(
+        outbox_testkit::mysql_pool(2).await,
+        &fx.inbox_table(),
+        "billing",
+    )
+    .unwrap();
+    let h = Arc::new(EffectHandler {
+        delay: Duration::from_millis(1500),
+        ..EffectHandler::new(&effects)
+    });
+    let m = inbound(Uuid::now_v7());
+    let (a, b) = tokio::join!(
+        {
+            let (h, m) = (h.clone(), m.clone());
+            tokio::spawn(async move { inbox_a.process(&m, h.as_ref()).await })
+        },
+        {
+            let (h, m) = (h.clone(), m.clone());
+            tokio::spawn(async move { inbox_b.process(&m, h.as_ref()).await })
+        }
+    );
+    let mut outcomes = vec![a.unwrap().unwrap(), b.unwrap().unwrap()];
+    outcomes.sort_by_key(|p| *p == Processed::Duplicate);
+    assert_eq!(outcomes, vec![Processed::Applied, Processed::Duplicate]);
+    assert_eq!(
+        mysql_count(&pool, &format!("SELECT COUNT(*) FROM {effects}")).await,
+        1
+    );
+    assert_eq!(
+        mysql_count(&pool, &format!("SELECT COUNT(*) FROM {}", fx.inbox_table())).await,
+        1
+    );
+    mysql_drop(&fx, &effects).await;
+}
+
+/// C27 on MariaDB: while the inbox insert fails (a trigger SIGNALs), `process` returns an error
+/// and nothing is applied; after the trigger is dropped each message is applied once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_c27_failing_inbox_write_is_an_error_not_an_ack() {
+    let fx = MySqlFixture::new().await;
+    let pool = fx.store.pool().clone();
+    let effects = format!("{}_effects", fx.table);
+    mysql_effects(&pool, &effects).await;
+    let inbox = Inbox::<sqlx::MySql>::new(pool.clone(), &fx.inbox_table(), "billing").unwrap();
+    let trigger = format!("{}_refuse", fx.table);
+    fx.exec(&format!(
+        "CREATE TRIGGER {trigger} BEFORE INSERT ON {} FOR EACH ROW \
+         SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'inbox writes are refused'",
+        fx.inbox_table()
+    ))
+    .await;
+    let h = EffectHandler::new(&effects);
+    let msgs: Vec<InboundMessage> = (0..10).map(|_| inbound(Uuid::now_v7())).collect();
+    for m in &msgs {
+        let e = inbox.process(m, &h).await.unwrap_err();
+        assert!(matches!(e, InboxError::Store(_)), "{e:?}");
+        assert!(e.to_string().contains("refused") || format!("{e:?}").contains("refused"));
+        assert!(e.is_retryable());
+    }
+    assert_eq!(h.calls.load(Ordering::SeqCst), 0);
+    assert_eq!(
+        mysql_count(&pool, &format!("SELECT COUNT(*) FROM {effects}")).await,
+        0
+    );
+    fx.exec(&format!("DROP TRIGGER {trigger}")).await;
+    for m in &msgs {
+        assert_eq!(inbox.process(m, &h).await.unwrap(), Processed::Applied);
+        assert_eq!(inbox.process(m, &h).await.unwrap(), Processed::Duplicate);
+    }
+    assert_eq!(
+        mysql_count(
+            &pool,
+            &format!("SELECT COUNT(DISTINCT message_id) FROM {effects}")
+        )
+        .await,
+        10
+    );
+    assert_eq!(
+        mysql_count(&pool, &format!("SELECT COUNT(*) FROM {effects}")).await,
+        10
+    );
+    mysql_drop(&fx, &effects).await;
 }

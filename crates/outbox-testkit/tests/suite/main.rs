@@ -1,6 +1,8 @@
-//! The outbox test suite against real PostgreSQL, NATS JetStream and SQLite (one test binary).
+//! The outbox test suite against real PostgreSQL, MySQL/MariaDB, NATS JetStream and SQLite (one
+//! test binary).
 //!
-//! Services: `OUTBOX_TEST_POSTGRES_URL` (default `postgres://postgres@127.0.0.1:5432/test`) and
+//! Services: `OUTBOX_TEST_POSTGRES_URL` (default `postgres://postgres@127.0.0.1:5432/test`),
+//! `OUTBOX_TEST_MYSQL_URL` (default `mysql://root@127.0.0.1:3306/test`) and
 //! `OUTBOX_TEST_NATS_URL` (default `nats://127.0.0.1:4222`). A test whose service does not answer
 //! fails with a message naming it.
 
@@ -30,6 +32,8 @@ fn futures_are_send() {
     #[allow(dead_code, clippy::too_many_arguments)]
     fn check(
         pg: outbox::PgStore,
+        my: outbox::MySqlStore,
+        my_conn: &mut sqlx::MySqlConnection,
         sqlite: outbox::SqliteStore,
         pg_conn: &mut sqlx::PgConnection,
         sqlite_conn: &mut sqlx::SqliteConnection,
@@ -42,6 +46,12 @@ fn futures_are_send() {
     ) {
         send(&pg.enqueue(pg_conn, outbox::NewMessage::new("t", "x")));
         send(&sqlite.enqueue(sqlite_conn, outbox::NewMessage::new("t", "x")));
+        send(&my.enqueue(my_conn, outbox::NewMessage::new("t", "x")));
+        send(&my.claim(&outbox::store::ClaimRequest {
+            owner: "t".into(),
+            batch_size: 1,
+            lease: std::time::Duration::from_secs(1),
+        }));
         send(&pg.migrate());
         send(&sqlite.stats());
         send(&nats.publish(&[]));

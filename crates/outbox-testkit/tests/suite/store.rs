@@ -1,4 +1,5 @@
-//! The store conformance suite, run against SQLite (temporary file) and PostgreSQL (own schema).
+//! The store conformance suite, run against SQLite (temporary file), PostgreSQL (own schema) and
+//! MySQL/MariaDB (own tables).
 
 macro_rules! store_conformance {
     ($backend:ident, $fixture:ty) => {
@@ -63,6 +64,7 @@ macro_rules! store_conformance {
 
 store_conformance!(sqlite, outbox_testkit::SqliteFixture);
 store_conformance!(postgres, outbox_testkit::PgFixture);
+store_conformance!(mysql, outbox_testkit::MySqlFixture);
 
 /// Concurrent `migrate` calls on PostgreSQL are serialised and all succeed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -108,4 +110,27 @@ async fn postgres_unqualified_table() {
     .execute(&pool)
     .await
     .unwrap();
+}
+
+/// Concurrent `migrate` calls on MySQL/MariaDB are serialised by `GET_LOCK` and all succeed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_concurrent_migrate() {
+    use outbox::store::Store as _;
+    use outbox_testkit::StoreFixture as _;
+    let fx = outbox_testkit::MySqlFixture::new().await;
+    let (a, b, c) = tokio::join!(fx.store.migrate(), fx.store.migrate(), fx.store.migrate());
+    a.unwrap();
+    b.unwrap();
+    c.unwrap();
+    let versions = fx
+        .count(&format!(
+            "outbox_migrations WHERE table_name IN ('{t}', '{t}_inbox')",
+            t = fx.table
+        ))
+        .await;
+    assert_eq!(
+        versions, 5,
+        "three outbox and two inbox versions, once each"
+    );
+    fx.cleanup().await;
 }
