@@ -7,6 +7,7 @@
 //! fails with a message naming it.
 
 mod cases;
+mod cases_mysql;
 mod confirm;
 mod crash;
 mod inbox;

@@ -1,0 +1,456 @@
+//! Shared failure cases on MySQL/MariaDB (InnoDB's own traps): C01 with AUTO_INCREMENT gaps,
+//! C21/C31 deadlocks between concurrent claimers and other sessions, C35 session time zones,
+//! binary payloads and 4-byte UTF-8.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use outbox::store::{ClaimRequest, Completion, Outcome, Store as _};
+use outbox::{MemoryTransport, MySqlStore, NewMessage, Status, StoreError, StoreErrorKind};
+use outbox::{RelayConfig, StoreOptions};
+use outbox_testkit::{MySqlFixture, StoreFixture as _, within};
+use sqlx::{AssertSqlSafe, Executor as _};
+
+use crate::relay::{counts_by_id, fast_config, relay_to, wait_all_status};
+
+fn req(lease: Duration) -> ClaimRequest {
+    ClaimRequest {
+        owner: "case".into(),
+        batch_size: 100,
+        lease,
+    }
+}
+
+/// C01 on MariaDB: session A draws the lower AUTO_INCREMENT id and commits late, a rolled-back
+/// insert leaves a gap; the row committed late is still published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_c01_late_commit_across_auto_increment_gap_is_published() {
+    crate::init_tracing();
+    let fx = MySqlFixture::new().await;
+    let mem = Arc::new(MemoryTransport::new());
+    let relay = relay_to(&fx, mem.clone(), fast_config("r1")).spawn();
+    let mut a = fx.store.pool().begin().await.unwrap();
+    let m1 = fx
+        .store
+        .enqueue(&mut a, NewMessage::new("t", "M1"))
+        .await
+        .unwrap();
+    // A rolled-back insert burns an id: the gap.
+    fx.enqueue_rollback(vec![NewMessage::new("t", "gone")])
+        .await
+        .unwrap();
+    let m2 = fx
+        .enqueue_commit(vec![NewMessage::new("t", "M2")])
+        .await
+        .unwrap()[0];
+    within("M2 published", Duration::from_secs(5), mem.wait_for(1)).await;
+    assert_eq!(mem.delivered()[0].message.message_id, m2);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(mem.count(), 1, "M1 is invisible until A commits");
+    a.commit().await.unwrap();
+    within(
+        "M1 published after A commits",
+        Duration::from_secs(5),
+        mem.wait_for(2),
+    )
+    .await;
+    let delivered = mem.delivered();
+    assert_eq!(delivered[1].message.message_id, m1);
+    let (id1, id2) = (delivered[1].message.id, delivered[0].message.id);
+    assert!(id1 < id2, "M1 drew the lower id");
+    assert!(id2 - id1 >= 2, "the rolled-back insert left a gap");
+    relay.shutdown().await.unwrap();
+    fx.cleanup().await;
+}
+
+/// The error numbers MariaDB reports for a deadlock (1213, SQLSTATE 40001) and a lock wait
+/// timeout (1205, SQLSTATE HY000) are transient store errors.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_deadlock_and_lock_wait_timeout_are_transient() {
+    let fx = MySqlFixture::new().await;
+    fx.enqueue_commit(vec![NewMessage::new("t", "a"), NewMessage::new("t", "b")])
+        .await
+        .unwrap();
+    let t = fx.table.clone();
+    let ids: Vec<i64> = fx.rows().await.iter().map(|r| r.id).collect();
+    let pool = fx.store.pool().clone();
+    let mut x = pool.begin().await.unwrap();
+    let mut y = pool.begin().await.unwrap();
+    let upd = |id: i64| format!("UPDATE {t} SET attempts = attempts WHERE id = {id}");
+    x.execute(AssertSqlSafe(upd(ids[0]))).await.unwrap();
+    y.execute(AssertSqlSafe(upd(ids[1]))).await.unwrap();
+    let (rx, ry) = tokio::join!(
+        async {
+            let r = x.execute(AssertSqlSafe(upd(ids[1]))).await;
+            (r, x)
+        },
+        async {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let r = y.execute(AssertSqlSafe(upd(ids[0]))).await;
+            (r, y)
+        }
+    );
+    let errors: Vec<sqlx::Error> = [rx.0.err(), ry.0.err()].into_iter().flatten().collect();
+    assert_eq!(errors.len(), 1, "one deadlock victim");
+    let deadlock = &errors[0];
+    let db = deadlock.as_database_error().unwrap();
+    let my = db
+        .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+        .unwrap();
+    assert_eq!((my.number(), db.code().as_deref()), (1213, Some("40001")));
+    let e = StoreError::db("test", &t, errors.into_iter().next().unwrap());
+    assert_eq!(e.kind(), StoreErrorKind::Transient, "{e}");
+    let _ = (rx.1.rollback().await, ry.1.rollback().await);
+
+    let mut holder = pool.begin().await.unwrap();
+    holder.execute(AssertSqlSafe(upd(ids[0]))).await.unwrap();
+    let mut waiter = pool.acquire().await.unwrap();
+    waiter
+        .execute("SET SESSION innodb_lock_wait_timeout = 1")
+        .await
+        .unwrap();
+    let err = waiter
+        .execute(AssertSqlSafe(upd(ids[0])))
+        .await
+        .unwrap_err();
+    let db = err.as_database_error().unwrap();
+    let my = db
+        .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+        .unwrap();
+    assert_eq!((my.number(), db.code().as_deref()), (1205, Some("HY000")));
+    let e = StoreError::db("test", &t, err);
+    assert_eq!(e.kind(), StoreErrorKind::Transient, "{e}");
+    waiter
+        .execute("SET SESSION innodb_lock_wait_timeout = DEFAULT")
+        .await
+        .unwrap();
+    drop(waiter);
+    holder.rollback().await.unwrap();
+    fx.cleanup().await;
+}
+
+/// C31/C21 on MariaDB: 4 relays (each with its own pool, like 4 processes) drain 5,000 messages
+/// while another session keeps updating the same rows in descending id order (the opposite of
+/// the claim order). Every message is published exactly once, none fails, and the deadlocks and
+/// lock wait timeouts InnoDB raises are retried and counted, never surfacing as failures.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mysql_c31_concurrent_relays_and_contending_updates_lose_nothing() {
+    crate::init_tracing();
+    const N: usize = 5_000;
+    let fx = MySqlFixture::new().await;
+    let t = fx.table.clone();
+    let msgs: Vec<NewMessage> = (0..N)
+        .map(|i| {
+            NewMessage::new("orders", format!("m{i}")).with_partition_key(format!("k{}", i % 7))
+        })
+        .collect();
+    fx.enqueue_commit(msgs).await.unwrap();
+
+    // The contending session: short transactions locking 200 rows from the top id down.
+    let stop = Arc::new(AtomicBool::new(false));
+    let victim = Arc::new(AtomicU64::new(0));
+    let updates = Arc::new(AtomicU64::new(0));
+    let contender = {
+        let (stop, victim, updates) = (stop.clone(), victim.clone(), updates.clone());
+        let pool = outbox_testkit::mysql_pool(2).await;
+        let t = t.clone();
+        tokio::spawn(async move {
+            let mut offset = 0i64;
+            while !stop.load(Ordering::SeqCst) {
+                let sql = format!(
+                    "UPDATE {t} SET partition_key = partition_key \
+                     WHERE id <= (SELECT MAX(id) FROM (SELECT id FROM {t}) x) - {offset} \
+                     ORDER BY id DESC LIMIT 200"
+                );
+                match sqlx::query(AssertSqlSafe(sql)).execute(&pool).await {
+                    Ok(_) => {
+                        updates.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(_) => {
+                        victim.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                offset = (offset + 97) % (N as i64);
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        })
+    };
+
+    let mem = Arc::new(MemoryTransport::new());
+    let mut stores = Vec::new();
+    let mut relays = Vec::new();
+    let started = Instant::now();
+    for r in 0..4 {
+        let store =
+            MySqlStore::from_pool(outbox_testkit::mysql_pool(6).await, StoreOptions::table(&t))
+                .unwrap();
+        let config = RelayConfig {
+            batch_size: 50,
+            lease: Duration::from_secs(60),
+            ..fast_config(&format!("r{r}"))
+        };
+        let relay = outbox::Relay::builder(Arc::new(store.clone()))
+            .router(outbox::Router::single(mem.clone()))
+            .config(config)
+            .build()
+            .unwrap();
+        stores.push(store);
+        relays.push(relay.spawn());
+    }
+    within(
+        "5,000 deliveries",
+        Duration::from_secs(120),
+        mem.wait_for(N),
+    )
+    .await;
+    let drained = started.elapsed();
+    wait_all_status(&fx, Status::Sent, Duration::from_secs(30)).await;
+    stop.store(true, Ordering::SeqCst);
+    contender.await.unwrap();
+
+    let counts = counts_by_id(&mem.delivered());
+    assert_eq!(counts.len(), N, "a message was lost");
+    assert!(
+        counts.values().all(|n| *n == 1),
+        "a message was published twice"
+    );
+    let mut failed = 0;
+    let mut store_errors = 0;
+    let mut claimed = 0;
+    for h in &relays {
+        let m = h.metrics().snapshot();
+        failed += m.failed;
+        store_errors += m.store_errors;
+        claimed += m.claimed;
+    }
+    let conflicts: u64 = stores.iter().map(MySqlStore::conflicts_retried).sum();
+    println!(
+        "C31 MariaDB: {N} messages drained by 4 relays in {:.2} s ({:.0} msg/s); \
+         {conflicts} deadlocks/lock waits retried inside the store, {store_errors} surfaced to the \
+         relay loop, contender: {} updates, {} deadlock victims",
+        drained.as_secs_f64(),
+        N as f64 / drained.as_secs_f64(),
+        updates.load(Ordering::Relaxed),
+        victim.load(Ordering::Relaxed),
+    );
+    assert_eq!(failed, 0, "a lock conflict failed a message");
+    assert_eq!(claimed, N as u64, "a row was claimed twice");
+    assert!(
+        updates.load(Ordering::Relaxed) > 0,
+        "the contender never ran"
+    );
+    for h in relays {
+        h.shutdown().await.unwrap();
+    }
+    for s in &stores {
+        s.pool().close().await;
+    }
+    fx.cleanup().await;
+}
+
+async fn mysql_store_in_time_zone(fx: &MySqlFixture, tz: &'static str) -> MySqlStore {
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(2)
+        .after_connect(move |conn, _| {
+            Box::pin(async move {
+                conn.execute(AssertSqlSafe(format!("SET time_zone = '{tz}'")))
+                    .await?;
+                Ok(())
+            })
+        })
+        .connect(&outbox_testkit::mysql_url())
+        .await
+        .expect("MySQL/MariaDB (OUTBOX_TEST_MYSQL_URL)");
+    MySqlStore::from_pool(pool, StoreOptions::table(&fx.table)).unwrap()
+}
+
+async fn seconds(store: &MySqlStore, sql: &str, id: uuid::Uuid) -> f64 {
+    let us: i64 = sqlx::query_scalar(AssertSqlSafe(sql.to_owned()))
+        .bind(id.to_string())
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    us as f64 / 1e6
+}
+
+/// C35 on MariaDB: sessions in '+08:00' and '+00:00' enqueue at the same moment: the stored
+/// instants agree, and delays and retries are measured on the UTC database clock whatever the
+/// session time zone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_c35_session_time_zones_do_not_shift_times() {
+    crate::init_tracing();
+    let fx = MySqlFixture::new().await;
+    let shanghai = mysql_store_in_time_zone(&fx, "+08:00").await;
+    let utc = mysql_store_in_time_zone(&fx, "+00:00").await;
+    let offset: i64 = sqlx::query_scalar("SELECT TIMESTAMPDIFF(HOUR, UTC_TIMESTAMP(), NOW())")
+        .fetch_one(shanghai.pool())
+        .await
+        .unwrap();
+    assert_eq!(offset, 8, "the session time zone is applied");
+    let enqueue = |store: MySqlStore, msg: NewMessage| async move {
+        let mut tx = store.pool().begin().await.unwrap();
+        let id = store.enqueue(&mut tx, msg).await.unwrap();
+        tx.commit().await.unwrap();
+        id
+    };
+    let (a, b) = tokio::join!(
+        enqueue(shanghai.clone(), NewMessage::new("t", "sh")),
+        enqueue(utc.clone(), NewMessage::new("t", "utc"))
+    );
+    let (da, db) = tokio::join!(
+        enqueue(
+            shanghai.clone(),
+            NewMessage::new("t", "sh-late").with_delay(Duration::from_secs(60))
+        ),
+        enqueue(
+            utc.clone(),
+            NewMessage::new("t", "utc-late").with_delay(Duration::from_secs(60))
+        )
+    );
+    // A plain-SQL producer in the +08:00 session gets UTC defaults too.
+    let plain = uuid::Uuid::now_v7();
+    sqlx::query(AssertSqlSafe(format!(
+        "INSERT INTO {} (message_id, topic, payload) VALUES (?, 't', 'x')",
+        fx.table
+    )))
+    .bind(plain.to_string())
+    .execute(shanghai.pool())
+    .await
+    .unwrap();
+    let t = &fx.table;
+    let age = format!(
+        "SELECT TIMESTAMPDIFF(MICROSECOND, created_at, UTC_TIMESTAMP(6)) FROM {t} WHERE message_id = ?"
+    );
+    for reader in [&shanghai, &utc] {
+        let ages = [
+            seconds(reader, &age, a).await,
+            seconds(reader, &age, b).await,
+            seconds(reader, &age, plain).await,
+        ];
+        assert!(
+            (ages[0] - ages[1]).abs() < 1.0,
+            "created_at differ: {ages:?}"
+        );
+        assert!(
+            ages.iter().all(|s| (-1.0..5.0).contains(s)),
+            "created_at is not the UTC clock: {ages:?}"
+        );
+    }
+    let due_in = format!(
+        "SELECT TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), available_at) FROM {t} WHERE message_id = ?"
+    );
+    for reader in [&shanghai, &utc] {
+        for id in [da, db] {
+            let d = seconds(reader, &due_in, id).await;
+            assert!((58.0..=60.0).contains(&d), "delayed message due in {d} s");
+        }
+    }
+    let c = shanghai.claim(&req(Duration::from_secs(30))).await.unwrap();
+    assert_eq!(c.messages.len(), 3);
+    let comps: Vec<Completion> = c
+        .messages
+        .iter()
+        .map(|m| Completion {
+            id: m.id,
+            outcome: Outcome::Retry {
+                delay: Duration::from_secs(60),
+                error: "broker nack".into(),
+            },
+        })
+        .collect();
+    assert_eq!(shanghai.complete(c.token, &comps).await.unwrap(), 3);
+    for reader in [&shanghai, &utc] {
+        for id in [a, b, plain] {
+            let d = seconds(reader, &due_in, id).await;
+            assert!((58.0..=60.0).contains(&d), "retry due in {d} s");
+        }
+    }
+    assert!(
+        utc.claim(&req(Duration::from_secs(30)))
+            .await
+            .unwrap()
+            .messages
+            .is_empty()
+    );
+    let due = utc.next_due_in().await.unwrap().unwrap();
+    assert!(due > Duration::from_secs(55), "next due in {due:?}");
+    let _ = (shanghai.pool().close().await, utc.pool().close().await);
+    fx.cleanup().await;
+}
+
+/// Binary payloads (0xFF 0xFE, NUL) and 4-byte UTF-8 (emoji) in topic, key, headers, payload and
+/// error text round-trip byte-exact through MariaDB and a relay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_binary_payloads_and_emoji_round_trip() {
+    crate::init_tracing();
+    let fx = MySqlFixture::new().await;
+    let binary: Vec<u8> = vec![0xFF, 0xFE, 0x00, 0x01, 0x00, 0x80, 0xC3, 0x28, 0xFF];
+    let all_bytes: Vec<u8> = (0..=255u8).rev().collect();
+    let emoji = "订单 😀🚀 \u{1F9D1}\u{200D}\u{1F4BB}".to_owned();
+    let ids = fx
+        .enqueue_commit(vec![
+            NewMessage::new("bin", binary.clone()),
+            NewMessage::new("all", all_bytes.clone()),
+            NewMessage::new("订单.😀", emoji.clone().into_bytes())
+                .with_partition_key("客户-🦀")
+                .with_header("note", "✅ 4-byte: 😀"),
+        ])
+        .await
+        .unwrap();
+    let c = fx.store.claim(&req(Duration::from_secs(30))).await.unwrap();
+    assert!(c.malformed.is_empty(), "{:?}", c.malformed);
+    assert_eq!(c.messages.len(), 3);
+    assert_eq!(c.messages[0].payload, binary);
+    assert_eq!(c.messages[1].payload, all_bytes);
+    let m = &c.messages[2];
+    assert_eq!(m.message_id, ids[2]);
+    assert_eq!(m.topic, "订单.😀");
+    assert_eq!(m.partition_key.as_deref(), Some("客户-🦀"));
+    assert_eq!(
+        m.headers.get("note").map(String::as_str),
+        Some("✅ 4-byte: 😀")
+    );
+    assert_eq!(m.payload, emoji.as_bytes());
+    // An error text with emoji is stored intact too.
+    let comps = vec![Completion {
+        id: m.id,
+        outcome: Outcome::Failed {
+            reason: "拒绝 🙅 \u{0}nul".into(),
+        },
+    }];
+    assert_eq!(fx.store.complete(c.token, &comps).await.unwrap(), 1);
+    let failed = fx.store.failed(10).await.unwrap();
+    assert_eq!(failed[0].last_error.as_deref(), Some("拒绝 🙅 \u{0}nul"));
+    assert_eq!(failed[0].topic, "订单.😀");
+    // Through a relay: byte-identical at the broker.
+    assert_eq!(fx.store.requeue_failed(None).await.unwrap(), 1);
+    let rel = fx
+        .store
+        .complete(
+            c.token,
+            &c.messages[..2]
+                .iter()
+                .map(|m| Completion {
+                    id: m.id,
+                    outcome: Outcome::Release {
+                        delay: Duration::ZERO,
+                    },
+                })
+                .collect::<Vec<_>>(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(rel, 2);
+    let mem = Arc::new(MemoryTransport::new());
+    let relay = relay_to(&fx, mem.clone(), fast_config("r1")).spawn();
+    within("3 deliveries", Duration::from_secs(10), mem.wait_for(3)).await;
+    relay.shutdown().await.unwrap();
+    let mut delivered = mem.delivered();
+    delivered.sort_by_key(|d| d.message.id);
+    assert_eq!(delivered[0].message.payload, binary);
+    assert_eq!(delivered[1].message.payload, all_bytes);
+    assert_eq!(delivered[2].message.payload, emoji.as_bytes());
+    assert_eq!(delivered[2].message.topic, "订单.😀");
+    fx.cleanup().await;
+}
