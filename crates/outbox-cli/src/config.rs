@@ -41,7 +41,8 @@ pub struct FileConfig {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DatabaseSection {
-    /// `postgres://…` or `sqlite://path` (required here or on the command line).
+    /// `postgres://…`, `mysql://…` (`mariadb://…`) or `sqlite://path` (required here or on the
+    /// command line).
     #[serde(default)]
     pub url: String,
     /// Outbox table. Default `outbox`.

@@ -23,7 +23,8 @@ struct Cli {
 
 #[derive(Debug, clap::Args)]
 struct DbArgs {
-    /// Database URL: `postgres://user@host:port/db` or `sqlite://path/to/file.db`.
+    /// Database URL: `postgres://user@host:port/db`, `mysql://user@host:3306/db` (or
+    /// `mariadb://…`) or `sqlite://path/to/file.db`.
     #[arg(long, env = "OUTBOX_DATABASE_URL")]
     database: String,
     /// Outbox table (optionally `schema.table` on PostgreSQL).
@@ -78,7 +79,7 @@ enum Command {
 
 #[derive(Debug, clap::Args)]
 struct InboxArgs {
-    /// The consumer's database URL: `postgres://…` or `sqlite://…`.
+    /// The consumer's database URL: `postgres://…`, `mysql://…` (`mariadb://…`) or `sqlite://…`.
     #[arg(long, env = "OUTBOX_DATABASE_URL")]
     database: String,
     /// Inbox table (dead letters are in `<table>_dlq`).
@@ -124,6 +125,16 @@ async fn inbox_command(cmd: InboxCommand) -> anyhow::Result<()> {
             Some(id) => (Vec::new(), inbox.request_replay(id).await?),
             None => (inbox.dead_letters(limit).await?, true),
         }
+    } else if url.starts_with("mysql://") || url.starts_with("mariadb://") {
+        let url = url.replacen("mariadb://", "mysql://", 1);
+        let pool = sqlx::MySqlPool::connect(&url)
+            .await
+            .with_context(|| format!("cannot open {}", redact(&url)))?;
+        let inbox = outbox::Inbox::<sqlx::MySql>::new(pool, &args.inbox_table, &args.consumer)?;
+        match replay {
+            Some(id) => (Vec::new(), inbox.request_replay(id).await?),
+            None => (inbox.dead_letters(limit).await?, true),
+        }
     } else if url.starts_with("sqlite:") {
         let pool = sqlx::SqlitePool::connect(url)
             .await
@@ -135,7 +146,7 @@ async fn inbox_command(cmd: InboxCommand) -> anyhow::Result<()> {
         }
     } else {
         bail!(
-            "unsupported database URL {:?}: expected postgres://… or sqlite://…",
+            "unsupported database URL {:?}: expected postgres://…, mysql://…, mariadb://… or sqlite://…",
             redact(url)
         );
     };
@@ -193,6 +204,11 @@ pub async fn open_store(
             .await
             .with_context(|| format!("cannot open {}", redact(url)))?;
         Ok(Arc::new(store))
+    } else if url.starts_with("mysql://") || url.starts_with("mariadb://") {
+        let store = outbox::MySqlStore::connect(url, options)
+            .await
+            .with_context(|| format!("cannot open {}", redact(url)))?;
+        Ok(Arc::new(store))
     } else if url.starts_with("sqlite:") {
         let store = SqliteStore::connect(url, options)
             .await
@@ -200,7 +216,7 @@ pub async fn open_store(
         Ok(Arc::new(store))
     } else {
         bail!(
-            "unsupported database URL {:?}: expected postgres://… or sqlite://…",
+            "unsupported database URL {:?}: expected postgres://…, mysql://…, mariadb://… or sqlite://…",
             redact(url)
         )
     }

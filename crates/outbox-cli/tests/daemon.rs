@@ -347,11 +347,20 @@ fn bad_configuration_is_named_and_exits_non_zero() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("database.url"));
 
     let out = outbox()
-        .args(["status", "--database", "mysql://nope"])
+        .args(["status", "--database", "oracle://nope"])
         .output()
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("unsupported database URL"));
+    // MySQL/MariaDB URLs are supported; an unreachable one names the URL.
+    let out = outbox()
+        .args(["status", "--database", "mysql://nope@127.0.0.1:1/x"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("cannot open mysql://nope@127.0.0.1:1/x")
+    );
 
     let db = format!("sqlite://{}", f.dir.join("empty.db").display());
     let out = outbox()
