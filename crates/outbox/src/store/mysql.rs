@@ -33,8 +33,10 @@
 //! - Wake-up: MySQL has no LISTEN/NOTIFY. An embedded relay is woken in-process by
 //!   [`Store::wake`] (or [`MySqlStore::commit`]); rows from other processes or plain SQL are
 //!   picked up by the relay's adaptive polling (its `poll_interval`, default 1 s, is the worst
-//!   case). Measured on MariaDB 10.11 (see the README): in-process wake-ups deliver in
-//!   milliseconds, plain-SQL inserts within one poll interval.
+//!   case). Measured on MariaDB 10.11: commit → broker p50 2 ms through the in-process wake-up,
+//!   ~1 s (one poll interval) for a plain-SQL insert by another process; 4 relays drain 5,000
+//!   messages at 6,000–7,500 msg/s while another session locks the same rows, retrying 50–80
+//!   deadlocks / lock wait timeouts per run without a single failure.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -50,7 +52,7 @@ use super::{
     Claim, ClaimRequest, Completion, CompletionColumns, FailedMessage, LeaseToken, Stats, Store,
     StoreOptions, claim_from_rows, millis, new_token, parse_headers, stats_from,
 };
-use crate::confirm::{ConfirmReport, Confirmation, RejectedMessage, RejectionHook, Verdict};
+use crate::confirm::{ConfirmReport, Confirmation, RejectionHook, Verdict};
 use crate::error::{EnqueueError, StoreError};
 use crate::ident::TableName;
 use crate::message::{Limits, Message, NewMessage};
@@ -755,16 +757,15 @@ impl Store for MySqlStore {
             };
             let message_id = c.message_id.hyphenated().to_string();
             let mut tx = self.begin_rc().await.map_err(self.err("confirm"))?;
-            let row: Option<(i64, String, Option<String>, String, Vec<u8>)> =
-                sqlx::query_as(AssertSqlSafe(format!(
-                    "SELECT id, topic, partition_key, headers, payload FROM {t} \
-                     WHERE message_id = ? AND status IN (0, 1, 2, 4) FOR UPDATE"
-                )))
-                .bind(&message_id)
-                .fetch_optional(&mut *tx)
-                .await
-                .map_err(self.err("confirm"))?;
-            let Some((id, topic, partition_key, headers, payload)) = row else {
+            let row: Option<super::RejectedRow> = sqlx::query_as(AssertSqlSafe(format!(
+                "SELECT id, topic, partition_key, headers, payload FROM {t} \
+                 WHERE message_id = ? AND status IN (0, 1, 2, 4) FOR UPDATE"
+            )))
+            .bind(&message_id)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(self.err("confirm"))?;
+            let Some(row) = row else {
                 tx.rollback().await.map_err(self.err("confirm"))?;
                 unmatched.push(message_id);
                 continue;
@@ -774,30 +775,20 @@ impl Store for MySqlStore {
                  updated_at = {NOW}, last_error = ? WHERE id = ?"
             )))
             .bind(format!("rejected by {}: {reason}", c.consumer))
-            .bind(id)
+            .bind(row.0)
             .execute(&mut *tx)
             .await
             .map_err(self.err("confirm"))?;
-            if let Some(hook) = &self.hook {
-                let rejected = RejectedMessage {
-                    id,
-                    message_id: c.message_id,
-                    topic,
-                    partition_key,
-                    headers: parse_headers(id, &headers).unwrap_or_default(),
-                    payload,
-                    consumer: c.consumer.clone(),
-                    reason: reason.clone(),
-                };
-                if let Err(e) = hook.on_rejected(&mut tx, &rejected).await {
-                    tracing::error!(error = %e, message_id = %c.message_id, "rejection hook failed; rolled back");
-                    tx.rollback().await.map_err(self.err("confirm"))?;
-                    report.failed_hooks += 1;
-                    continue;
-                }
-            }
-            tx.commit().await.map_err(self.err("confirm"))?;
-            report.rejected += 1;
+            super::finish_rejection(
+                tx,
+                self.hook.as_ref(),
+                c,
+                reason,
+                row,
+                &mut report,
+                self.table.as_str(),
+            )
+            .await?;
         }
         if !unmatched.is_empty() {
             // Counted per confirmation, so an id repeated in the batch counts each time.
