@@ -3,7 +3,8 @@
 //!
 //! Two services, each with its own database:
 //! - the **order service** writes an order row (status `PLACED`) and an `order-created` outbox
-//!   message in one local transaction ([`outbox::SqliteStore`] or [`outbox::PgStore`]), and
+//!   message in one local transaction ([`outbox::SqliteStore`], [`outbox::PgStore`] or
+//!   [`outbox::MySqlStore`]), and
 //!   serves a confirmation endpoint (an axum route, or a NATS subject it listens on);
 //! - the **inventory service** receives the message (webhook or NATS JetStream) and, in one
 //!   transaction with its [`outbox::Inbox`] row, deducts stock and appends to a deduction log, or
@@ -42,18 +43,19 @@ use outbox::consumer::nats::NatsConsumerConfig;
 use outbox::consumer::{ConsumerMetrics, DeliveryPolicy};
 use outbox::{
     Backoff, BoxError, ConfirmPolicy, Confirmation, ConfirmationSender, HandlerError,
-    InboundMessage, Inbox, InboxBackend, NatsConfig, NatsTransport, NewMessage, Outgoing, PgStore,
-    RejectedMessage, RejectionHook, Relay, RelayConfig, RelayHandle, RelayMetrics, Router,
-    SqliteStore, Status, Store, StoreOptions, Transport, TransportError, WebhookConfig,
-    WebhookTransport,
+    InboundMessage, Inbox, InboxBackend, MySqlStore, NatsConfig, NatsTransport, NewMessage,
+    Outgoing, PgStore, RejectedMessage, RejectionHook, Relay, RelayConfig, RelayHandle,
+    RelayMetrics, Router, SqliteStore, Status, Store, StoreOptions, Transport, TransportError,
+    WebhookConfig, WebhookTransport,
 };
 use rand::Rng;
 use serde::{Deserialize, Serialize};
+use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
-use sqlx::{ConnectOptions, PgConnection, SqliteConnection};
+use sqlx::{ConnectOptions, MySqlConnection, PgConnection, SqliteConnection};
 use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -108,8 +110,9 @@ pub struct DemoArgs {
     #[arg(long, default_value = "./demo-data")]
     pub data_dir: PathBuf,
 
-    /// Run both services on this PostgreSQL database (`postgres://user@host:port/db`) instead
-    /// of SQLite files; the demo_* tables are dropped and recreated at start.
+    /// Run both services on this PostgreSQL (`postgres://user@host:port/db`) or MySQL/MariaDB
+    /// (`mysql://user@host:3306/db`) database instead of SQLite files; the demo_* tables are
+    /// dropped and recreated at start.
     #[arg(long, value_name = "URL")]
     pub database: Option<String>,
 
@@ -234,6 +237,17 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
                 .await?
         }
         Services::Postgres { inbox, .. } => {
+            delivery
+                .start_consumer(
+                    inbox.clone(),
+                    handler,
+                    confirmations,
+                    consumer_metrics.clone(),
+                    &cancel,
+                )
+                .await?
+        }
+        Services::MySql { inbox, .. } => {
             delivery
                 .start_consumer(
                     inbox.clone(),
@@ -445,6 +459,11 @@ enum Services {
         inventory: PgPool,
         inbox: Inbox<sqlx::Postgres>,
     },
+    MySql {
+        store: MySqlStore,
+        inventory: MySqlPool,
+        inbox: Inbox<sqlx::MySql>,
+    },
 }
 
 impl Services {
@@ -455,7 +474,10 @@ impl Services {
             Some(url) if url.starts_with("postgres://") || url.starts_with("postgresql://") => {
                 Services::open_postgres(url, args.orders).await
             }
-            Some(url) => bail!("--database must be a postgres:// URL, not {url:?}"),
+            Some(url) if url.starts_with("mysql://") || url.starts_with("mariadb://") => {
+                Services::open_mysql(&url.replacen("mariadb://", "mysql://", 1), args.orders).await
+            }
+            Some(url) => bail!("--database must be a postgres:// or mysql:// URL, not {url:?}"),
         }
     }
 
@@ -612,6 +634,97 @@ impl Services {
         })
     }
 
+    async fn open_mysql(url: &str, orders: usize) -> anyhow::Result<Services> {
+        let t = PG_TABLES;
+        let outbox_options = StoreOptions::table(t.outbox);
+        let store = MySqlStore::from_pool(
+            mysql_pool(url)
+                .await
+                .context("cannot connect to MySQL/MariaDB for the order service")?,
+            outbox_options.clone(),
+        )?;
+        let inventory = mysql_pool(url)
+            .await
+            .context("cannot connect to MySQL/MariaDB for the inventory service")?;
+        // Start from scratch: drop the demo tables (with the inboxes' dead-letter tables) and
+        // forget their migrations.
+        let ours = [
+            t.orders,
+            t.outbox,
+            outbox_options.inbox_table.as_str(),
+            t.stock,
+            t.inbox,
+            t.deductions,
+        ];
+        let dead_letters = [
+            format!("{}_dlq", outbox_options.inbox_table),
+            format!("{}_dlq", t.inbox),
+        ];
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DROP TABLE IF EXISTS {}, {}",
+            ours.join(", "),
+            dead_letters.join(", ")
+        )))
+        .execute(&inventory)
+        .await?;
+        let has_migrations: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM information_schema.tables \
+             WHERE table_schema = DATABASE() AND table_name = 'outbox_migrations'",
+        )
+        .fetch_one(&inventory)
+        .await?;
+        if has_migrations > 0 {
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "DELETE FROM outbox_migrations WHERE table_name IN ({})",
+                ours.map(|t| format!("'{t}'")).join(", ")
+            )))
+            .execute(&inventory)
+            .await?;
+        }
+
+        store.migrate().await?;
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "CREATE TABLE {} (id BIGINT PRIMARY KEY, sku VARCHAR(64) NOT NULL, qty BIGINT NOT NULL, \
+             status VARCHAR(32) NOT NULL DEFAULT '{PLACED}', \
+             created_at DATETIME(6) NOT NULL DEFAULT (UTC_TIMESTAMP(6))) ENGINE=InnoDB",
+            t.orders
+        )))
+        .execute(store.pool())
+        .await?;
+        let store = store.clone().with_rejection_hook(Arc::new(CancelOrder {
+            orders: t.orders,
+            outbox: store,
+        }));
+
+        let inbox = Inbox::new(inventory.clone(), t.inbox, CONSUMER)?;
+        inbox.migrate().await?;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "CREATE TABLE {stock} (sku VARCHAR(64) PRIMARY KEY, qty BIGINT NOT NULL) ENGINE=InnoDB;
+             CREATE TABLE {log} (id BIGINT AUTO_INCREMENT PRIMARY KEY,
+                 order_id BIGINT NOT NULL, sku VARCHAR(64) NOT NULL, qty BIGINT NOT NULL,
+                 message_id CHAR(36) NOT NULL, KEY {log}_order_id (order_id)) ENGINE=InnoDB;",
+            stock = t.stock,
+            log = t.deductions
+        )))
+        .execute(&inventory)
+        .await?;
+        for sku in SKUS {
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "INSERT INTO {} (sku, qty) VALUES (?, ?)",
+                t.stock
+            )))
+            .bind(sku)
+            .bind(initial_stock(orders))
+            .execute(&inventory)
+            .await?;
+        }
+        Ok(Services::MySql {
+            store,
+            inventory,
+            inbox,
+        })
+    }
+
     fn describe(&self, args: &DemoArgs) -> String {
         match self {
             Services::Sqlite { .. } => format!(
@@ -622,13 +735,16 @@ impl Services {
                 "PostgreSQL (demo_orders + demo_outbox, demo_stock + demo_inbox + demo_deductions)"
                     .into()
             }
+            Services::MySql { .. } => "MySQL/MariaDB (demo_orders + demo_outbox, demo_stock + \
+                 demo_inbox + demo_deductions)"
+                .into(),
         }
     }
 
     fn tables(&self) -> Tables {
         match self {
             Services::Sqlite { .. } => SQLITE_TABLES,
-            Services::Postgres { .. } => PG_TABLES,
+            Services::Postgres { .. } | Services::MySql { .. } => PG_TABLES,
         }
     }
 
@@ -637,6 +753,7 @@ impl Services {
         match self {
             Services::Sqlite { store, .. } => Arc::new(store.clone()),
             Services::Postgres { store, .. } => Arc::new(store.clone()),
+            Services::MySql { store, .. } => Arc::new(store.clone()),
         }
     }
 
@@ -672,6 +789,19 @@ impl Services {
                 store.enqueue(&mut tx, message).await?;
                 store.commit(tx).await?;
             }
+            Services::MySql { store, .. } => {
+                let mut tx = store.pool().begin().await?;
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "INSERT INTO {orders} (id, sku, qty) VALUES (?, ?, ?)"
+                )))
+                .bind(order.order_id)
+                .bind(&order.sku)
+                .bind(order.qty)
+                .execute(&mut *tx)
+                .await?;
+                store.enqueue(&mut tx, message).await?;
+                store.commit(tx).await?;
+            }
         }
         Ok(())
     }
@@ -690,15 +820,27 @@ impl Services {
                     .fetch_all(store.pool())
                     .await?
             }
+            Services::MySql { store, .. } => {
+                sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                    .fetch_all(store.pool())
+                    .await?
+            }
         })
     }
 
     /// Every outbox row: (topic, partition key = order id, status number).
     async fn outbox_rows(&self) -> anyhow::Result<Vec<(String, Option<String>, i64)>> {
-        let sql = format!(
-            "SELECT CAST(topic AS TEXT), CAST(partition_key AS TEXT), CAST(status AS BIGINT) FROM {}",
-            self.tables().outbox
-        );
+        let sql = if matches!(self, Services::MySql { .. }) {
+            format!(
+                "SELECT topic, partition_key, CAST(status AS SIGNED) FROM {}",
+                self.tables().outbox
+            )
+        } else {
+            format!(
+                "SELECT CAST(topic AS TEXT), CAST(partition_key AS TEXT), CAST(status AS BIGINT) FROM {}",
+                self.tables().outbox
+            )
+        };
         Ok(match self {
             Services::Sqlite { store, .. } => {
                 sqlx::query_as(sqlx::AssertSqlSafe(sql))
@@ -706,6 +848,11 @@ impl Services {
                     .await?
             }
             Services::Postgres { store, .. } => {
+                sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                    .fetch_all(store.pool())
+                    .await?
+            }
+            Services::MySql { store, .. } => {
                 sqlx::query_as(sqlx::AssertSqlSafe(sql))
                     .fetch_all(store.pool())
                     .await?
@@ -734,6 +881,15 @@ impl Services {
             .bind(TOPIC)
             .fetch_all(store.pool())
             .await?,
+            Services::MySql { store, .. } => {
+                sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                    "SELECT TIMESTAMPDIFF(MICROSECOND, created_at, confirmed_at) \
+                     FROM {t} WHERE topic = ? AND confirmed_at IS NOT NULL"
+                )))
+                .bind(TOPIC)
+                .fetch_all(store.pool())
+                .await?
+            }
         })
     }
 
@@ -750,6 +906,11 @@ impl Services {
                     .await?
             }
             Services::Postgres { inventory, .. } => {
+                sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                    .fetch_all(inventory)
+                    .await?
+            }
+            Services::MySql { inventory, .. } => {
                 sqlx::query_as(sqlx::AssertSqlSafe(sql))
                     .fetch_all(inventory)
                     .await?
@@ -774,6 +935,11 @@ impl Services {
                     .fetch_one(inventory)
                     .await?
             }
+            Services::MySql { inventory, .. } => {
+                sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+                    .fetch_one(inventory)
+                    .await?
+            }
         };
         Ok(n as u64)
     }
@@ -792,13 +958,23 @@ impl Services {
                     .fetch_all(inventory)
                     .await?
             }
+            Services::MySql { inventory, .. } => {
+                sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                    .fetch_all(inventory)
+                    .await?
+            }
         })
     }
 
     /// Publish attempts recorded in the outbox (the sum of `attempts`).
     async fn publish_attempts(&self) -> anyhow::Result<i64> {
+        let int = if matches!(self, Services::MySql { .. }) {
+            "SIGNED"
+        } else {
+            "BIGINT"
+        };
         let sql = format!(
-            "SELECT CAST(COALESCE(SUM(attempts), 0) AS BIGINT) FROM {}",
+            "SELECT CAST(COALESCE(SUM(attempts), 0) AS {int}) FROM {}",
             self.tables().outbox
         );
         Ok(match self {
@@ -808,6 +984,11 @@ impl Services {
                     .await?
             }
             Services::Postgres { store, .. } => {
+                sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+                    .fetch_one(store.pool())
+                    .await?
+            }
+            Services::MySql { store, .. } => {
                 sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
                     .fetch_one(store.pool())
                     .await?
@@ -839,6 +1020,17 @@ async fn sqlite_pool(file: &Path) -> Result<SqlitePool, sqlx::Error> {
 async fn pg_pool(url: &str) -> Result<PgPool, sqlx::Error> {
     let options = PgConnectOptions::from_str(url)?.disable_statement_logging();
     PgPoolOptions::new()
+        .max_connections(10)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect_with(options)
+        .await
+}
+
+/// A pool of up to 10 MySQL/MariaDB connections, statement logging off (row-lock waits on the
+/// hot stock rows are expected contention).
+async fn mysql_pool(url: &str) -> Result<MySqlPool, sqlx::Error> {
+    let options = MySqlConnectOptions::from_str(url)?.disable_statement_logging();
+    MySqlPoolOptions::new()
         .max_connections(10)
         .acquire_timeout(Duration::from_secs(10))
         .connect_with(options)
@@ -972,6 +1164,55 @@ impl outbox::Handler<sqlx::Postgres> for InventoryHandler {
     }
 }
 
+#[async_trait]
+impl outbox::Handler<sqlx::MySql> for InventoryHandler {
+    async fn handle(
+        &self,
+        conn: &mut MySqlConnection,
+        msg: &InboundMessage,
+    ) -> Result<(), HandlerError> {
+        let Some(order) = Self::order(msg)? else {
+            return Ok(());
+        };
+        let t = self.tables;
+        let deducted = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE {} SET qty = qty - ? WHERE sku = ? AND qty >= ?",
+            t.stock
+        )))
+        .bind(order.qty)
+        .bind(&order.sku)
+        .bind(order.qty)
+        .execute(&mut *conn)
+        .await
+        .map_err(HandlerError::transient)?
+        .rows_affected();
+        if deducted == 0 {
+            let in_stock: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                "SELECT qty FROM {} WHERE sku = ?",
+                t.stock
+            )))
+            .bind(&order.sku)
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(HandlerError::transient)?;
+            return Err(Self::insufficient(&order, in_stock));
+        }
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO {} (order_id, sku, qty, message_id) VALUES (?, ?, ?, ?)",
+            t.deductions
+        )))
+        .bind(order.order_id)
+        .bind(&order.sku)
+        .bind(order.qty)
+        .bind(msg.message_id.to_string())
+        .execute(&mut *conn)
+        .await
+        .map_err(HandlerError::transient)?;
+        self.timeline.applied(order.order_id);
+        Ok(())
+    }
+}
+
 /// The order service's compensation for a refused order, run by the store inside the producer
 /// transaction that records REJECTED: the order becomes CANCELLED and an `order-cancelled`
 /// event is enqueued through the outbox, all committed together (or not at all).
@@ -1043,6 +1284,30 @@ impl RejectionHook<sqlx::Postgres> for CancelOrder<PgStore> {
         };
         let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
             "UPDATE {} SET status = '{CANCELLED}' WHERE id = $1 AND status = '{PLACED}'",
+            self.orders
+        )))
+        .bind(order_id)
+        .execute(&mut *conn)
+        .await?
+        .rows_affected();
+        Self::check_cancelled(order_id, rows)?;
+        self.outbox.enqueue(conn, event).await?;
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl RejectionHook<sqlx::MySql> for CancelOrder<MySqlStore> {
+    async fn on_rejected(
+        &self,
+        conn: &mut MySqlConnection,
+        rejected: &RejectedMessage,
+    ) -> Result<(), BoxError> {
+        let Some((order_id, event)) = Self::event(rejected)? else {
+            return Ok(());
+        };
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE {} SET status = '{CANCELLED}' WHERE id = ? AND status = '{PLACED}'",
             self.orders
         )))
         .bind(order_id)
