@@ -10,6 +10,7 @@ mod cases;
 mod cases_mysql;
 mod confirm;
 mod crash;
+mod crash_mysql;
 mod inbox;
 mod relay;
 mod store;
