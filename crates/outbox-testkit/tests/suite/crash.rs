@@ -12,13 +12,12 @@ use outbox::consumer::nats::NatsConsumerConfig;
 use outbox::store::Claim;
 use outbox::transport::memory::Delivered;
 use outbox::{
-    InboundMessage, Inbox, MemoryTransport, NewMessage, Processed, Relay, RelayConfig, RelayHooks,
-    Router, Status,
+    InboundMessage, Inbox, InboxBackend, MemoryTransport, NewMessage, Processed, Relay,
+    RelayConfig, RelayHooks, Router, Status,
 };
 use outbox_testkit::{
     AckThenHang, NatsFixture, PgFixture, StoreFixture, TransportFixture as _, wait_until, within,
 };
-use sqlx::PgPool;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -26,14 +25,19 @@ use uuid::Uuid;
 use crate::inbox::{EffectHandler, pg_count, pg_effects};
 use crate::relay::{counts_by_id, fast_config, relay_to, wait_all_status};
 
-/// Feed every delivery (duplicates included) through a PostgreSQL inbox, as a consumer would.
-pub async fn apply_through_inbox(
-    pool: &PgPool,
+/// Feed every delivery (duplicates included) through an inbox on `pool`, as a consumer would.
+/// Returns (applied, duplicates).
+pub async fn apply_through_inbox<DB>(
+    pool: &sqlx::Pool<DB>,
     inbox_table: &str,
     effects: &str,
     deliveries: &[Delivered],
-) -> (usize, usize) {
-    let inbox = Inbox::<sqlx::Postgres>::new(pool.clone(), inbox_table, "consumer").unwrap();
+) -> (usize, usize)
+where
+    DB: InboxBackend,
+    EffectHandler: outbox::Handler<DB>,
+{
+    let inbox = Inbox::<DB>::new(pool.clone(), inbox_table, "consumer").unwrap();
     let h = EffectHandler::new(effects);
     let (mut applied, mut dup) = (0, 0);
     for d in deliveries {
@@ -50,17 +54,15 @@ pub async fn apply_through_inbox(
 
 /// The relay dies after the broker acknowledged a batch but before it recorded SENT: the rows
 /// stay SENDING until their lease expires, a new relay publishes them again (same message ids),
-/// and the inbox applies each effect once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn crash_after_ack_before_completion_republishes_once_applied() {
-    crate::init_tracing();
-    let fx = PgFixture::new().await;
-    let pool = fx.store.pool().clone();
-    let effects = format!("{}.effects", fx.schema);
-    pg_effects(&pool, &effects).await;
+/// and the inbox applies each effect once. Shared by every store; `apply` feeds the deliveries
+/// through that store's inbox and returns (applied, duplicates, effect rows).
+pub async fn crash_after_ack_scenario(
+    fx: &dyn StoreFixture,
+    apply: impl AsyncFnOnce(Vec<Delivered>) -> (usize, usize, i64),
+) {
     let mem = Arc::new(MemoryTransport::new());
     let hang = Arc::new(AckThenHang::new(mem.clone(), 1));
-    let r1 = relay_to(&fx, hang.clone(), fast_config("r1")).spawn();
+    let r1 = relay_to(fx, hang.clone(), fast_config("r1")).spawn();
     let ids = fx
         .enqueue_commit(
             (0..10)
@@ -84,21 +86,38 @@ async fn crash_after_ack_before_completion_republishes_once_applied() {
             .all(|r| r.status == Status::Sending.as_i16()),
         "acknowledged but not recorded: still SENDING"
     );
-    let r2 = relay_to(&fx, mem.clone(), fast_config("r2")).spawn();
+    let r2 = relay_to(fx, mem.clone(), fast_config("r2")).spawn();
     within("the re-publish", Duration::from_secs(10), mem.wait_for(20)).await;
-    wait_all_status(&fx, Status::Sent, Duration::from_secs(5)).await;
+    wait_all_status(fx, Status::Sent, Duration::from_secs(5)).await;
     let counts = counts_by_id(&mem.delivered());
     for id in &ids {
         assert_eq!(counts[id], 2, "published once before the crash, once after");
     }
-    let (applied, dup) =
-        apply_through_inbox(&pool, &fx.inbox_table(), &effects, &mem.delivered()).await;
-    assert_eq!((applied, dup), (10, 10));
     assert_eq!(
-        pg_count(&pool, &format!("SELECT COUNT(*) FROM {effects}")).await,
-        10
+        apply(mem.delivered()).await,
+        (10, 10, 10),
+        "(applied, duplicates, effects)"
     );
     r2.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_after_ack_before_completion_republishes_once_applied() {
+    crate::init_tracing();
+    let fx = PgFixture::new().await;
+    let pool = fx.store.pool().clone();
+    let effects = format!("{}.effects", fx.schema);
+    pg_effects(&pool, &effects).await;
+    crash_after_ack_scenario(&fx, async |delivered| {
+        let (applied, dup) =
+            apply_through_inbox(&pool, &fx.inbox_table(), &effects, &delivered).await;
+        (
+            applied,
+            dup,
+            pg_count(&pool, &format!("SELECT COUNT(*) FROM {effects}")).await,
+        )
+    })
+    .await;
     fx.cleanup().await;
 }
 
@@ -194,14 +213,13 @@ impl RelayHooks for PauseFirstClaim {
 
 /// C15: R1 is paused right after its claim for longer than the lease. R2 takes the message over
 /// and publishes it; R1, on resume, does not publish (stale batch) or has its completion refused
-/// (lost lease). The inbox applies the message once; no row is left SENDING.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn c15_paused_relay_past_its_lease() {
-    crate::init_tracing();
-    let fx = PgFixture::new().await;
-    let pool = fx.store.pool().clone();
-    let effects = format!("{}.effects", fx.schema);
-    pg_effects(&pool, &effects).await;
+/// (lost lease). The inbox applies the message once; no row is left SENDING. Shared by every
+/// store; `apply` feeds the deliveries through that store's inbox and returns (applied, effect
+/// rows).
+pub async fn c15_scenario(
+    fx: &dyn StoreFixture,
+    apply: impl AsyncFnOnce(Vec<Delivered>) -> (usize, i64),
+) {
     let hooks = Arc::new(PauseFirstClaim {
         first: AtomicBool::new(true),
         entered: Notify::new(),
@@ -231,14 +249,14 @@ async fn c15_paused_relay_past_its_lease() {
         hooks.entered.notified(),
     )
     .await;
-    let r2 = relay_to(&fx, mem2.clone(), fast_config("r2")).spawn();
+    let r2 = relay_to(fx, mem2.clone(), fast_config("r2")).spawn();
     within(
         "R2 to take over after the lease",
         Duration::from_secs(10),
         mem2.wait_for(1),
     )
     .await;
-    wait_all_status(&fx, Status::Sent, Duration::from_secs(5)).await;
+    wait_all_status(fx, Status::Sent, Duration::from_secs(5)).await;
     hooks.resume.notify_one();
     wait_until(
         "R1 to notice its stale claim",
@@ -251,12 +269,7 @@ async fn c15_paused_relay_past_its_lease() {
     .await;
     let mut all = mem1.delivered();
     all.extend(mem2.delivered());
-    let (applied, _) = apply_through_inbox(&pool, &fx.inbox_table(), &effects, &all).await;
-    assert_eq!(applied, 1);
-    assert_eq!(
-        pg_count(&pool, &format!("SELECT COUNT(*) FROM {effects}")).await,
-        1
-    );
+    assert_eq!(apply(all).await, (1, 1), "(applied, effects)");
     let row = fx.row(ids[0]).await;
     assert_eq!(
         row.status,
@@ -272,6 +285,23 @@ async fn c15_paused_relay_past_its_lease() {
             .iter()
             .all(|r| r.status != Status::Sending.as_i16())
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c15_paused_relay_past_its_lease() {
+    crate::init_tracing();
+    let fx = PgFixture::new().await;
+    let pool = fx.store.pool().clone();
+    let effects = format!("{}.effects", fx.schema);
+    pg_effects(&pool, &effects).await;
+    c15_scenario(&fx, async |all| {
+        let (applied, _) = apply_through_inbox(&pool, &fx.inbox_table(), &effects, &all).await;
+        (
+            applied,
+            pg_count(&pool, &format!("SELECT COUNT(*) FROM {effects}")).await,
+        )
+    })
+    .await;
     fx.cleanup().await;
 }
 
