@@ -179,6 +179,41 @@ async fn sqlite_duplicate_skips_handler_and_error_rolls_back() {
     assert_eq!(inbox.process(&m2, &h).await.unwrap(), Processed::Applied);
 }
 
+/// Shared by PostgreSQL and MariaDB: a copy skips the handler, a failing handler leaves no
+/// trace (no effect, no inbox row), and the redelivery applies it. `count` runs a
+/// `SELECT COUNT(*)` on the database.
+pub async fn duplicate_and_failure_scenario<DB>(
+    inbox: &Inbox<DB>,
+    effects: &str,
+    count: impl AsyncFn(String) -> i64,
+) where
+    DB: outbox::InboxBackend,
+    EffectHandler: outbox::Handler<DB>,
+{
+    let h = EffectHandler::new(effects);
+    let m = inbound(Uuid::now_v7());
+    assert_eq!(inbox.process(&m, &h).await.unwrap(), Processed::Applied);
+    assert_eq!(inbox.process(&m, &h).await.unwrap(), Processed::Duplicate);
+    assert_eq!(h.calls.load(Ordering::SeqCst), 1);
+    assert_eq!(count(format!("SELECT COUNT(*) FROM {effects}")).await, 1);
+
+    let failing = EffectHandler {
+        fail: true,
+        ..EffectHandler::new(effects)
+    };
+    let m2 = inbound(Uuid::now_v7());
+    let e = inbox.process(&m2, &failing).await.unwrap_err();
+    assert!(matches!(e, InboxError::Handler(_)), "{e:?}");
+    let traces = format!(
+        "SELECT (SELECT COUNT(*) FROM {effects} WHERE message_id = '{id}') + \
+         (SELECT COUNT(*) FROM {inbox} WHERE message_id = '{id}')",
+        id = m2.message_id,
+        inbox = inbox.table(),
+    );
+    assert_eq!(count(traces).await, 0, "a failed handler left traces");
+    assert_eq!(inbox.process(&m2, &h).await.unwrap(), Processed::Applied);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_duplicate_skips_handler_and_error_rolls_back() {
     let fx = PgFixture::new().await;
@@ -187,57 +222,21 @@ async fn postgres_duplicate_skips_handler_and_error_rolls_back() {
     pg_effects(&pool, &effects).await;
     let inbox = Inbox::<sqlx::Postgres>::new(pool.clone(), &fx.inbox_table(), "billing").unwrap();
     inbox.migrate().await.unwrap();
-    let h = EffectHandler::new(&effects);
-    let m = inbound(Uuid::now_v7());
-    assert_eq!(inbox.process(&m, &h).await.unwrap(), Processed::Applied);
-    assert_eq!(inbox.process(&m, &h).await.unwrap(), Processed::Duplicate);
-    assert_eq!(h.calls.load(Ordering::SeqCst), 1);
-    assert_eq!(
-        pg_count(&pool, &format!("SELECT COUNT(*) FROM {effects}")).await,
-        1
-    );
-
-    let failing = EffectHandler {
-        fail: true,
-        ..EffectHandler::new(&effects)
-    };
-    let m2 = inbound(Uuid::now_v7());
-    let e = inbox.process(&m2, &failing).await.unwrap_err();
-    assert!(matches!(e, InboxError::Handler(_)), "{e:?}");
-    let sql = format!(
-        "SELECT (SELECT COUNT(*) FROM {effects} WHERE message_id = '{id}') + \
-         (SELECT COUNT(*) FROM {inbox} WHERE message_id = '{id}')",
-        id = m2.message_id,
-        inbox = fx.inbox_table()
-    );
-    assert_eq!(
-        pg_count(&pool, &sql).await,
-        0,
-        "a failed handler left traces"
-    );
-    assert_eq!(inbox.process(&m2, &h).await.unwrap(), Processed::Applied);
+    duplicate_and_failure_scenario(&inbox, &effects, async |sql| pg_count(&pool, &sql).await).await;
     fx.cleanup().await;
 }
 
-/// C25: two consumer instances process two copies of one message at the same time with a
-/// handler that waits: the effect is applied once and the inbox holds one row.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn c25_concurrent_copies_apply_once() {
-    let fx = PgFixture::new().await;
-    let pool = fx.store.pool().clone();
-    let effects = format!("{}.effects", fx.schema);
-    pg_effects(&pool, &effects).await;
-    // Two instances: separate pools, same consumer name.
-    let inbox_a = Inbox::<sqlx::Postgres>::new(pool.clone(), &fx.inbox_table(), "billing").unwrap();
-    let inbox_b = Inbox::<sqlx::Postgres>::new(
-        outbox_testkit::pg_pool(2).await,
-        &fx.inbox_table(),
-        "billing",
-    )
-    .unwrap();
+/// C25, shared by PostgreSQL and MariaDB: two consumer instances (separate pools, same consumer
+/// name) process two copies of one message at the same time with a handler that waits: one is
+/// applied, the other is a duplicate. The caller checks one effect and one inbox row.
+pub async fn c25_scenario<DB>(inbox_a: Inbox<DB>, inbox_b: Inbox<DB>, effects: &str)
+where
+    DB: outbox::InboxBackend,
+    EffectHandler: outbox::Handler<DB>,
+{
     let h = Arc::new(EffectHandler {
         delay: Duration::from_millis(1500),
-        ..EffectHandler::new(&effects)
+        ..EffectHandler::new(effects)
     });
     let m = inbound(Uuid::now_v7());
     let (a, b) = tokio::join!(
@@ -253,6 +252,22 @@ async fn c25_concurrent_copies_apply_once() {
     let mut outcomes = vec![a.unwrap().unwrap(), b.unwrap().unwrap()];
     outcomes.sort_by_key(|p| *p == Processed::Duplicate);
     assert_eq!(outcomes, vec![Processed::Applied, Processed::Duplicate]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c25_concurrent_copies_apply_once() {
+    let fx = PgFixture::new().await;
+    let pool = fx.store.pool().clone();
+    let effects = format!("{}.effects", fx.schema);
+    pg_effects(&pool, &effects).await;
+    let inbox_a = Inbox::<sqlx::Postgres>::new(pool.clone(), &fx.inbox_table(), "billing").unwrap();
+    let inbox_b = Inbox::<sqlx::Postgres>::new(
+        outbox_testkit::pg_pool(2).await,
+        &fx.inbox_table(),
+        "billing",
+    )
+    .unwrap();
+    c25_scenario(inbox_a, inbox_b, &effects).await;
     assert_eq!(
         pg_count(&pool, &format!("SELECT COUNT(*) FROM {effects}")).await,
         1
@@ -352,37 +367,17 @@ async fn mysql_duplicate_skips_handler_and_error_rolls_back() {
     mysql_effects(&pool, &effects).await;
     let inbox = Inbox::<sqlx::MySql>::new(pool.clone(), &fx.inbox_table(), "billing").unwrap();
     inbox.migrate().await.unwrap();
+    duplicate_and_failure_scenario(&inbox, &effects, async |sql| mysql_count(&pool, &sql).await)
+        .await;
     let h = EffectHandler::new(&effects);
     let m = inbound(Uuid::now_v7());
     assert_eq!(inbox.process(&m, &h).await.unwrap(), Processed::Applied);
-    assert_eq!(inbox.process(&m, &h).await.unwrap(), Processed::Duplicate);
-    assert_eq!(h.calls.load(Ordering::SeqCst), 1);
-    assert_eq!(
-        mysql_count(&pool, &format!("SELECT COUNT(*) FROM {effects}")).await,
-        1
-    );
     let other = Inbox::<sqlx::MySql>::new(pool.clone(), &fx.inbox_table(), "shipping").unwrap();
-    assert_eq!(other.process(&m, &h).await.unwrap(), Processed::Applied);
-
-    let failing = EffectHandler {
-        fail: true,
-        ..EffectHandler::new(&effects)
-    };
-    let m2 = inbound(Uuid::now_v7());
-    let e = inbox.process(&m2, &failing).await.unwrap_err();
-    assert!(matches!(e, InboxError::Handler(_)), "{e:?}");
-    let sql = format!(
-        "SELECT (SELECT COUNT(*) FROM {effects} WHERE message_id = '{id}') + \
-         (SELECT COUNT(*) FROM {inbox} WHERE message_id = '{id}')",
-        id = m2.message_id,
-        inbox = fx.inbox_table()
-    );
     assert_eq!(
-        mysql_count(&pool, &sql).await,
-        0,
-        "a failed handler left traces"
+        other.process(&m, &h).await.unwrap(),
+        Processed::Applied,
+        "another consumer name is a separate scope"
     );
-    assert_eq!(inbox.process(&m2, &h).await.unwrap(), Processed::Applied);
 
     // Dead letters and replay on MySQL.
     let m3 = inbound(Uuid::now_v7());
@@ -394,7 +389,8 @@ async fn mysql_duplicate_skips_handler_and_error_rolls_back() {
     let replayed = inbox.replay_requested(&h, 10).await.unwrap();
     assert_eq!(replayed.len(), 1, "{replayed:?}");
     assert!(inbox.dead_letters(10).await.unwrap().is_empty());
-    assert_eq!(inbox.purge(Duration::ZERO, 100).await.unwrap(), 4);
+    // Two messages of the shared scenario, one under two consumer names, one dead letter.
+    assert_eq!(inbox.purge(Duration::ZERO, 100).await.unwrap(), 5);
     mysql_drop(&fx, &effects).await;
 }
 
@@ -413,24 +409,7 @@ async fn mysql_c25_concurrent_copies_apply_once() {
         "billing",
     )
     .unwrap();
-    let h = Arc::new(EffectHandler {
-        delay: Duration::from_millis(1500),
-        ..EffectHandler::new(&effects)
-    });
-    let m = inbound(Uuid::now_v7());
-    let (a, b) = tokio::join!(
-        {
-            let (h, m) = (h.clone(), m.clone());
-            tokio::spawn(async move { inbox_a.process(&m, h.as_ref()).await })
-        },
-        {
-            let (h, m) = (h.clone(), m.clone());
-            tokio::spawn(async move { inbox_b.process(&m, h.as_ref()).await })
-        }
-    );
-    let mut outcomes = vec![a.unwrap().unwrap(), b.unwrap().unwrap()];
-    outcomes.sort_by_key(|p| *p == Processed::Duplicate);
-    assert_eq!(outcomes, vec![Processed::Applied, Processed::Duplicate]);
+    c25_scenario(inbox_a, inbox_b, &effects).await;
     assert_eq!(
         mysql_count(&pool, &format!("SELECT COUNT(*) FROM {effects}")).await,
         1

@@ -769,6 +769,11 @@ impl<DB: InboxBackend> Inbox<DB> {
         DB::migrate(&self.pool, &self.table).await
     }
 
+    /// The inbox table name (dead letters are in `<table>_dlq`).
+    pub fn table(&self) -> &str {
+        self.table.as_str()
+    }
+
     /// The consumer name.
     pub fn consumer(&self) -> &str {
         &self.consumer
