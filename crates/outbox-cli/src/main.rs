@@ -59,7 +59,8 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Requeue dead letters: FAILED → PENDING with attempts reset (the last error is kept).
+    /// Requeue dead letters: FAILED → PENDING with attempts and check-backs reset (the last error
+    /// is kept).
     Requeue {
         #[command(flatten)]
         db: DbArgs,
