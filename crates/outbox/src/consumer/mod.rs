@@ -163,6 +163,76 @@ where
     Disposition::Ack(verdict)
 }
 
+/// The lane of `msg` among `lanes` concurrent lanes: messages with the same partition key always
+/// share a lane (so they are applied in the order the broker delivered them); messages without
+/// one are spread by message id. `lanes` of 0 is treated as 1.
+pub fn lane_of(msg: &InboundMessage, lanes: usize) -> usize {
+    use std::hash::{Hash, Hasher};
+    let lanes = lanes.max(1);
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    match &msg.partition_key {
+        Some(k) => k.hash(&mut h),
+        None => msg.message_id.hash(&mut h),
+    }
+    (h.finish() % lanes as u64) as usize
+}
+
+/// Deliver a fetched batch through up to `lanes` concurrent lanes, keeping per-key order, and
+/// return one [`Disposition`] per message, in input order.
+///
+/// Messages are assigned to lanes by [`lane_of`]; each lane delivers its messages one after the
+/// other with [`deliver`], the lanes run concurrently. When a message with a partition key is not
+/// applied (its disposition is [`Disposition::Retry`]), the later messages of the same key in the
+/// batch are not delivered either and get the same retry delay, so a failing head never lets a
+/// later message of its key overtake it. Runners use `lanes` = their configured consumer
+/// concurrency (the seeds raise consumer threads to work off a backlog); `lanes` = 1 is strictly
+/// sequential.
+pub async fn deliver_batch<DB, H>(
+    inbox: &Inbox<DB>,
+    handler: &H,
+    batch: &[InboundMessage],
+    lanes: usize,
+    policy: &DeliveryPolicy,
+    metrics: &ConsumerMetrics,
+) -> Vec<Disposition>
+where
+    DB: InboxBackend,
+    H: Handler<DB> + ?Sized,
+{
+    let lanes = lanes.max(1).min(batch.len().max(1));
+    let mut by_lane: Vec<Vec<usize>> = vec![Vec::new(); lanes];
+    for (i, m) in batch.iter().enumerate() {
+        by_lane[lane_of(m, lanes)].push(i);
+    }
+    let runs = by_lane.into_iter().map(|indices| async move {
+        let mut out = Vec::with_capacity(indices.len());
+        // Keys whose earlier message in this batch was not applied, with its retry delay.
+        let mut held: Vec<(&str, Duration)> = Vec::new();
+        for i in indices {
+            let m = &batch[i];
+            if let Some(k) = m.partition_key.as_deref()
+                && let Some((_, delay)) = held.iter().find(|(h, _)| *h == k)
+            {
+                out.push((i, Disposition::Retry(*delay)));
+                continue;
+            }
+            let d = deliver(inbox, handler, m, policy, metrics).await;
+            if let (Disposition::Retry(delay), Some(k)) = (&d, m.partition_key.as_deref()) {
+                held.push((k, *delay));
+            }
+            out.push((i, d));
+        }
+        out
+    });
+    let mut all: Vec<(usize, Disposition)> = futures::future::join_all(runs)
+        .await
+        .into_iter()
+        .flatten()
+        .collect();
+    all.sort_by_key(|(i, _)| *i);
+    all.into_iter().map(|(_, d)| d).collect()
+}
+
 async fn confirm(
     consumer: &str,
     msg: &InboundMessage,

@@ -7,6 +7,10 @@
 //! C27); a message that keeps failing goes to the consumer's dead-letter table. A message whose
 //! ack was lost is delivered again and recognised by the inbox.
 //!
+//! A fetched batch is applied in `concurrency` lanes by partition key
+//! ([`deliver_batch`](crate::consumer::deliver_batch)): different keys in parallel, one key's
+//! messages in stream order.
+//!
 //! The runner also performs the consumer's [`maintenance`] (operator replays, inbox retention).
 
 use std::sync::Arc;
@@ -19,7 +23,7 @@ use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 
 use crate::confirm::ConfirmationSender;
-use crate::consumer::{ConsumerMetrics, DeliveryPolicy, Disposition, deliver, maintenance};
+use crate::consumer::{ConsumerMetrics, DeliveryPolicy, Disposition, deliver_batch, maintenance};
 use crate::error::ConfigError;
 use crate::inbox::{Handler, Inbox, InboxBackend};
 use crate::message::{Headers, InboundMessage};
@@ -36,6 +40,9 @@ pub struct NatsConsumerConfig {
     pub filter_subject: Option<String>,
     /// Messages fetched per pull. Default 100.
     pub batch: usize,
+    /// Messages of one fetched batch applied concurrently, in lanes by partition key so each key's
+    /// messages stay in order ([`deliver_batch`](crate::consumer::deliver_batch)). Default 1.
+    pub concurrency: usize,
     /// How long the server waits for an ack before redelivering. Default 30 s.
     pub ack_wait: Duration,
     /// Delay before redelivering a message whose handler failed, by delivery count.
@@ -58,6 +65,7 @@ impl std::fmt::Debug for NatsConsumerConfig {
             .field("durable", &self.durable)
             .field("filter_subject", &self.filter_subject)
             .field("batch", &self.batch)
+            .field("concurrency", &self.concurrency)
             .field("max_deliveries", &self.max_deliveries)
             .field("confirmations", &self.confirmations.is_some())
             .finish_non_exhaustive()
@@ -73,6 +81,7 @@ impl NatsConsumerConfig {
             durable: durable.into(),
             filter_subject: None,
             batch: 100,
+            concurrency: 1,
             ack_wait: Duration::from_secs(30),
             retry: d.retry,
             max_deliveries: d.max_deliveries,
@@ -166,6 +175,8 @@ where
                 }
             }
         };
+        // Collect the fetched batch, then apply it in per-key lanes.
+        let mut received = Vec::with_capacity(config.batch);
         loop {
             let next = tokio::select! {
                 _ = cancel.cancelled() => return Ok(()),
@@ -188,17 +199,30 @@ where
                     }
                 }
             }
-            let inbound = match InboundMessage::from_wire(headers, msg.payload.to_vec(), delivered)
-            {
-                Ok(m) => m,
+            match InboundMessage::from_wire(headers, msg.payload.to_vec(), delivered) {
+                Ok(m) => received.push((msg, m)),
                 Err(reason) => {
                     metrics.malformed.fetch_add(1, Ordering::Relaxed);
                     tracing::error!(subject = %msg.subject, reason, "message without outbox headers; terminating it");
                     let _ = msg.ack_with(AckKind::Term).await;
-                    continue;
                 }
-            };
-            match deliver(&inbox, handler.as_ref(), &inbound, &policy, &metrics).await {
+            }
+        }
+        if received.is_empty() {
+            continue;
+        }
+        let (acks, inbound): (Vec<_>, Vec<_>) = received.into_iter().unzip();
+        let dispositions = deliver_batch(
+            &inbox,
+            handler.as_ref(),
+            &inbound,
+            config.concurrency,
+            &policy,
+            &metrics,
+        )
+        .await;
+        for ((msg, inbound), d) in acks.iter().zip(&inbound).zip(dispositions) {
+            match d {
                 Disposition::Ack(_) => {
                     if let Err(e) = msg.double_ack().await {
                         // The verdict is committed; a redelivery will be recognised as a duplicate.
