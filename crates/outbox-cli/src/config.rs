@@ -118,6 +118,65 @@ pub enum TransportSection {
     Webhook(WebhookSection),
     /// `kind = "nats"`.
     Nats(NatsSection),
+    /// `kind = "redis"`: Redis Streams.
+    #[cfg(feature = "redis")]
+    Redis(RedisSection),
+    /// `kind = "mqtt"`: an MQTT 5 broker.
+    #[cfg(feature = "mqtt")]
+    Mqtt(MqttSection),
+}
+
+/// Redis Streams transport settings (see `outbox::transport::redis`).
+#[cfg(feature = "redis")]
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RedisSection {
+    /// `redis://host:port[/db]`, or `rediss://…` for TLS (required).
+    pub url: String,
+    /// Name of the environment variable holding the password. Default: the URL's, or none.
+    pub password_env: Option<String>,
+    /// Approximate stream length cap (`MAXLEN ~`). Default none: no trimming (a cap can drop
+    /// undelivered entries, shared case C38; a warning is logged at start-up).
+    pub max_len: Option<u64>,
+    /// Replicas that must have each batch (`WAIT`). Default none.
+    pub wait_replicas: Option<u32>,
+    /// How long `WAIT` waits for them. Default 1 s.
+    #[serde(default, with = "humantime_serde")]
+    pub wait_timeout: Option<Duration>,
+    /// Reply timeout. Default 5 s.
+    #[serde(default, with = "humantime_serde")]
+    pub response_timeout: Option<Duration>,
+    /// Connection timeout. Default 5 s.
+    #[serde(default, with = "humantime_serde")]
+    pub connect_timeout: Option<Duration>,
+}
+
+/// MQTT 5 transport settings (see `outbox::transport::mqtt`).
+#[cfg(feature = "mqtt")]
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MqttSection {
+    /// `mqtt://host:port`, or `mqtts://…` for TLS (required).
+    pub url: String,
+    /// Client identifier. Default `outbox-relay-<random>`.
+    pub client_id: Option<String>,
+    /// User name. Default: the URL's, or none.
+    pub username: Option<String>,
+    /// Name of the environment variable holding the password. Default: the URL's, or none.
+    pub password_env: Option<String>,
+    /// PUBACK timeout of a batch. Default 5 s.
+    #[serde(default, with = "humantime_serde")]
+    pub ack_timeout: Option<Duration>,
+    /// CONNACK timeout. Default 5 s.
+    #[serde(default, with = "humantime_serde")]
+    pub connect_timeout: Option<Duration>,
+    /// Keep-alive interval. Default 30 s.
+    #[serde(default, with = "humantime_serde")]
+    pub keep_alive: Option<Duration>,
+    /// Publishes in flight at most. Default 1,000 (the broker's Receive Maximum lowers it).
+    pub max_inflight: Option<u16>,
+    /// `"retry"` (default) or `"accept"`: what a PUBACK *No matching subscribers* means.
+    pub no_subscribers: Option<String>,
 }
 
 /// Webhook transport settings.
@@ -205,6 +264,140 @@ pub enum ConfirmationsSection {
         #[serde(default = "default_confirm_path")]
         path: String,
     },
+    /// `kind = "redis"`: read the reply stream `stream` with consumer group `group`.
+    #[cfg(feature = "redis")]
+    Redis {
+        /// Server URL.
+        url: String,
+        /// Environment variable holding the password. Default none.
+        password_env: Option<String>,
+        /// Stream the consumers reply to.
+        stream: String,
+        /// Consumer group shared by relay instances. Default `outbox-confirmations`.
+        #[serde(default = "default_queue")]
+        group: String,
+        /// This instance's consumer name (stable across restarts). Default: random.
+        consumer: Option<String>,
+    },
+    /// `kind = "mqtt"`: subscribe to `$share/<group>/<topic>` with a persistent session.
+    #[cfg(feature = "mqtt")]
+    Mqtt {
+        /// Broker URL.
+        url: String,
+        /// Topic the consumers reply to.
+        topic: String,
+        /// Shared-subscription group of relay instances. Default `outbox-confirmations`.
+        #[serde(default = "default_queue")]
+        group: String,
+        /// Client id of the persistent session (stable across restarts). Default: random.
+        client_id: Option<String>,
+        /// User name. Default none.
+        username: Option<String>,
+        /// Environment variable holding the password. Default none.
+        password_env: Option<String>,
+    },
+}
+
+/// The value of the environment variable named by `field` (`Ok(None)` when no variable is
+/// named).
+///
+/// # Errors
+/// [`ConfigError`] naming `field` when the variable is not set.
+pub fn env_secret(field: &str, var: Option<&String>) -> Result<Option<String>, ConfigError> {
+    match var {
+        None => Ok(None),
+        Some(v) => std::env::var(v)
+            .map(Some)
+            .map_err(|_| ConfigError::new(field, format!("environment variable {v} is not set"))),
+    }
+}
+
+/// The Redis transport configuration of a section, validated.
+///
+/// # Errors
+/// [`ConfigError`] naming `transports.<name>.<field>`.
+#[cfg(feature = "redis")]
+pub fn redis_config(name: &str, s: &RedisSection) -> Result<outbox::RedisConfig, ConfigError> {
+    url_ok(&s.url, &["redis", "rediss"])
+        .map_err(|r| ConfigError::new(format!("transports.{name}.url"), r))?;
+    let mut c = outbox::RedisConfig::new(&s.url);
+    c.password = env_secret(
+        &format!("transports.{name}.password_env"),
+        s.password_env.as_ref(),
+    )?;
+    c.max_len = s.max_len;
+    if let Some(t) = s.response_timeout {
+        c.response_timeout = t;
+    }
+    if let Some(t) = s.connect_timeout {
+        c.connect_timeout = t;
+    }
+    if let Some(n) = s.wait_replicas {
+        c.wait_replicas = Some(outbox::WaitReplicas {
+            replicas: n,
+            timeout: s.wait_timeout.unwrap_or(Duration::from_secs(1)),
+        });
+    } else if s.wait_timeout.is_some() {
+        return Err(ConfigError::new(
+            format!("transports.{name}.wait_timeout"),
+            "set only with wait_replicas",
+        ));
+    }
+    c.validate().map_err(|e| prefix(e, name))?;
+    Ok(c)
+}
+
+/// The MQTT transport configuration of a section, validated.
+///
+/// # Errors
+/// [`ConfigError`] naming `transports.<name>.<field>`.
+#[cfg(feature = "mqtt")]
+pub fn mqtt_config(name: &str, s: &MqttSection) -> Result<outbox::MqttConfig, ConfigError> {
+    outbox::transport::mqtt::parse_url(&s.url).map_err(|e| prefix(e, name))?;
+    let mut c = outbox::MqttConfig::new(&s.url);
+    if let Some(id) = &s.client_id {
+        if id.is_empty() {
+            return Err(ConfigError::new(
+                format!("transports.{name}.client_id"),
+                "must not be empty",
+            ));
+        }
+        c.client_id = id.clone();
+    }
+    c.username = s.username.clone();
+    c.password = env_secret(
+        &format!("transports.{name}.password_env"),
+        s.password_env.as_ref(),
+    )?;
+    if let Some(t) = s.ack_timeout {
+        c.ack_timeout = t;
+    }
+    if let Some(t) = s.connect_timeout {
+        c.connect_timeout = t;
+    }
+    if let Some(t) = s.keep_alive {
+        c.keep_alive = t;
+    }
+    if let Some(n) = s.max_inflight {
+        if n == 0 {
+            return Err(ConfigError::new(
+                format!("transports.{name}.max_inflight"),
+                "must be at least 1",
+            ));
+        }
+        c.max_inflight = n;
+    }
+    c.no_subscribers = match s.no_subscribers.as_deref() {
+        None | Some("retry") => outbox::NoSubscribers::Retry,
+        Some("accept") => outbox::NoSubscribers::Accept,
+        Some(other) => {
+            return Err(ConfigError::new(
+                format!("transports.{name}.no_subscribers"),
+                format!("{other:?} is neither \"retry\" nor \"accept\""),
+            ));
+        }
+    };
+    Ok(c)
 }
 
 fn default_queue() -> String {
@@ -388,6 +581,14 @@ impl FileConfig {
                     url_ok(&n.url, &["nats", "tls"])
                         .map_err(|r| ConfigError::new(format!("transports.{name}.url"), r))?;
                 }
+                #[cfg(feature = "redis")]
+                TransportSection::Redis(r) => {
+                    redis_config(name, r)?;
+                }
+                #[cfg(feature = "mqtt")]
+                TransportSection::Mqtt(m) => {
+                    mqtt_config(name, m)?;
+                }
             }
         }
         match &self.confirmations {
@@ -417,6 +618,57 @@ impl FileConfig {
                         "must be a non-empty name without whitespace",
                     ));
                 }
+            }
+            #[cfg(feature = "redis")]
+            Some(ConfirmationsSection::Redis {
+                url,
+                password_env,
+                stream,
+                group,
+                consumer,
+            }) => {
+                url_ok(url, &["redis", "rediss"])
+                    .map_err(|r| ConfigError::new("confirmations.url", r))?;
+                env_secret("confirmations.password_env", password_env.as_ref())?;
+                for (field, v) in [
+                    ("confirmations.stream", Some(stream)),
+                    ("confirmations.group", Some(group)),
+                    ("confirmations.consumer", consumer.as_ref()),
+                ] {
+                    if v.is_some_and(|v| v.is_empty() || v.chars().any(char::is_whitespace)) {
+                        return Err(ConfigError::new(
+                            field,
+                            "must be non-empty, without whitespace",
+                        ));
+                    }
+                }
+            }
+            #[cfg(feature = "mqtt")]
+            Some(ConfirmationsSection::Mqtt {
+                url,
+                topic,
+                group,
+                client_id,
+                password_env,
+                ..
+            }) => {
+                outbox::transport::mqtt::parse_url(url)
+                    .map_err(|e| ConfigError::new("confirmations.url", e.reason))?;
+                outbox::transport::mqtt::validate_topic(topic)
+                    .map_err(|r| ConfigError::new("confirmations.topic", r))?;
+                if group.is_empty() || group.contains(['/', '+', '#']) {
+                    return Err(ConfigError::new(
+                        "confirmations.group",
+                        "must be non-empty, without / + #",
+                    ));
+                }
+                if client_id.as_ref().is_some_and(String::is_empty) {
+                    return Err(ConfigError::new(
+                        "confirmations.client_id",
+                        "must not be empty",
+                    ));
+                }
+                env_secret("confirmations.password_env", password_env.as_ref())?;
             }
             Some(ConfirmationsSection::Http { listen, path }) => {
                 if listen.parse::<std::net::SocketAddr>().is_err() {
@@ -485,6 +737,18 @@ impl FileConfig {
                             .map_err(|e| prefix(e, name))?,
                     )
                 }
+                #[cfg(feature = "redis")]
+                TransportSection::Redis(r) => Arc::new(
+                    outbox::RedisTransport::connect(redis_config(name, r)?)
+                        .await
+                        .map_err(|e| prefix(e, name))?,
+                ),
+                #[cfg(feature = "mqtt")]
+                TransportSection::Mqtt(m) => Arc::new(
+                    outbox::MqttTransport::connect(mqtt_config(name, m)?)
+                        .await
+                        .map_err(|e| prefix(e, name))?,
+                ),
             };
             built.insert(name, transport);
         }
@@ -494,6 +758,10 @@ impl FileConfig {
             let default_dest = match &self.transports[&r.transport] {
                 TransportSection::Webhook(_) => "",
                 TransportSection::Nats(_) => "{topic}",
+                #[cfg(feature = "redis")]
+                TransportSection::Redis(_) => "{topic}",
+                #[cfg(feature = "mqtt")]
+                TransportSection::Mqtt(_) => "{topic}",
             };
             let dest = r.destination.clone().unwrap_or_else(|| default_dest.into());
             router = match &r.confirm {
@@ -636,5 +904,111 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("batch_size"), "{e}");
+    }
+
+    #[cfg(feature = "redis")]
+    #[test]
+    fn redis_section_is_validated() {
+        let base = GOOD.replace(
+            "kind = \"nats\"\n        url = \"nats://127.0.0.1:4222\"\n        stream = \"ORDERS\"",
+            "kind = \"redis\"\n        url = \"redis://127.0.0.1:6379\"",
+        );
+        let c = parse(&base).unwrap();
+        c.validate().unwrap();
+        assert!(matches!(c.transports["bus"], TransportSection::Redis(_)));
+        let capped = base.replace(
+            "url = \"redis://127.0.0.1:6379\"",
+            "url = \"rediss://127.0.0.1:6380\"\nmax_len = 1000\nwait_replicas = 1\nwait_timeout = \"200ms\"",
+        );
+        let c = parse(&capped).unwrap();
+        c.validate().unwrap();
+        let TransportSection::Redis(r) = &c.transports["bus"] else {
+            panic!()
+        };
+        let rc = redis_config("bus", r).unwrap();
+        assert_eq!(rc.max_len, Some(1000));
+        assert_eq!(rc.warnings().len(), 1, "a cap is warned about");
+        for (bad, field) in [
+            ("url = \"http://127.0.0.1:6379\"", "transports.bus.url"),
+            ("url = \"redis://x\"\nmax_len = 0", "transports.bus.max_len"),
+            (
+                "url = \"redis://x\"\npassword_env = \"OUTBOX_TEST_UNSET_VARIABLE_4711\"",
+                "transports.bus.password_env",
+            ),
+            (
+                "url = \"redis://x\"\nwait_replicas = 1\nwait_timeout = \"10s\"",
+                "transports.bus.wait_replicas",
+            ),
+            (
+                "url = \"redis://x\"\nwait_timeout = \"1s\"",
+                "transports.bus.wait_timeout",
+            ),
+        ] {
+            let c = parse(&base.replace("url = \"redis://127.0.0.1:6379\"", bad)).unwrap();
+            assert_eq!(c.validate().unwrap_err().field, field, "{bad}");
+        }
+        let e = parse(&base.replace(
+            "url = \"redis://127.0.0.1:6379\"",
+            "url = \"redis://x\"\nmaxlen = 3",
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("maxlen"), "{e}");
+        let with = base.clone()
+            + "\n[confirmations]\nkind = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\nstream = \"orders:confirm\"\n";
+        let c = parse(&with).unwrap();
+        c.validate().unwrap();
+        assert!(
+            matches!(c.confirmations, Some(ConfirmationsSection::Redis { ref group, .. }) if group == "outbox-confirmations")
+        );
+        let c = parse(&with.replace("stream = \"orders:confirm\"", "stream = \"a b\"")).unwrap();
+        assert_eq!(c.validate().unwrap_err().field, "confirmations.stream");
+    }
+
+    #[cfg(feature = "mqtt")]
+    #[test]
+    fn mqtt_section_is_validated() {
+        let base = GOOD.replace(
+            "kind = \"nats\"\n        url = \"nats://127.0.0.1:4222\"\n        stream = \"ORDERS\"",
+            "kind = \"mqtt\"\n        url = \"mqtt://127.0.0.1:1883\"",
+        );
+        let c = parse(&base).unwrap();
+        c.validate().unwrap();
+        let TransportSection::Mqtt(m) = &c.transports["bus"] else {
+            panic!()
+        };
+        assert_eq!(
+            mqtt_config("bus", m).unwrap().no_subscribers,
+            outbox::NoSubscribers::Retry
+        );
+        for (bad, field) in [
+            ("url = \"nats://127.0.0.1:1883\"", "transports.bus.url"),
+            ("url = \"mqtt://h:port\"", "transports.bus.url"),
+            (
+                "url = \"mqtt://h\"\nno_subscribers = \"drop\"",
+                "transports.bus.no_subscribers",
+            ),
+            (
+                "url = \"mqtt://h\"\nmax_inflight = 0",
+                "transports.bus.max_inflight",
+            ),
+            (
+                "url = \"mqtt://h\"\nclient_id = \"\"",
+                "transports.bus.client_id",
+            ),
+            (
+                "url = \"mqtt://h\"\npassword_env = \"OUTBOX_TEST_UNSET_VARIABLE_4711\"",
+                "transports.bus.password_env",
+            ),
+        ] {
+            let c = parse(&base.replace("url = \"mqtt://127.0.0.1:1883\"", bad)).unwrap();
+            assert_eq!(c.validate().unwrap_err().field, field, "{bad}");
+        }
+        let with = base.clone()
+            + "\n[confirmations]\nkind = \"mqtt\"\nurl = \"mqtt://127.0.0.1:1883\"\ntopic = \"orders/confirm\"\n";
+        let c = parse(&with).unwrap();
+        c.validate().unwrap();
+        let c = parse(&with.replace("topic = \"orders/confirm\"", "topic = \"orders/#\"")).unwrap();
+        assert_eq!(c.validate().unwrap_err().field, "confirmations.topic");
     }
 }

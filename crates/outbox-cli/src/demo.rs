@@ -116,8 +116,9 @@ pub struct DemoArgs {
     #[arg(long, value_name = "URL")]
     pub database: Option<String>,
 
-    /// Deliver over NATS JetStream at this URL (`nats://host:port`) instead of webhooks; the
-    /// DEMO_ORDERS stream is deleted and recreated at start.
+    /// Deliver over NATS JetStream (`nats://host:port`; the DEMO_ORDERS stream is deleted and
+    /// recreated at start), Redis Streams (`redis://host:port`; the demo:orders and
+    /// demo:confirmations streams are reset) or MQTT 5 (`mqtt://host:port`) instead of webhooks.
     #[arg(long, value_name = "URL")]
     pub transport: Option<String>,
 
@@ -1532,7 +1533,36 @@ enum Delivery {
         url: String,
         js: Box<async_nats::jetstream::Context>,
     },
+    /// Redis Streams: stream [`REDIS_STREAM`], consumer group [`CONSUMER`]; confirmations on
+    /// stream [`REDIS_CONFIRM_STREAM`].
+    #[cfg(feature = "redis")]
+    Redis {
+        url: String,
+        transport: Arc<outbox::RedisTransport>,
+    },
+    /// MQTT 5: topics `demo/orders/<topic>`, shared subscription of persistent sessions;
+    /// confirmations on [`MQTT_CONFIRM_TOPIC`]. `run` makes the session and group names unique
+    /// to this run, so sessions left by an earlier run receive nothing of this one.
+    #[cfg(feature = "mqtt")]
+    Mqtt {
+        url: String,
+        run: String,
+        sender: Arc<outbox::confirm::mqtt::MqttConfirmationSender>,
+    },
 }
+
+/// Redis stream the demo's relay publishes every topic to (recreated at start).
+#[cfg(feature = "redis")]
+const REDIS_STREAM: &str = "demo:orders";
+/// Redis stream the inventory service confirms to (recreated at start).
+#[cfg(feature = "redis")]
+const REDIS_CONFIRM_STREAM: &str = "demo:confirmations";
+/// MQTT topic prefix of the demo's messages (`demo/orders/<topic>`).
+#[cfg(feature = "mqtt")]
+const MQTT_TOPICS: &str = "demo/orders/{topic}";
+/// MQTT topic the inventory service confirms to.
+#[cfg(feature = "mqtt")]
+const MQTT_CONFIRM_TOPIC: &str = "demo/confirmations";
 
 /// Where the relay delivers: the webhook URL, or nothing for NATS (the route names the subject).
 type Endpoint = Option<String>;
@@ -1574,7 +1604,40 @@ impl Delivery {
                     js: Box::new(js),
                 })
             }
-            Some(other) => bail!("--transport must be a nats:// URL or \"webhook\", not {other:?}"),
+            #[cfg(feature = "redis")]
+            Some(url) if url.starts_with("redis://") || url.starts_with("rediss://") => {
+                let transport = outbox::RedisTransport::connect(outbox::RedisConfig::new(url))
+                    .await
+                    .with_context(|| format!("cannot connect to Redis at {url}"))?;
+                // Start from empty streams so runs are independent.
+                let mut conn = transport.connection();
+                redis::cmd("DEL")
+                    .arg(REDIS_STREAM)
+                    .arg(REDIS_CONFIRM_STREAM)
+                    .query_async::<i64>(&mut conn)
+                    .await
+                    .context("cannot reset the demo streams")?;
+                Ok(Delivery::Redis {
+                    url: url.to_owned(),
+                    transport: Arc::new(transport),
+                })
+            }
+            #[cfg(feature = "mqtt")]
+            Some(url) if url.starts_with("mqtt://") || url.starts_with("mqtts://") => {
+                let sender = outbox::confirm::mqtt::MqttConfirmationSender::connect(
+                    outbox::MqttConfig::new(url),
+                )
+                .await
+                .with_context(|| format!("cannot connect to the MQTT broker at {url}"))?;
+                Ok(Delivery::Mqtt {
+                    url: url.to_owned(),
+                    run: format!("{:08x}", rand::random::<u32>()),
+                    sender: Arc::new(sender),
+                })
+            }
+            Some(other) => bail!(
+                "--transport must be \"webhook\" or a nats://, redis:// or mqtt:// URL, not {other:?}"
+            ),
         }
     }
 
@@ -1590,6 +1653,16 @@ impl Delivery {
                      confirmations on {CONFIRM_SUBJECT}"
                 )
             }
+            #[cfg(feature = "redis")]
+            Delivery::Redis { url, .. } => format!(
+                "Redis Streams at {url} (stream {REDIS_STREAM}, group {CONSUMER}), \
+                 confirmations on stream {REDIS_CONFIRM_STREAM}"
+            ),
+            #[cfg(feature = "mqtt")]
+            Delivery::Mqtt { url, run, .. } => format!(
+                "MQTT 5 at {url} (QoS 1, topics demo/orders/#, shared subscription \
+                 {CONSUMER}-{run}), confirmations on {MQTT_CONFIRM_TOPIC}"
+            ),
         }
     }
 
@@ -1632,6 +1705,41 @@ impl Delivery {
                 });
                 Ok((CONFIRM_SUBJECT.into(), task))
             }
+            #[cfg(feature = "redis")]
+            Delivery::Redis { url, .. } => {
+                let mut config = outbox::confirm::redis::RedisListenConfig::new(
+                    url.clone(),
+                    REDIS_CONFIRM_STREAM,
+                );
+                config.group = CONFIRM_QUEUE.into();
+                config.consumer = "order-service".into();
+                let listen = outbox::confirm::redis::listen(config, store, cancel.clone());
+                let task = tokio::spawn(async move {
+                    listen
+                        .await
+                        .map(|_| ())
+                        .context("cannot read the confirmation stream")
+                });
+                Ok((REDIS_CONFIRM_STREAM.into(), task))
+            }
+            #[cfg(feature = "mqtt")]
+            Delivery::Mqtt { url, run, .. } => {
+                let mut config =
+                    outbox::confirm::mqtt::MqttListenConfig::new(url.clone(), MQTT_CONFIRM_TOPIC);
+                config.group = format!("{CONFIRM_QUEUE}-{run}");
+                config.client_id = format!("demo-order-service-{run}");
+                config.session_expiry = Duration::from_secs(60);
+                // Subscribed before the consumer can confirm: the session is open when this
+                // returns its first poll, so start it and give it its own task.
+                let listen = outbox::confirm::mqtt::listen(config, store, cancel.clone());
+                let task = tokio::spawn(async move {
+                    listen
+                        .await
+                        .map(|_| ())
+                        .context("cannot subscribe to the confirmation topic")
+                });
+                Ok((MQTT_CONFIRM_TOPIC.into(), task))
+            }
         }
     }
 
@@ -1640,6 +1748,12 @@ impl Delivery {
         match self {
             Delivery::Webhook { .. } => Arc::new(WebhookConfirmationSender::new()),
             Delivery::Nats { js, .. } => Arc::new(NatsConfirmationSender::new(js.client())),
+            #[cfg(feature = "redis")]
+            Delivery::Redis { transport, .. } => Arc::new(
+                outbox::confirm::redis::RedisConfirmationSender::new(transport.connection()),
+            ),
+            #[cfg(feature = "mqtt")]
+            Delivery::Mqtt { sender, .. } => sender.clone(),
         }
     }
 
@@ -1731,6 +1845,61 @@ impl Delivery {
                     .collect();
                 Ok((None, runners))
             }
+            #[cfg(feature = "redis")]
+            Delivery::Redis { url, .. } => {
+                let mut config = outbox::consumer::redis::RedisConsumerConfig::new(
+                    url.clone(),
+                    REDIS_STREAM,
+                    CONSUMER,
+                )
+                .with_confirmations(confirmations);
+                config.dedup_window = None;
+                config.concurrency = 4;
+                // Several runners share the group, as instances of one service would.
+                let runners = (0..4)
+                    .map(|i| {
+                        let mut config = config.clone();
+                        config.consumer = format!("{CONSUMER}-{i}");
+                        let run = outbox::consumer::redis::run(
+                            config,
+                            inbox.clone(),
+                            handler.clone(),
+                            metrics.clone(),
+                            cancel.clone(),
+                        );
+                        tokio::spawn(async move { run.await.context("Redis consumer failed") })
+                    })
+                    .collect();
+                Ok((None, runners))
+            }
+            #[cfg(feature = "mqtt")]
+            Delivery::Mqtt { url, run, .. } => {
+                let mut config = outbox::consumer::mqtt::MqttConsumerConfig::new(
+                    url.clone(),
+                    "",
+                    "demo/orders/#",
+                )
+                .with_confirmations(confirmations);
+                config.group = Some(format!("{CONSUMER}-{run}"));
+                config.session_expiry = Duration::from_secs(60);
+                config.dedup_window = None;
+                config.concurrency = 4;
+                let runners = (0..4)
+                    .map(|i| {
+                        let mut config = config.clone();
+                        config.client_id = format!("demo-{CONSUMER}-{run}-{i}");
+                        let run = outbox::consumer::mqtt::run(
+                            config,
+                            inbox.clone(),
+                            handler.clone(),
+                            metrics.clone(),
+                            cancel.clone(),
+                        );
+                        tokio::spawn(async move { run.await.context("MQTT consumer failed") })
+                    })
+                    .collect();
+                Ok((None, runners))
+            }
         }
     }
 
@@ -1750,6 +1919,20 @@ impl Delivery {
                 config.ack_timeout = Duration::from_secs(1);
                 let transport = NatsTransport::connect(config).await?;
                 Ok((Arc::new(transport), "demo.orders.{topic}".into()))
+            }
+            #[cfg(feature = "redis")]
+            Delivery::Redis { url, .. } => {
+                let mut config = outbox::RedisConfig::new(url.clone());
+                config.response_timeout = Duration::from_secs(1);
+                let transport = outbox::RedisTransport::connect(config).await?;
+                Ok((Arc::new(transport), REDIS_STREAM.into()))
+            }
+            #[cfg(feature = "mqtt")]
+            Delivery::Mqtt { url, .. } => {
+                let mut config = outbox::MqttConfig::new(url.clone());
+                config.ack_timeout = Duration::from_secs(1);
+                let transport = outbox::MqttTransport::connect(config).await?;
+                Ok((Arc::new(transport), MQTT_TOPICS.into()))
             }
         }
     }
@@ -2171,6 +2354,10 @@ impl Report {
                 Delivery::Nats { .. } =>
                     "  (JetStream's duplicate window drops quick re-publishes of a message id first)",
                 Delivery::Webhook { .. } => "",
+                #[cfg(feature = "redis")]
+                Delivery::Redis { .. } => "",
+                #[cfg(feature = "mqtt")]
+                Delivery::Mqtt { .. } => "",
             }
         );
         if self.consumer_failures > 0 || self.consumer_dead_letters > 0 {

@@ -415,6 +415,48 @@ async fn spawn_confirmations(
                 }
             })
         }
+        #[cfg(feature = "redis")]
+        config::ConfirmationsSection::Redis {
+            url,
+            password_env,
+            stream,
+            group,
+            consumer,
+        } => {
+            let mut lc = outbox::confirm::redis::RedisListenConfig::new(url, stream.clone());
+            lc.password = config::env_secret("confirmations.password_env", password_env.as_ref())?;
+            lc.group = group;
+            if let Some(c) = consumer {
+                lc.consumer = c;
+            }
+            tracing::info!(stream, group = %lc.group, "listening for confirmations on Redis");
+            let stop = cancel.clone();
+            supervise_listener("Redis", stop, async move {
+                Ok(outbox::confirm::redis::listen(lc, store, cancel).await?)
+            })
+        }
+        #[cfg(feature = "mqtt")]
+        config::ConfirmationsSection::Mqtt {
+            url,
+            topic,
+            group,
+            client_id,
+            username,
+            password_env,
+        } => {
+            let mut lc = outbox::confirm::mqtt::MqttListenConfig::new(url, topic.clone());
+            lc.password = config::env_secret("confirmations.password_env", password_env.as_ref())?;
+            lc.username = username;
+            lc.group = group;
+            if let Some(c) = client_id {
+                lc.client_id = c;
+            }
+            tracing::info!(topic, group = %lc.group, "listening for confirmations on MQTT");
+            let stop = cancel.clone();
+            supervise_listener("MQTT", stop, async move {
+                Ok(outbox::confirm::mqtt::listen(lc, store, cancel).await?)
+            })
+        }
         config::ConfirmationsSection::Http { listen, path } => {
             let socket = tokio::net::TcpListener::bind(&listen)
                 .await
@@ -427,6 +469,32 @@ async fn spawn_confirmations(
                     .await
                     .context("confirmation endpoint failed")
             })
+        }
+    })
+}
+
+/// Run a confirmation listener in a task: log its totals when it stops, and make its stopping
+/// an error unless `stop` was cancelled.
+#[cfg(any(feature = "redis", feature = "mqtt"))]
+fn supervise_listener(
+    broker: &'static str,
+    stop: CancellationToken,
+    listen: impl std::future::Future<Output = anyhow::Result<outbox::ConfirmReport>> + Send + 'static,
+) -> tokio::task::JoinHandle<anyhow::Result<()>> {
+    tokio::spawn(async move {
+        let total = listen.await?;
+        tracing::info!(
+            broker,
+            confirmed = total.confirmed,
+            rejected = total.rejected,
+            duplicates = total.duplicates,
+            unknown = total.unknown,
+            "confirmation listener stopped"
+        );
+        if stop.is_cancelled() {
+            Ok(())
+        } else {
+            anyhow::bail!("the {broker} confirmation listener ended")
         }
     })
 }

@@ -16,7 +16,8 @@
 //! - Stores ([`store::Store`]): [`PgStore`] (feature `postgres`), [`SqliteStore`] (feature `sqlite`),
 //!   [`MySqlStore`] (feature `mysql`: MySQL 8.0.1+, MariaDB 10.6+).
 //! - Transports ([`transport::Transport`]): [`MemoryTransport`], [`WebhookTransport`] (feature
-//!   `webhook`), [`NatsTransport`] (feature `nats`); [`Router`] maps topics to them.
+//!   `webhook`), [`NatsTransport`] (feature `nats`), `RedisTransport` (feature `redis`, Redis
+//!   Streams), `MqttTransport` (feature `mqtt`, MQTT 5); [`Router`] maps topics to them.
 //! - [`Relay`]: claim, publish, complete, reap, probe.
 //! - [`Inbox`] and the [`consumer`] runners.
 //! - [`confirm`]: consumer confirmations, rejection hooks (compensation), check-back.
@@ -59,8 +60,12 @@ pub use store::sqlite::SqliteStore;
 pub use store::{
     Claim, ClaimRequest, Completion, FailedMessage, Outcome, Stats, Store, StoreOptions,
 };
+#[cfg(feature = "mqtt")]
+pub use transport::mqtt::{MqttConfig, MqttTransport, NoSubscribers};
 #[cfg(feature = "nats")]
 pub use transport::nats::{NatsConfig, NatsTransport, StreamSetup};
+#[cfg(feature = "redis")]
+pub use transport::redis::{RedisConfig, RedisTransport, WaitReplicas};
 #[cfg(feature = "webhook")]
 pub use transport::webhook::{WebhookConfig, WebhookSigner, WebhookTransport};
 pub use transport::{MemoryTransport, Outgoing, Route, Router, TopicPattern, Transport};

@@ -3,7 +3,8 @@
 //!
 //! Services: `OUTBOX_TEST_POSTGRES_URL` (default `postgres://postgres@127.0.0.1:5432/test`),
 //! `OUTBOX_TEST_MYSQL_URL` (default `mysql://root@127.0.0.1:3306/test`) and
-//! `OUTBOX_TEST_NATS_URL` (default `nats://127.0.0.1:4222`). A test whose service does not answer
+//! `OUTBOX_TEST_NATS_URL` (default `nats://127.0.0.1:4222`), `OUTBOX_TEST_REDIS_URL` (default
+//! `redis://127.0.0.1:6379`) and `OUTBOX_TEST_MQTT_URL` (default `mqtt://127.0.0.1:1883`). A test whose service does not answer
 //! fails with a message naming it.
 
 mod cases;
@@ -12,6 +13,8 @@ mod confirm;
 mod crash;
 mod crash_mysql;
 mod inbox;
+mod mqtt;
+mod redis;
 mod relay;
 mod store;
 mod transport;

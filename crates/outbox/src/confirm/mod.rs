@@ -192,6 +192,20 @@ pub(crate) async fn apply_with_retry(
     }
 }
 
+/// Add a listener's applied batch to its totals, warning about unknown message ids.
+#[cfg(any(feature = "redis", feature = "mqtt"))]
+pub(crate) fn record(total: &mut ConfirmReport, r: ConfirmReport) {
+    if r.unknown > 0 {
+        tracing::warn!(unknown = r.unknown, "confirmations for unknown message ids");
+    }
+    total.add(r);
+}
+
+#[cfg(feature = "mqtt")]
+pub mod mqtt;
+#[cfg(feature = "redis")]
+pub mod redis;
+
 #[cfg(feature = "nats")]
 pub mod nats {
     //! Confirmations over NATS: consumers publish to the reply subject; the producer listens on

@@ -23,8 +23,12 @@ use crate::inbox::{Handler, Inbox, InboxBackend, Processed};
 use crate::message::InboundMessage;
 use crate::retry::Backoff;
 
+#[cfg(feature = "mqtt")]
+pub mod mqtt;
 #[cfg(feature = "nats")]
 pub mod nats;
+#[cfg(feature = "redis")]
+pub mod redis;
 #[cfg(feature = "webhook")]
 pub mod webhook;
 
@@ -49,6 +53,9 @@ pub struct ConsumerMetrics {
     pub confirmation_failures: AtomicU64,
     /// Dead letters replayed on an operator's request.
     pub replayed: AtomicU64,
+    /// Deliveries whose message was gone from the broker (e.g. a Redis stream entry trimmed
+    /// while pending, shared case C38): logged, acknowledged and counted here.
+    pub lost: AtomicU64,
 }
 
 /// Settings shared by the runners.

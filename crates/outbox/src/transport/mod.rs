@@ -3,7 +3,8 @@
 //! socket").
 //!
 //! Transports: [`MemoryTransport`] (tests, demos), [`WebhookTransport`](crate::WebhookTransport)
-//! (feature `webhook`), [`NatsTransport`](crate::NatsTransport) (feature `nats`). A [`Router`]
+//! (feature `webhook`), [`NatsTransport`](crate::NatsTransport) (feature `nats`), `RedisTransport`
+//! (feature `redis`, module `redis`), `MqttTransport` (feature `mqtt`, module `mqtt`). A [`Router`]
 //! maps topics to transports and destinations.
 
 use std::sync::Arc;
@@ -14,8 +15,12 @@ use crate::error::TransportError;
 use crate::message::Message;
 
 pub mod memory;
+#[cfg(feature = "mqtt")]
+pub mod mqtt;
 #[cfg(feature = "nats")]
 pub mod nats;
+#[cfg(feature = "redis")]
+pub mod redis;
 #[cfg(feature = "webhook")]
 pub mod webhook;
 

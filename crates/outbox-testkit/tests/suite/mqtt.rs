@@ -1,0 +1,394 @@
+//! MQTT 5 against the real broker (`OUTBOX_TEST_MQTT_URL`, default `mqtt://127.0.0.1:1883`,
+//! Mosquitto 2.0) with PostgreSQL stores and inboxes: the consumer runner end to end with
+//! confirmations over MQTT, a failing handler retried with backoff and dead-lettered, user
+//! properties and correlation data carried, PUBACK *No matching subscribers* not taken for
+//! success, the broker cut through a `FaultProxy` (Unavailable, then recovery), the persistent
+//! session keeping messages for an offline consumer, and the refusal of a broker that does not
+//! speak MQTT 5.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use outbox::confirm::mqtt::{MqttConfirmationSender, MqttListenConfig};
+use outbox::consumer::ConsumerMetrics;
+use outbox::consumer::mqtt::MqttConsumerConfig;
+use outbox::transport::{Outgoing, Transport};
+use outbox::{ConfirmPolicy, MqttConfig, NoSubscribers, Relay, Router, TransportErrorKind};
+use outbox_testkit::mqtt::mqtt_transport;
+use outbox_testkit::{
+    ConfirmFixture, FaultProxy, HookControl, MqttFixture, PgFixture, StoreFixture as _,
+    TransportFixture as _, claimed_message, host_port, mqtt_url, unique, wait_until, within,
+};
+use tokio_util::sync::CancellationToken;
+
+use crate::confirm::{ScriptedHandler, confirm_config, fast_retry};
+use crate::redis::{
+    Recorder, check_retried_and_dead_lettered, inbox, orders_confirmed_and_rejected,
+    retry_messages, stop,
+};
+
+fn consumer_config(client_id: &str, filter: &str) -> MqttConsumerConfig {
+    let mut c = MqttConsumerConfig::new(mqtt_url(), client_id, filter);
+    c.retry = fast_retry();
+    c.session_expiry = Duration::from_secs(60);
+    c.maintenance_interval = Duration::from_millis(200);
+    c.dedup_window = None;
+    c
+}
+
+fn spawn<H: outbox::Handler<sqlx::Postgres>>(
+    config: MqttConsumerConfig,
+    inbox: &outbox::Inbox<sqlx::Postgres>,
+    handler: Arc<H>,
+    metrics: Arc<ConsumerMetrics>,
+    cancel: CancellationToken,
+) -> tokio::task::JoinHandle<Result<(), outbox::ConfigError>> {
+    tokio::spawn(outbox::consumer::mqtt::run(
+        config,
+        inbox.clone(),
+        handler,
+        metrics,
+        cancel,
+    ))
+}
+
+async fn publish(
+    t: &dyn Transport,
+    topic: &str,
+    msgs: &[outbox::Message],
+) -> Vec<Result<(), outbox::TransportError>> {
+    let batch: Vec<Outgoing<'_>> = msgs
+        .iter()
+        .map(|m| Outgoing {
+            message: m,
+            destination: topic,
+        })
+        .collect();
+    t.publish(&batch).await
+}
+
+/// Publish until the broker routes to a subscriber (the consumer's subscription may still be on
+/// its way): retry while the PUBACK says *No matching subscribers*.
+async fn publish_when_subscribed(t: &dyn Transport, topic: &str, msgs: &[outbox::Message]) {
+    wait_until(
+        "a subscriber for the topic",
+        Duration::from_secs(10),
+        || async {
+            let probe = claimed_message("probe", "probe");
+            publish(t, topic, &[probe]).await[0].is_ok()
+        },
+    )
+    .await;
+    for r in publish(t, topic, msgs).await {
+        r.expect("published");
+    }
+}
+
+/// The runner end to end with PostgreSQL on both sides and confirmations over MQTT: processed
+/// messages end CONFIRMED with their effect once, rejected ones REJECTED with the compensation
+/// once; two runners share the work through a shared subscription.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn consumer_end_to_end_with_confirmations() {
+    crate::init_tracing();
+    let fx = PgFixture::new().await;
+    let prefix = unique("obx");
+    let ctl = Arc::new(HookControl::default());
+    let store = fx.store_with_hook(ctl.clone()).await;
+    let effects = format!("{}.effects", fx.schema);
+    fx.exec(&format!(
+        "CREATE TABLE {effects} (message_id text NOT NULL, payload bytea)"
+    ))
+    .await;
+    let reply = format!("{prefix}/confirmations");
+    let stop_listener = CancellationToken::new();
+    let mut lc = MqttListenConfig::new(mqtt_url(), &reply);
+    lc.group = prefix.clone();
+    lc.session_expiry = Duration::from_secs(60);
+    let listener = tokio::spawn(outbox::confirm::mqtt::listen(
+        lc,
+        store.clone(),
+        stop_listener.clone(),
+    ));
+    let transport = Arc::new(mqtt_transport(MqttConfig::new(mqtt_url())).await);
+    let relay = Relay::builder(store)
+        .router(Router::new().route_confirmed(
+            "*",
+            transport.clone(),
+            format!("{prefix}/orders/{{topic}}"),
+            ConfirmPolicy {
+                reply_to: reply.clone(),
+                timeout: Duration::from_secs(5),
+            },
+        ))
+        .config(confirm_config("mqtt-e2e"))
+        .build()
+        .expect("relay")
+        .spawn();
+    let inbox = inbox(&fx).await;
+    let handler = ScriptedHandler::new(&effects);
+    let metrics = Arc::new(ConsumerMetrics::default());
+    let cancel = CancellationToken::new();
+    let sender = Arc::new(
+        MqttConfirmationSender::connect(MqttConfig::new(mqtt_url()))
+            .await
+            .expect("sender"),
+    );
+    let mut consumers = Vec::new();
+    for i in 0..2 {
+        let mut config = consumer_config(&format!("{prefix}-c{i}"), &format!("{prefix}/orders/#"))
+            .with_confirmations(sender.clone());
+        config.group = Some(prefix.clone());
+        config.concurrency = 3;
+        consumers.push(spawn(
+            config,
+            &inbox,
+            handler.clone(),
+            metrics.clone(),
+            cancel.clone(),
+        ));
+    }
+    orders_confirmed_and_rejected(&fx, &effects, &metrics).await;
+    for c in consumers {
+        stop(cancel.clone(), c).await;
+    }
+    stop_listener.cancel();
+    let report = within("listener to stop", Duration::from_secs(10), listener)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((report.confirmed, report.rejected), (20, 3), "{report:?}");
+    relay.shutdown().await.unwrap();
+    fx.cleanup().await;
+}
+
+/// A failing handler: MQTT has no negative ack, so the runner applies the unacknowledged message
+/// again after the backoff, counting deliveries (1, 2, 3) until it succeeds; a message that always
+/// fails is dead-lettered at `max_deliveries`; other keys flow meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn failing_handler_retried_then_applied_or_dead_lettered() {
+    crate::init_tracing();
+    let fx = PgFixture::new().await;
+    let prefix = unique("obx");
+    let inbox = inbox(&fx).await;
+    let handler = Arc::new(Recorder::default());
+    let metrics = Arc::new(ConsumerMetrics::default());
+    let cancel = CancellationToken::new();
+    let mut config = consumer_config(&format!("{prefix}-c"), &format!("{prefix}/#"));
+    config.max_deliveries = 3;
+    config.concurrency = 2;
+    let consumer = spawn(
+        config,
+        &inbox,
+        handler.clone(),
+        metrics.clone(),
+        cancel.clone(),
+    );
+    let transport = mqtt_transport(MqttConfig::new(mqtt_url())).await;
+    let msgs = retry_messages();
+    publish_when_subscribed(&transport, &format!("{prefix}/flaky"), &msgs).await;
+    check_retried_and_dead_lettered(&inbox, &handler, &metrics, &msgs).await;
+    stop(cancel, consumer).await;
+    fx.cleanup().await;
+}
+
+/// User properties carry every header (traceparent included) and the partition key; the
+/// correlation data is the message id's 16 bytes; `content-type` sets the MQTT content type; the
+/// message is not retained.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn user_properties_and_correlation_data_are_carried() {
+    let fx = MqttFixture::new().await;
+    let mut m = claimed_message("orders.created", "{}");
+    m.partition_key = Some("order-7".into());
+    m.headers.insert(
+        "traceparent".into(),
+        "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into(),
+    );
+    m.headers
+        .insert("content-type".into(), "application/json".into());
+    let dest = fx.good_destination();
+    publish(fx.transport.as_ref(), &dest, std::slice::from_ref(&m))
+        .await
+        .pop()
+        .unwrap()
+        .expect("acknowledged");
+    let got = fx.received_on(&dest).await;
+    assert_eq!(got.len(), 1);
+    let p = &got[0];
+    assert!(!p.retain);
+    let props = p.properties.as_ref().expect("properties");
+    let up: BTreeMap<_, _> = props.user_properties.iter().cloned().collect();
+    assert_eq!(up, m.wire_headers());
+    assert_eq!(
+        props.correlation_data.as_deref(),
+        Some(m.message_id.as_bytes().as_slice())
+    );
+    assert_eq!(props.content_type.as_deref(), Some("application/json"));
+    fx.cleanup().await;
+}
+
+/// A topic nobody subscribes to: the broker answers PUBACK 0x10 and discards the message, so it
+/// is not a success by default (retryable), and is with `NoSubscribers::Accept`. A wildcard
+/// topic is refused before it reaches the broker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_matching_subscribers_is_not_success() {
+    let topic = format!("{}/nobody", unique("obx"));
+    let t = mqtt_transport(MqttConfig::new(mqtt_url())).await;
+    let m = claimed_message("t", "x");
+    let r = publish(&t, &topic, std::slice::from_ref(&m)).await;
+    let e = r[0].as_ref().unwrap_err();
+    assert_eq!(e.kind(), TransportErrorKind::Retryable, "{e:?}");
+    assert!(e.message().contains("no matching subscribers"), "{e:?}");
+    let mut config = MqttConfig::new(mqtt_url());
+    config.no_subscribers = NoSubscribers::Accept;
+    let t = mqtt_transport(config).await;
+    assert!(publish(&t, &topic, std::slice::from_ref(&m)).await[0].is_ok());
+    let r = publish(&t, "a/#", std::slice::from_ref(&m)).await;
+    let e = r[0].as_ref().unwrap_err();
+    assert_eq!(e.kind(), TransportErrorKind::Permanent, "{e:?}");
+}
+
+/// The broker cut through a FaultProxy: the probe and the publishes report `Unavailable`; once
+/// the proxy lets connections through again, the client reconnects and publishes are
+/// acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broker_cut_is_unavailable_then_recovers() {
+    let fx = MqttFixture::new().await;
+    let proxy = FaultProxy::start(host_port(&mqtt_url())).await;
+    let mut config = MqttConfig::new(format!("mqtt://{}", proxy.addr));
+    config.keep_alive = Duration::from_secs(5);
+    let t = mqtt_transport(config).await;
+    let dest = fx.good_destination();
+    let m = claimed_message("t", "before");
+    assert!(publish(&t, &dest, std::slice::from_ref(&m)).await[0].is_ok());
+    t.probe().await.expect("connected");
+    proxy.set_blocked(true);
+    wait_until("the cut to be noticed", Duration::from_secs(20), || async {
+        t.probe().await.is_err()
+    })
+    .await;
+    assert_eq!(
+        t.probe().await.unwrap_err().kind(),
+        TransportErrorKind::Unavailable
+    );
+    let during = claimed_message("t", "during");
+    let r = publish(&t, &dest, std::slice::from_ref(&during)).await;
+    let e = r[0].as_ref().unwrap_err();
+    assert_eq!(e.kind(), TransportErrorKind::Unavailable, "{e:?}");
+    proxy.set_blocked(false);
+    wait_until(
+        "the client to reconnect",
+        Duration::from_secs(20),
+        || async { t.probe().await.is_ok() },
+    )
+    .await;
+    let after = claimed_message("t", "after");
+    assert!(publish(&t, &dest, std::slice::from_ref(&after)).await[0].is_ok());
+    let got: Vec<Vec<u8>> = fx
+        .received_on(&dest)
+        .await
+        .into_iter()
+        .map(|p| p.payload.to_vec())
+        .collect();
+    assert!(
+        got.contains(&b"before".to_vec()) && got.contains(&b"after".to_vec()),
+        "{got:?}"
+    );
+    fx.cleanup().await;
+}
+
+/// The persistent session: a consumer that is offline keeps its subscription at the broker
+/// (publishes are acknowledged with success and queued), and receives the messages when it comes
+/// back under the same client id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn persistent_session_keeps_messages_for_an_offline_consumer() {
+    crate::init_tracing();
+    let fx = PgFixture::new().await;
+    let prefix = unique("obx");
+    let inbox = inbox(&fx).await;
+    let topic = format!("{prefix}/orders");
+    let config = consumer_config(&format!("{prefix}-c"), &topic);
+    let handler = Arc::new(Recorder::default());
+    let metrics = Arc::new(ConsumerMetrics::default());
+    let cancel = CancellationToken::new();
+    let consumer = spawn(
+        config.clone(),
+        &inbox,
+        handler.clone(),
+        metrics.clone(),
+        cancel.clone(),
+    );
+    let t = mqtt_transport(MqttConfig::new(mqtt_url())).await;
+    let first = claimed_message("t", "first");
+    publish_when_subscribed(&t, &topic, std::slice::from_ref(&first)).await;
+    wait_until("the first message", Duration::from_secs(10), || async {
+        metrics.applied.load(Ordering::Relaxed) >= 1
+    })
+    .await;
+    stop(cancel, consumer).await;
+    // Offline: the session's subscription still matches.
+    let msgs: Vec<_> = (0..5)
+        .map(|i| claimed_message("t", format!("offline-{i}")))
+        .collect();
+    for r in publish(&t, &topic, &msgs).await {
+        r.expect("acknowledged for the offline session");
+    }
+    let metrics2 = Arc::new(ConsumerMetrics::default());
+    let cancel = CancellationToken::new();
+    let consumer = spawn(
+        config,
+        &inbox,
+        handler.clone(),
+        metrics2.clone(),
+        cancel.clone(),
+    );
+    wait_until("the offline messages", Duration::from_secs(15), || async {
+        metrics2.applied.load(Ordering::Relaxed) == 5
+    })
+    .await;
+    let applied: Vec<String> = handler
+        .seen()
+        .into_iter()
+        .filter(|s| s.payload.starts_with("offline-"))
+        .map(|s| s.payload)
+        .collect();
+    assert_eq!(
+        applied,
+        (0..5).map(|i| format!("offline-{i}")).collect::<Vec<_>>()
+    );
+    stop(cancel, consumer).await;
+    fx.cleanup().await;
+}
+
+/// A broker that does not speak MQTT 5: `connect` fails naming `url`, saying that outbox needs
+/// MQTT 5. Two fakes answer the CONNECT: one with MQTT 5's *Unsupported Protocol Version*
+/// (0x84), one as an MQTT 3.1.1 broker does (CONNACK return code 0x01).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mqtt_3_1_1_broker_is_refused_with_a_clear_error() {
+    for answer in [
+        vec![0x20u8, 0x03, 0x00, 0x84, 0x00],
+        vec![0x20, 0x02, 0x00, 0x01],
+    ] {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let fake = tokio::spawn(async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut buf = [0u8; 512];
+            let _ = s.read(&mut buf).await;
+            s.write_all(&answer).await.unwrap();
+            s.flush().await.unwrap();
+            let _ = s.read(&mut buf).await;
+        });
+        let mut config = MqttConfig::new(format!("mqtt://{addr}"));
+        config.connect_timeout = Duration::from_secs(2);
+        let e = outbox::MqttTransport::connect(config).await.unwrap_err();
+        assert_eq!(e.field, "url");
+        assert!(
+            e.reason.contains("3.1.1") && e.reason.contains("MQTT 5"),
+            "{e}"
+        );
+        fake.abort();
+    }
+}

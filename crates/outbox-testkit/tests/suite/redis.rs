@@ -1,0 +1,734 @@
+//! Redis Streams against the real server (`OUTBOX_TEST_REDIS_URL`, default
+//! `redis://127.0.0.1:6379`) with PostgreSQL stores and inboxes: shared case C38 (no trimming by
+//! default, a crashed slow consumer's pending entries recovered), trimmed pending ids tolerated
+//! and counted, the length-cap warning, the consumer runner end to end with confirmations over
+//! Redis, transient failures retried with delivery counts from the server, and per-key order with
+//! concurrency > 1.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use outbox::confirm::redis::{RedisConfirmationSender, RedisListenConfig};
+use outbox::consumer::ConsumerMetrics;
+use outbox::consumer::redis::RedisConsumerConfig;
+use outbox::transport::{Outgoing, Transport};
+use outbox::{
+    ConfirmPolicy, HandlerError, InboundMessage, Inbox, NewMessage, RedisConfig, Relay, Router,
+    Status, TransportErrorKind, WaitReplicas,
+};
+use outbox_testkit::{
+    ConfirmFixture, HookControl, PgFixture, RedisFixture, StoreFixture as _, TransportFixture as _,
+    claimed_message, redis_url, wait_until, within,
+};
+use sqlx::PgConnection;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use crate::confirm::{ScriptedHandler, confirm_config, fast_retry, pg_count, wait_status};
+use crate::relay::fast_config;
+
+/// What a [`Recorder`] saw of one delivery.
+#[derive(Debug, Clone)]
+pub(crate) struct Seen {
+    pub(crate) id: Uuid,
+    pub(crate) key: Option<String>,
+    pub(crate) payload: String,
+    pub(crate) deliveries: u32,
+}
+
+/// A handler that records every call; payloads starting `fail<n>-` fail transiently on their
+/// first `n` deliveries, `always-fail` every time; `gate_at` makes the n-th call hang after
+/// notifying `gate` (a consumer that dies in the middle of a batch).
+#[derive(Default)]
+pub(crate) struct Recorder {
+    seen: Mutex<Vec<Seen>>,
+    calls: AtomicU64,
+    gate_at: Option<u64>,
+    pub(crate) gate: tokio::sync::Notify,
+}
+
+impl Recorder {
+    pub(crate) fn gated(at: u64) -> Arc<Self> {
+        Arc::new(Recorder {
+            gate_at: Some(at),
+            ..Default::default()
+        })
+    }
+
+    pub(crate) fn seen(&self) -> Vec<Seen> {
+        self.seen.lock().unwrap().clone()
+    }
+}
+
+#[async_trait]
+impl outbox::Handler<sqlx::Postgres> for Recorder {
+    async fn handle(
+        &self,
+        _conn: &mut PgConnection,
+        msg: &InboundMessage,
+    ) -> Result<(), HandlerError> {
+        let n = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
+        if self.gate_at == Some(n) {
+            self.gate.notify_one();
+            std::future::pending::<()>().await;
+        }
+        let payload = String::from_utf8_lossy(&msg.payload).into_owned();
+        self.seen.lock().unwrap().push(Seen {
+            id: msg.message_id,
+            key: msg.partition_key.clone(),
+            payload: payload.clone(),
+            deliveries: msg.delivery_count,
+        });
+        if payload == "always-fail" {
+            return Err(HandlerError::transient("still failing"));
+        }
+        if let Some(rest) = payload.strip_prefix("fail")
+            && let Some((n, _)) = rest.split_once('-')
+            && msg.delivery_count <= n.parse::<u32>().unwrap_or(0)
+        {
+            return Err(HandlerError::transient(format!(
+                "failing delivery {}",
+                msg.delivery_count
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// A consumer config for `stream` with quick retries.
+fn consumer_config(stream: &str, consumer: &str) -> RedisConsumerConfig {
+    let mut c = RedisConsumerConfig::new(redis_url(), stream, "billing");
+    c.consumer = consumer.into();
+    c.retry = fast_retry();
+    c.block = Duration::from_millis(200);
+    c.maintenance_interval = Duration::from_millis(200);
+    c.dedup_window = None;
+    c
+}
+
+fn spawn<H: outbox::Handler<sqlx::Postgres>>(
+    config: RedisConsumerConfig,
+    inbox: &Inbox<sqlx::Postgres>,
+    handler: Arc<H>,
+    metrics: Arc<ConsumerMetrics>,
+    cancel: CancellationToken,
+) -> tokio::task::JoinHandle<Result<(), outbox::ConfigError>> {
+    tokio::spawn(outbox::consumer::redis::run(
+        config,
+        inbox.clone(),
+        handler,
+        metrics,
+        cancel,
+    ))
+}
+
+pub(crate) async fn inbox(fx: &PgFixture) -> Inbox<sqlx::Postgres> {
+    let inbox = Inbox::<sqlx::Postgres>::new(
+        fx.store.pool().clone(),
+        &format!("{}.consumer_inbox", fx.schema),
+        "billing",
+    )
+    .unwrap();
+    inbox.migrate().await.unwrap();
+    inbox
+}
+
+async fn publish(rx: &RedisFixture, stream: &str, msgs: &[outbox::Message]) {
+    let batch: Vec<Outgoing<'_>> = msgs
+        .iter()
+        .map(|m| Outgoing {
+            message: m,
+            destination: stream,
+        })
+        .collect();
+    for r in rx.transport.publish(&batch).await {
+        r.expect("published");
+    }
+}
+
+async fn pending(rx: &RedisFixture, stream: &str) -> i64 {
+    let v: redis::Value = rx
+        .query(redis::cmd("XPENDING").arg(stream).arg("billing"))
+        .await;
+    match v {
+        redis::Value::Array(parts) => match parts.first() {
+            Some(redis::Value::Int(n)) => *n,
+            other => panic!("XPENDING summary {other:?}"),
+        },
+        other => panic!("XPENDING {other:?}"),
+    }
+}
+
+pub(crate) async fn stop(
+    cancel: CancellationToken,
+    task: tokio::task::JoinHandle<Result<(), outbox::ConfigError>>,
+) {
+    cancel.cancel();
+    within("consumer to stop", Duration::from_secs(10), task)
+        .await
+        .expect("consumer task")
+        .expect("consumer result");
+}
+
+/// Shared case C38 with the product's default (no length cap): 5,000 messages through a real
+/// relay and PostgreSQL store; a slow consumer (concurrency 1) crashes once in the middle of a
+/// batch, leaving pending entries; after a restart under the same consumer name every one of the
+/// 5,000 is applied exactly once (the stream kept every entry), nothing is lost or left pending.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn c38_no_trimming_by_default_crashed_consumer_recovers_all_5000() {
+    crate::init_tracing();
+    let fx = PgFixture::new().await;
+    let rx = RedisFixture::new().await;
+    assert!(
+        rx.transport.warnings().is_empty(),
+        "default: no cap, no warning"
+    );
+    let stream = rx.key("orders");
+    let effects = format!("{}.effects", fx.schema);
+    fx.exec(&format!(
+        "CREATE TABLE {effects} (message_id text NOT NULL, payload bytea)"
+    ))
+    .await;
+    let relay = Relay::builder(fx.store())
+        .router(Router::new().route("*", rx.transport.clone(), &stream))
+        .config(fast_config("c38"))
+        .build()
+        .expect("relay")
+        .spawn();
+    let msgs: Vec<NewMessage> = (0..5000)
+        .map(|i| {
+            NewMessage::new("orders", format!("ok-{i}")).with_partition_key(format!("k{}", i % 50))
+        })
+        .collect();
+    fx.enqueue_commit(msgs).await.unwrap();
+    let inbox = inbox(&fx).await;
+
+    // A slow consumer that dies at its 1,200th message, in the middle of a batch of 100.
+    let scripted = ScriptedHandler::new(&effects);
+    let gate = Arc::new(Gate {
+        inner: scripted.clone(),
+        at: 1200,
+        calls: AtomicU64::new(0),
+        reached: tokio::sync::Notify::new(),
+    });
+    let mut config = consumer_config(&stream, "slow-1");
+    config.claim_idle = Duration::from_secs(600);
+    let m1 = Arc::new(ConsumerMetrics::default());
+    let c1 = spawn(
+        config.clone(),
+        &inbox,
+        gate.clone(),
+        m1.clone(),
+        CancellationToken::new(),
+    );
+    within(
+        "the consumer to reach its crash point",
+        Duration::from_secs(120),
+        gate.reached.notified(),
+    )
+    .await;
+    c1.abort();
+    let _ = c1.await;
+    let left = pending(&rx, &stream).await;
+    assert!(left > 0, "the crash left pending entries");
+    let applied_before = m1.applied.load(Ordering::Relaxed);
+    assert!(applied_before < 5000);
+
+    // Restart under the same name: its pending entries first, then the rest.
+    let m2 = Arc::new(ConsumerMetrics::default());
+    let cancel = CancellationToken::new();
+    let c2 = spawn(config, &inbox, scripted.clone(), m2.clone(), cancel.clone());
+    wait_until("all 5,000 applied", Duration::from_secs(180), || async {
+        pg_count(
+            &fx,
+            &format!("SELECT COUNT(DISTINCT message_id) FROM {effects}"),
+        )
+        .await
+            == 5000
+    })
+    .await;
+    wait_until("nothing pending", Duration::from_secs(20), || async {
+        pending(&rx, &stream).await == 0
+    })
+    .await;
+    assert_eq!(
+        pg_count(&fx, &format!("SELECT COUNT(*) FROM {effects}")).await,
+        5000,
+        "each message applied exactly once"
+    );
+    assert_eq!(m2.lost.load(Ordering::Relaxed), 0);
+    let xlen: i64 = rx.query(redis::cmd("XLEN").arg(&stream)).await;
+    assert!(xlen >= 5000, "no entry was trimmed: {xlen}");
+    assert_eq!(
+        applied_before + m2.applied.load(Ordering::Relaxed),
+        5000,
+        "applied once each across the crash"
+    );
+    stop(cancel, c2).await;
+    relay.shutdown().await.unwrap();
+    rx.cleanup().await;
+    fx.cleanup().await;
+}
+
+/// Wraps a handler and hangs at its `at`-th call (after notifying `reached`).
+struct Gate {
+    inner: Arc<ScriptedHandler>,
+    at: u64,
+    calls: AtomicU64,
+    reached: tokio::sync::Notify,
+}
+
+#[async_trait]
+impl outbox::Handler<sqlx::Postgres> for Gate {
+    async fn handle(
+        &self,
+        conn: &mut PgConnection,
+        msg: &InboundMessage,
+    ) -> Result<(), HandlerError> {
+        if self.calls.fetch_add(1, Ordering::SeqCst) + 1 == self.at {
+            self.reached.notify_one();
+            std::future::pending::<()>().await;
+        }
+        outbox::Handler::<sqlx::Postgres>::handle(self.inner.as_ref(), conn, msg).await
+    }
+}
+
+/// Entries trimmed while pending (C38 with a cap, or an operator's XTRIM): a consumer crashes
+/// holding 20 pending entries, the stream is trimmed to its newest 5, and the restarted consumer
+/// (same name, so its own pending list is resumed) logs, acknowledges and counts the 15 lost ids,
+/// applies the 5 others, and keeps running; nothing stays pending.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn trimmed_pending_ids_are_counted_lost_on_resume() {
+    trimmed_pending(false).await;
+}
+
+/// The same through `XAUTOCLAIM`: a new consumer name takes the crashed one's entries over after
+/// `claim_idle`; the trimmed ids come back as `XAUTOCLAIM`'s deleted ids.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn trimmed_pending_ids_are_counted_lost_on_autoclaim() {
+    trimmed_pending(true).await;
+}
+
+async fn trimmed_pending(other_consumer: bool) {
+    crate::init_tracing();
+    let fx = PgFixture::new().await;
+    let rx = RedisFixture::new().await;
+    let stream = rx.key("trimmed");
+    let inbox = inbox(&fx).await;
+    let msgs: Vec<_> = (0..20)
+        .map(|i| claimed_message("orders", format!("m{i}")))
+        .collect();
+    publish(&rx, &stream, &msgs).await;
+    let crashing = Recorder::gated(1);
+    let mut config = consumer_config(&stream, "c1");
+    config.batch = 20;
+    let c1 = spawn(
+        config.clone(),
+        &inbox,
+        crashing.clone(),
+        Arc::new(ConsumerMetrics::default()),
+        CancellationToken::new(),
+    );
+    within(
+        "the first delivery",
+        Duration::from_secs(10),
+        crashing.gate.notified(),
+    )
+    .await;
+    c1.abort();
+    let _ = c1.await;
+    assert_eq!(pending(&rx, &stream).await, 20);
+    let _: i64 = rx
+        .query(redis::cmd("XTRIM").arg(&stream).arg("MAXLEN").arg(5))
+        .await;
+
+    if other_consumer {
+        config.consumer = "c2".into();
+        config.claim_idle = Duration::from_millis(300);
+        config.claim_interval = Duration::from_millis(100);
+    }
+    let handler = Arc::new(Recorder::default());
+    let metrics = Arc::new(ConsumerMetrics::default());
+    let cancel = CancellationToken::new();
+    let c2 = spawn(
+        config,
+        &inbox,
+        handler.clone(),
+        metrics.clone(),
+        cancel.clone(),
+    );
+    wait_until("15 lost and 5 applied", Duration::from_secs(20), || async {
+        metrics.lost.load(Ordering::Relaxed) == 15 && metrics.applied.load(Ordering::Relaxed) == 5
+    })
+    .await;
+    wait_until("nothing pending", Duration::from_secs(10), || async {
+        pending(&rx, &stream).await == 0
+    })
+    .await;
+    let applied: Vec<String> = handler.seen().into_iter().map(|s| s.payload).collect();
+    assert_eq!(
+        applied,
+        (15..20).map(|i| format!("m{i}")).collect::<Vec<_>>()
+    );
+    // Still running: a new message is applied.
+    publish(&rx, &stream, &[claimed_message("orders", "after")]).await;
+    wait_until("the runner to go on", Duration::from_secs(10), || async {
+        metrics.applied.load(Ordering::Relaxed) == 6
+    })
+    .await;
+    assert!(!c2.is_finished());
+    stop(cancel, c2).await;
+    rx.cleanup().await;
+    fx.cleanup().await;
+}
+
+/// A length cap is opt-in and warned about: `warnings()` names C38, and the cap really trims
+/// (the hazard the warning is about), while the default keeps every entry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn length_cap_is_warned_about_and_trims() {
+    let mut config = RedisConfig::new(redis_url());
+    config.max_len = Some(100);
+    let rx = RedisFixture::with_config(config).await;
+    let w = rx.transport.warnings();
+    assert_eq!(w.len(), 1, "{w:?}");
+    assert!(
+        w[0].contains("C38") && w[0].contains("max_len = 100"),
+        "{w:?}"
+    );
+    let stream = rx.key("capped");
+    let msgs: Vec<_> = (0..1000)
+        .map(|i| claimed_message("t", format!("m{i}")))
+        .collect();
+    publish(&rx, &stream, &msgs).await;
+    let xlen: i64 = rx.query(redis::cmd("XLEN").arg(&stream)).await;
+    assert!(xlen < 1000, "MAXLEN ~ 100 trimmed the stream: {xlen}");
+    rx.cleanup().await;
+
+    let rx = RedisFixture::new().await;
+    let stream = rx.key("uncapped");
+    publish(&rx, &stream, &msgs).await;
+    let xlen: i64 = rx.query(redis::cmd("XLEN").arg(&stream)).await;
+    assert_eq!(xlen, 1000);
+    rx.cleanup().await;
+}
+
+/// `WAIT` for a replica this server does not have: the entries were added, but the batch is not
+/// acknowledged (retryable), so the relay publishes it again rather than calling it durable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_for_missing_replicas_is_retryable() {
+    let mut config = RedisConfig::new(redis_url());
+    config.wait_replicas = Some(WaitReplicas {
+        replicas: 1,
+        timeout: Duration::from_millis(100),
+    });
+    let rx = RedisFixture::with_config(config).await;
+    let stream = rx.key("replicated");
+    let m = claimed_message("t", "x");
+    let bad = rx.rejecting_destination();
+    let results = rx
+        .transport
+        .publish(&[
+            Outgoing {
+                message: &m,
+                destination: &stream,
+            },
+            Outgoing {
+                message: &m,
+                destination: &bad,
+            },
+        ])
+        .await;
+    let e = results[0].as_ref().unwrap_err();
+    assert_eq!(e.kind(), TransportErrorKind::Retryable, "{e:?}");
+    assert!(e.message().contains("replicas"), "{e:?}");
+    let e = results[1].as_ref().unwrap_err();
+    assert_eq!(e.kind(), TransportErrorKind::Permanent, "WRONGTYPE: {e:?}");
+    rx.cleanup().await;
+}
+
+/// A server that does not answer: connect names the URL; a transport whose server went away
+/// reports `Unavailable` from publish and probe.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_server_is_unavailable() {
+    let proxy = outbox_testkit::FaultProxy::start(outbox_testkit::host_port(&redis_url())).await;
+    let mut config = RedisConfig::new(format!("redis://{}", proxy.addr));
+    config.response_timeout = Duration::from_secs(1);
+    config.connect_timeout = Duration::from_secs(1);
+    let t = outbox::RedisTransport::connect(config.clone())
+        .await
+        .unwrap();
+    t.probe().await.unwrap();
+    proxy.set_blocked(true);
+    let m = claimed_message("t", "x");
+    let key = outbox_testkit::unique("obx");
+    let r = t
+        .publish(&[Outgoing {
+            message: &m,
+            destination: &key,
+        }])
+        .await;
+    let e = r[0].as_ref().unwrap_err();
+    assert_eq!(e.kind(), TransportErrorKind::Unavailable, "{e:?}");
+    let e = t.probe().await.unwrap_err();
+    assert_eq!(e.kind(), TransportErrorKind::Unavailable, "{e:?}");
+    let e = outbox::RedisTransport::connect(config).await.unwrap_err();
+    assert_eq!(e.field, "url");
+    proxy.set_blocked(false);
+    wait_until(
+        "the transport to reconnect",
+        Duration::from_secs(20),
+        || async { t.probe().await.is_ok() },
+    )
+    .await;
+    let r = t
+        .publish(&[Outgoing {
+            message: &m,
+            destination: &key,
+        }])
+        .await;
+    assert!(r[0].is_ok(), "{r:?}");
+    let rx = RedisFixture::new().await;
+    let _: i64 = rx.query(redis::cmd("DEL").arg(&key)).await;
+}
+
+/// The runner end to end with PostgreSQL on both sides and confirmations over Redis Streams:
+/// processed messages end CONFIRMED with their effect once, rejected ones REJECTED with the
+/// producer's compensation run once; every entry is acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn consumer_end_to_end_with_confirmations() {
+    crate::init_tracing();
+    let fx = PgFixture::new().await;
+    let rx = RedisFixture::new().await;
+    let ctl = Arc::new(HookControl::default());
+    let store = fx.store_with_hook(ctl.clone()).await;
+    let effects = format!("{}.effects", fx.schema);
+    fx.exec(&format!(
+        "CREATE TABLE {effects} (message_id text NOT NULL, payload bytea)"
+    ))
+    .await;
+    let stream = rx.key("orders");
+    let reply = rx.key("confirmations");
+    let relay = Relay::builder(store.clone())
+        .router(Router::new().route_confirmed(
+            "*",
+            rx.transport.clone(),
+            &stream,
+            ConfirmPolicy {
+                reply_to: reply.clone(),
+                timeout: Duration::from_secs(5),
+            },
+        ))
+        .config(confirm_config("redis-e2e"))
+        .build()
+        .expect("relay")
+        .spawn();
+    let stop_listener = CancellationToken::new();
+    let listener = tokio::spawn(outbox::confirm::redis::listen(
+        RedisListenConfig::new(redis_url(), &reply),
+        store,
+        stop_listener.clone(),
+    ));
+    let inbox = inbox(&fx).await;
+    let handler = ScriptedHandler::new(&effects);
+    let metrics = Arc::new(ConsumerMetrics::default());
+    let cancel = CancellationToken::new();
+    let sender = Arc::new(RedisConfirmationSender::new(rx.transport.connection()));
+    let mut config = consumer_config(&stream, "e2e").with_confirmations(sender);
+    config.concurrency = 4;
+    let consumer = spawn(
+        config,
+        &inbox,
+        handler.clone(),
+        metrics.clone(),
+        cancel.clone(),
+    );
+    orders_confirmed_and_rejected(&fx, &effects, &metrics).await;
+    assert_eq!(metrics.confirmations_sent.load(Ordering::Relaxed), 23);
+    wait_until("nothing pending", Duration::from_secs(10), || async {
+        pending(&rx, &stream).await == 0
+    })
+    .await;
+    stop(cancel, consumer).await;
+    stop_listener.cancel();
+    let report = within("listener to stop", Duration::from_secs(10), listener)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(report.confirmed, 20);
+    assert_eq!(report.rejected, 3);
+    relay.shutdown().await.unwrap();
+    rx.cleanup().await;
+    fx.cleanup().await;
+}
+
+/// Enqueue 20 processable orders (3 partition keys) and 3 that the [`ScriptedHandler`] rejects,
+/// wait until they end CONFIRMED and REJECTED, and check the compensation ran once per rejection
+/// and each effect happened once.
+pub(crate) async fn orders_confirmed_and_rejected(
+    fx: &PgFixture,
+    effects: &str,
+    metrics: &ConsumerMetrics,
+) {
+    let mut msgs: Vec<NewMessage> = (0..20)
+        .map(|i| {
+            NewMessage::new("orders", format!("ok-{i}")).with_partition_key(format!("k{}", i % 3))
+        })
+        .collect();
+    msgs.extend((0..3).map(|i| NewMessage::new("orders", format!("reject-{i}"))));
+    let ids = fx.enqueue_commit(msgs).await.unwrap();
+    let (ok, rejected) = (&ids[..20], &ids[20..]);
+    wait_status(fx, ok, Status::Confirmed, Duration::from_secs(30)).await;
+    wait_status(fx, rejected, Status::Rejected, Duration::from_secs(30)).await;
+    for id in rejected {
+        assert_eq!(fx.compensations(*id).await, 1, "compensation once");
+    }
+    for id in ok {
+        let n = pg_count(
+            fx,
+            &format!("SELECT COUNT(*) FROM {effects} WHERE message_id = '{id}'"),
+        )
+        .await;
+        assert_eq!(n, 1, "effect once");
+    }
+    assert_eq!(metrics.applied.load(Ordering::Relaxed), 20);
+    assert_eq!(metrics.rejected.load(Ordering::Relaxed), 3);
+}
+
+/// Transient failures: a message failing its first two deliveries is claimed back after the
+/// backoff and applied at its third, with the delivery count read from the server (1, 2, 3); a
+/// message that always fails is dead-lettered at `max_deliveries` (3) with 3 deliveries; others
+/// flow meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn transient_failure_retried_then_applied_or_dead_lettered() {
+    crate::init_tracing();
+    let fx = PgFixture::new().await;
+    let rx = RedisFixture::new().await;
+    let stream = rx.key("flaky");
+    let inbox = inbox(&fx).await;
+    let msgs = retry_messages();
+    publish(&rx, &stream, &msgs).await;
+    let handler = Arc::new(Recorder::default());
+    let metrics = Arc::new(ConsumerMetrics::default());
+    let cancel = CancellationToken::new();
+    let mut config = consumer_config(&stream, "flaky");
+    config.max_deliveries = 3;
+    let consumer = spawn(
+        config,
+        &inbox,
+        handler.clone(),
+        metrics.clone(),
+        cancel.clone(),
+    );
+    check_retried_and_dead_lettered(&inbox, &handler, &metrics, &msgs).await;
+    wait_until("nothing pending", Duration::from_secs(10), || async {
+        pending(&rx, &stream).await == 0
+    })
+    .await;
+    stop(cancel, consumer).await;
+    rx.cleanup().await;
+    fx.cleanup().await;
+}
+
+/// The messages of the retry tests: `fail2-a` (fails its first two deliveries), `always-fail`,
+/// and `fine`, on keys `a`, `b`, `c`.
+pub(crate) fn retry_messages() -> Vec<outbox::Message> {
+    ["fail2-a", "always-fail", "fine"]
+        .into_iter()
+        .zip(["a", "b", "c"])
+        .map(|(p, k)| {
+            let mut m = claimed_message("t", p);
+            m.partition_key = Some(k.into());
+            m
+        })
+        .collect()
+}
+
+/// Wait until the [`retry_messages`] are applied (2) or dead-lettered (1, with `max_deliveries`
+/// 3) and check the delivery counts the handler saw: 1, 2, 3 for the failing ones, 1 for `fine`.
+pub(crate) async fn check_retried_and_dead_lettered(
+    inbox: &Inbox<sqlx::Postgres>,
+    handler: &Recorder,
+    metrics: &ConsumerMetrics,
+    msgs: &[outbox::Message],
+) {
+    wait_until(
+        "applied twice and dead-lettered once",
+        Duration::from_secs(20),
+        || async {
+            metrics.applied.load(Ordering::Relaxed) == 2
+                && metrics.dead_lettered.load(Ordering::Relaxed) == 1
+        },
+    )
+    .await;
+    let seen = handler.seen();
+    let counts = |id: Uuid| -> Vec<u32> {
+        seen.iter()
+            .filter(|s| s.id == id)
+            .map(|s| s.deliveries)
+            .collect()
+    };
+    assert_eq!(counts(msgs[0].message_id), vec![1, 2, 3]);
+    assert_eq!(counts(msgs[1].message_id), vec![1, 2, 3]);
+    assert_eq!(counts(msgs[2].message_id), vec![1]);
+    let dead = inbox.dead_letters(10).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].message.message_id, msgs[1].message_id);
+    assert_eq!(dead[0].deliveries, 3);
+}
+
+/// Per-key order with concurrency 4: 400 messages over 8 keys, applied in stream order per key,
+/// while different keys run in parallel lanes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn per_key_order_with_concurrency() {
+    crate::init_tracing();
+    let fx = PgFixture::new().await;
+    let rx = RedisFixture::new().await;
+    let stream = rx.key("ordered");
+    let inbox = inbox(&fx).await;
+    let msgs: Vec<_> = (0..400)
+        .map(|i| {
+            let mut m = claimed_message("t", format!("{i}"));
+            m.partition_key = Some(format!("key-{}", i % 8));
+            m
+        })
+        .collect();
+    publish(&rx, &stream, &msgs).await;
+    let handler = Arc::new(Recorder::default());
+    let metrics = Arc::new(ConsumerMetrics::default());
+    let cancel = CancellationToken::new();
+    let mut config = consumer_config(&stream, "lanes");
+    config.concurrency = 4;
+    config.batch = 50;
+    let consumer = spawn(
+        config,
+        &inbox,
+        handler.clone(),
+        metrics.clone(),
+        cancel.clone(),
+    );
+    wait_until("400 applied", Duration::from_secs(30), || async {
+        metrics.applied.load(Ordering::Relaxed) == 400
+    })
+    .await;
+    let mut by_key: BTreeMap<String, Vec<u32>> = BTreeMap::new();
+    for s in handler.seen() {
+        by_key
+            .entry(s.key.unwrap())
+            .or_default()
+            .push(s.payload.parse().unwrap());
+    }
+    assert_eq!(by_key.len(), 8);
+    for (k, seq) in &by_key {
+        assert_eq!(seq.len(), 50, "{k}");
+        assert!(
+            seq.windows(2).all(|w| w[0] < w[1]),
+            "{k} out of order: {seq:?}"
+        );
+    }
+    stop(cancel, consumer).await;
+    rx.cleanup().await;
+    fx.cleanup().await;
+}

@@ -1,0 +1,448 @@
+//! MQTT 5 consumer runner feeding an [`Inbox`].
+//!
+//! - **Session**: MQTT 5 with a stable `client_id`, `clean_start = false` and a session expiry
+//!   (default 1 day), so the broker keeps the subscription and the QoS 1 messages not yet
+//!   acknowledged while the consumer is away, and sends them again (DUP) when it reconnects
+//!   (MQTT 5 §4.4). The broker holds at most `receive_maximum` unacknowledged messages in flight
+//!   to this client.
+//! - **Subscription**: QoS 1 to `filter`, or to `$share/<group>/<filter>` when `group` is set, so
+//!   instances with the same group share the messages (MQTT 5 §4.8.2, shared subscriptions).
+//! - **Acknowledgement**: manual; the PUBACK is sent only after the inbox transaction committed
+//!   (applied, rejected, duplicate or dead-lettered), so nothing is acknowledged that was not
+//!   stored (shared case C27).
+//! - **Concurrency**: `concurrency` lanes by partition key ([`lane_of`]): one key's messages are
+//!   applied one after the other in arrival order, different lanes in parallel.
+//! - **Retry with backoff**: MQTT has no negative acknowledgement and no delayed redelivery. A
+//!   message whose handler failed transiently stays unacknowledged (the broker still holds it for
+//!   this session) and its lane applies it again after the [`Backoff`] delay for its delivery
+//!   count, counting deliveries itself (1, then 2, …; a copy the broker redelivered with the DUP
+//!   flag starts at 2), until [`DeliveryPolicy::max_deliveries`] dead-letters it. While it waits,
+//!   its lane waits too, so a later message of the same key never overtakes it. If the consumer
+//!   dies meanwhile, the broker redelivers the unacknowledged message when the session
+//!   reconnects.
+//! - **Malformed** messages (no `outbox-message-id` user property, e.g. published by a plain
+//!   MQTT client or over MQTT 3.1.1) are logged, counted in [`ConsumerMetrics::malformed`] and
+//!   acknowledged.
+//!
+//! Traps: Mosquitto queues at most `max_queued_messages` (default 1,000) QoS 1 messages per
+//! offline session and drops the rest; raise it for consumers that may fall behind. A message
+//! published while no session subscribes to its topic is discarded by the broker (the
+//! transport's [`NoSubscribers`](crate::transport::mqtt::NoSubscribers) default makes the relay
+//! retry it).
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use rumqttc::v5::mqttbytes::QoS;
+use rumqttc::v5::mqttbytes::v5::{Packet, Publish};
+use rumqttc::v5::{AsyncClient, Event, EventLoop};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::confirm::ConfirmationSender;
+use crate::consumer::{
+    ConsumerMetrics, DeliveryPolicy, Disposition, deliver, lane_of, maintenance,
+};
+use crate::error::ConfigError;
+use crate::inbox::{Handler, Inbox, InboxBackend};
+use crate::message::InboundMessage;
+use crate::retry::Backoff;
+use crate::transport::mqtt::{decode, explain, first_connack, options};
+
+/// Settings of an MQTT consumer runner.
+#[derive(Clone)]
+pub struct MqttConsumerConfig {
+    /// Broker URL, `mqtt://…` or `mqtts://…`. Required.
+    pub url: String,
+    /// Client identifier of the persistent session; stable per instance (the broker keeps the
+    /// session's unacknowledged messages under it). Required.
+    pub client_id: String,
+    /// User name, overriding one in the URL. Default none.
+    pub username: Option<String>,
+    /// Password, overriding one in the URL. Default none.
+    pub password: Option<String>,
+    /// Topic filter, e.g. `orders/#`. Required.
+    pub filter: String,
+    /// Shared-subscription group: subscribe to `$share/<group>/<filter>` so instances share the
+    /// work. Default none (every instance gets every message).
+    pub group: Option<String>,
+    /// How long the broker keeps the session after a disconnect. Default 1 day.
+    pub session_expiry: Duration,
+    /// Unacknowledged messages the broker may have in flight to this consumer (MQTT 5 Receive
+    /// Maximum): the batch the consumer works on. Default 100.
+    pub receive_maximum: u16,
+    /// Lanes by partition key applying messages concurrently. Default 1.
+    pub concurrency: usize,
+    /// Delay before a failed message is applied again, by delivery count. Default 500 ms, ×2,
+    /// ≤ 60 s.
+    pub retry: Backoff,
+    /// Deliveries before a transiently failing message is dead-lettered. Default 5.
+    pub max_deliveries: u32,
+    /// Where confirmations go out (`outbox-reply-to` of each message). Default none.
+    pub confirmations: Option<Arc<dyn ConfirmationSender>>,
+    /// Inbox records older than this are deleted. Default 7 days; `None` keeps them.
+    pub dedup_window: Option<Duration>,
+    /// Period of the maintenance (replays, retention). Default 2 s.
+    pub maintenance_interval: Duration,
+    /// Keep-alive interval. Default 30 s.
+    pub keep_alive: Duration,
+    /// How long to wait for the first CONNACK. Default 5 s.
+    pub connect_timeout: Duration,
+}
+
+impl std::fmt::Debug for MqttConsumerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MqttConsumerConfig")
+            .field("url", &self.url)
+            .field("client_id", &self.client_id)
+            .field("filter", &self.filter)
+            .field("group", &self.group)
+            .field("receive_maximum", &self.receive_maximum)
+            .field("concurrency", &self.concurrency)
+            .field("max_deliveries", &self.max_deliveries)
+            .field("confirmations", &self.confirmations.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl MqttConsumerConfig {
+    /// Settings with the defaults.
+    pub fn new(
+        url: impl Into<String>,
+        client_id: impl Into<String>,
+        filter: impl Into<String>,
+    ) -> Self {
+        let d = DeliveryPolicy::default();
+        MqttConsumerConfig {
+            url: url.into(),
+            client_id: client_id.into(),
+            username: None,
+            password: None,
+            filter: filter.into(),
+            group: None,
+            session_expiry: Duration::from_secs(24 * 3600),
+            receive_maximum: 100,
+            concurrency: 1,
+            retry: d.retry,
+            max_deliveries: d.max_deliveries,
+            confirmations: None,
+            dedup_window: Some(Duration::from_secs(7 * 24 * 3600)),
+            maintenance_interval: Duration::from_secs(2),
+            keep_alive: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(5),
+        }
+    }
+
+    /// Send confirmations through `sender`.
+    pub fn with_confirmations(mut self, sender: Arc<dyn ConfirmationSender>) -> Self {
+        self.confirmations = Some(sender);
+        self
+    }
+
+    /// The subscription's topic filter: `$share/<group>/<filter>` or `filter`.
+    pub fn subscription(&self) -> String {
+        match &self.group {
+            Some(g) => format!("$share/{g}/{}", self.filter),
+            None => self.filter.clone(),
+        }
+    }
+
+    /// Check the settings without connecting.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming `filter`, `group`, `client_id` or `receive_maximum`.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        validate_filter(&self.filter).map_err(|r| ConfigError::new("filter", r))?;
+        if let Some(g) = &self.group
+            && (g.is_empty() || g.contains(['/', '+', '#']))
+        {
+            return Err(ConfigError::new(
+                "group",
+                "a shared-subscription group is non-empty, without / + #",
+            ));
+        }
+        if self.client_id.is_empty() {
+            return Err(ConfigError::new(
+                "client_id",
+                "a persistent session needs a stable, non-empty client id",
+            ));
+        }
+        if self.receive_maximum == 0 {
+            return Err(ConfigError::new("receive_maximum", "must be at least 1"));
+        }
+        Ok(())
+    }
+}
+
+/// Check a topic filter (MQTT 5 §4.7.1): non-empty, `#` only as the last level, `+` only as a
+/// whole level, no NUL.
+pub fn validate_filter(filter: &str) -> Result<(), String> {
+    let levels: Vec<&str> = filter.split('/').collect();
+    let ok = !filter.is_empty()
+        && !filter.contains('\0')
+        && levels.iter().enumerate().all(|(i, l)| {
+            (!l.contains('#') || (*l == "#" && i == levels.len() - 1))
+                && (!l.contains('+') || *l == "+")
+        });
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "invalid MQTT topic filter {filter:?}: `+` only as a whole level, `#` only as the last level"
+        ))
+    }
+}
+
+/// Start the persistent session's event loop and subscribe: returns the client, the event loop
+/// and whether the broker had the session.
+///
+/// # Errors
+/// [`ConfigError`] naming `url`, `client_id` or `password`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn open_session(
+    url: &str,
+    client_id: &str,
+    username: Option<&str>,
+    password: Option<&str>,
+    keep_alive: Duration,
+    connect_timeout: Duration,
+    session_expiry: Duration,
+    receive_maximum: u16,
+    subscription: &str,
+) -> Result<(AsyncClient, EventLoop), ConfigError> {
+    let mut o = options(
+        url,
+        client_id,
+        username,
+        password,
+        keep_alive,
+        connect_timeout,
+    )?;
+    o.set_clean_start(false);
+    o.set_session_expiry_interval(Some(
+        u32::try_from(session_expiry.as_secs()).unwrap_or(u32::MAX),
+    ));
+    o.set_manual_acks(true);
+    o.set_receive_maximum(Some(receive_maximum.max(1)));
+    let (client, mut eventloop) = AsyncClient::new(o, 10_000);
+    first_connack(&mut eventloop, url, connect_timeout).await?;
+    client
+        .subscribe(subscription, QoS::AtLeastOnce)
+        .await
+        .map_err(|e| {
+            ConfigError::new("filter", format!("cannot subscribe to {subscription}: {e}"))
+        })?;
+    Ok((client, eventloop))
+}
+
+/// Poll `eventloop` for the next received publish until `cancel`, re-subscribing after a
+/// reconnection without the session, logging errors and backing off; `None` once cancelled.
+pub(crate) async fn next_publish(
+    eventloop: &mut EventLoop,
+    client: &AsyncClient,
+    subscription: &str,
+    failures: &mut u32,
+    cancel: &CancellationToken,
+) -> Option<Publish> {
+    loop {
+        let polled = tokio::select! {
+            _ = cancel.cancelled() => return None,
+            p = eventloop.poll() => p,
+        };
+        match polled {
+            Ok(Event::Incoming(Packet::Publish(p))) => {
+                *failures = 0;
+                return Some(p);
+            }
+            Ok(Event::Incoming(Packet::ConnAck(ack))) => {
+                *failures = 0;
+                tracing::info!(
+                    session_present = ack.session_present,
+                    "MQTT consumer reconnected"
+                );
+                if !ack.session_present
+                    && let Err(e) = client.try_subscribe(subscription, QoS::AtLeastOnce)
+                {
+                    tracing::warn!(error = %e, "re-subscribing failed");
+                }
+            }
+            Ok(Event::Incoming(Packet::SubAck(ack))) => {
+                tracing::debug!(codes = ?ack.return_codes, "subscribed");
+            }
+            Ok(_) => {}
+            Err(e) => {
+                *failures += 1;
+                tracing::warn!(error = %explain(&e), "MQTT consumer connection failed; reconnecting");
+                let delay = Duration::from_millis(100 * 2u64.pow((*failures).min(5)));
+                tokio::select! {
+                    _ = cancel.cancelled() => return None,
+                    _ = tokio::time::sleep(delay) => {}
+                }
+            }
+        }
+    }
+}
+
+/// Run the consumer until `cancel`.
+///
+/// # Errors
+/// [`ConfigError`] naming the field ([`MqttConsumerConfig::validate`]), `url` when the broker
+/// cannot be reached at start (or does not speak MQTT 5), `password` for refused credentials.
+/// Later connection errors are logged and the session reconnects with backoff.
+pub async fn run<DB, H>(
+    config: MqttConsumerConfig,
+    inbox: Inbox<DB>,
+    handler: Arc<H>,
+    metrics: Arc<ConsumerMetrics>,
+    cancel: CancellationToken,
+) -> Result<(), ConfigError>
+where
+    DB: InboxBackend,
+    H: Handler<DB> + ?Sized,
+{
+    config.validate()?;
+    let subscription = config.subscription();
+    let (client, mut eventloop) = open_session(
+        &config.url,
+        &config.client_id,
+        config.username.as_deref(),
+        config.password.as_deref(),
+        config.keep_alive,
+        config.connect_timeout,
+        config.session_expiry,
+        config.receive_maximum,
+        &subscription,
+    )
+    .await?;
+    let policy = DeliveryPolicy {
+        max_deliveries: config.max_deliveries,
+        retry: config.retry,
+        confirmations: config.confirmations.clone(),
+    };
+    let background = cancel.child_token();
+    let _stop_background = background.clone().drop_guard();
+    tokio::spawn(maintenance(
+        inbox.clone(),
+        handler.clone(),
+        policy.clone(),
+        config.dedup_window,
+        config.maintenance_interval,
+        metrics.clone(),
+        background.clone(),
+    ));
+    let lanes = config.concurrency.max(1);
+    let mut senders = Vec::with_capacity(lanes);
+    let mut tasks = Vec::with_capacity(lanes);
+    for _ in 0..lanes {
+        let (tx, rx) = mpsc::unbounded_channel::<(Publish, InboundMessage)>();
+        senders.push(tx);
+        tasks.push(tokio::spawn(lane(
+            rx,
+            client.clone(),
+            inbox.clone(),
+            handler.clone(),
+            policy.clone(),
+            metrics.clone(),
+            background.clone(),
+        )));
+    }
+    let mut failures = 0u32;
+    while let Some(p) = next_publish(
+        &mut eventloop,
+        &client,
+        &subscription,
+        &mut failures,
+        &cancel,
+    )
+    .await
+    {
+        let (headers, payload) = decode(&p);
+        let first = if p.dup { 2 } else { 1 };
+        match InboundMessage::from_wire(headers, payload, first) {
+            Ok(m) => {
+                let i = lane_of(&m, lanes);
+                if senders[i].send((p, m)).is_err() {
+                    break;
+                }
+            }
+            Err(reason) => {
+                metrics.malformed.fetch_add(1, Ordering::Relaxed);
+                tracing::error!(topic = %String::from_utf8_lossy(&p.topic), reason, "MQTT message without outbox user properties; acknowledging it");
+                let _ = client.ack(&p).await;
+            }
+        }
+    }
+    background.cancel();
+    drop(senders);
+    for t in tasks {
+        let _ = t.await;
+    }
+    Ok(())
+}
+
+/// One lane: apply its messages in order, retrying a failed one in place after its backoff.
+async fn lane<DB, H>(
+    mut rx: mpsc::UnboundedReceiver<(Publish, InboundMessage)>,
+    client: AsyncClient,
+    inbox: Inbox<DB>,
+    handler: Arc<H>,
+    policy: DeliveryPolicy,
+    metrics: Arc<ConsumerMetrics>,
+    cancel: CancellationToken,
+) where
+    DB: InboxBackend,
+    H: Handler<DB> + ?Sized,
+{
+    loop {
+        let next = tokio::select! {
+            _ = cancel.cancelled() => return,
+            n = rx.recv() => n,
+        };
+        let Some((publish, mut msg)) = next else {
+            return;
+        };
+        loop {
+            match deliver(&inbox, handler.as_ref(), &msg, &policy, &metrics).await {
+                Disposition::Ack(_) => {
+                    // Committed; a lost PUBACK means a redelivery the inbox recognises.
+                    if let Err(e) = client.ack(&publish).await {
+                        tracing::warn!(error = %e, message_id = %msg.message_id, "PUBACK after commit failed");
+                    }
+                    break;
+                }
+                Disposition::Retry(delay) => {
+                    tokio::select! {
+                        _ = cancel.cancelled() => return,
+                        _ = tokio::time::sleep(delay) => {}
+                    }
+                    msg.delivery_count = msg.delivery_count.saturating_add(1);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn filters_and_config_are_validated() {
+        for ok in ["a/b", "a/+/c", "a/#", "#", "+"] {
+            assert!(validate_filter(ok).is_ok(), "{ok}");
+        }
+        for bad in ["", "a/#/b", "a/b#", "a+/b"] {
+            assert!(validate_filter(bad).is_err(), "{bad:?}");
+        }
+        let mut c = MqttConsumerConfig::new("mqtt://x", "c1", "orders/#");
+        c.validate().unwrap();
+        assert_eq!(c.subscription(), "orders/#");
+        c.group = Some("billing".into());
+        assert_eq!(c.subscription(), "$share/billing/orders/#");
+        c.group = Some("a/b".into());
+        assert_eq!(c.validate().unwrap_err().field, "group");
+        let c = MqttConsumerConfig::new("mqtt://x", "", "t");
+        assert_eq!(c.validate().unwrap_err().field, "client_id");
+    }
+}

@@ -1,0 +1,507 @@
+//! Redis Streams transport: `XADD` each message to its destination stream, pipelined over the
+//! batch, `Ok` only on the server's reply (the new entry id).
+//!
+//! # Entry layout
+//! One stream entry per message, its fields in this order (field names are ASCII; values are
+//! binary-safe bulk strings):
+//!
+//! | field | value |
+//! |---|---|
+//! | `id` | the message id (UUID text): the idempotency key the inbox deduplicates on |
+//! | `h:<name>` | one field per header of [`Message::wire_headers`]: the user headers (e.g. `traceparent`), `outbox-message-id`, `outbox-topic`, `outbox-attempt`, `outbox-partition-key` |
+//! | `payload` | the payload bytes, byte-exact |
+//!
+//! Header names never contain `:` (they are validated at enqueue to `A-Z a-z 0-9 - _ .`), so
+//! the `h:` prefix keeps a user header named `id` or `payload` from colliding with the fixed
+//! fields. The entry id is Redis's own (`*`, time-ordered); Redis Streams have no duplicate
+//! detection, so a relay that re-publishes after a crash adds a second entry with the same `id`
+//! field and the consumer's inbox absorbs it.
+//!
+//! # What the acknowledgement means (durability)
+//! Redis replies to `XADD` once the entry is in the server's memory: that reply is the
+//! acknowledgement the relay waits for. It survives a Redis restart only as far as persistence is
+//! configured on the server (<https://redis.io/docs/latest/operate/oss_and_stack/management/persistence/>):
+//! with `appendonly yes` and `appendfsync always` the entry is written and fsynced to the AOF
+//! before the reply; with `appendfsync everysec` (the AOF default) up to about one second of
+//! acknowledged entries can be lost on a crash of the host; with RDB snapshots only, everything
+//! since the last snapshot. [`RedisConfig::wait_replicas`] adds `WAIT numreplicas timeout`
+//! (<https://redis.io/docs/latest/commands/wait/>) after the batch: the batch counts as
+//! acknowledged only when that many replicas have it in memory, otherwise every entry of the
+//! batch is reported retryable (and re-published: duplicates, absorbed by the inbox).
+//! `WAITAOF` (Redis 7.2+) is not used: the supported server here is 7.0.
+//!
+//! # Trimming (shared case C38)
+//! No trimming by default: a length cap (`MAXLEN`) removes the oldest entries whatever the
+//! consumer groups have read, so entries not yet delivered are lost and entries delivered but not
+//! acknowledged stay in the pending lists as bare ids. [`RedisConfig::max_len`] sets
+//! `MAXLEN ~ n` on every `XADD` for users who accept that; [`RedisTransport::connect`] logs
+//! [`RedisConfig::warnings`] at start-up when it is set. Trim streams after the consumers
+//! acknowledged instead (e.g. `XTRIM key MINID <oldest pending id>`).
+//!
+//! # Classification
+//! Connection refused, dropped or not established → `Unavailable`; response timeout, `OOM`,
+//! `LOADING`, `READONLY`, `BUSY`, `MASTERDOWN`, `TRYAGAIN`, a `WAIT` short of replicas →
+//! retryable; `WRONGTYPE` (the destination key exists and is not a stream), `NOPERM` (ACL),
+//! `ERR` (a command the server refuses as written), an invalid stream key → permanent. One
+//! refused entry does not fail the others: the pipeline reports one result per command.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{IntoConnectionInfo, RedisError, Value};
+
+use super::{Outgoing, Transport};
+use crate::error::{ConfigError, TransportError, TransportErrorKind};
+use crate::message::{Headers, Message};
+
+/// Entry field holding the message id.
+pub const FIELD_ID: &str = "id";
+/// Entry field holding the payload bytes.
+pub const FIELD_PAYLOAD: &str = "payload";
+/// Prefix of the entry fields holding headers: header `traceparent` is field `h:traceparent`.
+pub const HEADER_FIELD_PREFIX: &str = "h:";
+
+/// Redis Streams transport settings.
+#[derive(Debug, Clone)]
+pub struct RedisConfig {
+    /// Server URL: `redis://[user[:password]@]host[:port][/db]`, or `rediss://…` for TLS
+    /// (rustls with the platform's root certificates). Required.
+    pub url: String,
+    /// Password (ACL or `requirepass`), overriding one in the URL. Default: none (the URL's).
+    pub password: Option<String>,
+    /// Approximate length cap: `XADD key MAXLEN ~ n *`. Default `None` (no trimming). Trimming
+    /// drops entries whatever the consumer groups have read (shared case C38): see
+    /// [`RedisConfig::warnings`].
+    pub max_len: Option<u64>,
+    /// Wait for this many replicas after each batch (`WAIT`). Default `None` (the primary's reply
+    /// acknowledges).
+    pub wait_replicas: Option<WaitReplicas>,
+    /// How long to wait for a reply (the batch's pipeline, a probe). Default 5 s.
+    pub response_timeout: Duration,
+    /// How long to wait for a connection. Default 5 s.
+    pub connect_timeout: Duration,
+}
+
+/// `WAIT numreplicas timeout` after each batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WaitReplicas {
+    /// Replicas that must have the batch. At least 1.
+    pub replicas: u32,
+    /// How long the server waits for them (`WAIT`'s timeout, milliseconds on the wire). Must be
+    /// shorter than [`RedisConfig::response_timeout`].
+    pub timeout: Duration,
+}
+
+impl RedisConfig {
+    /// Settings for `url` with the defaults.
+    pub fn new(url: impl Into<String>) -> Self {
+        RedisConfig {
+            url: url.into(),
+            password: None,
+            max_len: None,
+            wait_replicas: None,
+            response_timeout: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(5),
+        }
+    }
+
+    /// The start-up warnings these settings deserve, one sentence each; empty when none.
+    /// [`RedisTransport::connect`] logs each at `warn` level. Today: a [`max_len`](Self::max_len)
+    /// cap, because trimming can drop entries no consumer group has received or acknowledged
+    /// (shared case C38).
+    pub fn warnings(&self) -> Vec<String> {
+        let mut w = Vec::new();
+        if let Some(n) = self.max_len {
+            w.push(format!(
+                "max_len = {n}: every XADD trims the stream to about {n} entries (MAXLEN ~), \
+                 whatever the consumer groups have read; entries not yet delivered are lost and \
+                 pending ones lose their payload (shared case C38). Leave max_len unset and trim \
+                 below the oldest pending id (XTRIM MINID) instead"
+            ));
+        }
+        w
+    }
+
+    /// Check the settings without connecting.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming `url`, `max_len`, `wait_replicas` or `response_timeout`.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        connection_info(&self.url, self.password.as_deref())?;
+        if self.max_len == Some(0) {
+            return Err(ConfigError::new(
+                "max_len",
+                "must be at least 1 (leave it unset for no trimming)",
+            ));
+        }
+        if let Some(w) = self.wait_replicas {
+            if w.replicas == 0 {
+                return Err(ConfigError::new(
+                    "wait_replicas",
+                    "replicas must be at least 1",
+                ));
+            }
+            if w.timeout.is_zero() || w.timeout >= self.response_timeout {
+                return Err(ConfigError::new(
+                    "wait_replicas",
+                    "timeout must be greater than zero and shorter than response_timeout",
+                ));
+            }
+        }
+        if self.response_timeout.is_zero() {
+            return Err(ConfigError::new(
+                "response_timeout",
+                "must be greater than zero",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Parse `url` (and an overriding password) into the client's connection settings.
+fn connection_info(
+    url: &str,
+    password: Option<&str>,
+) -> Result<redis::ConnectionInfo, ConfigError> {
+    if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
+        return Err(ConfigError::new(
+            "url",
+            format!("{url:?} is not a redis:// or rediss:// URL"),
+        ));
+    }
+    let info = url
+        .into_connection_info()
+        .map_err(|e| ConfigError::new("url", format!("invalid Redis URL {url:?}: {e}")))?;
+    Ok(match password {
+        Some(p) => {
+            let settings = info.redis_settings().clone().set_password(p);
+            info.set_redis_settings(settings)
+        }
+        None => info,
+    })
+}
+
+/// Connect a [`ConnectionManager`] (it reconnects by itself after a lost connection) to `url`,
+/// waiting at most `connect_timeout` for the first connection, with replies awaited at most
+/// `response_timeout`. Shared by the transport, the consumer runner and the confirmations.
+///
+/// # Errors
+/// [`ConfigError`] naming `url` when the URL is invalid or the server does not answer, or
+/// `password` when it refuses the credentials.
+pub async fn connect_manager(
+    url: &str,
+    password: Option<&str>,
+    connect_timeout: Duration,
+    response_timeout: Duration,
+) -> Result<ConnectionManager, ConfigError> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let info = connection_info(url, password)?;
+    let client = redis::Client::open(info)
+        .map_err(|e| ConfigError::new("url", format!("invalid Redis URL {url:?}: {e}")))?;
+    let config = ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(connect_timeout))
+        .set_response_timeout(Some(response_timeout))
+        .set_number_of_retries(2)
+        .set_max_delay(Duration::from_secs(2));
+    let connect = ConnectionManager::new_with_config(client, config);
+    match tokio::time::timeout(connect_timeout + Duration::from_secs(1), connect).await {
+        Ok(Ok(c)) => Ok(c),
+        Ok(Err(e)) if e.kind() == redis::ErrorKind::AuthenticationFailed => Err(ConfigError::new(
+            "password",
+            format!("Redis at {url} refused the credentials: {e}"),
+        )),
+        Ok(Err(e)) => Err(ConfigError::new(
+            "url",
+            format!("cannot connect to Redis at {url}: {e}"),
+        )),
+        Err(_) => Err(ConfigError::new(
+            "url",
+            format!("Redis at {url} did not answer within {connect_timeout:?}"),
+        )),
+    }
+}
+
+/// Publishes to Redis Streams (see the module docs).
+#[derive(Clone)]
+pub struct RedisTransport {
+    conn: ConnectionManager,
+    config: RedisConfig,
+}
+
+impl std::fmt::Debug for RedisTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisTransport")
+            .field("url", &self.config.url)
+            .field("max_len", &self.config.max_len)
+            .field("wait_replicas", &self.config.wait_replicas)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisTransport {
+    /// Validate the settings, connect, and log [`RedisConfig::warnings`].
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming the field ([`RedisConfig::validate`]), `url` when the server cannot
+    /// be reached, `password` when it refuses the credentials.
+    pub async fn connect(config: RedisConfig) -> Result<Self, ConfigError> {
+        config.validate()?;
+        let conn = connect_manager(
+            &config.url,
+            config.password.as_deref(),
+            config.connect_timeout,
+            config.response_timeout,
+        )
+        .await?;
+        for w in config.warnings() {
+            tracing::warn!(url = %config.url, "{w}");
+        }
+        Ok(RedisTransport { conn, config })
+    }
+
+    /// The start-up warnings of this transport's settings ([`RedisConfig::warnings`]).
+    pub fn warnings(&self) -> Vec<String> {
+        self.config.warnings()
+    }
+
+    /// A handle on the connection (cheap clone; it reconnects by itself).
+    pub fn connection(&self) -> ConnectionManager {
+        self.conn.clone()
+    }
+}
+
+/// The fields of the entry for `m` (see the module docs), in order.
+pub fn entry_fields(m: &Message) -> Vec<(String, Vec<u8>)> {
+    let headers = m.wire_headers();
+    let mut fields = Vec::with_capacity(headers.len() + 2);
+    fields.push((FIELD_ID.to_owned(), m.message_id.to_string().into_bytes()));
+    for (k, v) in headers {
+        fields.push((format!("{HEADER_FIELD_PREFIX}{k}"), v.into_bytes()));
+    }
+    fields.push((FIELD_PAYLOAD.to_owned(), m.payload.clone()));
+    fields
+}
+
+/// Headers and payload of an entry written by [`entry_fields`]: the `h:` fields as headers (a
+/// non-UTF-8 header value is replaced lossily), `payload` as the payload (empty when missing).
+/// Fields this layout does not know are ignored.
+pub fn decode_fields(fields: Vec<(Vec<u8>, Vec<u8>)>) -> (Headers, Vec<u8>) {
+    let mut headers = Headers::new();
+    let mut payload = Vec::new();
+    for (k, v) in fields {
+        if k == FIELD_PAYLOAD.as_bytes() {
+            payload = v;
+        } else if let Some(name) = k.strip_prefix(HEADER_FIELD_PREFIX.as_bytes()) {
+            headers.insert(
+                String::from_utf8_lossy(name).into_owned(),
+                String::from_utf8_lossy(&v).into_owned(),
+            );
+        }
+    }
+    (headers, payload)
+}
+
+/// Check a destination stream key: 1 to 1,024 bytes, no whitespace or control characters (Redis
+/// accepts any binary key; these rules keep a mistyped route template from creating odd keys).
+fn validate_key(key: &str) -> Result<(), String> {
+    if key.is_empty()
+        || key.len() > 1024
+        || key.chars().any(|c| c.is_whitespace() || c.is_control())
+    {
+        Err(format!(
+            "invalid Redis stream key {key:?}: 1 to 1024 bytes, no whitespace or control characters"
+        ))
+    } else {
+        Ok(())
+    }
+}
+
+/// Classify a Redis error where it is born (see the module docs).
+pub(crate) fn classify(e: &RedisError) -> TransportErrorKind {
+    if e.is_connection_refusal() || e.is_connection_dropped() || e.is_io_error() {
+        return TransportErrorKind::Unavailable;
+    }
+    if e.is_timeout() {
+        return TransportErrorKind::Retryable;
+    }
+    match e.code() {
+        Some("WRONGTYPE" | "NOPERM" | "ERR" | "NOSCRIPT") => TransportErrorKind::Permanent,
+        _ => TransportErrorKind::Retryable,
+    }
+}
+
+fn error(e: RedisError, what: &str) -> TransportError {
+    TransportError::new(classify(&e), format!("{what}: {e}")).with_source(e)
+}
+
+#[async_trait]
+impl Transport for RedisTransport {
+    fn name(&self) -> &str {
+        "redis"
+    }
+
+    async fn publish(&self, batch: &[Outgoing<'_>]) -> Vec<Result<(), TransportError>> {
+        let mut results: Vec<Option<Result<(), TransportError>>> = Vec::with_capacity(batch.len());
+        let mut pipe = redis::pipe();
+        pipe.ignore_errors();
+        let mut sent = 0;
+        for o in batch {
+            if let Err(reason) = validate_key(o.destination) {
+                results.push(Some(Err(TransportError::permanent(reason))));
+                continue;
+            }
+            let mut cmd = redis::cmd("XADD");
+            cmd.arg(o.destination);
+            if let Some(n) = self.config.max_len {
+                cmd.arg("MAXLEN").arg("~").arg(n);
+            }
+            cmd.arg("*");
+            for (k, v) in entry_fields(o.message) {
+                cmd.arg(k).arg(v);
+            }
+            pipe.add_command(cmd);
+            results.push(None);
+            sent += 1;
+        }
+        if sent == 0 {
+            return results.into_iter().flatten().collect();
+        }
+        if let Some(w) = self.config.wait_replicas {
+            pipe.cmd("WAIT")
+                .arg(w.replicas)
+                .arg(w.timeout.as_millis() as u64);
+        }
+        let mut conn = self.conn.clone();
+        let replies: Result<Vec<redis::RedisResult<Value>>, RedisError> =
+            pipe.query_async(&mut conn).await;
+        let mut replies = match replies {
+            Ok(r) => r.into_iter(),
+            Err(e) => {
+                let kind = classify(&e);
+                let msg = format!("Redis pipeline failed: {e}");
+                return results
+                    .into_iter()
+                    .map(|r| r.unwrap_or_else(|| Err(TransportError::new(kind, msg.clone()))))
+                    .collect();
+            }
+        };
+        let mut out: Vec<Result<(), TransportError>> = results
+            .into_iter()
+            .map(|r| match r {
+                Some(done) => done,
+                None => match replies.next() {
+                    Some(Ok(Value::BulkString(_) | Value::SimpleString(_))) => Ok(()),
+                    Some(Ok(other)) => Err(TransportError::retryable(format!(
+                        "unexpected XADD reply {other:?}"
+                    ))),
+                    Some(Err(e)) => Err(error(e, "XADD refused")),
+                    None => Err(TransportError::retryable("missing XADD reply")),
+                },
+            })
+            .collect();
+        if let Some(w) = self.config.wait_replicas {
+            let reached = match replies.next() {
+                Some(Ok(Value::Int(n))) => Ok(n),
+                Some(Ok(other)) => Err(format!("unexpected WAIT reply {other:?}")),
+                Some(Err(e)) => Err(format!("WAIT failed: {e}")),
+                None => Err("missing WAIT reply".to_owned()),
+            };
+            let short = match reached {
+                Ok(n) if n >= i64::from(w.replicas) => None,
+                Ok(n) => Some(format!(
+                    "only {n} of {} replicas acknowledged the batch within {:?}",
+                    w.replicas, w.timeout
+                )),
+                Err(e) => Some(e),
+            };
+            if let Some(reason) = short {
+                for r in out.iter_mut().filter(|r| r.is_ok()) {
+                    *r = Err(TransportError::retryable(reason.clone()));
+                }
+            }
+        }
+        out
+    }
+
+    async fn probe(&self) -> Result<(), TransportError> {
+        let mut conn = self.conn.clone();
+        let pong: Result<String, RedisError> = redis::cmd("PING").query_async(&mut conn).await;
+        pong.map(|_| ()).map_err(|e| {
+            TransportError::unavailable(format!("Redis PING failed: {e}")).with_source(e)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_validated() {
+        assert!(validate_key("orders").is_ok());
+        assert!(validate_key("app:orders.created").is_ok());
+        for bad in ["", "a b", "a\nb"] {
+            assert!(validate_key(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn fields_round_trip_and_headers_cannot_collide() {
+        let m = Message {
+            id: 1,
+            message_id: uuid::Uuid::now_v7(),
+            topic: "t".into(),
+            partition_key: Some("k".into()),
+            headers: Headers::from([
+                ("payload".into(), "not the payload".into()),
+                ("id".into(), "not the id".into()),
+            ]),
+            payload: vec![0xff, 0],
+            attempts: 1,
+            max_attempts: 5,
+            redelivery: 0,
+        };
+        let fields = entry_fields(&m);
+        assert_eq!(fields[0].0, "id");
+        assert_eq!(fields[0].1, m.message_id.to_string().into_bytes());
+        assert_eq!(fields.last().unwrap().0, "payload");
+        let raw = fields
+            .into_iter()
+            .map(|(k, v)| (k.into_bytes(), v))
+            .collect();
+        let (h, p) = decode_fields(raw);
+        assert_eq!(p, m.payload);
+        assert_eq!(h, m.wire_headers());
+    }
+
+    #[test]
+    fn config_is_validated_and_warns_about_a_cap() {
+        let ok = RedisConfig::new("redis://127.0.0.1:6379");
+        ok.validate().unwrap();
+        assert!(ok.warnings().is_empty());
+        let e = RedisConfig::new("http://x").validate().unwrap_err();
+        assert_eq!(e.field, "url");
+        let capped = RedisConfig {
+            max_len: Some(1000),
+            ..ok.clone()
+        };
+        capped.validate().unwrap();
+        let w = capped.warnings();
+        assert_eq!(w.len(), 1);
+        assert!(w[0].contains("C38") && w[0].contains("1000"), "{w:?}");
+        let zero = RedisConfig {
+            max_len: Some(0),
+            ..ok.clone()
+        };
+        assert_eq!(zero.validate().unwrap_err().field, "max_len");
+        let wait = RedisConfig {
+            wait_replicas: Some(WaitReplicas {
+                replicas: 1,
+                timeout: Duration::from_secs(10),
+            }),
+            ..ok
+        };
+        assert_eq!(wait.validate().unwrap_err().field, "wait_replicas");
+    }
+}
