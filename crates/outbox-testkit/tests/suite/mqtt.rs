@@ -379,7 +379,9 @@ async fn mqtt_3_1_1_broker_is_refused_with_a_clear_error() {
             let _ = s.read(&mut buf).await;
             s.write_all(&answer).await.unwrap();
             s.flush().await.unwrap();
-            let _ = s.read(&mut buf).await;
+            // A broker that refuses a protocol version closes the connection (MQTT 3.1.1
+            // §3.2.2.3, MQTT 5 §3.2.2.2).
+            drop(s);
         });
         let mut config = MqttConfig::new(format!("mqtt://{addr}"));
         config.connect_timeout = Duration::from_secs(2);

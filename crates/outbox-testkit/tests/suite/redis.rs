@@ -655,11 +655,12 @@ pub(crate) async fn check_retried_and_dead_lettered(
     msgs: &[outbox::Message],
 ) {
     wait_until(
-        "applied twice and dead-lettered once",
+        "two applied and one dead-lettered",
         Duration::from_secs(20),
         || async {
-            metrics.applied.load(Ordering::Relaxed) == 2
-                && metrics.dead_lettered.load(Ordering::Relaxed) == 1
+            metrics.dead_lettered.load(Ordering::Relaxed) == 1
+                && inbox.verdict(msgs[0].message_id).await.unwrap().is_some()
+                && inbox.verdict(msgs[2].message_id).await.unwrap().is_some()
         },
     )
     .await;
