@@ -1,6 +1,7 @@
 //! The `outbox` binary as an operator runs it: plain-SQL producers, the relay daemon with a TOML
-//! file, SIGTERM and kill -9, and configuration errors. Needs the PostgreSQL and NATS JetStream
-//! servers (`OUTBOX_TEST_POSTGRES_URL`, `OUTBOX_TEST_NATS_URL`).
+//! file, SIGTERM and kill -9, configuration errors, and one relay routing topics to two brokers.
+//! Needs the PostgreSQL and NATS JetStream servers (`OUTBOX_TEST_POSTGRES_URL`,
+//! `OUTBOX_TEST_NATS_URL`) and, with the `redis` feature, Redis (`OUTBOX_TEST_REDIS_URL`).
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -599,4 +600,97 @@ async fn daemon_applies_confirmations_and_checks_back_the_unconfirmed() {
         Some(0)
     );
     js.delete_stream(&f.stream).await.unwrap();
+}
+
+/// Routing: one `outbox relay` with a TOML file that sends `order-*` topics to Redis Streams and
+/// every other topic to NATS JetStream delivers both, each message to its own broker once.
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn one_relay_routes_two_topics_to_two_brokers() {
+    let redis_url =
+        std::env::var("OUTBOX_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+    let f = Fixture::new("route");
+    f.migrate();
+    let pool = pg().await;
+    let js = nats().await;
+    let nats_config = f.config("30s", "5s");
+    let redis_stream = format!("daemon:{}:orders", f.table);
+    let config = std::fs::read_to_string(&nats_config).unwrap().replace(
+        "[[routes]]",
+        &format!(
+            "[transports.streams]\nkind = \"redis\"\nurl = \"{redis_url}\"\n\n\
+                 [[routes]]\ntopics = \"order-*\"\ntransport = \"streams\"\n\
+                 destination = \"{redis_stream}\"\n\n[[routes]]"
+        ),
+    );
+    std::fs::write(&nats_config, config).unwrap();
+    let mut relay = f.spawn_relay(&nats_config);
+    let mut tx = pool.begin().await.unwrap();
+    for (topic, n) in [("order-created", 20), ("audit", 15)] {
+        for i in 0..n {
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "INSERT INTO {} (topic, payload) VALUES ($1, $2)",
+                f.table
+            )))
+            .bind(topic)
+            .bind(format!("{{\"n\":{i}}}").into_bytes())
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        }
+    }
+    tx.commit().await.unwrap();
+    wait_until_sent(&pool, &f.table, 35, Duration::from_secs(15)).await;
+    let ids_of = |topic: &'static str| {
+        let pool = pool.clone();
+        let table = f.table.clone();
+        async move {
+            let ids: Vec<uuid::Uuid> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                "SELECT message_id FROM {table} WHERE topic = $1"
+            )))
+            .bind(topic)
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+            ids.into_iter()
+                .map(|u| u.to_string())
+                .collect::<HashSet<_>>()
+        }
+    };
+    assert_eq!(stream_ids(&js, &f.stream, 15).await, ids_of("audit").await);
+    let client = redis::Client::open(redis_url.as_str()).unwrap();
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap_or_else(|e| {
+            panic!("Redis is required at {redis_url} (set OUTBOX_TEST_REDIS_URL): {e}")
+        });
+    let entries: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+        .arg(&redis_stream)
+        .arg("-")
+        .arg("+")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let in_redis: Vec<String> = entries
+        .ids
+        .iter()
+        .map(|e| e.get::<String>("id").expect("id field"))
+        .collect();
+    assert_eq!(in_redis.len(), 20, "each order message in Redis once");
+    assert_eq!(
+        in_redis.into_iter().collect::<HashSet<_>>(),
+        ids_of("order-created").await
+    );
+    nix_kill(&relay, "TERM");
+    assert_eq!(
+        wait_exit(&mut relay, Duration::from_secs(20)).code(),
+        Some(0)
+    );
+    js.delete_stream(&f.stream).await.unwrap();
+    redis::cmd("DEL")
+        .arg(&redis_stream)
+        .query_async::<i64>(&mut conn)
+        .await
+        .unwrap();
 }
