@@ -733,3 +733,99 @@ async fn per_key_order_with_concurrency() {
     rx.cleanup().await;
     fx.cleanup().await;
 }
+
+/// Safe trimming (C38): `trim_delivered` removes only entries every group has received and
+/// acknowledged; a group's pending entries and undelivered entries stay, and a stream without
+/// groups is left alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trim_delivered_keeps_pending_and_undelivered_entries() {
+    let rx = RedisFixture::new().await;
+    let stream = rx.key("trim");
+    let msgs: Vec<_> = (0..10)
+        .map(|i| claimed_message("t", format!("m{i}")))
+        .collect();
+    publish(&rx, &stream, &msgs).await;
+    assert_eq!(
+        rx.transport.trim_delivered(&stream).await.unwrap(),
+        0,
+        "no group: no trim"
+    );
+    let ids: Vec<String> = rx
+        .entries(&stream)
+        .await
+        .into_iter()
+        .map(|(id, _)| id)
+        .collect();
+    let read = |group: &'static str, n: usize| {
+        let stream = stream.clone();
+        let rx = &rx;
+        async move {
+            let _: () = rx
+                .query(
+                    redis::cmd("XGROUP")
+                        .arg("CREATE")
+                        .arg(&stream)
+                        .arg(group)
+                        .arg("0"),
+                )
+                .await;
+            let _: redis::Value = rx
+                .query(
+                    redis::cmd("XREADGROUP")
+                        .arg("GROUP")
+                        .arg(group)
+                        .arg("c")
+                        .arg("COUNT")
+                        .arg(n)
+                        .arg("STREAMS")
+                        .arg(&stream)
+                        .arg(">"),
+                )
+                .await;
+        }
+    };
+    // Group g: 6 delivered, the first 3 acknowledged (3 pending); group h: 2 delivered and
+    // acknowledged (8 undelivered).
+    read("g", 6).await;
+    let _: i64 = rx
+        .query(redis::cmd("XACK").arg(&stream).arg("g").arg(&ids[..3]))
+        .await;
+    read("h", 2).await;
+    let _: i64 = rx
+        .query(redis::cmd("XACK").arg(&stream).arg("h").arg(&ids[..2]))
+        .await;
+    assert_eq!(rx.transport.trim_delivered(&stream).await.unwrap(), 2);
+    let left: Vec<String> = rx
+        .entries(&stream)
+        .await
+        .into_iter()
+        .map(|(id, _)| id)
+        .collect();
+    assert_eq!(left, ids[2..].to_vec(), "h's undelivered entries are kept");
+    // h catches up: now g's oldest pending entry is the bound.
+    let _: redis::Value = rx
+        .query(
+            redis::cmd("XREADGROUP")
+                .arg("GROUP")
+                .arg("h")
+                .arg("c")
+                .arg("COUNT")
+                .arg(100)
+                .arg("STREAMS")
+                .arg(&stream)
+                .arg(">"),
+        )
+        .await;
+    let _: i64 = rx
+        .query(redis::cmd("XACK").arg(&stream).arg("h").arg(&ids[2..]))
+        .await;
+    assert_eq!(rx.transport.trim_delivered(&stream).await.unwrap(), 1);
+    let left: Vec<String> = rx
+        .entries(&stream)
+        .await
+        .into_iter()
+        .map(|(id, _)| id)
+        .collect();
+    assert_eq!(left, ids[3..].to_vec(), "g's pending entries are kept");
+    rx.cleanup().await;
+}

@@ -35,8 +35,9 @@
 //! consumer groups have read, so entries not yet delivered are lost and entries delivered but not
 //! acknowledged stay in the pending lists as bare ids. [`RedisConfig::max_len`] sets
 //! `MAXLEN ~ n` on every `XADD` for users who accept that; [`RedisTransport::connect`] logs
-//! [`RedisConfig::warnings`] at start-up when it is set. Trim streams after the consumers
-//! acknowledged instead (e.g. `XTRIM key MINID <oldest pending id>`).
+//! [`RedisConfig::warnings`] at start-up when it is set. Trim after the consumers acknowledged
+//! instead: [`RedisTransport::trim_delivered`] trims only below what every group has received
+//! and acknowledged.
 //!
 //! # Classification
 //! Connection refused, dropped or not established → `Unavailable`; response timeout, `OOM`,
@@ -117,7 +118,8 @@ impl RedisConfig {
                 "max_len = {n}: every XADD trims the stream to about {n} entries (MAXLEN ~), \
                  whatever the consumer groups have read; entries not yet delivered are lost and \
                  pending ones lose their payload (shared case C38). Leave max_len unset and trim \
-                 below the oldest pending id (XTRIM MINID) instead"
+                 with RedisTransport::trim_delivered (XTRIM MINID below every group's progress) \
+                 instead"
             ));
         }
         w
@@ -269,6 +271,92 @@ impl RedisTransport {
     pub fn connection(&self) -> ConnectionManager {
         self.conn.clone()
     }
+
+    /// Trim `stream` only below what every consumer group is done with (shared case C38's safe
+    /// trimming): `XTRIM <stream> MINID <bound>`, where the bound is, over the groups of
+    /// `XINFO GROUPS`, the lowest of each group's oldest pending id (`XPENDING` summary) and the id
+    /// just after its `last-delivered-id`. Entries not yet delivered to a group, and entries
+    /// delivered but not acknowledged, are kept. A stream without groups is not trimmed (nobody
+    /// has read it yet). Returns the number of entries removed. Run it periodically from one
+    /// place (e.g. a maintenance job); a group created afterwards with start id `0` sees only what
+    /// was kept.
+    ///
+    /// # Errors
+    /// A classified [`TransportError`] when Redis fails.
+    pub async fn trim_delivered(&self, stream: &str) -> Result<u64, TransportError> {
+        let mut conn = self.conn.clone();
+        let groups: Value = redis::cmd("XINFO")
+            .arg("GROUPS")
+            .arg(stream)
+            .query_async(&mut conn)
+            .await
+            .map_err(|e| error(e, "XINFO GROUPS failed"))?;
+        let mut bound: Option<(u64, u64)> = None;
+        let groups = match groups {
+            Value::Array(g) => g,
+            _ => Vec::new(),
+        };
+        for g in groups {
+            let fields = group_fields(g);
+            let name = fields.get("name").cloned().unwrap_or_default();
+            let last = fields
+                .get("last-delivered-id")
+                .and_then(|id| parse_id(id))
+                .unwrap_or((0, 0));
+            let mut group_bound = (last.0, last.1.saturating_add(1));
+            let summary: Value = redis::cmd("XPENDING")
+                .arg(stream)
+                .arg(&name)
+                .query_async(&mut conn)
+                .await
+                .map_err(|e| error(e, "XPENDING failed"))?;
+            if let Value::Array(parts) = summary
+                && let Some(Value::BulkString(min)) = parts.get(1)
+                && let Some(min) = parse_id(&String::from_utf8_lossy(min))
+            {
+                group_bound = group_bound.min(min);
+            }
+            bound = Some(bound.map_or(group_bound, |b| b.min(group_bound)));
+        }
+        let Some((ms, seq)) = bound else {
+            return Ok(0);
+        };
+        redis::cmd("XTRIM")
+            .arg(stream)
+            .arg("MINID")
+            .arg(format!("{ms}-{seq}"))
+            .query_async::<u64>(&mut conn)
+            .await
+            .map_err(|e| error(e, "XTRIM failed"))
+    }
+}
+
+/// The fields of one `XINFO GROUPS` entry (RESP2 flat list or RESP3 map) as text.
+fn group_fields(v: Value) -> std::collections::HashMap<String, String> {
+    let pairs: Vec<(Value, Value)> = match v {
+        Value::Map(m) => m,
+        Value::Array(a) => {
+            let mut it = a.into_iter();
+            std::iter::from_fn(|| Some((it.next()?, it.next()?))).collect()
+        }
+        _ => Vec::new(),
+    };
+    let text = |v: &Value| match v {
+        Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
+        Value::SimpleString(s) => Some(s.clone()),
+        Value::Int(n) => Some(n.to_string()),
+        _ => None,
+    };
+    pairs
+        .iter()
+        .filter_map(|(k, v)| Some((text(k)?, text(v)?)))
+        .collect()
+}
+
+/// Parse a stream id `ms-seq`.
+fn parse_id(id: &str) -> Option<(u64, u64)> {
+    let (ms, seq) = id.split_once('-')?;
+    Some((ms.parse().ok()?, seq.parse().ok()?))
 }
 
 /// The fields of the entry for `m` (see the module docs), in order.
