@@ -469,3 +469,121 @@ async fn mysql_c27_failing_inbox_write_is_an_error_not_an_ack() {
     );
     mysql_drop(&fx, &effects).await;
 }
+
+/// Records the order in which messages are applied per partition key; fails one chosen message
+/// transiently while `fail_once` holds it; the first messages of two chosen keys meet at a
+/// barrier (so the test only completes if their lanes run at the same time).
+struct KeyOrderHandler {
+    applied: std::sync::Mutex<Vec<(String, u32)>>,
+    fail_once: std::sync::Mutex<Option<Uuid>>,
+    meet: tokio::sync::Barrier,
+    meeting: Vec<Uuid>,
+}
+
+#[async_trait]
+impl outbox::Handler<sqlx::Postgres> for KeyOrderHandler {
+    async fn handle(
+        &self,
+        _conn: &mut PgConnection,
+        msg: &InboundMessage,
+    ) -> Result<(), HandlerError> {
+        if self.meeting.contains(&msg.message_id) {
+            tokio::time::timeout(Duration::from_secs(10), self.meet.wait())
+                .await
+                .map_err(|_| HandlerError::permanent("lanes did not run concurrently"))?;
+        }
+        if self
+            .fail_once
+            .lock()
+            .unwrap()
+            .take_if(|id| *id == msg.message_id)
+            .is_some()
+        {
+            return Err(HandlerError::transient("chosen failure"));
+        }
+        let seq: u32 = std::str::from_utf8(&msg.payload).unwrap().parse().unwrap();
+        let key = msg.partition_key.clone().unwrap();
+        self.applied.lock().unwrap().push((key, seq));
+        Ok(())
+    }
+}
+
+/// `deliver_batch`: different keys run in parallel lanes, each key's messages are applied in
+/// batch order, and a failing message holds back the later messages of its own key only (they
+/// are retried with it, never applied before it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn deliver_batch_keeps_per_key_order_and_holds_back_only_the_failing_key() {
+    use outbox::consumer::{ConsumerMetrics, DeliveryPolicy, Disposition, deliver_batch, lane_of};
+    let fx = PgFixture::new().await;
+    let inbox =
+        Inbox::<sqlx::Postgres>::new(fx.store.pool().clone(), &fx.inbox_table(), "lanes").unwrap();
+    inbox.migrate().await.unwrap();
+    let lanes = 4;
+    // 8 keys × 10 messages, interleaved: k0#0, k1#0, …, k7#0, k0#1, …
+    let batch: Vec<InboundMessage> = (0..10u32)
+        .flat_map(|seq| {
+            (0..8).map(move |k| {
+                let mut m = inbound(Uuid::now_v7());
+                m.partition_key = Some(format!("k{k}"));
+                m.payload = seq.to_string().into_bytes();
+                m
+            })
+        })
+        .collect();
+    let first_of = |key: &str| {
+        batch
+            .iter()
+            .find(|m| m.partition_key.as_deref() == Some(key))
+            .unwrap()
+    };
+    // Two keys in different lanes must meet at the barrier.
+    let a = first_of("k0");
+    let b = (1..8)
+        .map(|k| first_of(&format!("k{k}")))
+        .find(|m| lane_of(m, lanes) != lane_of(a, lanes))
+        .expect("8 keys over 4 lanes use at least two lanes");
+    let failing = batch
+        .iter()
+        .find(|m| m.partition_key.as_deref() == Some("k3") && m.payload == b"4")
+        .unwrap()
+        .message_id;
+    let h = KeyOrderHandler {
+        applied: Default::default(),
+        fail_once: std::sync::Mutex::new(Some(failing)),
+        meet: tokio::sync::Barrier::new(2),
+        meeting: vec![a.message_id, b.message_id],
+    };
+    let policy = DeliveryPolicy::default();
+    let metrics = ConsumerMetrics::default();
+    let d = deliver_batch(&inbox, &h, &batch, lanes, &policy, &metrics).await;
+    assert_eq!(d.len(), batch.len());
+    let mut retried = Vec::new();
+    for (m, d) in batch.iter().zip(&d) {
+        let seq: u32 = std::str::from_utf8(&m.payload).unwrap().parse().unwrap();
+        let held = m.partition_key.as_deref() == Some("k3") && seq >= 4;
+        match d {
+            Disposition::Retry(_) if held => retried.push(m.clone()),
+            Disposition::Ack(_) if !held => {}
+            other => panic!("{:?} #{seq}: unexpected {other:?}", m.partition_key),
+        }
+    }
+    assert_eq!(retried.len(), 6);
+    // The broker redelivers the held messages; now they apply, still in order.
+    for m in &mut retried {
+        m.delivery_count = 2;
+    }
+    let d = deliver_batch(&inbox, &h, &retried, lanes, &policy, &metrics).await;
+    assert!(d.iter().all(|d| matches!(d, Disposition::Ack(_))), "{d:?}");
+    let applied = h.applied.into_inner().unwrap();
+    assert_eq!(applied.len(), 80, "every message applied once");
+    for k in 0..8 {
+        let seqs: Vec<u32> = applied
+            .iter()
+            .filter(|(key, _)| *key == format!("k{k}"))
+            .map(|(_, s)| *s)
+            .collect();
+        assert_eq!(seqs, (0..10).collect::<Vec<_>>(), "key k{k} out of order");
+    }
+    assert_eq!(metrics.failures.load(Ordering::Relaxed), 1);
+    fx.cleanup().await;
+}
