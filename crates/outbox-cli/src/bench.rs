@@ -376,7 +376,7 @@ impl Bench {
         }
         let b = ProgressBar::new(len).with_style(
             ProgressStyle::with_template(
-                "{prefix:>28} [{bar:32.cyan/blue}] {human_pos:>9}/{human_len} {per_sec:>12} [{elapsed}] {msg}",
+                "{prefix:>28} [{bar:32.cyan/blue}] {human_pos:>9}/{human_len} {per_sec:1} [{elapsed}] {msg}",
             )
             .expect("valid template")
             .progress_chars("=> "),
