@@ -1,5 +1,6 @@
-//! The `outbox` command: migrate, relay daemon, status, demo.
+//! The `outbox` command: migrate, relay daemon, status, demo, bench.
 
+mod bench;
 mod config;
 mod demo;
 
@@ -11,6 +12,9 @@ use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 use outbox::{PgStore, SqliteStore, Status, Store, StoreOptions};
 use tokio_util::sync::CancellationToken;
+use tracing_subscriber::Layer;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
 
 /// Transactional outbox (本地消息表): migrate the tables, run the relay, inspect the outbox, or
 /// watch the order → inventory demo.
@@ -76,6 +80,10 @@ enum Command {
     Inbox(InboxCommand),
     /// Run the order → inventory demo with injected faults and print a report.
     Demo(demo::DemoArgs),
+    /// Measure the relay on the real database and broker: drain rate against raw-SQL and raw
+    /// broker baselines, commit → ack latency, enqueue overhead, database cost, scaling
+    /// (docs/benchmarks.md).
+    Bench(bench::BenchArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -516,18 +524,24 @@ async fn shutdown_signal() {
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    // The demo draws progress bars: only warnings unless RUST_LOG says otherwise.
+    // The demo and the bench draw progress bars: only warnings unless RUST_LOG says otherwise.
     let default_filter = match cli.command {
         Command::Demo(_) => "warn",
+        // The bench counts the relays' statements through sqlx's statement log; never print it.
+        Command::Bench(_) => "warn,sqlx::query=off",
         _ => "info,sqlx=warn",
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| default_filter.into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+        );
+    let registry = tracing_subscriber::registry().with(fmt);
+    match cli.command {
+        Command::Bench(_) => registry.with(bench::StatementCounter::layer()).init(),
+        _ => registry.init(),
+    }
     let result = match cli.command {
         Command::Migrate(db) => {
             async {
@@ -558,6 +572,7 @@ async fn main() -> std::process::ExitCode {
         }
         Command::Inbox(cmd) => inbox_command(cmd).await,
         Command::Demo(args) => demo::run(args).await,
+        Command::Bench(args) => bench::run(args).await,
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

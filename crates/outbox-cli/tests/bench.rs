@@ -1,0 +1,146 @@
+//! `outbox bench` end to end with tiny sizes on the real PostgreSQL and NATS JetStream
+//! (`OUTBOX_TEST_POSTGRES_URL`, `OUTBOX_TEST_NATS_URL`): every scenario runs, the JSON report has
+//! every section with sane, non-zero figures, and the run leaves nothing behind. The figures
+//! themselves are not judged here: they are benchmark results, not test outcomes.
+
+use std::process::Command;
+
+use serde_json::Value;
+
+fn num(v: &Value, path: &str) -> f64 {
+    let mut cur = v;
+    for part in path.split('.') {
+        cur = match part.parse::<usize>() {
+            Ok(i) => &cur[i],
+            Err(_) => &cur[part],
+        };
+    }
+    cur.as_f64()
+        .unwrap_or_else(|| panic!("{path} is not a number: {cur}"))
+}
+
+fn positive(v: &Value, path: &str) -> f64 {
+    let n = num(v, path);
+    assert!(n > 0.0 && n.is_finite(), "{path} = {n}, expected > 0");
+    n
+}
+
+#[tokio::test]
+async fn bench_runs_every_scenario_and_reports_each_section() {
+    // A missing service fails here, naming its environment variable.
+    let pg = outbox_testkit::pg_pool(1).await;
+    drop(outbox_testkit::nats_client().await);
+    let json = std::env::temp_dir().join(format!(
+        "outbox-bench-test-{:08x}.json",
+        rand::random::<u32>()
+    ));
+    let messages = 2_000u64;
+    let out = Command::new(env!("CARGO_BIN_EXE_outbox"))
+        .args(["bench", "--database", &outbox_testkit::postgres_url()])
+        .args(["--transport", &outbox_testkit::nats_url()])
+        .args(["--messages", &messages.to_string(), "--relays", "1,4"])
+        .args(["--rate", "200", "--producers", "2"])
+        .args(["--latency-duration", "2s", "--enqueue-duration", "2s"])
+        .args(["--idle-duration", "2s", "--no-progress", "--json"])
+        .arg(&json)
+        .output()
+        .expect("run outbox bench");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "bench failed:\n{stdout}\n{stderr}");
+    for section in [
+        "Throughput",
+        "Rate in each tenth",
+        "Database cost",
+        "Steady state",
+        "Enqueue overhead",
+        "Idle cost",
+        "Targets",
+    ] {
+        assert!(stdout.contains(section), "no {section} table:\n{stdout}");
+    }
+    let r: Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&json);
+
+    assert_eq!(r["database"]["backend"], "postgres");
+    assert!(num(&r, "clock.uncertainty_us") >= 0.0);
+    // The raw broker run and the baselines: every message arrived, at a rate.
+    for name in ["broker", "baseline_naive", "baseline_tuned", "drain"] {
+        positive(&r, &format!("{name}.rate"));
+        assert_eq!(
+            num(&r, &format!("{name}.broker_stored")),
+            messages as f64,
+            "{name}"
+        );
+        assert!(r[name]["load"].is_array(), "{name} has no load");
+    }
+    // The raw loops write every row twice (claim, then mark) by construction.
+    for name in ["baseline_naive", "baseline_tuned"] {
+        let w = num(&r, &format!("{name}.cost.pg.rows_written_per_message"));
+        assert!((w - 2.0).abs() < 1e-9, "{name}: {w}");
+    }
+    // The drain: ratios to every baseline, ten tenths, its cost and the table's growth.
+    for field in ["vs_naive", "vs_tuned", "vs_broker", "flatness"] {
+        positive(&r, &format!("drain.{field}"));
+    }
+    let deciles = r["drain"]["deciles"].as_array().unwrap();
+    assert_eq!(deciles.len(), 10);
+    assert!(
+        deciles.iter().all(|d| d.as_f64().unwrap() > 0.0),
+        "{deciles:?}"
+    );
+    positive(&r, "drain.cost.statements");
+    assert!(num(&r, "drain.cost.pg.rows_written_per_message") >= 1.0);
+    positive(&r, "drain.table.before.live_tuples");
+    positive(&r, "drain.table.after.index_bytes");
+    // Scaling: one entry per instance count, compared with one relay.
+    let scaling = r["scaling"].as_array().unwrap();
+    assert_eq!(scaling.len(), 2);
+    assert_eq!(num(&r, "scaling.1.relays"), 4.0);
+    positive(&r, "scaling.1.vs_one_relay");
+    // Latency: both wake-ups at the fixed rate and at the maximum, ordered percentiles, the
+    // subscriber saw the messages too.
+    let latency = r["latency"].as_array().unwrap();
+    assert_eq!(latency.len(), 4);
+    for i in 0..4 {
+        let p = |q: &str| num(&r, &format!("latency.{i}.commit_to_ack.{q}"));
+        assert!(p("count") > 0.0);
+        assert!(0.0 < p("p50_ms") && p("p50_ms") <= p("p99_ms") && p("p99_ms") <= p("max_ms"));
+        positive(&r, &format!("latency.{i}.commit_to_received.count"));
+        positive(&r, &format!("latency.{i}.commit_rate"));
+        positive(&r, &format!("latency.{i}.relay_statements_per_message"));
+    }
+    // Enqueue overhead and idle cost.
+    positive(&r, "enqueue.without.transactions");
+    positive(&r, "enqueue.with_outbox.transaction.p50_ms");
+    assert!(r["enqueue"]["overhead_p50"].is_number());
+    positive(&r, "idle.statements");
+    positive(&r, "idle.statements_per_poll_interval");
+    // Every target was measured.
+    let targets = r["targets"].as_array().unwrap();
+    assert_eq!(targets.len(), 8);
+    assert!(targets.iter().all(|t| t["met"].is_boolean()), "{targets:?}");
+
+    // Nothing left behind: the schema, the migration records, the stream.
+    let run = r["run_id"].as_str().unwrap();
+    let schemas: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_namespace WHERE nspname = $1")
+        .bind(format!("bench_{run}"))
+        .fetch_one(&pg)
+        .await
+        .unwrap();
+    assert_eq!(schemas, 0, "schema bench_{run} left behind");
+    let records: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM outbox_migrations WHERE table_name LIKE $1")
+            .bind(format!("bench_{run}%"))
+            .fetch_one(&pg)
+            .await
+            .unwrap();
+    assert_eq!(records, 0, "migration records of bench_{run} left behind");
+    let js = async_nats::jetstream::new(outbox_testkit::nats_client().await);
+    assert!(
+        js.get_stream(format!("BENCH_{}", run.to_uppercase()))
+            .await
+            .is_err(),
+        "stream left behind"
+    );
+}
