@@ -55,8 +55,11 @@ use sqlx::{AssertSqlSafe, MySqlPool, PgPool, Row};
 use tokio::sync::Notify;
 use uuid::Uuid;
 
+pub mod kafka;
 pub mod store_suite;
 pub mod transport_suite;
+
+pub use kafka::KafkaFixture;
 
 /// Default PostgreSQL URL when `OUTBOX_TEST_POSTGRES_URL` is unset.
 pub const DEFAULT_POSTGRES_URL: &str = "postgres://postgres@127.0.0.1:5432/test";

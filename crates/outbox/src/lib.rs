@@ -59,6 +59,8 @@ pub use store::sqlite::SqliteStore;
 pub use store::{
     Claim, ClaimRequest, Completion, FailedMessage, Outcome, Stats, Store, StoreOptions,
 };
+#[cfg(feature = "kafka")]
+pub use transport::kafka::{KafkaConfig, KafkaTransport};
 #[cfg(feature = "nats")]
 pub use transport::nats::{NatsConfig, NatsTransport, StreamSetup};
 #[cfg(feature = "webhook")]

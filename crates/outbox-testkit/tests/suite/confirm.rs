@@ -39,7 +39,7 @@ pub struct ScriptedHandler {
 }
 
 impl ScriptedHandler {
-    fn new(effects: &str) -> Arc<Self> {
+    pub(crate) fn new(effects: &str) -> Arc<Self> {
         Arc::new(ScriptedHandler {
             effects: effects.into(),
             fixed: AtomicBool::new(false),
@@ -162,14 +162,14 @@ impl ConfirmationSender for FaultySender {
     }
 }
 
-fn confirm_config(name: &str) -> RelayConfig {
+pub(crate) fn confirm_config(name: &str) -> RelayConfig {
     RelayConfig {
         max_check_backs: 3,
         ..fast_config(name)
     }
 }
 
-fn fast_retry() -> Backoff {
+pub(crate) fn fast_retry() -> Backoff {
     Backoff {
         base: Duration::from_millis(50),
         factor: 2.0,
@@ -178,7 +178,7 @@ fn fast_retry() -> Backoff {
     }
 }
 
-async fn pg_count(fx: &PgFixture, sql: &str) -> i64 {
+pub(crate) async fn pg_count(fx: &PgFixture, sql: &str) -> i64 {
     sqlx::query_scalar(AssertSqlSafe(sql.to_owned()))
         .fetch_one(fx.store.pool())
         .await
@@ -186,7 +186,12 @@ async fn pg_count(fx: &PgFixture, sql: &str) -> i64 {
 }
 
 /// Wait until the row of every id has `status`.
-async fn wait_status(fx: &dyn StoreFixture, ids: &[Uuid], status: Status, timeout: Duration) {
+pub(crate) async fn wait_status(
+    fx: &dyn StoreFixture,
+    ids: &[Uuid],
+    status: Status,
+    timeout: Duration,
+) {
     wait_until(
         &format!("{} messages {status}", ids.len()),
         timeout,

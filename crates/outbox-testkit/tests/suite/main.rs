@@ -12,6 +12,7 @@ mod confirm;
 mod crash;
 mod crash_mysql;
 mod inbox;
+mod kafka;
 mod relay;
 mod store;
 mod transport;

@@ -13,6 +13,8 @@ use async_trait::async_trait;
 use crate::error::TransportError;
 use crate::message::Message;
 
+#[cfg(feature = "kafka")]
+pub mod kafka;
 pub mod memory;
 #[cfg(feature = "nats")]
 pub mod nats;
