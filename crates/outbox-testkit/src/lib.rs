@@ -62,6 +62,9 @@ pub mod transport_suite;
 
 pub use mqtt::{MqttFixture, mqtt_url};
 pub use redis::{RedisFixture, redis_url};
+pub mod kafka;
+
+pub use kafka::KafkaFixture;
 
 /// Default PostgreSQL URL when `OUTBOX_TEST_POSTGRES_URL` is unset.
 pub const DEFAULT_POSTGRES_URL: &str = "postgres://postgres@127.0.0.1:5432/test";

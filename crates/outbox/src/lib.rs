@@ -60,6 +60,8 @@ pub use store::sqlite::SqliteStore;
 pub use store::{
     Claim, ClaimRequest, Completion, FailedMessage, Outcome, Stats, Store, StoreOptions,
 };
+#[cfg(feature = "kafka")]
+pub use transport::kafka::{KafkaConfig, KafkaTransport};
 #[cfg(feature = "mqtt")]
 pub use transport::mqtt::{MqttConfig, MqttTransport, NoSubscribers};
 #[cfg(feature = "nats")]

@@ -13,6 +13,7 @@ mod confirm;
 mod crash;
 mod crash_mysql;
 mod inbox;
+mod kafka;
 mod mqtt;
 mod redis;
 mod relay;

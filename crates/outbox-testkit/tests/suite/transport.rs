@@ -42,6 +42,7 @@ transport_conformance!(webhook, outbox_testkit::WebhookFixture);
 transport_conformance!(nats, outbox_testkit::NatsFixture);
 transport_conformance!(redis, outbox_testkit::RedisFixture);
 transport_conformance!(mqtt, outbox_testkit::MqttFixture);
+transport_conformance!(kafka, outbox_testkit::KafkaFixture);
 
 async fn publish_one(t: &dyn Transport, dest: &str) -> Result<(), outbox::TransportError> {
     let m = claimed_message("t", "{}");

@@ -201,6 +201,8 @@ pub(crate) fn record(total: &mut ConfirmReport, r: ConfirmReport) {
     total.add(r);
 }
 
+#[cfg(feature = "kafka")]
+pub mod kafka;
 #[cfg(feature = "mqtt")]
 pub mod mqtt;
 #[cfg(feature = "redis")]

@@ -23,6 +23,8 @@ use crate::inbox::{Handler, Inbox, InboxBackend, Processed};
 use crate::message::InboundMessage;
 use crate::retry::Backoff;
 
+#[cfg(feature = "kafka")]
+pub mod kafka;
 #[cfg(feature = "mqtt")]
 pub mod mqtt;
 #[cfg(feature = "nats")]

@@ -14,6 +14,8 @@ use async_trait::async_trait;
 use crate::error::TransportError;
 use crate::message::Message;
 
+#[cfg(feature = "kafka")]
+pub mod kafka;
 pub mod memory;
 #[cfg(feature = "mqtt")]
 pub mod mqtt;

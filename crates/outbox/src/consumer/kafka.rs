@@ -1,0 +1,706 @@
+//! Kafka consumer-group runner feeding an [`Inbox`] (feature `kafka`).
+//!
+//! # Flow
+//! 1. Fetch a batch: wait for one record, then take whatever else arrives within `batch_wait`,
+//!    up to `batch` records (librdkafka prefetches in the background).
+//! 2. Decode each record with [`InboundMessage::from_wire`] from its headers (`outbox-message-id`,
+//!    `outbox-topic`, …). A record without them is **malformed**: logged with its topic,
+//!    partition and offset, counted in [`ConsumerMetrics::malformed`], and skipped (its offset is
+//!    committed like an acknowledged record, so it never blocks its partition).
+//! 3. Apply the batch with [`deliver_batch`] in `concurrency` lanes by partition key: different
+//!    keys in parallel, one key's records in offset order.
+//! 4. Commit offsets **only after** the inbox transactions committed. Kafka commits one offset per
+//!    partition ("everything below this is done"), so a partition's commit stops at its lowest
+//!    record that was not acknowledged: records after it that were applied are delivered again
+//!    later and recognised by the inbox as duplicates (acknowledged without running the handler).
+//!    Commits are asynchronous (a lost commit only means such a redelivery); on shutdown the last
+//!    offsets are committed synchronously.
+//!
+//! # Redelivery with backoff, in order
+//! Kafka has no per-record negative acknowledgement. When a record's disposition is
+//! [`Disposition::Retry`] (transient handler failure, inbox database down), the runner **pauses
+//! its partition**, seeks it back to that record's offset, and resumes it when the record's
+//! backoff delay has passed ([`DeliveryPolicy::retry`] by delivery count); the record and
+//! everything after it in that partition are then fetched again. Other partitions keep flowing
+//! meanwhile. The cost: other keys of the paused partition wait for the delay too (Kafka's order
+//! unit is the partition). Delivery counts are kept in the runner's memory per
+//! (topic, partition, offset): a restart or a rebalance gives the record a fresh count. After
+//! `max_deliveries` the record goes to the consumer's dead-letter table (see
+//! [`deliver`](crate::consumer::deliver)) and the partition moves on.
+//!
+//! A record fetched for a partition that is still paused (prefetched before the pause; librdkafka
+//! normally purges these on seek) is dropped without being applied or committed, and a resumed
+//! partition whose first record is not the one it was sought back to is sought again, so a seek
+//! that librdkafka lost cannot skip a record.
+//!
+//! # Settings forced on the consumer
+//! `enable.auto.commit=false`, `enable.auto.offset.store=false`, `enable.partition.eof=false`,
+//! `group.id`, `auto.offset.reset` from the config. Rebalances use librdkafka's default
+//! (eager) protocol; partitions revoked in the middle of a batch lose their commit, and their
+//! records are redelivered to the new owner (the inbox absorbs the copies).
+//!
+//! The runner also performs the consumer's [`maintenance`] (operator replays, inbox retention).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rdkafka::consumer::{
+    BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
+};
+use rdkafka::error::{KafkaError, KafkaResult};
+use rdkafka::message::{Headers as _, Message as _, OwnedMessage};
+use rdkafka::{ClientContext, Offset, TopicPartitionList};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::confirm::ConfirmationSender;
+use crate::consumer::{ConsumerMetrics, DeliveryPolicy, Disposition, deliver_batch, maintenance};
+use crate::error::ConfigError;
+use crate::inbox::{Handler, Inbox, InboxBackend};
+use crate::message::{Headers, InboundMessage};
+use crate::retry::Backoff;
+use crate::transport::kafka::{KafkaConfig, config_error};
+
+/// Settings of a Kafka consumer runner.
+#[derive(Clone)]
+pub struct KafkaConsumerConfig {
+    /// Connection settings (bootstrap servers, SASL, TLS, shared librdkafka properties). Required.
+    pub client: KafkaConfig,
+    /// `group.id`: instances with the same group share the partitions. Required.
+    pub group_id: String,
+    /// Topics to subscribe to; each must exist when the runner starts. Required.
+    pub topics: Vec<String>,
+    /// Most records per batch. Default 100.
+    pub batch: usize,
+    /// After the first record of a batch, how long to wait for more before applying it.
+    /// Default 20 ms.
+    pub batch_wait: Duration,
+    /// Records of one batch applied concurrently, in lanes by partition key so each key's records
+    /// stay in order ([`deliver_batch`]). Default 1.
+    pub concurrency: usize,
+    /// Delay before redelivering a record whose handler failed, by delivery count (the partition
+    /// is paused that long). Default 500 ms, ×2, ≤ 60 s.
+    pub retry: Backoff,
+    /// Deliveries before a transiently failing record is dead-lettered. Default 5.
+    pub max_deliveries: u32,
+    /// `auto.offset.reset` for a group without committed offsets: `earliest` or `latest`.
+    /// Default `earliest` (a new group starts from the oldest record, so nothing published
+    /// before its first start is skipped).
+    pub auto_offset_reset: String,
+    /// Where confirmations go out (`outbox-reply-to` of each record). Default none.
+    pub confirmations: Option<Arc<dyn ConfirmationSender>>,
+    /// Inbox records older than this are deleted. Default 7 days; `None` keeps them.
+    pub dedup_window: Option<Duration>,
+    /// Period of the maintenance (replays, retention). Default 2 s.
+    pub maintenance_interval: Duration,
+    /// Extra librdkafka properties for this consumer only (e.g. `session.timeout.ms`), applied
+    /// after [`KafkaConfig::properties`]. The forced settings above cannot be overridden.
+    /// Default empty.
+    pub properties: BTreeMap<String, String>,
+}
+
+impl std::fmt::Debug for KafkaConsumerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaConsumerConfig")
+            .field("client", &self.client)
+            .field("group_id", &self.group_id)
+            .field("topics", &self.topics)
+            .field("batch", &self.batch)
+            .field("concurrency", &self.concurrency)
+            .field("max_deliveries", &self.max_deliveries)
+            .field("confirmations", &self.confirmations.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl KafkaConsumerConfig {
+    /// Settings for group `group_id` on `topics` with the defaults.
+    pub fn new(
+        client: KafkaConfig,
+        group_id: impl Into<String>,
+        topics: impl IntoIterator<Item = impl Into<String>>,
+    ) -> Self {
+        let d = DeliveryPolicy::default();
+        KafkaConsumerConfig {
+            client,
+            group_id: group_id.into(),
+            topics: topics.into_iter().map(Into::into).collect(),
+            batch: 100,
+            batch_wait: Duration::from_millis(20),
+            concurrency: 1,
+            retry: d.retry,
+            max_deliveries: d.max_deliveries,
+            auto_offset_reset: "earliest".into(),
+            confirmations: None,
+            dedup_window: Some(Duration::from_secs(7 * 24 * 3600)),
+            maintenance_interval: Duration::from_secs(2),
+            properties: BTreeMap::new(),
+        }
+    }
+
+    /// Send confirmations through `sender`.
+    pub fn with_confirmations(mut self, sender: Arc<dyn ConfirmationSender>) -> Self {
+        self.confirmations = Some(sender);
+        self
+    }
+
+    /// Check the fields without connecting.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming the first bad field (`group_id`, `topics`, `batch`, …).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.client.validate()?;
+        if self.group_id.is_empty() {
+            return Err(ConfigError::new("group_id", "must not be empty"));
+        }
+        if self.topics.is_empty() {
+            return Err(ConfigError::new("topics", "at least one topic is needed"));
+        }
+        if let Some(t) = self
+            .topics
+            .iter()
+            .find(|t| !crate::transport::kafka::valid_topic(t))
+        {
+            return Err(ConfigError::new(
+                "topics",
+                format!("{t:?} is not a Kafka topic name (1 to 249 of A-Z a-z 0-9 . _ -)"),
+            ));
+        }
+        if !(1..=100_000).contains(&self.batch) {
+            return Err(ConfigError::new("batch", "must be 1 to 100000"));
+        }
+        if self.concurrency == 0 {
+            return Err(ConfigError::new("concurrency", "must be at least 1"));
+        }
+        if self.max_deliveries == 0 {
+            return Err(ConfigError::new("max_deliveries", "must be at least 1"));
+        }
+        if !matches!(self.auto_offset_reset.as_str(), "earliest" | "latest") {
+            return Err(ConfigError::new(
+                "auto_offset_reset",
+                "must be \"earliest\" or \"latest\"",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A topic partition: topic name and partition number.
+pub(crate) type Partition = (String, i32);
+
+/// Per partition of a batch: its highest offset, and its lowest record to redeliver with the delay.
+type BatchEnd = (i64, Option<(i64, Duration)>);
+
+/// Client context of the runners: logs commit failures and records the partitions of every
+/// rebalance, so the runner forgets its pause and delivery-count state for them.
+#[derive(Default)]
+pub(crate) struct RunnerContext {
+    rebalanced: Mutex<Vec<Partition>>,
+}
+
+impl RunnerContext {
+    pub(crate) fn take_rebalanced(&self) -> Vec<Partition> {
+        std::mem::take(&mut *self.rebalanced.lock().expect("rebalance lock"))
+    }
+}
+
+impl ClientContext for RunnerContext {}
+
+impl ConsumerContext for RunnerContext {
+    fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        match rebalance {
+            Rebalance::Assign(tpl) | Rebalance::Revoke(tpl) => {
+                let parts: Vec<Partition> = tpl
+                    .elements()
+                    .iter()
+                    .map(|e| (e.topic().to_owned(), e.partition()))
+                    .collect();
+                tracing::info!(
+                    assigned = matches!(rebalance, Rebalance::Assign(_)),
+                    partitions = ?parts,
+                    "Kafka consumer group rebalance"
+                );
+                self.rebalanced
+                    .lock()
+                    .expect("rebalance lock")
+                    .extend(parts);
+            }
+            Rebalance::Error(e) => tracing::warn!(error = %e, "Kafka rebalance failed"),
+        }
+    }
+
+    fn commit_callback(&self, result: KafkaResult<()>, offsets: &TopicPartitionList) {
+        if let Err(e) = result {
+            // The records are delivered again and recognised by the inbox.
+            tracing::warn!(error = %e, ?offsets, "Kafka offset commit failed");
+        }
+    }
+}
+
+pub(crate) type RunnerConsumer = StreamConsumer<RunnerContext>;
+
+/// Build a consumer in group `group_id` subscribed to `topics`, after checking that the topics
+/// exist (a metadata request within `connect_timeout`).
+pub(crate) async fn subscribe(
+    client: &KafkaConfig,
+    group_id: &str,
+    topics: &[String],
+    auto_offset_reset: &str,
+    extra: &BTreeMap<String, String>,
+) -> Result<Arc<RunnerConsumer>, ConfigError> {
+    client.check_features()?;
+    let mut c = client.client_config();
+    for (k, v) in extra {
+        c.set(k, v);
+    }
+    c.set("group.id", group_id)
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("enable.partition.eof", "false")
+        .set("auto.offset.reset", auto_offset_reset);
+    let consumer: RunnerConsumer = c
+        .create_with_context(RunnerContext::default())
+        .map_err(config_error)?;
+    let consumer = Arc::new(consumer);
+    let timeout = client.connect_timeout;
+    let (c2, wanted) = (consumer.clone(), topics.to_vec());
+    let missing = tokio::task::spawn_blocking(move || -> Result<Vec<String>, KafkaError> {
+        let md = c2.fetch_metadata(None, timeout)?;
+        Ok(wanted
+            .into_iter()
+            .filter(|t| {
+                !md.topics()
+                    .iter()
+                    .any(|m| m.name() == t && m.error().is_none() && !m.partitions().is_empty())
+            })
+            .collect())
+    })
+    .await
+    .unwrap_or(Err(KafkaError::Canceled))
+    .map_err(|e| {
+        ConfigError::new(
+            "bootstrap_servers",
+            format!("cannot reach Kafka at {}: {e}", client.bootstrap_servers),
+        )
+    })?;
+    if !missing.is_empty() {
+        return Err(ConfigError::new(
+            "topics",
+            format!("topics {missing:?} do not exist; create them first"),
+        ));
+    }
+    let names: Vec<&str> = topics.iter().map(String::as_str).collect();
+    consumer
+        .subscribe(&names)
+        .map_err(|e| ConfigError::new("topics", format!("cannot subscribe: {e}")))?;
+    Ok(consumer)
+}
+
+/// Wait for the first record (until `wake_at` or `cancel`), then collect up to `max` records
+/// arriving within `wait`. `None` when cancelled; an empty batch when `wake_at` came first.
+///
+/// # Errors
+/// A consumer error on the first record (the runner backs off).
+pub(crate) async fn next_batch(
+    consumer: &RunnerConsumer,
+    max: usize,
+    wait: Duration,
+    wake_at: Option<Instant>,
+    cancel: &CancellationToken,
+) -> Option<Result<Vec<OwnedMessage>, KafkaError>> {
+    let first = tokio::select! {
+        _ = cancel.cancelled() => return None,
+        _ = sleep_until(wake_at) => return Some(Ok(Vec::new())),
+        m = consumer.recv() => m,
+    };
+    let first = match first {
+        Ok(m) => m.detach(),
+        Err(e) => return Some(Err(e)),
+    };
+    let mut batch = vec![first];
+    let deadline = Instant::now() + wait;
+    while batch.len() < max {
+        let next = tokio::select! {
+            _ = cancel.cancelled() => break,
+            _ = tokio::time::sleep_until(deadline) => break,
+            m = consumer.recv() => m,
+        };
+        match next {
+            Ok(m) => batch.push(m.detach()),
+            Err(e) => {
+                tracing::warn!(error = %e, "Kafka consumer error");
+                break;
+            }
+        }
+    }
+    Some(Ok(batch))
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Commit `offsets` (topic, partition → next offset to read).
+pub(crate) fn commit(
+    consumer: &RunnerConsumer,
+    offsets: &HashMap<Partition, i64>,
+    mode: CommitMode,
+) -> KafkaResult<()> {
+    if offsets.is_empty() {
+        return Ok(());
+    }
+    let mut tpl = TopicPartitionList::new();
+    for ((topic, partition), offset) in offsets {
+        tpl.add_partition_offset(topic, *partition, Offset::Offset(*offset))?;
+    }
+    consumer.commit(&tpl, mode)
+}
+
+/// Commit `offsets` synchronously off the runtime, then close the consumer (leaving the group)
+/// off the runtime too: both block on broker round trips.
+pub(crate) async fn close(consumer: Arc<RunnerConsumer>, offsets: HashMap<Partition, i64>) {
+    let _ = tokio::task::spawn_blocking(move || {
+        if let Err(e) = commit(&consumer, &offsets, CommitMode::Sync) {
+            tracing::warn!(error = %e, "final Kafka offset commit failed; records will be redelivered");
+        }
+        drop(consumer);
+    })
+    .await;
+}
+
+/// The record's headers as UTF-8 strings (invalid UTF-8 replaced); a header without a value is
+/// read as empty.
+pub fn record_headers(m: &OwnedMessage) -> Headers {
+    let mut out = Headers::new();
+    if let Some(h) = m.headers() {
+        for header in h.iter() {
+            let v = header
+                .value
+                .map(|v| String::from_utf8_lossy(v).into_owned())
+                .unwrap_or_default();
+            out.insert(header.key.to_owned(), v);
+        }
+    }
+    out
+}
+
+/// A partition paused after a failed record: when to resume, and the offset it was sought
+/// back to.
+pub(crate) struct Held {
+    resume_at: Instant,
+    offset: i64,
+    resumed: bool,
+    /// Whether the partition was already sought again because it restarted elsewhere.
+    sought_again: bool,
+}
+
+/// What the runner remembers per partition between batches.
+#[derive(Default)]
+pub(crate) struct PartitionState {
+    held: HashMap<Partition, Held>,
+    /// Deliveries so far of records that were not acknowledged, by offset.
+    deliveries: HashMap<Partition, BTreeMap<i64, u32>>,
+    /// Offsets committed (next offset to read).
+    pub(crate) committed: HashMap<Partition, i64>,
+}
+
+fn tpl_of(topic: &str, partition: i32) -> TopicPartitionList {
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition(topic, partition);
+    tpl
+}
+
+impl PartitionState {
+    /// Forget pauses and counts of partitions that were assigned or revoked.
+    pub(crate) fn forget(&mut self, parts: Vec<Partition>) {
+        for p in parts {
+            self.held.remove(&p);
+            self.deliveries.remove(&p);
+            self.committed.remove(&p);
+        }
+    }
+
+    /// Resume the partitions whose delay has passed; the earliest pending resume time.
+    pub(crate) fn resume_due(&mut self, consumer: &RunnerConsumer) -> Option<Instant> {
+        let now = Instant::now();
+        let mut next: Option<Instant> = None;
+        for ((topic, partition), h) in self.held.iter_mut().filter(|(_, h)| !h.resumed) {
+            if h.resume_at <= now {
+                if let Err(e) = consumer.resume(&tpl_of(topic, *partition)) {
+                    tracing::warn!(error = %e, topic, partition, "Kafka resume failed");
+                }
+                h.resumed = true;
+            } else {
+                next = Some(next.map_or(h.resume_at, |n| n.min(h.resume_at)));
+            }
+        }
+        next
+    }
+
+    /// Pause the partition and seek it back to `offset`, to be resumed at `resume_at`.
+    /// Pause first: librdkafka records the position on pause, which would undo an earlier seek.
+    pub(crate) fn hold(
+        &mut self,
+        consumer: &RunnerConsumer,
+        topic: &str,
+        partition: i32,
+        offset: i64,
+        resume_at: Instant,
+    ) -> &mut Held {
+        if let Err(e) = consumer.pause(&tpl_of(topic, partition)) {
+            tracing::warn!(error = %e, topic, partition, "Kafka pause failed");
+        }
+        if let Err(e) = consumer.seek(topic, partition, Offset::Offset(offset), Duration::ZERO) {
+            tracing::warn!(error = %e, topic, partition, offset, "Kafka seek failed");
+        }
+        let key = (topic.to_owned(), partition);
+        self.held.insert(
+            key.clone(),
+            Held {
+                resume_at,
+                offset,
+                resumed: false,
+                sought_again: false,
+            },
+        );
+        self.held.get_mut(&key).expect("just inserted")
+    }
+
+    /// Record the outcome of a batch: `done` holds (partition, offset, retry delay) for every
+    /// record applied or skipped (`None`) or to be redelivered (`Some(delay)`). A partition with
+    /// a record to redeliver is held at its lowest such record and committed up to it; the others
+    /// are committed past their highest record (asynchronously).
+    pub(crate) fn settle(
+        &mut self,
+        consumer: &RunnerConsumer,
+        done: Vec<(Partition, i64, Option<Duration>)>,
+    ) {
+        // Per partition: the lowest record to retry (with its delay), else the highest offset done.
+        let mut per_partition: HashMap<Partition, BatchEnd> = HashMap::new();
+        for (key, offset, retry) in done {
+            let e = per_partition.entry(key).or_insert((offset, None));
+            e.0 = e.0.max(offset);
+            if let Some(delay) = retry
+                && e.1.is_none_or(|(o, _)| offset < o)
+            {
+                e.1 = Some((offset, delay));
+            }
+        }
+        let mut to_commit = HashMap::new();
+        for ((topic, partition), (highest, retry)) in per_partition {
+            let next = match retry {
+                Some((offset, delay)) => {
+                    self.hold(consumer, &topic, partition, offset, Instant::now() + delay);
+                    offset
+                }
+                None => highest + 1,
+            };
+            let key = (topic, partition);
+            if let Some(counts) = self.deliveries.get_mut(&key) {
+                *counts = counts.split_off(&next);
+            }
+            if self.committed.get(&key).is_none_or(|c| *c < next) {
+                self.committed.insert(key.clone(), next);
+                to_commit.insert(key, next);
+            }
+        }
+        if let Err(e) = commit(consumer, &to_commit, CommitMode::Async) {
+            tracing::warn!(error = %e, "Kafka offset commit failed; records will be redelivered");
+        }
+    }
+
+    /// Whether a fetched record may be applied now (see the module docs on held partitions).
+    pub(crate) fn admit(&mut self, consumer: &RunnerConsumer, m: &OwnedMessage) -> bool {
+        let key = (m.topic().to_owned(), m.partition());
+        let Some(h) = self.held.get(&key) else {
+            return true;
+        };
+        if !h.resumed {
+            return false;
+        }
+        if m.offset() == h.offset {
+            self.held.remove(&key);
+            return true;
+        }
+        if h.sought_again {
+            // The held record is gone (retention or compaction removed it): move on.
+            tracing::warn!(
+                topic = m.topic(),
+                partition = m.partition(),
+                offset = m.offset(),
+                held = h.offset,
+                "held record no longer in the partition; continuing from the next one"
+            );
+            self.held.remove(&key);
+            return true;
+        }
+        tracing::debug!(
+            topic = m.topic(),
+            partition = m.partition(),
+            got = m.offset(),
+            expected = h.offset,
+            "resumed partition did not restart at its held record; seeking again"
+        );
+        let offset = h.offset;
+        let again = self.hold(consumer, m.topic(), m.partition(), offset, Instant::now());
+        again.sought_again = true;
+        false
+    }
+}
+
+/// Run the consumer until `cancel`.
+///
+/// # Errors
+/// [`ConfigError`] naming the field when the settings are invalid, a topic does not exist or the
+/// cluster does not answer at start. Later errors (fetch, commit) are logged and retried with
+/// backoff.
+///
+/// # Cancel safety
+/// Cancelling `cancel` stops after the batch in flight, commits its offsets and leaves the group.
+pub async fn run<DB, H>(
+    config: KafkaConsumerConfig,
+    inbox: Inbox<DB>,
+    handler: Arc<H>,
+    metrics: Arc<ConsumerMetrics>,
+    cancel: CancellationToken,
+) -> Result<(), ConfigError>
+where
+    DB: InboxBackend,
+    H: Handler<DB> + ?Sized,
+{
+    config.validate()?;
+    let consumer = subscribe(
+        &config.client,
+        &config.group_id,
+        &config.topics,
+        &config.auto_offset_reset,
+        &config.properties,
+    )
+    .await?;
+    let policy = DeliveryPolicy {
+        max_deliveries: config.max_deliveries,
+        retry: config.retry,
+        confirmations: config.confirmations.clone(),
+    };
+    let background = cancel.child_token();
+    let _stop_maintenance = background.clone().drop_guard();
+    tokio::spawn(maintenance(
+        inbox.clone(),
+        handler.clone(),
+        policy.clone(),
+        config.dedup_window,
+        config.maintenance_interval,
+        metrics.clone(),
+        background,
+    ));
+    let mut state = PartitionState::default();
+    let mut failures = 0u32;
+    loop {
+        let wake_at = state.resume_due(&consumer);
+        let fetched =
+            next_batch(&consumer, config.batch, config.batch_wait, wake_at, &cancel).await;
+        let records = match fetched {
+            None => break,
+            Some(Ok(r)) => {
+                failures = 0;
+                r
+            }
+            Some(Err(e)) => {
+                failures += 1;
+                tracing::warn!(error = %e, "Kafka fetch failed; backing off");
+                tokio::select! {
+                    _ = cancel.cancelled() => break,
+                    _ = tokio::time::sleep(config.retry.delay(failures)) => continue,
+                }
+            }
+        };
+        state.forget(consumer.context().take_rebalanced());
+        let records: Vec<OwnedMessage> = records
+            .into_iter()
+            .filter(|m| state.admit(&consumer, m))
+            .collect();
+        if records.is_empty() {
+            continue;
+        }
+        apply(
+            &consumer,
+            &mut state,
+            records,
+            &inbox,
+            handler.as_ref(),
+            &config,
+            &policy,
+            &metrics,
+        )
+        .await;
+    }
+    close(consumer, state.committed).await;
+    Ok(())
+}
+
+/// Apply one batch, then hold the partitions with a record to retry and commit the others.
+#[allow(clippy::too_many_arguments)]
+async fn apply<DB, H>(
+    consumer: &RunnerConsumer,
+    state: &mut PartitionState,
+    records: Vec<OwnedMessage>,
+    inbox: &Inbox<DB>,
+    handler: &H,
+    config: &KafkaConsumerConfig,
+    policy: &DeliveryPolicy,
+    metrics: &ConsumerMetrics,
+) where
+    DB: InboxBackend,
+    H: Handler<DB> + ?Sized,
+{
+    // Decode; malformed records are done (skipped) at once.
+    let mut inbound = Vec::with_capacity(records.len());
+    let mut positions = Vec::with_capacity(records.len());
+    let mut done: Vec<(Partition, i64, Option<Duration>)> = Vec::with_capacity(records.len());
+    for m in &records {
+        let key = (m.topic().to_owned(), m.partition());
+        let counts = state.deliveries.entry(key.clone()).or_default();
+        let count = counts.entry(m.offset()).or_insert(0);
+        *count += 1;
+        let payload = m.payload().map(<[u8]>::to_vec).unwrap_or_default();
+        match InboundMessage::from_wire(record_headers(m), payload, *count) {
+            Ok(msg) => {
+                inbound.push(msg);
+                positions.push((key, m.offset()));
+            }
+            Err(reason) => {
+                metrics.malformed.fetch_add(1, Ordering::Relaxed);
+                tracing::error!(
+                    topic = m.topic(),
+                    partition = m.partition(),
+                    offset = m.offset(),
+                    reason,
+                    "record without outbox headers; skipping it"
+                );
+                done.push((key, m.offset(), None));
+            }
+        }
+    }
+    let dispositions = deliver_batch(
+        inbox,
+        handler,
+        &inbound,
+        config.concurrency,
+        policy,
+        metrics,
+    )
+    .await;
+    for ((key, offset), d) in positions.into_iter().zip(dispositions) {
+        let retry = match d {
+            Disposition::Ack(_) => None,
+            Disposition::Retry(delay) => Some(delay),
+        };
+        done.push((key, offset, retry));
+    }
+    state.settle(consumer, done);
+}
