@@ -117,7 +117,8 @@ pub struct DemoArgs {
     pub database: Option<String>,
 
     /// Deliver over NATS JetStream at this URL (`nats://host:port`) instead of webhooks; the
-    /// DEMO_ORDERS stream is deleted and recreated at start.
+    /// DEMO_ORDERS stream is deleted and recreated at start. Or over RocketMQ
+    /// (`rocketmq://host:port`, with the `rocketmq` cargo feature): fresh topics per run.
     #[arg(long, value_name = "URL")]
     pub transport: Option<String>,
 
@@ -1532,6 +1533,61 @@ enum Delivery {
         url: String,
         js: Box<async_nats::jetstream::Context>,
     },
+    /// RocketMQ: fresh topics for this run (orders, with the outbox topic as the tag, and
+    /// confirmations), consumer group `inventory_<run>` with two instances sharing the queues;
+    /// confirmations over RocketMQ to the order service's group.
+    #[cfg(feature = "rocketmq")]
+    RocketMq(Box<RocketMqDelivery>),
+}
+
+/// The RocketMQ delivery's names and its confirmation sender.
+#[cfg(feature = "rocketmq")]
+struct RocketMqDelivery {
+    url: String,
+    name_server: String,
+    /// Topic of the orders and cancellations (tags `order-created`, `order-cancelled`).
+    orders_topic: String,
+    /// Topic of the confirmations (tag `order-service`).
+    confirm_topic: String,
+    /// Suffix of this run's groups.
+    run: String,
+    sender: Arc<dyn ConfirmationSender>,
+}
+
+#[cfg(feature = "rocketmq")]
+impl RocketMqDelivery {
+    /// Connect, create this run's topics (so consumers find their routes at once) and the
+    /// confirmation sender. Topics are per run: a fresh consumer group reads its topic from the
+    /// first offset, and must not see an earlier run's orders.
+    async fn open(url: &str) -> anyhow::Result<RocketMqDelivery> {
+        use outbox::transport::rocketmq::{RocketMqConfig, RocketMqTransport};
+        let run = format!("{:08x}", rand::random::<u32>());
+        let mut config = RocketMqConfig::from_url(url)?;
+        let name_server = config.name_server.clone();
+        config.producer_group = format!("demo_inventory_confirmer_{run}");
+        let transport = RocketMqTransport::connect(config)
+            .await
+            .with_context(|| format!("cannot connect to RocketMQ at {url}"))?;
+        let orders_topic = format!("demo_orders_{run}");
+        let confirm_topic = format!("demo_confirmations_{run}");
+        for t in [&orders_topic, &confirm_topic] {
+            transport
+                .create_topic(t, 4)
+                .await
+                .with_context(|| format!("cannot create the RocketMQ topic {t}"))?;
+        }
+        let sender = Arc::new(outbox::confirm::rocketmq::RocketMqConfirmationSender::new(
+            transport,
+        ));
+        Ok(RocketMqDelivery {
+            url: url.to_owned(),
+            name_server,
+            orders_topic,
+            confirm_topic,
+            run,
+            sender,
+        })
+    }
 }
 
 /// Where the relay delivers: the webhook URL, or nothing for NATS (the route names the subject).
@@ -1574,7 +1630,19 @@ impl Delivery {
                     js: Box::new(js),
                 })
             }
-            Some(other) => bail!("--transport must be a nats:// URL or \"webhook\", not {other:?}"),
+            #[cfg(feature = "rocketmq")]
+            Some(url) if url.starts_with("rocketmq://") => Ok(Delivery::RocketMq(Box::new(
+                RocketMqDelivery::open(url).await?,
+            ))),
+            #[cfg(not(feature = "rocketmq"))]
+            Some(url) if url.starts_with("rocketmq://") => {
+                bail!(
+                    "--transport {url}: RocketMQ support is not compiled in: run with --features rocketmq"
+                )
+            }
+            Some(other) => bail!(
+                "--transport must be a nats:// or rocketmq:// URL or \"webhook\", not {other:?}"
+            ),
         }
     }
 
@@ -1590,6 +1658,12 @@ impl Delivery {
                      confirmations on {CONFIRM_SUBJECT}"
                 )
             }
+            #[cfg(feature = "rocketmq")]
+            Delivery::RocketMq(r) => format!(
+                "RocketMQ at {} (topic {}, tags order-created/order-cancelled, group {CONSUMER}_{} \
+                 with 2 instances), confirmations on {}:order-service",
+                r.url, r.orders_topic, r.run, r.confirm_topic
+            ),
         }
     }
 
@@ -1632,6 +1706,24 @@ impl Delivery {
                 });
                 Ok((CONFIRM_SUBJECT.into(), task))
             }
+            #[cfg(feature = "rocketmq")]
+            Delivery::RocketMq(r) => {
+                let reply = format!("{}:order-service", r.confirm_topic);
+                let mut config = outbox::confirm::rocketmq::ListenConfig::new(
+                    r.name_server.clone(),
+                    reply.clone(),
+                    format!("{CONFIRM_QUEUE}_{}", r.run),
+                );
+                config.route_refresh = Duration::from_secs(10);
+                let listen = outbox::confirm::rocketmq::listen(config, store, cancel.clone());
+                let task = tokio::spawn(async move {
+                    listen
+                        .await
+                        .map(|_| ())
+                        .context("RocketMQ confirmation listener failed")
+                });
+                Ok((reply, task))
+            }
         }
     }
 
@@ -1640,6 +1732,8 @@ impl Delivery {
         match self {
             Delivery::Webhook { .. } => Arc::new(WebhookConfirmationSender::new()),
             Delivery::Nats { js, .. } => Arc::new(NatsConfirmationSender::new(js.client())),
+            #[cfg(feature = "rocketmq")]
+            Delivery::RocketMq(r) => r.sender.clone(),
         }
     }
 
@@ -1731,6 +1825,34 @@ impl Delivery {
                     .collect();
                 Ok((None, runners))
             }
+            #[cfg(feature = "rocketmq")]
+            Delivery::RocketMq(r) => {
+                let mut config = outbox::consumer::rocketmq::RocketMqConsumerConfig::new(
+                    r.name_server.clone(),
+                    format!("{CONSUMER}_{}", r.run),
+                    r.orders_topic.clone(),
+                )
+                .with_confirmations(confirmations);
+                config.dedup_window = None;
+                config.batch = 32;
+                config.concurrency = 8;
+                config.route_refresh = Duration::from_secs(10);
+                // Two instances of the group share the topic's queues, as instances of one
+                // service would.
+                let runners = (0..2)
+                    .map(|_| {
+                        let run = outbox::consumer::rocketmq::run(
+                            config.clone(),
+                            inbox.clone(),
+                            handler.clone(),
+                            metrics.clone(),
+                            cancel.clone(),
+                        );
+                        tokio::spawn(async move { run.await.context("RocketMQ consumer failed") })
+                    })
+                    .collect();
+                Ok((None, runners))
+            }
         }
     }
 
@@ -1750,6 +1872,14 @@ impl Delivery {
                 config.ack_timeout = Duration::from_secs(1);
                 let transport = NatsTransport::connect(config).await?;
                 Ok((Arc::new(transport), "demo.orders.{topic}".into()))
+            }
+            #[cfg(feature = "rocketmq")]
+            Delivery::RocketMq(r) => {
+                let mut config = outbox::RocketMqConfig::new(r.name_server.clone());
+                config.producer_group = format!("demo_order_relay_{}", r.run);
+                config.send_timeout = Duration::from_secs(1);
+                let transport = outbox::RocketMqTransport::connect(config).await?;
+                Ok((Arc::new(transport), format!("{}:{{topic}}", r.orders_topic)))
             }
         }
     }
@@ -2171,6 +2301,9 @@ impl Report {
                 Delivery::Nats { .. } =>
                     "  (JetStream's duplicate window drops quick re-publishes of a message id first)",
                 Delivery::Webhook { .. } => "",
+                #[cfg(feature = "rocketmq")]
+                Delivery::RocketMq(_) =>
+                    "  (RocketMQ keeps every re-publish: each copy is recognised by the inbox)",
             }
         );
         if self.consumer_failures > 0 || self.consumer_dead_letters > 0 {

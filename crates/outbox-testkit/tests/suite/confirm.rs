@@ -34,12 +34,12 @@ use crate::relay::fast_config;
 /// permanently and `flaky…` transiently, until `fixed` is set.
 pub struct ScriptedHandler {
     effects: String,
-    fixed: AtomicBool,
-    calls: AtomicU64,
+    pub(crate) fixed: AtomicBool,
+    pub(crate) calls: AtomicU64,
 }
 
 impl ScriptedHandler {
-    fn new(effects: &str) -> Arc<Self> {
+    pub(crate) fn new(effects: &str) -> Arc<Self> {
         Arc::new(ScriptedHandler {
             effects: effects.into(),
             fixed: AtomicBool::new(false),
@@ -112,7 +112,7 @@ impl outbox::Handler<sqlx::Sqlite> for ScriptedHandler {
 /// commit, before the ack), and passes everything else to `inner`, recording what it sent.
 pub struct FaultySender {
     inner: Arc<dyn ConfirmationSender>,
-    lose: Mutex<HashSet<Uuid>>,
+    pub(crate) lose: Mutex<HashSet<Uuid>>,
     hang: Mutex<HashSet<Uuid>>,
     /// Notified when a hung confirmation was reached (so the inbox commit is done).
     pub hung: tokio::sync::Notify,
@@ -123,7 +123,7 @@ pub struct FaultySender {
 }
 
 impl FaultySender {
-    fn new(inner: Arc<dyn ConfirmationSender>) -> Arc<Self> {
+    pub(crate) fn new(inner: Arc<dyn ConfirmationSender>) -> Arc<Self> {
         Arc::new(FaultySender {
             inner,
             lose: Mutex::default(),
@@ -134,7 +134,7 @@ impl FaultySender {
         })
     }
 
-    fn sent_for(&self, id: Uuid) -> Vec<Verdict> {
+    pub(crate) fn sent_for(&self, id: Uuid) -> Vec<Verdict> {
         self.sent
             .lock()
             .unwrap()
@@ -162,14 +162,14 @@ impl ConfirmationSender for FaultySender {
     }
 }
 
-fn confirm_config(name: &str) -> RelayConfig {
+pub(crate) fn confirm_config(name: &str) -> RelayConfig {
     RelayConfig {
         max_check_backs: 3,
         ..fast_config(name)
     }
 }
 
-fn fast_retry() -> Backoff {
+pub(crate) fn fast_retry() -> Backoff {
     Backoff {
         base: Duration::from_millis(50),
         factor: 2.0,
@@ -186,7 +186,12 @@ async fn pg_count(fx: &PgFixture, sql: &str) -> i64 {
 }
 
 /// Wait until the row of every id has `status`.
-async fn wait_status(fx: &dyn StoreFixture, ids: &[Uuid], status: Status, timeout: Duration) {
+pub(crate) async fn wait_status(
+    fx: &dyn StoreFixture,
+    ids: &[Uuid],
+    status: Status,
+    timeout: Duration,
+) {
     wait_until(
         &format!("{} messages {status}", ids.len()),
         timeout,

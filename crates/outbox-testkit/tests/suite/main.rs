@@ -6,6 +6,9 @@
 //! `OUTBOX_TEST_NATS_URL` (default `nats://127.0.0.1:4222`). A test whose service does not answer
 //! fails with a message naming it.
 
+// The RocketMQ client's futures are deep types; proving them `Send` needs more than the default.
+#![cfg_attr(feature = "rocketmq", recursion_limit = "256")]
+
 mod cases;
 mod cases_mysql;
 mod confirm;
@@ -13,6 +16,8 @@ mod crash;
 mod crash_mysql;
 mod inbox;
 mod relay;
+#[cfg(feature = "rocketmq")]
+mod rocketmq;
 mod store;
 mod transport;
 

@@ -40,6 +40,8 @@ macro_rules! transport_conformance {
 
 transport_conformance!(webhook, outbox_testkit::WebhookFixture);
 transport_conformance!(nats, outbox_testkit::NatsFixture);
+#[cfg(feature = "rocketmq")]
+transport_conformance!(rocketmq, outbox_testkit::RocketMqFixture);
 
 async fn publish_one(t: &dyn Transport, dest: &str) -> Result<(), outbox::TransportError> {
     let m = claimed_message("t", "{}");

@@ -16,6 +16,8 @@ use crate::message::Message;
 pub mod memory;
 #[cfg(feature = "nats")]
 pub mod nats;
+#[cfg(feature = "rocketmq")]
+pub mod rocketmq;
 #[cfg(feature = "webhook")]
 pub mod webhook;
 
