@@ -124,6 +124,8 @@ pub enum TransportSection {
     /// `kind = "mqtt"`: an MQTT 5 broker.
     #[cfg(feature = "mqtt")]
     Mqtt(MqttSection),
+    /// `kind = "rocketmq"` (needs the `rocketmq` cargo feature of `outbox-cli`).
+    Rocketmq(RocketMqSection),
 }
 
 /// Redis Streams transport settings (see `outbox::transport::redis`).
@@ -217,6 +219,36 @@ fn yes() -> bool {
     true
 }
 
+/// RocketMQ transport settings (see `outbox::transport::rocketmq`). TLS is not available: the
+/// RocketMQ client is built without its transport's `tls` feature.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RocketMqSection {
+    /// Name server list as `rocketmq://host:port[;host:port…]` (required).
+    pub url: String,
+    /// Producer group. Default `outbox-relay`.
+    pub producer_group: Option<String>,
+    /// RocketMQ topic of routes that name no destination: they send to `<default_topic>:{topic}`
+    /// (the outbox topic as the tag). Default: none, the destination is `{topic}` itself (then
+    /// outbox topics must be valid RocketMQ topic names).
+    pub default_topic: Option<String>,
+    /// ACL access key. Default: none (no ACL).
+    pub access_key: Option<String>,
+    /// Name of the environment variable holding the ACL secret key (required with `access_key`).
+    pub secret_key_env: Option<String>,
+    /// Longest send, client retries included. Default 3 s.
+    #[serde(default, with = "humantime_serde")]
+    pub send_timeout: Option<Duration>,
+    /// Client retries on another queue or broker. Default 2.
+    pub retries: Option<u32>,
+    /// Largest body in bytes; keep it at most the broker's `maxMessageSize`. Default 4 MiB.
+    pub max_message_size: Option<usize>,
+    /// Sends of one batch in flight. Default 256.
+    pub max_in_flight: Option<usize>,
+    /// Send a partition key's messages to one queue by its hash. Default true.
+    pub order_by_partition_key: Option<bool>,
+}
+
 /// `[[routes]]`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -255,6 +287,21 @@ pub enum ConfirmationsSection {
         /// Queue group shared by relay instances. Default `outbox-confirmations`.
         #[serde(default = "default_queue")]
         queue: String,
+    },
+    /// `kind = "rocketmq"`: consume the reply destination in consumer group `group` (needs the
+    /// `rocketmq` cargo feature).
+    Rocketmq {
+        /// Name server list, `rocketmq://host:port[;host:port…]`.
+        url: String,
+        /// The routes' `reply_to`: `Topic` or `Topic:Tag`.
+        destination: String,
+        /// Consumer group shared by relay instances. Default `outbox-confirmations`.
+        #[serde(default = "default_queue")]
+        group: String,
+        /// ACL access key. Default none.
+        access_key: Option<String>,
+        /// Name of the environment variable holding the ACL secret key.
+        secret_key_env: Option<String>,
     },
     /// `kind = "http"`: serve `POST path` on `listen`.
     Http {
@@ -589,6 +636,17 @@ impl FileConfig {
                 TransportSection::Mqtt(m) => {
                     mqtt_config(name, m)?;
                 }
+                TransportSection::Rocketmq(r) => {
+                    rocketmq::transport_config(name, r)?;
+                }
+            }
+        }
+        for (i, r) in self.routes.iter().enumerate() {
+            if let (Some(TransportSection::Rocketmq(_)), Some(d)) =
+                (self.transports.get(&r.transport), &r.destination)
+            {
+                rocketmq::check_destination(d)
+                    .map_err(|e| ConfigError::new(format!("routes[{i}].destination"), e))?;
             }
         }
         match &self.confirmations {
@@ -670,6 +728,21 @@ impl FileConfig {
                 }
                 env_secret("confirmations.password_env", password_env.as_ref())?;
             }
+            Some(ConfirmationsSection::Rocketmq {
+                url,
+                destination,
+                group,
+                access_key,
+                secret_key_env,
+            }) => {
+                rocketmq::listen_config(
+                    url,
+                    destination,
+                    group,
+                    access_key.as_deref(),
+                    secret_key_env.as_deref(),
+                )?;
+            }
             Some(ConfirmationsSection::Http { listen, path }) => {
                 if listen.parse::<std::net::SocketAddr>().is_err() {
                     return Err(ConfigError::new(
@@ -749,6 +822,7 @@ impl FileConfig {
                         .await
                         .map_err(|e| prefix(e, name))?,
                 ),
+                TransportSection::Rocketmq(r) => rocketmq::connect(name, r).await?,
             };
             built.insert(name, transport);
         }
@@ -756,14 +830,18 @@ impl FileConfig {
         for r in &self.routes {
             let t = built[r.transport.as_str()].clone();
             let default_dest = match &self.transports[&r.transport] {
-                TransportSection::Webhook(_) => "",
-                TransportSection::Nats(_) => "{topic}",
+                TransportSection::Webhook(_) => String::new(),
+                TransportSection::Nats(_) => "{topic}".into(),
                 #[cfg(feature = "redis")]
-                TransportSection::Redis(_) => "{topic}",
+                TransportSection::Redis(_) => "{topic}".into(),
                 #[cfg(feature = "mqtt")]
-                TransportSection::Mqtt(_) => "{topic}",
+                TransportSection::Mqtt(_) => "{topic}".into(),
+                TransportSection::Rocketmq(m) => match &m.default_topic {
+                    Some(t) => format!("{t}:{{topic}}"),
+                    None => "{topic}".into(),
+                },
             };
-            let dest = r.destination.clone().unwrap_or_else(|| default_dest.into());
+            let dest = r.destination.clone().unwrap_or(default_dest);
             router = match &r.confirm {
                 Some(c) => {
                     let mut policy = outbox::ConfirmPolicy::new(&c.reply_to);
@@ -776,6 +854,212 @@ impl FileConfig {
             };
         }
         Ok(router)
+    }
+}
+
+/// `kind = "rocketmq"`: building the library's settings from the sections, with errors naming
+/// the TOML fields. Without the `rocketmq` feature every use is an error saying so.
+pub mod rocketmq {
+    use super::*;
+
+    /// The error for a RocketMQ section in a build without the feature.
+    #[cfg(not(feature = "rocketmq"))]
+    fn not_built(field: String) -> ConfigError {
+        ConfigError::new(
+            field,
+            "RocketMQ support is not compiled in: build outbox-cli with --features rocketmq",
+        )
+    }
+
+    /// The secret key named by `secret_key_env`, checked together with `access_key`.
+    fn secret(
+        prefix: &str,
+        access_key: Option<&str>,
+        secret_key_env: Option<&str>,
+    ) -> Result<Option<(String, String)>, ConfigError> {
+        match (access_key, secret_key_env) {
+            (None, None) => Ok(None),
+            (Some(ak), Some(var)) => {
+                if ak.is_empty() {
+                    return Err(ConfigError::new(
+                        format!("{prefix}access_key"),
+                        "must not be empty",
+                    ));
+                }
+                let sk = std::env::var(var).map_err(|_| {
+                    ConfigError::new(
+                        format!("{prefix}secret_key_env"),
+                        format!("environment variable {var} is not set"),
+                    )
+                })?;
+                Ok(Some((ak.to_owned(), sk)))
+            }
+            (Some(_), None) => Err(ConfigError::new(
+                format!("{prefix}secret_key_env"),
+                "required with access_key: the environment variable holding the secret key",
+            )),
+            (None, Some(_)) => Err(ConfigError::new(
+                format!("{prefix}access_key"),
+                "required with secret_key_env",
+            )),
+        }
+    }
+
+    /// The transport settings of `[transports.<name>]`, validated.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming `transports.<name>.<field>`.
+    #[cfg(feature = "rocketmq")]
+    pub fn transport_config(
+        name: &str,
+        s: &RocketMqSection,
+    ) -> Result<outbox::RocketMqConfig, ConfigError> {
+        use outbox::transport::rocketmq::{Credentials, Destination, RocketMqConfig};
+        let field = |f: &str| format!("transports.{name}.{f}");
+        let mut c = RocketMqConfig::from_url(&s.url)
+            .map_err(|e| ConfigError::new(field("url"), e.reason))?;
+        if let Some(g) = &s.producer_group {
+            c.producer_group = g.clone();
+        }
+        if let Some(t) = s.send_timeout {
+            c.send_timeout = t;
+        }
+        if let Some(n) = s.retries {
+            c.retries = n;
+        }
+        if let Some(n) = s.max_message_size {
+            c.max_message_size = n;
+        }
+        if let Some(n) = s.max_in_flight {
+            c.max_in_flight = n;
+        }
+        if let Some(b) = s.order_by_partition_key {
+            c.order_by_partition_key = b;
+        }
+        c.credentials = secret(
+            &field(""),
+            s.access_key.as_deref(),
+            s.secret_key_env.as_deref(),
+        )?
+        .map(|(access_key, secret_key)| Credentials {
+            access_key,
+            secret_key,
+        });
+        if let Some(t) = &s.default_topic {
+            Destination::parse(t)
+                .ok()
+                .filter(|d| d.tag.is_none())
+                .ok_or_else(|| {
+                    ConfigError::new(
+                        field("default_topic"),
+                        format!("{t:?} is not a RocketMQ topic name (letters, digits, %|_-, at most 127)"),
+                    )
+                })?;
+        }
+        c.validate().map_err(|e| {
+            let f = match e.field.as_str() {
+                "name_server" => "url",
+                "credentials" => "access_key",
+                other => other,
+            };
+            ConfigError::new(field(f), e.reason)
+        })?;
+        Ok(c)
+    }
+
+    /// As above, in a build without the feature: always an error.
+    ///
+    /// # Errors
+    /// Always, naming `transports.<name>.kind`.
+    #[cfg(not(feature = "rocketmq"))]
+    pub fn transport_config(name: &str, _s: &RocketMqSection) -> Result<(), ConfigError> {
+        Err(not_built(format!("transports.{name}.kind")))
+    }
+
+    /// Check a route destination template for a RocketMQ transport: `Topic` or `Topic:Tag` once
+    /// `{topic}` is replaced (a sample topic `t` stands for it).
+    ///
+    /// # Errors
+    /// The rule it breaks.
+    pub fn check_destination(template: &str) -> Result<(), String> {
+        #[cfg(feature = "rocketmq")]
+        {
+            outbox::transport::rocketmq::Destination::parse(&template.replace("{topic}", "t"))
+                .map(|_| ())
+        }
+        #[cfg(not(feature = "rocketmq"))]
+        {
+            let _ = template;
+            Ok(())
+        }
+    }
+
+    /// Connect the transport of `[transports.<name>]`.
+    ///
+    /// # Errors
+    /// The section is invalid or RocketMQ cannot be reached (named).
+    pub async fn connect(name: &str, s: &RocketMqSection) -> anyhow::Result<Arc<dyn Transport>> {
+        #[cfg(feature = "rocketmq")]
+        {
+            let c = transport_config(name, s)?;
+            let t = outbox::RocketMqTransport::connect(c)
+                .await
+                .map_err(|e| prefix(e, name))?;
+            Ok(Arc::new(t))
+        }
+        #[cfg(not(feature = "rocketmq"))]
+        {
+            let _ = s;
+            Err(not_built(format!("transports.{name}.kind")).into())
+        }
+    }
+
+    /// The confirmation listener settings of `[confirmations] kind = "rocketmq"`, validated.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming `confirmations.<field>`.
+    #[cfg(feature = "rocketmq")]
+    pub fn listen_config(
+        url: &str,
+        destination: &str,
+        group: &str,
+        access_key: Option<&str>,
+        secret_key_env: Option<&str>,
+    ) -> Result<outbox::confirm::rocketmq::ListenConfig, ConfigError> {
+        let ns = outbox::transport::rocketmq::name_server_of_url(url)
+            .map_err(|e| ConfigError::new("confirmations.url", e.reason))?;
+        let mut c = outbox::confirm::rocketmq::ListenConfig::new(ns, destination, group);
+        c.credentials = secret("confirmations.", access_key, secret_key_env)?.map(
+            |(access_key, secret_key)| outbox::transport::rocketmq::Credentials {
+                access_key,
+                secret_key,
+            },
+        );
+        c.validate().map_err(|e| {
+            let f = if e.field == "name_server" {
+                "url"
+            } else {
+                e.field.as_str()
+            };
+            ConfigError::new(format!("confirmations.{f}"), e.reason)
+        })?;
+        Ok(c)
+    }
+
+    /// As above, in a build without the feature: always an error.
+    ///
+    /// # Errors
+    /// Always, naming `confirmations.kind`.
+    #[cfg(not(feature = "rocketmq"))]
+    pub fn listen_config(
+        _url: &str,
+        _destination: &str,
+        _group: &str,
+        access_key: Option<&str>,
+        secret_key_env: Option<&str>,
+    ) -> Result<(), ConfigError> {
+        let _ = secret("confirmations.", access_key, secret_key_env);
+        Err(not_built("confirmations.kind".into()))
     }
 }
 
@@ -1010,5 +1294,134 @@ mod tests {
         c.validate().unwrap();
         let c = parse(&with.replace("topic = \"orders/confirm\"", "topic = \"orders/#\"")).unwrap();
         assert_eq!(c.validate().unwrap_err().field, "confirmations.topic");
+    }
+
+    const RMQ: &str = r#"
+        [database]
+        url = "sqlite://x.db"
+        [transports.mq]
+        kind = "rocketmq"
+        url = "rocketmq://127.0.0.1:19876"
+        producer_group = "orders-relay"
+        default_topic = "Orders"
+        send_timeout = "5s"
+        [[routes]]
+        topics = "order-*"
+        transport = "mq"
+        confirm = { reply_to = "OrdersConfirm:relay" }
+        [[routes]]
+        topics = "*"
+        transport = "mq"
+        destination = "Audit:{topic}"
+        [confirmations]
+        kind = "rocketmq"
+        url = "rocketmq://127.0.0.1:19876"
+        destination = "OrdersConfirm:relay"
+    "#;
+
+    #[cfg(feature = "rocketmq")]
+    #[test]
+    fn rocketmq_section_parses_and_validates() {
+        let c = parse(RMQ).unwrap();
+        c.validate().unwrap();
+        let TransportSection::Rocketmq(s) = &c.transports["mq"] else {
+            panic!("not a rocketmq section")
+        };
+        let t = rocketmq::transport_config("mq", s).unwrap();
+        assert_eq!(t.name_server, "127.0.0.1:19876");
+        assert_eq!(t.producer_group, "orders-relay");
+        assert_eq!(t.send_timeout, Duration::from_secs(5));
+        assert_eq!(t.max_message_size, 4 * 1024 * 1024);
+        assert!(
+            matches!(c.confirmations, Some(ConfirmationsSection::Rocketmq { ref group, .. }) if group == "outbox-confirmations")
+        );
+        let l = rocketmq::listen_config(
+            "rocketmq://127.0.0.1:19876",
+            "OrdersConfirm:relay",
+            "outbox-confirmations",
+            None,
+            None,
+        )
+        .unwrap();
+        assert_eq!(l.name_server, "127.0.0.1:19876");
+    }
+
+    #[cfg(feature = "rocketmq")]
+    #[test]
+    fn rocketmq_bad_values_name_the_field() {
+        let field = |toml: String| parse(&toml).unwrap().validate().unwrap_err().field;
+        let cases = [
+            (
+                "url = \"rocketmq://127.0.0.1:19876\"\n        producer_group",
+                "url = \"nats://127.0.0.1:4222\"\n        producer_group",
+                "transports.mq.url",
+            ),
+            (
+                "url = \"rocketmq://127.0.0.1:19876\"\n        producer_group",
+                "url = \"rocketmq://host\"\n        producer_group",
+                "transports.mq.url",
+            ),
+            (
+                "producer_group = \"orders-relay\"",
+                "producer_group = \"orders relay\"",
+                "transports.mq.producer_group",
+            ),
+            (
+                "default_topic = \"Orders\"",
+                "default_topic = \"orders.created\"",
+                "transports.mq.default_topic",
+            ),
+            (
+                "send_timeout = \"5s\"",
+                "send_timeout = \"0s\"",
+                "transports.mq.send_timeout",
+            ),
+            (
+                "send_timeout = \"5s\"",
+                "max_in_flight = 0",
+                "transports.mq.max_in_flight",
+            ),
+            (
+                "send_timeout = \"5s\"",
+                "access_key = \"ak\"",
+                "transports.mq.secret_key_env",
+            ),
+            (
+                "send_timeout = \"5s\"",
+                "access_key = \"ak\"\n        secret_key_env = \"OUTBOX_TEST_UNSET_ROCKETMQ_SECRET\"",
+                "transports.mq.secret_key_env",
+            ),
+            (
+                "destination = \"Audit:{topic}\"",
+                "destination = \"audit.{topic}\"",
+                "routes[1].destination",
+            ),
+            (
+                "destination = \"OrdersConfirm:relay\"",
+                "destination = \"OrdersConfirm:a b\"",
+                "confirmations.destination",
+            ),
+            (
+                "destination = \"OrdersConfirm:relay\"",
+                "destination = \"OrdersConfirm:relay\"\n        group = \"a b\"",
+                "confirmations.group",
+            ),
+        ];
+        for (from, to, expected) in cases {
+            assert!(RMQ.contains(from), "{from}");
+            assert_eq!(field(RMQ.replacen(from, to, 1)), expected, "{to}");
+        }
+        let e = parse(&RMQ.replace("default_topic", "default_topik"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("default_topik"), "{e}");
+    }
+
+    #[cfg(not(feature = "rocketmq"))]
+    #[test]
+    fn rocketmq_without_the_feature_says_so() {
+        let e = parse(RMQ).unwrap().validate().unwrap_err();
+        assert_eq!(e.field, "transports.mq.kind");
+        assert!(e.reason.contains("--features rocketmq"), "{}", e.reason);
     }
 }

@@ -118,7 +118,9 @@ pub struct DemoArgs {
 
     /// Deliver over NATS JetStream (`nats://host:port`; the DEMO_ORDERS stream is deleted and
     /// recreated at start), Redis Streams (`redis://host:port`; the demo:orders and
-    /// demo:confirmations streams are reset) or MQTT 5 (`mqtt://host:port`) instead of webhooks.
+    /// demo:confirmations streams are reset), MQTT 5 (`mqtt://host:port`) or RocketMQ
+    /// (`rocketmq://host:port`, with the `rocketmq` cargo feature: fresh topics per run) instead
+    /// of webhooks.
     #[arg(long, value_name = "URL")]
     pub transport: Option<String>,
 
@@ -1549,6 +1551,61 @@ enum Delivery {
         run: String,
         sender: Arc<outbox::confirm::mqtt::MqttConfirmationSender>,
     },
+    /// RocketMQ: fresh topics for this run (orders, with the outbox topic as the tag, and
+    /// confirmations), consumer group `inventory_<run>` with two instances sharing the queues;
+    /// confirmations over RocketMQ to the order service's group.
+    #[cfg(feature = "rocketmq")]
+    RocketMq(Box<RocketMqDelivery>),
+}
+
+/// The RocketMQ delivery's names and its confirmation sender.
+#[cfg(feature = "rocketmq")]
+struct RocketMqDelivery {
+    url: String,
+    name_server: String,
+    /// Topic of the orders and cancellations (tags `order-created`, `order-cancelled`).
+    orders_topic: String,
+    /// Topic of the confirmations (tag `order-service`).
+    confirm_topic: String,
+    /// Suffix of this run's groups.
+    run: String,
+    sender: Arc<dyn ConfirmationSender>,
+}
+
+#[cfg(feature = "rocketmq")]
+impl RocketMqDelivery {
+    /// Connect, create this run's topics (so consumers find their routes at once) and the
+    /// confirmation sender. Topics are per run: a fresh consumer group reads its topic from the
+    /// first offset, and must not see an earlier run's orders.
+    async fn open(url: &str) -> anyhow::Result<RocketMqDelivery> {
+        use outbox::transport::rocketmq::{RocketMqConfig, RocketMqTransport};
+        let run = format!("{:08x}", rand::random::<u32>());
+        let mut config = RocketMqConfig::from_url(url)?;
+        let name_server = config.name_server.clone();
+        config.producer_group = format!("demo_inventory_confirmer_{run}");
+        let transport = RocketMqTransport::connect(config)
+            .await
+            .with_context(|| format!("cannot connect to RocketMQ at {url}"))?;
+        let orders_topic = format!("demo_orders_{run}");
+        let confirm_topic = format!("demo_confirmations_{run}");
+        for t in [&orders_topic, &confirm_topic] {
+            transport
+                .create_topic(t, 4)
+                .await
+                .with_context(|| format!("cannot create the RocketMQ topic {t}"))?;
+        }
+        let sender = Arc::new(outbox::confirm::rocketmq::RocketMqConfirmationSender::new(
+            transport,
+        ));
+        Ok(RocketMqDelivery {
+            url: url.to_owned(),
+            name_server,
+            orders_topic,
+            confirm_topic,
+            run,
+            sender,
+        })
+    }
 }
 
 /// Redis stream the demo's relay publishes every topic to (recreated at start).
@@ -1635,8 +1692,18 @@ impl Delivery {
                     sender: Arc::new(sender),
                 })
             }
+            #[cfg(feature = "rocketmq")]
+            Some(url) if url.starts_with("rocketmq://") => Ok(Delivery::RocketMq(Box::new(
+                RocketMqDelivery::open(url).await?,
+            ))),
+            #[cfg(not(feature = "rocketmq"))]
+            Some(url) if url.starts_with("rocketmq://") => {
+                bail!(
+                    "--transport {url}: RocketMQ support is not compiled in: run with --features rocketmq"
+                )
+            }
             Some(other) => bail!(
-                "--transport must be \"webhook\" or a nats://, redis:// or mqtt:// URL, not {other:?}"
+                "--transport must be \"webhook\" or a nats://, redis://, mqtt:// or rocketmq:// URL, not {other:?}"
             ),
         }
     }
@@ -1662,6 +1729,12 @@ impl Delivery {
             Delivery::Mqtt { url, run, .. } => format!(
                 "MQTT 5 at {url} (QoS 1, topics demo/orders/#, shared subscription \
                  {CONSUMER}-{run}), confirmations on {MQTT_CONFIRM_TOPIC}"
+            ),
+            #[cfg(feature = "rocketmq")]
+            Delivery::RocketMq(r) => format!(
+                "RocketMQ at {} (topic {}, tags order-created/order-cancelled, group {CONSUMER}_{} \
+                 with 2 instances), confirmations on {}:order-service",
+                r.url, r.orders_topic, r.run, r.confirm_topic
             ),
         }
     }
@@ -1740,6 +1813,24 @@ impl Delivery {
                 });
                 Ok((MQTT_CONFIRM_TOPIC.into(), task))
             }
+            #[cfg(feature = "rocketmq")]
+            Delivery::RocketMq(r) => {
+                let reply = format!("{}:order-service", r.confirm_topic);
+                let mut config = outbox::confirm::rocketmq::ListenConfig::new(
+                    r.name_server.clone(),
+                    reply.clone(),
+                    format!("{CONFIRM_QUEUE}_{}", r.run),
+                );
+                config.route_refresh = Duration::from_secs(10);
+                let listen = outbox::confirm::rocketmq::listen(config, store, cancel.clone());
+                let task = tokio::spawn(async move {
+                    listen
+                        .await
+                        .map(|_| ())
+                        .context("RocketMQ confirmation listener failed")
+                });
+                Ok((reply, task))
+            }
         }
     }
 
@@ -1754,6 +1845,8 @@ impl Delivery {
             ),
             #[cfg(feature = "mqtt")]
             Delivery::Mqtt { sender, .. } => sender.clone(),
+            #[cfg(feature = "rocketmq")]
+            Delivery::RocketMq(r) => r.sender.clone(),
         }
     }
 
@@ -1900,6 +1993,34 @@ impl Delivery {
                     .collect();
                 Ok((None, runners))
             }
+            #[cfg(feature = "rocketmq")]
+            Delivery::RocketMq(r) => {
+                let mut config = outbox::consumer::rocketmq::RocketMqConsumerConfig::new(
+                    r.name_server.clone(),
+                    format!("{CONSUMER}_{}", r.run),
+                    r.orders_topic.clone(),
+                )
+                .with_confirmations(confirmations);
+                config.dedup_window = None;
+                config.batch = 32;
+                config.concurrency = 8;
+                config.route_refresh = Duration::from_secs(10);
+                // Two instances of the group share the topic's queues, as instances of one
+                // service would.
+                let runners = (0..2)
+                    .map(|_| {
+                        let run = outbox::consumer::rocketmq::run(
+                            config.clone(),
+                            inbox.clone(),
+                            handler.clone(),
+                            metrics.clone(),
+                            cancel.clone(),
+                        );
+                        tokio::spawn(async move { run.await.context("RocketMQ consumer failed") })
+                    })
+                    .collect();
+                Ok((None, runners))
+            }
         }
     }
 
@@ -1933,6 +2054,14 @@ impl Delivery {
                 config.ack_timeout = Duration::from_secs(1);
                 let transport = outbox::MqttTransport::connect(config).await?;
                 Ok((Arc::new(transport), MQTT_TOPICS.into()))
+            }
+            #[cfg(feature = "rocketmq")]
+            Delivery::RocketMq(r) => {
+                let mut config = outbox::RocketMqConfig::new(r.name_server.clone());
+                config.producer_group = format!("demo_order_relay_{}", r.run);
+                config.send_timeout = Duration::from_secs(1);
+                let transport = outbox::RocketMqTransport::connect(config).await?;
+                Ok((Arc::new(transport), format!("{}:{{topic}}", r.orders_topic)))
             }
         }
     }
@@ -2358,6 +2487,9 @@ impl Report {
                 Delivery::Redis { .. } => "",
                 #[cfg(feature = "mqtt")]
                 Delivery::Mqtt { .. } => "",
+                #[cfg(feature = "rocketmq")]
+                Delivery::RocketMq(_) =>
+                    "  (RocketMQ keeps every re-publish: each copy is recognised by the inbox)",
             }
         );
         if self.consumer_failures > 0 || self.consumer_dead_letters > 0 {

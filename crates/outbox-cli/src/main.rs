@@ -389,6 +389,27 @@ async fn relay(config: PathBuf, database: Option<String>) -> anyhow::Result<()> 
     Ok(())
 }
 
+/// Log a confirmation listener's totals; its end is an error (`ended`) unless `stop` was
+/// cancelled.
+fn listener_stopped(
+    total: outbox::ConfirmReport,
+    stop: &CancellationToken,
+    ended: &'static str,
+) -> anyhow::Result<()> {
+    tracing::info!(
+        confirmed = total.confirmed,
+        rejected = total.rejected,
+        duplicates = total.duplicates,
+        unknown = total.unknown,
+        "confirmation listener stopped"
+    );
+    if stop.is_cancelled() {
+        Ok(())
+    } else {
+        anyhow::bail!(ended)
+    }
+}
+
 /// Start the confirmation listener of `[confirmations]`.
 async fn spawn_confirmations(
     c: &config::ConfirmationsSection,
@@ -409,18 +430,7 @@ async fn spawn_confirmations(
                 let stop = cancel.clone();
                 let total =
                     outbox::confirm::nats::listen(client, subject, queue, store, cancel).await?;
-                tracing::info!(
-                    confirmed = total.confirmed,
-                    rejected = total.rejected,
-                    duplicates = total.duplicates,
-                    unknown = total.unknown,
-                    "confirmation listener stopped"
-                );
-                if stop.is_cancelled() {
-                    Ok(())
-                } else {
-                    anyhow::bail!("the NATS subscription ended")
-                }
+                listener_stopped(total, &stop, "the NATS subscription ended")
             })
         }
         #[cfg(feature = "redis")]
@@ -464,6 +474,38 @@ async fn spawn_confirmations(
             supervise_listener("MQTT", stop, async move {
                 Ok(outbox::confirm::mqtt::listen(lc, store, cancel).await?)
             })
+        }
+        #[cfg(feature = "rocketmq")]
+        config::ConfirmationsSection::Rocketmq {
+            url,
+            destination,
+            group,
+            access_key,
+            secret_key_env,
+        } => {
+            let listen = config::rocketmq::listen_config(
+                &url,
+                &destination,
+                &group,
+                access_key.as_deref(),
+                secret_key_env.as_deref(),
+            )?;
+            tracing::info!(
+                destination,
+                group,
+                "listening for confirmations on RocketMQ"
+            );
+            tokio::spawn(async move {
+                let stop = cancel.clone();
+                let total = outbox::confirm::rocketmq::listen(listen, store, cancel).await?;
+                listener_stopped(total, &stop, "the RocketMQ confirmation consumer ended")
+            })
+        }
+        #[cfg(not(feature = "rocketmq"))]
+        config::ConfirmationsSection::Rocketmq { .. } => {
+            anyhow::bail!(
+                "confirmations.kind: RocketMQ support is not compiled in: build outbox-cli with --features rocketmq"
+            )
         }
         config::ConfirmationsSection::Http { listen, path } => {
             let socket = tokio::net::TcpListener::bind(&listen)

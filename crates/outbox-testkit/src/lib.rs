@@ -37,6 +37,9 @@
 //! }
 //! ```
 
+// The RocketMQ client's futures are deep types; proving them `Send` needs more than the default.
+#![cfg_attr(feature = "rocketmq", recursion_limit = "256")]
+
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -57,6 +60,10 @@ use uuid::Uuid;
 
 pub mod mqtt;
 pub mod redis;
+#[cfg(feature = "rocketmq")]
+pub mod rocketmq;
+#[cfg(feature = "rocketmq")]
+pub use rocketmq::RocketMqFixture;
 pub mod store_suite;
 pub mod transport_suite;
 

@@ -24,6 +24,8 @@
 //!
 //! See `docs/architecture.md` for the flow and the state diagram.
 #![warn(missing_docs)]
+// The RocketMQ client's futures are deep types; proving them `Send` needs more than the default.
+#![cfg_attr(feature = "rocketmq", recursion_limit = "256")]
 
 pub mod confirm;
 pub mod consumer;
@@ -68,6 +70,8 @@ pub use transport::mqtt::{MqttConfig, MqttTransport, NoSubscribers};
 pub use transport::nats::{NatsConfig, NatsTransport, StreamSetup};
 #[cfg(feature = "redis")]
 pub use transport::redis::{RedisConfig, RedisTransport, WaitReplicas};
+#[cfg(feature = "rocketmq")]
+pub use transport::rocketmq::{RocketMqConfig, RocketMqTransport};
 #[cfg(feature = "webhook")]
 pub use transport::webhook::{WebhookConfig, WebhookSigner, WebhookTransport};
 pub use transport::{MemoryTransport, Outgoing, Route, Router, TopicPattern, Transport};

@@ -112,7 +112,7 @@ impl outbox::Handler<sqlx::Sqlite> for ScriptedHandler {
 /// commit, before the ack), and passes everything else to `inner`, recording what it sent.
 pub struct FaultySender {
     inner: Arc<dyn ConfirmationSender>,
-    lose: Mutex<HashSet<Uuid>>,
+    pub(crate) lose: Mutex<HashSet<Uuid>>,
     hang: Mutex<HashSet<Uuid>>,
     /// Notified when a hung confirmation was reached (so the inbox commit is done).
     pub hung: tokio::sync::Notify,
@@ -123,7 +123,7 @@ pub struct FaultySender {
 }
 
 impl FaultySender {
-    fn new(inner: Arc<dyn ConfirmationSender>) -> Arc<Self> {
+    pub(crate) fn new(inner: Arc<dyn ConfirmationSender>) -> Arc<Self> {
         Arc::new(FaultySender {
             inner,
             lose: Mutex::default(),
@@ -134,7 +134,7 @@ impl FaultySender {
         })
     }
 
-    fn sent_for(&self, id: Uuid) -> Vec<Verdict> {
+    pub(crate) fn sent_for(&self, id: Uuid) -> Vec<Verdict> {
         self.sent
             .lock()
             .unwrap()

@@ -7,6 +7,9 @@
 //! `redis://127.0.0.1:6379`) and `OUTBOX_TEST_MQTT_URL` (default `mqtt://127.0.0.1:1883`). A test whose service does not answer
 //! fails with a message naming it.
 
+// The RocketMQ client's futures are deep types; proving them `Send` needs more than the default.
+#![cfg_attr(feature = "rocketmq", recursion_limit = "256")]
+
 mod cases;
 mod cases_mysql;
 mod confirm;
@@ -17,6 +20,8 @@ mod kafka;
 mod mqtt;
 mod redis;
 mod relay;
+#[cfg(feature = "rocketmq")]
+mod rocketmq;
 mod store;
 mod transport;
 

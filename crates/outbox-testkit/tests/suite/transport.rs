@@ -43,6 +43,8 @@ transport_conformance!(nats, outbox_testkit::NatsFixture);
 transport_conformance!(redis, outbox_testkit::RedisFixture);
 transport_conformance!(mqtt, outbox_testkit::MqttFixture);
 transport_conformance!(kafka, outbox_testkit::KafkaFixture);
+#[cfg(feature = "rocketmq")]
+transport_conformance!(rocketmq, outbox_testkit::RocketMqFixture);
 
 async fn publish_one(t: &dyn Transport, dest: &str) -> Result<(), outbox::TransportError> {
     let m = claimed_message("t", "{}");

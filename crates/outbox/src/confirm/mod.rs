@@ -167,6 +167,29 @@ pub fn parse_confirmations(body: &[u8]) -> Result<Vec<Confirmation>, serde_json:
     }
 }
 
+/// Apply `batch` with [`apply_with_retry`] (5 tries), add the counts to `total` and log unknown
+/// ids; on failure log that the confirmations were not applied (`then` says what recovers them).
+pub(crate) async fn apply_counted(
+    store: &Arc<dyn crate::Store>,
+    batch: &[Confirmation],
+    total: &mut ConfirmReport,
+    then: &str,
+) -> Result<(), crate::StoreError> {
+    match apply_with_retry(store, batch, 5).await {
+        Ok(r) => {
+            if r.unknown > 0 {
+                tracing::warn!(unknown = r.unknown, "confirmations for unknown message ids");
+            }
+            total.add(r);
+            Ok(())
+        }
+        Err(e) => {
+            tracing::error!(error = %e, n = batch.len(), "confirmations not applied; {then}");
+            Err(e)
+        }
+    }
+}
+
 /// Apply with retries: transient database errors are retried with backoff up to `tries` times.
 pub(crate) async fn apply_with_retry(
     store: &Arc<dyn crate::Store>,
@@ -207,6 +230,8 @@ pub mod kafka;
 pub mod mqtt;
 #[cfg(feature = "redis")]
 pub mod redis;
+#[cfg(feature = "rocketmq")]
+pub mod rocketmq;
 
 #[cfg(feature = "nats")]
 pub mod nats {
@@ -221,7 +246,7 @@ pub mod nats {
     use tokio_util::sync::CancellationToken;
 
     use super::{
-        ConfirmReport, Confirmation, ConfirmationSender, apply_with_retry, parse_confirmations,
+        ConfirmReport, Confirmation, ConfirmationSender, apply_counted, parse_confirmations,
     };
     use crate::Store;
     use crate::error::TransportError;
@@ -290,20 +315,13 @@ pub mod nats {
             if batch.is_empty() {
                 continue;
             }
-            match apply_with_retry(&store, &batch, 5).await {
-                Ok(r) => {
-                    if r.unknown > 0 {
-                        tracing::warn!(
-                            unknown = r.unknown,
-                            "confirmations for unknown message ids"
-                        );
-                    }
-                    total.add(r);
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, n = batch.len(), "confirmations not applied; the check-back will bring them again")
-                }
-            }
+            let _ = apply_counted(
+                &store,
+                &batch,
+                &mut total,
+                "the check-back will bring them again",
+            )
+            .await;
         }
     }
 }

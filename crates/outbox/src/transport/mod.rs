@@ -23,6 +23,8 @@ pub mod mqtt;
 pub mod nats;
 #[cfg(feature = "redis")]
 pub mod redis;
+#[cfg(feature = "rocketmq")]
+pub mod rocketmq;
 #[cfg(feature = "webhook")]
 pub mod webhook;
 
