@@ -224,7 +224,7 @@ pub async fn open_store(
 }
 
 /// The URL with any password replaced by `***`.
-fn redact(url: &str) -> String {
+pub(crate) fn redact(url: &str) -> String {
     match (url.find("://"), url.rfind('@')) {
         (Some(s), Some(at)) if at > s => {
             let creds = &url[s + 3..at];
@@ -381,6 +381,27 @@ async fn relay(config: PathBuf, database: Option<String>) -> anyhow::Result<()> 
     Ok(())
 }
 
+/// Log the totals of a confirmation listener that returned; an error (`ended`) unless the daemon
+/// is shutting down.
+fn listener_stopped(
+    total: outbox::ConfirmReport,
+    shutting_down: bool,
+    ended: &str,
+) -> anyhow::Result<()> {
+    tracing::info!(
+        confirmed = total.confirmed,
+        rejected = total.rejected,
+        duplicates = total.duplicates,
+        unknown = total.unknown,
+        "confirmation listener stopped"
+    );
+    if shutting_down {
+        Ok(())
+    } else {
+        anyhow::bail!("{ended}")
+    }
+}
+
 /// Start the confirmation listener of `[confirmations]`.
 async fn spawn_confirmations(
     c: &config::ConfirmationsSection,
@@ -401,18 +422,23 @@ async fn spawn_confirmations(
                 let stop = cancel.clone();
                 let total =
                     outbox::confirm::nats::listen(client, subject, queue, store, cancel).await?;
-                tracing::info!(
-                    confirmed = total.confirmed,
-                    rejected = total.rejected,
-                    duplicates = total.duplicates,
-                    unknown = total.unknown,
-                    "confirmation listener stopped"
-                );
-                if stop.is_cancelled() {
-                    Ok(())
-                } else {
-                    anyhow::bail!("the NATS subscription ended")
-                }
+                listener_stopped(total, stop.is_cancelled(), "the NATS subscription ended")
+            })
+        }
+        #[cfg(feature = "rabbitmq")]
+        ref section @ config::ConfirmationsSection::Rabbitmq { ref queue, .. } => {
+            let connection = section.rabbitmq()?.context("confirmations: not rabbitmq")?;
+            let queue = queue.clone();
+            tracing::info!(queue, "listening for confirmations on RabbitMQ");
+            tokio::spawn(async move {
+                let stop = cancel.clone();
+                let total =
+                    outbox::confirm::rabbitmq::listen(connection, queue, store, cancel).await?;
+                listener_stopped(
+                    total,
+                    stop.is_cancelled(),
+                    "the RabbitMQ confirmation listener ended",
+                )
             })
         }
         config::ConfirmationsSection::Http { listen, path } => {

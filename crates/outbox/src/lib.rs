@@ -61,6 +61,8 @@ pub use store::{
 };
 #[cfg(feature = "nats")]
 pub use transport::nats::{NatsConfig, NatsTransport, StreamSetup};
+#[cfg(feature = "rabbitmq")]
+pub use transport::rabbitmq::{RabbitMqConfig, RabbitMqTransport, Unroutable};
 #[cfg(feature = "webhook")]
 pub use transport::webhook::{WebhookConfig, WebhookSigner, WebhookTransport};
 pub use transport::{MemoryTransport, Outgoing, Route, Router, TopicPattern, Transport};

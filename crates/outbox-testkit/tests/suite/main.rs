@@ -2,6 +2,7 @@
 //! test binary).
 //!
 //! Services: `OUTBOX_TEST_POSTGRES_URL` (default `postgres://postgres@127.0.0.1:5432/test`),
+//! `OUTBOX_TEST_RABBITMQ_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`),
 //! `OUTBOX_TEST_MYSQL_URL` (default `mysql://root@127.0.0.1:3306/test`) and
 //! `OUTBOX_TEST_NATS_URL` (default `nats://127.0.0.1:4222`). A test whose service does not answer
 //! fails with a message naming it.
@@ -12,6 +13,7 @@ mod confirm;
 mod crash;
 mod crash_mysql;
 mod inbox;
+mod rabbitmq;
 mod relay;
 mod store;
 mod transport;

@@ -40,6 +40,7 @@ macro_rules! transport_conformance {
 
 transport_conformance!(webhook, outbox_testkit::WebhookFixture);
 transport_conformance!(nats, outbox_testkit::NatsFixture);
+transport_conformance!(rabbitmq, outbox_testkit::RabbitMqFixture);
 
 async fn publish_one(t: &dyn Transport, dest: &str) -> Result<(), outbox::TransportError> {
     let m = claimed_message("t", "{}");

@@ -192,6 +192,9 @@ pub(crate) async fn apply_with_retry(
     }
 }
 
+#[cfg(feature = "rabbitmq")]
+pub mod rabbitmq;
+
 #[cfg(feature = "nats")]
 pub mod nats {
     //! Confirmations over NATS: consumers publish to the reply subject; the producer listens on

@@ -25,6 +25,8 @@ use crate::retry::Backoff;
 
 #[cfg(feature = "nats")]
 pub mod nats;
+#[cfg(feature = "rabbitmq")]
+pub mod rabbitmq;
 #[cfg(feature = "webhook")]
 pub mod webhook;
 

@@ -16,6 +16,8 @@ use crate::message::Message;
 pub mod memory;
 #[cfg(feature = "nats")]
 pub mod nats;
+#[cfg(feature = "rabbitmq")]
+pub mod rabbitmq;
 #[cfg(feature = "webhook")]
 pub mod webhook;
 
