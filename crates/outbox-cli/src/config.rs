@@ -126,6 +126,35 @@ pub enum TransportSection {
     Mqtt(MqttSection),
     /// `kind = "rocketmq"` (needs the `rocketmq` cargo feature of `outbox-cli`).
     Rocketmq(RocketMqSection),
+    /// `kind = "rabbitmq"`.
+    #[cfg(feature = "rabbitmq")]
+    Rabbitmq(RabbitMqSection),
+}
+
+impl TransportSection {
+    /// The destination of a route that names none: the webhook's own URL (empty), the topic as
+    /// NATS subject, Redis stream key, MQTT topic or RocketMQ topic (`<default_topic>:{topic}`, the
+    /// topic as tag, when a default topic is set), `<exchange>/{topic}` or the queue named after
+    /// the topic for RabbitMQ.
+    pub fn default_destination(&self) -> String {
+        match self {
+            TransportSection::Webhook(_) => String::new(),
+            TransportSection::Nats(_) => "{topic}".into(),
+            #[cfg(feature = "rabbitmq")]
+            TransportSection::Rabbitmq(m) => match &m.exchange {
+                Some(e) => format!("{e}/{{topic}}"),
+                None => "{topic}".into(),
+            },
+            #[cfg(feature = "redis")]
+            TransportSection::Redis(_) => "{topic}".into(),
+            #[cfg(feature = "mqtt")]
+            TransportSection::Mqtt(_) => "{topic}".into(),
+            TransportSection::Rocketmq(m) => match &m.default_topic {
+                Some(t) => format!("{t}:{{topic}}"),
+                None => "{topic}".into(),
+            },
+        }
+    }
 }
 
 /// Redis Streams transport settings (see `outbox::transport::redis`).
@@ -249,6 +278,155 @@ pub struct RocketMqSection {
     pub order_by_partition_key: Option<bool>,
 }
 
+/// RabbitMQ transport settings (`kind = "rabbitmq"`); see `docs/transports/rabbitmq.md`.
+#[cfg(feature = "rabbitmq")]
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RabbitMqSection {
+    /// `amqp://host:5672/vhost` or `amqps://…` (TLS; needs `tls_ca_file`); required. The vhost is
+    /// percent-encoded (`%2f` is `/`).
+    pub url: String,
+    /// User name, overriding the URL's. Default: the URL's.
+    pub username: Option<String>,
+    /// Name of the environment variable holding the password. Default: the URL's.
+    pub password_env: Option<String>,
+    /// PEM file of the certificate authorities trusted for `amqps://`.
+    pub tls_ca_file: Option<std::path::PathBuf>,
+    /// How long to wait for a batch's publisher confirms. Default 10 s.
+    #[serde(default, with = "humantime_serde")]
+    pub confirm_timeout: Option<Duration>,
+    /// Connection and probe timeout. Default 5 s.
+    #[serde(default, with = "humantime_serde")]
+    pub connect_timeout: Option<Duration>,
+    /// Heartbeat asked for when the URL has no `heartbeat`. Default 10 s.
+    #[serde(default, with = "humantime_serde")]
+    pub heartbeat: Option<Duration>,
+    /// `"retry"` (default) or `"fail"`: what an unroutable (returned) message counts as.
+    pub unroutable: Option<UnroutableSetting>,
+    /// Largest payload in bytes, the server's `max_message_size`. Default 128 MiB.
+    pub max_message_bytes: Option<usize>,
+    /// Exchange of routes without a `destination`: they publish to `<exchange>/{topic}`.
+    /// Default: none (`{topic}`, the queue named after the topic through the default exchange).
+    pub exchange: Option<String>,
+}
+
+/// `unroutable = "retry" | "fail"`.
+#[cfg(feature = "rabbitmq")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum UnroutableSetting {
+    /// Retryable (default).
+    Retry,
+    /// Permanent.
+    Fail,
+}
+
+/// The RabbitMQ connection settings of `url`, `username`, `password_env` and `tls_ca_file`
+/// (prefix names the section in errors, e.g. `transports.bus`). Reads the password variable and
+/// the CA file.
+#[cfg(feature = "rabbitmq")]
+fn rabbitmq_connection(
+    prefix: &str,
+    url: &str,
+    username: &Option<String>,
+    password_env: &Option<String>,
+    tls_ca_file: &Option<std::path::PathBuf>,
+) -> Result<outbox::RabbitMqConfig, ConfigError> {
+    let field = |f: &str| format!("{prefix}.{f}");
+    url_ok(url, &["amqp", "amqps"]).map_err(|r| ConfigError::new(field("url"), r))?;
+    let mut c = outbox::RabbitMqConfig::new(url);
+    c.username = username.clone();
+    if let Some(var) = password_env {
+        c.password = Some(std::env::var(var).map_err(|_| {
+            ConfigError::new(
+                field("password_env"),
+                format!("environment variable {var} is not set"),
+            )
+        })?);
+    }
+    match (url.starts_with("amqps://"), tls_ca_file) {
+        (true, Some(path)) => {
+            let pem = std::fs::read_to_string(path).map_err(|e| {
+                ConfigError::new(
+                    field("tls_ca_file"),
+                    format!("cannot read {}: {e}", path.display()),
+                )
+            })?;
+            if !pem.contains("-----BEGIN CERTIFICATE-----") {
+                return Err(ConfigError::new(
+                    field("tls_ca_file"),
+                    format!("{} holds no PEM certificate", path.display()),
+                ));
+            }
+            c.tls_ca_pem = Some(pem);
+        }
+        (true, None) => {
+            return Err(ConfigError::new(
+                field("tls_ca_file"),
+                "amqps:// needs the PEM file of the trusted certificate authorities",
+            ));
+        }
+        (false, Some(_)) => {
+            return Err(ConfigError::new(
+                field("tls_ca_file"),
+                "set only with an amqps:// url",
+            ));
+        }
+        (false, None) => {}
+    }
+    c.validate()
+        .map_err(|e| ConfigError::new(field(&e.field), e.reason))?;
+    Ok(c)
+}
+
+#[cfg(feature = "rabbitmq")]
+impl RabbitMqSection {
+    /// The transport settings, validated (`name` is the section's name).
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming `transports.<name>.<field>`.
+    pub fn config(&self, name: &str) -> Result<outbox::RabbitMqConfig, ConfigError> {
+        let prefix = format!("transports.{name}");
+        let mut c = rabbitmq_connection(
+            &prefix,
+            &self.url,
+            &self.username,
+            &self.password_env,
+            &self.tls_ca_file,
+        )?;
+        let field = |f: &str| format!("{prefix}.{f}");
+        if let Some(t) = self.confirm_timeout {
+            c.confirm_timeout = t;
+        }
+        if let Some(t) = self.connect_timeout {
+            c.connect_timeout = t;
+        }
+        if let Some(t) = self.heartbeat {
+            c.heartbeat = t;
+        }
+        if let Some(u) = self.unroutable {
+            c.unroutable = match u {
+                UnroutableSetting::Retry => outbox::Unroutable::Retry,
+                UnroutableSetting::Fail => outbox::Unroutable::Fail,
+            };
+        }
+        if let Some(n) = self.max_message_bytes {
+            c.max_message_bytes = n;
+        }
+        if let Some(e) = &self.exchange
+            && (e.is_empty() || e.len() > 255 || e.contains('/') || e.chars().any(char::is_control))
+        {
+            return Err(ConfigError::new(
+                field("exchange"),
+                format!("{e:?} is not an exchange name (1 to 255 bytes, no '/')"),
+            ));
+        }
+        c.validate()
+            .map_err(|e| ConfigError::new(field(&e.field), e.reason))?;
+        Ok(c)
+    }
+}
+
 /// `[[routes]]`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -302,6 +480,21 @@ pub enum ConfirmationsSection {
         access_key: Option<String>,
         /// Name of the environment variable holding the ACL secret key.
         secret_key_env: Option<String>,
+    },
+    /// `kind = "rabbitmq"`: consume `queue` (declared durable), acknowledging each batch after
+    /// it is applied.
+    #[cfg(feature = "rabbitmq")]
+    Rabbitmq {
+        /// Server URL (`amqp://…` or `amqps://…`).
+        url: String,
+        /// Queue the consumers reply to (the routes' `confirm.reply_to`).
+        queue: String,
+        /// User name, overriding the URL's.
+        username: Option<String>,
+        /// Name of the environment variable holding the password.
+        password_env: Option<String>,
+        /// PEM file of the certificate authorities trusted for `amqps://`.
+        tls_ca_file: Option<std::path::PathBuf>,
     },
     /// `kind = "http"`: serve `POST path` on `listen`.
     Http {
@@ -445,6 +638,27 @@ pub fn mqtt_config(name: &str, s: &MqttSection) -> Result<outbox::MqttConfig, Co
         }
     };
     Ok(c)
+}
+
+#[cfg(feature = "rabbitmq")]
+impl ConfirmationsSection {
+    /// The connection settings of a `kind = "rabbitmq"` section (`None` for other kinds).
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming `confirmations.<field>`.
+    pub fn rabbitmq(&self) -> Result<Option<outbox::RabbitMqConfig>, ConfigError> {
+        match self {
+            ConfirmationsSection::Rabbitmq {
+                url,
+                username,
+                password_env,
+                tls_ca_file,
+                ..
+            } => rabbitmq_connection("confirmations", url, username, password_env, tls_ca_file)
+                .map(Some),
+            _ => Ok(None),
+        }
+    }
 }
 
 fn default_queue() -> String {
@@ -639,6 +853,10 @@ impl FileConfig {
                 TransportSection::Rocketmq(r) => {
                     rocketmq::transport_config(name, r)?;
                 }
+                #[cfg(feature = "rabbitmq")]
+                TransportSection::Rabbitmq(r) => {
+                    r.config(name)?;
+                }
             }
         }
         for (i, r) in self.routes.iter().enumerate() {
@@ -743,6 +961,16 @@ impl FileConfig {
                     secret_key_env.as_deref(),
                 )?;
             }
+            #[cfg(feature = "rabbitmq")]
+            Some(c @ ConfirmationsSection::Rabbitmq { queue, .. }) => {
+                c.rabbitmq()?;
+                if queue.is_empty() || queue.len() > 255 {
+                    return Err(ConfigError::new(
+                        "confirmations.queue",
+                        "must be a queue name of 1 to 255 bytes",
+                    ));
+                }
+            }
             Some(ConfirmationsSection::Http { listen, path }) => {
                 if listen.parse::<std::net::SocketAddr>().is_err() {
                     return Err(ConfigError::new(
@@ -787,6 +1015,12 @@ impl FileConfig {
                     }
                     Arc::new(outbox::WebhookTransport::new(c).map_err(|e| prefix(e, name))?)
                 }
+                #[cfg(feature = "rabbitmq")]
+                TransportSection::Rabbitmq(r) => Arc::new(
+                    outbox::RabbitMqTransport::connect(r.config(name)?)
+                        .await
+                        .map_err(|e| prefix(e, name))?,
+                ),
                 TransportSection::Nats(n) => {
                     let mut c = outbox::NatsConfig::new(&n.url);
                     if let Some(s) = &n.stream {
@@ -829,18 +1063,7 @@ impl FileConfig {
         let mut router = Router::new();
         for r in &self.routes {
             let t = built[r.transport.as_str()].clone();
-            let default_dest = match &self.transports[&r.transport] {
-                TransportSection::Webhook(_) => String::new(),
-                TransportSection::Nats(_) => "{topic}".into(),
-                #[cfg(feature = "redis")]
-                TransportSection::Redis(_) => "{topic}".into(),
-                #[cfg(feature = "mqtt")]
-                TransportSection::Mqtt(_) => "{topic}".into(),
-                TransportSection::Rocketmq(m) => match &m.default_topic {
-                    Some(t) => format!("{t}:{{topic}}"),
-                    None => "{topic}".into(),
-                },
-            };
+            let default_dest = self.transports[&r.transport].default_destination();
             let dest = r.destination.clone().unwrap_or(default_dest);
             router = match &r.confirm {
                 Some(c) => {
@@ -1165,6 +1388,89 @@ mod tests {
         assert_eq!(
             c.relay_config().unwrap().retention,
             Some(Duration::from_secs(3 * 86400))
+        );
+    }
+
+    #[cfg(feature = "rabbitmq")]
+    #[test]
+    fn rabbitmq_sections_validate_and_name_the_field() {
+        let mq = "[transports.mq]\nkind = \"rabbitmq\"\nurl = \"amqp://127.0.0.1:5672/%2f\"\n\
+                  exchange = \"orders\"\nconfirm_timeout = \"3s\"\nunroutable = \"fail\"\n";
+        let base = format!("{GOOD}\n{mq}");
+        let c = parse(&base).unwrap();
+        c.validate().unwrap();
+        let t = &c.transports["mq"];
+        assert_eq!(t.default_destination(), "orders/{topic}");
+        let TransportSection::Rabbitmq(m) = t else {
+            panic!("not rabbitmq")
+        };
+        let cfg = m.config("mq").unwrap();
+        assert_eq!(cfg.confirm_timeout, Duration::from_secs(3));
+        assert_eq!(cfg.unroutable, outbox::Unroutable::Fail);
+        assert_eq!(cfg.url, "amqp://127.0.0.1:5672/%2f");
+        let field = |toml: &str| parse(toml).unwrap().validate().unwrap_err().field;
+        let with = |extra: &str| base.replace("exchange = \"orders\"", extra);
+        assert_eq!(
+            field(&base.replace("amqp://127.0.0.1:5672/%2f", "http://x")),
+            "transports.mq.url"
+        );
+        assert_eq!(
+            field(&with(
+                "password_env = \"OUTBOX_TEST_SURELY_UNSET_VARIABLE\""
+            )),
+            "transports.mq.password_env"
+        );
+        let c = parse(&with("password_env = \"PATH\"\nusername = \"app\"")).unwrap();
+        let TransportSection::Rabbitmq(m) = &c.transports["mq"] else {
+            panic!("not rabbitmq")
+        };
+        let cfg = m.config("mq").unwrap();
+        assert_eq!(cfg.password, std::env::var("PATH").ok());
+        assert_eq!(cfg.username.as_deref(), Some("app"));
+        assert_eq!(
+            field(&base.replace("amqp://", "amqps://")),
+            "transports.mq.tls_ca_file"
+        );
+        assert_eq!(
+            field(&with("tls_ca_file = \"/etc/hostname\"")),
+            "transports.mq.tls_ca_file"
+        );
+        assert_eq!(field(&with("exchange = \"a/b\"")), "transports.mq.exchange");
+        assert_eq!(
+            field(&base.replace("\"3s\"", "\"0s\"")),
+            "transports.mq.confirm_timeout"
+        );
+        assert_eq!(
+            field(&with("max_message_bytes = 0")),
+            "transports.mq.max_message_bytes"
+        );
+        let e = parse(&with("exchang = \"x\"")).unwrap_err().to_string();
+        assert!(e.contains("exchang"), "{e}");
+        let e = parse(&base.replace("\"fail\"", "\"maybe\""))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("maybe"), "{e}");
+        // [confirmations] kind = "rabbitmq".
+        let confirm = format!(
+            "{base}\n[confirmations]\nkind = \"rabbitmq\"\nurl = \"amqp://127.0.0.1/%2f\"\nqueue = \"orders.confirmations\"\n"
+        );
+        let c = parse(&confirm).unwrap();
+        c.validate().unwrap();
+        let cfg = c
+            .confirmations
+            .as_ref()
+            .unwrap()
+            .rabbitmq()
+            .unwrap()
+            .unwrap();
+        assert_eq!(cfg.url, "amqp://127.0.0.1/%2f");
+        assert_eq!(
+            field(&confirm.replace("queue = \"orders.confirmations\"", "queue = \"\"")),
+            "confirmations.queue"
+        );
+        assert_eq!(
+            field(&confirm.replace("amqp://127.0.0.1/%2f", "nats://x")),
+            "confirmations.url"
         );
     }
 

@@ -89,6 +89,16 @@ const SKUS: [&str; 8] = [
 const NATS_STREAM: &str = "DEMO_ORDERS";
 /// Subjects the stream captures; the route publishes to `demo.orders.<topic>`.
 const NATS_SUBJECTS: &str = "demo.orders.>";
+/// Topic exchange of the RabbitMQ variant; the route publishes to `demo.orders/<topic>`.
+#[cfg(feature = "rabbitmq")]
+const RABBIT_EXCHANGE: &str = "demo.orders";
+/// Queue of the inventory service in the RabbitMQ variant (bound to the exchange with `#`;
+/// deleted and recreated at start).
+#[cfg(feature = "rabbitmq")]
+const RABBIT_QUEUE: &str = "demo.inventory";
+/// Queue the order service consumes confirmations from in the RabbitMQ variant.
+#[cfg(feature = "rabbitmq")]
+const RABBIT_CONFIRM_QUEUE: &str = "demo.confirmations";
 /// Consumer name of the inventory service, in the inbox and as the JetStream durable.
 const CONSUMER: &str = "inventory";
 /// How often the monitor refreshes the progress bars and checks for the drain.
@@ -118,9 +128,10 @@ pub struct DemoArgs {
 
     /// Deliver over NATS JetStream (`nats://host:port`; the DEMO_ORDERS stream is deleted and
     /// recreated at start), Redis Streams (`redis://host:port`; the demo:orders and
-    /// demo:confirmations streams are reset), MQTT 5 (`mqtt://host:port`) or RocketMQ
-    /// (`rocketmq://host:port`, with the `rocketmq` cargo feature: fresh topics per run) instead
-    /// of webhooks.
+    /// demo:confirmations streams are reset), MQTT 5 (`mqtt://host:port`), RabbitMQ
+    /// (`amqp://user:password@host:5672/%2f`; the demo.inventory and demo.confirmations queues are
+    /// deleted and recreated at start) or RocketMQ (`rocketmq://host:port`, with the `rocketmq`
+    /// cargo feature: fresh topics per run) instead of webhooks.
     #[arg(long, value_name = "URL")]
     pub transport: Option<String>,
 
@@ -1556,6 +1567,10 @@ enum Delivery {
     /// confirmations over RocketMQ to the order service's group.
     #[cfg(feature = "rocketmq")]
     RocketMq(Box<RocketMqDelivery>),
+    /// RabbitMQ: topic exchange [`RABBIT_EXCHANGE`] → queue [`RABBIT_QUEUE`] with publisher
+    /// confirms; confirmations on queue [`RABBIT_CONFIRM_QUEUE`].
+    #[cfg(feature = "rabbitmq")]
+    RabbitMq { config: outbox::RabbitMqConfig },
 }
 
 /// The RocketMQ delivery's names and its confirmation sender.
@@ -1702,8 +1717,16 @@ impl Delivery {
                     "--transport {url}: RocketMQ support is not compiled in: run with --features rocketmq"
                 )
             }
+            #[cfg(feature = "rabbitmq")]
+            Some(url) if url.starts_with("amqp://") || url.starts_with("amqps://") => {
+                rabbitmq_fresh_queues(url).await?;
+                let mut config = outbox::RabbitMqConfig::new(url);
+                config.confirm_timeout = Duration::from_secs(1);
+                config.validate()?;
+                Ok(Delivery::RabbitMq { config })
+            }
             Some(other) => bail!(
-                "--transport must be \"webhook\" or a nats://, redis://, mqtt:// or rocketmq:// URL, not {other:?}"
+                "--transport must be \"webhook\" or a nats://, redis://, mqtt://, amqp:// or rocketmq:// URL, not {other:?}"
             ),
         }
     }
@@ -1735,6 +1758,12 @@ impl Delivery {
                 "RocketMQ at {} (topic {}, tags order-created/order-cancelled, group {CONSUMER}_{} \
                  with 2 instances), confirmations on {}:order-service",
                 r.url, r.orders_topic, r.run, r.confirm_topic
+            ),
+            #[cfg(feature = "rabbitmq")]
+            Delivery::RabbitMq { config } => format!(
+                "RabbitMQ at {} (exchange {RABBIT_EXCHANGE} → queue {RABBIT_QUEUE}, publisher \
+                 confirms), confirmations on queue {RABBIT_CONFIRM_QUEUE}",
+                crate::redact(&config.url)
             ),
         }
     }
@@ -1831,6 +1860,22 @@ impl Delivery {
                 });
                 Ok((reply, task))
             }
+            #[cfg(feature = "rabbitmq")]
+            Delivery::RabbitMq { config } => {
+                let listen = outbox::confirm::rabbitmq::listen(
+                    config.clone(),
+                    RABBIT_CONFIRM_QUEUE.into(),
+                    store,
+                    cancel.clone(),
+                );
+                let task = tokio::spawn(async move {
+                    listen
+                        .await
+                        .map(|_| ())
+                        .context("RabbitMQ confirmation listener failed")
+                });
+                Ok((RABBIT_CONFIRM_QUEUE.into(), task))
+            }
         }
     }
 
@@ -1847,6 +1892,11 @@ impl Delivery {
             Delivery::Mqtt { sender, .. } => sender.clone(),
             #[cfg(feature = "rocketmq")]
             Delivery::RocketMq(r) => r.sender.clone(),
+            #[cfg(feature = "rabbitmq")]
+            Delivery::RabbitMq { config } => Arc::new(
+                outbox::confirm::rabbitmq::RabbitMqConfirmationSender::new(config.clone())
+                    .expect("validated at open"),
+            ),
         }
     }
 
@@ -2021,6 +2071,30 @@ impl Delivery {
                     .collect();
                 Ok((None, runners))
             }
+            #[cfg(feature = "rabbitmq")]
+            Delivery::RabbitMq { config } => {
+                let mut config = outbox::consumer::rabbitmq::RabbitMqConsumerConfig::new(
+                    config.clone(),
+                    RABBIT_QUEUE,
+                )
+                .with_confirmations(confirmations);
+                config.dedup_window = None;
+                config.concurrency = 1;
+                // Two instances of the service share the queue (competing consumers).
+                let runners = (0..4)
+                    .map(|_| {
+                        let run = outbox::consumer::rabbitmq::run(
+                            config.clone(),
+                            inbox.clone(),
+                            handler.clone(),
+                            metrics.clone(),
+                            cancel.clone(),
+                        );
+                        tokio::spawn(async move { run.await.context("RabbitMQ consumer failed") })
+                    })
+                    .collect();
+                Ok((None, runners))
+            }
         }
     }
 
@@ -2063,8 +2137,70 @@ impl Delivery {
                 let transport = outbox::RocketMqTransport::connect(config).await?;
                 Ok((Arc::new(transport), format!("{}:{{topic}}", r.orders_topic)))
             }
+            #[cfg(feature = "rabbitmq")]
+            Delivery::RabbitMq { config } => {
+                let transport = outbox::RabbitMqTransport::connect(config.clone()).await?;
+                Ok((Arc::new(transport), format!("{RABBIT_EXCHANGE}/{{topic}}")))
+            }
         }
     }
+}
+
+/// Make the RabbitMQ variant's topology fresh, so runs are independent: the topic exchange
+/// [`RABBIT_EXCHANGE`], the queues [`RABBIT_QUEUE`] (bound with `#`, its retry queues deleted) and
+/// [`RABBIT_CONFIRM_QUEUE`], deleted and declared again.
+#[cfg(feature = "rabbitmq")]
+async fn rabbitmq_fresh_queues(url: &str) -> anyhow::Result<()> {
+    use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+    use lapin::types::FieldTable;
+    let conn = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
+        .await
+        .with_context(|| format!("cannot connect to RabbitMQ at {}", crate::redact(url)))?;
+    let ch = conn.create_channel().await?;
+    ch.exchange_declare(
+        RABBIT_EXCHANGE.into(),
+        lapin::ExchangeKind::Topic,
+        ExchangeDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .with_context(|| format!("cannot declare the exchange {RABBIT_EXCHANGE}"))?;
+    let mut stale = vec![RABBIT_QUEUE.to_owned(), RABBIT_CONFIRM_QUEUE.to_owned()];
+    for ms in [
+        10u64, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10_000, 20_000, 50_000, 100_000,
+    ] {
+        stale.push(outbox::consumer::rabbitmq::retry_queue(
+            RABBIT_QUEUE,
+            Duration::from_millis(ms),
+        ));
+    }
+    for q in &stale {
+        ch.queue_delete(q.as_str().into(), Default::default())
+            .await
+            .with_context(|| format!("cannot delete the queue {q}"))?;
+    }
+    for q in [RABBIT_QUEUE, RABBIT_CONFIRM_QUEUE] {
+        ch.queue_declare(
+            q.into(),
+            QueueDeclareOptions::durable(),
+            FieldTable::default(),
+        )
+        .await
+        .with_context(|| format!("cannot declare the queue {q}"))?;
+    }
+    ch.queue_bind(
+        RABBIT_QUEUE.into(),
+        RABBIT_EXCHANGE.into(),
+        "#".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await?;
+    let _ = conn.close(200, "demo set up".into()).await;
+    Ok(())
 }
 
 /// Starts, kills and restarts the embedded relay.
@@ -2490,6 +2626,9 @@ impl Report {
                 #[cfg(feature = "rocketmq")]
                 Delivery::RocketMq(_) =>
                     "  (RocketMQ keeps every re-publish: each copy is recognised by the inbox)",
+                #[cfg(feature = "rabbitmq")]
+                Delivery::RabbitMq { .. } =>
+                    "  (RabbitMQ keeps every re-published copy; the inbox absorbs them)",
             }
         );
         if self.consumer_failures > 0 || self.consumer_dead_letters > 0 {

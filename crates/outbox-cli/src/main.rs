@@ -232,7 +232,7 @@ pub async fn open_store(
 }
 
 /// The URL with any password replaced by `***`.
-fn redact(url: &str) -> String {
+pub(crate) fn redact(url: &str) -> String {
     match (url.find("://"), url.rfind('@')) {
         (Some(s), Some(at)) if at > s => {
             let creds = &url[s + 3..at];
@@ -431,6 +431,18 @@ async fn spawn_confirmations(
                 let total =
                     outbox::confirm::nats::listen(client, subject, queue, store, cancel).await?;
                 listener_stopped(total, &stop, "the NATS subscription ended")
+            })
+        }
+        #[cfg(feature = "rabbitmq")]
+        ref section @ config::ConfirmationsSection::Rabbitmq { ref queue, .. } => {
+            let connection = section.rabbitmq()?.context("confirmations: not rabbitmq")?;
+            let queue = queue.clone();
+            tracing::info!(queue, "listening for confirmations on RabbitMQ");
+            tokio::spawn(async move {
+                let stop = cancel.clone();
+                let total =
+                    outbox::confirm::rabbitmq::listen(connection, queue, store, cancel).await?;
+                listener_stopped(total, &stop, "the RabbitMQ confirmation listener ended")
             })
         }
         #[cfg(feature = "redis")]

@@ -72,6 +72,9 @@ pub use redis::{RedisFixture, redis_url};
 pub mod kafka;
 
 pub use kafka::KafkaFixture;
+pub mod rabbitmq;
+
+pub use rabbitmq::{RabbitMqFixture, rabbitmq_config, rabbitmq_host_port, rabbitmq_url};
 
 /// Default PostgreSQL URL when `OUTBOX_TEST_POSTGRES_URL` is unset.
 pub const DEFAULT_POSTGRES_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
@@ -516,6 +519,24 @@ pub fn claimed_message(topic: &str, payload: impl Into<Vec<u8>>) -> Message {
     }
 }
 
+/// Publish `msgs` through `t` in one batch, message `i` to `destination(i)`; one result per
+/// message, in order.
+pub async fn publish_to<'a>(
+    t: &dyn Transport,
+    msgs: &'a [Message],
+    destination: impl Fn(usize) -> &'a str,
+) -> Vec<Result<(), TransportError>> {
+    let batch: Vec<Outgoing<'a>> = msgs
+        .iter()
+        .enumerate()
+        .map(|(i, m)| Outgoing {
+            message: m,
+            destination: destination(i),
+        })
+        .collect();
+    t.publish(&batch).await
+}
+
 /// One webhook delivery as received: headers, body, URL path.
 pub type RawDelivery = (axum::http::HeaderMap, Vec<u8>, String);
 
@@ -839,6 +860,7 @@ pub struct FaultProxy {
     /// Where it listens.
     pub addr: SocketAddr,
     blocked: Arc<AtomicBool>,
+    replies_dropped: Arc<AtomicBool>,
     cut: Arc<tokio::sync::watch::Sender<u64>>,
     shutdown: tokio_util::sync::CancellationToken,
 }
@@ -854,10 +876,12 @@ impl FaultProxy {
             .expect("bind proxy");
         let addr = listener.local_addr().expect("local addr");
         let blocked = Arc::new(AtomicBool::new(false));
+        let replies_dropped = Arc::new(AtomicBool::new(false));
         let (cut, _) = tokio::sync::watch::channel(0u64);
         let cut = Arc::new(cut);
         let shutdown = tokio_util::sync::CancellationToken::new();
         let (b, c, s) = (blocked.clone(), cut.clone(), shutdown.clone());
+        let dropped = replies_dropped.clone();
         tokio::spawn(async move {
             loop {
                 let (mut client, _) = tokio::select! {
@@ -871,14 +895,33 @@ impl FaultProxy {
                 let mut cut_rx = c.subscribe();
                 let upstream = upstream.clone();
                 let s = s.clone();
+                let dropped = dropped.clone();
                 tokio::spawn(async move {
-                    let Ok(mut server) = tokio::net::TcpStream::connect(&upstream).await else {
+                    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+                    let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
                         return;
+                    };
+                    let (mut client_rx, mut client_tx) = client.split();
+                    let (mut server_rx, mut server_tx) = server.into_split();
+                    let up = tokio::io::copy(&mut client_rx, &mut server_tx);
+                    // Server to client, discarding while replies are dropped.
+                    let down = async {
+                        let mut buf = vec![0u8; 16 * 1024];
+                        loop {
+                            let n = server_rx.read(&mut buf).await?;
+                            if n == 0 {
+                                return Ok::<(), std::io::Error>(());
+                            }
+                            if !dropped.load(Ordering::SeqCst) {
+                                client_tx.write_all(&buf[..n]).await?;
+                            }
+                        }
                     };
                     tokio::select! {
                         _ = s.cancelled() => {}
                         _ = cut_rx.changed() => {}
-                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                        _ = up => {}
+                        _ = down => {}
                     }
                 });
             }
@@ -886,9 +929,17 @@ impl FaultProxy {
         FaultProxy {
             addr,
             blocked,
+            replies_dropped,
             cut,
             shutdown,
         }
+    }
+
+    /// While set, forward client → server but discard everything the server sends back (the
+    /// client's requests arrive, their answers are lost, as behind a one-way network fault);
+    /// [`FaultProxy::set_blocked`] then cuts the connections.
+    pub fn set_replies_dropped(&self, dropped: bool) {
+        self.replies_dropped.store(dropped, Ordering::SeqCst);
     }
 
     /// Block (cut every open connection, refuse new ones) or unblock.

@@ -4,7 +4,7 @@
 use outbox::TransportErrorKind;
 use outbox::transport::Outgoing;
 
-use crate::{TransportFixture, claimed_message, header_message_id};
+use crate::{TransportFixture, claimed_message, header_message_id, publish_to};
 
 /// A batch is acknowledged: one `Ok` per message, and the broker holds every message, each with
 /// its message id in the native id field and in `outbox-message-id`, its topic, user headers and
@@ -82,15 +82,10 @@ pub async fn results_are_in_input_order<F: TransportFixture>(fx: &F) {
     let msgs: Vec<_> = (0..5)
         .map(|i| claimed_message("t", format!("m{i}")))
         .collect();
-    let batch: Vec<Outgoing<'_>> = msgs
-        .iter()
-        .enumerate()
-        .map(|(i, m)| Outgoing {
-            message: m,
-            destination: if i == 2 { &bad } else { &good },
-        })
-        .collect();
-    let results = fx.transport().publish(&batch).await;
+    let results = publish_to(fx.transport().as_ref(), &msgs, |i| {
+        if i == 2 { &bad } else { &good }
+    })
+    .await;
     assert_eq!(results.len(), 5);
     for (i, r) in results.iter().enumerate() {
         if i == 2 {

@@ -68,6 +68,8 @@ pub use transport::kafka::{KafkaConfig, KafkaTransport};
 pub use transport::mqtt::{MqttConfig, MqttTransport, NoSubscribers};
 #[cfg(feature = "nats")]
 pub use transport::nats::{NatsConfig, NatsTransport, StreamSetup};
+#[cfg(feature = "rabbitmq")]
+pub use transport::rabbitmq::{RabbitMqConfig, RabbitMqTransport, Unroutable};
 #[cfg(feature = "redis")]
 pub use transport::redis::{RedisConfig, RedisTransport, WaitReplicas};
 #[cfg(feature = "rocketmq")]

@@ -206,24 +206,27 @@ pub(crate) async fn wait_status(
     .await;
 }
 
-/// The NATS side of a test: PostgreSQL producer with a compensation hook, a relay routing every
-/// topic with confirmations, the producer's confirmation listener, and an inbox in the same
-/// database (its own table).
-struct NatsSetup {
-    fx: PgFixture,
-    nats: NatsFixture,
-    ctl: Arc<HookControl>,
-    relay: RelayHandle,
-    inbox: Inbox<sqlx::Postgres>,
-    effects: String,
-    stop_listener: CancellationToken,
-    listener: tokio::task::JoinHandle<Result<outbox::ConfirmReport, async_nats::SubscribeError>>,
+/// The producer and consumer databases of an end-to-end test, whatever the broker: PostgreSQL
+/// producer with a compensation hook, a relay routing every topic with confirmations through
+/// `transport` to `destination` (replies to `reply_to`), and an inbox in the same database (its
+/// own table), with an `effects` table for the handler.
+pub(crate) struct PgProducer {
+    pub(crate) fx: PgFixture,
+    pub(crate) ctl: Arc<HookControl>,
+    /// The store with the hook, for the broker's confirmation listener.
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) relay: RelayHandle,
+    pub(crate) inbox: Inbox<sqlx::Postgres>,
+    pub(crate) effects: String,
 }
 
-impl NatsSetup {
-    async fn new() -> NatsSetup {
+impl PgProducer {
+    pub(crate) async fn start(
+        transport: Arc<dyn outbox::Transport>,
+        destination: String,
+        reply_to: String,
+    ) -> PgProducer {
         let fx = PgFixture::new().await;
-        let nats = NatsFixture::new().await;
         let ctl = Arc::new(HookControl::default());
         let store = fx.store_with_hook(ctl.clone()).await;
         let effects = format!("{}.effects", fx.schema);
@@ -231,31 +234,16 @@ impl NatsSetup {
             "CREATE TABLE {effects} (message_id text NOT NULL, payload bytea)"
         ))
         .await;
-        let reply = format!("{}_confirm.producer", nats.prefix);
         let policy = ConfirmPolicy {
-            reply_to: reply.clone(),
+            reply_to,
             timeout: Duration::from_secs(1),
         };
         let relay = Relay::builder(store.clone())
-            .router(Router::new().route_confirmed(
-                "*",
-                nats.transport.clone(),
-                format!("{}.{{topic}}", nats.prefix),
-                policy,
-            ))
+            .router(Router::new().route_confirmed("*", transport, destination, policy))
             .config(confirm_config("r1"))
             .build()
             .expect("relay")
             .spawn();
-        let stop_listener = CancellationToken::new();
-        let client = outbox_testkit::nats_client().await;
-        let listener = tokio::spawn(outbox::confirm::nats::listen(
-            client,
-            reply,
-            "producer".into(),
-            store,
-            stop_listener.clone(),
-        ));
         let inbox = Inbox::<sqlx::Postgres>::new(
             fx.store.pool().clone(),
             &format!("{}.consumer_inbox", fx.schema),
@@ -263,13 +251,124 @@ impl NatsSetup {
         )
         .unwrap();
         inbox.migrate().await.unwrap();
-        NatsSetup {
+        PgProducer {
             fx,
-            nats,
             ctl,
+            store,
             relay,
             inbox,
             effects,
+        }
+    }
+
+    pub(crate) async fn effects_of(&self, id: Uuid) -> i64 {
+        pg_count(
+            &self.fx,
+            &format!(
+                "SELECT COUNT(*) FROM {} WHERE message_id = '{id}'",
+                self.effects
+            ),
+        )
+        .await
+    }
+
+    pub(crate) async fn finish(self) {
+        self.relay.shutdown().await.unwrap();
+        self.fx.cleanup().await;
+    }
+}
+
+/// The messages of the confirmed/rejected/lost scenario: 10 `ok-<n>`, 3 `reject-<n>` and one
+/// `lost`, whose first confirmation `sender` drops.
+pub(crate) fn lost_confirmation_messages(sender: &FaultySender) -> Vec<NewMessage> {
+    let mut msgs: Vec<NewMessage> = (0..10)
+        .map(|i| NewMessage::new("orders", format!("ok-{i}")))
+        .collect();
+    msgs.extend((0..3).map(|i| NewMessage::new("orders", format!("reject-{i}"))));
+    msgs.push(NewMessage::new("orders", "lost"));
+    sender.lose.lock().unwrap().insert(msgs[13].message_id());
+    msgs
+}
+
+/// The outcome of that scenario (`ids` as enqueued): processed messages CONFIRMED with their
+/// effect once, rejected ones REJECTED with the compensation once and no effect, the lost
+/// confirmation recovered by a check-back (the copy a duplicate at the inbox, its verdict sent
+/// again).
+pub(crate) async fn check_lost_confirmation_outcome(
+    p: &PgProducer,
+    ids: &[Uuid],
+    sender: &FaultySender,
+    metrics: &ConsumerMetrics,
+) {
+    let (ok, rejected, lost) = (&ids[..10], &ids[10..13], ids[13]);
+    wait_status(&p.fx, ok, Status::Confirmed, Duration::from_secs(15)).await;
+    wait_status(&p.fx, rejected, Status::Rejected, Duration::from_secs(15)).await;
+    wait_status(&p.fx, &[lost], Status::Confirmed, Duration::from_secs(15)).await;
+
+    for id in rejected {
+        assert_eq!(p.fx.compensations(*id).await, 1, "compensation ran once");
+        assert_eq!(p.effects_of(*id).await, 0, "a rejection leaves no effect");
+        let err = p.fx.row(*id).await.last_error.unwrap_or_default();
+        assert!(err.contains("refused reject-"), "{err}");
+    }
+    assert_eq!(p.ctl.calls.load(Ordering::SeqCst), 3);
+    for id in ok.iter().chain([&lost]) {
+        assert_eq!(p.effects_of(*id).await, 1, "effect exactly once");
+        assert_eq!(p.fx.compensations(*id).await, 0);
+    }
+    assert_eq!(sender.lost.load(Ordering::SeqCst), 1);
+    assert!(
+        p.fx.confirm_state(lost).await.check_backs >= 1,
+        "the lost confirmation was recovered by a check-back"
+    );
+    assert_eq!(sender.sent_for(lost), vec![Verdict::Processed]);
+    assert!(metrics.duplicates.load(Ordering::Relaxed) >= 1);
+    assert_eq!(metrics.applied.load(Ordering::Relaxed), 11);
+    assert_eq!(metrics.rejected.load(Ordering::Relaxed), 3);
+    assert!(p.relay.metrics().snapshot().checked_back >= 1);
+    let stats = p.fx.store().stats().await.unwrap();
+    assert_eq!(stats.awaiting_confirmation, 0);
+}
+
+/// The NATS side of a test: a [`PgProducer`] publishing to a stream of its own, and the
+/// producer's confirmation listener.
+struct NatsSetup {
+    producer: PgProducer,
+    nats: NatsFixture,
+    stop_listener: CancellationToken,
+    listener: tokio::task::JoinHandle<Result<outbox::ConfirmReport, async_nats::SubscribeError>>,
+}
+
+impl std::ops::Deref for NatsSetup {
+    type Target = PgProducer;
+
+    fn deref(&self) -> &PgProducer {
+        &self.producer
+    }
+}
+
+impl NatsSetup {
+    async fn new() -> NatsSetup {
+        let nats = NatsFixture::new().await;
+        let reply = format!("{}_confirm.producer", nats.prefix);
+        let producer = PgProducer::start(
+            nats.transport.clone(),
+            format!("{}.{{topic}}", nats.prefix),
+            reply.clone(),
+        )
+        .await;
+        let stop_listener = CancellationToken::new();
+        let client = outbox_testkit::nats_client().await;
+        let listener = tokio::spawn(outbox::confirm::nats::listen(
+            client,
+            reply,
+            "producer".into(),
+            producer.store.clone(),
+            stop_listener.clone(),
+        ));
+        NatsSetup {
+            producer,
+            nats,
             stop_listener,
             listener,
         }
@@ -301,23 +400,11 @@ impl NatsSetup {
         ))
     }
 
-    async fn effects_of(&self, id: Uuid) -> i64 {
-        pg_count(
-            &self.fx,
-            &format!(
-                "SELECT COUNT(*) FROM {} WHERE message_id = '{id}'",
-                self.effects
-            ),
-        )
-        .await
-    }
-
     async fn finish(self) {
         self.stop_listener.cancel();
         let _ = within("listener to stop", Duration::from_secs(5), self.listener).await;
-        self.relay.shutdown().await.unwrap();
         self.nats.cleanup().await;
-        self.fx.cleanup().await;
+        self.producer.finish().await;
     }
 }
 
@@ -331,13 +418,7 @@ async fn nats_postgres_confirmed_rejected_and_lost_confirmation() {
     let s = NatsSetup::new().await;
     let client = outbox_testkit::nats_client().await;
     let sender = FaultySender::new(Arc::new(NatsConfirmationSender::new(client)));
-    let mut msgs: Vec<NewMessage> = (0..10)
-        .map(|i| NewMessage::new("orders", format!("ok-{i}")))
-        .collect();
-    msgs.extend((0..3).map(|i| NewMessage::new("orders", format!("reject-{i}"))));
-    msgs.push(NewMessage::new("orders", "lost"));
-    let lost = msgs[13].message_id();
-    sender.lose.lock().unwrap().insert(lost);
+    let msgs = lost_confirmation_messages(&sender);
     let handler = ScriptedHandler::new(&s.effects);
     let metrics = Arc::new(ConsumerMetrics::default());
     let cancel = CancellationToken::new();
@@ -348,35 +429,7 @@ async fn nats_postgres_confirmed_rejected_and_lost_confirmation() {
         cancel.clone(),
     );
     let ids = s.fx.enqueue_commit(msgs).await.unwrap();
-    let (ok, rejected) = (&ids[..10], &ids[10..13]);
-
-    wait_status(&s.fx, ok, Status::Confirmed, Duration::from_secs(15)).await;
-    wait_status(&s.fx, rejected, Status::Rejected, Duration::from_secs(15)).await;
-    wait_status(&s.fx, &[lost], Status::Confirmed, Duration::from_secs(15)).await;
-
-    for id in rejected {
-        assert_eq!(s.fx.compensations(*id).await, 1, "compensation ran once");
-        assert_eq!(s.effects_of(*id).await, 0, "a rejection leaves no effect");
-        let err = s.fx.row(*id).await.last_error.unwrap_or_default();
-        assert!(err.contains("refused reject-"), "{err}");
-    }
-    assert_eq!(s.ctl.calls.load(Ordering::SeqCst), 3);
-    for id in ok.iter().chain([&lost]) {
-        assert_eq!(s.effects_of(*id).await, 1, "effect exactly once");
-        assert_eq!(s.fx.compensations(*id).await, 0);
-    }
-    assert_eq!(sender.lost.load(Ordering::SeqCst), 1);
-    assert!(
-        s.fx.confirm_state(lost).await.check_backs >= 1,
-        "the lost confirmation was recovered by a check-back"
-    );
-    assert_eq!(sender.sent_for(lost), vec![Verdict::Processed]);
-    assert!(metrics.duplicates.load(Ordering::Relaxed) >= 1);
-    assert_eq!(metrics.applied.load(Ordering::Relaxed), 11);
-    assert_eq!(metrics.rejected.load(Ordering::Relaxed), 3);
-    assert!(s.relay.metrics().snapshot().checked_back >= 1);
-    let stats = s.fx.store().stats().await.unwrap();
-    assert_eq!(stats.awaiting_confirmation, 0);
+    check_lost_confirmation_outcome(&s, &ids, &sender, &metrics).await;
     cancel.cancel();
     within("consumer to stop", Duration::from_secs(5), consumer)
         .await

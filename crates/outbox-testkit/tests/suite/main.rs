@@ -2,6 +2,7 @@
 //! test binary).
 //!
 //! Services: `OUTBOX_TEST_POSTGRES_URL` (default `postgres://postgres@127.0.0.1:5432/test`),
+//! `OUTBOX_TEST_RABBITMQ_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`),
 //! `OUTBOX_TEST_MYSQL_URL` (default `mysql://root@127.0.0.1:3306/test`) and
 //! `OUTBOX_TEST_NATS_URL` (default `nats://127.0.0.1:4222`), `OUTBOX_TEST_REDIS_URL` (default
 //! `redis://127.0.0.1:6379`) and `OUTBOX_TEST_MQTT_URL` (default `mqtt://127.0.0.1:1883`). A test whose service does not answer
@@ -18,6 +19,7 @@ mod crash_mysql;
 mod inbox;
 mod kafka;
 mod mqtt;
+mod rabbitmq;
 mod redis;
 mod relay;
 #[cfg(feature = "rocketmq")]

@@ -45,6 +45,7 @@ transport_conformance!(mqtt, outbox_testkit::MqttFixture);
 transport_conformance!(kafka, outbox_testkit::KafkaFixture);
 #[cfg(feature = "rocketmq")]
 transport_conformance!(rocketmq, outbox_testkit::RocketMqFixture);
+transport_conformance!(rabbitmq, outbox_testkit::RabbitMqFixture);
 
 async fn publish_one(t: &dyn Transport, dest: &str) -> Result<(), outbox::TransportError> {
     let m = claimed_message("t", "{}");

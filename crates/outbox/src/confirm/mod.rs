@@ -228,6 +228,8 @@ pub(crate) fn record(total: &mut ConfirmReport, r: ConfirmReport) {
 pub mod kafka;
 #[cfg(feature = "mqtt")]
 pub mod mqtt;
+#[cfg(feature = "rabbitmq")]
+pub mod rabbitmq;
 #[cfg(feature = "redis")]
 pub mod redis;
 #[cfg(feature = "rocketmq")]

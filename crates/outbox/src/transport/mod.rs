@@ -21,6 +21,8 @@ pub mod memory;
 pub mod mqtt;
 #[cfg(feature = "nats")]
 pub mod nats;
+#[cfg(feature = "rabbitmq")]
+pub mod rabbitmq;
 #[cfg(feature = "redis")]
 pub mod redis;
 #[cfg(feature = "rocketmq")]

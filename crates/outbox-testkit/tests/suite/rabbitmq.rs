@@ -1,0 +1,952 @@
+//! RabbitMQ against the real broker (`OUTBOX_TEST_RABBITMQ_URL`): shared case C04 (a) missing
+//! exchange, (b) unroutable with the mandatory flag, (c) connection cut after the publish frame and
+//! before the confirm, through a real relay and store; the transport's own traps (an exchange
+//! deleted after its check, size limits, unroutable policy, connection refused); the consumer
+//! runner end to end with confirmations over RabbitMQ, redelivery with backoff through the retry
+//! queues, dead letters, malformed messages, and per-key order with concurrency 4.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use outbox::confirm::rabbitmq::RabbitMqConfirmationSender;
+use outbox::consumer::ConsumerMetrics;
+use outbox::consumer::rabbitmq::{RabbitMqConsumerConfig, retry_queue, retry_tier};
+use outbox::transport::Transport;
+use outbox::{
+    HandlerError, InboundMessage, Inbox, Message, NewMessage, Relay, RelayConfig, Router, Status,
+    TransportErrorKind, Unroutable, Verdict,
+};
+use outbox_testkit::{
+    FaultProxy, PgFixture, RabbitMqFixture, SqliteFixture, StoreFixture, TransportFixture as _,
+    claimed_message, publish_to, rabbitmq_config, rabbitmq_host_port, rabbitmq_url, wait_until,
+    within,
+};
+use sqlx::{AssertSqlSafe, PgConnection};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use crate::confirm::{
+    FaultySender, PgProducer, ScriptedHandler, check_lost_confirmation_outcome, fast_retry,
+    lost_confirmation_messages, pg_count, wait_status,
+};
+use crate::inbox::EffectHandler;
+use crate::relay::fast_config;
+
+/// A consumer database (SQLite) with an inbox `consumer_inbox` and an `effects` table.
+async fn sqlite_consumer(name: &str) -> (SqliteFixture, Inbox<sqlx::Sqlite>) {
+    let db = SqliteFixture::new().await;
+    sqlx::query("CREATE TABLE effects (message_id TEXT NOT NULL, payload BLOB)")
+        .execute(db.store.pool())
+        .await
+        .unwrap();
+    let inbox =
+        Inbox::<sqlx::Sqlite>::new(db.store.pool().clone(), "consumer_inbox", name).unwrap();
+    inbox.migrate().await.unwrap();
+    (db, inbox)
+}
+
+async fn sqlite_effects(db: &SqliteFixture, id: Uuid) -> i64 {
+    sqlx::query_scalar("SELECT COUNT(*) FROM effects WHERE message_id = ?1")
+        .bind(id.to_string())
+        .fetch_one(db.store.pool())
+        .await
+        .unwrap()
+}
+
+fn consumer_config(fx: &RabbitMqFixture) -> RabbitMqConsumerConfig {
+    let mut c = RabbitMqConsumerConfig::new(rabbitmq_config(&rabbitmq_url()), fx.queue.clone());
+    c.retry = fast_retry();
+    c.maintenance_interval = Duration::from_millis(200);
+    c.dedup_window = None;
+    c
+}
+
+fn spawn_runner<DB, H>(
+    config: RabbitMqConsumerConfig,
+    inbox: Inbox<DB>,
+    handler: Arc<H>,
+    metrics: Arc<ConsumerMetrics>,
+    cancel: CancellationToken,
+) -> tokio::task::JoinHandle<Result<(), outbox::ConfigError>>
+where
+    DB: outbox::InboxBackend,
+    H: outbox::Handler<DB> + ?Sized,
+{
+    tokio::spawn(outbox::consumer::rabbitmq::run(
+        config, inbox, handler, metrics, cancel,
+    ))
+}
+
+async fn stop(
+    cancel: CancellationToken,
+    runner: tokio::task::JoinHandle<Result<(), outbox::ConfigError>>,
+) {
+    cancel.cancel();
+    within("the runner to stop", Duration::from_secs(10), runner)
+        .await
+        .unwrap()
+        .unwrap();
+}
+
+/// C04 (a): a message routed to an exchange that does not exist is not SENT: it is FAILED at once
+/// (permanent) with the broker's reason recorded; the other messages of the same relay batch are
+/// published and SENT (a 404 closing a channel does not take them down).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c04a_missing_exchange_not_sent_reason_recorded() {
+    crate::init_tracing();
+    let fx = RabbitMqFixture::new().await;
+    let db = SqliteFixture::new().await;
+    let missing = format!("{}_missing", fx.exchange);
+    let router = Router::new()
+        .route("bad", fx.transport.clone(), format!("{missing}/{{topic}}"))
+        .route(
+            "*",
+            fx.transport.clone(),
+            format!("{}/{{topic}}", fx.exchange),
+        );
+    let relay = Relay::builder(db.store())
+        .router(router)
+        .config(fast_config("c04a"))
+        .build()
+        .unwrap()
+        .spawn();
+    let mut msgs: Vec<NewMessage> = (0..3)
+        .map(|i| NewMessage::new("good", format!("g{i}")))
+        .collect();
+    msgs.insert(1, NewMessage::new("bad", "b"));
+    let ids = db.enqueue_commit(msgs).await.unwrap();
+    let bad = ids[1];
+    wait_status(&db, &[bad], Status::Failed, Duration::from_secs(10)).await;
+    let good: Vec<Uuid> = ids.iter().copied().filter(|id| *id != bad).collect();
+    wait_status(&db, &good, Status::Sent, Duration::from_secs(10)).await;
+    let row = db.row(bad).await;
+    assert!(!row.sent, "never marked sent");
+    assert_eq!(row.attempts, 1, "permanent: one attempt");
+    let err = row.last_error.unwrap_or_default();
+    assert!(err.contains("404") && err.contains("NOT_FOUND"), "{err}");
+    assert!(err.contains(&missing), "{err}");
+    let stored = fx.take_all(&fx.queue).await;
+    assert_eq!(stored.len(), 3);
+    for id in &good {
+        assert!(
+            stored
+                .iter()
+                .any(|s| s.received.native_id == Some(id.to_string()))
+        );
+    }
+    relay.shutdown().await.unwrap();
+    fx.cleanup().await;
+}
+
+/// C04 (b): the exchange exists but no queue is bound: with the mandatory flag the broker returns
+/// the message (`312 NO_ROUTE`), which is not a success: the row is retried, never SENT, and ends
+/// FAILED after its attempts with the broker's reason recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c04b_unroutable_with_mandatory_not_success() {
+    crate::init_tracing();
+    let fx = RabbitMqFixture::new().await;
+    let unbound = fx.extra_exchange("unbound").await;
+    let db = SqliteFixture::new().await;
+    let relay = Relay::builder(db.store())
+        .router(Router::new().route("*", fx.transport.clone(), format!("{unbound}/{{topic}}")))
+        .config(fast_config("c04b"))
+        .build()
+        .unwrap()
+        .spawn();
+    let ids = db
+        .enqueue_commit(vec![
+            NewMessage::new("orders", "nobody listens").with_max_attempts(2),
+        ])
+        .await
+        .unwrap();
+    wait_status(&db, &ids, Status::Failed, Duration::from_secs(15)).await;
+    let row = db.row(ids[0]).await;
+    assert!(!row.sent, "an unroutable message is never SENT");
+    assert_eq!(
+        row.attempts, 2,
+        "retried (Unroutable::Retry) up to max_attempts"
+    );
+    let err = row.last_error.unwrap_or_default();
+    assert!(
+        err.contains("312 NO_ROUTE") && err.contains(&unbound),
+        "{err}"
+    );
+    relay.shutdown().await.unwrap();
+    fx.cleanup().await;
+}
+
+/// C04 (c): the connection is cut after the publish frame reached the broker but before its
+/// confirm came back (a proxy drops the server's replies, then cuts): the transport reports the
+/// broker unavailable, the row is not SENT; after reconnecting the relay publishes it again with
+/// the same `message_id`, so the queue holds two copies sharing it, and the consumer's inbox
+/// applies it once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn c04c_cut_before_confirm_republished_with_same_id_applied_once() {
+    crate::init_tracing();
+    let proxy = FaultProxy::start(rabbitmq_host_port()).await;
+    let mut config = rabbitmq_config(&format!("amqp://guest:guest@{}/%2f", proxy.addr));
+    config.confirm_timeout = Duration::from_secs(30);
+    let fx = RabbitMqFixture::with_config(config).await;
+    let dest = format!("{}/orders", fx.exchange);
+    // Warm up: a channel is open and the exchange checked before the replies are dropped.
+    let warm = claimed_message("orders", "warm-up");
+    let r = publish_to(fx.transport.as_ref(), std::slice::from_ref(&warm), |_| {
+        &dest
+    })
+    .await;
+    assert!(r[0].is_ok(), "{r:?}");
+    assert_eq!(fx.take_all(&fx.queue).await.len(), 1);
+
+    let db = SqliteFixture::new().await;
+    let relay = Relay::builder(db.store())
+        .router(Router::new().route(
+            "*",
+            fx.transport.clone(),
+            format!("{}/{{topic}}", fx.exchange),
+        ))
+        .config(RelayConfig {
+            publish_timeout: Duration::from_secs(20),
+            lease: Duration::from_secs(60),
+            ..fast_config("c04c")
+        })
+        .build()
+        .unwrap()
+        .spawn();
+    proxy.set_replies_dropped(true);
+    let ids = db
+        .enqueue_commit(vec![NewMessage::new("orders", "cut before confirm")])
+        .await
+        .unwrap();
+    let id = ids[0];
+    wait_until(
+        "the broker to hold the message",
+        Duration::from_secs(10),
+        || async { fx.ready(&fx.queue).await >= 1 },
+    )
+    .await;
+    assert!(!db.row(id).await.sent, "no confirm, not SENT");
+    proxy.set_blocked(true);
+    // Unavailable: released unsent, the attempt not counted, the transport marked down.
+    wait_until(
+        "the row to be released unsent",
+        Duration::from_secs(10),
+        || async {
+            let r = db.row(id).await;
+            r.status == Status::Pending.as_i16() && !r.sent
+        },
+    )
+    .await;
+    let m = relay.metrics().snapshot();
+    assert!(m.released >= 1 && m.outages >= 1, "{m:?}");
+    assert_eq!(m.sent, 0);
+    proxy.set_replies_dropped(false);
+    proxy.set_blocked(false);
+    wait_status(&db, &ids, Status::Sent, Duration::from_secs(20)).await;
+    relay.shutdown().await.unwrap();
+
+    let copies = fx.take_all(&fx.queue).await;
+    assert!(
+        copies.len() >= 2,
+        "re-published after reconnect: {} copies",
+        copies.len()
+    );
+    for c in &copies {
+        assert_eq!(
+            c.received.native_id,
+            Some(id.to_string()),
+            "same message_id"
+        );
+        assert_eq!(c.properties.delivery_mode(), &Some(2));
+    }
+    for c in &copies {
+        fx.publish_stored(&fx.queue, c).await;
+    }
+    let (consumer_db, inbox) = sqlite_consumer("c04c").await;
+    let handler = Arc::new(EffectHandler::new("effects"));
+    let metrics = Arc::new(ConsumerMetrics::default());
+    let cancel = CancellationToken::new();
+    let runner = spawn_runner(
+        consumer_config(&fx),
+        inbox,
+        handler.clone(),
+        metrics.clone(),
+        cancel.clone(),
+    );
+    let n = copies.len() as u64;
+    wait_until("every copy consumed", Duration::from_secs(10), || async {
+        metrics.applied.load(Ordering::Relaxed) + metrics.duplicates.load(Ordering::Relaxed) == n
+    })
+    .await;
+    assert_eq!(metrics.applied.load(Ordering::Relaxed), 1);
+    assert_eq!(sqlite_effects(&consumer_db, id).await, 1, "applied once");
+    stop(cancel, runner).await;
+    fx.cleanup().await;
+}
+
+/// Native fields: `message_id` (with the `-r<n>` suffix on an intentional redelivery),
+/// persistent delivery mode, `content_type`, `type` = topic, `timestamp`, `app_id`, and every
+/// header (traceparent included) in the AMQP headers table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn native_properties_and_headers() {
+    crate::init_tracing();
+    let fx = RabbitMqFixture::new().await;
+    let mut m = claimed_message("orders.created", "{\"order\":1}");
+    m.headers
+        .insert("content-type".into(), "application/json".into());
+    m.headers.insert(
+        "traceparent".into(),
+        "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into(),
+    );
+    m.partition_key = Some("order-1".into());
+    let mut again = claimed_message("orders.created", "again");
+    again.redelivery = 2;
+    let good = fx.good_destination();
+    let r = publish_to(fx.transport.as_ref(), &[m.clone(), again.clone()], |_| {
+        &good
+    })
+    .await;
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    let stored = fx.take_all(&fx.queue).await;
+    assert_eq!(stored.len(), 2);
+    let p = &stored[0].properties;
+    assert_eq!(stored[0].received.native_id, Some(m.message_id.to_string()));
+    assert_eq!(p.delivery_mode(), &Some(2));
+    assert_eq!(
+        p.content_type().as_ref().map(|s| s.as_str()),
+        Some("application/json")
+    );
+    assert_eq!(
+        p.kind().as_ref().map(|s| s.as_str()),
+        Some("orders.created")
+    );
+    assert_eq!(p.app_id().as_ref().map(|s| s.as_str()), Some("outbox"));
+    assert!(p.timestamp().is_some_and(|t| t > 1_600_000_000));
+    let h = &stored[0].received.headers;
+    assert_eq!(h.get("traceparent"), m.headers.get("traceparent"));
+    assert_eq!(
+        h.get("outbox-partition-key").map(String::as_str),
+        Some("order-1")
+    );
+    assert_eq!(h.get("outbox-message-id"), Some(&m.message_id.to_string()));
+    assert_eq!(
+        stored[0].received.destination,
+        format!("{}/ok", fx.exchange)
+    );
+    assert_eq!(
+        stored[1].received.native_id,
+        Some(format!("{}-r2", again.message_id)),
+        "an intentional redelivery carries its own message_id"
+    );
+    fx.cleanup().await;
+}
+
+/// An exchange deleted after the transport checked it: the publish closes the channel (404);
+/// the other messages of the batch still get their own results, the one for the deleted
+/// exchange fails permanently with the broker's reason, and the next batch checks again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exchange_deleted_after_check_fails_only_its_message() {
+    crate::init_tracing();
+    let fx = RabbitMqFixture::new().await;
+    let gone = fx.extra_exchange("gone").await;
+    let gone_dest = format!("{gone}/x");
+    // Checked and cached (unroutable: no queue bound to it, which is not the point here).
+    let _ = publish_to(fx.transport.as_ref(), &[claimed_message("t", "0")], |_| {
+        &gone_dest
+    })
+    .await;
+    fx.delete_exchange(&gone).await;
+    let good = fx.good_destination();
+    let msgs: Vec<Message> = (0..5)
+        .map(|i| claimed_message("t", format!("m{i}")))
+        .collect();
+    let results = publish_to(fx.transport().as_ref(), &msgs, |i| {
+        if i == 1 { &gone_dest } else { &good }
+    })
+    .await;
+    for (i, r) in results.iter().enumerate() {
+        if i == 1 {
+            let e = r.as_ref().unwrap_err();
+            assert_eq!(e.kind(), TransportErrorKind::Permanent, "{e:?}");
+            assert!(e.message().contains("404"), "{e:?}");
+        } else {
+            assert!(r.is_ok(), "message {i}: {r:?}");
+        }
+    }
+    let received = fx.received().await;
+    for (i, m) in msgs.iter().enumerate() {
+        let n = received
+            .iter()
+            .filter(|r| r.native_id == Some(m.message_id.to_string()))
+            .count();
+        if i == 1 {
+            assert_eq!(n, 0);
+        } else {
+            assert!(n >= 1, "message {i} in the queue");
+        }
+    }
+    // The next batch finds the exchange missing at its check.
+    let e = publish_to(
+        fx.transport.as_ref(),
+        &[claimed_message("t", "late")],
+        |_| &gone_dest,
+    )
+    .await
+    .remove(0)
+    .unwrap_err();
+    assert_eq!(e.kind(), TransportErrorKind::Permanent);
+    assert!(e.message().contains("does not exist"), "{e:?}");
+    fx.cleanup().await;
+}
+
+/// Size limits and bad destinations are permanent and do not affect their neighbours: a payload
+/// over `max_message_bytes`, headers that do not fit in one frame, an empty destination; an
+/// unroutable message is permanent under [`Unroutable::Fail`].
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limits_destinations_and_unroutable_policy() {
+    crate::init_tracing();
+    let mut config = rabbitmq_config(&rabbitmq_url());
+    config.max_message_bytes = 1024;
+    config.unroutable = Unroutable::Fail;
+    let fx = RabbitMqFixture::with_config(config).await;
+    let good = fx.good_destination();
+    let big = claimed_message("t", vec![1u8; 1025]);
+    let mut wide = claimed_message("t", "wide");
+    for i in 0..40 {
+        wide.headers.insert(format!("h{i}"), "v".repeat(4000));
+    }
+    let unbound = fx.extra_exchange("unbound").await;
+    let unbound_dest = format!("{unbound}/k");
+    let msgs = [
+        big,
+        wide,
+        claimed_message("t", "small"),
+        claimed_message("t", "nowhere"),
+        claimed_message("t", "empty"),
+    ];
+    let dests = [good.as_str(), &good, &good, &unbound_dest, ""];
+    let r = publish_to(fx.transport.as_ref(), &msgs, |i| dests[i]).await;
+    let kind = |i: usize| r[i].as_ref().unwrap_err().kind();
+    assert_eq!(kind(0), TransportErrorKind::Permanent, "{:?}", r[0]);
+    assert!(
+        r[0].as_ref()
+            .unwrap_err()
+            .message()
+            .contains("max_message_bytes")
+    );
+    assert_eq!(kind(1), TransportErrorKind::Permanent, "{:?}", r[1]);
+    assert!(r[1].as_ref().unwrap_err().message().contains("frame_max"));
+    assert!(r[2].is_ok(), "{:?}", r[2]);
+    assert_eq!(kind(3), TransportErrorKind::Permanent, "{:?}", r[3]);
+    assert!(r[3].as_ref().unwrap_err().message().contains("NO_ROUTE"));
+    assert_eq!(kind(4), TransportErrorKind::Permanent, "{:?}", r[4]);
+    let received = fx.received().await;
+    assert_eq!(received.len(), 1);
+    assert_eq!(received[0].payload, b"small");
+    fx.transport.probe().await.expect("the connection survived");
+    fx.cleanup().await;
+}
+
+/// Connection refused or cut: publishes fail `Unavailable` (not permanent, no burned attempt),
+/// the probe says unavailable, and both recover when the broker is reachable again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cut_connection_is_unavailable_then_reconnects() {
+    crate::init_tracing();
+    let proxy = FaultProxy::start(rabbitmq_host_port()).await;
+    let fx = RabbitMqFixture::with_config(rabbitmq_config(&format!(
+        "amqp://guest:guest@{}/%2f",
+        proxy.addr
+    )))
+    .await;
+    let dest = fx.good_destination();
+    let one = || claimed_message("t", "x");
+    let r = publish_to(fx.transport.as_ref(), &[one()], |_| &dest).await;
+    assert!(r[0].is_ok(), "{r:?}");
+    proxy.set_blocked(true);
+    wait_until("the probe to fail", Duration::from_secs(10), || async {
+        fx.transport.probe().await.is_err()
+    })
+    .await;
+    let e = fx.transport.probe().await.unwrap_err();
+    assert_eq!(e.kind(), TransportErrorKind::Unavailable, "{e:?}");
+    let e = publish_to(fx.transport.as_ref(), &[one()], |_| &dest)
+        .await
+        .remove(0)
+        .unwrap_err();
+    assert_eq!(e.kind(), TransportErrorKind::Unavailable, "{e:?}");
+    proxy.set_blocked(false);
+    wait_until(
+        "the transport to reconnect",
+        Duration::from_secs(10),
+        || async { fx.transport.probe().await.is_ok() },
+    )
+    .await;
+    let r = publish_to(fx.transport.as_ref(), &[one()], |_| &dest).await;
+    assert!(r[0].is_ok(), "{r:?}");
+    // Connection refused outright.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let closed = outbox::RabbitMqTransport::lazy(rabbitmq_config(&format!(
+        "amqp://guest:guest@127.0.0.1:{port}/%2f"
+    )))
+    .unwrap();
+    let e = publish_to(&closed, &[one()], |_| &dest)
+        .await
+        .remove(0)
+        .unwrap_err();
+    assert_eq!(e.kind(), TransportErrorKind::Unavailable, "{e:?}");
+    assert_eq!(
+        closed.probe().await.unwrap_err().kind(),
+        TransportErrorKind::Unavailable
+    );
+    let e = outbox::RabbitMqTransport::connect(rabbitmq_config(&format!(
+        "amqp://guest:guest@127.0.0.1:{port}/%2f"
+    )))
+    .await
+    .unwrap_err();
+    assert_eq!(e.field, "url");
+    fx.cleanup().await;
+}
+
+/// The RabbitMQ side of an end-to-end test: a [`PgProducer`] publishing to the fixture's
+/// exchange, and the producer's confirmation listener on a queue of its own.
+struct RabbitSetup {
+    producer: PgProducer,
+    mq: RabbitMqFixture,
+    stop_listener: CancellationToken,
+    listener: tokio::task::JoinHandle<Result<outbox::ConfirmReport, outbox::ConfigError>>,
+}
+
+impl std::ops::Deref for RabbitSetup {
+    type Target = PgProducer;
+
+    fn deref(&self) -> &PgProducer {
+        &self.producer
+    }
+}
+
+impl RabbitSetup {
+    async fn new() -> RabbitSetup {
+        let mq = RabbitMqFixture::new().await;
+        let reply = format!("{}.confirmations", mq.queue);
+        let producer = PgProducer::start(
+            mq.transport.clone(),
+            format!("{}/{{topic}}", mq.exchange),
+            reply.clone(),
+        )
+        .await;
+        let stop_listener = CancellationToken::new();
+        let listener = tokio::spawn(outbox::confirm::rabbitmq::listen(
+            rabbitmq_config(&rabbitmq_url()),
+            reply.clone(),
+            producer.store.clone(),
+            stop_listener.clone(),
+        ));
+        // The listener declares its queue; delete it at cleanup.
+        wait_until(
+            "the confirmation queue",
+            Duration::from_secs(10),
+            || async { mq.queue_exists(&reply).await },
+        )
+        .await;
+        mq.delete_at_cleanup(&reply);
+        RabbitSetup {
+            producer,
+            mq,
+            stop_listener,
+            listener,
+        }
+    }
+
+    async fn finish(self) {
+        self.stop_listener.cancel();
+        let report = within("listener to stop", Duration::from_secs(10), self.listener)
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(report.confirmed + report.rejected > 0, "{report:?}");
+        self.mq.cleanup().await;
+        self.producer.finish().await;
+    }
+}
+
+/// Relay → RabbitMQ → consumer runner (4 lanes) → inbox → confirmation over RabbitMQ →
+/// producer, on PostgreSQL: processed messages end CONFIRMED with their effect once, rejected
+/// ones REJECTED with the compensation once and no effect, and a lost confirmation is recovered
+/// by the check-back (the redelivered copy is a duplicate at the inbox, its verdict is sent
+/// again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn consumer_end_to_end_with_confirmations() {
+    crate::init_tracing();
+    let s = RabbitSetup::new().await;
+    let sender = FaultySender::new(Arc::new(
+        RabbitMqConfirmationSender::new(rabbitmq_config(&rabbitmq_url())).unwrap(),
+    ));
+    let msgs: Vec<NewMessage> = lost_confirmation_messages(&sender)
+        .into_iter()
+        .enumerate()
+        .map(|(i, m)| m.with_partition_key(format!("k{}", i % 3)))
+        .collect();
+    let handler = ScriptedHandler::new(&s.effects);
+    let metrics = Arc::new(ConsumerMetrics::default());
+    let cancel = CancellationToken::new();
+    let mut config = consumer_config(&s.mq).with_confirmations(sender.clone());
+    config.concurrency = 4;
+    let runner = spawn_runner(
+        config,
+        s.inbox.clone(),
+        handler.clone(),
+        metrics.clone(),
+        cancel.clone(),
+    );
+    let ids = s.fx.enqueue_commit(msgs).await.unwrap();
+    check_lost_confirmation_outcome(&s, &ids, &sender, &metrics).await;
+    stop(cancel, runner).await;
+    s.finish().await;
+}
+
+/// A handler that fails transiently until the `fail_until`-th delivery and records the delivery
+/// counts it saw.
+struct Flaky {
+    fail_until: u32,
+    seen: Mutex<Vec<u32>>,
+}
+
+#[async_trait]
+impl outbox::Handler<sqlx::Sqlite> for Flaky {
+    async fn handle(
+        &self,
+        conn: &mut sqlx::SqliteConnection,
+        msg: &InboundMessage,
+    ) -> Result<(), HandlerError> {
+        self.seen.lock().unwrap().push(msg.delivery_count);
+        if msg.delivery_count < self.fail_until {
+            return Err(HandlerError::transient(format!(
+                "try {} timed out",
+                msg.delivery_count
+            )));
+        }
+        sqlx::query("INSERT INTO effects (message_id, payload) VALUES (?1, ?2)")
+            .bind(msg.message_id.to_string())
+            .bind(&msg.payload)
+            .execute(&mut *conn)
+            .await
+            .map_err(HandlerError::transient)?;
+        Ok(())
+    }
+}
+
+/// A transient handler failure is moved to the retry queue of its backoff step, dead-lettered
+/// back by RabbitMQ after the TTL, and delivered again with the next delivery count (1, 2, 3)
+/// until it applies; the other message is not held up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumer_transient_failure_redelivered_with_backoff_then_applied() {
+    crate::init_tracing();
+    let fx = RabbitMqFixture::new().await;
+    let (db, inbox) = sqlite_consumer("flaky").await;
+    let handler = Arc::new(Flaky {
+        fail_until: 3,
+        seen: Mutex::new(Vec::new()),
+    });
+    let metrics = Arc::new(ConsumerMetrics::default());
+    let cancel = CancellationToken::new();
+    let runner = spawn_runner(
+        consumer_config(&fx),
+        inbox,
+        handler.clone(),
+        metrics.clone(),
+        cancel.clone(),
+    );
+    let m = claimed_message("orders", "flaky");
+    let good = fx.good_destination();
+    let r = publish_to(fx.transport.as_ref(), std::slice::from_ref(&m), |_| &good).await;
+    assert!(r[0].is_ok());
+    wait_until("the message to apply", Duration::from_secs(15), || async {
+        metrics.applied.load(Ordering::Relaxed) == 1
+    })
+    .await;
+    assert_eq!(*handler.seen.lock().unwrap(), vec![1, 2, 3]);
+    assert_eq!(metrics.failures.load(Ordering::Relaxed), 2);
+    assert_eq!(metrics.dead_lettered.load(Ordering::Relaxed), 0);
+    assert_eq!(sqlite_effects(&db, m.message_id).await, 1);
+    // It went through RabbitMQ's retry queues (TTL + dead-letter back), which are empty now.
+    let first = retry_queue(&fx.queue, retry_tier(fast_retry().delay_with(1, 0.0)));
+    assert!(fx.queue_exists(&first).await, "{first} was used");
+    assert_eq!(fx.ready(&first).await, 0);
+    stop(cancel, runner).await;
+    fx.cleanup().await;
+}
+
+/// A permanent failure is dead-lettered at once; a message that keeps failing transiently after
+/// `max_deliveries` deliveries (the count reaches the inbox through the retry copies); both are
+/// acknowledged, the other messages flow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumer_poison_messages_dead_lettered() {
+    crate::init_tracing();
+    let fx = RabbitMqFixture::new().await;
+    let (_db, inbox) = sqlite_consumer("poison").await;
+    let handler = ScriptedHandler::new("effects");
+    let metrics = Arc::new(ConsumerMetrics::default());
+    let cancel = CancellationToken::new();
+    let mut config = consumer_config(&fx);
+    config.max_deliveries = 3;
+    let runner = spawn_runner(
+        config,
+        inbox.clone(),
+        handler.clone(),
+        metrics.clone(),
+        cancel.clone(),
+    );
+    let mut msgs = vec![
+        claimed_message("orders", "poison-1"),
+        claimed_message("orders", "flaky-1"),
+    ];
+    msgs.extend((0..5).map(|i| claimed_message("orders", format!("ok-{i}"))));
+    let good = fx.good_destination();
+    let r = publish_to(fx.transport.as_ref(), &msgs, |_| &good).await;
+    assert!(r.iter().all(Result::is_ok));
+    wait_until(
+        "two dead letters and five applied",
+        Duration::from_secs(15),
+        || async {
+            metrics.dead_lettered.load(Ordering::Relaxed) == 2
+                && metrics.applied.load(Ordering::Relaxed) == 5
+        },
+    )
+    .await;
+    let dlq = inbox.dead_letters(10).await.unwrap();
+    assert_eq!(dlq.len(), 2, "{dlq:?}");
+    let p = dlq
+        .iter()
+        .find(|d| d.message.message_id == msgs[0].message_id)
+        .unwrap();
+    assert_eq!(p.deliveries, 1, "permanent: dead-lettered at once");
+    assert!(p.error.contains("cannot parse poison-1"), "{}", p.error);
+    let f = dlq
+        .iter()
+        .find(|d| d.message.message_id == msgs[1].message_id)
+        .unwrap();
+    assert_eq!(f.deliveries, 3, "transient: after max_deliveries");
+    assert!(matches!(
+        inbox.verdict(msgs[1].message_id).await.unwrap(),
+        Some(Verdict::Rejected { .. })
+    ));
+    wait_until("the queue to drain", Duration::from_secs(10), || async {
+        fx.ready(&fx.queue).await == 0
+    })
+    .await;
+    stop(cancel, runner).await;
+    fx.cleanup().await;
+}
+
+/// A message without the outbox headers is logged, counted and rejected without requeue: it
+/// neither blocks the message behind it nor comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumer_malformed_message_rejected_without_blocking() {
+    crate::init_tracing();
+    let fx = RabbitMqFixture::new().await;
+    let (db, inbox) = sqlite_consumer("malformed").await;
+    fx.publish_raw(&fx.queue, b"not an outbox message").await;
+    let m = claimed_message("orders", "fine");
+    let good = fx.good_destination();
+    let r = publish_to(fx.transport.as_ref(), std::slice::from_ref(&m), |_| &good).await;
+    assert!(r[0].is_ok());
+    let handler = Arc::new(EffectHandler::new("effects"));
+    let metrics = Arc::new(ConsumerMetrics::default());
+    let cancel = CancellationToken::new();
+    let runner = spawn_runner(
+        consumer_config(&fx),
+        inbox,
+        handler,
+        metrics.clone(),
+        cancel.clone(),
+    );
+    wait_until(
+        "the good message to apply",
+        Duration::from_secs(10),
+        || async { metrics.applied.load(Ordering::Relaxed) == 1 },
+    )
+    .await;
+    assert_eq!(metrics.malformed.load(Ordering::Relaxed), 1);
+    assert_eq!(sqlite_effects(&db, m.message_id).await, 1);
+    stop(cancel, runner).await;
+    // With the consumer gone, anything unacknowledged would be ready again: nothing is.
+    wait_until("the consumer to leave", Duration::from_secs(10), || async {
+        fx.consumers(&fx.queue).await == 0
+    })
+    .await;
+    assert_eq!(
+        fx.ready(&fx.queue).await,
+        0,
+        "the malformed message was rejected, not requeued"
+    );
+    assert_eq!(
+        metrics.malformed.load(Ordering::Relaxed),
+        1,
+        "and not delivered again"
+    );
+    fx.cleanup().await;
+}
+
+/// A PostgreSQL handler that records the order in which each key's messages were applied and how
+/// many ran at once.
+struct OrderHandler {
+    effects: String,
+    order: Mutex<HashMap<String, Vec<u32>>>,
+    running: AtomicUsize,
+    most: AtomicUsize,
+    calls: AtomicU64,
+}
+
+#[async_trait]
+impl outbox::Handler<sqlx::Postgres> for OrderHandler {
+    async fn handle(
+        &self,
+        conn: &mut PgConnection,
+        msg: &InboundMessage,
+    ) -> Result<(), HandlerError> {
+        let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
+        self.most.fetch_max(now, Ordering::SeqCst);
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        let r = sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {} (message_id, payload) VALUES ($1, $2)",
+            self.effects
+        )))
+        .bind(msg.message_id.to_string())
+        .bind(&msg.payload)
+        .execute(&mut *conn)
+        .await;
+        let seq: u32 = String::from_utf8_lossy(&msg.payload).parse().unwrap();
+        self.order
+            .lock()
+            .unwrap()
+            .entry(msg.partition_key.clone().unwrap())
+            .or_default()
+            .push(seq);
+        self.running.fetch_sub(1, Ordering::SeqCst);
+        r.map(|_| ()).map_err(HandlerError::transient)
+    }
+}
+
+/// Per-key order with concurrency 4: 20 keys × 25 messages, published in order; the runner
+/// applies different keys in parallel lanes and each key's messages in publish order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn consumer_per_key_order_with_concurrency_4() {
+    crate::init_tracing();
+    let fx = RabbitMqFixture::new().await;
+    let db = PgFixture::new().await;
+    let effects = format!("{}.effects", db.schema);
+    db.exec(&format!(
+        "CREATE TABLE {effects} (message_id text NOT NULL, payload bytea)"
+    ))
+    .await;
+    let inbox = Inbox::<sqlx::Postgres>::new(db.store.pool().clone(), &db.inbox_table(), "ordered")
+        .unwrap();
+    inbox.migrate().await.unwrap();
+    let (keys, per_key) = (20u32, 25u32);
+    let mut msgs = Vec::new();
+    for seq in 0..per_key {
+        for k in 0..keys {
+            let mut m = claimed_message("orders", seq.to_string());
+            m.partition_key = Some(format!("key-{k}"));
+            msgs.push(m);
+        }
+    }
+    let good = fx.good_destination();
+    for chunk in msgs.chunks(100) {
+        let r = publish_to(fx.transport.as_ref(), chunk, |_| &good).await;
+        assert!(r.iter().all(Result::is_ok), "{r:?}");
+    }
+    let handler = Arc::new(OrderHandler {
+        effects: effects.clone(),
+        order: Mutex::new(HashMap::new()),
+        running: AtomicUsize::new(0),
+        most: AtomicUsize::new(0),
+        calls: AtomicU64::new(0),
+    });
+    let metrics = Arc::new(ConsumerMetrics::default());
+    let cancel = CancellationToken::new();
+    let mut config = consumer_config(&fx);
+    config.concurrency = 4;
+    config.batch = 50;
+    let runner = spawn_runner(
+        config,
+        inbox,
+        handler.clone(),
+        metrics.clone(),
+        cancel.clone(),
+    );
+    let total = u64::from(keys * per_key);
+    wait_until("every message applied", Duration::from_secs(30), || async {
+        metrics.applied.load(Ordering::Relaxed) == total
+    })
+    .await;
+    let order = handler.order.lock().unwrap().clone();
+    assert_eq!(order.len(), keys as usize);
+    let expected: Vec<u32> = (0..per_key).collect();
+    for (k, seqs) in &order {
+        assert_eq!(seqs, &expected, "key {k} out of order");
+    }
+    assert!(
+        handler.most.load(Ordering::SeqCst) >= 2,
+        "lanes ran concurrently"
+    );
+    assert_eq!(handler.calls.load(Ordering::SeqCst), total);
+    assert_eq!(
+        pg_count(
+            &db,
+            &format!("SELECT COUNT(DISTINCT message_id) FROM {effects}")
+        )
+        .await,
+        total as i64
+    );
+    stop(cancel, runner).await;
+    db.cleanup().await;
+    fx.cleanup().await;
+}
+
+/// The runner reports a missing queue as a configuration error naming `queue`, and a broker it
+/// cannot reach as `connection.url`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumer_set_up_errors_name_the_field() {
+    crate::init_tracing();
+    // Fails naming OUTBOX_TEST_RABBITMQ_URL when the broker is not there.
+    drop(outbox_testkit::rabbitmq::rabbitmq_connection().await);
+    let (_db, inbox) = sqlite_consumer("setup").await;
+    let handler = Arc::new(EffectHandler::new("effects"));
+    let metrics = Arc::new(ConsumerMetrics::default());
+    let config = RabbitMqConsumerConfig::new(
+        rabbitmq_config(&rabbitmq_url()),
+        outbox_testkit::unique("obx_none"),
+    );
+    let e = outbox::consumer::rabbitmq::run(
+        config,
+        inbox.clone(),
+        handler.clone(),
+        metrics.clone(),
+        CancellationToken::new(),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(e.field, "queue", "{e}");
+    assert!(e.reason.contains("does not exist"), "{e}");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let config = RabbitMqConsumerConfig::new(
+        rabbitmq_config(&format!("amqp://guest:guest@127.0.0.1:{port}/%2f")),
+        "q",
+    );
+    let e =
+        outbox::consumer::rabbitmq::run(config, inbox, handler, metrics, CancellationToken::new())
+            .await
+            .unwrap_err();
+    assert_eq!(e.field, "connection.url", "{e}");
+}

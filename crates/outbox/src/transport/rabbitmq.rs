@@ -1,0 +1,1045 @@
+//! RabbitMQ transport (AMQP 0-9-1 through `lapin`): publish with publisher confirms, `Ok` only
+//! after the broker's `basic.ack` for a message that was routed.
+//!
+//! # Destinations
+//! A route destination is `exchange/routing-key` (split at the first `/`, so the routing key may
+//! contain `/`; exchange names with a `/` are not supported), or a bare queue name, which is
+//! published through the default exchange (`""`) with the queue name as routing key (also written
+//! `/queue`). Both parts are AMQP short strings: at most 255 bytes. Example: `orders/{topic}` sends
+//! topic `order-created` to exchange `orders` with routing key `order-created`.
+//!
+//! # What is sent
+//! Every message is published on a channel in confirm mode (RabbitMQ publisher confirms,
+//! <https://www.rabbitmq.com/docs/confirms#publisher-confirms>), with:
+//! - `delivery_mode` 2 (persistent) and the `mandatory` flag, so a message no queue is bound for
+//!   comes back as `basic.return` (`312 NO_ROUTE`) instead of being dropped silently;
+//! - `message_id` = the outbox message id, suffixed `-r<n>` on the n-th intentional redelivery
+//!   (check-back or requeue), as `Nats-Msg-Id` on NATS;
+//! - the AMQP `headers` table = [`Message::wire_headers`] (`outbox-message-id`, `outbox-topic`,
+//!   `outbox-attempt`, `outbox-partition-key`, user headers such as `traceparent`), each value a
+//!   long string;
+//! - `content_type` from the message's `content-type` header when it has one, `type` = the topic,
+//!   `timestamp` = the publish time (seconds since the Unix epoch), `app_id` = `outbox`.
+//!
+//! The batch is pipelined: every message is written, then the confirms are awaited (for at most
+//! [`RabbitMqConfig::confirm_timeout`]). RabbitMQ has no broker-side deduplication: a re-publish
+//! after a lost confirm is a second copy with the same `message_id`, which the consumer's inbox
+//! absorbs.
+//!
+//! # A missing exchange does not poison the batch
+//! Publishing to a missing exchange makes RabbitMQ close the channel (`404 NOT_FOUND`), which
+//! fails every confirm still pending on it. So the exchanges of a batch are checked first with a
+//! passive `exchange.declare` on a channel of their own (a positive answer is cached for
+//! [`RabbitMqConfig::exchange_check_ttl`]); the messages for a missing exchange fail `Permanent`
+//! with the broker's reply text, the others are published. If a channel is nevertheless closed
+//! by the broker during a batch (an exchange deleted after the check, a message over the server's
+//! `max_message_size`), the messages it took down are published again one at a time on fresh
+//! channels so each gets its own result (the ones the broker had already routed may then be in
+//! the queue twice, with the same `message_id`).
+//!
+//! # Classification
+//! - connection refused, lost or closed by the broker, no answer to the connection handshake →
+//!   `Unavailable` (the relay pauses and probes; [`RabbitMqTransport::probe`] reconnects);
+//! - `basic.nack` (e.g. a queue with `x-overflow = reject-publish` is full), no confirm within
+//!   `confirm_timeout`, a channel closed for another reason → `Retryable`;
+//! - missing exchange (`404`), access refused (`403`), precondition failed (`406`, e.g. over the
+//!   server's `max_message_size`), a payload over [`RabbitMqConfig::max_message_bytes`], headers
+//!   that do not fit in one frame (`frame_max`), an invalid destination → `Permanent`;
+//! - returned as unroutable (`312 NO_ROUTE`, the exchange exists but no queue is bound for the
+//!   routing key) → [`Unroutable`]: `Retryable` by default (a consumer that has not declared its
+//!   queue yet is a deployment-order problem that passes; after `max_attempts` the message is
+//!   FAILED with the reason), or `Permanent`.
+//!
+//! Every error text carries the broker's reply code and text, so it is recorded as the row's
+//! `last_error`.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
+use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
+use lapin::tcp::OwnedTLSConfig;
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::uri::AMQPUri;
+use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ErrorKind};
+
+use super::{Outgoing, Transport};
+use crate::error::{ConfigError, TransportError, TransportErrorKind};
+use crate::message::{Headers, Message};
+
+/// What a message returned as unroutable (`basic.return` with `312 NO_ROUTE`: the exchange exists
+/// but no queue is bound for the routing key) counts as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Unroutable {
+    /// `Retryable` (default): retried with backoff, FAILED after `max_attempts` with the reason.
+    #[default]
+    Retry,
+    /// `Permanent`: FAILED at once with the reason.
+    Fail,
+}
+
+/// RabbitMQ connection and publishing settings, shared by the transport, the consumer runner
+/// ([`crate::consumer::rabbitmq`]) and the confirmation sender and listener
+/// ([`crate::confirm::rabbitmq`]).
+#[derive(Clone)]
+pub struct RabbitMqConfig {
+    /// `amqp://user:password@host:5672/vhost` or `amqps://…` (TLS); the vhost is percent-encoded
+    /// (`%2f` is `/`). Query parameters of the AMQP URI spec (`heartbeat`, `frame_max`,
+    /// `channel_max`, `connection_timeout`) are honoured. Required.
+    pub url: String,
+    /// User name, overriding the one in the URL. Default: the URL's (`guest` without one).
+    pub username: Option<String>,
+    /// Password, overriding the one in the URL (read it from the environment, never a file).
+    /// Default: the URL's.
+    pub password: Option<String>,
+    /// PEM certificates of the certificate authorities trusted for `amqps://` (the client has no
+    /// built-in roots). Default: none.
+    pub tls_ca_pem: Option<String>,
+    /// How long to wait for the publisher confirms of a batch once it is written. Default 10 s.
+    pub confirm_timeout: Duration,
+    /// How long to wait for the connection (TCP, TLS and AMQP handshake) and for a probe.
+    /// Default 5 s.
+    pub connect_timeout: Duration,
+    /// Heartbeat interval asked for when the URL does not set `heartbeat`; a dead peer is noticed
+    /// after about two intervals. Default 10 s.
+    pub heartbeat: Duration,
+    /// How long a positive exchange check is trusted. Default 60 s.
+    pub exchange_check_ttl: Duration,
+    /// What an unroutable message counts as. Default [`Unroutable::Retry`].
+    pub unroutable: Unroutable,
+    /// Largest payload published, in bytes; larger ones fail `Permanent` without being sent.
+    /// Default 128 MiB, RabbitMQ's default `max_message_size`; set it to the server's value.
+    pub max_message_bytes: usize,
+    /// Connection name shown in the management UI. Default `outbox`.
+    pub connection_name: String,
+}
+
+impl std::fmt::Debug for RabbitMqConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RabbitMqConfig")
+            .field("url", &redact(&self.url))
+            .field("username", &self.username)
+            .field("password", &self.password.as_ref().map(|_| "***"))
+            .field("tls_ca_pem", &self.tls_ca_pem.is_some())
+            .field("confirm_timeout", &self.confirm_timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("heartbeat", &self.heartbeat)
+            .field("exchange_check_ttl", &self.exchange_check_ttl)
+            .field("unroutable", &self.unroutable)
+            .field("max_message_bytes", &self.max_message_bytes)
+            .field("connection_name", &self.connection_name)
+            .finish()
+    }
+}
+
+impl RabbitMqConfig {
+    /// Settings for `url` with the defaults.
+    pub fn new(url: impl Into<String>) -> Self {
+        RabbitMqConfig {
+            url: url.into(),
+            username: None,
+            password: None,
+            tls_ca_pem: None,
+            confirm_timeout: Duration::from_secs(10),
+            connect_timeout: Duration::from_secs(5),
+            heartbeat: Duration::from_secs(10),
+            exchange_check_ttl: Duration::from_secs(60),
+            unroutable: Unroutable::Retry,
+            max_message_bytes: 128 * 1024 * 1024,
+            connection_name: "outbox".into(),
+        }
+    }
+
+    /// Check the settings without connecting.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming `url` (not an `amqp://` or `amqps://` URI), `confirm_timeout`,
+    /// `connect_timeout` or `max_message_bytes` (zero).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.uri().map(|_| ())?;
+        if self.confirm_timeout.is_zero() {
+            return Err(ConfigError::new(
+                "confirm_timeout",
+                "must be greater than zero",
+            ));
+        }
+        if self.connect_timeout.is_zero() {
+            return Err(ConfigError::new(
+                "connect_timeout",
+                "must be greater than zero",
+            ));
+        }
+        if self.max_message_bytes == 0 {
+            return Err(ConfigError::new(
+                "max_message_bytes",
+                "must be greater than zero",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The parsed URI with the credentials and heartbeat applied.
+    fn uri(&self) -> Result<AMQPUri, ConfigError> {
+        let scheme_ok = self.url.starts_with("amqp://") || self.url.starts_with("amqps://");
+        if !scheme_ok {
+            return Err(ConfigError::new(
+                "url",
+                format!(
+                    "{:?} is not an AMQP URI (amqp://user:password@host:5672/vhost or amqps://…)",
+                    redact(&self.url)
+                ),
+            ));
+        }
+        let mut uri: AMQPUri = self.url.parse().map_err(|e| {
+            ConfigError::new(
+                "url",
+                format!("{:?} is not a valid AMQP URI: {e}", redact(&self.url)),
+            )
+        })?;
+        if let Some(u) = &self.username {
+            uri.authority.userinfo.username = u.clone();
+        }
+        if let Some(p) = &self.password {
+            uri.authority.userinfo.password = p.clone();
+        }
+        if uri.query.heartbeat.is_none() {
+            uri.query.heartbeat = Some(u16::try_from(self.heartbeat.as_secs()).unwrap_or(u16::MAX));
+        }
+        Ok(uri)
+    }
+}
+
+/// The URL with any password replaced by `***`.
+pub(crate) fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => match url[s + 3..at].split_once(':') {
+            Some((user, _)) => format!("{}{user}:***{}", &url[..s + 3], &url[at..]),
+            None => url.to_owned(),
+        },
+        _ => url.to_owned(),
+    }
+}
+
+/// A parsed destination: exchange (empty for the default exchange) and routing key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Destination {
+    /// Exchange name; `""` is the default exchange, which routes to the queue named by the
+    /// routing key.
+    pub exchange: String,
+    /// Routing key.
+    pub routing_key: String,
+}
+
+impl Destination {
+    /// Parse `exchange/routing-key`, `/queue` or `queue` (see the module docs).
+    ///
+    /// # Errors
+    /// A text naming the problem: empty, a part over 255 bytes, or control characters.
+    pub fn parse(s: &str) -> Result<Destination, String> {
+        let (exchange, routing_key) = s.split_once('/').unwrap_or(("", s));
+        if exchange.is_empty() && routing_key.is_empty() {
+            return Err(format!(
+                "invalid RabbitMQ destination {s:?}: expected exchange/routing-key or a queue name"
+            ));
+        }
+        for (what, part) in [("exchange", exchange), ("routing key", routing_key)] {
+            if part.len() > 255 {
+                return Err(format!(
+                    "invalid RabbitMQ destination {s:?}: the {what} is {} bytes, at most 255",
+                    part.len()
+                ));
+            }
+            if part.chars().any(char::is_control) {
+                return Err(format!(
+                    "invalid RabbitMQ destination {s:?}: the {what} has control characters"
+                ));
+            }
+        }
+        Ok(Destination {
+            exchange: exchange.to_owned(),
+            routing_key: routing_key.to_owned(),
+        })
+    }
+}
+
+impl std::fmt::Display for Destination {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.exchange.is_empty() {
+            write!(f, "queue {:?} (default exchange)", self.routing_key)
+        } else {
+            write!(
+                f,
+                "exchange {:?}, routing key {:?}",
+                self.exchange, self.routing_key
+            )
+        }
+    }
+}
+
+/// One AMQP message to publish: where, the body and its properties (built by the caller).
+pub(crate) struct Publication<'a> {
+    pub destination: &'a str,
+    pub payload: &'a [u8],
+    pub properties: BasicProperties,
+}
+
+/// One connection and its idle confirm-mode channels.
+pub(crate) struct Session {
+    pub(crate) conn: Connection,
+    idle: Mutex<Vec<Channel>>,
+}
+
+/// Idle channels kept per connection; more are closed when handed back.
+const MAX_IDLE_CHANNELS: usize = 32;
+
+/// A lazily (re)connected RabbitMQ connection with a pool of confirm-mode channels and a cache of
+/// checked exchanges. Shared by the transport, the confirmation sender and the consumer runner.
+pub(crate) struct Link {
+    config: RabbitMqConfig,
+    uri: AMQPUri,
+    current: tokio::sync::Mutex<Option<Arc<Session>>>,
+    exchanges: Mutex<HashMap<String, Instant>>,
+}
+
+/// Whether the error means the connection is gone (as opposed to one channel).
+pub(crate) fn connection_lost(e: &lapin::Error) -> bool {
+    match e.kind() {
+        ErrorKind::IOError(_)
+        | ErrorKind::InvalidConnectionState(_)
+        | ErrorKind::MissingHeartbeatError
+        | ErrorKind::RuntimeShutdownError(_) => true,
+        ErrorKind::ProtocolError(p) => matches!(p.kind(), AMQPErrorKind::Hard(_)),
+        _ => false,
+    }
+}
+
+/// The broker's soft error, when the channel was closed by the broker.
+fn soft_error(e: &lapin::Error) -> Option<(AMQPSoftError, String)> {
+    match e.kind() {
+        ErrorKind::ProtocolError(p) => match p.kind() {
+            AMQPErrorKind::Soft(s) => Some((s.clone(), p.get_message().to_string())),
+            AMQPErrorKind::Hard(_) => None,
+        },
+        _ => None,
+    }
+}
+
+/// Classify a lapin error raised for one message (see the module docs).
+fn classify(e: &lapin::Error, connected: bool) -> TransportErrorKind {
+    if connection_lost(e) || !connected {
+        return TransportErrorKind::Unavailable;
+    }
+    match soft_error(e) {
+        Some((
+            AMQPSoftError::NOTFOUND
+            | AMQPSoftError::ACCESSREFUSED
+            | AMQPSoftError::PRECONDITIONFAILED
+            | AMQPSoftError::CONTENTTOOLARGE,
+            _,
+        )) => TransportErrorKind::Permanent,
+        _ if matches!(e.kind(), ErrorKind::SerialisationError(_)) => TransportErrorKind::Permanent,
+        _ => TransportErrorKind::Retryable,
+    }
+}
+
+impl Link {
+    /// A link for `config`, not connected yet.
+    pub(crate) fn new(config: RabbitMqConfig) -> Result<Link, ConfigError> {
+        config.validate()?;
+        let uri = config.uri()?;
+        Ok(Link {
+            config,
+            uri,
+            current: tokio::sync::Mutex::new(None),
+            exchanges: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub(crate) fn config(&self) -> &RabbitMqConfig {
+        &self.config
+    }
+
+    /// Where this link connects, without the password.
+    pub(crate) fn describe(&self) -> String {
+        redact(&self.config.url)
+    }
+
+    /// Open a new connection.
+    pub(crate) async fn open_connection(&self) -> Result<Connection, TransportError> {
+        let runtime = lapin::runtime::default_runtime().map_err(|e| {
+            TransportError::unavailable("no async runtime for the RabbitMQ client").with_source(e)
+        })?;
+        let tls = OwnedTLSConfig {
+            identity: None,
+            cert_chain: self.config.tls_ca_pem.clone(),
+        };
+        let props = ConnectionProperties::default()
+            .with_connection_name(self.config.connection_name.clone().into());
+        let connect = Connection::connect_uri_with_config(self.uri.clone(), props, tls, runtime);
+        match tokio::time::timeout(self.config.connect_timeout, connect).await {
+            Ok(Ok(c)) => Ok(c),
+            Ok(Err(e)) => Err(TransportError::unavailable(format!(
+                "cannot connect to RabbitMQ at {}: {e}",
+                self.describe()
+            ))
+            .with_source(e)),
+            Err(_) => Err(TransportError::unavailable(format!(
+                "RabbitMQ at {} did not complete the connection within {:?}",
+                self.describe(),
+                self.config.connect_timeout
+            ))),
+        }
+    }
+
+    /// The current session, connecting when there is none or it is no longer connected.
+    pub(crate) async fn session(&self) -> Result<Arc<Session>, TransportError> {
+        let mut current = self.current.lock().await;
+        if let Some(s) = current.as_ref()
+            && s.conn.status().connected()
+        {
+            return Ok(s.clone());
+        }
+        if let Some(old) = current.take() {
+            tracing::warn!(url = %self.describe(), "RabbitMQ connection lost; reconnecting");
+            drop(old);
+        }
+        let conn = self.open_connection().await?;
+        let s = Arc::new(Session {
+            conn,
+            idle: Mutex::new(Vec::new()),
+        });
+        *current = Some(s.clone());
+        Ok(s)
+    }
+
+    /// An idle confirm-mode channel of `s`, or a new one.
+    async fn channel(&self, s: &Session) -> Result<Channel, lapin::Error> {
+        loop {
+            let idle = s.idle.lock().expect("poisoned").pop();
+            match idle {
+                Some(ch) if ch.status().connected() => return Ok(ch),
+                Some(_) => continue,
+                None => break,
+            }
+        }
+        let ch = s.conn.create_channel().await?;
+        ch.confirm_select(ConfirmSelectOptions::default()).await?;
+        Ok(ch)
+    }
+
+    /// Hand a channel back to the pool when it is still open.
+    fn give_back(&self, s: &Session, ch: Channel) {
+        if !ch.status().connected() {
+            return;
+        }
+        let mut idle = s.idle.lock().expect("poisoned");
+        if idle.len() < MAX_IDLE_CHANNELS {
+            idle.push(ch);
+        }
+    }
+
+    /// Check that the broker answers: connect if needed and open and close a channel (one round
+    /// trip, no permission needed), within `connect_timeout`.
+    pub(crate) async fn probe(&self) -> Result<(), TransportError> {
+        let check = async {
+            let s = self.session().await?;
+            let ch = s.conn.create_channel().await.map_err(|e| {
+                TransportError::unavailable("RabbitMQ did not open a channel").with_source(e)
+            })?;
+            ch.close(200, "probe".into()).await.map_err(|e| {
+                TransportError::unavailable("RabbitMQ did not close a channel").with_source(e)
+            })
+        };
+        match tokio::time::timeout(self.config.connect_timeout, check).await {
+            Ok(r) => r,
+            Err(_) => Err(TransportError::unavailable(format!(
+                "RabbitMQ at {} did not answer within {:?}",
+                self.describe(),
+                self.config.connect_timeout
+            ))),
+        }
+    }
+
+    fn forget_exchanges(&self) {
+        self.exchanges.lock().expect("poisoned").clear();
+    }
+
+    /// Check the exchanges of `dests` that were not checked within `exchange_check_ttl`, each
+    /// with a passive declare. Returns the error of each exchange that failed.
+    async fn check_exchanges(
+        &self,
+        s: &Session,
+        dests: &[&Destination],
+    ) -> Result<HashMap<String, TransportError>, TransportError> {
+        let ttl = self.config.exchange_check_ttl;
+        let mut to_check: Vec<&str> = Vec::new();
+        {
+            let cache = self.exchanges.lock().expect("poisoned");
+            for d in dests {
+                let fresh = cache.get(&d.exchange).is_some_and(|at| at.elapsed() < ttl);
+                if !d.exchange.is_empty() && !fresh && !to_check.contains(&d.exchange.as_str()) {
+                    to_check.push(&d.exchange);
+                }
+            }
+        }
+        let mut failed = HashMap::new();
+        for name in to_check {
+            let ch = self.channel(s).await.map_err(|e| {
+                TransportError::new(
+                    classify(&e, s.conn.status().connected()),
+                    "cannot open a RabbitMQ channel",
+                )
+                .with_source(e)
+            })?;
+            let declare = ch.exchange_declare(
+                ShortString::from(name),
+                lapin::ExchangeKind::Direct,
+                ExchangeDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            );
+            let r = tokio::time::timeout(self.config.confirm_timeout, declare).await;
+            match r {
+                Ok(Ok(())) => {
+                    self.exchanges
+                        .lock()
+                        .expect("poisoned")
+                        .insert(name.to_owned(), Instant::now());
+                    self.give_back(s, ch);
+                }
+                Ok(Err(e)) => {
+                    let connected = s.conn.status().connected();
+                    if connection_lost(&e) || !connected {
+                        return Err(TransportError::unavailable(
+                            "RabbitMQ connection lost while checking exchanges",
+                        )
+                        .with_source(e));
+                    }
+                    let reason = match soft_error(&e) {
+                        Some((AMQPSoftError::NOTFOUND, text)) => {
+                            format!("RabbitMQ exchange {name:?} does not exist: 404 {text}")
+                        }
+                        Some((code, text)) => format!(
+                            "RabbitMQ refused exchange {name:?}: {} {text}",
+                            code.get_id()
+                        ),
+                        None => format!("checking RabbitMQ exchange {name:?} failed: {e}"),
+                    };
+                    failed.insert(
+                        name.to_owned(),
+                        TransportError::new(classify(&e, connected), reason),
+                    );
+                }
+                Err(_) => {
+                    failed.insert(
+                        name.to_owned(),
+                        TransportError::retryable(format!(
+                            "RabbitMQ did not answer the check of exchange {name:?} within {:?}",
+                            self.config.confirm_timeout
+                        )),
+                    );
+                }
+            }
+        }
+        Ok(failed)
+    }
+
+    /// Publish the batch, pipelined; one result per publication, in order (see the module docs).
+    pub(crate) async fn publish(
+        &self,
+        pubs: &[Publication<'_>],
+    ) -> Vec<Result<(), TransportError>> {
+        let mut results: Vec<Option<Result<(), TransportError>>> =
+            (0..pubs.len()).map(|_| None).collect();
+        let mut dests: Vec<Option<Destination>> = Vec::with_capacity(pubs.len());
+        for (i, p) in pubs.iter().enumerate() {
+            match Destination::parse(p.destination) {
+                Ok(d) => dests.push(Some(d)),
+                Err(reason) => {
+                    results[i] = Some(Err(TransportError::permanent(reason)));
+                    dests.push(None);
+                }
+            }
+            if p.payload.len() > self.config.max_message_bytes {
+                results[i] = Some(Err(TransportError::permanent(format!(
+                    "payload of {} bytes exceeds the RabbitMQ max_message_bytes of {} bytes",
+                    p.payload.len(),
+                    self.config.max_message_bytes
+                ))));
+            }
+        }
+        let s = match self.session().await {
+            Ok(s) => s,
+            Err(e) => return fill(results, |_| clone_err(&e)),
+        };
+        let frame_max = s.conn.configuration().frame_max() as usize;
+        for (i, p) in pubs.iter().enumerate() {
+            let size = properties_size(&p.properties);
+            // An empty frame weighs 8 bytes; the content header adds 14 before the properties.
+            if results[i].is_none() && frame_max > 0 && size + 8 + 14 > frame_max {
+                results[i] = Some(Err(TransportError::permanent(format!(
+                    "AMQP properties and headers of about {size} bytes do not fit in one frame \
+                     (frame_max {frame_max} bytes)"
+                ))));
+            }
+        }
+        let todo: Vec<usize> = (0..pubs.len()).filter(|i| results[*i].is_none()).collect();
+        let checked: Vec<&Destination> = todo.iter().filter_map(|i| dests[*i].as_ref()).collect();
+        match self.check_exchanges(&s, &checked).await {
+            Ok(failed) => {
+                for i in &todo {
+                    let d = dests[*i].as_ref().expect("parsed");
+                    if let Some(e) = failed.get(&d.exchange) {
+                        results[*i] = Some(Err(clone_err(e)));
+                    }
+                }
+            }
+            Err(e) => return fill(results, |_| clone_err(&e)),
+        }
+        let todo: Vec<usize> = todo.into_iter().filter(|i| results[*i].is_none()).collect();
+        let closed = self
+            .publish_window(&s, pubs, &dests, &todo, &mut results)
+            .await;
+        if !closed.is_empty() {
+            // A channel closed by the broker took these down: give each its own result.
+            self.forget_exchanges();
+            // Closed again on its own, a message's error is its own (recorded by the window).
+            for i in closed {
+                self.publish_window(&s, pubs, &dests, &[i], &mut results)
+                    .await;
+            }
+        }
+        fill(results, |_| {
+            TransportError::retryable("RabbitMQ publish produced no result")
+        })
+    }
+
+    /// Publish `todo` on one channel, then await their confirms; record each result, except for
+    /// the messages whose channel the broker closed: those are returned (and their result set to
+    /// the channel's error, to be replaced if they are published again).
+    async fn publish_window(
+        &self,
+        s: &Session,
+        pubs: &[Publication<'_>],
+        dests: &[Option<Destination>],
+        todo: &[usize],
+        results: &mut [Option<Result<(), TransportError>>],
+    ) -> Vec<usize> {
+        if todo.is_empty() {
+            return Vec::new();
+        }
+        let ch = match self.channel(s).await {
+            Ok(ch) => ch,
+            Err(e) => {
+                let kind = classify(&e, s.conn.status().connected());
+                for i in todo {
+                    results[*i] = Some(Err(TransportError::new(
+                        kind,
+                        format!("cannot open a RabbitMQ channel: {e}"),
+                    )));
+                }
+                return Vec::new();
+            }
+        };
+        let deadline = tokio::time::Instant::now() + self.config.confirm_timeout;
+        let mut pending = Vec::with_capacity(todo.len());
+        let mut closed = Vec::new();
+        for i in todo {
+            let p = &pubs[*i];
+            let d = dests[*i].as_ref().expect("parsed");
+            let publish = ch.basic_publish(
+                d.exchange.as_str().into(),
+                d.routing_key.as_str().into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    immediate: false,
+                },
+                p.payload,
+                p.properties.clone(),
+            );
+            match tokio::time::timeout_at(deadline, publish).await {
+                Ok(Ok(confirm)) => pending.push((*i, confirm)),
+                Ok(Err(e)) => {
+                    self.record_error(s, d, &e, *i, results, &mut closed);
+                }
+                Err(_) => {
+                    results[*i] = Some(Err(TransportError::retryable(format!(
+                        "RabbitMQ publish to {d} could not be written within {:?}",
+                        self.config.confirm_timeout
+                    ))));
+                }
+            }
+        }
+        for (i, confirm) in pending {
+            let d = dests[i].as_ref().expect("parsed");
+            results[i] = Some(match tokio::time::timeout_at(deadline, confirm).await {
+                Ok(Ok(Confirmation::Ack(None))) => Ok(()),
+                Ok(Ok(Confirmation::Ack(Some(ret)) | Confirmation::Nack(Some(ret)))) => {
+                    let kind = match self.config.unroutable {
+                        Unroutable::Retry => TransportErrorKind::Retryable,
+                        Unroutable::Fail => TransportErrorKind::Permanent,
+                    };
+                    Err(TransportError::new(
+                        kind,
+                        format!(
+                            "RabbitMQ returned the message as unroutable: {} {} ({d}): no queue \
+                             is bound for this routing key",
+                            ret.reply_code, ret.reply_text
+                        ),
+                    ))
+                }
+                Ok(Ok(Confirmation::Nack(None))) => Err(TransportError::retryable(format!(
+                    "RabbitMQ nacked the message ({d}): the broker could not take it (full queue \
+                     with x-overflow=reject-publish, or an internal error)"
+                ))),
+                Ok(Ok(Confirmation::NotRequested)) => Err(TransportError::retryable(
+                    "the RabbitMQ channel is not in confirm mode",
+                )),
+                Ok(Err(e)) => {
+                    self.record_error(s, d, &e, i, results, &mut closed);
+                    continue;
+                }
+                Err(_) => Err(TransportError::retryable(format!(
+                    "no publisher confirm from RabbitMQ within {:?} ({d})",
+                    self.config.confirm_timeout
+                ))),
+            });
+        }
+        self.give_back(s, ch);
+        closed
+    }
+
+    /// Record the error of publication `i`; a channel closed by the broker while the connection is
+    /// up is noted in `closed` (its cause may be another message).
+    fn record_error(
+        &self,
+        s: &Session,
+        d: &Destination,
+        e: &lapin::Error,
+        i: usize,
+        results: &mut [Option<Result<(), TransportError>>],
+        closed: &mut Vec<usize>,
+    ) {
+        let connected = s.conn.status().connected();
+        let by_broker = connected
+            && (soft_error(e).is_some() || matches!(e.kind(), ErrorKind::InvalidChannelState(..)));
+        let reason = match soft_error(e) {
+            Some((code, text)) => format!(
+                "RabbitMQ closed the channel publishing to {d}: {} {text}",
+                code.get_id()
+            ),
+            None if !connected || connection_lost(e) => {
+                format!("RabbitMQ connection lost before the publisher confirm ({d}): {e}")
+            }
+            None => format!("RabbitMQ publish failed ({d}): {e}"),
+        };
+        results[i] = Some(Err(TransportError::new(classify(e, connected), reason)));
+        if by_broker {
+            closed.push(i);
+        }
+    }
+}
+
+fn clone_err(e: &TransportError) -> TransportError {
+    TransportError::new(e.kind(), e.report())
+}
+
+fn fill(
+    results: Vec<Option<Result<(), TransportError>>>,
+    missing: impl Fn(usize) -> TransportError,
+) -> Vec<Result<(), TransportError>> {
+    results
+        .into_iter()
+        .enumerate()
+        .map(|(i, r)| r.unwrap_or_else(|| Err(missing(i))))
+        .collect()
+}
+
+/// An estimate (from above) of the encoded size of `p` in a content header frame.
+fn properties_size(p: &BasicProperties) -> usize {
+    let short = |s: &Option<ShortString>| s.as_ref().map_or(0, |s| 1 + s.as_str().len());
+    let mut n = 2 + 8 + 2 + 14;
+    n += short(p.content_type()) + short(p.content_encoding()) + short(p.message_id());
+    n += short(p.kind()) + short(p.app_id()) + short(p.correlation_id());
+    n += short(p.reply_to()) + short(p.expiration()) + short(p.user_id());
+    if let Some(h) = p.headers() {
+        n += 4 + table_size(h);
+    }
+    n
+}
+
+fn table_size(t: &FieldTable) -> usize {
+    t.inner()
+        .iter()
+        .map(|(k, v)| 1 + k.as_str().len() + 1 + value_size(v))
+        .sum()
+}
+
+fn value_size(v: &AMQPValue) -> usize {
+    match v {
+        AMQPValue::LongString(s) => 4 + s.len(),
+        AMQPValue::ShortString(s) => 1 + s.as_str().len(),
+        AMQPValue::FieldTable(t) => 4 + table_size(t),
+        AMQPValue::FieldArray(a) => {
+            4 + a
+                .as_slice()
+                .iter()
+                .map(|v| 1 + value_size(v))
+                .sum::<usize>()
+        }
+        AMQPValue::ByteArray(b) => 4 + b.len(),
+        _ => 9,
+    }
+}
+
+/// The `message_id` property: the message id, suffixed `-r<n>` on the n-th intentional
+/// redelivery (check-back or requeue), as on NATS.
+fn dedup_id(m: &Message) -> String {
+    if m.redelivery == 0 {
+        m.message_id.to_string()
+    } else {
+        format!("{}-r{}", m.message_id, m.redelivery)
+    }
+}
+
+/// `headers` as an AMQP table of long strings.
+pub(crate) fn headers_table(headers: &Headers) -> Result<FieldTable, String> {
+    let mut t = FieldTable::default();
+    for (k, v) in headers {
+        let name = ShortString::try_new(k.as_str())
+            .map_err(|_| format!("header name {k:?} is longer than 255 bytes"))?;
+        t.insert(name, AMQPValue::LongString(LongString::from(v.as_bytes())));
+    }
+    Ok(t)
+}
+
+/// The headers of a received AMQP message as strings: long and short strings as text (invalid
+/// UTF-8 replaced), numbers, booleans and timestamps in decimal; arrays, tables (such as
+/// RabbitMQ's `x-death`) and byte arrays are left out. What the consumer runner hands to
+/// [`InboundMessage::from_wire`](crate::InboundMessage::from_wire).
+pub fn received_headers(t: Option<&FieldTable>) -> Headers {
+    let mut h = Headers::new();
+    let Some(t) = t else { return h };
+    for (k, v) in t.inner() {
+        let s = match v {
+            AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+            AMQPValue::ShortString(s) => s.as_str().to_owned(),
+            AMQPValue::Boolean(b) => b.to_string(),
+            AMQPValue::ShortShortInt(n) => n.to_string(),
+            AMQPValue::ShortShortUInt(n) => n.to_string(),
+            AMQPValue::ShortInt(n) => n.to_string(),
+            AMQPValue::ShortUInt(n) => n.to_string(),
+            AMQPValue::LongInt(n) => n.to_string(),
+            AMQPValue::LongUInt(n) => n.to_string(),
+            AMQPValue::LongLongInt(n) => n.to_string(),
+            AMQPValue::Timestamp(n) => n.to_string(),
+            AMQPValue::Float(n) => n.to_string(),
+            AMQPValue::Double(n) => n.to_string(),
+            _ => continue,
+        };
+        h.insert(k.as_str().to_owned(), s);
+    }
+    h
+}
+
+/// Seconds since the Unix epoch, for the `timestamp` property.
+pub(crate) fn now_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// The AMQP properties of an outbox message (see the module docs).
+fn message_properties(m: &Message) -> Result<BasicProperties, String> {
+    let mut p = BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_message_id(dedup_id(m).into())
+        .with_timestamp(now_secs())
+        .with_app_id("outbox".into())
+        .with_headers(headers_table(&m.wire_headers())?);
+    if let Ok(kind) = ShortString::try_new(m.topic.as_str()) {
+        p = p.with_type(kind);
+    }
+    if let Some(ct) = m.headers.get("content-type") {
+        let ct = ShortString::try_new(ct.as_str())
+            .map_err(|_| "content-type header is longer than 255 bytes".to_owned())?;
+        p = p.with_content_type(ct);
+    }
+    Ok(p)
+}
+
+/// Publishes to RabbitMQ with publisher confirms (see the module docs).
+#[derive(Clone)]
+pub struct RabbitMqTransport {
+    link: Arc<Link>,
+}
+
+impl std::fmt::Debug for RabbitMqTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RabbitMqTransport")
+            .field("url", &self.link.describe())
+            .finish()
+    }
+}
+
+impl RabbitMqTransport {
+    /// Validate `config` and connect, so a wrong address or credentials are reported now.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming the invalid field, or `url` when the broker cannot be reached or
+    /// refuses the credentials.
+    pub async fn connect(config: RabbitMqConfig) -> Result<Self, ConfigError> {
+        let t = Self::lazy(config)?;
+        t.link
+            .probe()
+            .await
+            .map_err(|e| ConfigError::new("url", e.report()))?;
+        Ok(t)
+    }
+
+    /// Validate `config` without connecting; the first publish or probe connects.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming the invalid field.
+    pub fn lazy(config: RabbitMqConfig) -> Result<Self, ConfigError> {
+        Ok(RabbitMqTransport {
+            link: Arc::new(Link::new(config)?),
+        })
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &RabbitMqConfig {
+        self.link.config()
+    }
+
+    /// The shared connection, for a confirmation sender on the same connection.
+    pub(crate) fn link(&self) -> Arc<Link> {
+        self.link.clone()
+    }
+}
+
+#[async_trait]
+impl Transport for RabbitMqTransport {
+    fn name(&self) -> &str {
+        "rabbitmq"
+    }
+
+    async fn publish(&self, batch: &[Outgoing<'_>]) -> Vec<Result<(), TransportError>> {
+        let mut props: Vec<Result<BasicProperties, String>> = batch
+            .iter()
+            .map(|o| message_properties(o.message))
+            .collect();
+        let mut pubs = Vec::with_capacity(batch.len());
+        let mut index = Vec::with_capacity(batch.len());
+        for (i, o) in batch.iter().enumerate() {
+            if let Ok(p) = &mut props[i] {
+                pubs.push(Publication {
+                    destination: o.destination,
+                    payload: &o.message.payload,
+                    properties: std::mem::take(p),
+                });
+                index.push(i);
+            }
+        }
+        let mut published = self.link.publish(&pubs).await.into_iter();
+        let mut results = Vec::with_capacity(batch.len());
+        for p in props {
+            results.push(match p {
+                Err(reason) => Err(TransportError::permanent(reason)),
+                Ok(_) => published.next().unwrap_or_else(|| {
+                    Err(TransportError::retryable(
+                        "RabbitMQ publish produced no result",
+                    ))
+                }),
+            });
+        }
+        results
+    }
+
+    async fn probe(&self) -> Result<(), TransportError> {
+        self.link.probe().await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn destinations_parse() {
+        let d = Destination::parse("orders/order.created").unwrap();
+        assert_eq!(
+            (d.exchange.as_str(), d.routing_key.as_str()),
+            ("orders", "order.created")
+        );
+        let d = Destination::parse("orders/a/b").unwrap();
+        assert_eq!(
+            (d.exchange.as_str(), d.routing_key.as_str()),
+            ("orders", "a/b")
+        );
+        let d = Destination::parse("jobs").unwrap();
+        assert_eq!((d.exchange.as_str(), d.routing_key.as_str()), ("", "jobs"));
+        let d = Destination::parse("/jobs").unwrap();
+        assert_eq!((d.exchange.as_str(), d.routing_key.as_str()), ("", "jobs"));
+        let d = Destination::parse("fanout/").unwrap();
+        assert_eq!(
+            (d.exchange.as_str(), d.routing_key.as_str()),
+            ("fanout", "")
+        );
+        for bad in [
+            "",
+            "/",
+            "a\nb",
+            &"x".repeat(256),
+            &format!("e/{}", "k".repeat(256)),
+        ] {
+            assert!(Destination::parse(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn config_is_validated_and_redacted() {
+        let c = RabbitMqConfig::new("amqp://u:secret@h:5672/%2f");
+        c.validate().unwrap();
+        assert!(!format!("{c:?}").contains("secret"));
+        assert_eq!(c.uri().unwrap().query.heartbeat, Some(10));
+        let mut c = RabbitMqConfig::new("amqp://h/%2f?heartbeat=3");
+        c.username = Some("app".into());
+        c.password = Some("pw".into());
+        let uri = c.uri().unwrap();
+        assert_eq!(uri.query.heartbeat, Some(3));
+        assert_eq!(uri.authority.userinfo.username, "app");
+        assert_eq!(uri.authority.userinfo.password, "pw");
+        assert_eq!(
+            RabbitMqConfig::new("nats://h")
+                .validate()
+                .unwrap_err()
+                .field,
+            "url"
+        );
+        let mut c = RabbitMqConfig::new("amqp://h");
+        c.confirm_timeout = Duration::ZERO;
+        assert_eq!(c.validate().unwrap_err().field, "confirm_timeout");
+    }
+
+    #[test]
+    fn headers_round_trip_and_sizes() {
+        let mut h = Headers::new();
+        h.insert("traceparent".into(), "00-abc-def-01".into());
+        h.insert("outbox-topic".into(), "t".into());
+        let t = headers_table(&h).unwrap();
+        assert_eq!(received_headers(Some(&t)), h);
+        let p = BasicProperties::default().with_headers(t);
+        assert!(properties_size(&p) > 2 * (4 + 11 + 13));
+        let mut t = FieldTable::default();
+        t.insert("n".into(), AMQPValue::LongLongInt(7));
+        t.insert("x-death".into(), AMQPValue::FieldArray(Default::default()));
+        let h = received_headers(Some(&t));
+        assert_eq!(h.get("n").map(String::as_str), Some("7"));
+        assert!(!h.contains_key("x-death"));
+    }
+}
