@@ -560,6 +560,9 @@ impl Link {
         &self,
         pubs: &[Publication<'_>],
     ) -> Vec<Result<(), TransportError>> {
+        if pubs.is_empty() {
+            return Vec::new();
+        }
         let mut results: Vec<Option<Result<(), TransportError>>> =
             (0..pubs.len()).map(|_| None).collect();
         let mut dests: Vec<Option<Destination>> = Vec::with_capacity(pubs.len());
