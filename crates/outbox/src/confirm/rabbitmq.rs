@@ -74,7 +74,7 @@ impl ConfirmationSender for RabbitMqConfirmationSender {
         let body = serde_json::to_vec(c).expect("confirmation serializes");
         let id = format!("{}/{}", c.message_id, c.consumer);
         let properties = BasicProperties::default()
-            .with_delivery_mode(1)
+            .with_delivery_mode(2)
             .with_content_type("application/json".into())
             .with_app_id("outbox".into())
             .with_timestamp(now_secs())

@@ -41,7 +41,9 @@
 //! - connection refused, lost or closed by the broker, no answer to the connection handshake →
 //!   `Unavailable` (the relay pauses and probes; [`RabbitMqTransport::probe`] reconnects);
 //! - `basic.nack` (e.g. a queue with `x-overflow = reject-publish` is full), no confirm within
-//!   `confirm_timeout`, a channel closed for another reason → `Retryable`;
+//!   `confirm_timeout`, a channel closed for another reason → `Retryable`; a timeout while the
+//!   broker blocks the connection (`connection.blocked`: memory or disk alarm) → `Unavailable`,
+//!   so an alarm pauses the relay instead of burning attempts;
 //! - missing exchange (`404`), access refused (`403`), precondition failed (`406`, e.g. over the
 //!   server's `max_message_size`), a payload over [`RabbitMqConfig::max_message_bytes`], headers
 //!   that do not fit in one frame (`frame_max`), an invalid destination → `Permanent`;
@@ -445,6 +447,11 @@ impl Link {
     pub(crate) async fn probe(&self) -> Result<(), TransportError> {
         let check = async {
             let s = self.session().await?;
+            if s.conn.status().blocked() {
+                return Err(TransportError::unavailable(
+                    "RabbitMQ blocked the connection (memory or disk alarm)",
+                ));
+            }
             let ch = s.conn.create_channel().await.map_err(|e| {
                 TransportError::unavailable("RabbitMQ did not open a channel").with_source(e)
             })?;
@@ -553,6 +560,9 @@ impl Link {
         &self,
         pubs: &[Publication<'_>],
     ) -> Vec<Result<(), TransportError>> {
+        if pubs.is_empty() {
+            return Vec::new();
+        }
         let mut results: Vec<Option<Result<(), TransportError>>> =
             (0..pubs.len()).map(|_| None).collect();
         let mut dests: Vec<Option<Destination>> = Vec::with_capacity(pubs.len());
@@ -667,10 +677,13 @@ impl Link {
                     self.record_error(s, d, &e, *i, results, &mut closed);
                 }
                 Err(_) => {
-                    results[*i] = Some(Err(TransportError::retryable(format!(
-                        "RabbitMQ publish to {d} could not be written within {:?}",
-                        self.config.confirm_timeout
-                    ))));
+                    results[*i] = Some(Err(timed_out(
+                        s,
+                        format!(
+                            "RabbitMQ publish to {d} could not be written within {:?}",
+                            self.config.confirm_timeout
+                        ),
+                    )));
                 }
             }
         }
@@ -703,10 +716,13 @@ impl Link {
                     self.record_error(s, d, &e, i, results, &mut closed);
                     continue;
                 }
-                Err(_) => Err(TransportError::retryable(format!(
-                    "no publisher confirm from RabbitMQ within {:?} ({d})",
-                    self.config.confirm_timeout
-                ))),
+                Err(_) => Err(timed_out(
+                    s,
+                    format!(
+                        "no publisher confirm from RabbitMQ within {:?} ({d})",
+                        self.config.confirm_timeout
+                    ),
+                )),
             });
         }
         self.give_back(s, ch);
@@ -741,6 +757,19 @@ impl Link {
         if by_broker {
             closed.push(i);
         }
+    }
+}
+
+/// A timeout: `Unavailable` while the broker blocks the connection (a memory or disk alarm stops
+/// publishers until it clears, <https://www.rabbitmq.com/docs/connection-blocked>), otherwise
+/// `Retryable`.
+fn timed_out(s: &Session, reason: String) -> TransportError {
+    if s.conn.status().blocked() {
+        TransportError::unavailable(format!(
+            "{reason}: RabbitMQ blocked the connection (resource alarm)"
+        ))
+    } else {
+        TransportError::retryable(reason)
     }
 }
 
