@@ -48,6 +48,8 @@ use outbox::{
     RelayMetrics, Router, SqliteStore, Status, Store, StoreOptions, Transport, TransportError,
     WebhookConfig, WebhookTransport,
 };
+#[cfg(feature = "kafka")]
+use outbox::{KafkaConfig, KafkaTransport, confirm::kafka::KafkaConfirmationSender};
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
@@ -89,6 +91,9 @@ const SKUS: [&str; 8] = [
 const NATS_STREAM: &str = "DEMO_ORDERS";
 /// Subjects the stream captures; the route publishes to `demo.orders.<topic>`.
 const NATS_SUBJECTS: &str = "demo.orders.>";
+/// Partitions of the Kafka variant's order topics.
+#[cfg(feature = "kafka")]
+const KAFKA_PARTITIONS: i32 = 4;
 /// Consumer name of the inventory service, in the inbox and as the JetStream durable.
 const CONSUMER: &str = "inventory";
 /// How often the monitor refreshes the progress bars and checks for the drain.
@@ -117,7 +122,8 @@ pub struct DemoArgs {
     pub database: Option<String>,
 
     /// Deliver over NATS JetStream at this URL (`nats://host:port`) instead of webhooks; the
-    /// DEMO_ORDERS stream is deleted and recreated at start.
+    /// DEMO_ORDERS stream is deleted and recreated at start. Or over Kafka
+    /// (`kafka://host:port`): fresh `demo-<run>.*` topics are created at start.
     #[arg(long, value_name = "URL")]
     pub transport: Option<String>,
 
@@ -1532,6 +1538,17 @@ enum Delivery {
         url: String,
         js: Box<async_nats::jetstream::Context>,
     },
+    /// Kafka (any Kafka-protocol broker, e.g. Tansu): topics `demo-<run>.order-created` and
+    /// `demo-<run>.order-cancelled`, consumer group `demo-<run>.inventory`; confirmations on topic
+    /// `demo-<run>.confirmations`, group `demo-<run>.demo-order-service`. Topics and groups are
+    /// fresh per run, so no earlier run's offsets or departed group members apply.
+    #[cfg(feature = "kafka")]
+    Kafka {
+        url: String,
+        config: Box<KafkaConfig>,
+        run: String,
+        sender: Arc<KafkaConfirmationSender>,
+    },
 }
 
 /// Where the relay delivers: the webhook URL, or nothing for NATS (the route names the subject).
@@ -1574,7 +1591,37 @@ impl Delivery {
                     js: Box::new(js),
                 })
             }
-            Some(other) => bail!("--transport must be a nats:// URL or \"webhook\", not {other:?}"),
+            #[cfg(feature = "kafka")]
+            Some(url) if url.starts_with("kafka://") => {
+                let mut config = KafkaConfig::new(url);
+                // Below the demo relay's 1 s publish timeout (see outbox::transport::kafka).
+                config.delivery_timeout = Duration::from_millis(800);
+                let run = format!("demo-{:08x}", rand::random::<u32>());
+                let topic = |t: &str, partitions| {
+                    outbox::transport::kafka::KafkaTopic::new(format!("{run}.{t}"))
+                        .partitions(partitions)
+                };
+                outbox::transport::kafka::create_topics(
+                    &config,
+                    &[
+                        topic(TOPIC, KAFKA_PARTITIONS),
+                        topic(CANCELLED_TOPIC, KAFKA_PARTITIONS),
+                        topic("confirmations", 2),
+                    ],
+                )
+                .await
+                .with_context(|| format!("cannot create the demo topics on Kafka at {url}"))?;
+                let sender = Arc::new(KafkaConfirmationSender::new(config.clone())?);
+                Ok(Delivery::Kafka {
+                    url: url.to_owned(),
+                    config: Box::new(config),
+                    run,
+                    sender,
+                })
+            }
+            Some(other) => {
+                bail!("--transport must be a nats:// or kafka:// URL or \"webhook\", not {other:?}")
+            }
         }
     }
 
@@ -1588,6 +1635,14 @@ impl Delivery {
                 format!(
                     "NATS JetStream at {url} (stream {NATS_STREAM}, durable {CONSUMER}), \
                      confirmations on {CONFIRM_SUBJECT}"
+                )
+            }
+            #[cfg(feature = "kafka")]
+            Delivery::Kafka { url, run, .. } => {
+                format!(
+                    "Kafka at {url} (topics {run}.{TOPIC} and {run}.{CANCELLED_TOPIC}, \
+                     {KAFKA_PARTITIONS} partitions each, consumer group {run}.{CONSUMER}), \
+                     confirmations on topic {run}.confirmations"
                 )
             }
         }
@@ -1632,6 +1687,24 @@ impl Delivery {
                 });
                 Ok((CONFIRM_SUBJECT.into(), task))
             }
+            #[cfg(feature = "kafka")]
+            Delivery::Kafka { config, run, .. } => {
+                let topic = format!("{run}.confirmations");
+                let listen = outbox::confirm::kafka::listen(
+                    (**config).clone(),
+                    topic.clone(),
+                    format!("{run}.{CONFIRM_QUEUE}"),
+                    store,
+                    cancel.clone(),
+                );
+                let task = tokio::spawn(async move {
+                    listen
+                        .await
+                        .map(|_| ())
+                        .context("the Kafka confirmation listener failed")
+                });
+                Ok((topic, task))
+            }
         }
     }
 
@@ -1640,6 +1713,8 @@ impl Delivery {
         match self {
             Delivery::Webhook { .. } => Arc::new(WebhookConfirmationSender::new()),
             Delivery::Nats { js, .. } => Arc::new(NatsConfirmationSender::new(js.client())),
+            #[cfg(feature = "kafka")]
+            Delivery::Kafka { sender, .. } => sender.clone(),
         }
     }
 
@@ -1731,6 +1806,35 @@ impl Delivery {
                     .collect();
                 Ok((None, runners))
             }
+            #[cfg(feature = "kafka")]
+            Delivery::Kafka { config, run, .. } => {
+                let mut consumer = outbox::consumer::kafka::KafkaConsumerConfig::new(
+                    (**config).clone(),
+                    format!("{run}.{CONSUMER}"),
+                    [format!("{run}.{TOPIC}"), format!("{run}.{CANCELLED_TOPIC}")],
+                )
+                .with_confirmations(confirmations);
+                consumer.dedup_window = None;
+                consumer.concurrency = 4;
+                // The broker minimum, so a new group starts quickly (Tansu holds a new group's
+                // first join for about half the session timeout).
+                consumer.session_timeout = Duration::from_secs(6);
+                // Two members of the group share the partitions, as instances of one service
+                // would; each applies its batches in 4 lanes by partition key.
+                let runners = (0..2)
+                    .map(|_| {
+                        let run = outbox::consumer::kafka::run(
+                            consumer.clone(),
+                            inbox.clone(),
+                            handler.clone(),
+                            metrics.clone(),
+                            cancel.clone(),
+                        );
+                        tokio::spawn(async move { run.await.context("Kafka consumer failed") })
+                    })
+                    .collect();
+                Ok((None, runners))
+            }
         }
     }
 
@@ -1750,6 +1854,11 @@ impl Delivery {
                 config.ack_timeout = Duration::from_secs(1);
                 let transport = NatsTransport::connect(config).await?;
                 Ok((Arc::new(transport), "demo.orders.{topic}".into()))
+            }
+            #[cfg(feature = "kafka")]
+            Delivery::Kafka { config, run, .. } => {
+                let transport = KafkaTransport::connect((**config).clone()).await?;
+                Ok((Arc::new(transport), format!("{run}.{{topic}}")))
             }
         }
     }
@@ -2171,6 +2280,8 @@ impl Report {
                 Delivery::Nats { .. } =>
                     "  (JetStream's duplicate window drops quick re-publishes of a message id first)",
                 Delivery::Webhook { .. } => "",
+                #[cfg(feature = "kafka")]
+                Delivery::Kafka { .. } => "",
             }
         );
         if self.consumer_failures > 0 || self.consumer_dead_letters > 0 {

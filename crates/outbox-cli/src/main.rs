@@ -401,18 +401,22 @@ async fn spawn_confirmations(
                 let stop = cancel.clone();
                 let total =
                     outbox::confirm::nats::listen(client, subject, queue, store, cancel).await?;
-                tracing::info!(
-                    confirmed = total.confirmed,
-                    rejected = total.rejected,
-                    duplicates = total.duplicates,
-                    unknown = total.unknown,
-                    "confirmation listener stopped"
-                );
-                if stop.is_cancelled() {
-                    Ok(())
-                } else {
-                    anyhow::bail!("the NATS subscription ended")
-                }
+                listener_stopped(total, &stop, "the NATS subscription ended")
+            })
+        }
+        #[cfg(feature = "kafka")]
+        config::ConfirmationsSection::Kafka(k) => {
+            let kafka = k.kafka_config()?;
+            tracing::info!(
+                topic = k.topic,
+                group = k.group,
+                "listening for confirmations on Kafka"
+            );
+            tokio::spawn(async move {
+                let stop = cancel.clone();
+                let total =
+                    outbox::confirm::kafka::listen(kafka, k.topic, k.group, store, cancel).await?;
+                listener_stopped(total, &stop, "the Kafka confirmation listener ended")
             })
         }
         config::ConfirmationsSection::Http { listen, path } => {
@@ -429,6 +433,27 @@ async fn spawn_confirmations(
             })
         }
     })
+}
+
+/// Log a confirmation listener's totals when it returned; an error (`unexpected`) unless the
+/// daemon is shutting down (`stop` cancelled).
+fn listener_stopped(
+    total: outbox::ConfirmReport,
+    stop: &CancellationToken,
+    unexpected: &'static str,
+) -> anyhow::Result<()> {
+    tracing::info!(
+        confirmed = total.confirmed,
+        rejected = total.rejected,
+        duplicates = total.duplicates,
+        unknown = total.unknown,
+        "confirmation listener stopped"
+    );
+    if stop.is_cancelled() {
+        Ok(())
+    } else {
+        anyhow::bail!(unexpected)
+    }
 }
 
 async fn shutdown_signal() {
