@@ -129,6 +129,9 @@ pub enum TransportSection {
     /// `kind = "rabbitmq"`.
     #[cfg(feature = "rabbitmq")]
     Rabbitmq(RabbitMqSection),
+    /// `kind = "kafka"` (feature `kafka`).
+    #[cfg(feature = "kafka")]
+    Kafka(Box<KafkaSection>),
 }
 
 impl TransportSection {
@@ -149,6 +152,8 @@ impl TransportSection {
             TransportSection::Redis(_) => "{topic}".into(),
             #[cfg(feature = "mqtt")]
             TransportSection::Mqtt(_) => "{topic}".into(),
+            #[cfg(feature = "kafka")]
+            TransportSection::Kafka(_) => "{topic}".into(),
             TransportSection::Rocketmq(m) => match &m.default_topic {
                 Some(t) => format!("{t}:{{topic}}"),
                 None => "{topic}".into(),
@@ -242,6 +247,244 @@ pub struct NatsSection {
     /// PubAck timeout. Default 5 s.
     #[serde(default, with = "humantime_serde")]
     pub ack_timeout: Option<Duration>,
+}
+
+/// Kafka transport settings (see `docs/transports/kafka.md`).
+#[cfg(feature = "kafka")]
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KafkaSection {
+    /// `host:port[,host:port…]`, optionally prefixed `kafka://` (required).
+    pub bootstrap_servers: String,
+    /// `client.id`. Default `outbox`.
+    pub client_id: Option<String>,
+    /// SASL credentials, read from environment variables. Default: no authentication.
+    pub sasl: Option<KafkaSaslSection>,
+    /// TLS to the brokers (needs librdkafka built with SSL, which the default build is not).
+    pub tls: Option<KafkaTlsSection>,
+    /// `message.timeout.ms`: must be below `relay.publish_timeout`. Default 5 s.
+    #[serde(default, with = "humantime_serde")]
+    pub delivery_timeout: Option<Duration>,
+    /// Metadata wait at start and in probes. Default 5 s.
+    #[serde(default, with = "humantime_serde")]
+    pub connect_timeout: Option<Duration>,
+    /// `linger.ms`. Default 5 ms.
+    #[serde(default, with = "humantime_serde")]
+    pub linger: Option<Duration>,
+    /// `message.max.bytes`: set it to the topics' `max.message.bytes`. Default 1,000,000.
+    pub max_message_bytes: Option<usize>,
+    /// Topics created at start when missing (Kafka topics are not auto-created everywhere).
+    /// Default none.
+    #[serde(default)]
+    pub create_topics: Vec<String>,
+    /// Partitions of the topics created from `create_topics`. Default 1.
+    pub partitions: Option<i32>,
+    /// Replication factor of the topics created from `create_topics`. Default 1.
+    pub replication: Option<i32>,
+    /// Extra librdkafka properties, e.g. `"compression.type" = "lz4"`. Default none.
+    #[serde(default)]
+    pub properties: BTreeMap<String, String>,
+}
+
+/// `sasl = { mechanism = "PLAIN", username_env = "…", password_env = "…" }`.
+#[cfg(feature = "kafka")]
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KafkaSaslSection {
+    /// `PLAIN` (default), `SCRAM-SHA-256` or `SCRAM-SHA-512` (SCRAM needs librdkafka with SSL).
+    pub mechanism: Option<String>,
+    /// Environment variable holding the user name.
+    pub username_env: String,
+    /// Environment variable holding the password.
+    pub password_env: String,
+}
+
+/// `tls = { ca_file = "…", cert_file = "…", key_file = "…" }` (every field optional).
+#[cfg(feature = "kafka")]
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KafkaTlsSection {
+    /// CA certificate file. Default: the system's store.
+    pub ca_file: Option<String>,
+    /// Client certificate file (mutual TLS).
+    pub cert_file: Option<String>,
+    /// Client key file (mutual TLS).
+    pub key_file: Option<String>,
+}
+
+/// `[confirmations] kind = "kafka"`: consume `topic` in consumer group `group`.
+#[cfg(feature = "kafka")]
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KafkaConfirmationsSection {
+    /// `host:port[,host:port…]`, optionally prefixed `kafka://` (required).
+    pub bootstrap_servers: String,
+    /// Topic the consumers reply to (the routes' `confirm.reply_to`).
+    pub topic: String,
+    /// Consumer group shared by relay instances. Default `outbox-confirmations`.
+    #[serde(default = "default_queue")]
+    pub group: String,
+    /// SASL credentials from environment variables, as for a Kafka transport.
+    pub sasl: Option<KafkaSaslSection>,
+    /// TLS, as for a Kafka transport.
+    pub tls: Option<KafkaTlsSection>,
+    /// Extra librdkafka properties. Default none.
+    #[serde(default)]
+    pub properties: BTreeMap<String, String>,
+}
+
+/// The connection part of a Kafka client from the file: `prefix` is the section's path
+/// (`transports.bus`, `confirmations`) for error messages; secrets are read from the environment.
+#[cfg(feature = "kafka")]
+fn kafka_client(
+    prefix: &str,
+    bootstrap: &str,
+    sasl: &Option<KafkaSaslSection>,
+    tls: &Option<KafkaTlsSection>,
+    properties: &BTreeMap<String, String>,
+) -> Result<outbox::KafkaConfig, ConfigError> {
+    let mut c = outbox::KafkaConfig::new(bootstrap);
+    if let Some(s) = sasl {
+        let var = |field: &str, name: &str| {
+            std::env::var(name).map_err(|_| {
+                ConfigError::new(
+                    format!("{prefix}.sasl.{field}"),
+                    format!("environment variable {name} is not set"),
+                )
+            })
+        };
+        c.sasl = Some(outbox::transport::kafka::KafkaSasl {
+            mechanism: s.mechanism.clone().unwrap_or_else(|| "PLAIN".into()),
+            username: var("username_env", &s.username_env)?,
+            password: var("password_env", &s.password_env)?,
+        });
+    }
+    if let Some(t) = tls {
+        c.tls = Some(outbox::transport::kafka::KafkaTls {
+            ca_location: t.ca_file.clone(),
+            certificate_location: t.cert_file.clone(),
+            key_location: t.key_file.clone(),
+        });
+    }
+    c.properties = properties.clone();
+    Ok(c)
+}
+
+#[cfg(feature = "kafka")]
+impl KafkaSection {
+    /// The transport settings, validated; `publish_timeout` is the relay's, which the delivery
+    /// timeout must stay below. Errors name `transports.<name>.<field>`.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming the field.
+    pub fn kafka_config(
+        &self,
+        name: &str,
+        publish_timeout: Duration,
+    ) -> Result<outbox::KafkaConfig, ConfigError> {
+        let prefix = format!("transports.{name}");
+        let mut c = kafka_client(
+            &prefix,
+            &self.bootstrap_servers,
+            &self.sasl,
+            &self.tls,
+            &self.properties,
+        )?;
+        if let Some(v) = &self.client_id {
+            c.client_id = v.clone();
+        }
+        if let Some(v) = self.delivery_timeout {
+            c.delivery_timeout = v;
+        }
+        if let Some(v) = self.connect_timeout {
+            c.connect_timeout = v;
+        }
+        if let Some(v) = self.linger {
+            c.linger = v;
+        }
+        if let Some(v) = self.max_message_bytes {
+            c.max_message_bytes = v;
+        }
+        let named = |e: ConfigError| ConfigError::new(format!("{prefix}.{}", e.field), e.reason);
+        c.validate().map_err(named)?;
+        c.check_features().map_err(named)?;
+        if c.delivery_timeout >= publish_timeout {
+            return Err(ConfigError::new(
+                format!("{prefix}.delivery_timeout"),
+                format!(
+                    "must be below relay.publish_timeout ({publish_timeout:?}), so librdkafka \
+                     reports every record before the relay gives up on a batch"
+                ),
+            ));
+        }
+        if let Some(t) = self
+            .create_topics
+            .iter()
+            .find(|t| !outbox::transport::kafka::valid_topic(t))
+        {
+            return Err(ConfigError::new(
+                format!("{prefix}.create_topics"),
+                format!("{t:?} is not a Kafka topic name (1 to 249 of A-Z a-z 0-9 . _ -)"),
+            ));
+        }
+        if self.partitions.is_some_and(|p| p < 1) {
+            return Err(ConfigError::new(
+                format!("{prefix}.partitions"),
+                "must be at least 1",
+            ));
+        }
+        if self.replication.is_some_and(|r| r < 1) {
+            return Err(ConfigError::new(
+                format!("{prefix}.replication"),
+                "must be at least 1",
+            ));
+        }
+        Ok(c)
+    }
+
+    /// The topics to create at start.
+    pub fn topics(&self) -> Vec<outbox::transport::kafka::KafkaTopic> {
+        self.create_topics
+            .iter()
+            .map(|t| {
+                let mut topic = outbox::transport::kafka::KafkaTopic::new(t)
+                    .partitions(self.partitions.unwrap_or(1));
+                topic.replication = self.replication.unwrap_or(1);
+                topic
+            })
+            .collect()
+    }
+}
+
+#[cfg(feature = "kafka")]
+impl KafkaConfirmationsSection {
+    /// The listener's connection settings, validated; errors name `confirmations.<field>`.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming the field.
+    pub fn kafka_config(&self) -> Result<outbox::KafkaConfig, ConfigError> {
+        let c = kafka_client(
+            "confirmations",
+            &self.bootstrap_servers,
+            &self.sasl,
+            &self.tls,
+            &self.properties,
+        )?;
+        let named =
+            |e: ConfigError| ConfigError::new(format!("confirmations.{}", e.field), e.reason);
+        c.validate().map_err(named)?;
+        c.check_features().map_err(named)?;
+        if !outbox::transport::kafka::valid_topic(&self.topic) {
+            return Err(ConfigError::new(
+                "confirmations.topic",
+                format!("{:?} is not a Kafka topic name", self.topic),
+            ));
+        }
+        if self.group.is_empty() {
+            return Err(ConfigError::new("confirmations.group", "must not be empty"));
+        }
+        Ok(c)
+    }
 }
 
 fn yes() -> bool {
@@ -496,6 +739,9 @@ pub enum ConfirmationsSection {
         /// PEM file of the certificate authorities trusted for `amqps://`.
         tls_ca_file: Option<std::path::PathBuf>,
     },
+    /// `kind = "kafka"`: consume `topic` in consumer group `group` (feature `kafka`).
+    #[cfg(feature = "kafka")]
+    Kafka(KafkaConfirmationsSection),
     /// `kind = "http"`: serve `POST path` on `listen`.
     Http {
         /// Socket address, e.g. `127.0.0.1:8081`.
@@ -857,6 +1103,10 @@ impl FileConfig {
                 TransportSection::Rabbitmq(r) => {
                     r.config(name)?;
                 }
+                #[cfg(feature = "kafka")]
+                TransportSection::Kafka(k) => {
+                    k.kafka_config(name, self.relay_config()?.publish_timeout)?;
+                }
             }
         }
         for (i, r) in self.routes.iter().enumerate() {
@@ -971,6 +1221,10 @@ impl FileConfig {
                     ));
                 }
             }
+            #[cfg(feature = "kafka")]
+            Some(ConfirmationsSection::Kafka(k)) => {
+                k.kafka_config()?;
+            }
             Some(ConfirmationsSection::Http { listen, path }) => {
                 if listen.parse::<std::net::SocketAddr>().is_err() {
                     return Err(ConfigError::new(
@@ -1057,6 +1311,20 @@ impl FileConfig {
                         .map_err(|e| prefix(e, name))?,
                 ),
                 TransportSection::Rocketmq(r) => rocketmq::connect(name, r).await?,
+                #[cfg(feature = "kafka")]
+                TransportSection::Kafka(k) => {
+                    let c = k.kafka_config(name, self.relay_config()?.publish_timeout)?;
+                    if !k.create_topics.is_empty() {
+                        outbox::transport::kafka::create_topics(&c, &k.topics())
+                            .await
+                            .map_err(|e| prefix(e, name))?;
+                    }
+                    Arc::new(
+                        outbox::KafkaTransport::connect(c)
+                            .await
+                            .map_err(|e| prefix(e, name))?,
+                    )
+                }
             };
             built.insert(name, transport);
         }
@@ -1480,6 +1748,109 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("batch_sise"), "{e}");
+    }
+
+    #[cfg(feature = "kafka")]
+    const KAFKA: &str = r#"
+        [transports.k]
+        kind = "kafka"
+        bootstrap_servers = "kafka://127.0.0.1:19092"
+        delivery_timeout = "3s"
+        max_message_bytes = 1048576
+        create_topics = ["orders.created"]
+        partitions = 3
+        [transports.k.properties]
+        "compression.type" = "lz4"
+        [[routes]]
+        topics = "kafka-*"
+        transport = "k"
+    "#;
+
+    #[cfg(feature = "kafka")]
+    #[test]
+    fn kafka_section_parses_and_names_bad_fields() {
+        let good = format!("{GOOD}{KAFKA}");
+        let c = parse(&good).unwrap();
+        c.validate().unwrap();
+        let TransportSection::Kafka(k) = &c.transports["k"] else {
+            panic!("kafka section");
+        };
+        let kc = k.kafka_config("k", Duration::from_secs(10)).unwrap();
+        assert_eq!(kc.bootstrap_servers, "127.0.0.1:19092");
+        assert_eq!(kc.delivery_timeout, Duration::from_secs(3));
+        assert_eq!(kc.max_message_bytes, 1048576);
+        assert_eq!(kc.properties["compression.type"], "lz4");
+        assert_eq!(k.topics()[0].partitions, 3);
+        let field = |from: &str, to: &str| {
+            let c = parse(&good.replace(from, to)).unwrap();
+            c.validate().unwrap_err().field
+        };
+        assert_eq!(
+            field("kafka://127.0.0.1:19092", "nohostport"),
+            "transports.k.bootstrap_servers"
+        );
+        // The relay's default publish timeout is 10 s.
+        assert_eq!(
+            field("delivery_timeout = \"3s\"", "delivery_timeout = \"10s\""),
+            "transports.k.delivery_timeout"
+        );
+        assert_eq!(
+            field("\"compression.type\" = \"lz4\"", "acks = \"1\""),
+            "transports.k.properties.acks"
+        );
+        assert_eq!(
+            field("[\"orders.created\"]", "[\"bad topic\"]"),
+            "transports.k.create_topics"
+        );
+        assert_eq!(
+            field("partitions = 3", "partitions = 0"),
+            "transports.k.partitions"
+        );
+        assert_eq!(
+            field(
+                "partitions = 3",
+                "sasl = { username_env = \"OUTBOX_TEST_SURELY_UNSET_USER\", password_env = \"OUTBOX_TEST_SURELY_UNSET_PASSWORD\" }"
+            ),
+            "transports.k.sasl.username_env"
+        );
+        if !outbox::transport::kafka::builtin_features()
+            .split(',')
+            .any(|f| f == "ssl")
+        {
+            assert_eq!(
+                field("partitions = 3", "tls = { ca_file = \"/etc/ssl/ca.pem\" }"),
+                "transports.k.tls"
+            );
+        }
+        let e = parse(&good.replace("partitions = 3", "partitons = 3"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("partitons"), "{e}");
+    }
+
+    #[cfg(feature = "kafka")]
+    #[test]
+    fn kafka_confirmations_parse_and_validate() {
+        let with = format!(
+            "{GOOD}\n[confirmations]\nkind = \"kafka\"\nbootstrap_servers = \"127.0.0.1:19092\"\ntopic = \"orders.confirm\"\n"
+        );
+        let c = parse(&with).unwrap();
+        c.validate().unwrap();
+        let Some(ConfirmationsSection::Kafka(k)) = &c.confirmations else {
+            panic!("kafka confirmations");
+        };
+        assert_eq!(k.group, "outbox-confirmations");
+        let c = parse(&with.replace("orders.confirm", "orders confirm")).unwrap();
+        assert_eq!(c.validate().unwrap_err().field, "confirmations.topic");
+        let c = parse(&with.replace("127.0.0.1:19092", "")).unwrap();
+        assert_eq!(
+            c.validate().unwrap_err().field,
+            "confirmations.bootstrap_servers"
+        );
+        let e = parse(&format!("{with}bogus = 1\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("bogus"), "{e}");
     }
 
     #[test]

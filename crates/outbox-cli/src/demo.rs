@@ -48,6 +48,8 @@ use outbox::{
     RelayMetrics, Router, SqliteStore, Status, Store, StoreOptions, Transport, TransportError,
     WebhookConfig, WebhookTransport,
 };
+#[cfg(feature = "kafka")]
+use outbox::{KafkaConfig, KafkaTransport, confirm::kafka::KafkaConfirmationSender};
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
@@ -99,6 +101,9 @@ const RABBIT_QUEUE: &str = "demo.inventory";
 /// Queue the order service consumes confirmations from in the RabbitMQ variant.
 #[cfg(feature = "rabbitmq")]
 const RABBIT_CONFIRM_QUEUE: &str = "demo.confirmations";
+/// Partitions of the Kafka variant's order topics.
+#[cfg(feature = "kafka")]
+const KAFKA_PARTITIONS: i32 = 4;
 /// Consumer name of the inventory service, in the inbox and as the JetStream durable.
 const CONSUMER: &str = "inventory";
 /// How often the monitor refreshes the progress bars and checks for the drain.
@@ -130,8 +135,9 @@ pub struct DemoArgs {
     /// recreated at start), Redis Streams (`redis://host:port`; the demo:orders and
     /// demo:confirmations streams are reset), MQTT 5 (`mqtt://host:port`), RabbitMQ
     /// (`amqp://user:password@host:5672/%2f`; the demo.inventory and demo.confirmations queues are
-    /// deleted and recreated at start) or RocketMQ (`rocketmq://host:port`, with the `rocketmq`
-    /// cargo feature: fresh topics per run) instead of webhooks.
+    /// deleted and recreated at start), Kafka (`kafka://host:port`; fresh `demo-<run>.*` topics are
+    /// created at start) or RocketMQ (`rocketmq://host:port`, with the `rocketmq` cargo feature:
+    /// fresh topics per run) instead of webhooks.
     #[arg(long, value_name = "URL")]
     pub transport: Option<String>,
 
@@ -1571,6 +1577,17 @@ enum Delivery {
     /// confirms; confirmations on queue [`RABBIT_CONFIRM_QUEUE`].
     #[cfg(feature = "rabbitmq")]
     RabbitMq { config: outbox::RabbitMqConfig },
+    /// Kafka (any Kafka-protocol broker, e.g. Tansu): topics `demo-<run>.order-created` and
+    /// `demo-<run>.order-cancelled`, consumer group `demo-<run>.inventory`; confirmations on topic
+    /// `demo-<run>.confirmations`, group `demo-<run>.demo-order-service`. Topics and groups are
+    /// fresh per run, so no earlier run's offsets or departed group members apply.
+    #[cfg(feature = "kafka")]
+    Kafka {
+        url: String,
+        config: Box<KafkaConfig>,
+        run: String,
+        sender: Arc<KafkaConfirmationSender>,
+    },
 }
 
 /// The RocketMQ delivery's names and its confirmation sender.
@@ -1725,8 +1742,36 @@ impl Delivery {
                 config.validate()?;
                 Ok(Delivery::RabbitMq { config })
             }
+            #[cfg(feature = "kafka")]
+            Some(url) if url.starts_with("kafka://") => {
+                let mut config = KafkaConfig::new(url);
+                // Below the demo relay's 1 s publish timeout (see outbox::transport::kafka).
+                config.delivery_timeout = Duration::from_millis(800);
+                let run = format!("demo-{:08x}", rand::random::<u32>());
+                let topic = |t: &str, partitions| {
+                    outbox::transport::kafka::KafkaTopic::new(format!("{run}.{t}"))
+                        .partitions(partitions)
+                };
+                outbox::transport::kafka::create_topics(
+                    &config,
+                    &[
+                        topic(TOPIC, KAFKA_PARTITIONS),
+                        topic(CANCELLED_TOPIC, KAFKA_PARTITIONS),
+                        topic("confirmations", 2),
+                    ],
+                )
+                .await
+                .with_context(|| format!("cannot create the demo topics on Kafka at {url}"))?;
+                let sender = Arc::new(KafkaConfirmationSender::new(config.clone())?);
+                Ok(Delivery::Kafka {
+                    url: url.to_owned(),
+                    config: Box::new(config),
+                    run,
+                    sender,
+                })
+            }
             Some(other) => bail!(
-                "--transport must be \"webhook\" or a nats://, redis://, mqtt://, amqp:// or rocketmq:// URL, not {other:?}"
+                "--transport must be \"webhook\" or a nats://, redis://, mqtt://, amqp://, kafka:// or rocketmq:// URL, not {other:?}"
             ),
         }
     }
@@ -1765,6 +1810,14 @@ impl Delivery {
                  confirms), confirmations on queue {RABBIT_CONFIRM_QUEUE}",
                 crate::redact(&config.url)
             ),
+            #[cfg(feature = "kafka")]
+            Delivery::Kafka { url, run, .. } => {
+                format!(
+                    "Kafka at {url} (topics {run}.{TOPIC} and {run}.{CANCELLED_TOPIC}, \
+                     {KAFKA_PARTITIONS} partitions each, consumer group {run}.{CONSUMER}), \
+                     confirmations on topic {run}.confirmations"
+                )
+            }
         }
     }
 
@@ -1876,6 +1929,24 @@ impl Delivery {
                 });
                 Ok((RABBIT_CONFIRM_QUEUE.into(), task))
             }
+            #[cfg(feature = "kafka")]
+            Delivery::Kafka { config, run, .. } => {
+                let topic = format!("{run}.confirmations");
+                let listen = outbox::confirm::kafka::listen(
+                    (**config).clone(),
+                    topic.clone(),
+                    format!("{run}.{CONFIRM_QUEUE}"),
+                    store,
+                    cancel.clone(),
+                );
+                let task = tokio::spawn(async move {
+                    listen
+                        .await
+                        .map(|_| ())
+                        .context("the Kafka confirmation listener failed")
+                });
+                Ok((topic, task))
+            }
         }
     }
 
@@ -1897,6 +1968,8 @@ impl Delivery {
                 outbox::confirm::rabbitmq::RabbitMqConfirmationSender::new(config.clone())
                     .expect("validated at open"),
             ),
+            #[cfg(feature = "kafka")]
+            Delivery::Kafka { sender, .. } => sender.clone(),
         }
     }
 
@@ -2095,6 +2168,35 @@ impl Delivery {
                     .collect();
                 Ok((None, runners))
             }
+            #[cfg(feature = "kafka")]
+            Delivery::Kafka { config, run, .. } => {
+                let mut consumer = outbox::consumer::kafka::KafkaConsumerConfig::new(
+                    (**config).clone(),
+                    format!("{run}.{CONSUMER}"),
+                    [format!("{run}.{TOPIC}"), format!("{run}.{CANCELLED_TOPIC}")],
+                )
+                .with_confirmations(confirmations);
+                consumer.dedup_window = None;
+                consumer.concurrency = 4;
+                // The broker minimum, so a new group starts quickly (Tansu holds a new group's
+                // first join for about half the session timeout).
+                consumer.session_timeout = Duration::from_secs(6);
+                // Two members of the group share the partitions, as instances of one service
+                // would; each applies its batches in 4 lanes by partition key.
+                let runners = (0..2)
+                    .map(|_| {
+                        let run = outbox::consumer::kafka::run(
+                            consumer.clone(),
+                            inbox.clone(),
+                            handler.clone(),
+                            metrics.clone(),
+                            cancel.clone(),
+                        );
+                        tokio::spawn(async move { run.await.context("Kafka consumer failed") })
+                    })
+                    .collect();
+                Ok((None, runners))
+            }
         }
     }
 
@@ -2141,6 +2243,11 @@ impl Delivery {
             Delivery::RabbitMq { config } => {
                 let transport = outbox::RabbitMqTransport::connect(config.clone()).await?;
                 Ok((Arc::new(transport), format!("{RABBIT_EXCHANGE}/{{topic}}")))
+            }
+            #[cfg(feature = "kafka")]
+            Delivery::Kafka { config, run, .. } => {
+                let transport = KafkaTransport::connect((**config).clone()).await?;
+                Ok((Arc::new(transport), format!("{run}.{{topic}}")))
             }
         }
     }
@@ -2629,6 +2736,8 @@ impl Report {
                 #[cfg(feature = "rabbitmq")]
                 Delivery::RabbitMq { .. } =>
                     "  (RabbitMQ keeps every re-published copy; the inbox absorbs them)",
+                #[cfg(feature = "kafka")]
+                Delivery::Kafka { .. } => "",
             }
         );
         if self.consumer_failures > 0 || self.consumer_dead_letters > 0 {

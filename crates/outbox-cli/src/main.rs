@@ -433,6 +433,21 @@ async fn spawn_confirmations(
                 listener_stopped(total, &stop, "the NATS subscription ended")
             })
         }
+        #[cfg(feature = "kafka")]
+        config::ConfirmationsSection::Kafka(k) => {
+            let kafka = k.kafka_config()?;
+            tracing::info!(
+                topic = k.topic,
+                group = k.group,
+                "listening for confirmations on Kafka"
+            );
+            tokio::spawn(async move {
+                let stop = cancel.clone();
+                let total =
+                    outbox::confirm::kafka::listen(kafka, k.topic, k.group, store, cancel).await?;
+                listener_stopped(total, &stop, "the Kafka confirmation listener ended")
+            })
+        }
         #[cfg(feature = "rabbitmq")]
         ref section @ config::ConfirmationsSection::Rabbitmq { ref queue, .. } => {
             let connection = section.rabbitmq()?.context("confirmations: not rabbitmq")?;

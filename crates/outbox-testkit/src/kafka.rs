@@ -33,10 +33,15 @@ pub fn kafka_url() -> String {
     std::env::var("OUTBOX_TEST_KAFKA_URL").unwrap_or_else(|_| DEFAULT_KAFKA_URL.into())
 }
 
-/// Transport settings for the test broker: delivery timeout 5 s, connect timeout 10 s.
+/// Transport settings for the test broker: delivery timeout 5 s, connect timeout 10 s; with
+/// `OUTBOX_TEST_KAFKA_DEBUG` set (e.g. `cgrp,fetch`), librdkafka's `debug` contexts, logged
+/// through `RUST_LOG=rdkafka=debug`.
 pub fn kafka_config() -> KafkaConfig {
     let mut c = KafkaConfig::new(kafka_url());
     c.connect_timeout = Duration::from_secs(10);
+    if let Ok(debug) = std::env::var("OUTBOX_TEST_KAFKA_DEBUG") {
+        c.properties.insert("debug".into(), debug);
+    }
     c
 }
 

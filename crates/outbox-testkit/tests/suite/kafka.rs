@@ -412,6 +412,8 @@ impl KafkaSetup {
             KafkaConsumerConfig::new(kafka_config(), unique("billing"), [self.topic.clone()])
                 .with_confirmations(Arc::new(sender));
         c.concurrency = concurrency;
+        // The broker minimum: Tansu holds a new group's first join for about half of it.
+        c.session_timeout = Duration::from_secs(6);
         c.retry = fast_retry();
         c.maintenance_interval = Duration::from_millis(200);
         c

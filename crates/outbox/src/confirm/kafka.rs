@@ -25,7 +25,9 @@ use super::{
     ConfirmReport, Confirmation, ConfirmationSender, apply_with_retry, parse_confirmations,
 };
 use crate::Store;
-use crate::consumer::kafka::{PartitionState, close, next_batch, subscribe};
+use crate::consumer::kafka::{
+    DEFAULT_SESSION_TIMEOUT, PartitionState, close, next_batch, subscribe,
+};
 use crate::error::{ConfigError, TransportError};
 use crate::retry::Backoff;
 use crate::transport::kafka::{
@@ -100,7 +102,8 @@ impl ConfirmationSender for KafkaConfirmationSender {
 }
 
 /// Consume `topic` in consumer group `group_id` and apply confirmations to `store` in batches of
-/// up to 500, until `cancel`. Returns the totals.
+/// up to 500, until `cancel`. Returns the totals. The group's `session.timeout.ms` is
+/// [`DEFAULT_SESSION_TIMEOUT`] unless `config.properties` sets it.
 ///
 /// # Errors
 /// [`ConfigError`] at start: invalid settings, the topic missing, or the cluster not answering.
@@ -127,6 +130,7 @@ pub async fn listen(
         &group_id,
         std::slice::from_ref(&topic),
         "earliest",
+        DEFAULT_SESSION_TIMEOUT,
         &Default::default(),
     )
     .await?;
