@@ -131,6 +131,103 @@ pub struct FailedMessage {
     pub last_error: Option<String>,
 }
 
+/// Buckets per outbox table: a constant of the schema (migration v4). Every row's `bucket`
+/// column is a stored generated column, a hash of its partition key (of its message id when it
+/// has none) modulo this number, so plain-SQL producers get it for free and every message of one
+/// key lands in one bucket.
+pub const BUCKETS: u16 = 64;
+
+/// A bucket number, `0..BUCKETS`.
+pub type Bucket = i16;
+
+/// A bucket lease acquired in a [`Store::membership`] round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BucketLease {
+    /// The bucket.
+    pub bucket: Bucket,
+    /// The fencing token stamped on the bucket row; every completion for the bucket's rows must
+    /// carry it.
+    pub token: LeaseToken,
+    /// The bucket had an owner whose lease expired (a relay died or stalled): rows of it may
+    /// have been in flight. The relay counts an attempt for the first batch it reads from such
+    /// a bucket before publishing, so a message that kills every relay still reaches its last
+    /// attempt and is dead-lettered.
+    pub takeover: bool,
+}
+
+/// One membership round of a relay ([`Store::membership`]).
+#[derive(Debug, Clone)]
+pub struct MembershipRequest {
+    /// The relay's name (its row in `<table>_relays` and the `owner` of its buckets).
+    pub relay: String,
+    /// Bucket lease length and liveness window: a relay whose heartbeat is older than this is
+    /// not counted, and a bucket whose lease is older may be taken over.
+    pub lease: Duration,
+    /// The buckets the relay believes it holds, with their tokens; they are renewed.
+    pub held: Vec<(Bucket, LeaseToken)>,
+    /// Acquire free or expired buckets up to the fair share (`ceil(BUCKETS / live relays)`).
+    /// False while shutting down.
+    pub acquire: bool,
+}
+
+/// What a membership round found and did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MembershipRound {
+    /// Relays with a heartbeat within one lease, this one included.
+    pub live_relays: u32,
+    /// `ceil(BUCKETS / live_relays)`: how many buckets this relay should hold.
+    pub fair_share: u32,
+    /// Held buckets whose lease was renewed. A held bucket missing here was lost (another relay
+    /// took it over after this relay's lease expired): the relay must stop using it at once.
+    pub renewed: Vec<Bucket>,
+    /// Buckets newly acquired in this round.
+    pub acquired: Vec<BucketLease>,
+}
+
+/// A PENDING row read from an owned bucket ([`Store::read_buckets`]).
+#[derive(Debug, Clone)]
+pub struct BucketRow {
+    /// The row's bucket.
+    pub bucket: Bucket,
+    /// The message; `attempts` counts the attempts made so far (not this one).
+    pub message: Message,
+}
+
+/// The due rows of some buckets, read without writing anything.
+#[derive(Debug, Clone, Default)]
+pub struct BucketBatch {
+    /// Decoded rows, in id order within each bucket.
+    pub rows: Vec<BucketRow>,
+    /// Rows that could not be decoded: bucket, id and the reason (dead-lettered by the relay).
+    pub malformed: Vec<(Bucket, i64, String)>,
+}
+
+/// Where a partition key stands ([`Store::key_heads`]), for per-key order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyHead {
+    /// The partition key.
+    pub key: String,
+    /// Smallest id of the key's rows still to publish (PENDING, due or not, or SENDING).
+    pub first_open: Option<i64>,
+    /// Smallest id of the key's dead-lettered (FAILED) rows.
+    pub first_failed: Option<i64>,
+}
+
+/// One row's outcome for [`Store::complete_in_buckets`], fenced by its bucket's lease.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BucketCompletion {
+    /// Row id.
+    pub id: i64,
+    /// The token of the row's bucket lease, as acquired.
+    pub token: LeaseToken,
+    /// The `attempts` value to store: attempts made, this one included when it was attempted.
+    pub attempts: u32,
+    /// What to record. [`Outcome::Release`] keeps the row PENDING with
+    /// `available_at = now() + delay` (and `attempts` as given: the takeover batch records its
+    /// attempt this way before publishing).
+    pub outcome: Outcome,
+}
+
 /// The database operations of the relay. Implemented by [`PgStore`](crate::PgStore) and
 /// [`SqliteStore`](crate::SqliteStore); the conformance suite in `outbox-testkit` runs against
 /// each on the real database.
@@ -169,6 +266,51 @@ pub trait Store: Send + Sync + 'static {
     /// lease; a row whose expired attempt was its last goes to FAILED with reason
     /// `"lease expired on the last attempt"`. One conditional statement. Returns the rows moved.
     async fn reap_expired_leases(&self, limit: u32, max_attempts: u32) -> Result<u64, StoreError>;
+
+    /// Heartbeat, renew and acquire bucket leases, in one transaction (see the relay's module
+    /// docs). Upserts `req.relay`'s heartbeat, counts the live relays, renews every held bucket
+    /// whose owner and token still match (`expires_at = now() + lease`), and, when `acquire` and
+    /// fewer than the fair share are held, takes free buckets and buckets whose lease expired
+    /// (`owner = relay`, a fresh token, `takeovers + 1` for an expired one) with `SKIP LOCKED`.
+    async fn membership(&self, req: &MembershipRequest) -> Result<MembershipRound, StoreError>;
+
+    /// Give buckets back (`owner = NULL`, lease expired at once) where owner and token still
+    /// match; with `leave`, also delete the relay's membership row. Used when a relay holds more
+    /// than its fair share, and on shutdown.
+    async fn release_buckets(
+        &self,
+        relay: &str,
+        buckets: &[(Bucket, LeaseToken)],
+        leave: bool,
+    ) -> Result<(), StoreError>;
+
+    /// Read up to `limit` due PENDING rows (`available_at <= now()`) of `buckets`, in id order
+    /// within each bucket, skipping rows whose partition key is in `skip_keys` (keys held back by
+    /// per-key order). Writes nothing: the caller owns the buckets, so no other relay reads them.
+    async fn read_buckets(
+        &self,
+        buckets: &[Bucket],
+        skip_keys: &[String],
+        limit: u32,
+    ) -> Result<BucketBatch, StoreError>;
+
+    /// For each of `keys`: the smallest id still to publish and the smallest dead-lettered id
+    /// (one indexed statement). Keys with neither are omitted.
+    async fn key_heads(&self, keys: &[String]) -> Result<Vec<KeyHead>, StoreError>;
+
+    /// Record outcomes in ONE statement, each row fenced by its bucket lease: the row must be
+    /// PENDING and its bucket owned by `relay` with the completion's token and an unexpired
+    /// lease. Returns the rows matched; a row of a bucket taken over is left alone (counted as a
+    /// lost lease by the relay). As in [`Store::complete`], a row the consumer already confirmed
+    /// or rejected keeps its verdict.
+    async fn complete_in_buckets(
+        &self,
+        relay: &str,
+        completions: &[BucketCompletion],
+    ) -> Result<u64, StoreError>;
+
+    /// Like [`Store::next_due_in`], restricted to `buckets`.
+    async fn next_due_in_buckets(&self, buckets: &[Bucket]) -> Result<Option<Duration>, StoreError>;
 
     /// Time until the earliest PENDING row becomes due: `Some(ZERO)` when one is due now, `None`
     /// when there is no PENDING row.
@@ -374,6 +516,68 @@ impl CompletionColumns {
             c.confirm_ms.push(confirm);
         }
         c
+    }
+}
+
+/// [`MembershipRound`] from the live count and the renewed buckets (fair share
+/// `ceil(BUCKETS / live)`, at least one relay: this one).
+pub(crate) fn membership_round(live: i64, renewed: Vec<Bucket>) -> MembershipRound {
+    let live = u32::try_from(live.max(1)).unwrap_or(u32::MAX);
+    MembershipRound {
+        live_relays: live,
+        fair_share: u32::from(BUCKETS).div_ceil(live),
+        renewed,
+        acquired: Vec::new(),
+    }
+}
+
+/// [`BucketCompletion`]s as parallel arrays: ids, statuses, delays in ms, errors, attempts,
+/// confirmation windows in ms and bucket tokens.
+pub(crate) struct BucketColumns {
+    pub ids: Vec<i64>,
+    pub statuses: Vec<i16>,
+    pub delays_ms: Vec<i64>,
+    pub errors: Vec<Option<String>>,
+    pub attempts: Vec<i32>,
+    pub confirm_ms: Vec<Option<i64>>,
+    pub tokens: Vec<LeaseToken>,
+}
+
+impl BucketColumns {
+    pub(crate) fn from(completions: &[BucketCompletion]) -> Self {
+        let mut c = BucketColumns {
+            ids: Vec::with_capacity(completions.len()),
+            statuses: Vec::with_capacity(completions.len()),
+            delays_ms: Vec::with_capacity(completions.len()),
+            errors: Vec::with_capacity(completions.len()),
+            attempts: Vec::with_capacity(completions.len()),
+            confirm_ms: Vec::with_capacity(completions.len()),
+            tokens: Vec::with_capacity(completions.len()),
+        };
+        for comp in completions {
+            let (status, delay, error, confirm) = outcome_columns(&comp.outcome);
+            c.ids.push(comp.id);
+            c.statuses.push(status.as_i16());
+            c.delays_ms.push(delay);
+            c.errors.push(error);
+            c.attempts.push(i32::try_from(comp.attempts).unwrap_or(i32::MAX));
+            c.confirm_ms.push(confirm);
+            c.tokens.push(comp.token);
+        }
+        c
+    }
+}
+
+/// The status, delay (ms), error and confirmation window (ms) an outcome writes.
+fn outcome_columns(outcome: &Outcome) -> (Status, i64, Option<String>, Option<i64>) {
+    match outcome {
+        Outcome::Sent => (Status::Sent, 0, None, None),
+        Outcome::SentAwaitingConfirmation { within } => {
+            (Status::Sent, 0, None, Some(millis(*within)))
+        }
+        Outcome::Retry { delay, error } => (Status::Pending, millis(*delay), Some(error.clone()), None),
+        Outcome::Failed { reason } => (Status::Failed, 0, Some(reason.clone()), None),
+        Outcome::Release { delay } => (Status::Pending, millis(*delay), None, None),
     }
 }
 

@@ -22,8 +22,9 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::{
-    Claim, ClaimRequest, Completion, CompletionColumns, FailedMessage, LeaseToken, Stats, Store,
-    StoreOptions, claim_from_rows, millis, new_token, stats_from,
+    Bucket, BucketBatch, BucketCompletion, BucketLease, BucketRow, Claim, ClaimRequest,
+    Completion, CompletionColumns, FailedMessage, KeyHead, LeaseToken, MembershipRequest,
+    MembershipRound, Stats, Store, StoreOptions, claim_from_rows, millis, new_token, stats_from,
 };
 use crate::confirm::{ConfirmReport, Confirmation, RejectionHook, Verdict};
 use crate::error::{EnqueueError, StoreError};
@@ -39,6 +40,16 @@ struct Sql {
     counts: Arc<str>,
     ages: Arc<str>,
     failed: Arc<str>,
+    heartbeat: Arc<str>,
+    live: Arc<str>,
+    renew: Arc<str>,
+    acquire: Arc<str>,
+    release: Arc<str>,
+    leave: Arc<str>,
+    read_buckets: Arc<str>,
+    key_heads: Arc<str>,
+    complete_in_buckets: Arc<str>,
+    next_due_in_buckets: Arc<str>,
 }
 
 /// The outbox on PostgreSQL. Cheap to clone; clones share the pool and the in-process waker.
@@ -162,6 +173,81 @@ impl PgStore {
             failed: format!(
                 "SELECT id, message_id::text, topic, attempts, last_error FROM {t} WHERE status = 4 \
                  ORDER BY updated_at DESC, id DESC LIMIT $1"
+            )
+            .into(),
+            heartbeat: format!(
+                "INSERT INTO {t}_relays (name, heartbeat_at) VALUES ($1, now()) \
+                 ON CONFLICT (name) DO UPDATE SET heartbeat_at = now()"
+            )
+            .into(),
+            // Forgets relays silent for 10 leases, then counts the live ones.
+            live: format!(
+                "WITH gone AS (DELETE FROM {t}_relays \
+                   WHERE heartbeat_at < now() - make_interval(secs => $1::float8 * 10 / 1000)) \
+                 SELECT COUNT(*) FROM {t}_relays \
+                 WHERE heartbeat_at > now() - make_interval(secs => $1::float8 / 1000)"
+            )
+            .into(),
+            renew: format!(
+                "UPDATE {t}_buckets b SET expires_at = now() + make_interval(secs => $4::float8 / 1000) \
+                 FROM UNNEST($2::smallint[], $3::bigint[]) AS h(bucket, token) \
+                 WHERE b.bucket = h.bucket AND b.owner = $1 AND b.token = h.token RETURNING b.bucket"
+            )
+            .into(),
+            acquire: format!(
+                "UPDATE {t}_buckets b SET owner = $1, token = $2, \
+                 expires_at = now() + make_interval(secs => $3::float8 / 1000), \
+                 takeovers = b.takeovers + CASE WHEN c.was_owned THEN 1 ELSE 0 END \
+                 FROM (SELECT bucket, owner IS NOT NULL AS was_owned FROM {t}_buckets \
+                       WHERE owner IS NULL OR expires_at < now() \
+                       ORDER BY bucket LIMIT $4 FOR UPDATE SKIP LOCKED) c \
+                 WHERE b.bucket = c.bucket RETURNING b.bucket, c.was_owned"
+            )
+            .into(),
+            release: format!(
+                "UPDATE {t}_buckets b SET owner = NULL, token = NULL, expires_at = '-infinity' \
+                 FROM UNNEST($2::smallint[], $3::bigint[]) AS h(bucket, token) \
+                 WHERE b.bucket = h.bucket AND b.owner = $1 AND b.token = h.token"
+            )
+            .into(),
+            leave: format!("DELETE FROM {t}_relays WHERE name = $1").into(),
+            // One index range scan per bucket on (bucket, id) WHERE status = 0; the outer LIMIT
+            // stops the nested loop as soon as enough rows came, so a deep backlog in the first
+            // bucket costs no more than the rows returned.
+            read_buckets: format!(
+                "SELECT r.* FROM UNNEST($1::smallint[]) AS b(bucket) \
+                 CROSS JOIN LATERAL (SELECT {cols}, o.bucket FROM {t} o \
+                   WHERE o.bucket = b.bucket AND o.status = 0 AND o.available_at <= now() \
+                   AND (o.partition_key IS NULL OR NOT (o.partition_key = ANY($2::text[]))) \
+                   ORDER BY o.id LIMIT $3) r \
+                 LIMIT $3"
+            )
+            .into(),
+            key_heads: format!(
+                "SELECT partition_key, MIN(id) FILTER (WHERE status IN (0, 1)), \
+                 MIN(id) FILTER (WHERE status = 4) FROM {t} \
+                 WHERE partition_key = ANY($1::text[]) AND status IN (0, 1, 4) GROUP BY partition_key"
+            )
+            .into(),
+            complete_in_buckets: format!(
+                "UPDATE {t} o SET status = CASE WHEN o.status = 0 THEN u.st ELSE o.status END, \
+                 attempts = CASE WHEN o.status = 0 THEN u.att ELSE o.attempts END, \
+                 available_at = CASE WHEN o.status = 0 AND u.st = 0 \
+                   THEN now() + make_interval(secs => u.delay_ms::float8 / 1000) ELSE o.available_at END, \
+                 sent_at = CASE WHEN u.st = 2 THEN now() ELSE o.sent_at END, \
+                 confirm_deadline = CASE WHEN o.status = 0 AND u.st = 2 AND u.confirm_ms IS NOT NULL \
+                   THEN now() + make_interval(secs => u.confirm_ms::float8 / 1000) ELSE NULL END, \
+                 last_error = CASE WHEN o.status = 0 THEN COALESCE(u.err, o.last_error) ELSE o.last_error END, \
+                 lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL, updated_at = now() \
+                 FROM UNNEST($1::bigint[], $2::smallint[], $3::bigint[], $4::text[], $5::int[], $6::bigint[], $7::bigint[]) \
+                   AS u(id, st, delay_ms, err, att, confirm_ms, token), {t}_buckets b \
+                 WHERE o.id = u.id AND o.status IN (0, 3, 6) AND b.bucket = o.bucket \
+                   AND b.owner = $8 AND b.token = u.token AND b.expires_at > now()"
+            )
+            .into(),
+            next_due_in_buckets: format!(
+                "SELECT GREATEST(CEIL(EXTRACT(EPOCH FROM (available_at - now())) * 1000), 0)::bigint \
+                 FROM {t} WHERE status = 0 AND bucket = ANY($1::smallint[]) ORDER BY available_at LIMIT 1"
             )
             .into(),
         };
@@ -363,6 +449,38 @@ fn migrations(table: &TableName, inbox: &TableName, channel: &str) -> Vec<(Strin
             3,
             format!("ALTER TABLE {t} ADD COLUMN IF NOT EXISTS redelivery int NOT NULL DEFAULT 0;"),
         ),
+        (
+            t.to_owned(),
+            4,
+            // Bucket leases and per-key order (docs/ordering.md). The bucket is a stored generated
+            // column, so plain-SQL producers get it; adding it rewrites the table once.
+            format!(
+                "ALTER TABLE {t} ADD COLUMN IF NOT EXISTS bucket smallint GENERATED ALWAYS AS \
+                   (((hashtextextended(COALESCE(partition_key, message_id::text), 0) & 2147483647) % {buckets})::smallint) STORED;
+                CREATE INDEX IF NOT EXISTS {f}_bucket_pending ON {t} (bucket, id) WHERE status = 0;
+                CREATE INDEX IF NOT EXISTS {f}_key_open ON {t} (partition_key, id) \
+                  WHERE status IN (0, 1, 4) AND partition_key IS NOT NULL;
+                DROP INDEX IF EXISTS {schema_dot}{f}_partition_key;
+                CREATE TABLE IF NOT EXISTS {t}_buckets (
+                    bucket smallint PRIMARY KEY,
+                    owner text,
+                    token bigint,
+                    expires_at timestamptz NOT NULL DEFAULT '-infinity',
+                    takeovers bigint NOT NULL DEFAULT 0
+                );
+                INSERT INTO {t}_buckets (bucket) SELECT generate_series(0, {last}) ON CONFLICT DO NOTHING;
+                CREATE TABLE IF NOT EXISTS {t}_relays (
+                    name text PRIMARY KEY,
+                    heartbeat_at timestamptz NOT NULL
+                );",
+                buckets = super::BUCKETS,
+                last = super::BUCKETS - 1,
+                schema_dot = match t.split_once('.') {
+                    Some((s, _)) => format!("{s}."),
+                    None => String::new(),
+                },
+            ),
+        ),
     ];
     steps.extend(inbox_steps(inbox));
     steps
@@ -534,6 +652,168 @@ impl Store for PgStore {
             .await
             .map_err(self.err("reap"))?;
         Ok(done.rows_affected())
+    }
+
+    async fn membership(&self, req: &MembershipRequest) -> Result<MembershipRound, StoreError> {
+        let err = self.err("membership");
+        let lease = millis(req.lease);
+        let mut tx = self.pool.begin().await.map_err(&err)?;
+        sqlx::query(AssertSqlSafe(self.sql.heartbeat.clone()))
+            .bind(&req.relay)
+            .execute(&mut *tx)
+            .await
+            .map_err(&err)?;
+        let live: i64 = sqlx::query_scalar(AssertSqlSafe(self.sql.live.clone()))
+            .bind(lease)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(&err)?;
+        let (buckets, tokens): (Vec<Bucket>, Vec<LeaseToken>) = req.held.iter().copied().unzip();
+        let renewed: Vec<Bucket> = sqlx::query_scalar(AssertSqlSafe(self.sql.renew.clone()))
+            .bind(&req.relay)
+            .bind(&buckets)
+            .bind(&tokens)
+            .bind(lease)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(&err)?;
+        let mut round = super::membership_round(live, renewed);
+        let need = round.fair_share.saturating_sub(round.renewed.len() as u32);
+        if req.acquire && need > 0 {
+            let token = new_token();
+            let rows: Vec<(Bucket, bool)> = sqlx::query_as(AssertSqlSafe(self.sql.acquire.clone()))
+                .bind(&req.relay)
+                .bind(token)
+                .bind(lease)
+                .bind(i64::from(need))
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(&err)?;
+            round.acquired = rows
+                .into_iter()
+                .map(|(bucket, takeover)| BucketLease {
+                    bucket,
+                    token,
+                    takeover,
+                })
+                .collect();
+        }
+        tx.commit().await.map_err(&err)?;
+        Ok(round)
+    }
+
+    async fn release_buckets(
+        &self,
+        relay: &str,
+        buckets: &[(Bucket, LeaseToken)],
+        leave: bool,
+    ) -> Result<(), StoreError> {
+        let err = self.err("release_buckets");
+        let (b, t): (Vec<Bucket>, Vec<LeaseToken>) = buckets.iter().copied().unzip();
+        let mut tx = self.pool.begin().await.map_err(&err)?;
+        if !b.is_empty() {
+            sqlx::query(AssertSqlSafe(self.sql.release.clone()))
+                .bind(relay)
+                .bind(&b)
+                .bind(&t)
+                .execute(&mut *tx)
+                .await
+                .map_err(&err)?;
+        }
+        if leave {
+            sqlx::query(AssertSqlSafe(self.sql.leave.clone()))
+                .bind(relay)
+                .execute(&mut *tx)
+                .await
+                .map_err(&err)?;
+        }
+        tx.commit().await.map_err(&err)
+    }
+
+    async fn read_buckets(
+        &self,
+        buckets: &[Bucket],
+        skip_keys: &[String],
+        limit: u32,
+    ) -> Result<BucketBatch, StoreError> {
+        if buckets.is_empty() || limit == 0 {
+            return Ok(BucketBatch::default());
+        }
+        let err = self.err("read_buckets");
+        let rows = sqlx::query(AssertSqlSafe(self.sql.read_buckets.clone()))
+            .bind(buckets)
+            .bind(skip_keys)
+            .bind(i64::from(limit))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(&err)?;
+        let mut batch = BucketBatch::default();
+        for row in &rows {
+            let id: i64 = row.try_get(0).map_err(&err)?;
+            let bucket: Bucket = row.try_get(9).map_err(&err)?;
+            match decode_row(id, row) {
+                Ok(message) => batch.rows.push(BucketRow { bucket, message }),
+                Err(reason) => batch.malformed.push((bucket, id, reason)),
+            }
+        }
+        Ok(batch)
+    }
+
+    async fn key_heads(&self, keys: &[String]) -> Result<Vec<KeyHead>, StoreError> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let rows: Vec<(String, Option<i64>, Option<i64>)> =
+            sqlx::query_as(AssertSqlSafe(self.sql.key_heads.clone()))
+                .bind(keys)
+                .fetch_all(&self.pool)
+                .await
+                .map_err(self.err("key_heads"))?;
+        Ok(rows
+            .into_iter()
+            .map(|(key, first_open, first_failed)| KeyHead {
+                key,
+                first_open,
+                first_failed,
+            })
+            .collect())
+    }
+
+    async fn complete_in_buckets(
+        &self,
+        relay: &str,
+        completions: &[BucketCompletion],
+    ) -> Result<u64, StoreError> {
+        if completions.is_empty() {
+            return Ok(0);
+        }
+        let c = super::BucketColumns::from(completions);
+        let done = sqlx::query(AssertSqlSafe(self.sql.complete_in_buckets.clone()))
+            .bind(c.ids)
+            .bind(c.statuses)
+            .bind(c.delays_ms)
+            .bind(c.errors)
+            .bind(c.attempts)
+            .bind(c.confirm_ms)
+            .bind(c.tokens)
+            .bind(relay)
+            .execute(&self.pool)
+            .await
+            .map_err(self.err("complete_in_buckets"))?;
+        Ok(done.rows_affected())
+    }
+
+    async fn next_due_in_buckets(&self, buckets: &[Bucket]) -> Result<Option<Duration>, StoreError> {
+        if buckets.is_empty() {
+            return Ok(None);
+        }
+        let ms: Option<i64> =
+            sqlx::query_scalar(AssertSqlSafe(self.sql.next_due_in_buckets.clone()))
+                .bind(buckets)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(self.err("next_due"))?;
+        Ok(ms.map(|ms| Duration::from_millis(ms.max(0) as u64)))
     }
 
     async fn next_due_in(&self) -> Result<Option<Duration>, StoreError> {
