@@ -682,6 +682,23 @@ pub struct RouteSection {
     pub destination: Option<String>,
     /// Require the consumer's confirmation for this route. Default: none (SENT is final).
     pub confirm: Option<ConfirmSection>,
+    /// Publish each partition key's messages in commit order, one after another (a failing
+    /// message holds back only its own key). Default false: unordered.
+    #[serde(default)]
+    pub ordered: bool,
+    /// On an ordered route, what a dead-lettered message does to the rest of its key: `"skip"`
+    /// (default: the next message goes) or `"block"` (the key waits for `outbox requeue`).
+    pub on_dead_letter: Option<DeadLetterSetting>,
+}
+
+/// `on_dead_letter = "skip" | "block"` on an ordered route.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum DeadLetterSetting {
+    /// [`outbox::DeadLetterPolicy::Skip`].
+    Skip,
+    /// [`outbox::DeadLetterPolicy::Block`].
+    Block,
 }
 
 /// `confirm = { reply_to = "…", timeout = "5m" }` on a route.
@@ -1049,6 +1066,12 @@ impl FileConfig {
                     format!("no [transports.{}] section", r.transport),
                 ));
             }
+            if r.on_dead_letter.is_some() && !r.ordered {
+                return Err(ConfigError::new(
+                    format!("routes[{i}].on_dead_letter"),
+                    "applies to ordered routes only: set `ordered = true` or remove it",
+                ));
+            }
             if let Some(c) = &r.confirm {
                 if c.reply_to.is_empty() {
                     return Err(ConfigError::new(
@@ -1343,6 +1366,12 @@ impl FileConfig {
                 }
                 None => router.route(&r.topics, t, dest),
             };
+            if r.ordered {
+                router = router.ordered(match r.on_dead_letter {
+                    Some(DeadLetterSetting::Block) => outbox::DeadLetterPolicy::Block,
+                    Some(DeadLetterSetting::Skip) | None => outbox::DeadLetterPolicy::Skip,
+                });
+            }
         }
         Ok(router)
     }

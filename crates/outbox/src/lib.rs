@@ -76,7 +76,9 @@ pub use transport::redis::{RedisConfig, RedisTransport, WaitReplicas};
 pub use transport::rocketmq::{RocketMqConfig, RocketMqTransport};
 #[cfg(feature = "webhook")]
 pub use transport::webhook::{WebhookConfig, WebhookSigner, WebhookTransport};
-pub use transport::{MemoryTransport, Outgoing, Route, Router, TopicPattern, Transport};
+pub use transport::{
+    DeadLetterPolicy, MemoryTransport, Outgoing, Route, Router, TopicPattern, Transport,
+};
 
 /// The README's examples, compiled as doc tests so they stay true.
 #[cfg(doctest)]

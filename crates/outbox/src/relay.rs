@@ -1,15 +1,51 @@
-//! The relay: claims committed outbox rows and publishes them, at least once, with broker
-//! acknowledgement.
+//! The relay: publishes committed outbox rows at least once, with broker acknowledgement, and
+//! records each message's outcome with ONE row write (docs/ordering.md).
+//!
+//! # Bucket leases
+//! Every row has a `bucket` (a hash of its partition key, of its message id when it has none,
+//! modulo [`BUCKETS`](crate::store::BUCKETS)). Relays share the buckets through the database: a
+//! membership round every `lease / 3` heartbeats, renews the relay's bucket leases and acquires
+//! free or expired buckets up to the fair share `ceil(BUCKETS / live relays)`; a relay above its
+//! share gives the extra buckets back between batches. A relay reads only the buckets it holds,
+//! so it needs no per-row claim.
 //!
 //! # Loop
 //! ```text
 //! wake-up (in-process Store::wake | PostgreSQL NOTIFY | poll timer | next due time)
-//!   └─▶ claim a batch under a lease (fencing token) ─▶ publish, pipelined per transport
-//!         ─▶ one fenced completion statement: SENT / PENDING + backoff / FAILED / released
-//! maintenance: reap expired leases (any relay), probe unavailable transports with backoff
+//!   └─▶ read due rows of held buckets not in flight (no write)
+//!         ─▶ per-key order check for ordered routes ─▶ publish, pipelined per transport
+//!         ─▶ ONE completion statement, fenced by the bucket leases:
+//!            SENT / PENDING + backoff / FAILED / released
+//! membership: heartbeat, renew, acquire, rebalance (every lease / 3)
+//! maintenance: reap legacy SENDING rows, check back unconfirmed, purge (every reap_interval)
 //! ```
-//! A full batch claims again at once; an empty one sleeps until the earliest `available_at`,
-//! capped by `poll_interval`. Up to `in_flight_batches` batches are published concurrently.
+//! A bucket is in at most one batch at a time, so up to `in_flight_batches` batches of
+//! different buckets are published concurrently and a key's messages never race each other.
+//! A full read reads again at once; an empty one sleeps until the earliest due row of the held
+//! buckets, capped by `poll_interval` (an idle relay costs one query per poll interval).
+//!
+//! # Fencing
+//! A completion writes a row only while the relay still owns its bucket with the token it read
+//! under and the lease has not expired (database clock). A relay that stalled past its lease
+//! and lost the bucket writes nothing (counted in `lost_leases`); the new owner publishes those
+//! rows again (same message id: the consumer's inbox absorbs the copy). Before each publish the
+//! relay checks that every bucket of the batch is still held for longer than
+//! `publish_timeout`; otherwise it does not publish (shared case C15).
+//!
+//! # Crash loops
+//! Reading does not count an attempt, so a message that kills the relay would leave no trace.
+//! When a relay takes over a bucket whose previous lease EXPIRED (its owner died or stalled),
+//! it records one attempt for the rows of its first batch from that bucket BEFORE publishing
+//! them; a message that kills every relay reaches `max_attempts` and is dead-lettered
+//! (`relay stopped while publishing it`).
+//!
+//! # Ordered routes
+//! On a route with [`Route::ordered`](crate::Route::ordered), a message is published only when it is the first
+//! unfinished message of its partition key (one indexed statement, [`Store::key_heads`]); in one
+//! batch a key's messages go in generations (the next only after the broker acknowledged the
+//! previous). A failing head holds back its own key only (the relay skips that key's rows in its
+//! reads until the head's backoff ends). A dead-lettered head lets the next message go
+//! ([`DeadLetterPolicy::Skip`]) or blocks the key ([`DeadLetterPolicy::Block`]).
 //!
 //! # Failure handling
 //! - `Retryable` publish error: PENDING again after [`Backoff`] on the database clock, or FAILED
@@ -17,42 +53,47 @@
 //! - `Permanent` error or no route: FAILED at once with the reason (shared case C07).
 //! - `Unavailable`: the message is released without counting the attempt, the transport is
 //!   marked down, and a prober checks it with backoff; while every transport is down the relay
-//!   does not claim at all (shared case C05).
+//!   does not read at all (shared case C05).
 //! - A completion that fails (deadlock, lost connection) is retried with backoff until the lease
-//!   runs out; the relay loop never dies of it (shared case C21). After that the lease expires and
-//!   the rows are published again (same message id; the consumer's inbox absorbs the copy).
-//! - Before publishing, a batch whose lease cannot outlast the publish timeout any more (the
-//!   process was paused) is not published (shared case C15); its rows come back by lease expiry.
+//!   runs out; the relay loop never dies of it (shared case C21).
 //!
 //! # Shutdown
-//! Cancelling the token stops claiming; batches in flight finish (bounded by `publish_timeout`)
-//! and record their outcome, up to `shutdown_timeout`; whatever is still in flight then is
-//! dropped and its lease expires. No row stays SENDING longer than its lease.
+//! Cancelling the token stops reading; batches in flight finish (bounded by `publish_timeout`)
+//! and record their outcome, up to `shutdown_timeout`; then the relay gives its buckets back and
+//! leaves, so the other relays take them over at their next membership round.
 
-use std::sync::Arc;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::Notify;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::{ConfigError, StoreError, StoreErrorKind, TransportError, TransportErrorKind};
+use crate::message::Message;
 use crate::retry::Backoff;
-use crate::store::{Claim, ClaimRequest, Completion, Outcome, Store};
-use crate::transport::{Outgoing, Router, Transport};
+use crate::store::{
+    Bucket, BucketBatch, BucketCompletion, LeaseToken, MembershipRequest, Outcome, Store,
+};
+use crate::transport::{DeadLetterPolicy, Outgoing, Router, Transport};
 
 /// Relay settings. Every field has a default ([`RelayConfig::default`]); [`RelayConfig::validate`]
 /// names the first bad field.
 #[derive(Debug, Clone)]
 pub struct RelayConfig {
-    /// Name stored as `lease_owner`. Default `relay-<pid>-<random>`.
+    /// The relay's name: its membership row and the owner of its buckets. Default
+    /// `relay-<pid>-<random>`. A stable name lets a restarted relay find its own expired
+    /// buckets (still counted as a takeover: the previous run may have died mid-publish).
     pub name: String,
-    /// Rows per claim, 1 to 10,000. Default 500.
+    /// Rows per read (one batch), 1 to 10,000. Default 500.
     pub batch_size: u32,
-    /// Claim lease, at least 3 × `publish_timeout`. Default 30 s.
+    /// Bucket lease, at least 3 × `publish_timeout`: how long a relay keeps its buckets without
+    /// renewing them (renewed every `lease / 3`), and so how long the buckets of a relay that
+    /// died wait before another relay takes them over. Default 30 s.
     pub lease: Duration,
     /// Longest time one batch may spend publishing. Default 10 s.
     pub publish_timeout: Duration,
@@ -66,9 +107,10 @@ pub struct RelayConfig {
     /// Backoff between probes of an unavailable transport and between retries of failed
     /// database calls. Default 200 ms, ×2, ≤ 10 s.
     pub probe_backoff: Backoff,
-    /// How often expired leases are reaped. Default 5 s.
+    /// How often maintenance runs (reap expired row leases of the legacy claim protocol, check
+    /// back, retention). Default 5 s.
     pub reap_interval: Duration,
-    /// Batches published concurrently. Default 2.
+    /// Batches published concurrently (each of different buckets). Default 2.
     pub in_flight_batches: usize,
     /// How long shutdown waits for batches in flight. Default 15 s.
     pub shutdown_timeout: Duration,
@@ -149,7 +191,7 @@ impl RelayConfig {
 /// Counters of one relay, readable while it runs ([`Relay::metrics`]).
 #[derive(Debug, Default)]
 pub struct RelayMetrics {
-    /// Rows claimed.
+    /// Rows read from held buckets to publish.
     pub claimed: AtomicU64,
     /// Messages the broker acknowledged and recorded SENT.
     pub sent: AtomicU64,
@@ -159,20 +201,32 @@ pub struct RelayMetrics {
     pub failed: AtomicU64,
     /// Messages released without counting the attempt (transport down, shutdown).
     pub released: AtomicU64,
-    /// Completion rows that no longer matched their lease token (the lease was lost).
+    /// Completion rows refused because their bucket lease was lost (taken over).
     pub lost_leases: AtomicU64,
-    /// Batches not published because their lease was about to expire.
+    /// Batches not published because a bucket lease was about to expire.
     pub stale_batches: AtomicU64,
-    /// Rows returned to PENDING (or FAILED) by this relay's reaper.
+    /// Rows returned to PENDING (or FAILED) by this relay's reaper (legacy SENDING rows).
     pub reaped: AtomicU64,
     /// Unconfirmed SENT rows past their deadline sent back to PENDING (or FAILED `unconfirmed`).
     pub checked_back: AtomicU64,
     /// Finished rows deleted by retention.
     pub purged: AtomicU64,
-    /// Failed database calls (claim, completion, reap), all retried.
+    /// Failed database calls (read, completion, membership, maintenance), all retried.
     pub store_errors: AtomicU64,
     /// Times a transport was found unavailable.
     pub outages: AtomicU64,
+    /// Messages of ordered routes held back because an earlier message of their key is unfinished.
+    pub held_back: AtomicU64,
+    /// Buckets acquired (free or taken over).
+    pub buckets_acquired: AtomicU64,
+    /// Buckets taken over from a relay whose lease had expired.
+    pub takeovers: AtomicU64,
+    /// Held buckets found taken over by another relay at renewal.
+    pub buckets_lost: AtomicU64,
+    /// Buckets given back (above the fair share, or on shutdown).
+    pub buckets_released: AtomicU64,
+    /// Completion statements executed (each writes the rows of one batch once).
+    pub completion_writes: AtomicU64,
 }
 
 /// A point-in-time copy of [`RelayMetrics`].
@@ -202,6 +256,18 @@ pub struct MetricsSnapshot {
     pub store_errors: u64,
     /// See [`RelayMetrics::outages`].
     pub outages: u64,
+    /// See [`RelayMetrics::held_back`].
+    pub held_back: u64,
+    /// See [`RelayMetrics::buckets_acquired`].
+    pub buckets_acquired: u64,
+    /// See [`RelayMetrics::takeovers`].
+    pub takeovers: u64,
+    /// See [`RelayMetrics::buckets_lost`].
+    pub buckets_lost: u64,
+    /// See [`RelayMetrics::buckets_released`].
+    pub buckets_released: u64,
+    /// See [`RelayMetrics::completion_writes`].
+    pub completion_writes: u64,
 }
 
 impl RelayMetrics {
@@ -221,6 +287,12 @@ impl RelayMetrics {
             purged: g(&self.purged),
             store_errors: g(&self.store_errors),
             outages: g(&self.outages),
+            held_back: g(&self.held_back),
+            buckets_acquired: g(&self.buckets_acquired),
+            takeovers: g(&self.takeovers),
+            buckets_lost: g(&self.buckets_lost),
+            buckets_released: g(&self.buckets_released),
+            completion_writes: g(&self.completion_writes),
         }
     }
 }
@@ -232,15 +304,46 @@ fn add(a: &AtomicU64, n: u64) {
 /// Test and instrumentation hooks, called at fixed points of the relay loop.
 #[async_trait]
 pub trait RelayHooks: Send + Sync + 'static {
-    /// After a claim committed and before anything is published (shared case C15 pauses here).
-    async fn after_claim(&self, claim: &Claim) {
-        let _ = claim;
+    /// After a batch was read (and, after a takeover, its attempt recorded) and before anything
+    /// is published; the stale-lease check runs after this hook (shared case C15 pauses here).
+    async fn before_publish(&self, messages: &[Message]) {
+        let _ = messages;
+    }
+
+    /// After publishing and before the completion statement (a test pauses here to let the
+    /// bucket lease expire and another relay take the bucket over).
+    async fn before_complete(&self, messages: &[Message]) {
+        let _ = messages;
     }
 }
 
 struct Health {
     down: AtomicBool,
 }
+
+/// A held bucket lease, as this relay knows it.
+#[derive(Debug, Clone, Copy)]
+struct Held {
+    token: LeaseToken,
+    /// Local estimate of the lease end: the start of the round that renewed it + lease.
+    valid_until: Instant,
+    /// Taken over from an expired lease and not read since: the first batch records an
+    /// attempt before publishing (crash-loop protection).
+    suspect: bool,
+}
+
+#[derive(Debug, Default)]
+struct Ownership {
+    held: BTreeMap<Bucket, Held>,
+    /// Buckets in a batch in flight, with the time the batch was read.
+    in_flight: BTreeMap<Bucket, Instant>,
+    fair_share: u32,
+    /// Rotates the bucket order of reads so no bucket is always read first.
+    rotate: usize,
+}
+
+/// Cap on the keys held back in memory (rows of further held-back keys are simply read again).
+const MAX_HELD_BACK_KEYS: usize = 1000;
 
 struct Inner {
     store: Arc<dyn Store>,
@@ -251,6 +354,11 @@ struct Inner {
     metrics: Arc<RelayMetrics>,
     hooks: Option<Arc<dyn RelayHooks>>,
     health_changed: Notify,
+    ownership: Mutex<Ownership>,
+    /// Keys of ordered routes held back, until when (their rows are left out of reads).
+    held_back: Mutex<HashMap<String, Instant>>,
+    /// Buckets acquired or batches finished: the reader may have work.
+    changed: Notify,
 }
 
 /// The relay (see the module docs). Build with [`Relay::builder`], run with [`Relay::run`] or
@@ -328,6 +436,9 @@ impl RelayBuilder {
                 metrics: Arc::new(RelayMetrics::default()),
                 hooks: self.hooks,
                 health_changed: Notify::new(),
+                ownership: Mutex::new(Ownership::default()),
+                held_back: Mutex::new(HashMap::new()),
+                changed: Notify::new(),
             }),
         })
     }
@@ -350,8 +461,8 @@ impl RelayHandle {
         self.join.await.unwrap_or(Ok(()))
     }
 
-    /// Simulate a crash: abort the task at whatever point it is, leaving claimed rows SENDING
-    /// until their lease expires. For tests and the demo.
+    /// Simulate a crash: abort the task at whatever point it is. Its buckets stay owned until
+    /// their lease expires, then another relay takes them over. For tests and the demo.
     pub fn abort(self) {
         self.join.abort();
     }
@@ -364,6 +475,39 @@ impl RelayHandle {
     /// Whether the relay task has ended.
     pub fn is_finished(&self) -> bool {
         self.join.is_finished()
+    }
+}
+
+/// One message of a batch being published.
+struct Work {
+    bucket: Bucket,
+    token: LeaseToken,
+    message: Message,
+    /// Resolved route index and destination; `None`: no route.
+    route: Option<(usize, String)>,
+    /// The attempts already recorded in the row (this attempt included once `counted`).
+    stored_attempts: u32,
+    /// This attempt was recorded before publishing (takeover batch).
+    counted: bool,
+    outcome: Option<Outcome>,
+}
+
+impl Work {
+    /// The attempt number of this publish.
+    fn attempt(&self) -> u32 {
+        if self.counted {
+            self.stored_attempts
+        } else {
+            self.stored_attempts + 1
+        }
+    }
+
+    /// The `attempts` value to store with `outcome`.
+    fn attempts_to_store(&self, outcome: &Outcome) -> u32 {
+        match outcome {
+            Outcome::Release { .. } => self.stored_attempts,
+            _ => self.attempt(),
+        }
     }
 }
 
@@ -388,6 +532,12 @@ impl Relay {
         &self.inner.config
     }
 
+    /// The buckets this relay holds now, in order.
+    pub fn held_buckets(&self) -> Vec<Bucket> {
+        let own = self.inner.ownership.lock().expect("ownership lock");
+        own.held.keys().copied().collect()
+    }
+
     /// Run on a new task until [`RelayHandle::shutdown`].
     pub fn spawn(&self) -> RelayHandle {
         let cancel = CancellationToken::new();
@@ -407,8 +557,9 @@ impl Relay {
     /// error of the store. Later errors are logged, counted and retried.
     ///
     /// # Cancel safety
-    /// Dropping the future instead of cancelling the token is a crash: claimed rows stay
-    /// SENDING until their lease expires, then any relay publishes them again.
+    /// Dropping the future instead of cancelling the token is a crash: the relay's buckets stay
+    /// owned until their lease expires, then another relay takes them over and publishes what
+    /// was not recorded (again: the consumer's inbox absorbs copies).
     pub async fn run(&self, cancel: CancellationToken) -> Result<(), StoreError> {
         let inner = &self.inner;
         if let Err(e) = inner.store.next_due_in().await {
@@ -422,15 +573,18 @@ impl Relay {
         }
         let background = cancel.child_token();
         // A relay future dropped mid-run (a crash, `RelayHandle::abort`) must not leave its
-        // reaper and listener running: the guard cancels them when `run` is dropped.
+        // background tasks running: the guard cancels them when `run` is dropped.
         let _stop_background_on_drop = background.clone().drop_guard();
         let _listener = inner.store.spawn_listener(background.clone());
         let reaper = tokio::spawn(reap_loop(self.clone(), background.clone()));
+        let membership = tokio::spawn(membership_loop(self.clone(), background.clone()));
         let mut batches: JoinSet<()> = JoinSet::new();
-        let permits = Arc::new(Semaphore::new(inner.config.in_flight_batches));
         let waker = inner.store.waker();
-        let mut claim_failures = 0u32;
-        tracing::info!(relay = %inner.config.name, store = inner.store.backend(), table = inner.store.table(), "relay started");
+        let cfg = &inner.config;
+        let mut read_failures = 0u32;
+        // Something may be due now: read before asking when the next row is due.
+        let mut read_first = true;
+        tracing::info!(relay = %cfg.name, store = inner.store.backend(), table = inner.store.table(), "relay started");
 
         while !cancel.is_cancelled() {
             while batches.try_join_next().is_some() {}
@@ -438,144 +592,455 @@ impl Relay {
                 tokio::select! {
                     _ = cancel.cancelled() => break,
                     _ = inner.health_changed.notified() => continue,
-                    _ = tokio::time::sleep(inner.config.poll_interval) => continue,
+                    _ = tokio::time::sleep(cfg.poll_interval) => continue,
                 }
             }
-            let permit = tokio::select! {
-                _ = cancel.cancelled() => break,
-                p = permits.clone().acquire_owned() => p.expect("semaphore never closed"),
-            };
-            let req = ClaimRequest {
-                owner: inner.config.name.clone(),
-                batch_size: inner.config.batch_size,
-                lease: inner.config.lease,
-            };
-            let claimed_at = Instant::now();
-            let claim = match inner.store.claim(&req).await {
-                Ok(c) => {
-                    claim_failures = 0;
-                    c
-                }
-                Err(e) => {
-                    claim_failures += 1;
-                    add(&inner.metrics.store_errors, 1);
-                    tracing::warn!(error = %e, failures = claim_failures, "claim failed; backing off");
-                    drop(permit);
-                    tokio::select! {
-                        _ = cancel.cancelled() => break,
-                        _ = tokio::time::sleep(inner.config.probe_backoff.delay(claim_failures)) => continue,
-                    }
-                }
-            };
-            let n = claim.messages.len() + claim.malformed.len();
-            if n > 0 {
-                add(&inner.metrics.claimed, n as u64);
-                let relay = self.clone();
-                let background = background.clone();
-                batches.spawn(async move {
-                    relay.process(claim, claimed_at, &background).await;
-                    drop(permit);
-                });
+            let free = if batches.len() < cfg.in_flight_batches {
+                self.free_buckets()
             } else {
-                drop(permit);
-            }
-            if n == inner.config.batch_size as usize {
+                Vec::new()
+            };
+            if free.is_empty() {
+                // Every lane busy or no bucket held: wait for a batch to finish or buckets.
+                tokio::select! {
+                    _ = cancel.cancelled() => break,
+                    Some(_) = batches.join_next(), if !batches.is_empty() => {}
+                    _ = inner.changed.notified() => {}
+                    _ = waker.notified() => {}
+                    _ = tokio::time::sleep(cfg.poll_interval) => {}
+                }
+                read_first = true;
                 continue;
             }
-            // Idle: sleep until woken, until the next row is due, or for poll_interval.
-            let mut sleep_for = inner.config.poll_interval;
-            if n == 0 {
-                match inner.store.next_due_in().await {
-                    Ok(Some(d)) => sleep_for = sleep_for.min(d),
+            let mut sleep_for = cfg.poll_interval;
+            if !read_first {
+                match inner.store.next_due_in_buckets(&free).await {
+                    Ok(Some(d)) if d.is_zero() => {
+                        // Due rows that the last read left out belong to held-back keys.
+                        sleep_for = self.next_key_release().unwrap_or(sleep_for).min(sleep_for);
+                    }
+                    Ok(Some(d)) => sleep_for = d.min(sleep_for),
                     Ok(None) => {}
-                    Err(e) => tracing::debug!(error = %e, "next_due_in failed"),
+                    Err(e) => {
+                        add(&inner.metrics.store_errors, 1);
+                        tracing::debug!(error = %e, "next_due_in failed");
+                    }
                 }
-                if sleep_for.is_zero() {
-                    // Due rows exist but another relay holds them or a batch is in flight; yield briefly.
-                    sleep_for = Duration::from_millis(5);
+            } else {
+                let skip = self.held_back_keys();
+                let read_at = Instant::now();
+                match inner.store.read_buckets(&free, &skip, cfg.batch_size).await {
+                    Ok(batch) => {
+                        read_failures = 0;
+                        let n = batch.rows.len() + batch.malformed.len();
+                        if n > 0 {
+                            add(&inner.metrics.claimed, n as u64);
+                            if let Some(work) = self.take_batch(batch, read_at) {
+                                let relay = self.clone();
+                                let background = background.clone();
+                                batches.spawn(async move {
+                                    relay.process(work, read_at, &background).await;
+                                });
+                            }
+                            continue;
+                        }
+                        read_first = false;
+                        continue;
+                    }
+                    Err(e) => {
+                        read_failures += 1;
+                        add(&inner.metrics.store_errors, 1);
+                        tracing::warn!(error = %e, failures = read_failures, "read failed; backing off");
+                        sleep_for = cfg.probe_backoff.delay(read_failures);
+                    }
                 }
             }
+            let slept_full = sleep_for >= cfg.poll_interval;
             tokio::select! {
                 _ = cancel.cancelled() => break,
-                _ = waker.notified() => {}
-                _ = tokio::time::sleep(sleep_for) => {}
+                _ = waker.notified() => read_first = true,
+                _ = inner.changed.notified() => read_first = true,
+                Some(_) = batches.join_next(), if !batches.is_empty() => read_first = true,
+                // After a full poll interval ask cheaply whether anything is due (one query).
+                _ = tokio::time::sleep(sleep_for) => read_first = !slept_full,
             }
         }
 
-        // Phase 1: stop claiming, let batches in flight finish. Phase 2: drop the rest.
-        tracing::info!(relay = %inner.config.name, in_flight = batches.len(), "relay stopping");
-        let drained = tokio::time::timeout(inner.config.shutdown_timeout, async {
+        // Phase 1: stop reading, let batches in flight finish. Phase 2: drop the rest.
+        tracing::info!(relay = %cfg.name, in_flight = batches.len(), "relay stopping");
+        let drained = tokio::time::timeout(cfg.shutdown_timeout, async {
             while batches.join_next().await.is_some() {}
         })
         .await;
         if drained.is_err() {
             tracing::warn!(
-                "shutdown timeout: abandoning batches in flight; their leases will expire"
+                "shutdown timeout: abandoning batches in flight; their buckets return by lease expiry"
             );
             batches.abort_all();
         }
         background.cancel();
         let _ = reaper.await;
-        tracing::info!(relay = %inner.config.name, "relay stopped");
+        let _ = membership.await;
+        if drained.is_ok() {
+            self.leave().await;
+        }
+        tracing::info!(relay = %cfg.name, "relay stopped");
         Ok(())
     }
 
-    async fn process(&self, claim: Claim, claimed_at: Instant, background: &CancellationToken) {
-        let inner = &self.inner;
-        let cfg = &inner.config;
-        if let Some(h) = &inner.hooks {
-            h.after_claim(&claim).await;
+    /// Held buckets not in flight whose lease outlasts a publish, in rotated order.
+    fn free_buckets(&self) -> Vec<Bucket> {
+        let mut own = self.inner.ownership.lock().expect("ownership lock");
+        let horizon = Instant::now() + self.inner.config.publish_timeout;
+        let mut free: Vec<Bucket> = own
+            .held
+            .iter()
+            .filter(|(b, h)| h.valid_until > horizon && !own.in_flight.contains_key(b))
+            .map(|(b, _)| *b)
+            .collect();
+        if !free.is_empty() {
+            own.rotate = own.rotate.wrapping_add(1);
+            let k = own.rotate % free.len();
+            free.rotate_left(k);
         }
-        let mut outcomes: Vec<Option<Outcome>> = vec![None; claim.messages.len()];
-        if claimed_at.elapsed() + cfg.publish_timeout >= cfg.lease {
-            // Paused or starved past the point where the publish could finish inside the lease.
-            add(&inner.metrics.stale_batches, 1);
-            tracing::warn!(
-                rows = claim.messages.len(),
-                "lease nearly expired before publishing; leaving the batch to lease expiry"
-            );
-            return;
-        }
-        let mut messages = claim.messages;
-        for m in &mut messages {
+        free
+    }
+
+    /// Mark the buckets of a read batch in flight and turn it into work; `None` when every
+    /// bucket of it was lost meanwhile.
+    fn take_batch(&self, batch: BucketBatch, read_at: Instant) -> Option<Vec<Work>> {
+        let max_attempts = self.inner.config.max_attempts;
+        let mut own = self.inner.ownership.lock().expect("ownership lock");
+        let mut work = Vec::with_capacity(batch.rows.len() + batch.malformed.len());
+        let mut suspects = BTreeSet::new();
+        let mut push = |own: &mut Ownership, bucket: Bucket, message: Message, outcome| {
+            let Some(h) = own.held.get(&bucket).copied() else {
+                return;
+            };
+            own.in_flight.insert(bucket, read_at);
+            if h.suspect {
+                suspects.insert(bucket);
+            }
+            let stored_attempts = message.attempts;
+            work.push(Work {
+                bucket,
+                token: h.token,
+                message,
+                route: None,
+                stored_attempts,
+                counted: false,
+                outcome,
+            });
+        };
+        for row in batch.rows {
+            let mut m = row.message;
             if m.max_attempts == 0 {
-                m.max_attempts = cfg.max_attempts;
+                m.max_attempts = max_attempts;
+            }
+            push(&mut own, row.bucket, m, None);
+        }
+        for (bucket, id, reason) in batch.malformed {
+            let m = Message {
+                id,
+                message_id: uuid::Uuid::nil(),
+                topic: String::new(),
+                partition_key: None,
+                headers: Default::default(),
+                payload: Vec::new(),
+                attempts: 0,
+                max_attempts,
+                redelivery: 0,
+            };
+            let outcome = Outcome::Failed {
+                reason: format!("malformed row: {reason}"),
+            };
+            push(&mut own, bucket, m, Some(outcome));
+        }
+        // The first batch of a taken-over bucket is the one that records its attempt.
+        for b in &suspects {
+            if let Some(h) = own.held.get_mut(b) {
+                h.suspect = false;
             }
         }
-        // Group by transport; remember which route asks for a confirmation.
-        let mut groups: Vec<Vec<(usize, String)>> = vec![Vec::new(); inner.transports.len()];
-        let mut confirm_within: Vec<Option<Duration>> = vec![None; messages.len()];
-        for (i, m) in messages.iter_mut().enumerate() {
-            match inner.router.resolve(&m.topic) {
-                Some((route, dest)) => {
-                    if let Some(policy) = &inner.router.routes()[route].confirm {
-                        m.headers.insert(
-                            crate::confirm::HEADER_REPLY_TO.into(),
-                            policy.reply_to.clone(),
-                        );
-                        confirm_within[i] = Some(policy.timeout);
-                    }
-                    let t = &inner.router.routes()[route].transport;
-                    let ti = inner
-                        .transports
-                        .iter()
-                        .position(|x| Arc::ptr_eq(x, t))
-                        .expect("transport listed");
-                    if inner.health[ti].down.load(Ordering::Acquire) {
-                        outcomes[i] = Some(Outcome::Release {
-                            delay: cfg.probe_backoff.max.min(Duration::from_secs(1)),
-                        });
-                    } else {
-                        groups[ti].push((i, dest));
-                    }
-                }
-                None => {
-                    outcomes[i] = Some(Outcome::Failed {
-                        reason: format!("no route for topic {:?}", m.topic),
+        for w in &mut work {
+            w.counted = suspects.contains(&w.bucket) && w.outcome.is_none();
+        }
+        if work.is_empty() { None } else { Some(work) }
+    }
+
+    /// Keys held back now (expired entries dropped).
+    fn held_back_keys(&self) -> Vec<String> {
+        let mut held = self.inner.held_back.lock().expect("held-back lock");
+        if held.is_empty() {
+            return Vec::new();
+        }
+        let now = Instant::now();
+        held.retain(|_, until| *until > now);
+        held.keys().cloned().collect()
+    }
+
+    /// Time until the first held-back key is read again.
+    fn next_key_release(&self) -> Option<Duration> {
+        let held = self.inner.held_back.lock().expect("held-back lock");
+        let now = Instant::now();
+        held.values()
+            .min()
+            .map(|t| t.saturating_duration_since(now).max(Duration::from_millis(1)))
+    }
+
+    fn hold_back(&self, key: &str, for_: Duration) {
+        let mut held = self.inner.held_back.lock().expect("held-back lock");
+        if held.len() < MAX_HELD_BACK_KEYS || held.contains_key(key) {
+            held.insert(key.to_owned(), Instant::now() + for_);
+        }
+    }
+
+    /// Whether every bucket of `work` is still held with its token for longer than a publish.
+    fn leases_fresh(&self, work: &[Work]) -> bool {
+        let own = self.inner.ownership.lock().expect("ownership lock");
+        let horizon = Instant::now() + self.inner.config.publish_timeout;
+        work.iter().all(|w| {
+            own.held
+                .get(&w.bucket)
+                .is_some_and(|h| h.token == w.token && h.valid_until > horizon)
+        })
+    }
+
+    async fn process(&self, mut work: Vec<Work>, read_at: Instant, background: &CancellationToken) {
+        let buckets: BTreeSet<Bucket> = work.iter().map(|w| w.bucket).collect();
+        self.process_inner(&mut work, read_at, background).await;
+        let mut own = self.inner.ownership.lock().expect("ownership lock");
+        for b in &buckets {
+            own.in_flight.remove(b);
+        }
+        drop(own);
+        self.inner.changed.notify_one();
+    }
+
+    async fn process_inner(
+        &self,
+        work: &mut [Work],
+        read_at: Instant,
+        background: &CancellationToken,
+    ) {
+        let inner = &self.inner;
+        let cfg = &inner.config;
+        // Takeover batch: record this attempt before publishing anything (crash loops).
+        if work.iter().any(|w| w.counted) {
+            let mut pre = Vec::new();
+            for w in work.iter_mut().filter(|w| w.counted) {
+                w.stored_attempts += 1;
+                if w.stored_attempts > w.message.max_attempts {
+                    w.counted = false;
+                    w.stored_attempts -= 1;
+                    w.outcome = Some(Outcome::Failed {
+                        reason: format!(
+                            "relay stopped while publishing it ({} attempts)",
+                            w.stored_attempts
+                        ),
+                    });
+                } else {
+                    pre.push(BucketCompletion {
+                        id: w.message.id,
+                        token: w.token,
+                        attempts: w.stored_attempts,
+                        outcome: Outcome::Release {
+                            delay: Duration::ZERO,
+                        },
                     });
                 }
             }
+            if !self.complete(&pre, read_at).await {
+                return;
+            }
         }
+        let messages: Vec<Message> = work.iter().map(|w| w.message.clone()).collect();
+        if let Some(h) = &inner.hooks {
+            h.before_publish(&messages).await;
+        }
+        // Routes; no route is a permanent error.
+        for w in work.iter_mut() {
+            if w.outcome.is_some() {
+                continue;
+            }
+            match inner.router.resolve(&w.message.topic) {
+                Some((route, dest)) => {
+                    if let Some(policy) = &inner.router.routes()[route].confirm {
+                        w.message.headers.insert(
+                            crate::confirm::HEADER_REPLY_TO.into(),
+                            policy.reply_to.clone(),
+                        );
+                    }
+                    w.route = Some((route, dest));
+                }
+                None => {
+                    w.outcome = Some(Outcome::Failed {
+                        reason: format!("no route for topic {:?}", w.message.topic),
+                    })
+                }
+            }
+        }
+        // Ordered routes: per key, the indexes of its rows in id order (work is in id order
+        // within each bucket, and a key lives in one bucket).
+        let mut keys: Vec<(String, DeadLetterPolicy, Vec<usize>)> = Vec::new();
+        let mut key_index: HashMap<String, usize> = HashMap::new();
+        for (i, w) in work.iter().enumerate() {
+            let (Some((route, _)), None) = (&w.route, &w.outcome) else {
+                continue;
+            };
+            let (Some(policy), Some(key)) =
+                (inner.router.routes()[*route].ordered, &w.message.partition_key)
+            else {
+                continue;
+            };
+            match key_index.get(key) {
+                Some(&k) => keys[k].2.push(i),
+                None => {
+                    key_index.insert(key.clone(), keys.len());
+                    keys.push((key.clone(), policy, vec![i]));
+                }
+            }
+        }
+        let ordered_rows: BTreeSet<usize> = keys.iter().flat_map(|k| k.2.iter().copied()).collect();
+        let mut generation: Vec<usize> = work
+            .iter()
+            .enumerate()
+            .filter(|(i, w)| w.outcome.is_none() && w.route.is_some() && !ordered_rows.contains(i))
+            .map(|(i, _)| i)
+            .collect();
+        // Keys whose head in this batch is the first unfinished message of the key.
+        let mut live_keys: Vec<(usize, usize)> = Vec::new(); // (key slot, next position)
+        if !keys.is_empty() {
+            let names: Vec<String> = keys.iter().map(|k| k.0.clone()).collect();
+            let heads = loop {
+                match inner.store.key_heads(&names).await {
+                    Ok(h) => break h,
+                    Err(e) => {
+                        add(&inner.metrics.store_errors, 1);
+                        tracing::warn!(error = %e, "key_heads failed; ordered rows of this batch wait");
+                        keys.clear();
+                        break Vec::new();
+                    }
+                }
+            };
+            let heads: HashMap<String, _> = heads.into_iter().map(|h| (h.key.clone(), h)).collect();
+            for (slot, (key, policy, rows)) in keys.iter().enumerate() {
+                let first = &work[rows[0]].message;
+                let head = heads.get(key);
+                let behind_open = head
+                    .and_then(|h| h.first_open)
+                    .is_some_and(|open| open < first.id);
+                let behind_dead = *policy == DeadLetterPolicy::Block
+                    && head
+                        .and_then(|h| h.first_failed)
+                        .is_some_and(|failed| failed < first.id);
+                if behind_open || behind_dead {
+                    add(&inner.metrics.held_back, rows.len() as u64);
+                    tracing::debug!(key, behind_dead, "ordered key held back by an earlier message");
+                    self.hold_back(key, cfg.poll_interval);
+                } else {
+                    if head.and_then(|h| h.first_failed).is_some_and(|f| f < first.id) {
+                        tracing::warn!(key, id = first.id, "publishing past a dead-lettered message of the same key (on_dead_letter = skip)");
+                    }
+                    live_keys.push((slot, 0));
+                }
+            }
+        }
+        loop {
+            for (slot, pos) in &live_keys {
+                generation.push(keys[*slot].2[*pos]);
+            }
+            if generation.is_empty() {
+                break;
+            }
+            if !self.leases_fresh(work) || read_at.elapsed() + cfg.publish_timeout >= cfg.lease {
+                add(&inner.metrics.stale_batches, 1);
+                tracing::warn!(
+                    rows = generation.len(),
+                    "bucket lease nearly expired before publishing; leaving the rows to the next owner"
+                );
+                break;
+            }
+            self.publish(work, &generation, background).await;
+            // Advance the keys whose message was acknowledged (or dead-lettered under skip).
+            let mut next = Vec::new();
+            for (slot, pos) in live_keys {
+                let (key, policy, rows) = &keys[slot];
+                let w = &work[rows[pos]];
+                let go_on = match &w.outcome {
+                    Some(Outcome::Sent | Outcome::SentAwaitingConfirmation { .. }) => true,
+                    Some(Outcome::Failed { .. }) => *policy == DeadLetterPolicy::Skip,
+                    Some(Outcome::Retry { delay, .. }) | Some(Outcome::Release { delay }) => {
+                        self.hold_back(key, *delay);
+                        false
+                    }
+                    None => false,
+                };
+                let remaining = rows.len() - pos - 1;
+                if go_on && remaining > 0 {
+                    next.push((slot, pos + 1));
+                } else if !go_on && remaining > 0 {
+                    add(&inner.metrics.held_back, remaining as u64);
+                    if *policy == DeadLetterPolicy::Block {
+                        self.hold_back(key, cfg.poll_interval);
+                    }
+                }
+            }
+            live_keys = next;
+            generation = Vec::new();
+        }
+        if let Some(h) = &inner.hooks {
+            h.before_complete(&messages).await;
+        }
+        let completions: Vec<BucketCompletion> = work
+            .iter()
+            .filter_map(|w| {
+                let outcome = w.outcome.clone()?;
+                Some(BucketCompletion {
+                    id: w.message.id,
+                    token: w.token,
+                    attempts: w.attempts_to_store(&outcome),
+                    outcome,
+                })
+            })
+            .collect();
+        for c in &completions {
+            let counter = match c.outcome {
+                Outcome::Sent | Outcome::SentAwaitingConfirmation { .. } => &inner.metrics.sent,
+                Outcome::Retry { .. } => &inner.metrics.retried,
+                Outcome::Failed { ref reason } => {
+                    tracing::warn!(id = c.id, reason, "message dead-lettered");
+                    &inner.metrics.failed
+                }
+                Outcome::Release { .. } => &inner.metrics.released,
+            };
+            add(counter, 1);
+        }
+        self.complete(&completions, read_at).await;
+    }
+
+    /// Publish the rows `idx` of `work`, pipelined per transport, and set their outcomes.
+    async fn publish(&self, work: &mut [Work], idx: &[usize], background: &CancellationToken) {
+        let inner = &self.inner;
+        let cfg = &inner.config;
+        let mut groups: Vec<Vec<usize>> = vec![Vec::new(); inner.transports.len()];
+        for &i in idx {
+            let (route, _) = work[i].route.as_ref().expect("routed");
+            let t = &inner.router.routes()[*route].transport;
+            let ti = inner
+                .transports
+                .iter()
+                .position(|x| Arc::ptr_eq(x, t))
+                .expect("transport listed");
+            if inner.health[ti].down.load(Ordering::Acquire) {
+                work[i].outcome = Some(Outcome::Release {
+                    delay: cfg.probe_backoff.max.min(Duration::from_secs(1)),
+                });
+            } else {
+                groups[ti].push(i);
+            }
+        }
+        let shared: &[Work] = work;
         let publishes = groups
             .iter()
             .enumerate()
@@ -583,9 +1048,9 @@ impl Relay {
             .map(|(ti, g)| {
                 let batch: Vec<Outgoing<'_>> = g
                     .iter()
-                    .map(|(i, dest)| Outgoing {
-                        message: &messages[*i],
-                        destination: dest.as_str(),
+                    .map(|&i| Outgoing {
+                        message: &shared[i].message,
+                        destination: shared[i].route.as_ref().expect("routed").1.as_str(),
                     })
                     .collect();
                 let transport = inner.transports[ti].clone();
@@ -630,10 +1095,16 @@ impl Relay {
         let results = futures::future::join_all(publishes).await;
         for (ti, res) in results {
             let mut unavailable = None;
-            for ((i, _), r) in groups[ti].iter().zip(res) {
-                let m = &messages[*i];
-                outcomes[*i] = Some(match r {
-                    Ok(()) => match confirm_within[*i] {
+            for (&i, r) in groups[ti].iter().zip(res) {
+                let w = &work[i];
+                let attempt = w.attempt();
+                let max = w.message.max_attempts;
+                let confirm = inner.router.routes()[w.route.as_ref().expect("routed").0]
+                    .confirm
+                    .as_ref()
+                    .map(|p| p.timeout);
+                let outcome = match r {
+                    Ok(()) => match confirm {
                         Some(within) => Outcome::SentAwaitingConfirmation { within },
                         None => Outcome::Sent,
                     },
@@ -645,80 +1116,82 @@ impl Relay {
                             }
                         }
                         TransportErrorKind::Permanent => Outcome::Failed { reason: e.report() },
-                        TransportErrorKind::Retryable if m.attempts >= m.max_attempts => {
-                            Outcome::Failed {
-                                reason: format!(
-                                    "attempts exhausted ({}): {}",
-                                    m.attempts,
-                                    e.report()
-                                ),
-                            }
-                        }
+                        TransportErrorKind::Retryable if attempt >= max => Outcome::Failed {
+                            reason: format!("attempts exhausted ({attempt}): {}", e.report()),
+                        },
                         TransportErrorKind::Retryable => Outcome::Retry {
-                            delay: cfg.backoff.delay(m.attempts),
+                            delay: cfg.backoff.delay(attempt),
                             error: e.report(),
                         },
                     },
-                });
+                };
+                work[i].outcome = Some(outcome);
             }
             if let Some(reason) = unavailable {
                 self.mark_down(ti, reason, background.clone());
             }
         }
-        let mut completions: Vec<Completion> = messages
-            .iter()
-            .zip(outcomes)
-            .filter_map(|(m, o)| o.map(|outcome| Completion { id: m.id, outcome }))
-            .collect();
-        completions.extend(claim.malformed.into_iter().map(|(id, reason)| Completion {
-            id,
-            outcome: Outcome::Failed {
-                reason: format!("malformed row: {reason}"),
-            },
-        }));
-        for c in &completions {
-            let counter = match c.outcome {
-                Outcome::Sent | Outcome::SentAwaitingConfirmation { .. } => &inner.metrics.sent,
-                Outcome::Retry { .. } => &inner.metrics.retried,
-                Outcome::Failed { ref reason } => {
-                    tracing::warn!(id = c.id, reason, "message dead-lettered");
-                    &inner.metrics.failed
-                }
-                Outcome::Release { .. } => &inner.metrics.released,
-            };
-            add(counter, 1);
-        }
-        self.complete(claim.token, &completions, claimed_at).await;
     }
 
-    /// Record outcomes, retrying transient database errors until the lease would have expired.
-    async fn complete(&self, token: i64, completions: &[Completion], claimed_at: Instant) {
+    /// Record outcomes in one statement, retrying transient database errors until the lease
+    /// would have expired. Returns whether the statement ran (rows of lost buckets excepted).
+    async fn complete(&self, completions: &[BucketCompletion], read_at: Instant) -> bool {
         let inner = &self.inner;
+        if completions.is_empty() {
+            return true;
+        }
         let mut failures = 0u32;
         loop {
-            match inner.store.complete(token, completions).await {
+            match inner
+                .store
+                .complete_in_buckets(&inner.config.name, completions)
+                .await
+            {
                 Ok(matched) => {
+                    add(&inner.metrics.completion_writes, 1);
                     let lost = completions.len() as u64 - matched.min(completions.len() as u64);
                     if lost > 0 {
                         add(&inner.metrics.lost_leases, lost);
                         tracing::warn!(
                             lost,
-                            "completion refused for rows whose lease was lost; they will be published again"
+                            "completion refused for rows of buckets taken over; the new owner publishes them again"
                         );
                     }
-                    return;
+                    return true;
                 }
                 Err(e) => {
                     failures += 1;
                     add(&inner.metrics.store_errors, 1);
                     let wait = inner.config.probe_backoff.delay(failures);
-                    if claimed_at.elapsed() + wait >= inner.config.lease {
-                        tracing::error!(error = %e, "completion failed until the lease ran out; rows return by lease expiry");
-                        return;
+                    if read_at.elapsed() + wait >= inner.config.lease {
+                        tracing::error!(error = %e, "completion failed until the lease ran out; the rows are published again");
+                        return false;
                     }
                     tracing::warn!(error = %e, failures, "completion failed; retrying");
                     tokio::time::sleep(wait).await;
                 }
+            }
+        }
+    }
+
+    /// Give every held bucket back and leave the membership (graceful shutdown).
+    async fn leave(&self) {
+        let held: Vec<(Bucket, LeaseToken)> = {
+            let mut own = self.inner.ownership.lock().expect("ownership lock");
+            let held = own.held.iter().map(|(b, h)| (*b, h.token)).collect();
+            own.held.clear();
+            held
+        };
+        let n = held.len() as u64;
+        match self
+            .inner
+            .store
+            .release_buckets(&self.inner.config.name, &held, true)
+            .await
+        {
+            Ok(()) => add(&self.inner.metrics.buckets_released, n),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not give the buckets back; they return by lease expiry")
             }
         }
     }
@@ -766,6 +1239,145 @@ impl Relay {
                 "transport available again"
             );
         });
+    }
+}
+
+/// Membership, on every relay: heartbeat, renew the held bucket leases, acquire free or expired
+/// buckets up to the fair share and give back the buckets above it (those not in flight).
+/// Every `lease / 3`; every `lease / 10` while below the fair share, so a joining relay gets its
+/// share quickly.
+async fn membership_loop(relay: Relay, cancel: CancellationToken) {
+    let inner = &relay.inner;
+    let cfg = &inner.config;
+    let mut failures = 0u32;
+    // A batch in flight for longer than `lease - publish_timeout` means this relay is stuck
+    // (or paused): it stops its heartbeat and renewals like a paused process would, so its
+    // buckets expire and another relay takes them over; the stuck batch's completion is then
+    // refused by the fence.
+    let stuck_after = cfg.lease.saturating_sub(cfg.publish_timeout);
+    let mut stuck_logged = false;
+    loop {
+        let (held, stuck) = {
+            let own = inner.ownership.lock().expect("ownership lock");
+            let held: Vec<(Bucket, LeaseToken)> =
+                own.held.iter().map(|(b, h)| (*b, h.token)).collect();
+            let stuck = own.in_flight.values().any(|t| t.elapsed() > stuck_after);
+            (held, stuck)
+        };
+        if stuck {
+            if !stuck_logged {
+                tracing::warn!(relay = %cfg.name, "a batch is stuck past its lease; not renewing any bucket until it returns");
+                stuck_logged = true;
+            }
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = tokio::time::sleep(cfg.lease / 10) => continue,
+            }
+        }
+        stuck_logged = false;
+        let req = MembershipRequest {
+            relay: cfg.name.clone(),
+            lease: cfg.lease,
+            held: held.clone(),
+            acquire: true,
+        };
+        let started = Instant::now();
+        let mut below_share = false;
+        match inner.store.membership(&req).await {
+            Ok(round) => {
+                failures = 0;
+                let valid_until = started + cfg.lease;
+                let mut release = Vec::new();
+                let acquired = !round.acquired.is_empty();
+                {
+                    let mut own = inner.ownership.lock().expect("ownership lock");
+                    let renewed: BTreeSet<Bucket> = round.renewed.iter().copied().collect();
+                    for (b, token) in &held {
+                        if renewed.contains(b) {
+                            if let Some(h) = own.held.get_mut(b) {
+                                h.valid_until = valid_until;
+                            }
+                        } else if own.held.get(b).is_some_and(|h| h.token == *token) {
+                            own.held.remove(b);
+                            add(&inner.metrics.buckets_lost, 1);
+                            tracing::warn!(bucket = b, "bucket lease lost to another relay");
+                        }
+                    }
+                    for l in &round.acquired {
+                        own.held.insert(
+                            l.bucket,
+                            Held {
+                                token: l.token,
+                                valid_until,
+                                suspect: l.takeover,
+                            },
+                        );
+                        add(&inner.metrics.buckets_acquired, 1);
+                        if l.takeover {
+                            add(&inner.metrics.takeovers, 1);
+                            tracing::info!(bucket = l.bucket, "took over a bucket whose lease expired");
+                        }
+                    }
+                    own.fair_share = round.fair_share;
+                    let share = round.fair_share as usize;
+                    below_share = own.held.len() < share;
+                    let excess = own.held.len().saturating_sub(share);
+                    if excess > 0 {
+                        let spare: Vec<(Bucket, LeaseToken)> = own
+                            .held
+                            .iter()
+                            .rev()
+                            .filter(|(b, _)| !own.in_flight.contains_key(b))
+                            .take(excess)
+                            .map(|(b, h)| (*b, h.token))
+                            .collect();
+                        for (b, _) in &spare {
+                            own.held.remove(b);
+                        }
+                        release = spare;
+                    }
+                }
+                if acquired {
+                    tracing::debug!(
+                        relay = %cfg.name,
+                        acquired = round.acquired.len(),
+                        live = round.live_relays,
+                        share = round.fair_share,
+                        "buckets acquired"
+                    );
+                    inner.changed.notify_one();
+                }
+                if !release.is_empty() {
+                    let n = release.len() as u64;
+                    match inner.store.release_buckets(&cfg.name, &release, false).await {
+                        Ok(()) => {
+                            add(&inner.metrics.buckets_released, n);
+                            tracing::debug!(relay = %cfg.name, released = n, live = round.live_relays, "buckets above the fair share given back");
+                        }
+                        Err(e) => {
+                            add(&inner.metrics.store_errors, 1);
+                            tracing::warn!(error = %e, "could not give buckets back; they return by lease expiry");
+                        }
+                    }
+                }
+            }
+            Err(e) => {
+                failures += 1;
+                add(&inner.metrics.store_errors, 1);
+                tracing::warn!(error = %e, failures, "membership round failed; retrying");
+            }
+        }
+        let wait = if failures > 0 {
+            cfg.probe_backoff.delay(failures).min(cfg.lease / 3)
+        } else if below_share {
+            cfg.lease / 10
+        } else {
+            cfg.lease / 3
+        };
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(wait) => {}
+        }
     }
 }
 

@@ -9,7 +9,6 @@ use std::time::Duration;
 use async_trait::async_trait;
 use outbox::consumer::ConsumerMetrics;
 use outbox::consumer::nats::NatsConsumerConfig;
-use outbox::store::Claim;
 use outbox::transport::memory::Delivered;
 use outbox::{
     InboundMessage, Inbox, InboxBackend, MemoryTransport, NewMessage, Processed, Relay,
@@ -203,7 +202,7 @@ pub struct PauseFirstClaim {
 
 #[async_trait]
 impl RelayHooks for PauseFirstClaim {
-    async fn after_claim(&self, _claim: &Claim) {
+    async fn before_publish(&self, _messages: &[outbox::Message]) {
         if self.first.swap(false, Ordering::SeqCst) {
             self.entered.notify_one();
             self.resume.notified().await;

@@ -19,6 +19,7 @@ mod crash_mysql;
 mod inbox;
 mod kafka;
 mod mqtt;
+mod ordering;
 mod rabbitmq;
 mod redis;
 mod relay;

@@ -269,7 +269,9 @@ pub trait Store: Send + Sync + 'static {
 
     /// Heartbeat, renew and acquire bucket leases, in one transaction (see the relay's module
     /// docs). Upserts `req.relay`'s heartbeat, counts the live relays, renews every held bucket
-    /// whose owner and token still match (`expires_at = now() + lease`), and, when `acquire` and
+    /// whose owner and token still match and whose lease has not expired yet (`expires_at =
+    /// now() + lease`; an expired lease is lost even if nobody took it: the relay acquires it
+    /// again as a takeover), and, when `acquire` and
     /// fewer than the fair share are held, takes free buckets and buckets whose lease expired
     /// (`owner = relay`, a fresh token, `takeovers + 1` for an expired one) with `SKIP LOCKED`.
     async fn membership(&self, req: &MembershipRequest) -> Result<MembershipRound, StoreError>;

@@ -191,7 +191,8 @@ impl PgStore {
             renew: format!(
                 "UPDATE {t}_buckets b SET expires_at = now() + make_interval(secs => $4::float8 / 1000) \
                  FROM UNNEST($2::smallint[], $3::bigint[]) AS h(bucket, token) \
-                 WHERE b.bucket = h.bucket AND b.owner = $1 AND b.token = h.token RETURNING b.bucket"
+                 WHERE b.bucket = h.bucket AND b.owner = $1 AND b.token = h.token AND b.expires_at > now() \
+                 RETURNING b.bucket"
             )
             .into(),
             acquire: format!(

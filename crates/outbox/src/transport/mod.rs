@@ -116,6 +116,26 @@ pub struct Route {
     /// Whether the consumer must confirm messages of this route, where to and by when. Default:
     /// none (SENT is final).
     pub confirm: Option<crate::confirm::ConfirmPolicy>,
+    /// Per-partition-key FIFO: `Some(policy)` publishes the messages of one partition key one
+    /// after another in id (commit) order, and a message never overtakes an earlier one of its
+    /// key that is still pending or backing off; `policy` says what a dead-lettered message does
+    /// to the rest of its key. Messages without a partition key are unordered. Default `None`:
+    /// messages are published as soon as they are due, in any order (see docs/ordering.md).
+    pub ordered: Option<DeadLetterPolicy>,
+}
+
+/// What a dead-lettered (FAILED) message does to the later messages of its partition key on an
+/// ordered route ([`Route::ordered`]). Follows DESIGN.md §6 (poison isolation): either way only
+/// that key is affected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeadLetterPolicy {
+    /// The next message of the key is published once the head is dead-lettered (a warning is
+    /// logged). Default: one poison message does not stop its key for good.
+    #[default]
+    Skip,
+    /// The key stays blocked while a dead letter is ahead of it, until an operator requeues
+    /// (`outbox requeue`) or deletes it. For consumers that must never see a gap.
+    Block,
 }
 
 impl std::fmt::Debug for Route {
@@ -125,6 +145,7 @@ impl std::fmt::Debug for Route {
             .field("transport", &self.transport.name())
             .field("destination", &self.destination)
             .field("confirm", &self.confirm)
+            .field("ordered", &self.ordered)
             .finish()
     }
 }
@@ -159,7 +180,28 @@ impl Router {
             transport,
             destination: destination.into(),
             confirm: None,
+            ordered: None,
         });
+        self
+    }
+
+    /// Make the most recently added route ordered per partition key, with `policy` for dead
+    /// letters (see [`Route::ordered`]). Does nothing on an empty router.
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// use outbox::{DeadLetterPolicy, MemoryTransport, Router};
+    /// let t = Arc::new(MemoryTransport::new());
+    /// let router = Router::new()
+    ///     .route("orders.*", t.clone(), "{topic}")
+    ///     .ordered(DeadLetterPolicy::Skip)
+    ///     .route("*", t, "{topic}");
+    /// assert!(router.routes()[0].ordered.is_some() && router.routes()[1].ordered.is_none());
+    /// ```
+    pub fn ordered(mut self, policy: DeadLetterPolicy) -> Self {
+        if let Some(r) = self.routes.last_mut() {
+            r.ordered = Some(policy);
+        }
         self
     }
 
