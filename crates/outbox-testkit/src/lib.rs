@@ -1348,7 +1348,7 @@ impl StoreFixture for MySqlFixture {
     async fn cleanup(&self) {
         let t = &self.table;
         self.exec(&format!(
-            "DROP TABLE IF EXISTS {t}, {t}_inbox, {t}_inbox_dlq, {t}_compensations; \
+            "DROP TABLE IF EXISTS {t}, {t}_inbox, {t}_inbox_dlq, {t}_compensations, {t}_buckets, {t}_relays; \
              DELETE FROM outbox_migrations WHERE table_name IN ('{t}', '{t}_inbox');"
         ))
         .await;

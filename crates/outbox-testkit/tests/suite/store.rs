@@ -58,6 +58,21 @@ macro_rules! store_conformance {
                 stats_show_awaiting_confirmation,
                 stats_show_awaiting_confirmation
             );
+            case!(bucket_membership_fair_share, bucket_membership_fair_share);
+            case!(bucket_takeover_after_expiry, bucket_takeover_after_expiry);
+            case!(
+                read_buckets_due_pending_in_order,
+                read_buckets_due_pending_in_order
+            );
+            case!(bucket_fenced_completion, bucket_fenced_completion);
+            case!(
+                key_heads_first_open_and_failed,
+                key_heads_first_open_and_failed
+            );
+            case!(
+                next_due_in_buckets_is_per_bucket,
+                next_due_in_buckets_is_per_bucket
+            );
         }
     };
 }
@@ -104,7 +119,7 @@ async fn postgres_unqualified_table() {
         .unwrap();
     assert_eq!(c.messages[0].message_id, id);
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "DROP TABLE {t}, {t}_inbox; DROP FUNCTION {t}_notify; \
+        "DROP TABLE {t}, {t}_inbox, {t}_buckets, {t}_relays; DROP FUNCTION {t}_notify; \
          DELETE FROM outbox_migrations WHERE table_name IN ('{t}', '{t}_inbox')"
     )))
     .execute(&pool)
@@ -128,9 +143,6 @@ async fn mysql_concurrent_migrate() {
             t = fx.table
         ))
         .await;
-    assert_eq!(
-        versions, 5,
-        "three outbox and two inbox versions, once each"
-    );
+    assert_eq!(versions, 6, "four outbox and two inbox versions, once each");
     fx.cleanup().await;
 }

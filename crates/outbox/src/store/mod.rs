@@ -312,7 +312,8 @@ pub trait Store: Send + Sync + 'static {
     ) -> Result<u64, StoreError>;
 
     /// Like [`Store::next_due_in`], restricted to `buckets`.
-    async fn next_due_in_buckets(&self, buckets: &[Bucket]) -> Result<Option<Duration>, StoreError>;
+    async fn next_due_in_buckets(&self, buckets: &[Bucket])
+    -> Result<Option<Duration>, StoreError>;
 
     /// Time until the earliest PENDING row becomes due: `Some(ZERO)` when one is due now, `None`
     /// when there is no PENDING row.
@@ -562,12 +563,70 @@ impl BucketColumns {
             c.statuses.push(status.as_i16());
             c.delays_ms.push(delay);
             c.errors.push(error);
-            c.attempts.push(i32::try_from(comp.attempts).unwrap_or(i32::MAX));
+            c.attempts
+                .push(i32::try_from(comp.attempts).unwrap_or(i32::MAX));
             c.confirm_ms.push(confirm);
             c.tokens.push(comp.token);
         }
         c
     }
+}
+
+/// Rows per bucket one statement of a round-based [`Store::read_buckets`] asks for: four times
+/// an even share of `limit` over `buckets` buckets, at least 32, at most `limit`.
+pub(crate) fn per_bucket_limit(limit: u32, buckets: usize) -> u32 {
+    let buckets = u32::try_from(buckets.max(1)).unwrap_or(u32::MAX);
+    (limit / buckets).saturating_mul(4).max(32).min(limit)
+}
+
+/// [`Store::read_buckets`] for dialects without `LATERAL` (MySQL/MariaDB, SQLite), in rounds of
+/// one statement each. `fetch(parts, k, remaining)` reads, for each `(bucket, after_id)` of
+/// `parts`, the first `k` due PENDING rows of the bucket with `id > after_id` in id order (one
+/// index range scan per bucket), then the first `remaining` of them all by id; it returns each
+/// row with its bucket and id. A bucket that filled its `k` rows may have more: while fewer than
+/// `limit` rows came, the next round reads on from the last id of each such bucket. Every
+/// bucket's rows are therefore a prefix of its due rows, in id order.
+pub(crate) async fn read_in_rounds<R, F, Fut>(
+    buckets: &[Bucket],
+    limit: u32,
+    mut fetch: F,
+) -> Result<Vec<(Bucket, i64, R)>, StoreError>
+where
+    F: FnMut(Vec<(Bucket, i64)>, u32, u32) -> Fut,
+    Fut: std::future::Future<Output = Result<Vec<(Bucket, i64, R)>, StoreError>>,
+{
+    let mut seen = std::collections::HashSet::new();
+    let mut parts: Vec<(Bucket, i64)> = buckets
+        .iter()
+        .filter(|b| seen.insert(**b))
+        .map(|b| (*b, i64::MIN))
+        .collect();
+    let mut out: Vec<(Bucket, i64, R)> = Vec::new();
+    while !parts.is_empty() {
+        let remaining = limit.saturating_sub(u32::try_from(out.len()).unwrap_or(u32::MAX));
+        if remaining == 0 {
+            break;
+        }
+        let k = per_bucket_limit(remaining, parts.len());
+        let rows = fetch(parts.clone(), k, remaining).await?;
+        let full = u32::try_from(rows.len()).unwrap_or(u32::MAX) >= remaining;
+        let mut last: BTreeMap<Bucket, (u32, i64)> = BTreeMap::new();
+        for (bucket, id, _) in &rows {
+            let e = last.entry(*bucket).or_insert((0, i64::MIN));
+            e.0 += 1;
+            e.1 = e.1.max(*id);
+        }
+        out.extend(rows);
+        if full {
+            break;
+        }
+        parts = last
+            .into_iter()
+            .filter(|(_, (n, _))| *n >= k)
+            .map(|(bucket, (_, id))| (bucket, id))
+            .collect();
+    }
+    Ok(out)
 }
 
 /// The status, delay (ms), error and confirmation window (ms) an outcome writes.
@@ -577,7 +636,9 @@ fn outcome_columns(outcome: &Outcome) -> (Status, i64, Option<String>, Option<i6
         Outcome::SentAwaitingConfirmation { within } => {
             (Status::Sent, 0, None, Some(millis(*within)))
         }
-        Outcome::Retry { delay, error } => (Status::Pending, millis(*delay), Some(error.clone()), None),
+        Outcome::Retry { delay, error } => {
+            (Status::Pending, millis(*delay), Some(error.clone()), None)
+        }
         Outcome::Failed { reason } => (Status::Failed, 0, Some(reason.clone()), None),
         Outcome::Release { delay } => (Status::Pending, millis(*delay), None, None),
     }

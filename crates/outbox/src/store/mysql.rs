@@ -49,8 +49,9 @@ use tokio::sync::Notify;
 use uuid::Uuid;
 
 use super::{
-    Claim, ClaimRequest, Completion, CompletionColumns, FailedMessage, LeaseToken, Stats, Store,
-    StoreOptions, claim_from_rows, millis, new_token, parse_headers, stats_from,
+    Bucket, BucketBatch, BucketCompletion, BucketLease, BucketRow, Claim, ClaimRequest, Completion,
+    CompletionColumns, FailedMessage, KeyHead, LeaseToken, MembershipRequest, MembershipRound,
+    Stats, Store, StoreOptions, claim_from_rows, millis, new_token, parse_headers, stats_from,
 };
 use crate::confirm::{ConfirmReport, Confirmation, RejectionHook, Verdict};
 use crate::error::{EnqueueError, StoreError};
@@ -403,6 +404,200 @@ enum Bind<'a> {
     Str(&'a str),
 }
 
+/// `expires_at` of a bucket nobody holds: long past (a `DATETIME` cannot be `-infinity`).
+const LONG_AGO: &str = "'1970-01-01 00:00:01'";
+
+/// `(bucket = ? AND token = ?) OR …` for `n` pairs.
+fn bucket_token_pairs(n: usize) -> String {
+    vec!["(bucket = ? AND token = ?)"; n].join(" OR ")
+}
+
+impl MySqlStore {
+    /// One membership round in one READ COMMITTED transaction (see [`Store::membership`]).
+    async fn membership_once(
+        &self,
+        req: &MembershipRequest,
+    ) -> Result<MembershipRound, sqlx::Error> {
+        let t = self.table.as_str();
+        let lease = millis(req.lease);
+        let mut tx = self.begin_rc().await?;
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {t}_relays (name, heartbeat_at) VALUES (?, {NOW}) \
+             ON DUPLICATE KEY UPDATE heartbeat_at = {NOW}"
+        )))
+        .bind(&req.relay)
+        .execute(&mut *tx)
+        .await?;
+        // Forget relays silent for 10 leases, then count the live ones.
+        sqlx::query(AssertSqlSafe(format!(
+            "DELETE FROM {t}_relays WHERE heartbeat_at < {NOW} - INTERVAL (? * 10000) MICROSECOND \
+             AND name <> ?"
+        )))
+        .bind(lease)
+        .bind(&req.relay)
+        .execute(&mut *tx)
+        .await?;
+        let live: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT COUNT(*) FROM {t}_relays WHERE heartbeat_at > {NOW} - INTERVAL (? * 1000) MICROSECOND"
+        )))
+        .bind(lease)
+        .fetch_one(&mut *tx)
+        .await?;
+        let mut renewed: Vec<Bucket> = Vec::new();
+        if !req.held.is_empty() {
+            // No UPDATE … RETURNING: lock the held rows still ours, then renew exactly those.
+            let mut q = sqlx::query_as(AssertSqlSafe(format!(
+                "SELECT bucket, token FROM {t}_buckets WHERE owner = ? AND ({}) FOR UPDATE",
+                bucket_token_pairs(req.held.len())
+            )))
+            .bind(&req.relay);
+            for (bucket, token) in &req.held {
+                q = q.bind(*bucket).bind(*token);
+            }
+            let rows: Vec<(Bucket, i64)> = q.fetch_all(&mut *tx).await?;
+            renewed = rows.into_iter().map(|(b, _)| b).collect();
+            renewed.sort_unstable();
+            renewed.dedup();
+            if !renewed.is_empty() {
+                let mut q = sqlx::query(AssertSqlSafe(format!(
+                    "UPDATE {t}_buckets SET expires_at = {} WHERE owner = ? AND bucket IN ({})",
+                    now_plus_ms(),
+                    placeholders(renewed.len())
+                )))
+                .bind(lease)
+                .bind(&req.relay);
+                for b in &renewed {
+                    q = q.bind(*b);
+                }
+                q.execute(&mut *tx).await?;
+            }
+        }
+        let mut round = super::membership_round(live, renewed);
+        let need = round
+            .fair_share
+            .saturating_sub(u32::try_from(round.renewed.len()).unwrap_or(u32::MAX));
+        if req.acquire && need > 0 {
+            let free: Vec<(Bucket, i64)> = sqlx::query_as(AssertSqlSafe(format!(
+                "SELECT bucket, owner IS NOT NULL FROM {t}_buckets \
+                 WHERE owner IS NULL OR expires_at < {NOW} ORDER BY bucket LIMIT ? FOR UPDATE SKIP LOCKED"
+            )))
+            .bind(i64::from(need))
+            .fetch_all(&mut *tx)
+            .await?;
+            if !free.is_empty() {
+                let token = new_token();
+                // The rows are locked: `owner` still holds the value just read. Single-table
+                // assignments run left to right, so `takeovers` reads the old owner.
+                let mut q = sqlx::query(AssertSqlSafe(format!(
+                    "UPDATE {t}_buckets SET takeovers = takeovers + CASE WHEN owner IS NULL THEN 0 ELSE 1 END, \
+                     owner = ?, token = ?, expires_at = {} WHERE bucket IN ({})",
+                    now_plus_ms(),
+                    placeholders(free.len())
+                )))
+                .bind(&req.relay)
+                .bind(token)
+                .bind(lease);
+                for (b, _) in &free {
+                    q = q.bind(*b);
+                }
+                q.execute(&mut *tx).await?;
+                round.acquired = free
+                    .into_iter()
+                    .map(|(bucket, was_owned)| BucketLease {
+                        bucket,
+                        token,
+                        takeover: was_owned != 0,
+                    })
+                    .collect();
+            }
+        }
+        tx.commit().await?;
+        Ok(round)
+    }
+
+    /// Release buckets (and leave) in one READ COMMITTED transaction.
+    async fn release_once(
+        &self,
+        relay: &str,
+        buckets: &[(Bucket, LeaseToken)],
+        leave: bool,
+    ) -> Result<(), sqlx::Error> {
+        let t = self.table.as_str();
+        let mut tx = self.begin_rc().await?;
+        if !buckets.is_empty() {
+            let mut q = sqlx::query(AssertSqlSafe(format!(
+                "UPDATE {t}_buckets SET owner = NULL, token = NULL, expires_at = {LONG_AGO} \
+                 WHERE owner = ? AND ({})",
+                bucket_token_pairs(buckets.len())
+            )))
+            .bind(relay);
+            for (bucket, token) in buckets {
+                q = q.bind(*bucket).bind(*token);
+            }
+            q.execute(&mut *tx).await?;
+        }
+        if leave {
+            sqlx::query(AssertSqlSafe(format!(
+                "DELETE FROM {t}_relays WHERE name = ?"
+            )))
+            .bind(relay)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await
+    }
+
+    /// One round of [`Store::read_buckets`] (see [`super::read_in_rounds`]): a `UNION ALL` of one
+    /// `ORDER BY id LIMIT k` range scan of `(status, bucket, id)` per bucket (MariaDB has no
+    /// `LATERAL`), then the first `remaining` by id.
+    async fn read_parts(
+        &self,
+        parts: Vec<(Bucket, i64)>,
+        skip_json: Option<&str>,
+        k: u32,
+        remaining: u32,
+    ) -> Result<Vec<(Bucket, i64, MySqlRow)>, StoreError> {
+        let t = self.table.as_str();
+        let (with, skip) = match skip_json {
+            // The keys as a derived table (one placeholder however many keys and buckets).
+            Some(_) => (
+                "WITH s AS (SELECT k COLLATE utf8mb4_bin AS k FROM JSON_TABLE(?, '$[*]' COLUMNS (\
+                   k VARCHAR(255) CHARACTER SET utf8mb4 PATH '$')) j) ",
+                " AND (partition_key IS NULL OR partition_key NOT IN (SELECT k FROM s))",
+            ),
+            None => ("", ""),
+        };
+        let part = format!(
+            "(SELECT id, message_id, topic, partition_key, headers, payload, attempts, max_attempts, \
+             redelivery, bucket FROM {t} WHERE status = 0 AND bucket = ? AND id > ? \
+             AND available_at <= {NOW}{skip} ORDER BY id LIMIT ?)"
+        );
+        let sql = format!(
+            "{with}SELECT * FROM ({}) r ORDER BY id LIMIT ?",
+            vec![part.as_str(); parts.len()].join(" UNION ALL ")
+        );
+        let mut q = sqlx::query(AssertSqlSafe(sql));
+        if let Some(json) = skip_json {
+            q = q.bind(json);
+        }
+        for (bucket, after) in &parts {
+            q = q.bind(*bucket).bind(*after).bind(i64::from(k));
+        }
+        let rows = q
+            .bind(i64::from(remaining))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(self.err("read_buckets"))?;
+        rows.into_iter()
+            .map(|row| {
+                let id: i64 = row.try_get(0).map_err(self.err("read_buckets"))?;
+                let bucket: Bucket = row.try_get(9).map_err(self.err("read_buckets"))?;
+                Ok((bucket, id, row))
+            })
+            .collect()
+    }
+}
+
 /// Each step is a list of statements, of which only the last may be non-idempotent (MySQL DDL
 /// is not transactional; `CREATE TABLE IF NOT EXISTS` is, and a single `ALTER TABLE` is atomic).
 type Step = (String, i64, Vec<String>);
@@ -459,6 +654,49 @@ fn migrations(table: &TableName, inbox: &TableName) -> Vec<Step> {
             vec![format!(
                 "ALTER TABLE {t} ADD COLUMN redelivery INT NOT NULL DEFAULT 0"
             )],
+        ),
+        (
+            t.to_owned(),
+            4,
+            // Bucket leases and per-key order (docs/design/one-write-and-ordering.md). The
+            // bucket is a stored generated column, so plain-SQL producers get it. MariaDB
+            // refuses a CHAR column as such in a stored expression (its value would depend on
+            // `PAD_CHAR_TO_FULL_LENGTH`); RTRIM removes that dependence and changes no UUID.
+            // No partial indexes: pending rows of a bucket are found through
+            // (status, bucket, id), the heads of a key through (partition_key, status, id),
+            // which replaces the plain partition_key index.
+            vec![
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {t}_buckets (
+                        bucket SMALLINT NOT NULL PRIMARY KEY,
+                        owner VARCHAR(255),
+                        token BIGINT,
+                        expires_at DATETIME(6) NOT NULL DEFAULT {LONG_AGO},
+                        takeovers BIGINT NOT NULL DEFAULT 0
+                    ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"
+                ),
+                format!(
+                    "INSERT INTO {t}_buckets (bucket) VALUES {} ON DUPLICATE KEY UPDATE bucket = bucket",
+                    (0..super::BUCKETS)
+                        .map(|b| format!("({b})"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {t}_relays (
+                        name VARCHAR(255) NOT NULL PRIMARY KEY,
+                        heartbeat_at DATETIME(6) NOT NULL
+                    ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"
+                ),
+                format!(
+                    "ALTER TABLE {t} ADD COLUMN bucket SMALLINT AS \
+                       (CRC32(COALESCE(partition_key, RTRIM(message_id))) % {buckets}) STORED, \
+                     ADD KEY {f}_bucket_pending (status, bucket, id), \
+                     ADD KEY {f}_key_open (partition_key, status, id), \
+                     DROP KEY {f}_partition_key",
+                    buckets = super::BUCKETS
+                ),
+            ],
         ),
     ];
     steps.extend(inbox_steps(inbox));
@@ -648,6 +886,175 @@ impl Store for MySqlStore {
         );
         self.exec_rc("complete", &sql, &[Bind::Str(&json), Bind::I64(token)])
             .await
+    }
+
+    async fn membership(&self, req: &MembershipRequest) -> Result<MembershipRound, StoreError> {
+        let mut attempt = 0;
+        loop {
+            match self.membership_once(req).await {
+                Ok(round) => return Ok(round),
+                Err(e) if self.retry_conflict("membership", &e, attempt).await => attempt += 1,
+                Err(e) => return Err(self.err("membership")(e)),
+            }
+        }
+    }
+
+    async fn release_buckets(
+        &self,
+        relay: &str,
+        buckets: &[(Bucket, LeaseToken)],
+        leave: bool,
+    ) -> Result<(), StoreError> {
+        if buckets.is_empty() && !leave {
+            return Ok(());
+        }
+        let mut attempt = 0;
+        loop {
+            match self.release_once(relay, buckets, leave).await {
+                Ok(()) => return Ok(()),
+                Err(e) if self.retry_conflict("release_buckets", &e, attempt).await => {
+                    attempt += 1;
+                }
+                Err(e) => return Err(self.err("release_buckets")(e)),
+            }
+        }
+    }
+
+    async fn read_buckets(
+        &self,
+        buckets: &[Bucket],
+        skip_keys: &[String],
+        limit: u32,
+    ) -> Result<BucketBatch, StoreError> {
+        if buckets.is_empty() || limit == 0 {
+            return Ok(BucketBatch::default());
+        }
+        let skip_json = (!skip_keys.is_empty())
+            .then(|| serde_json::to_string(skip_keys).expect("keys serialize"));
+        let rows = super::read_in_rounds(buckets, limit, |parts, k, remaining| {
+            self.read_parts(parts, skip_json.as_deref(), k, remaining)
+        })
+        .await?;
+        let mut batch = BucketBatch::default();
+        for (bucket, id, row) in &rows {
+            match decode_row(*id, row) {
+                Ok(message) => batch.rows.push(BucketRow {
+                    bucket: *bucket,
+                    message,
+                }),
+                Err(reason) => batch.malformed.push((*bucket, *id, reason)),
+            }
+        }
+        Ok(batch)
+    }
+
+    async fn key_heads(&self, keys: &[String]) -> Result<Vec<KeyHead>, StoreError> {
+        let t = self.table.as_str();
+        let mut heads = Vec::new();
+        // One statement per 10,000 keys (far under the 65,535 placeholders of a statement).
+        for chunk in keys.chunks(10_000) {
+            let mut q = sqlx::query_as(AssertSqlSafe(format!(
+                "SELECT partition_key, MIN(CASE WHEN status IN (0, 1) THEN id END), \
+                 MIN(CASE WHEN status = 4 THEN id END) FROM {t} \
+                 WHERE partition_key IN ({}) AND status IN (0, 1, 4) GROUP BY partition_key",
+                placeholders(chunk.len())
+            )));
+            for k in chunk {
+                q = q.bind(k);
+            }
+            let rows: Vec<(String, Option<i64>, Option<i64>)> = q
+                .fetch_all(&self.pool)
+                .await
+                .map_err(self.err("key_heads"))?;
+            heads.extend(
+                rows.into_iter()
+                    .map(|(key, first_open, first_failed)| KeyHead {
+                        key,
+                        first_open,
+                        first_failed,
+                    }),
+            );
+        }
+        Ok(heads)
+    }
+
+    async fn complete_in_buckets(
+        &self,
+        relay: &str,
+        completions: &[BucketCompletion],
+    ) -> Result<u64, StoreError> {
+        if completions.is_empty() {
+            return Ok(0);
+        }
+        let c = super::BucketColumns::from(completions);
+        // Tokens travel as strings: a JSON number that large may pass through a double.
+        let rows: Vec<serde_json::Value> = (0..c.ids.len())
+            .map(|i| {
+                serde_json::json!({
+                    "id": c.ids[i],
+                    "st": c.statuses[i],
+                    "d": c.delays_ms[i],
+                    "e": c.errors[i],
+                    "a": c.attempts[i],
+                    "c": c.confirm_ms[i],
+                    "tk": c.tokens[i].to_string(),
+                })
+            })
+            .collect();
+        let json = serde_json::Value::Array(rows).to_string();
+        let t = self.table.as_str();
+        // As in `complete`, no assignment reads `o.status` (multi-table UPDATE assignments have
+        // no guaranteed order): a row in (0, 3, 6) without `confirmed_at` is PENDING, one with
+        // it was confirmed or rejected meanwhile. Reading the bucket row share-locks it, so a
+        // takeover (which writes a new token) and this completion are serialised.
+        let pending = "o.confirmed_at IS NULL";
+        let sql = format!(
+            "UPDATE {t} o JOIN JSON_TABLE(?, '$[*]' COLUMNS (\
+               id BIGINT PATH '$.id', st SMALLINT PATH '$.st', d BIGINT PATH '$.d', \
+               e LONGTEXT CHARACTER SET utf8mb4 PATH '$.e', a INT PATH '$.a', c BIGINT PATH '$.c', \
+               tk VARCHAR(20) CHARACTER SET ascii PATH '$.tk')) j ON o.id = j.id \
+             JOIN {t}_buckets b ON b.bucket = o.bucket \
+             SET o.attempts = CASE WHEN {pending} THEN j.a ELSE o.attempts END, \
+             o.available_at = CASE WHEN {pending} AND j.st = 0 \
+               THEN {NOW} + INTERVAL (j.d * 1000) MICROSECOND ELSE o.available_at END, \
+             o.sent_at = CASE WHEN j.st = 2 THEN {NOW} ELSE o.sent_at END, \
+             o.confirm_deadline = CASE WHEN {pending} AND j.st = 2 AND j.c IS NOT NULL \
+               THEN {NOW} + INTERVAL (j.c * 1000) MICROSECOND ELSE NULL END, \
+             o.last_error = CASE WHEN {pending} THEN COALESCE(j.e, o.last_error) ELSE o.last_error END, \
+             o.status = CASE WHEN {pending} THEN j.st ELSE o.status END, \
+             o.lease_owner = NULL, o.lease_token = NULL, o.lease_expires_at = NULL, o.updated_at = {NOW} \
+             WHERE o.status IN (0, 3, 6) AND b.owner = ? AND b.token = CAST(j.tk AS SIGNED) \
+               AND b.expires_at > {NOW}"
+        );
+        self.exec_rc(
+            "complete_in_buckets",
+            &sql,
+            &[Bind::Str(&json), Bind::Str(relay)],
+        )
+        .await
+    }
+
+    async fn next_due_in_buckets(
+        &self,
+        buckets: &[Bucket],
+    ) -> Result<Option<Duration>, StoreError> {
+        if buckets.is_empty() {
+            return Ok(None);
+        }
+        let t = self.table.as_str();
+        let mut q = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT CAST(GREATEST(CEIL(TIMESTAMPDIFF(MICROSECOND, {NOW}, available_at) / 1000), 0) AS SIGNED) \
+             FROM {t} WHERE status = 0 AND bucket IN ({}) ORDER BY available_at LIMIT 1",
+            placeholders(buckets.len())
+        )));
+        for b in buckets {
+            q = q.bind(*b);
+        }
+        let ms: Option<i64> = q
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(self.err("next_due"))?;
+        Ok(ms.map(|ms| Duration::from_millis(ms.max(0) as u64)))
     }
 
     async fn reap_expired_leases(&self, limit: u32, max_attempts: u32) -> Result<u64, StoreError> {

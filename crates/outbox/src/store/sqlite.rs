@@ -25,8 +25,9 @@ use tokio::sync::Notify;
 use uuid::Uuid;
 
 use super::{
-    Claim, ClaimRequest, Completion, CompletionColumns, FailedMessage, LeaseToken, Stats, Store,
-    claim_from_rows, millis, new_token, parse_headers, stats_from,
+    Bucket, BucketBatch, BucketCompletion, BucketLease, BucketRow, Claim, ClaimRequest, Completion,
+    CompletionColumns, FailedMessage, KeyHead, LeaseToken, MembershipRequest, MembershipRound,
+    Stats, Store, claim_from_rows, millis, new_token, parse_headers, stats_from,
 };
 use crate::confirm::{ConfirmReport, Confirmation, RejectionHook, Verdict};
 use crate::error::{EnqueueError, StoreError};
@@ -37,7 +38,29 @@ use crate::store::StoreOptions;
 /// SQLite's clock in integer milliseconds since the Unix epoch.
 const NOW_MS: &str = "CAST(ROUND((julianday('now') - 2440587.5) * 86400000) AS INTEGER)";
 
+/// The bucket of a row (migration v4): SQLite has no hash function, so a deterministic mix of
+/// built-in deterministic functions over the partition key (the message id when there is none)
+/// modulo [`super::BUCKETS`]: its length and its last four characters with different odd
+/// multipliers. Random UUIDs and keys that differ in their last characters (`order-17`,
+/// `customer-42`) spread evenly; every message of one key lands in one bucket.
+fn bucket_expr() -> String {
+    let s = "COALESCE(partition_key, message_id)";
+    format!(
+        "((length({s}) * 31 \
+          + COALESCE(unicode(substr({s}, -1, 1)), 0) \
+          + COALESCE(unicode(substr({s}, -2, 1)), 0) * 7 \
+          + COALESCE(unicode(substr({s}, -3, 1)), 0) * 49 \
+          + COALESCE(unicode(substr({s}, -4, 1)), 0) * 23) % {})",
+        super::BUCKETS
+    )
+}
+
+/// The decoded columns of a row, then its bucket (index 9).
+const READ_COLS: &str = "id, message_id, topic, partition_key, headers, CAST(payload AS BLOB) AS payload, \
+     attempts, max_attempts, redelivery, bucket";
+
 struct Sql {
+    complete_in_buckets: Arc<str>,
     insert: Arc<str>,
     claim: Arc<str>,
     complete: Arc<str>,
@@ -145,6 +168,22 @@ impl SqliteStore {
         let t = table.as_str();
         let cols = "id, message_id, topic, partition_key, headers, CAST(payload AS BLOB), attempts, max_attempts, redelivery";
         let sql = Sql {
+            complete_in_buckets: format!(
+                "UPDATE {t} SET status = CASE WHEN {t}.status = 0 THEN j.st ELSE {t}.status END, \
+                 attempts = CASE WHEN {t}.status = 0 THEN j.att ELSE {t}.attempts END, \
+                 available_at = CASE WHEN {t}.status = 0 AND j.st = 0 THEN {NOW_MS} + j.delay ELSE {t}.available_at END, \
+                 sent_at = CASE WHEN j.st = 2 THEN {NOW_MS} ELSE {t}.sent_at END, \
+                 confirm_deadline = CASE WHEN {t}.status = 0 AND j.st = 2 AND j.confirm IS NOT NULL \
+                   THEN {NOW_MS} + j.confirm ELSE NULL END, \
+                 last_error = CASE WHEN {t}.status = 0 THEN COALESCE(j.err, {t}.last_error) ELSE {t}.last_error END, \
+                 lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL, updated_at = {NOW_MS} \
+                 FROM (SELECT value ->> '$[0]' AS id, value ->> '$[1]' AS st, value ->> '$[2]' AS delay, \
+                       value ->> '$[3]' AS err, value ->> '$[4]' AS att, value ->> '$[5]' AS confirm, \
+                       value ->> '$[6]' AS token FROM json_each(?1)) AS j, {t}_buckets AS b \
+                 WHERE {t}.id = j.id AND {t}.status IN (0, 3, 6) AND b.bucket = {t}.bucket \
+                   AND b.owner = ?2 AND b.token = j.token AND b.expires_at > {NOW_MS}"
+            )
+            .into(),
             insert: format!(
                 "INSERT INTO {t} (message_id, topic, partition_key, headers, payload, max_attempts, available_at) \
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, {NOW_MS} + ?7)"
@@ -307,6 +346,143 @@ impl SqliteStore {
     fn err(&self, op: &'static str) -> impl Fn(sqlx::Error) -> StoreError + '_ {
         move |e| StoreError::db(op, self.table.as_str(), e)
     }
+
+    /// One membership round in one `BEGIN IMMEDIATE` transaction (see [`Store::membership`]).
+    async fn membership_tx(&self, req: &MembershipRequest) -> Result<MembershipRound, sqlx::Error> {
+        let t = self.table.as_str();
+        let lease = millis(req.lease);
+        let mut conn = self.pool.acquire().await?;
+        let mut tx = sqlx::Connection::begin_with(&mut *conn, "BEGIN IMMEDIATE").await?;
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {t}_relays (name, heartbeat_at) VALUES (?1, {NOW_MS}) \
+             ON CONFLICT (name) DO UPDATE SET heartbeat_at = excluded.heartbeat_at"
+        )))
+        .bind(&req.relay)
+        .execute(&mut *tx)
+        .await?;
+        // Forget relays silent for 10 leases, then count the live ones.
+        sqlx::query(AssertSqlSafe(format!(
+            "DELETE FROM {t}_relays WHERE heartbeat_at < {NOW_MS} - ?1 * 10 AND name <> ?2"
+        )))
+        .bind(lease)
+        .bind(&req.relay)
+        .execute(&mut *tx)
+        .await?;
+        let live: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT COUNT(*) FROM {t}_relays WHERE heartbeat_at > {NOW_MS} - ?1"
+        )))
+        .bind(lease)
+        .fetch_one(&mut *tx)
+        .await?;
+        let mut renewed: Vec<Bucket> = Vec::new();
+        if !req.held.is_empty() {
+            let held = serde_json::to_string(&req.held).expect("buckets serialize");
+            renewed = sqlx::query_scalar(AssertSqlSafe(format!(
+                "UPDATE {t}_buckets SET expires_at = {NOW_MS} + ?3 WHERE owner = ?1 AND EXISTS \
+                 (SELECT 1 FROM json_each(?2) h WHERE h.value ->> '$[0]' = {t}_buckets.bucket \
+                  AND h.value ->> '$[1]' = {t}_buckets.token) RETURNING bucket"
+            )))
+            .bind(&req.relay)
+            .bind(held)
+            .bind(lease)
+            .fetch_all(&mut *tx)
+            .await?;
+            renewed.sort_unstable();
+        }
+        let mut round = super::membership_round(live, renewed);
+        let need = round
+            .fair_share
+            .saturating_sub(u32::try_from(round.renewed.len()).unwrap_or(u32::MAX));
+        if req.acquire && need > 0 {
+            // The transaction holds the write lock: what is read here is what is updated.
+            let free: Vec<(Bucket, bool)> = sqlx::query_as(AssertSqlSafe(format!(
+                "SELECT bucket, owner IS NOT NULL FROM {t}_buckets \
+                 WHERE owner IS NULL OR expires_at < {NOW_MS} ORDER BY bucket LIMIT ?1"
+            )))
+            .bind(i64::from(need))
+            .fetch_all(&mut *tx)
+            .await?;
+            if !free.is_empty() {
+                let token = new_token();
+                let list: Vec<Bucket> = free.iter().map(|(b, _)| *b).collect();
+                sqlx::query(AssertSqlSafe(format!(
+                    "UPDATE {t}_buckets SET takeovers = takeovers + (owner IS NOT NULL), owner = ?1, \
+                     token = ?2, expires_at = {NOW_MS} + ?3 \
+                     WHERE bucket IN (SELECT value FROM json_each(?4))"
+                )))
+                .bind(&req.relay)
+                .bind(token)
+                .bind(lease)
+                .bind(serde_json::to_string(&list).expect("buckets serialize"))
+                .execute(&mut *tx)
+                .await?;
+                round.acquired = free
+                    .into_iter()
+                    .map(|(bucket, takeover)| BucketLease {
+                        bucket,
+                        token,
+                        takeover,
+                    })
+                    .collect();
+            }
+        }
+        tx.commit().await?;
+        Ok(round)
+    }
+
+    /// One round of [`Store::read_buckets`] (see [`super::read_in_rounds`]): a `UNION ALL` of one
+    /// `ORDER BY id LIMIT k` range scan of the partial index `(bucket, id) WHERE status = 0` per
+    /// bucket, then the first `remaining` by id.
+    async fn read_parts(
+        &self,
+        parts: Vec<(Bucket, i64)>,
+        skip_json: Option<&str>,
+        k: u32,
+        remaining: u32,
+    ) -> Result<Vec<(Bucket, i64, sqlx::sqlite::SqliteRow)>, StoreError> {
+        let t = self.table.as_str();
+        // ?1 the overall limit, ?2 the per-bucket limit, ?3 the keys to skip (if any), then a
+        // bucket and the id to read after per part.
+        let (skip, first) = match skip_json {
+            Some(_) => (
+                " AND (partition_key IS NULL OR partition_key NOT IN (SELECT value FROM json_each(?3)))",
+                4,
+            ),
+            None => ("", 3),
+        };
+        let sql = (0..parts.len())
+            .map(|i| {
+                let (b, a) = (first + 2 * i, first + 2 * i + 1);
+                format!(
+                    "SELECT * FROM (SELECT {READ_COLS} FROM {t} WHERE status = 0 AND bucket = ?{b} \
+                     AND id > ?{a} AND available_at <= {NOW_MS}{skip} ORDER BY id LIMIT ?2)"
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(" UNION ALL ");
+        let mut q = sqlx::query(AssertSqlSafe(format!(
+            "SELECT * FROM ({sql}) ORDER BY id LIMIT ?1"
+        )))
+        .bind(i64::from(remaining))
+        .bind(i64::from(k));
+        if let Some(json) = skip_json {
+            q = q.bind(json);
+        }
+        for (bucket, after) in &parts {
+            q = q.bind(*bucket).bind(*after);
+        }
+        let rows = q
+            .fetch_all(&self.pool)
+            .await
+            .map_err(self.err("read_buckets"))?;
+        rows.into_iter()
+            .map(|row| {
+                let id: i64 = row.try_get(0).map_err(self.err("read_buckets"))?;
+                let bucket: Bucket = row.try_get(9).map_err(self.err("read_buckets"))?;
+                Ok((bucket, id, row))
+            })
+            .collect()
+    }
 }
 
 fn migrations(t: &str, inbox: &str) -> Vec<(String, i64, String)> {
@@ -356,6 +532,36 @@ fn migrations(t: &str, inbox: &str) -> Vec<(String, i64, String)> {
             t.to_owned(),
             3,
             format!("ALTER TABLE {t} ADD COLUMN redelivery INTEGER NOT NULL DEFAULT 0;"),
+        ),
+        (
+            t.to_owned(),
+            4,
+            // Bucket leases and per-key order (docs/design/one-write-and-ordering.md). ALTER
+            // TABLE can add only a VIRTUAL generated column; it is computed on read and stored
+            // in the indexes that name it. Times are milliseconds of SQLite's clock; a bucket
+            // nobody holds expired at 0.
+            format!(
+                "ALTER TABLE {t} ADD COLUMN bucket INTEGER GENERATED ALWAYS AS {bucket} VIRTUAL;
+                CREATE INDEX IF NOT EXISTS {t}_bucket_pending ON {t} (bucket, id) WHERE status = 0;
+                CREATE INDEX IF NOT EXISTS {t}_key_open ON {t} (partition_key, id) \
+                  WHERE status IN (0, 1, 4) AND partition_key IS NOT NULL;
+                DROP INDEX IF EXISTS {t}_partition_key;
+                CREATE TABLE IF NOT EXISTS {t}_buckets (
+                    bucket INTEGER PRIMARY KEY,
+                    owner TEXT,
+                    token INTEGER,
+                    expires_at INTEGER NOT NULL DEFAULT 0,
+                    takeovers INTEGER NOT NULL DEFAULT 0
+                );
+                WITH RECURSIVE n(b) AS (SELECT 0 UNION ALL SELECT b + 1 FROM n WHERE b < {last})
+                  INSERT OR IGNORE INTO {t}_buckets (bucket) SELECT b FROM n;
+                CREATE TABLE IF NOT EXISTS {t}_relays (
+                    name TEXT PRIMARY KEY,
+                    heartbeat_at INTEGER NOT NULL
+                );",
+                bucket = bucket_expr(),
+                last = super::BUCKETS - 1,
+            ),
         ),
     ];
     steps.extend(inbox_steps(inbox));
@@ -516,6 +722,155 @@ impl Store for SqliteStore {
             .await
             .map_err(self.err("complete"))?;
         Ok(done.rows_affected())
+    }
+
+    async fn membership(&self, req: &MembershipRequest) -> Result<MembershipRound, StoreError> {
+        self.membership_tx(req)
+            .await
+            .map_err(self.err("membership"))
+    }
+
+    async fn release_buckets(
+        &self,
+        relay: &str,
+        buckets: &[(Bucket, LeaseToken)],
+        leave: bool,
+    ) -> Result<(), StoreError> {
+        if buckets.is_empty() && !leave {
+            return Ok(());
+        }
+        let t = self.table.as_str();
+        let err = self.err("release_buckets");
+        let mut conn = self.pool.acquire().await.map_err(&err)?;
+        let mut tx = sqlx::Connection::begin_with(&mut *conn, "BEGIN IMMEDIATE")
+            .await
+            .map_err(&err)?;
+        if !buckets.is_empty() {
+            sqlx::query(AssertSqlSafe(format!(
+                "UPDATE {t}_buckets SET owner = NULL, token = NULL, expires_at = 0 WHERE owner = ?1 \
+                 AND EXISTS (SELECT 1 FROM json_each(?2) h WHERE h.value ->> '$[0]' = {t}_buckets.bucket \
+                 AND h.value ->> '$[1]' = {t}_buckets.token)"
+            )))
+            .bind(relay)
+            .bind(serde_json::to_string(buckets).expect("buckets serialize"))
+            .execute(&mut *tx)
+            .await
+            .map_err(&err)?;
+        }
+        if leave {
+            sqlx::query(AssertSqlSafe(format!(
+                "DELETE FROM {t}_relays WHERE name = ?1"
+            )))
+            .bind(relay)
+            .execute(&mut *tx)
+            .await
+            .map_err(&err)?;
+        }
+        tx.commit().await.map_err(&err)
+    }
+
+    async fn read_buckets(
+        &self,
+        buckets: &[Bucket],
+        skip_keys: &[String],
+        limit: u32,
+    ) -> Result<BucketBatch, StoreError> {
+        if buckets.is_empty() || limit == 0 {
+            return Ok(BucketBatch::default());
+        }
+        let skip_json = (!skip_keys.is_empty())
+            .then(|| serde_json::to_string(skip_keys).expect("keys serialize"));
+        let rows = super::read_in_rounds(buckets, limit, |parts, k, remaining| {
+            self.read_parts(parts, skip_json.as_deref(), k, remaining)
+        })
+        .await?;
+        let mut batch = BucketBatch::default();
+        for (bucket, id, row) in &rows {
+            match decode_row(*id, row) {
+                Ok(message) => batch.rows.push(BucketRow {
+                    bucket: *bucket,
+                    message,
+                }),
+                Err(reason) => batch.malformed.push((*bucket, *id, reason)),
+            }
+        }
+        Ok(batch)
+    }
+
+    async fn key_heads(&self, keys: &[String]) -> Result<Vec<KeyHead>, StoreError> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let t = self.table.as_str();
+        let rows: Vec<(String, Option<i64>, Option<i64>)> = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT partition_key, MIN(CASE WHEN status IN (0, 1) THEN id END), \
+             MIN(CASE WHEN status = 4 THEN id END) FROM {t} \
+             WHERE partition_key IN (SELECT value FROM json_each(?1)) AND status IN (0, 1, 4) \
+               AND partition_key IS NOT NULL GROUP BY partition_key"
+        )))
+        .bind(serde_json::to_string(keys).expect("keys serialize"))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(self.err("key_heads"))?;
+        Ok(rows
+            .into_iter()
+            .map(|(key, first_open, first_failed)| KeyHead {
+                key,
+                first_open,
+                first_failed,
+            })
+            .collect())
+    }
+
+    async fn complete_in_buckets(
+        &self,
+        relay: &str,
+        completions: &[BucketCompletion],
+    ) -> Result<u64, StoreError> {
+        if completions.is_empty() {
+            return Ok(0);
+        }
+        let c = super::BucketColumns::from(completions);
+        let rows: Vec<serde_json::Value> = (0..c.ids.len())
+            .map(|i| {
+                serde_json::json!([
+                    c.ids[i],
+                    c.statuses[i],
+                    c.delays_ms[i],
+                    c.errors[i],
+                    c.attempts[i],
+                    c.confirm_ms[i],
+                    c.tokens[i]
+                ])
+            })
+            .collect();
+        let done = sqlx::query(AssertSqlSafe(self.sql.complete_in_buckets.clone()))
+            .bind(serde_json::Value::Array(rows).to_string())
+            .bind(relay)
+            .execute(&self.pool)
+            .await
+            .map_err(self.err("complete_in_buckets"))?;
+        Ok(done.rows_affected())
+    }
+
+    async fn next_due_in_buckets(
+        &self,
+        buckets: &[Bucket],
+    ) -> Result<Option<Duration>, StoreError> {
+        if buckets.is_empty() {
+            return Ok(None);
+        }
+        let t = self.table.as_str();
+        let ms: Option<i64> = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT MAX(available_at - {NOW_MS}, 0) FROM {t} \
+             WHERE status = 0 AND bucket IN (SELECT value FROM json_each(?1)) \
+             ORDER BY available_at LIMIT 1"
+        )))
+        .bind(serde_json::to_string(buckets).expect("buckets serialize"))
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(self.err("next_due"))?;
+        Ok(ms.map(|ms| Duration::from_millis(ms.max(0) as u64)))
     }
 
     async fn reap_expired_leases(&self, limit: u32, max_attempts: u32) -> Result<u64, StoreError> {
