@@ -359,6 +359,8 @@ struct Inner {
     held_back: Mutex<HashMap<String, Instant>>,
     /// Buckets acquired or batches finished: the reader may have work.
     changed: Notify,
+    /// A completion was refused: run a membership round now to learn which buckets were lost.
+    renew_now: Notify,
 }
 
 /// The relay (see the module docs). Build with [`Relay::builder`], run with [`Relay::run`] or
@@ -439,6 +441,7 @@ impl RelayBuilder {
                 ownership: Mutex::new(Ownership::default()),
                 held_back: Mutex::new(HashMap::new()),
                 changed: Notify::new(),
+                renew_now: Notify::new(),
             }),
         })
     }
@@ -783,9 +786,10 @@ impl Relay {
     fn next_key_release(&self) -> Option<Duration> {
         let held = self.inner.held_back.lock().expect("held-back lock");
         let now = Instant::now();
-        held.values()
-            .min()
-            .map(|t| t.saturating_duration_since(now).max(Duration::from_millis(1)))
+        held.values().min().map(|t| {
+            t.saturating_duration_since(now)
+                .max(Duration::from_millis(1))
+        })
     }
 
     fn hold_back(&self, key: &str, for_: Duration) {
@@ -831,7 +835,7 @@ impl Relay {
             for w in work.iter_mut().filter(|w| w.counted) {
                 w.stored_attempts += 1;
                 if w.stored_attempts > w.message.max_attempts {
-                    w.counted = false;
+                    // Not attempted again: `attempts` stays at the attempts made.
                     w.stored_attempts -= 1;
                     w.outcome = Some(Outcome::Failed {
                         reason: format!(
@@ -888,9 +892,10 @@ impl Relay {
             let (Some((route, _)), None) = (&w.route, &w.outcome) else {
                 continue;
             };
-            let (Some(policy), Some(key)) =
-                (inner.router.routes()[*route].ordered, &w.message.partition_key)
-            else {
+            let (Some(policy), Some(key)) = (
+                inner.router.routes()[*route].ordered,
+                &w.message.partition_key,
+            ) else {
                 continue;
             };
             match key_index.get(key) {
@@ -936,11 +941,22 @@ impl Relay {
                         .is_some_and(|failed| failed < first.id);
                 if behind_open || behind_dead {
                     add(&inner.metrics.held_back, rows.len() as u64);
-                    tracing::debug!(key, behind_dead, "ordered key held back by an earlier message");
+                    tracing::debug!(
+                        key,
+                        behind_dead,
+                        "ordered key held back by an earlier message"
+                    );
                     self.hold_back(key, cfg.poll_interval);
                 } else {
-                    if head.and_then(|h| h.first_failed).is_some_and(|f| f < first.id) {
-                        tracing::warn!(key, id = first.id, "publishing past a dead-lettered message of the same key (on_dead_letter = skip)");
+                    if head
+                        .and_then(|h| h.first_failed)
+                        .is_some_and(|f| f < first.id)
+                    {
+                        tracing::warn!(
+                            key,
+                            id = first.id,
+                            "publishing past a dead-lettered message of the same key (on_dead_letter = skip)"
+                        );
                     }
                     live_keys.push((slot, 0));
                 }
@@ -1151,6 +1167,18 @@ impl Relay {
                     add(&inner.metrics.completion_writes, 1);
                     let lost = completions.len() as u64 - matched.min(completions.len() as u64);
                     if lost > 0 {
+                        // Stop using these buckets until a membership round confirms which of
+                        // them are still held (the others were taken over).
+                        {
+                            let mut own = inner.ownership.lock().expect("ownership lock");
+                            let now = Instant::now();
+                            for c in completions {
+                                for h in own.held.values_mut().filter(|h| h.token == c.token) {
+                                    h.valid_until = h.valid_until.min(now);
+                                }
+                            }
+                        }
+                        inner.renew_now.notify_one();
                         add(&inner.metrics.lost_leases, lost);
                         tracing::warn!(
                             lost,
@@ -1288,13 +1316,15 @@ async fn membership_loop(relay: Relay, cancel: CancellationToken) {
                 failures = 0;
                 let valid_until = started + cfg.lease;
                 let mut release = Vec::new();
-                let acquired = !round.acquired.is_empty();
+                let mut acquired = !round.acquired.is_empty();
                 {
                     let mut own = inner.ownership.lock().expect("ownership lock");
                     let renewed: BTreeSet<Bucket> = round.renewed.iter().copied().collect();
                     for (b, token) in &held {
                         if renewed.contains(b) {
                             if let Some(h) = own.held.get_mut(b) {
+                                // A bucket suspended after a refused completion is usable again.
+                                acquired |= h.valid_until <= Instant::now() + cfg.publish_timeout;
                                 h.valid_until = valid_until;
                             }
                         } else if own.held.get(b).is_some_and(|h| h.token == *token) {
@@ -1315,7 +1345,10 @@ async fn membership_loop(relay: Relay, cancel: CancellationToken) {
                         add(&inner.metrics.buckets_acquired, 1);
                         if l.takeover {
                             add(&inner.metrics.takeovers, 1);
-                            tracing::info!(bucket = l.bucket, "took over a bucket whose lease expired");
+                            tracing::info!(
+                                bucket = l.bucket,
+                                "took over a bucket whose lease expired"
+                            );
                         }
                     }
                     own.fair_share = round.fair_share;
@@ -1349,7 +1382,11 @@ async fn membership_loop(relay: Relay, cancel: CancellationToken) {
                 }
                 if !release.is_empty() {
                     let n = release.len() as u64;
-                    match inner.store.release_buckets(&cfg.name, &release, false).await {
+                    match inner
+                        .store
+                        .release_buckets(&cfg.name, &release, false)
+                        .await
+                    {
                         Ok(()) => {
                             add(&inner.metrics.buckets_released, n);
                             tracing::debug!(relay = %cfg.name, released = n, live = round.live_relays, "buckets above the fair share given back");
@@ -1376,6 +1413,7 @@ async fn membership_loop(relay: Relay, cancel: CancellationToken) {
         };
         tokio::select! {
             _ = cancel.cancelled() => return,
+            _ = inner.renew_now.notified() => {}
             _ = tokio::time::sleep(wait) => {}
         }
     }

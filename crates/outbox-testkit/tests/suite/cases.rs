@@ -423,13 +423,14 @@ async fn c20_rows_in_flight_at_a_crash_are_published_after_restart() {
     )
     .await;
     r1.abort();
-    let sending = fx
+    // Read, not claimed: the rows in flight at the crash are still PENDING, untouched.
+    let pending = fx
         .rows()
         .await
         .iter()
-        .filter(|r| r.status == Status::Sending.as_i16())
+        .filter(|r| r.status == Status::Pending.as_i16() && r.attempts == 0)
         .count();
-    assert_eq!(sending, 37);
+    assert_eq!(pending, 37);
     assert_eq!(mem.count(), 0);
     let restarted = tokio::time::Instant::now();
     let r2 = relay_to(&fx, mem.clone(), fast_config("r2")).spawn();

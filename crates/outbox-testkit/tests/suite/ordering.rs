@@ -39,7 +39,11 @@ fn ordered_relay(
     hooks: Option<Arc<dyn RelayHooks>>,
 ) -> Relay {
     let mut b = Relay::builder(fx.store())
-        .router(Router::new().route("*", transport, "{topic}").ordered(policy))
+        .router(
+            Router::new()
+                .route("*", transport, "{topic}")
+                .ordered(policy),
+        )
         .config(config);
     if let Some(h) = hooks {
         b = b.hooks(h);
@@ -48,7 +52,7 @@ fn ordered_relay(
 }
 
 fn keyed(topic: &str, key: &str, payload: &str) -> NewMessage {
-    NewMessage::new(topic, payload.as_bytes().to_vec()).partition_key(key)
+    NewMessage::new(topic, payload.as_bytes().to_vec()).with_partition_key(key)
 }
 
 /// Position of the first delivery of each message id.
@@ -104,7 +108,11 @@ async fn c11_order_survives_relay_crash(fx: &dyn StoreFixture) {
     .spawn();
     hook.reached.notified().await;
     r1.abort(); // crash between read and publish
-    assert_eq!(transport.count(), 0, "nothing was published before the crash");
+    assert_eq!(
+        transport.count(),
+        0,
+        "nothing was published before the crash"
+    );
     let r2 = ordered_relay(
         fx,
         transport.clone(),
@@ -113,9 +121,11 @@ async fn c11_order_survives_relay_crash(fx: &dyn StoreFixture) {
         None,
     )
     .spawn();
-    wait_until("A SENT by the second relay", Duration::from_secs(20), || async {
-        status_of(fx, a).await == Status::Sent.as_i16()
-    })
+    wait_until(
+        "A SENT by the second relay",
+        Duration::from_secs(20),
+        || async { status_of(fx, a).await == Status::Sent.as_i16() },
+    )
     .await;
     let b = fx
         .enqueue_commit(vec![keyed("orders", "K", "B")])
@@ -192,9 +202,11 @@ async fn dead_letter_skip_lets_the_key_go_on(fx: &dyn StoreFixture) {
         None,
     )
     .spawn();
-    wait_until("B SENT past the dead letter", Duration::from_secs(20), || async {
-        status_of(fx, ids[1]).await == Status::Sent.as_i16()
-    })
+    wait_until(
+        "B SENT past the dead letter",
+        Duration::from_secs(20),
+        || async { status_of(fx, ids[1]).await == Status::Sent.as_i16() },
+    )
     .await;
     assert_eq!(status_of(fx, ids[0]).await, Status::Failed.as_i16());
     relay.shutdown().await.expect("shutdown");
@@ -242,9 +254,11 @@ async fn dead_letter_block_waits_for_requeue(fx: &dyn StoreFixture) {
         .await
         .expect("requeue");
     assert_eq!(requeued, 1);
-    wait_until("A and B SENT after requeue", Duration::from_secs(20), || async {
-        status_of(fx, ids[1]).await == Status::Sent.as_i16()
-    })
+    wait_until(
+        "A and B SENT after requeue",
+        Duration::from_secs(20),
+        || async { status_of(fx, ids[1]).await == Status::Sent.as_i16() },
+    )
     .await;
     let pos = first_positions(&transport.delivered());
     assert!(pos[&ids[0]] < pos[&ids[1]]);
@@ -346,23 +360,32 @@ async fn relays_rebalance_buckets(fx: &dyn StoreFixture) {
     };
     let r1 = mk("balance-1");
     let h1 = r1.spawn();
-    wait_until("relay 1 holds every bucket", Duration::from_secs(20), || async {
-        r1.held_buckets().len() == BUCKETS as usize
-    })
+    wait_until(
+        "relay 1 holds every bucket",
+        Duration::from_secs(20),
+        || async { r1.held_buckets().len() == BUCKETS as usize },
+    )
     .await;
     let r2 = mk("balance-2");
     let h2 = r2.spawn();
     let half = BUCKETS as usize / 2;
-    wait_until("two relays hold half each", Duration::from_secs(20), || async {
-        r1.held_buckets().len() == half && r2.held_buckets().len() == half
-    })
+    wait_until(
+        "two relays hold half each",
+        Duration::from_secs(20),
+        || async { r1.held_buckets().len() == half && r2.held_buckets().len() == half },
+    )
     .await;
     let one: HashSet<_> = r1.held_buckets().into_iter().collect();
-    assert!(r2.held_buckets().iter().all(|b| !one.contains(b)), "no bucket held twice");
+    assert!(
+        r2.held_buckets().iter().all(|b| !one.contains(b)),
+        "no bucket held twice"
+    );
     h1.shutdown().await.expect("shutdown");
-    wait_until("relay 2 holds every bucket", Duration::from_secs(20), || async {
-        r2.held_buckets().len() == BUCKETS as usize
-    })
+    wait_until(
+        "relay 2 holds every bucket",
+        Duration::from_secs(20),
+        || async { r2.held_buckets().len() == BUCKETS as usize },
+    )
     .await;
     assert_eq!(
         h2.metrics().takeovers.load(Ordering::Relaxed),
@@ -371,14 +394,18 @@ async fn relays_rebalance_buckets(fx: &dyn StoreFixture) {
     );
     let r3 = mk("balance-3");
     let h3 = r3.spawn();
-    wait_until("relay 3 gets its share", Duration::from_secs(20), || async {
-        r3.held_buckets().len() == half
-    })
+    wait_until(
+        "relay 3 gets its share",
+        Duration::from_secs(20),
+        || async { r3.held_buckets().len() == half },
+    )
     .await;
     h2.abort();
-    wait_until("relay 3 takes the dead relay's buckets over", Duration::from_secs(20), || async {
-        r3.held_buckets().len() == BUCKETS as usize
-    })
+    wait_until(
+        "relay 3 takes the dead relay's buckets over",
+        Duration::from_secs(20),
+        || async { r3.held_buckets().len() == BUCKETS as usize },
+    )
     .await;
     assert_eq!(h3.metrics().takeovers.load(Ordering::Relaxed), half as u64);
     h3.shutdown().await.expect("shutdown");
@@ -486,14 +513,18 @@ async fn postgres_stale_relay_completion_is_fenced() {
     ))
     .await;
     hook.resume.notify_one();
-    wait_until("the completion refused", Duration::from_secs(10), || async {
-        relay.metrics().lost_leases.load(Ordering::Relaxed) == 1
-    })
+    wait_until(
+        "the completion refused",
+        Duration::from_secs(10),
+        || async { relay.metrics().lost_leases.load(Ordering::Relaxed) == 1 },
+    )
     .await;
     assert_eq!(fx.row(id).await.status, Status::Pending.as_i16());
-    wait_until("the lost bucket noticed", Duration::from_secs(10), || async {
-        relay.metrics().buckets_lost.load(Ordering::Relaxed) == 1
-    })
+    wait_until(
+        "the lost bucket noticed",
+        Duration::from_secs(10),
+        || async { relay.metrics().buckets_lost.load(Ordering::Relaxed) == 1 },
+    )
     .await;
     // The thief gives up; the relay acquires the bucket again and publishes M again.
     fx.exec(&format!(
@@ -504,7 +535,11 @@ async fn postgres_stale_relay_completion_is_fenced() {
         fx.row(id).await.status == Status::Sent.as_i16()
     })
     .await;
-    assert_eq!(transport.count(), 2, "published again by the bucket's next owner");
+    assert_eq!(
+        transport.count(),
+        2,
+        "published again by the bucket's next owner"
+    );
     relay.shutdown().await.expect("shutdown");
     fx.cleanup().await;
 }
@@ -527,8 +562,15 @@ async fn postgres_one_write_per_message() {
     let n = 3000;
     let msgs: Vec<NewMessage> = (0..n)
         .map(|i| {
-            let m = NewMessage::new(if i % 2 == 0 { "ordered.x" } else { "free.y" }, vec![0u8; 64]);
-            if i % 3 == 0 { m } else { m.partition_key(format!("k{}", i % 50)) }
+            let m = NewMessage::new(
+                if i % 2 == 0 { "ordered.x" } else { "free.y" },
+                vec![0u8; 64],
+            );
+            if i % 3 == 0 {
+                m
+            } else {
+                m.with_partition_key(format!("k{}", i % 50))
+            }
         })
         .collect();
     fx.enqueue_commit(msgs).await.expect("enqueue");
@@ -591,7 +633,7 @@ async fn postgres_four_relays_killed_at_random_keep_every_key_in_order() {
                 let msgs = (i..end)
                     .map(|n| {
                         NewMessage::new("orders", format!("{}", n / keys).into_bytes())
-                            .partition_key(format!("key-{}", n % keys))
+                            .with_partition_key(format!("key-{}", n % keys))
                     })
                     .collect();
                 fx.enqueue_commit(msgs).await.expect("enqueue");
@@ -625,7 +667,10 @@ async fn postgres_four_relays_killed_at_random_keep_every_key_in_order() {
         if pending == 0 && produced.load(Ordering::Acquire) == total {
             break;
         }
-        assert!(tokio::time::Instant::now() < deadline, "drain did not finish: {pending} left");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "drain did not finish: {pending} left"
+        );
         // Kill one relay at random every 0.5–1.5 s while messages are still coming or left.
         tokio::time::sleep(Duration::from_millis(500 + rand::random::<u64>() % 1000)).await;
         if kills < 30 {
@@ -640,7 +685,11 @@ async fn postgres_four_relays_killed_at_random_keep_every_key_in_order() {
     for r in relays {
         r.shutdown().await.expect("shutdown");
     }
-    assert_eq!(fx.count(&format!("{t} WHERE status = 4")).await, 0, "no dead letters");
+    assert_eq!(
+        fx.count(&format!("{t} WHERE status = 4")).await,
+        0,
+        "no dead letters"
+    );
     let delivered = transport.delivered();
     let mut seen = HashSet::new();
     let mut last: HashMap<String, i64> = HashMap::new();

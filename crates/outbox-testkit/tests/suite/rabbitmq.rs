@@ -230,15 +230,18 @@ async fn c04c_cut_before_confirm_republished_with_same_id_applied_once() {
     assert!(!db.row(id).await.sent, "no confirm, not SENT");
     proxy.set_blocked(true);
     // Unavailable: released unsent, the attempt not counted, the transport marked down.
+    // The row stays PENDING while it is in flight (no claim write), so wait for the release.
     wait_until(
         "the row to be released unsent",
         Duration::from_secs(10),
         || async {
-            let r = db.row(id).await;
-            r.status == Status::Pending.as_i16() && !r.sent
+            let m = relay.metrics().snapshot();
+            m.released >= 1 && m.outages >= 1
         },
     )
     .await;
+    let r = db.row(id).await;
+    assert!(r.status == Status::Pending.as_i16() && !r.sent, "{r:?}");
     let m = relay.metrics().snapshot();
     assert!(m.released >= 1 && m.outages >= 1, "{m:?}");
     assert_eq!(m.sent, 0);

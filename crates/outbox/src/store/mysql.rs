@@ -447,7 +447,7 @@ impl MySqlStore {
         if !req.held.is_empty() {
             // No UPDATE … RETURNING: lock the held rows still ours, then renew exactly those.
             let mut q = sqlx::query_as(AssertSqlSafe(format!(
-                "SELECT bucket, token FROM {t}_buckets WHERE owner = ? AND ({}) FOR UPDATE",
+                "SELECT bucket, token FROM {t}_buckets WHERE owner = ? AND expires_at > {NOW} AND ({}) FOR UPDATE",
                 bucket_token_pairs(req.held.len())
             )))
             .bind(&req.relay);

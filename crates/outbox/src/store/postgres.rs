@@ -22,9 +22,9 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::{
-    Bucket, BucketBatch, BucketCompletion, BucketLease, BucketRow, Claim, ClaimRequest,
-    Completion, CompletionColumns, FailedMessage, KeyHead, LeaseToken, MembershipRequest,
-    MembershipRound, Stats, Store, StoreOptions, claim_from_rows, millis, new_token, stats_from,
+    Bucket, BucketBatch, BucketCompletion, BucketLease, BucketRow, Claim, ClaimRequest, Completion,
+    CompletionColumns, FailedMessage, KeyHead, LeaseToken, MembershipRequest, MembershipRound,
+    Stats, Store, StoreOptions, claim_from_rows, millis, new_token, stats_from,
 };
 use crate::confirm::{ConfirmReport, Confirmation, RejectionHook, Verdict};
 use crate::error::{EnqueueError, StoreError};
@@ -804,7 +804,10 @@ impl Store for PgStore {
         Ok(done.rows_affected())
     }
 
-    async fn next_due_in_buckets(&self, buckets: &[Bucket]) -> Result<Option<Duration>, StoreError> {
+    async fn next_due_in_buckets(
+        &self,
+        buckets: &[Bucket],
+    ) -> Result<Option<Duration>, StoreError> {
         if buckets.is_empty() {
             return Ok(None);
         }

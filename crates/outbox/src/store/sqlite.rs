@@ -378,7 +378,7 @@ impl SqliteStore {
         if !req.held.is_empty() {
             let held = serde_json::to_string(&req.held).expect("buckets serialize");
             renewed = sqlx::query_scalar(AssertSqlSafe(format!(
-                "UPDATE {t}_buckets SET expires_at = {NOW_MS} + ?3 WHERE owner = ?1 AND EXISTS \
+                "UPDATE {t}_buckets SET expires_at = {NOW_MS} + ?3 WHERE owner = ?1 AND expires_at > {NOW_MS} AND EXISTS \
                  (SELECT 1 FROM json_each(?2) h WHERE h.value ->> '$[0]' = {t}_buckets.bucket \
                   AND h.value ->> '$[1]' = {t}_buckets.token) RETURNING bucket"
             )))
