@@ -917,15 +917,14 @@ impl Relay {
         let mut live_keys: Vec<(usize, usize)> = Vec::new(); // (key slot, next position)
         if !keys.is_empty() {
             let names: Vec<String> = keys.iter().map(|k| k.0.clone()).collect();
-            let heads = loop {
-                match inner.store.key_heads(&names).await {
-                    Ok(h) => break h,
-                    Err(e) => {
-                        add(&inner.metrics.store_errors, 1);
-                        tracing::warn!(error = %e, "key_heads failed; ordered rows of this batch wait");
-                        keys.clear();
-                        break Vec::new();
-                    }
+            let heads = match inner.store.key_heads(&names).await {
+                Ok(h) => h,
+                Err(e) => {
+                    // The ordered rows of this batch are not published (no write); read again.
+                    add(&inner.metrics.store_errors, 1);
+                    tracing::warn!(error = %e, "key_heads failed; ordered rows of this batch wait");
+                    keys.clear();
+                    Vec::new()
                 }
             };
             let heads: HashMap<String, _> = heads.into_iter().map(|h| (h.key.clone(), h)).collect();
