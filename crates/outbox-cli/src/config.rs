@@ -495,6 +495,8 @@ fn yes() -> bool {
 /// RocketMQ client is built without its transport's `tls` feature.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
+// Without the `rocketmq` feature the section is parsed and refused, never read.
+#[cfg_attr(not(feature = "rocketmq"), allow(dead_code))]
 pub struct RocketMqSection {
     /// Name server list as `rocketmq://host:port[;host:port…]` (required).
     pub url: String,

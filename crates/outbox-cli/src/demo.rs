@@ -2607,6 +2607,12 @@ impl Report {
             relay.purged += s.purged;
             relay.store_errors += s.store_errors;
             relay.outages += s.outages;
+            relay.held_back += s.held_back;
+            relay.buckets_acquired += s.buckets_acquired;
+            relay.takeovers += s.takeovers;
+            relay.buckets_lost += s.buckets_lost;
+            relay.buckets_released += s.buckets_released;
+            relay.completion_writes += s.completion_writes;
         }
         let mut verdict_latency = hdrhistogram::Histogram::<u64>::new(3)?;
         for us in services.verdict_latencies().await? {
@@ -2704,9 +2710,9 @@ impl Report {
         );
         println!("copies handed to transport {copies:>10}");
         println!(
-            "relay kills                {:>10}  (rows reaped after lease expiry {}, lost leases {}, retries {}, dead letters {})",
+            "relay kills                {:>10}  (buckets taken over after lease expiry {}, lost leases {}, retries {}, dead letters {})",
             self.kills,
-            self.relay.reaped,
+            self.relay.takeovers,
             self.relay.lost_leases,
             self.relay.retried,
             self.relay.failed
