@@ -974,6 +974,7 @@ fn done(
 ) -> BucketCompletion {
     BucketCompletion {
         id: r.message.id,
+        bucket: r.bucket,
         token: held[&r.bucket],
         attempts,
         outcome,

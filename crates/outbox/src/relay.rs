@@ -846,6 +846,7 @@ impl Relay {
                 } else {
                     pre.push(BucketCompletion {
                         id: w.message.id,
+                        bucket: w.bucket,
                         token: w.token,
                         attempts: w.stored_attempts,
                         outcome: Outcome::Release {
@@ -1013,6 +1014,7 @@ impl Relay {
                 let outcome = w.outcome.clone()?;
                 Some(BucketCompletion {
                     id: w.message.id,
+                    bucket: w.bucket,
                     token: w.token,
                     attempts: w.attempts_to_store(&outcome),
                     outcome,

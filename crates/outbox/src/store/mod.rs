@@ -218,6 +218,8 @@ pub struct KeyHead {
 pub struct BucketCompletion {
     /// Row id.
     pub id: i64,
+    /// The row's bucket (as read): the lease checked is this bucket's.
+    pub bucket: Bucket,
     /// The token of the row's bucket lease, as acquired.
     pub token: LeaseToken,
     /// The `attempts` value to store: attempts made, this one included when it was attempted.
@@ -544,6 +546,7 @@ pub(crate) struct BucketColumns {
     pub attempts: Vec<i32>,
     pub confirm_ms: Vec<Option<i64>>,
     pub tokens: Vec<LeaseToken>,
+    pub buckets: Vec<Bucket>,
 }
 
 impl BucketColumns {
@@ -556,6 +559,7 @@ impl BucketColumns {
             attempts: Vec::with_capacity(completions.len()),
             confirm_ms: Vec::with_capacity(completions.len()),
             tokens: Vec::with_capacity(completions.len()),
+            buckets: Vec::with_capacity(completions.len()),
         };
         for comp in completions {
             let (status, delay, error, confirm) = outcome_columns(&comp.outcome);
@@ -567,6 +571,7 @@ impl BucketColumns {
                 .push(i32::try_from(comp.attempts).unwrap_or(i32::MAX));
             c.confirm_ms.push(confirm);
             c.tokens.push(comp.token);
+            c.buckets.push(comp.bucket);
         }
         c
     }
