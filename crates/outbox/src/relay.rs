@@ -587,6 +587,8 @@ impl Relay {
         let mut read_failures = 0u32;
         // Something may be due now: read before asking when the next row is due.
         let mut read_first = true;
+        // The last read found nothing: due rows the database still reports are held back.
+        let mut last_read_empty = false;
         tracing::info!(relay = %cfg.name, store = inner.store.backend(), table = inner.store.table(), "relay started");
 
         while !cancel.is_cancelled() {
@@ -618,9 +620,18 @@ impl Relay {
             let mut sleep_for = cfg.poll_interval;
             if !read_first {
                 match inner.store.next_due_in_buckets(&free).await {
+                    Ok(Some(d)) if d.is_zero() && !last_read_empty => {
+                        // Due now (a producer without a wake-up, or a backoff that ended).
+                        read_first = true;
+                        continue;
+                    }
                     Ok(Some(d)) if d.is_zero() => {
-                        // Due rows that the last read left out belong to held-back keys.
-                        sleep_for = self.next_key_release().unwrap_or(sleep_for).min(sleep_for);
+                        // The last read left due rows out: they belong to held-back keys (read
+                        // again when the first is released), or became due just after it.
+                        sleep_for = self
+                            .next_key_release()
+                            .unwrap_or(Duration::from_millis(5))
+                            .min(sleep_for);
                     }
                     Ok(Some(d)) => sleep_for = d.min(sleep_for),
                     Ok(None) => {}
@@ -636,6 +647,7 @@ impl Relay {
                     Ok(batch) => {
                         read_failures = 0;
                         let n = batch.rows.len() + batch.malformed.len();
+                        last_read_empty = n == 0;
                         if n > 0 {
                             add(&inner.metrics.claimed, n as u64);
                             if let Some(work) = self.take_batch(batch, read_at) {
@@ -665,7 +677,10 @@ impl Relay {
                 _ = inner.changed.notified() => read_first = true,
                 Some(_) = batches.join_next(), if !batches.is_empty() => read_first = true,
                 // After a full poll interval ask cheaply whether anything is due (one query).
-                _ = tokio::time::sleep(sleep_for) => read_first = !slept_full,
+                _ = tokio::time::sleep(sleep_for) => {
+                    read_first = !slept_full;
+                    last_read_empty = false;
+                }
             }
         }
 
