@@ -556,6 +556,14 @@ mod rabbitmq_arm {
     use lapin::types::FieldTable;
     use outbox::{RabbitMqConfig, RabbitMqTransport};
 
+    /// Close a channel the bench opened for one operation (a channel left open is closed with
+    /// the connection, which lapin logs as an error when it was already closing).
+    async fn close(ch: lapin::Channel) {
+        if ch.status().connected() {
+            let _ = ch.close(200, "done".into()).await;
+        }
+    }
+
     /// The RabbitMQ arm.
     pub(super) struct Rabbit {
         url: String,
@@ -573,15 +581,16 @@ mod rabbitmq_arm {
                 .await
                 .with_context(|| format!("cannot connect to RabbitMQ at {redacted}"))?;
             let queue = format!("bench.{run_id}");
-            conn.create_channel()
-                .await?
+            let ch = conn.create_channel().await?;
+            let r = ch
                 .queue_declare(
                     queue.as_str().into(),
                     QueueDeclareOptions::durable(),
                     FieldTable::default(),
                 )
-                .await
-                .with_context(|| format!("declare the queue {queue}"))?;
+                .await;
+            close(ch).await;
+            r.with_context(|| format!("declare the queue {queue}"))?;
             let transport = RabbitMqTransport::connect(RabbitMqConfig::new(url))
                 .await
                 .with_context(|| format!("--transport {redacted}"))?;
@@ -622,18 +631,18 @@ mod rabbitmq_arm {
         }
 
         async fn reset(&self) -> anyhow::Result<()> {
-            self.channel()
-                .await?
+            let ch = self.channel().await?;
+            let r = ch
                 .queue_purge(self.queue.as_str().into(), QueuePurgeOptions::default())
-                .await
-                .with_context(|| format!("purge the queue {}", self.queue))?;
+                .await;
+            close(ch).await;
+            r.with_context(|| format!("purge the queue {}", self.queue))?;
             Ok(())
         }
 
         async fn stored(&self) -> anyhow::Result<Option<u64>> {
-            let q = self
-                .channel()
-                .await?
+            let ch = self.channel().await?;
+            let q = ch
                 .queue_declare(
                     self.queue.as_str().into(),
                     QueueDeclareOptions {
@@ -642,8 +651,9 @@ mod rabbitmq_arm {
                     },
                     FieldTable::default(),
                 )
-                .await
-                .with_context(|| format!("count the queue {}", self.queue))?;
+                .await;
+            close(ch).await;
+            let q = q.with_context(|| format!("count the queue {}", self.queue))?;
             Ok(Some(u64::from(q.message_count())))
         }
 
@@ -659,12 +669,13 @@ mod rabbitmq_arm {
         }
 
         async fn cleanup(&self) -> anyhow::Result<()> {
-            self.channel()
-                .await?
+            let ch = self.channel().await?;
+            let r = ch
                 .queue_delete(self.queue.as_str().into(), QueueDeleteOptions::default())
-                .await
-                .with_context(|| format!("delete the queue {}", self.queue))?;
+                .await;
+            close(ch).await;
             let _ = self.conn.close(200, "bench done".into()).await;
+            r.with_context(|| format!("delete the queue {}", self.queue))?;
             Ok(())
         }
     }
