@@ -17,8 +17,12 @@
 //! - `enqueue`: the business transaction's latency with and without the outbox insert;
 //! - `idle`: statements per second of a relay with nothing to do.
 //!
-//! Everything the run creates (a schema or `bench_<run>_*` tables, a JetStream stream) is removed
-//! at the end unless `--keep`.
+//! Brokers (`--transport`, see [`broker`]): NATS JetStream, Redis Streams, RabbitMQ, Kafka (any
+//! Kafka-protocol broker) or an in-process sink, each through the library's own transport.
+//!
+//! Everything the run creates (a schema or `bench_<run>_*` tables, a JetStream stream, a Redis
+//! stream key, a RabbitMQ queue) is removed at the end unless `--keep`; a Kafka topic is left
+//! on the broker (the library has no topic deletion).
 
 mod broker;
 mod db;
@@ -88,7 +92,11 @@ pub struct BenchArgs {
     pub database: String,
 
     /// Broker under test: `nats://host:port` (JetStream; a stream `BENCH_<RUN>` is created and
-    /// deleted) or `memory` (an in-process sink that acknowledges at once).
+    /// deleted), `redis://host:port` (Redis Streams; stream key `bench:<run>`, deleted),
+    /// `amqp://user:password@host:port/vhost` (RabbitMQ; a durable queue `bench.<run>` through
+    /// the default exchange, deleted), `kafka://host:port` (topic `bench-<run>`, created and
+    /// left on the broker; not counted) or `memory` (an in-process sink that acknowledges at
+    /// once).
     #[arg(long, default_value = "nats://127.0.0.1:4222")]
     pub transport: String,
 
@@ -1467,7 +1475,7 @@ mod tests {
             (&["--rate", "0"], "--rate"),
             (&["--producers", "0"], "--producers"),
             (&["--idle-duration", "500ms"], "--idle-duration"),
-            (&["--transport", "kafka://x:9092"], "--transport"),
+            (&["--transport", "mqtt://x:1883"], "--transport"),
             (&["--rate", "NaN"], "--rate"),
         ];
         for (args, name) in cases {

@@ -5,8 +5,16 @@
 //! count of what it holds (to check a drain lost nothing), and a consumer-side subscriber for the
 //! latency figures.
 //!
-//! To add a broker (RabbitMQ, Kafka, Redis, …): add its scheme to [`Kind::parse`], write a struct
-//! implementing [`Broker`] around the library's transport for it, and add one arm to [`open`].
+//! | `--transport` | transport | destination | stored | consumer side |
+//! |---|---|---|---|---|
+//! | `memory` | in-process sink | `{topic}` | acknowledged count | none |
+//! | `nats://` | [`NatsTransport`] | stream `BENCH_<RUN>`, subjects `bench.<run>.{topic}` | stream messages | ordered push consumer |
+//! | `redis://`, `rediss://` (feature `redis`) | `RedisTransport` | stream key `bench:<run>` | `XLEN` | `XREAD BLOCK` on a connection of its own |
+//! | `amqp://`, `amqps://` (feature `rabbitmq`) | `RabbitMqTransport` | durable queue `bench.<run>` through the default exchange | queue message count | none (a consumer would take messages off the counted queue) |
+//! | `kafka://` (feature `kafka`) | `KafkaTransport` | topic `bench-<run>` (1 partition, created) | not counted | none; the topic is left on the broker |
+//!
+//! To add a broker: add its scheme to [`Kind::parse`], write a struct implementing [`Broker`]
+//! around the library's transport for it, and add one arm to [`open`].
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -32,21 +40,48 @@ pub enum Kind {
     Memory,
     /// `nats://host:port`: NATS JetStream through [`NatsTransport`].
     Nats,
+    /// `redis://host:port[/db]` or `rediss://…`: Redis Streams through `RedisTransport`
+    /// (feature `redis`).
+    Redis,
+    /// `amqp://user:password@host:port/vhost` or `amqps://…`: RabbitMQ through
+    /// `RabbitMqTransport` (feature `rabbitmq`).
+    RabbitMq,
+    /// `kafka://host:port[,host:port…]`: a Kafka-protocol broker through `KafkaTransport`
+    /// (feature `kafka`).
+    Kafka,
 }
+
+/// The accepted `--transport` forms, for error messages.
+const ACCEPTED: &str = "`memory`, `nats://host:port`, `redis://host:port`, `amqp://user:password@host:port/vhost` or `kafka://host:port`";
 
 impl Kind {
     /// The broker family of a `--transport` value.
     ///
     /// # Errors
     /// The value and the accepted forms, for anything else.
+    /// A scheme whose feature this build lacks is refused with the feature to build with.
     pub fn parse(url: &str) -> Result<Kind, String> {
-        if url == "memory" || url == "memory://" {
-            Ok(Kind::Memory)
+        let (kind, feature, enabled) = if url == "memory" || url == "memory://" {
+            return Ok(Kind::Memory);
         } else if url.starts_with("nats://") {
-            Ok(Kind::Nats)
+            return Ok(Kind::Nats);
+        } else if url.starts_with("redis://") || url.starts_with("rediss://") {
+            (Kind::Redis, "redis", cfg!(feature = "redis"))
+        } else if url.starts_with("amqp://") || url.starts_with("amqps://") {
+            (Kind::RabbitMq, "rabbitmq", cfg!(feature = "rabbitmq"))
+        } else if url.starts_with("kafka://") {
+            (Kind::Kafka, "kafka", cfg!(feature = "kafka"))
+        } else {
+            return Err(format!(
+                "unsupported transport {url:?}: expected {ACCEPTED}"
+            ));
+        };
+        if enabled {
+            Ok(kind)
         } else {
             Err(format!(
-                "unsupported transport {url:?}: expected `memory` or `nats://host:port`"
+                "transport {url:?} needs the `{feature}` feature, which this build of outbox \
+                 lacks (build outbox-cli with `--features {feature}`)"
             ))
         }
     }
@@ -121,6 +156,15 @@ pub async fn open(url: &str, run_id: &str) -> anyhow::Result<Box<dyn Broker>> {
     match Kind::parse(url).map_err(anyhow::Error::msg)? {
         Kind::Memory => Ok(Box::new(Sink::default())),
         Kind::Nats => Ok(Box::new(Nats::open(url, run_id).await?)),
+        #[cfg(feature = "redis")]
+        Kind::Redis => Ok(Box::new(redis_arm::Redis::open(url, run_id).await?)),
+        #[cfg(feature = "rabbitmq")]
+        Kind::RabbitMq => Ok(Box::new(rabbitmq_arm::Rabbit::open(url, run_id).await?)),
+        #[cfg(feature = "kafka")]
+        Kind::Kafka => Ok(Box::new(kafka_arm::Kafka::open(url, run_id).await?)),
+        // Refused by `Kind::parse` when the feature is off.
+        #[allow(unreachable_patterns)]
+        other => anyhow::bail!("--transport {url}: {other:?} is not built in"),
     }
 }
 
@@ -352,6 +396,372 @@ impl Broker for Nats {
     }
 }
 
+/// `redis://`: every message is `XADD`ed to the stream key `bench:<run>` by `RedisTransport`.
+#[cfg(feature = "redis")]
+mod redis_arm {
+    use super::*;
+    use outbox::transport::redis::{FIELD_ID, connect_manager};
+    use outbox::{RedisConfig, RedisTransport};
+    use redis::aio::ConnectionManager;
+    use redis::streams::StreamReadReply;
+
+    /// How long one `XREAD` of the latency subscriber blocks for new entries.
+    const BLOCK: Duration = Duration::from_millis(500);
+
+    /// The Redis Streams arm.
+    pub(super) struct Redis {
+        config: RedisConfig,
+        transport: Arc<RedisTransport>,
+        key: String,
+    }
+
+    impl Redis {
+        /// Connect the transport and empty the run's stream key.
+        pub(super) async fn open(url: &str, run_id: &str) -> anyhow::Result<Redis> {
+            let config = RedisConfig::new(url);
+            let transport = RedisTransport::connect(config.clone())
+                .await
+                .with_context(|| format!("--transport {url}"))?;
+            let r = Redis {
+                config,
+                transport: Arc::new(transport),
+                key: format!("bench:{run_id}"),
+            };
+            r.delete().await?;
+            Ok(r)
+        }
+
+        async fn delete(&self) -> anyhow::Result<()> {
+            redis::cmd("DEL")
+                .arg(&self.key)
+                .query_async::<i64>(&mut self.transport.connection())
+                .await
+                .with_context(|| format!("DEL {}", self.key))?;
+            Ok(())
+        }
+    }
+
+    #[async_trait]
+    impl Broker for Redis {
+        fn describe(&self) -> String {
+            format!(
+                "Redis Streams at {} (stream key {}, XADD without MAXLEN; durability as the \
+                 server's persistence settings)",
+                self.config.url, self.key
+            )
+        }
+
+        fn transport(&self) -> Arc<dyn Transport> {
+            self.transport.clone()
+        }
+
+        fn destination(&self) -> &str {
+            &self.key
+        }
+
+        async fn reset(&self) -> anyhow::Result<()> {
+            self.delete().await
+        }
+
+        async fn stored(&self) -> anyhow::Result<Option<u64>> {
+            let n: u64 = redis::cmd("XLEN")
+                .arg(&self.key)
+                .query_async(&mut self.transport.connection())
+                .await
+                .with_context(|| format!("XLEN {}", self.key))?;
+            Ok(Some(n))
+        }
+
+        async fn observe(
+            &self,
+            receipts: Arc<Receipts>,
+            cancel: CancellationToken,
+        ) -> anyhow::Result<Option<JoinHandle<()>>> {
+            // A connection of its own: a blocking XREAD on the transport's multiplexed
+            // connection would hold the relay's XADDs behind it.
+            let mut conn: ConnectionManager = connect_manager(
+                &self.config.url,
+                self.config.password.as_deref(),
+                self.config.connect_timeout,
+                BLOCK + self.config.response_timeout,
+            )
+            .await
+            .context("connect the latency subscriber")?;
+            // Everything after the last entry there now (none right after `reset`), read from
+            // that id on so no entry published before the first XREAD is missed.
+            let last: Vec<(String, Vec<(String, Vec<u8>)>)> = redis::cmd("XREVRANGE")
+                .arg(&self.key)
+                .arg("+")
+                .arg("-")
+                .arg("COUNT")
+                .arg(1)
+                .query_async(&mut conn)
+                .await
+                .with_context(|| format!("XREVRANGE {}", self.key))?;
+            let mut from = last
+                .into_iter()
+                .next()
+                .map(|(id, _)| id)
+                .unwrap_or_else(|| "0-0".into());
+            let key = self.key.clone();
+            Ok(Some(tokio::spawn(async move {
+                loop {
+                    let mut cmd = redis::cmd("XREAD");
+                    cmd.arg("COUNT")
+                        .arg(10_000)
+                        .arg("BLOCK")
+                        .arg(BLOCK.as_millis() as u64)
+                        .arg("STREAMS")
+                        .arg(&key)
+                        .arg(&from);
+                    let read = tokio::select! {
+                        _ = cancel.cancelled() => return,
+                        r = cmd.query_async::<Option<StreamReadReply>>(&mut conn) => r,
+                    };
+                    match read {
+                        Ok(reply) => {
+                            let at = now_us();
+                            for entry in reply.into_iter().flat_map(|r| r.keys).flat_map(|k| k.ids)
+                            {
+                                let id = entry
+                                    .get::<String>(FIELD_ID)
+                                    .and_then(|v| Uuid::parse_str(&v).ok());
+                                if let Some(id) = id {
+                                    receipts.record(id, at);
+                                }
+                                from = entry.id;
+                            }
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, "latency subscriber: XREAD failed");
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                        }
+                    }
+                }
+            })))
+        }
+
+        async fn cleanup(&self) -> anyhow::Result<()> {
+            self.delete().await
+        }
+    }
+}
+
+/// `amqp://`: a durable queue `bench.<run>`, published to through the default exchange by
+/// `RabbitMqTransport` (destination = the bare queue name).
+#[cfg(feature = "rabbitmq")]
+mod rabbitmq_arm {
+    use super::*;
+    use lapin::options::{QueueDeclareOptions, QueueDeleteOptions, QueuePurgeOptions};
+    use lapin::types::FieldTable;
+    use outbox::{RabbitMqConfig, RabbitMqTransport};
+
+    /// Close a channel the bench opened for one operation (a channel left open is closed with
+    /// the connection, which lapin logs as an error when it was already closing).
+    async fn close(ch: lapin::Channel) {
+        if ch.status().connected() {
+            let _ = ch.close(200, "done".into()).await;
+        }
+    }
+
+    /// The RabbitMQ arm.
+    pub(super) struct Rabbit {
+        url: String,
+        /// The bench's own connection, for declaring, purging, counting and deleting the queue.
+        conn: lapin::Connection,
+        transport: Arc<RabbitMqTransport>,
+        queue: String,
+    }
+
+    impl Rabbit {
+        /// Declare the run's queue (durable, classic) and connect the transport.
+        pub(super) async fn open(url: &str, run_id: &str) -> anyhow::Result<Rabbit> {
+            let redacted = crate::redact(url);
+            let conn = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
+                .await
+                .with_context(|| format!("cannot connect to RabbitMQ at {redacted}"))?;
+            let queue = format!("bench.{run_id}");
+            let ch = conn.create_channel().await?;
+            let r = ch
+                .queue_declare(
+                    queue.as_str().into(),
+                    QueueDeclareOptions::durable(),
+                    FieldTable::default(),
+                )
+                .await;
+            close(ch).await;
+            r.with_context(|| format!("declare the queue {queue}"))?;
+            let transport = RabbitMqTransport::connect(RabbitMqConfig::new(url))
+                .await
+                .with_context(|| format!("--transport {redacted}"))?;
+            Ok(Rabbit {
+                url: redacted.to_string(),
+                conn,
+                transport: Arc::new(transport),
+                queue,
+            })
+        }
+
+        /// A fresh channel (a refused operation closes the channel it ran on).
+        async fn channel(&self) -> anyhow::Result<lapin::Channel> {
+            self.conn
+                .create_channel()
+                .await
+                .context("open a RabbitMQ channel")
+        }
+    }
+
+    #[async_trait]
+    impl Broker for Rabbit {
+        fn describe(&self) -> String {
+            format!(
+                "RabbitMQ at {} (durable classic queue {} through the default exchange, \
+                 persistent messages, publisher confirms; no consumer, so the count stays \
+                 exact)",
+                self.url, self.queue
+            )
+        }
+
+        fn transport(&self) -> Arc<dyn Transport> {
+            self.transport.clone()
+        }
+
+        fn destination(&self) -> &str {
+            &self.queue
+        }
+
+        async fn reset(&self) -> anyhow::Result<()> {
+            let ch = self.channel().await?;
+            let r = ch
+                .queue_purge(self.queue.as_str().into(), QueuePurgeOptions::default())
+                .await;
+            close(ch).await;
+            r.with_context(|| format!("purge the queue {}", self.queue))?;
+            Ok(())
+        }
+
+        async fn stored(&self) -> anyhow::Result<Option<u64>> {
+            let ch = self.channel().await?;
+            let q = ch
+                .queue_declare(
+                    self.queue.as_str().into(),
+                    QueueDeclareOptions {
+                        passive: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await;
+            close(ch).await;
+            let q = q.with_context(|| format!("count the queue {}", self.queue))?;
+            Ok(Some(u64::from(q.message_count())))
+        }
+
+        /// No subscriber: the default exchange routes a message to the one queue named by its
+        /// routing key, so a consumer could only read the queue that [`Broker::stored`] counts,
+        /// and would take the messages off it (the drain check would then see a loss).
+        async fn observe(
+            &self,
+            _receipts: Arc<Receipts>,
+            _cancel: CancellationToken,
+        ) -> anyhow::Result<Option<JoinHandle<()>>> {
+            Ok(None)
+        }
+
+        async fn cleanup(&self) -> anyhow::Result<()> {
+            let ch = self.channel().await?;
+            let r = ch
+                .queue_delete(self.queue.as_str().into(), QueueDeleteOptions::default())
+                .await;
+            close(ch).await;
+            let _ = self.conn.close(200, "bench done".into()).await;
+            r.with_context(|| format!("delete the queue {}", self.queue))?;
+            Ok(())
+        }
+    }
+}
+
+/// `kafka://`: a topic `bench-<run>` (1 partition, replication 1) created with the library's
+/// admin helper, as `outbox relay` does for `create_topics`; `KafkaTransport` never creates it.
+#[cfg(feature = "kafka")]
+mod kafka_arm {
+    use super::*;
+    use outbox::transport::kafka::{KafkaTopic, create_topics};
+    use outbox::{KafkaConfig, KafkaTransport};
+
+    /// The Kafka arm.
+    pub(super) struct Kafka {
+        config: KafkaConfig,
+        transport: Arc<KafkaTransport>,
+        topic: String,
+    }
+
+    impl Kafka {
+        /// Create the run's topic and connect the producer.
+        pub(super) async fn open(url: &str, run_id: &str) -> anyhow::Result<Kafka> {
+            let config = KafkaConfig::new(url);
+            let topic = format!("bench-{run_id}");
+            create_topics(&config, &[KafkaTopic::new(topic.clone())])
+                .await
+                .with_context(|| format!("create the topic {topic} on Kafka at {url}"))?;
+            let transport = KafkaTransport::connect(config.clone())
+                .await
+                .with_context(|| format!("--transport {url}"))?;
+            Ok(Kafka {
+                config,
+                transport: Arc::new(transport),
+                topic,
+            })
+        }
+    }
+
+    #[async_trait]
+    impl Broker for Kafka {
+        fn describe(&self) -> String {
+            format!(
+                "Kafka protocol at {} (topic {}, 1 partition, idempotent producer, acks=all, \
+                 linger {:?}); the messages stored are not counted (the client's high \
+                 watermarks are not trusted on Tansu) and the topic is left on the broker (the \
+                 library has no topic deletion)",
+                self.config.bootstrap_servers, self.topic, self.config.linger
+            )
+        }
+
+        fn transport(&self) -> Arc<dyn Transport> {
+            self.transport.clone()
+        }
+
+        fn destination(&self) -> &str {
+            &self.topic
+        }
+
+        /// Nothing to do: [`Broker::stored`] does not count, so earlier scenarios' records do
+        /// not matter.
+        async fn reset(&self) -> anyhow::Result<()> {
+            Ok(())
+        }
+
+        async fn stored(&self) -> anyhow::Result<Option<u64>> {
+            Ok(None)
+        }
+
+        async fn observe(
+            &self,
+            _receipts: Arc<Receipts>,
+            _cancel: CancellationToken,
+        ) -> anyhow::Result<Option<JoinHandle<()>>> {
+            Ok(None)
+        }
+
+        /// Leaves the topic: the library offers topic creation only, and the CLI does not
+        /// depend on the Kafka client directly.
+        async fn cleanup(&self) -> anyhow::Result<()> {
+            tracing::info!(topic = %self.topic, "the bench topic is left on the Kafka broker");
+            Ok(())
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -360,9 +770,37 @@ mod tests {
     fn transport_urls() {
         assert_eq!(Kind::parse("memory"), Ok(Kind::Memory));
         assert_eq!(Kind::parse("nats://127.0.0.1:4222"), Ok(Kind::Nats));
-        let e = Kind::parse("amqp://localhost").unwrap_err();
+        let enabled = [
+            (
+                "redis://127.0.0.1:6379",
+                Kind::Redis,
+                cfg!(feature = "redis"),
+            ),
+            ("rediss://h:6380/0", Kind::Redis, cfg!(feature = "redis")),
+            (
+                "amqp://guest:guest@127.0.0.1:5672/%2f",
+                Kind::RabbitMq,
+                cfg!(feature = "rabbitmq"),
+            ),
+            ("amqps://h/v", Kind::RabbitMq, cfg!(feature = "rabbitmq")),
+            (
+                "kafka://127.0.0.1:19092",
+                Kind::Kafka,
+                cfg!(feature = "kafka"),
+            ),
+        ];
+        for (url, kind, on) in enabled {
+            match Kind::parse(url) {
+                Ok(k) => assert!(on && k == kind, "{url}: {k:?}"),
+                Err(e) => assert!(!on && e.contains("feature"), "{url}: {e}"),
+            }
+        }
+        let e = Kind::parse("mqtt://localhost").unwrap_err();
         assert!(
-            e.contains("amqp://localhost") && e.contains("nats://"),
+            e.contains("mqtt://localhost")
+                && ["nats://", "redis://", "amqp://", "kafka://"]
+                    .iter()
+                    .all(|s| e.contains(s)),
             "{e}"
         );
     }
