@@ -808,6 +808,8 @@ pub enum ConfirmationsSection {
 ///
 /// # Errors
 /// [`ConfigError`] naming `field` when the variable is not set.
+// Only the Redis and MQTT sections take a password from the environment.
+#[cfg_attr(not(any(feature = "redis", feature = "mqtt")), allow(dead_code))]
 pub fn env_secret(field: &str, var: Option<&String>) -> Result<Option<String>, ConfigError> {
     match var {
         None => Ok(None),

@@ -389,27 +389,6 @@ async fn relay(config: PathBuf, database: Option<String>) -> anyhow::Result<()> 
     Ok(())
 }
 
-/// Log a confirmation listener's totals; its end is an error (`ended`) unless `stop` was
-/// cancelled.
-fn listener_stopped(
-    total: outbox::ConfirmReport,
-    stop: &CancellationToken,
-    ended: &'static str,
-) -> anyhow::Result<()> {
-    tracing::info!(
-        confirmed = total.confirmed,
-        rejected = total.rejected,
-        duplicates = total.duplicates,
-        unknown = total.unknown,
-        "confirmation listener stopped"
-    );
-    if stop.is_cancelled() {
-        Ok(())
-    } else {
-        anyhow::bail!(ended)
-    }
-}
-
 /// Start the confirmation listener of `[confirmations]`.
 async fn spawn_confirmations(
     c: &config::ConfirmationsSection,
@@ -426,11 +405,9 @@ async fn spawn_confirmations(
                 .await
                 .with_context(|| format!("confirmations.url: cannot connect to NATS at {url}"))?;
             tracing::info!(subject, queue, "listening for confirmations on NATS");
-            tokio::spawn(async move {
-                let stop = cancel.clone();
-                let total =
-                    outbox::confirm::nats::listen(client, subject, queue, store, cancel).await?;
-                listener_stopped(total, &stop, "the NATS subscription ended")
+            let stop = cancel.clone();
+            supervise_listener("NATS", stop, async move {
+                Ok(outbox::confirm::nats::listen(client, subject, queue, store, cancel).await?)
             })
         }
         #[cfg(feature = "kafka")]
@@ -441,11 +418,9 @@ async fn spawn_confirmations(
                 group = k.group,
                 "listening for confirmations on Kafka"
             );
-            tokio::spawn(async move {
-                let stop = cancel.clone();
-                let total =
-                    outbox::confirm::kafka::listen(kafka, k.topic, k.group, store, cancel).await?;
-                listener_stopped(total, &stop, "the Kafka confirmation listener ended")
+            let stop = cancel.clone();
+            supervise_listener("Kafka", stop, async move {
+                Ok(outbox::confirm::kafka::listen(kafka, k.topic, k.group, store, cancel).await?)
             })
         }
         #[cfg(feature = "rabbitmq")]
@@ -453,11 +428,9 @@ async fn spawn_confirmations(
             let connection = section.rabbitmq()?.context("confirmations: not rabbitmq")?;
             let queue = queue.clone();
             tracing::info!(queue, "listening for confirmations on RabbitMQ");
-            tokio::spawn(async move {
-                let stop = cancel.clone();
-                let total =
-                    outbox::confirm::rabbitmq::listen(connection, queue, store, cancel).await?;
-                listener_stopped(total, &stop, "the RabbitMQ confirmation listener ended")
+            let stop = cancel.clone();
+            supervise_listener("RabbitMQ", stop, async move {
+                Ok(outbox::confirm::rabbitmq::listen(connection, queue, store, cancel).await?)
             })
         }
         #[cfg(feature = "redis")]
@@ -522,10 +495,9 @@ async fn spawn_confirmations(
                 group,
                 "listening for confirmations on RocketMQ"
             );
-            tokio::spawn(async move {
-                let stop = cancel.clone();
-                let total = outbox::confirm::rocketmq::listen(listen, store, cancel).await?;
-                listener_stopped(total, &stop, "the RocketMQ confirmation consumer ended")
+            let stop = cancel.clone();
+            supervise_listener("RocketMQ", stop, async move {
+                Ok(outbox::confirm::rocketmq::listen(listen, store, cancel).await?)
             })
         }
         #[cfg(not(feature = "rocketmq"))]
@@ -551,8 +523,8 @@ async fn spawn_confirmations(
 }
 
 /// Run a confirmation listener in a task: log its totals when it stops, and make its stopping
-/// an error unless `stop` was cancelled.
-#[cfg(any(feature = "redis", feature = "mqtt"))]
+/// an error ("the <broker> confirmation listener ended") unless `stop` was cancelled. Every
+/// broker's listener goes through it.
 fn supervise_listener(
     broker: &'static str,
     stop: CancellationToken,
