@@ -874,7 +874,11 @@ impl Relay {
                 return;
             }
         }
-        let messages: Vec<Message> = work.iter().map(|w| w.message.clone()).collect();
+        // Copies for the hooks only: no per-message clone on the hot path without them.
+        let messages: Vec<Message> = match &inner.hooks {
+            Some(_) => work.iter().map(|w| w.message.clone()).collect(),
+            None => Vec::new(),
+        };
         if let Some(h) = &inner.hooks {
             h.before_publish(&messages).await;
         }

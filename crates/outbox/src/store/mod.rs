@@ -536,6 +536,17 @@ pub(crate) fn membership_round(live: i64, renewed: Vec<Bucket>) -> MembershipRou
     }
 }
 
+impl BucketBatch {
+    /// Add one read row: decoded into [`BucketBatch::rows`], or into
+    /// [`BucketBatch::malformed`] with the reason it could not be decoded.
+    pub(crate) fn push(&mut self, bucket: Bucket, id: i64, decoded: Result<Message, String>) {
+        match decoded {
+            Ok(message) => self.rows.push(BucketRow { bucket, message }),
+            Err(reason) => self.malformed.push((bucket, id, reason)),
+        }
+    }
+}
+
 /// [`BucketCompletion`]s as parallel arrays: ids, statuses, delays in ms, errors, attempts,
 /// confirmation windows in ms and bucket tokens.
 pub(crate) struct BucketColumns {

@@ -28,7 +28,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::{
-    Bucket, BucketBatch, BucketCompletion, BucketLease, BucketRow, Claim, ClaimRequest, Completion,
+    Bucket, BucketBatch, BucketCompletion, BucketLease, Claim, ClaimRequest, Completion,
     CompletionColumns, FailedMessage, KeyHead, LeaseToken, MembershipRequest, MembershipRound,
     Stats, Store, StoreOptions, claim_from_rows, millis, new_token, stats_from,
 };
@@ -762,10 +762,7 @@ impl Store for PgStore {
         for row in &rows {
             let id: i64 = row.try_get(0).map_err(&err)?;
             let bucket: Bucket = row.try_get(9).map_err(&err)?;
-            match decode_row(id, row) {
-                Ok(message) => batch.rows.push(BucketRow { bucket, message }),
-                Err(reason) => batch.malformed.push((bucket, id, reason)),
-            }
+            batch.push(bucket, id, decode_row(id, row));
         }
         Ok(batch)
     }

@@ -25,7 +25,7 @@ use tokio::sync::Notify;
 use uuid::Uuid;
 
 use super::{
-    Bucket, BucketBatch, BucketCompletion, BucketLease, BucketRow, Claim, ClaimRequest, Completion,
+    Bucket, BucketBatch, BucketCompletion, BucketLease, Claim, ClaimRequest, Completion,
     CompletionColumns, FailedMessage, KeyHead, LeaseToken, MembershipRequest, MembershipRound,
     Stats, Store, claim_from_rows, millis, new_token, parse_headers, stats_from,
 };
@@ -786,13 +786,7 @@ impl Store for SqliteStore {
         .await?;
         let mut batch = BucketBatch::default();
         for (bucket, id, row) in &rows {
-            match decode_row(*id, row) {
-                Ok(message) => batch.rows.push(BucketRow {
-                    bucket: *bucket,
-                    message,
-                }),
-                Err(reason) => batch.malformed.push((*bucket, *id, reason)),
-            }
+            batch.push(*bucket, *id, decode_row(*id, row));
         }
         Ok(batch)
     }
