@@ -896,6 +896,7 @@ impl FaultProxy {
                 let upstream = upstream.clone();
                 let s = s.clone();
                 let dropped = dropped.clone();
+                let blocked = b.clone();
                 tokio::spawn(async move {
                     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
                     let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
@@ -903,13 +904,25 @@ impl FaultProxy {
                     };
                     let (mut client_rx, mut client_tx) = client.split();
                     let (mut server_rx, mut server_tx) = server.into_split();
-                    let up = tokio::io::copy(&mut client_rx, &mut server_tx);
+                    // Both directions check the flag on every chunk, so that nothing passes
+                    // once `set_blocked(true)` has returned, even before this task has seen
+                    // the cut (a test that publishes right after blocking must not race it).
+                    let up = async {
+                        let mut buf = vec![0u8; 16 * 1024];
+                        loop {
+                            let n = client_rx.read(&mut buf).await?;
+                            if n == 0 || blocked.load(Ordering::SeqCst) {
+                                return Ok::<(), std::io::Error>(());
+                            }
+                            server_tx.write_all(&buf[..n]).await?;
+                        }
+                    };
                     // Server to client, discarding while replies are dropped.
                     let down = async {
                         let mut buf = vec![0u8; 16 * 1024];
                         loop {
                             let n = server_rx.read(&mut buf).await?;
-                            if n == 0 {
+                            if n == 0 || blocked.load(Ordering::SeqCst) {
                                 return Ok::<(), std::io::Error>(());
                             }
                             if !dropped.load(Ordering::SeqCst) {
