@@ -49,7 +49,7 @@ use tracing_subscriber::Layer;
 use uuid::Uuid;
 
 use broker::{Broker, Receipts, Stamped};
-use db::{Db, Dialect, Outbox, TxTimes};
+use db::{Db, Dialect, Outbox, TxMode, TxTimes};
 use report::{
     ClockOffset, Cost, Drain, Enqueue, EnqueueVariant, Idle, LatencyRun, Percentiles, Report,
     Table, TableGrowth, fmt_count, fmt_load, fmt_mib, fmt_ms, fmt_ratio, loadavg,
@@ -290,10 +290,15 @@ impl<S: tracing::Subscriber> Layer<S> for StatementCounter {
 /// Which wake-up a latency run's relay gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Wakeup {
-    /// Producers call `Store::wake` on the relay's store after each commit.
+    /// Producers commit with `store.begin()` / `store.commit(tx)` and call `Store::wake` on the
+    /// relay's store after each commit.
     Embedded,
-    /// No in-process wake-up: PostgreSQL NOTIFY, or the poll timer elsewhere.
+    /// No in-process wake-up: producers commit with `store.begin()` / `store.commit(tx)`, whose
+    /// post-commit NOTIFY wakes the relay on PostgreSQL; elsewhere the poll timer does.
     External,
+    /// PostgreSQL only: producers commit with `pool.begin()` / `tx.commit()`, so the outbox
+    /// trigger's NOTIFY inside each transaction wakes the relay (a plain-SQL producer's path).
+    Trigger,
 }
 
 impl Wakeup {
@@ -301,6 +306,14 @@ impl Wakeup {
         match self {
             Wakeup::Embedded => "embedded",
             Wakeup::External => "external",
+            Wakeup::Trigger => "trigger",
+        }
+    }
+
+    fn tx_mode(self) -> TxMode {
+        match self {
+            Wakeup::Embedded | Wakeup::External => TxMode::Store,
+            Wakeup::Trigger => TxMode::Plain,
         }
     }
 }
@@ -455,12 +468,19 @@ impl Bench {
             self.db.create_business_table(&business).await?;
         }
         if self.args.runs(Scenario::Latency) {
-            for (wakeup, rate) in [
+            let mut runs = vec![
                 (Wakeup::Embedded, Some(self.args.rate)),
                 (Wakeup::Embedded, None),
                 (Wakeup::External, Some(self.args.rate)),
                 (Wakeup::External, None),
-            ] {
+            ];
+            if self.db.dialect == Dialect::Postgres {
+                runs.extend([
+                    (Wakeup::Trigger, Some(self.args.rate)),
+                    (Wakeup::Trigger, None),
+                ]);
+            }
+            for (wakeup, rate) in runs {
                 let run = self.latency_run(&business, wakeup, rate).await?;
                 self.report.latency.push(run);
             }
@@ -960,7 +980,13 @@ impl Bench {
                     }
                     let msg = NewMessage::new(TOPIC, payload.clone());
                     let t = db
-                        .business_tx(&outbox, &business, &format!("customer-{i}"), Some(msg))
+                        .business_tx(
+                            &outbox,
+                            &business,
+                            &format!("customer-{i}"),
+                            Some(msg),
+                            wakeup.tx_mode(),
+                        )
                         .await?;
                     if wakeup == Wakeup::Embedded {
                         store.wake();
@@ -1048,23 +1074,29 @@ impl Bench {
         })
     }
 
-    /// Alternating rounds of business transactions without and with the outbox insert.
+    /// Alternating rounds of business transactions without and with the outbox insert (with
+    /// `store.begin()` / `store.commit(tx)`; on PostgreSQL also with a plain transaction, whose
+    /// trigger NOTIFY is sent inside it).
     async fn enqueue_run(&self, business: &str) -> anyhow::Result<Enqueue> {
         const ROUNDS: usize = 4;
         let table = self.db.table("enqueue");
         let outbox = self.db.migrate(&table).await?;
-        let round = self.args.enqueue_duration / (2 * ROUNDS as u32);
-        let bar = self.bar((2 * ROUNDS) as u64, "enqueue overhead (rounds)");
-        let mut without: Vec<TxTimes> = Vec::new();
-        let mut with: Vec<TxTimes> = Vec::new();
+        // (enqueue, mode): without, with (store), with (trigger, PostgreSQL only).
+        let mut variants = vec![(false, TxMode::Plain), (true, TxMode::Store)];
+        if self.db.dialect == Dialect::Postgres {
+            variants.push((true, TxMode::Plain));
+        }
+        let round = self.args.enqueue_duration / (variants.len() * ROUNDS) as u32;
+        let bar = self.bar(
+            (variants.len() * ROUNDS) as u64,
+            "enqueue overhead (rounds)",
+        );
+        let mut results: Vec<Vec<TxTimes>> = vec![Vec::new(); variants.len()];
         for r in 0..ROUNDS {
-            // Alternate which variant goes first, so drift does not favour one.
-            let order = if r % 2 == 0 {
-                [false, true]
-            } else {
-                [true, false]
-            };
-            for enqueue in order {
+            // Rotate which variant goes first, so drift does not favour one.
+            for k in 0..variants.len() {
+                let v = (r + k) % variants.len();
+                let (enqueue, mode) = variants[v];
                 let deadline = Instant::now() + round;
                 let tasks = (0..self.args.producers).map(|i| {
                     let (db, outbox) = (self.db.clone(), outbox.clone());
@@ -1073,21 +1105,17 @@ impl Bench {
                         let mut out = Vec::new();
                         while Instant::now() < deadline {
                             let msg = enqueue.then(|| NewMessage::new(TOPIC, payload.clone()));
+                            let customer = format!("customer-{i}");
                             out.push(
-                                db.business_tx(&outbox, &business, &format!("customer-{i}"), msg)
+                                db.business_tx(&outbox, &business, &customer, msg, mode)
                                     .await?,
                             );
                         }
                         anyhow::Ok(out)
                     })
                 });
-                for r in futures::future::try_join_all(tasks).await? {
-                    let r = r?;
-                    if enqueue {
-                        with.extend(r)
-                    } else {
-                        without.extend(r)
-                    }
+                for out in futures::future::try_join_all(tasks).await? {
+                    results[v].extend(out?);
                 }
                 bar.inc(1);
                 bar.set_message(format!("load {}", fmt_load(loadavg())));
@@ -1102,10 +1130,12 @@ impl Bench {
             transaction: Percentiles::of_micros(v.iter().map(|t| t.transaction_us)),
             commit: Percentiles::of_micros(v.iter().map(|t| t.commit_us)),
         };
-        let (without, with_outbox) = (variant(&without), variant(&with));
-        let overhead = |f: fn(&Percentiles) -> f64| {
+        let without = variant(&results[0]);
+        let with_outbox = variant(&results[1]);
+        let with_trigger = results.get(2).map(|r| variant(r));
+        let overhead = |with: &EnqueueVariant, f: fn(&Percentiles) -> f64| {
             report::ratio(
-                with_outbox.transaction.as_ref().map(f),
+                with.transaction.as_ref().map(f),
                 without.transaction.as_ref().map(f),
             )
             .map(|r| r - 1.0)
@@ -1113,10 +1143,17 @@ impl Bench {
         Ok(Enqueue {
             producers: self.args.producers,
             rounds: ROUNDS,
-            overhead_p50: overhead(|p| p.p50_ms),
-            overhead_p99: overhead(|p| p.p99_ms),
+            overhead_p50: overhead(&with_outbox, |p| p.p50_ms),
+            overhead_p99: overhead(&with_outbox, |p| p.p99_ms),
+            overhead_trigger_p50: with_trigger
+                .as_ref()
+                .and_then(|w| overhead(w, |p| p.p50_ms)),
+            overhead_trigger_p99: with_trigger
+                .as_ref()
+                .and_then(|w| overhead(w, |p| p.p99_ms)),
             without,
             with_outbox,
+            with_outbox_trigger: with_trigger,
             load: loadavg(),
         })
     }
@@ -1341,10 +1378,14 @@ fn render(r: &Report) -> String {
             "commit p99 ms",
             "load",
         ]);
-        for (name, v) in [
+        let mut variants = vec![
             ("without outbox", &e.without),
-            ("with outbox insert", &e.with_outbox),
-        ] {
+            ("with outbox (store.begin/commit)", &e.with_outbox),
+        ];
+        if let Some(w) = &e.with_outbox_trigger {
+            variants.push(("with outbox (NOTIFY in the tx)", w));
+        }
+        for (name, v) in variants {
             t.row([
                 name.to_owned(),
                 fmt_count(v.rate),
@@ -1357,11 +1398,19 @@ fn render(r: &Report) -> String {
         }
         let pct = |o: Option<f64>| o.map_or("-".into(), |o| format!("{:+.1}%", o * 100.0));
         t.row([
-            "overhead".to_owned(),
+            "overhead (store.begin/commit)".to_owned(),
             String::new(),
             pct(e.overhead_p50),
             pct(e.overhead_p99),
         ]);
+        if e.with_outbox_trigger.is_some() {
+            t.row([
+                "overhead (NOTIFY in the tx)".to_owned(),
+                String::new(),
+                pct(e.overhead_trigger_p50),
+                pct(e.overhead_trigger_p99),
+            ]);
+        }
         section("Enqueue overhead", &t);
     }
 

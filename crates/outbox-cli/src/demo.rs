@@ -784,7 +784,7 @@ impl Services {
         let orders = self.tables().orders;
         match self {
             Services::Sqlite { store, .. } => {
-                let mut tx = store.pool().begin().await?;
+                let mut tx = store.begin().await?;
                 sqlx::query(sqlx::AssertSqlSafe(format!(
                     "INSERT INTO {orders} (id, sku, qty) VALUES (?1, ?2, ?3)"
                 )))
@@ -797,7 +797,7 @@ impl Services {
                 store.commit(tx).await?;
             }
             Services::Postgres { store, .. } => {
-                let mut tx = store.pool().begin().await?;
+                let mut tx = store.begin().await?;
                 sqlx::query(sqlx::AssertSqlSafe(format!(
                     "INSERT INTO {orders} (id, sku, qty) VALUES ($1, $2, $3)"
                 )))
@@ -810,7 +810,7 @@ impl Services {
                 store.commit(tx).await?;
             }
             Services::MySql { store, .. } => {
-                let mut tx = store.pool().begin().await?;
+                let mut tx = store.begin().await?;
                 sqlx::query(sqlx::AssertSqlSafe(format!(
                     "INSERT INTO {orders} (id, sku, qty) VALUES (?, ?, ?)"
                 )))

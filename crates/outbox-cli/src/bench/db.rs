@@ -110,6 +110,18 @@ pub struct Labeled {
     pub app: String,
 }
 
+/// How a business transaction is opened and committed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TxMode {
+    /// `pool.begin()` … `tx.commit()`: on PostgreSQL the outbox trigger's `NOTIFY` is sent in
+    /// the transaction, as for a plain-SQL producer.
+    Plain,
+    /// `store.begin()` … `store.commit(tx)`: on PostgreSQL no `NOTIFY` in the transaction, one
+    /// after the commit (coalesced); elsewhere the same as `Plain` plus the in-process wake-up
+    /// of the producer's own store.
+    Store,
+}
+
 /// The outbox through one of the library's stores (the public API the relay and the producers
 /// use).
 #[derive(Clone)]
@@ -682,7 +694,7 @@ impl Db {
 
     /// One business transaction on a connection of the control pool: `BEGIN`, the outbox row
     /// (`enqueue`, when `msg` is given), the business row, whose statement also reads the
-    /// database clock, `COMMIT`.
+    /// database clock, `COMMIT`; opened and committed as `mode` says.
     ///
     /// # Errors
     /// The first failing statement (the transaction is rolled back).
@@ -692,6 +704,7 @@ impl Db {
         business: &str,
         customer: &str,
         msg: Option<NewMessage>,
+        mode: TxMode,
     ) -> anyhow::Result<TxTimes> {
         let clock = clock_sql(self.dialect);
         let amount = rand::random::<u16>() as i64;
@@ -700,14 +713,20 @@ impl Db {
         // COMMIT: the frame every dialect shares.
         macro_rules! transaction {
             ($pool:expr, $store:expr, |$tx:ident| $clock:expr) => {{
-                let mut $tx = $pool.begin().await?;
+                let mut $tx = match mode {
+                    TxMode::Plain => $pool.begin().await?,
+                    TxMode::Store => $store.begin().await?,
+                };
                 let id = match msg {
                     Some(m) => Some($store.enqueue(&mut $tx, m).await?),
                     None => None,
                 };
                 let db: i64 = $clock;
                 let t = Instant::now();
-                $tx.commit().await?;
+                match mode {
+                    TxMode::Plain => $tx.commit().await?,
+                    TxMode::Store => $store.commit($tx).await?,
+                }
                 (id, db, t)
             }};
         }

@@ -183,6 +183,148 @@ async fn postgres_nats_consumer_inbox_end_to_end() {
     fx.cleanup().await;
 }
 
+/// The next notification on `listener`, within 5 s.
+async fn next_notification(listener: &mut sqlx::postgres::PgListener) -> String {
+    within("a notification", Duration::from_secs(5), listener.recv())
+        .await
+        .expect("notification")
+        .payload()
+        .to_owned()
+}
+
+/// Deferred wake-up (`PgStore::begin` / `PgStore::commit`): a marked transaction sends no NOTIFY
+/// of its own at commit, `PgStore::commit` sends exactly the one after it, and an unmarked
+/// transaction still notifies through the trigger. Notifications arrive in commit order, so a
+/// marker notified after each commit shows what that commit sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_deferred_notify_is_sent_after_commit_only() {
+    let fx = PgFixture::new().await;
+    let channel = fx.store.channel().to_owned();
+    let mut listener = sqlx::postgres::PgListener::connect_with(fx.store.pool())
+        .await
+        .unwrap();
+    listener.listen(&channel).await.unwrap();
+    let marker = |tag: &'static str| {
+        let (pool, channel) = (fx.store.pool().clone(), channel.clone());
+        async move {
+            sqlx::query("SELECT pg_notify($1, $2)")
+                .bind(channel)
+                .bind(tag)
+                .execute(&pool)
+                .await
+                .unwrap();
+        }
+    };
+
+    // Marked, committed by hand: no NOTIFY at all (the row waits for the relays' poll).
+    let mut tx = fx.store.begin().await.unwrap();
+    fx.store
+        .enqueue(&mut tx, NewMessage::new("t", "deferred"))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    marker("after-plain-commit").await;
+    assert_eq!(next_notification(&mut listener).await, "after-plain-commit");
+
+    // Marked, committed by the store: exactly one NOTIFY, sent after the commit.
+    let mut tx = fx.store.begin().await.unwrap();
+    fx.store
+        .enqueue(&mut tx, NewMessage::new("t", "deferred, woken"))
+        .await
+        .unwrap();
+    fx.store.commit(tx).await.unwrap();
+    assert_eq!(next_notification(&mut listener).await, "");
+    marker("after-store-commit").await;
+    assert_eq!(next_notification(&mut listener).await, "after-store-commit");
+
+    // Not marked (any other producer): the trigger notifies at the commit.
+    let mut tx = fx.store.pool().begin().await.unwrap();
+    fx.store
+        .enqueue(&mut tx, NewMessage::new("t", "plain"))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(next_notification(&mut listener).await, "");
+    marker("after-unmarked").await;
+    assert_eq!(next_notification(&mut listener).await, "after-unmarked");
+
+    // A rolled-back marked transaction notifies nothing and leaves nothing.
+    let mut tx = fx.store.begin().await.unwrap();
+    fx.store
+        .enqueue(&mut tx, NewMessage::new("t", "rolled back"))
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    marker("after-rollback").await;
+    assert_eq!(next_notification(&mut listener).await, "after-rollback");
+    assert_eq!(
+        fx.count(&format!("{} WHERE status = 0", fx.table())).await,
+        3
+    );
+    fx.cleanup().await;
+}
+
+/// A relay elsewhere (another store instance, 30 s poll interval) publishes at once what a
+/// producer commits through `PgStore::begin` / `PgStore::commit`: the post-commit NOTIFY wakes
+/// it, although the transaction itself notified nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_post_commit_notify_wakes_a_relay_elsewhere() {
+    crate::init_tracing();
+    let fx = PgFixture::new().await;
+    let mem = Arc::new(MemoryTransport::new());
+    // The relay's own store: its in-process waker is not the producer's.
+    let relay_store = outbox::PgStore::from_pool(
+        outbox_testkit::pg_pool(4).await,
+        outbox::StoreOptions::table(fx.table()),
+    )
+    .unwrap();
+    let config = RelayConfig {
+        poll_interval: Duration::from_secs(30),
+        ..fast_config("elsewhere")
+    };
+    let handle = Relay::builder(Arc::new(relay_store))
+        .router(Router::single(mem.clone()))
+        .config(config)
+        .build()
+        .unwrap()
+        .spawn();
+    let channel = fx.store.channel().to_owned();
+    wait_until("the relay to LISTEN", Duration::from_secs(10), || {
+        let pool = fx.store.pool().clone();
+        let channel = channel.clone();
+        async move {
+            let n: i64 = sqlx::query_scalar(
+                "SELECT COUNT(*) FROM pg_stat_activity WHERE query ILIKE '%LISTEN%' AND query LIKE '%' || $1 || '%'",
+            )
+            .bind(&channel)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            n > 0
+        }
+    })
+    .await;
+    for (i, n) in [1usize, 2, 3].into_iter().enumerate() {
+        let mut tx = fx.store.begin().await.unwrap();
+        let id = fx
+            .store
+            .enqueue(&mut tx, NewMessage::new("t", format!("m{i}")))
+            .await
+            .unwrap();
+        fx.store.commit(tx).await.unwrap();
+        // Well inside the 30 s poll interval: only the post-commit NOTIFY can have woken it.
+        within(
+            "the post-commit NOTIFY",
+            Duration::from_secs(5),
+            mem.wait_for(n),
+        )
+        .await;
+        assert_eq!(mem.delivered()[i].message.message_id, id);
+    }
+    handle.shutdown().await.unwrap();
+    fx.cleanup().await;
+}
+
 /// A relay with a 30 s poll interval publishes a row inserted by plain SQL (another language's
 /// producer) within a few seconds: the insert trigger's NOTIFY wakes it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -258,7 +258,7 @@ impl MySqlStore {
     /// # Examples
     /// ```no_run
     /// # async fn example(store: outbox::MySqlStore) -> Result<(), Box<dyn std::error::Error>> {
-    /// let mut tx = store.pool().begin().await?;
+    /// let mut tx = store.begin().await?;
     /// sqlx::query("INSERT INTO orders (id) VALUES (1)").execute(&mut *tx).await?;
     /// store.enqueue(&mut tx, outbox::NewMessage::new("order-created", "{\"id\":1}")).await?;
     /// store.commit(tx).await?; // commit, then wake the embedded relay
@@ -315,6 +315,17 @@ impl MySqlStore {
             })?;
         }
         Ok(msgs.iter().map(|m| m.message_id).collect())
+    }
+
+    /// Begin a transaction on the store's pool, for a producer that commits it with
+    /// [`MySqlStore::commit`]. The same as `pool().begin()`: it exists so that producer code reads
+    /// the same on every database ([`crate::PgStore::begin`] also defers the wake-up to the
+    /// commit there).
+    ///
+    /// # Errors
+    /// The pool's error (no connection, `BEGIN` failed).
+    pub async fn begin(&self) -> Result<sqlx::Transaction<'static, sqlx::MySql>, sqlx::Error> {
+        self.pool.begin().await
     }
 
     /// Commit `tx` and wake an embedded relay in this process (MySQL has no LISTEN/NOTIFY;

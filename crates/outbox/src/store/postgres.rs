@@ -7,6 +7,15 @@
 //!   or plain SQL from another language) wake a listening relay at once. The listener reconnects
 //!   by itself and wakes the relay after each reconnect in case a notification was missed; the
 //!   poll timer stays as the safety net.
+//! - A transaction that issued `NOTIFY` holds PostgreSQL's notify lock from its pre-commit until
+//!   the end of its commit, WAL flush included, so notifying producers commit one at a time (no
+//!   group commit: with 8 producers on this project's bench machine, tx/s halved). Transactions
+//!   opened with [`PgStore::begin`] and committed with [`PgStore::commit`] avoid it: `begin` marks
+//!   the transaction (`SET LOCAL outbox.deferred_notify`, sent with the `BEGIN` in one round
+//!   trip), the trigger then skips its `NOTIFY` (schema v5), and `commit` sends one `NOTIFY`
+//!   after the commit from a background task, outside any business transaction, with
+//!   `synchronous_commit = off`, coalesced (commits that arrive while one is in flight share the
+//!   next). See docs/benchmarks.md, "Enqueue overhead".
 //! - All times are `timestamptz` from the server clock (`now()`).
 //! - The relay's completion statement commits with `synchronous_commit = off`: it does not wait
 //!   for the WAL flush (the flush follows within `wal_writer_delay`, 200 ms by default). This is
@@ -59,6 +68,10 @@ struct Sql {
     key_heads: Arc<str>,
     complete_in_buckets: Arc<str>,
     next_due_in_buckets: Arc<str>,
+    /// `BEGIN` plus the deferred-notify mark ([`PgStore::begin`]).
+    begin: Arc<str>,
+    /// The post-commit `NOTIFY` transaction ([`PgStore::commit`]).
+    notify: Arc<str>,
 }
 
 /// The outbox on PostgreSQL. Cheap to clone; clones share the pool and the in-process waker.
@@ -71,6 +84,8 @@ pub struct PgStore {
     limits: Limits,
     sql: Arc<Sql>,
     waker: Arc<Notify>,
+    /// The post-commit notifier of [`PgStore::commit`], started on first use (shared by clones).
+    notifier: Arc<std::sync::OnceLock<tokio::sync::mpsc::Sender<()>>>,
     hook: Option<Arc<dyn RejectionHook<sqlx::Postgres>>>,
 }
 
@@ -118,6 +133,11 @@ impl PgStore {
         let table = TableName::new(&options.table)?;
         let inbox_table = TableName::new(&options.inbox_table)?;
         let t = table.as_str();
+        // At most 63 bytes, so neither LISTEN nor pg_notify truncates or refuses it.
+        let channel: String = format!("{}_outbox", table.flat())
+            .chars()
+            .take(63)
+            .collect();
         let cols = "o.id, o.message_id, o.topic, o.partition_key, o.headers::text, o.payload, o.attempts, o.max_attempts, o.redelivery";
         let sql = Sql {
             insert: format!(
@@ -261,19 +281,22 @@ impl PgStore {
                  FROM {t} WHERE status = 0 AND bucket = ANY($1::smallint[]) ORDER BY available_at LIMIT 1"
             )
             .into(),
+            // The channel is built from a validated table name: letters, digits and `_` only.
+            begin: format!("BEGIN; SET LOCAL outbox.deferred_notify = '{channel}'").into(),
+            notify: format!(
+                "BEGIN; SET LOCAL synchronous_commit = off; SELECT pg_notify('{channel}', ''); COMMIT"
+            )
+            .into(),
         };
         Ok(PgStore {
             pool,
-            // At most 63 bytes, so neither LISTEN nor pg_notify truncates or refuses it.
-            channel: format!("{}_outbox", table.flat())
-                .chars()
-                .take(63)
-                .collect(),
+            channel,
             table,
             inbox_table,
             limits: options.limits,
             sql: Arc::new(sql),
             waker: Arc::new(Notify::new()),
+            notifier: Arc::new(std::sync::OnceLock::new()),
             hook: None,
         })
     }
@@ -296,8 +319,10 @@ impl PgStore {
     }
 
     /// Insert `msg` through the caller's connection or transaction (`&mut *tx`, or `&mut tx`
-    /// which derefs to it). It becomes visible to relays, and a listening relay is notified, when
-    /// the caller's transaction commits; nothing is published if it rolls back.
+    /// which derefs to it). It becomes visible to relays when the caller's transaction commits;
+    /// nothing is published if it rolls back. Listening relays are notified at that commit (by
+    /// the table's trigger), or right after it by [`PgStore::commit`] for a transaction from
+    /// [`PgStore::begin`].
     ///
     /// The borrow of the connection lasts until the insert is done, so the transaction cannot be
     /// committed while an enqueue is still pending (shared case C10).
@@ -309,7 +334,7 @@ impl PgStore {
     /// # Examples
     /// ```no_run
     /// # async fn example(store: outbox::PgStore) -> Result<(), Box<dyn std::error::Error>> {
-    /// let mut tx = store.pool().begin().await?;
+    /// let mut tx = store.begin().await?;
     /// sqlx::query("INSERT INTO orders (id) VALUES (1)").execute(&mut *tx).await?;
     /// store.enqueue(&mut tx, outbox::NewMessage::new("order-created", "{\"id\":1}")).await?;
     /// store.commit(tx).await?;
@@ -374,8 +399,47 @@ impl PgStore {
         Ok(ids)
     }
 
-    /// Commit `tx` and wake an embedded relay in this process (a relay elsewhere is woken by
-    /// NOTIFY at the same commit).
+    /// Begin a transaction on the store's pool for a producer that commits it with
+    /// [`PgStore::commit`]: its outbox inserts do not `NOTIFY` inside the transaction (which
+    /// would serialise every notifying producer's commit behind PostgreSQL's notify lock, WAL
+    /// flush included); `commit` wakes the relays after the commit instead.
+    ///
+    /// The mark is `SET LOCAL outbox.deferred_notify = '<channel>'`, sent with the `BEGIN` in one
+    /// simple-query round trip, so it costs no extra round trip. It applies to this store's
+    /// table only (another outbox table written in the same transaction still notifies), and
+    /// only once the table is at schema v5 (before that, the trigger notifies anyway).
+    ///
+    /// A transaction begun here and committed some other way (`tx.commit()`) loses nothing: its
+    /// rows are published at the relays' next poll (`poll_interval`, 1 s by default) instead of
+    /// at once.
+    ///
+    /// # Errors
+    /// The pool's error (no connection, `BEGIN` failed).
+    ///
+    /// # Examples
+    /// ```no_run
+    /// # async fn example(store: outbox::PgStore) -> Result<(), Box<dyn std::error::Error>> {
+    /// let mut tx = store.begin().await?;
+    /// sqlx::query("INSERT INTO orders (id) VALUES (1)").execute(&mut *tx).await?;
+    /// store.enqueue(&mut tx, outbox::NewMessage::new("order-created", "{\"id\":1}")).await?;
+    /// store.commit(tx).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn begin(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, sqlx::Error> {
+        self.pool
+            .begin_with(AssertSqlSafe(self.sql.begin.clone()))
+            .await
+    }
+
+    /// Commit `tx`, wake an embedded relay in this process, and wake the relays elsewhere:
+    /// after the commit, a background task of this store sends `NOTIFY` on the table's channel
+    /// (one statement, `synchronous_commit = off`; commits that arrive while one is in flight
+    /// share the next). For a transaction from [`PgStore::begin`] that is the only `NOTIFY`; for
+    /// any other, the trigger already notified at the commit and this one is redundant but
+    /// harmless.
+    ///
+    /// A failed post-commit `NOTIFY` is logged (`warn`) and costs latency only: the relays'
+    /// poll timer finds the rows.
     ///
     /// # Errors
     /// The commit's error; nothing was published.
@@ -385,11 +449,53 @@ impl PgStore {
     ) -> Result<(), sqlx::Error> {
         tx.commit().await?;
         self.wake();
+        self.notify_after_commit();
         Ok(())
+    }
+
+    /// Ask the post-commit notifier for one `NOTIFY` (started on first use; a request made
+    /// while one is pending is merged into it).
+    fn notify_after_commit(&self) {
+        let tx = self.notifier.get_or_init(|| {
+            let (tx, rx) = tokio::sync::mpsc::channel(1);
+            tokio::spawn(post_commit_notifier(
+                self.pool.clone(),
+                self.sql.notify.clone(),
+                rx,
+            ));
+            tx
+        });
+        // Full: a NOTIFY is already pending and covers this commit too.
+        let _ = tx.try_send(());
     }
 
     fn err(&self, op: &'static str) -> impl Fn(sqlx::Error) -> StoreError + '_ {
         move |e| StoreError::db(op, self.table.as_str(), e)
+    }
+}
+
+/// The task behind [`PgStore::commit`]'s wake-up: one `NOTIFY` per request, requests that
+/// arrive meanwhile merged; ends when every clone of the store is gone.
+async fn post_commit_notifier(
+    pool: PgPool,
+    notify: Arc<str>,
+    mut requests: tokio::sync::mpsc::Receiver<()>,
+) {
+    let mut failures = 0u64;
+    while requests.recv().await.is_some() {
+        match sqlx::raw_sql(AssertSqlSafe(notify.clone()))
+            .execute(&pool)
+            .await
+        {
+            Ok(_) => failures = 0,
+            Err(e) => {
+                failures += 1;
+                // One warning per run of failures; the relays' poll timer covers the rows.
+                if failures == 1 {
+                    tracing::warn!(error = %e, "post-commit NOTIFY failed; relays elsewhere find the rows at their next poll");
+                }
+            }
+        }
     }
 }
 
@@ -490,6 +596,21 @@ fn migrations(table: &TableName, inbox: &TableName, channel: &str) -> Vec<(Strin
                     Some((s, _)) => format!("{s}."),
                     None => String::new(),
                 },
+            ),
+        ),
+        (
+            t.to_owned(),
+            5,
+            // Deferred wake-up (PgStore::begin / commit): a transaction marked with this table's
+            // channel does not NOTIFY inside itself; its committer notifies afterwards.
+            format!(
+                "CREATE OR REPLACE FUNCTION {fn_name}() RETURNS trigger LANGUAGE plpgsql AS $fn$
+                BEGIN
+                  IF current_setting('outbox.deferred_notify', true) IS DISTINCT FROM '{channel}' THEN
+                    PERFORM pg_notify('{channel}', '');
+                  END IF;
+                  RETURN NULL;
+                END $fn$;"
             ),
         ),
     ];

@@ -274,7 +274,7 @@ impl SqliteStore {
     /// # Examples
     /// ```no_run
     /// # async fn example(store: outbox::SqliteStore) -> Result<(), Box<dyn std::error::Error>> {
-    /// let mut tx = store.pool().begin().await?;
+    /// let mut tx = store.begin().await?;
     /// sqlx::query("INSERT INTO orders (id) VALUES (1)").execute(&mut *tx).await?;
     /// store.enqueue(&mut tx, outbox::NewMessage::new("order-created", "{\"id\":1}")).await?;
     /// store.commit(tx).await?; // commit, then wake the embedded relay
@@ -331,6 +331,17 @@ impl SqliteStore {
                 EnqueueError::Database(StoreError::db("enqueue", self.table.as_str(), e))
             })?;
         Ok(())
+    }
+
+    /// Begin a transaction on the store's pool, for a producer that commits it with
+    /// [`SqliteStore::commit`]. The same as `pool().begin()`: it exists so that producer code reads
+    /// the same on every database ([`crate::PgStore::begin`] also defers the wake-up to the
+    /// commit there).
+    ///
+    /// # Errors
+    /// The pool's error (no connection, `BEGIN` failed).
+    pub async fn begin(&self) -> Result<sqlx::Transaction<'static, sqlx::Sqlite>, sqlx::Error> {
+        self.pool.begin().await
     }
 
     /// Commit `tx` and wake the embedded relay.
