@@ -57,14 +57,19 @@
 //! # Classification
 //! - permanent: invalid destination (topic or tag), system property name used as a header, empty
 //!   or oversized body (over [`RocketMqConfig::max_message_size`], checked before sending, or the
-//!   broker's `maxMessageSize`: response `MESSAGE_ILLEGAL` 13), `NO_PERMISSION` 16,
-//!   `TOPIC_NOT_EXIST` 17, and "no route info of this topic" while a name server answers (the
-//!   topic does not exist and the broker does not create topics: `autoCreateTopicEnable=false`);
+//!   broker's `maxMessageSize`: response `MESSAGE_ILLEGAL` 13), `NO_PERMISSION` 16;
 //! - unavailable: no name server answers a route query (the client's request fails, is cut or
 //!   times out), connection to the broker refused or lost (condition `unavailable` of the
 //!   client's error); the probe asks a name server for the default topic's route;
-//! - retryable: everything else (timeouts, `SYSTEM_BUSY` 2, `SYSTEM_ERROR` 1, the non-`SEND_OK`
-//!   statuses above).
+//! - retryable: `TOPIC_NOT_EXIST` 17 and "no route info of this topic" while a name server
+//!   answers, and everything else
+//!   (timeouts, `SYSTEM_BUSY` 2, `SYSTEM_ERROR` 1, the non-`SEND_OK` statuses above). A missing
+//!   route is what a topic that does not exist on a broker without `autoCreateTopicEnable`
+//!   looks like, but the client reports the same when its own route lookup failed (seen: its
+//!   request queue saturated under load, then "No route info" although the topic existed), so
+//!   it cannot be told from a transient failure. Like Kafka's unknown topic, it is retried with
+//!   backoff and dead-lettered after the last attempt with this reason; creating topics is the
+//!   deployment's job.
 //!
 //! # Client runtime
 //! The client needs an explicitly owned runtime (`ClientRuntime`, derived from a
@@ -657,16 +662,9 @@ impl RocketMqTransport {
     /// Turn a client error into a classified transport error (see the module docs).
     async fn classify(&self, e: ClientError) -> TransportError {
         let kind = match class_of(&e) {
-            Class::NoRoute => {
-                if self.name_server_answers().await {
-                    TransportErrorKind::Permanent
-                } else {
-                    TransportErrorKind::Unavailable
-                }
-            }
             Class::Permanent => TransportErrorKind::Permanent,
             Class::Unavailable => TransportErrorKind::Unavailable,
-            Class::Retryable => {
+            Class::NoRoute | Class::Retryable => {
                 if self.name_server_answers().await {
                     TransportErrorKind::Retryable
                 } else {
@@ -675,12 +673,17 @@ impl RocketMqTransport {
             }
         };
         let what = match (kind, class_of(&e)) {
-            (TransportErrorKind::Permanent, Class::NoRoute) => {
-                "RocketMQ has no route for the topic (it does not exist and is not auto-created)"
+            (TransportErrorKind::Retryable, Class::NoRoute) => {
+                "RocketMQ has no such topic or no route for it (it does not exist and is not \
+                 auto-created, or the client's route lookup failed); retried with backoff"
             }
             (TransportErrorKind::Unavailable, _) => "RocketMQ is unreachable",
             (TransportErrorKind::Permanent, _) => "RocketMQ refused the message",
             _ => "RocketMQ send failed",
+        };
+        let what = match response_code(&e) {
+            Some(c) => format!("{what} (response code {c})"),
+            None => what.to_owned(),
         };
         TransportError::new(kind, what).with_source(e)
     }
@@ -738,7 +741,8 @@ fn select_by_key(mqs: &[MessageQueue], _msg: &MqMessage, key: &String) -> Option
 /// How the transport reads a client error before checking the name servers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Class {
-    /// No route for the topic: permanent when a name server answers, unavailable otherwise.
+    /// No route for the topic, or the broker says it does not exist (`TOPIC_NOT_EXIST`):
+    /// retryable when a name server answers, unavailable otherwise.
     NoRoute,
     /// The message can never be accepted as it is.
     Permanent,
@@ -766,10 +770,8 @@ fn response_code(e: &ClientError) -> Option<i32> {
 pub(crate) fn class_of(e: &ClientError) -> Class {
     use rocketmq_error::CanonicalCondition as C;
     match response_code(e) {
-        Some(code::NOT_FOUND_TOPIC) => return Class::NoRoute,
-        Some(code::MESSAGE_ILLEGAL | code::NO_PERMISSION | code::TOPIC_NOT_EXIST) => {
-            return Class::Permanent;
-        }
+        Some(code::NOT_FOUND_TOPIC | code::TOPIC_NOT_EXIST) => return Class::NoRoute,
+        Some(code::MESSAGE_ILLEGAL | code::NO_PERMISSION) => return Class::Permanent,
         Some(code::NO_NAME_SERVER | code::CONNECT_BROKER) => return Class::Unavailable,
         Some(code::SYSTEM_ERROR | code::SYSTEM_BUSY) => return Class::Retryable,
         _ => {}
