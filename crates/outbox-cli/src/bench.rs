@@ -164,6 +164,12 @@ pub struct BenchArgs {
     /// Keep the tables and the stream for inspection instead of dropping them.
     #[arg(long)]
     pub keep: bool,
+
+    /// `TCP_NODELAY` on the database connections: `on` (default, what `PgStore::connect` and
+    /// `MySqlStore::connect` do) or `off` (sqlx 0.9.0's default, to measure what Nagle's
+    /// algorithm against delayed ACK costs the latency tail).
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    pub tcp_nodelay: String,
 }
 
 impl BenchArgs {
@@ -343,7 +349,7 @@ struct Bench {
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     args.validate().map_err(anyhow::Error::msg)?;
     let run_id = format!("{:08x}", rand::random::<u32>());
-    let db = Arc::new(Db::open(&args.database, &run_id).await?);
+    let db = Arc::new(Db::open(&args.database, &run_id, args.tcp_nodelay == "on").await?);
     let broker = match broker::open(&args.transport, &run_id).await {
         Ok(b) => b,
         Err(e) => {
@@ -527,6 +533,7 @@ impl Bench {
             (relay.poll_interval.as_millis() as u64).into(),
         );
         put("relay_lease_ms", (relay.lease.as_millis() as u64).into());
+        put("tcp_nodelay", (a.tcp_nodelay == "on").into());
         m
     }
 
@@ -547,11 +554,12 @@ impl Bench {
         );
         println!("  broker: {}", r.transport.description);
         println!(
-            "  {} messages of {} B, batch {}, {} batch(es) in flight; {} CPUs, load {}; clock offset {} µs ± {} µs",
+            "  {} messages of {} B, batch {}, {} batch(es) in flight, TCP_NODELAY {}; {} CPUs, load {}; clock offset {} µs ± {} µs",
             fmt_count(self.args.messages as f64),
             self.args.payload_bytes,
             self.args.batch_size,
             self.args.in_flight(),
+            self.args.tcp_nodelay,
             r.machine.cpus,
             fmt_load(r.machine.load_start),
             self.clock.offset_us,

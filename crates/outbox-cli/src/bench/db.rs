@@ -199,6 +199,8 @@ pub struct Db {
     run_id: String,
     /// The bench's own pool (statement log off): DDL, statistics, producers.
     pub control: Pool,
+    /// `TCP_NODELAY` on every connection (`--tcp-nodelay`).
+    nodelay: bool,
 }
 
 /// Counters of `pg_stat_user_tables` for one table.
@@ -243,25 +245,41 @@ fn clock_sql(dialect: Dialect) -> &'static str {
 }
 
 /// A pool of at most `max` connections to `url`, named `app` on PostgreSQL, with sqlx's
-/// statement log on (`log`) or off.
+/// statement log on (`log`) or off, and `TCP_NODELAY` on each connection (`nodelay`, as the
+/// stores' own `connect` does; see `outbox::store::nodelay`) or sqlx's default (off).
 async fn connect(
     dialect: Dialect,
     url: &str,
     app: &str,
     log: bool,
     max: u32,
+    nodelay: bool,
 ) -> anyhow::Result<Pool> {
     let acquire = Duration::from_secs(30);
+    let peers = |host: &str, port: u16| {
+        let host = host.to_owned();
+        async move {
+            match nodelay {
+                true => outbox::store::nodelay::resolve(&host, port).await,
+                false => Vec::new(),
+            }
+        }
+    };
     Ok(match dialect {
         Dialect::Postgres => {
             let mut o = PgConnectOptions::from_str(url)?.application_name(app);
             if !log {
                 o = o.disable_statement_logging();
             }
+            let peers = peers(o.get_host(), o.get_port()).await;
             Pool::Pg(
                 PgPoolOptions::new()
                     .max_connections(max)
                     .acquire_timeout(acquire)
+                    .after_connect(move |_, _| {
+                        outbox::store::nodelay::set_nodelay_towards(&peers);
+                        Box::pin(async { Ok(()) })
+                    })
                     .connect_with(o)
                     .await?,
             )
@@ -271,10 +289,15 @@ async fn connect(
             if !log {
                 o = o.disable_statement_logging();
             }
+            let peers = peers(o.get_host(), o.get_port()).await;
             Pool::My(
                 MySqlPoolOptions::new()
                     .max_connections(max)
                     .acquire_timeout(acquire)
+                    .after_connect(move |_, _| {
+                        outbox::store::nodelay::set_nodelay_towards(&peers);
+                        Box::pin(async { Ok(()) })
+                    })
                     .connect_with(o)
                     .await?,
             )
@@ -305,10 +328,10 @@ impl Db {
     ///
     /// # Errors
     /// An unreachable server or a failing `CREATE SCHEMA`, with the URL (password redacted).
-    pub async fn open(url: &str, run_id: &str) -> anyhow::Result<Db> {
+    pub async fn open(url: &str, run_id: &str, nodelay: bool) -> anyhow::Result<Db> {
         let dialect = Dialect::of_url(url)?;
         let app = format!("outbox-bench-{run_id}-control");
-        let control = connect(dialect, url, &app, false, 16)
+        let control = connect(dialect, url, &app, false, 16, nodelay)
             .await
             .with_context(|| format!("cannot open {}", crate::redact(url)))?;
         let db = Db {
@@ -316,6 +339,7 @@ impl Db {
             url: url.to_owned(),
             run_id: run_id.to_owned(),
             control,
+            nodelay,
         };
         if dialect == Dialect::Postgres {
             db.exec(&format!("CREATE SCHEMA bench_{run_id}")).await?;
@@ -330,7 +354,7 @@ impl Db {
     /// The driver's connection error.
     pub async fn pool(&self, label: &str, log: bool, max: u32) -> anyhow::Result<Labeled> {
         let app = format!("outbox-bench-{}-{label}", self.run_id);
-        let pool = connect(self.dialect, &self.url, &app, log, max).await?;
+        let pool = connect(self.dialect, &self.url, &app, log, max, self.nodelay).await?;
         Ok(Labeled { pool, app })
     }
 

@@ -178,7 +178,8 @@ impl MySqlStore {
     }
 
     /// Connect to `url` (`mysql://user:pass@host:3306/db`; `mariadb://` is accepted too) with a
-    /// pool of up to 10 connections.
+    /// pool of up to 10 connections, each with `TCP_NODELAY` (see [`super::nodelay`]: sqlx 0.9.0
+    /// does not set it).
     ///
     /// # Errors
     /// [`StoreError::Config`] for an invalid table name, [`StoreError::Database`] when the server
@@ -195,9 +196,17 @@ impl MySqlStore {
                 source: e,
             })?;
         let _ = sqlx::Connection::close(conn).await;
+        let peers = match url.parse::<sqlx::mysql::MySqlConnectOptions>() {
+            Ok(o) => super::nodelay::resolve(o.get_host(), o.get_port()).await,
+            Err(_) => Vec::new(),
+        };
         let pool = MySqlPoolOptions::new()
             .max_connections(10)
             .acquire_timeout(Duration::from_secs(10))
+            .after_connect(move |_, _| {
+                super::nodelay::set_nodelay_towards(&peers);
+                Box::pin(async { Ok(()) })
+            })
             .connect(&url)
             .await
             .map_err(|e| StoreError::Database {

@@ -98,7 +98,9 @@ impl std::fmt::Debug for PgStore {
 }
 
 impl PgStore {
-    /// Connect to `url` (`postgres://user@host:port/db`) with a pool of up to 10 connections.
+    /// Connect to `url` (`postgres://user@host:port/db`) with a pool of up to 10 connections,
+    /// each with `TCP_NODELAY` (see [`super::nodelay`]: sqlx 0.9.0 does not set it; a pool of
+    /// your own given to [`PgStore::from_pool`] can do the same in its `after_connect`).
     ///
     /// # Errors
     /// [`StoreError::Config`] for an invalid table name, [`StoreError::Database`] when the server
@@ -113,9 +115,17 @@ impl PgStore {
                 source: e,
             })?;
         let _ = sqlx::Connection::close(conn).await;
+        let peers = match url.parse::<sqlx::postgres::PgConnectOptions>() {
+            Ok(o) => super::nodelay::resolve(o.get_host(), o.get_port()).await,
+            Err(_) => Vec::new(),
+        };
         let pool = PgPoolOptions::new()
             .max_connections(10)
             .acquire_timeout(Duration::from_secs(10))
+            .after_connect(move |_, _| {
+                super::nodelay::set_nodelay_towards(&peers);
+                Box::pin(async { Ok(()) })
+            })
             .connect(url)
             .await
             .map_err(|e| StoreError::Database {
