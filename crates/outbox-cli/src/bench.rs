@@ -492,7 +492,9 @@ impl Bench {
             }
         }
         if self.args.runs(Scenario::Enqueue) {
-            self.report.enqueue = Some(self.enqueue_run(&business).await?);
+            self.report.enqueue_fixed_rate =
+                Some(self.enqueue_run(&business, Some(self.args.rate)).await?);
+            self.report.enqueue = Some(self.enqueue_run(&business, None).await?);
         }
         if self.args.runs(Scenario::Idle) {
             self.report.idle = Some(self.idle_run().await?);
@@ -1085,7 +1087,8 @@ impl Bench {
     /// Alternating rounds of business transactions without and with the outbox insert (with
     /// `store.begin()` / `store.commit(tx)`; on PostgreSQL also with a plain transaction, whose
     /// trigger NOTIFY is sent inside it).
-    async fn enqueue_run(&self, business: &str) -> anyhow::Result<Enqueue> {
+    /// At `offered` transactions/s in total (open loop), or at the producers' maximum.
+    async fn enqueue_run(&self, business: &str, offered: Option<f64>) -> anyhow::Result<Enqueue> {
         const ROUNDS: usize = 4;
         let table = self.db.table("enqueue");
         let outbox = self.db.migrate(&table).await?;
@@ -1095,23 +1098,40 @@ impl Bench {
             variants.push((true, TxMode::Plain));
         }
         let round = self.args.enqueue_duration / (variants.len() * ROUNDS) as u32;
-        let bar = self.bar(
-            (variants.len() * ROUNDS) as u64,
-            "enqueue overhead (rounds)",
-        );
+        let label = match offered {
+            Some(r) => format!("enqueue overhead at {r}/s (rounds)"),
+            None => "enqueue overhead at max (rounds)".to_owned(),
+        };
+        let bar = self.bar((variants.len() * ROUNDS) as u64, &label);
+        let producers = self.args.producers;
         let mut results: Vec<Vec<TxTimes>> = vec![Vec::new(); variants.len()];
         for r in 0..ROUNDS {
             // Rotate which variant goes first, so drift does not favour one.
             for k in 0..variants.len() {
                 let v = (r + k) % variants.len();
                 let (enqueue, mode) = variants[v];
-                let deadline = Instant::now() + round;
-                let tasks = (0..self.args.producers).map(|i| {
+                let start = Instant::now();
+                let deadline = start + round;
+                let tasks = (0..producers).map(|i| {
                     let (db, outbox) = (self.db.clone(), outbox.clone());
                     let (business, payload) = (business.to_owned(), self.payload.clone());
                     tokio::spawn(async move {
                         let mut out = Vec::new();
-                        while Instant::now() < deadline {
+                        for k in 0u64.. {
+                            // Open loop at the offered rate (a producer that falls behind
+                            // catches up without sleeping), or back to back.
+                            if let Some(rate) = offered {
+                                let at = start
+                                    + Duration::from_secs_f64(
+                                        (i as f64 + (k * producers as u64) as f64) / rate,
+                                    );
+                                if at >= deadline {
+                                    break;
+                                }
+                                tokio::time::sleep_until(at).await;
+                            } else if Instant::now() >= deadline {
+                                break;
+                            }
                             let msg = enqueue.then(|| NewMessage::new(TOPIC, payload.clone()));
                             let customer = format!("customer-{i}");
                             out.push(
@@ -1149,6 +1169,7 @@ impl Bench {
             .map(|r| r - 1.0)
         };
         Ok(Enqueue {
+            offered_rate: offered,
             producers: self.args.producers,
             rounds: ROUNDS,
             overhead_p50: overhead(&with_outbox, |p| p.p50_ms),
@@ -1376,7 +1397,7 @@ fn render(r: &Report) -> String {
         &t,
     );
 
-    if let Some(e) = &r.enqueue {
+    for e in [&r.enqueue_fixed_rate, &r.enqueue].into_iter().flatten() {
         let mut t = Table::new([
             "business transaction",
             "tx/s",
@@ -1419,7 +1440,11 @@ fn render(r: &Report) -> String {
                 pct(e.overhead_trigger_p99),
             ]);
         }
-        section("Enqueue overhead", &t);
+        let title = match e.offered_rate {
+            Some(r) => format!("Enqueue overhead at {} transactions/s", fmt_count(r)),
+            None => "Enqueue overhead at the producers' maximum".to_owned(),
+        };
+        section(&title, &t);
     }
 
     if let Some(i) = &r.idle {
