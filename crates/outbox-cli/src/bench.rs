@@ -1090,7 +1090,11 @@ impl Bench {
     /// At `offered` transactions/s in total (open loop), or at the producers' maximum.
     async fn enqueue_run(&self, business: &str, offered: Option<f64>) -> anyhow::Result<Enqueue> {
         const ROUNDS: usize = 4;
-        let table = self.db.table("enqueue");
+        // A table per run: migration records outlive a dropped table.
+        let table = self.db.table(match offered {
+            Some(_) => "enqueue_rate",
+            None => "enqueue_max",
+        });
         let outbox = self.db.migrate(&table).await?;
         // (enqueue, mode): without, with (store), with (trigger, PostgreSQL only).
         let mut variants = vec![(false, TxMode::Plain), (true, TxMode::Store)];

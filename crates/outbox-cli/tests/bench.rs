@@ -108,7 +108,9 @@ async fn bench_runs_every_scenario_and_reports_each_section() {
         .collect();
     assert_eq!(
         wakeups,
-        ["embedded", "embedded", "external", "external", "trigger", "trigger"]
+        [
+            "embedded", "embedded", "external", "external", "trigger", "trigger"
+        ]
     );
     for i in 0..latency.len() {
         let p = |q: &str| num(&r, &format!("latency.{i}.commit_to_ack.{q}"));
