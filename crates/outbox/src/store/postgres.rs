@@ -9,12 +9,13 @@
 //!   poll timer stays as the safety net.
 //! - A transaction that issued `NOTIFY` holds PostgreSQL's notify lock from its pre-commit until
 //!   the end of its commit, WAL flush included, so notifying producers commit one at a time (no
-//!   group commit: with 8 producers on this project's bench machine, tx/s halved). Transactions
+//!   group commit: pgbench with 8 producers on this project's bench machine, business row plus
+//!   outbox row, went from 4,800 to 2,300 transactions/s with the trigger's NOTIFY). Transactions
 //!   opened with [`PgStore::begin`] and committed with [`PgStore::commit`] avoid it: `begin` marks
 //!   the transaction (`SET LOCAL outbox.deferred_notify`, sent with the `BEGIN` in one round
 //!   trip), the trigger then skips its `NOTIFY` (schema v5), and `commit` sends one `NOTIFY`
-//!   after the commit from a background task, outside any business transaction, with
-//!   `synchronous_commit = off`, coalesced (commits that arrive while one is in flight share the
+//!   after the commit from a background task, on a connection of its own (not the pool's)
+//!   with `synchronous_commit = off`, coalesced (commits that arrive while one is in flight share the
 //!   next). See docs/benchmarks.md, "Enqueue overhead".
 //! - All times are `timestamptz` from the server clock (`now()`).
 //! - The relay's completion statement commits with `synchronous_commit = off`: it does not wait
@@ -70,7 +71,7 @@ struct Sql {
     next_due_in_buckets: Arc<str>,
     /// `BEGIN` plus the deferred-notify mark ([`PgStore::begin`]).
     begin: Arc<str>,
-    /// The post-commit `NOTIFY` transaction ([`PgStore::commit`]).
+    /// The post-commit `NOTIFY` ([`PgStore::commit`]), on the notifier's own connection.
     notify: Arc<str>,
 }
 
@@ -293,10 +294,7 @@ impl PgStore {
             .into(),
             // The channel is built from a validated table name: letters, digits and `_` only.
             begin: format!("BEGIN; SET LOCAL outbox.deferred_notify = '{channel}'").into(),
-            notify: format!(
-                "BEGIN; SET LOCAL synchronous_commit = off; SELECT pg_notify('{channel}', ''); COMMIT"
-            )
-            .into(),
+            notify: format!("SELECT pg_notify('{channel}', '')").into(),
         };
         Ok(PgStore {
             pool,
@@ -443,7 +441,8 @@ impl PgStore {
 
     /// Commit `tx`, wake an embedded relay in this process, and wake the relays elsewhere:
     /// after the commit, a background task of this store sends `NOTIFY` on the table's channel
-    /// (one statement, `synchronous_commit = off`; commits that arrive while one is in flight
+    /// (one statement on a connection of its own, opened on first use from the pool's connect
+    /// options, `synchronous_commit = off`; commits that arrive while one is in flight
     /// share the next). For a transaction from [`PgStore::begin`] that is the only `NOTIFY`; for
     /// any other, the trigger already notified at the commit and this one is redundant but
     /// harmless.
@@ -491,14 +490,33 @@ async fn post_commit_notifier(
     notify: Arc<str>,
     mut requests: tokio::sync::mpsc::Receiver<()>,
 ) {
+    // A connection of its own, outside the pool (which stays the application's), with
+    // `synchronous_commit = off` for the session: each NOTIFY is one statement whose commit does
+    // not wait for the WAL flush. Reopened after an error.
+    let options = pool.connect_options();
+    let peers = super::nodelay::resolve(options.get_host(), options.get_port()).await;
+    let mut conn: Option<PgConnection> = None;
     let mut failures = 0u64;
     while requests.recv().await.is_some() {
-        match sqlx::raw_sql(AssertSqlSafe(notify.clone()))
-            .execute(&pool)
-            .await
-        {
+        let sent = async {
+            let c = match &mut conn {
+                Some(c) => c,
+                None => {
+                    let mut c = <PgConnection as sqlx::Connection>::connect_with(&*options).await?;
+                    super::nodelay::set_nodelay_towards(&peers);
+                    sqlx::raw_sql("SET synchronous_commit = off")
+                        .execute(&mut c)
+                        .await?;
+                    conn.insert(c)
+                }
+            };
+            sqlx::query(AssertSqlSafe(notify.clone())).execute(c).await
+        }
+        .await;
+        match sent {
             Ok(_) => failures = 0,
             Err(e) => {
+                conn = None;
                 failures += 1;
                 // One warning per run of failures; the relays' poll timer covers the rows.
                 if failures == 1 {
