@@ -293,6 +293,31 @@ impl<S: tracing::Subscriber> Layer<S> for StatementCounter {
     }
 }
 
+/// Wait until producer `i` of `producers` may start its transaction number `k` of a run from
+/// `start` to `deadline`: open loop at `offered` transactions/s in total (a producer that falls
+/// behind catches up without sleeping), or back to back (`None`). `false` once the run is over.
+async fn pace(
+    start: Instant,
+    deadline: Instant,
+    offered: Option<f64>,
+    producers: usize,
+    i: usize,
+    k: u64,
+) -> bool {
+    match offered {
+        Some(rate) => {
+            let at =
+                start + Duration::from_secs_f64((i as f64 + (k * producers as u64) as f64) / rate);
+            if at >= deadline {
+                return false;
+            }
+            tokio::time::sleep_until(at).await;
+            true
+        }
+        None => Instant::now() < deadline,
+    }
+}
+
 /// Which wake-up a latency run's relay gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Wakeup {
@@ -976,16 +1001,7 @@ impl Bench {
             tasks.push(tokio::spawn(async move {
                 let mut out: Vec<TxTimes> = Vec::new();
                 for k in 0u64.. {
-                    if let Some(rate) = offered {
-                        let at = start
-                            + Duration::from_secs_f64(
-                                (i as f64 + (k * producers as u64) as f64) / rate,
-                            );
-                        if at >= deadline {
-                            break;
-                        }
-                        tokio::time::sleep_until(at).await;
-                    } else if Instant::now() >= deadline {
+                    if !pace(start, deadline, offered, producers, i, k).await {
                         break;
                     }
                     let msg = NewMessage::new(TOPIC, payload.clone());
@@ -1122,18 +1138,7 @@ impl Bench {
                     tokio::spawn(async move {
                         let mut out = Vec::new();
                         for k in 0u64.. {
-                            // Open loop at the offered rate (a producer that falls behind
-                            // catches up without sleeping), or back to back.
-                            if let Some(rate) = offered {
-                                let at = start
-                                    + Duration::from_secs_f64(
-                                        (i as f64 + (k * producers as u64) as f64) / rate,
-                                    );
-                                if at >= deadline {
-                                    break;
-                                }
-                                tokio::time::sleep_until(at).await;
-                            } else if Instant::now() >= deadline {
+                            if !pace(start, deadline, offered, producers, i, k).await {
                                 break;
                             }
                             let msg = enqueue.then(|| NewMessage::new(TOPIC, payload.clone()));

@@ -854,6 +854,27 @@ impl Transport for AckThenHang {
     }
 }
 
+/// Copy `from` to `to` chunk by chunk until end of stream or until `blocked` is set (checked
+/// after every read); a chunk read while `discard` is set is dropped instead of written.
+async fn pump(
+    from: &mut (impl tokio::io::AsyncRead + Unpin),
+    to: &mut (impl tokio::io::AsyncWrite + Unpin),
+    blocked: &AtomicBool,
+    discard: Option<&AtomicBool>,
+) -> std::io::Result<()> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let n = from.read(&mut buf).await?;
+        if n == 0 || blocked.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        if !discard.is_some_and(|d| d.load(Ordering::SeqCst)) {
+            to.write_all(&buf[..n]).await?;
+        }
+    }
+}
+
 /// A TCP proxy that forwards to `upstream` and, while blocked, cuts every connection and refuses
 /// new ones (accepts and closes them at once).
 pub struct FaultProxy {
@@ -898,7 +919,6 @@ impl FaultProxy {
                 let dropped = dropped.clone();
                 let blocked = b.clone();
                 tokio::spawn(async move {
-                    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
                     let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
                         return;
                     };
@@ -907,29 +927,9 @@ impl FaultProxy {
                     // Both directions check the flag on every chunk, so that nothing passes
                     // once `set_blocked(true)` has returned, even before this task has seen
                     // the cut (a test that publishes right after blocking must not race it).
-                    let up = async {
-                        let mut buf = vec![0u8; 16 * 1024];
-                        loop {
-                            let n = client_rx.read(&mut buf).await?;
-                            if n == 0 || blocked.load(Ordering::SeqCst) {
-                                return Ok::<(), std::io::Error>(());
-                            }
-                            server_tx.write_all(&buf[..n]).await?;
-                        }
-                    };
+                    let up = pump(&mut client_rx, &mut server_tx, &blocked, None);
                     // Server to client, discarding while replies are dropped.
-                    let down = async {
-                        let mut buf = vec![0u8; 16 * 1024];
-                        loop {
-                            let n = server_rx.read(&mut buf).await?;
-                            if n == 0 || blocked.load(Ordering::SeqCst) {
-                                return Ok::<(), std::io::Error>(());
-                            }
-                            if !dropped.load(Ordering::SeqCst) {
-                                client_tx.write_all(&buf[..n]).await?;
-                            }
-                        }
-                    };
+                    let down = pump(&mut server_rx, &mut client_tx, &blocked, Some(&dropped));
                     tokio::select! {
                         _ = s.cancelled() => {}
                         _ = cut_rx.changed() => {}

@@ -183,6 +183,26 @@ async fn postgres_nats_consumer_inbox_end_to_end() {
     fx.cleanup().await;
 }
 
+/// Wait (up to 10 s) until a session LISTENs on the fixture's channel.
+async fn wait_for_listen(fx: &PgFixture) {
+    let channel = fx.store.channel().to_owned();
+    wait_until("the relay to LISTEN", Duration::from_secs(10), || {
+        let pool = fx.store.pool().clone();
+        let channel = channel.clone();
+        async move {
+            let n: i64 = sqlx::query_scalar(
+                "SELECT COUNT(*) FROM pg_stat_activity WHERE query ILIKE '%LISTEN%' AND query LIKE '%' || $1 || '%'",
+            )
+            .bind(&channel)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            n > 0
+        }
+    })
+    .await;
+}
+
 /// The next notification on `listener`, within 5 s.
 async fn next_notification(listener: &mut sqlx::postgres::PgListener) -> String {
     within("a notification", Duration::from_secs(5), listener.recv())
@@ -288,22 +308,7 @@ async fn postgres_post_commit_notify_wakes_a_relay_elsewhere() {
         .build()
         .unwrap()
         .spawn();
-    let channel = fx.store.channel().to_owned();
-    wait_until("the relay to LISTEN", Duration::from_secs(10), || {
-        let pool = fx.store.pool().clone();
-        let channel = channel.clone();
-        async move {
-            let n: i64 = sqlx::query_scalar(
-                "SELECT COUNT(*) FROM pg_stat_activity WHERE query ILIKE '%LISTEN%' AND query LIKE '%' || $1 || '%'",
-            )
-            .bind(&channel)
-            .fetch_one(&pool)
-            .await
-            .unwrap();
-            n > 0
-        }
-    })
-    .await;
+    wait_for_listen(&fx).await;
     for (i, n) in [1usize, 2, 3].into_iter().enumerate() {
         let mut tx = fx.store.begin().await.unwrap();
         let id = fx
@@ -337,22 +342,7 @@ async fn postgres_listen_notify_wakes_relay() {
         ..fast_config("listener")
     };
     let handle = relay_to(&fx, mem.clone(), config).spawn();
-    let channel = fx.store.channel().to_owned();
-    wait_until("the relay to LISTEN", Duration::from_secs(10), || {
-        let pool = fx.store.pool().clone();
-        let channel = channel.clone();
-        async move {
-            let n: i64 = sqlx::query_scalar(
-                "SELECT COUNT(*) FROM pg_stat_activity WHERE query ILIKE '%LISTEN%' AND query LIKE '%' || $1 || '%'",
-            )
-            .bind(&channel)
-            .fetch_one(&pool)
-            .await
-            .unwrap();
-            n > 0
-        }
-    })
-    .await;
+    wait_for_listen(&fx).await;
     // First row: may be picked up by the wake-up that follows LISTEN or by NOTIFY.
     fx.insert_plain_sql("foreign", b"one").await;
     within(
