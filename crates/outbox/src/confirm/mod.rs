@@ -177,10 +177,7 @@ pub(crate) async fn apply_counted(
 ) -> Result<(), crate::StoreError> {
     match apply_with_retry(store, batch, 5).await {
         Ok(r) => {
-            if r.unknown > 0 {
-                tracing::warn!(unknown = r.unknown, "confirmations for unknown message ids");
-            }
-            total.add(r);
+            record(total, r);
             Ok(())
         }
         Err(e) => {
@@ -216,7 +213,6 @@ pub(crate) async fn apply_with_retry(
 }
 
 /// Add a listener's applied batch to its totals, warning about unknown message ids.
-#[cfg(any(feature = "redis", feature = "mqtt"))]
 pub(crate) fn record(total: &mut ConfirmReport, r: ConfirmReport) {
     if r.unknown > 0 {
         tracing::warn!(unknown = r.unknown, "confirmations for unknown message ids");
