@@ -13,6 +13,7 @@ use outbox::{Backoff, Inbox, MemoryTransport, NewMessage, Relay, RelayConfig, Ro
 use outbox_testkit::{
     NatsFixture, PgFixture, SqliteFixture, StoreFixture, TransportFixture as _, wait_until, within,
 };
+use sqlx::AssertSqlSafe;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -286,7 +287,9 @@ async fn postgres_deferred_notify_is_sent_after_commit_only() {
 
 /// A relay elsewhere (another store instance, 30 s poll interval) publishes at once what a
 /// producer commits through `PgStore::begin` / `PgStore::commit`: the post-commit NOTIFY wakes
-/// it, although the transaction itself notified nothing.
+/// it, although the transaction itself notified nothing. When the notifier's connection is
+/// killed between commits, the next commit's NOTIFY is sent again on a new connection at once
+/// (not left to the poll interval).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_post_commit_notify_wakes_a_relay_elsewhere() {
     crate::init_tracing();
@@ -309,7 +312,35 @@ async fn postgres_post_commit_notify_wakes_a_relay_elsewhere() {
         .unwrap()
         .spawn();
     wait_for_listen(&fx).await;
-    for (i, n) in [1usize, 2, 3].into_iter().enumerate() {
+    for (i, n) in [1usize, 2, 3, 4].into_iter().enumerate() {
+        if i == 2 {
+            // Kill the notifier's connection, found by its last statement: the NOTIFY on this
+            // channel (once it has sent one; the relay may have found the earlier rows first).
+            let notifier = |kill: bool| {
+                let (pool, channel) = (fx.store.pool().clone(), fx.store.channel().to_owned());
+                async move {
+                    let what = if kill {
+                        "pg_terminate_backend(pid)"
+                    } else {
+                        "true"
+                    };
+                    let rows: Vec<bool> = sqlx::query_scalar(AssertSqlSafe(format!(
+                        "SELECT {what} FROM pg_stat_activity WHERE pid <> pg_backend_pid() \
+                         AND query LIKE 'SELECT pg_notify(''' || $1 || '''%'"
+                    )))
+                    .bind(channel)
+                    .fetch_all(&pool)
+                    .await
+                    .unwrap();
+                    rows
+                }
+            };
+            wait_until("the notifier's NOTIFY", Duration::from_secs(5), || async {
+                notifier(false).await.len() == 1
+            })
+            .await;
+            assert_eq!(notifier(true).await, [true], "the notifier's connection");
+        }
         let mut tx = fx.store.begin().await.unwrap();
         let id = fx
             .store

@@ -434,6 +434,8 @@ impl PgStore {
     /// # Ok(()) }
     /// ```
     pub async fn begin(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, sqlx::Error> {
+        // Start the post-commit notifier now, so its connection opens while the transaction runs.
+        self.notifier();
         self.pool
             .begin_with(AssertSqlSafe(self.sql.begin.clone()))
             .await
@@ -465,7 +467,13 @@ impl PgStore {
     /// Ask the post-commit notifier for one `NOTIFY` (started on first use; a request made
     /// while one is pending is merged into it).
     fn notify_after_commit(&self) {
-        let tx = self.notifier.get_or_init(|| {
+        // Full: a NOTIFY is already pending and covers this commit too.
+        let _ = self.notifier().try_send(());
+    }
+
+    /// The post-commit notifier's request channel, starting the task on first use.
+    fn notifier(&self) -> &tokio::sync::mpsc::Sender<()> {
+        self.notifier.get_or_init(|| {
             let (tx, rx) = tokio::sync::mpsc::channel(1);
             tokio::spawn(post_commit_notifier(
                 self.pool.clone(),
@@ -473,9 +481,7 @@ impl PgStore {
                 rx,
             ));
             tx
-        });
-        // Full: a NOTIFY is already pending and covers this commit too.
-        let _ = tx.try_send(());
+        })
     }
 
     fn err(&self, op: &'static str) -> impl Fn(sqlx::Error) -> StoreError + '_ {
@@ -492,31 +498,48 @@ async fn post_commit_notifier(
 ) {
     // A connection of its own, outside the pool (which stays the application's), with
     // `synchronous_commit = off` for the session: each NOTIFY is one statement whose commit does
-    // not wait for the WAL flush. Reopened after an error.
+    // not wait for the WAL flush. Opened at once (the first commit is usually under way when
+    // this starts), and reopened at once when a NOTIFY fails on it.
     let options = pool.connect_options();
     let peers = super::nodelay::resolve(options.get_host(), options.get_port()).await;
-    let mut conn: Option<PgConnection> = None;
+    let open = || async {
+        let mut c = <PgConnection as sqlx::Connection>::connect_with(&*options).await?;
+        super::nodelay::set_nodelay_towards(&peers);
+        sqlx::raw_sql("SET synchronous_commit = off")
+            .execute(&mut c)
+            .await?;
+        Ok::<_, sqlx::Error>(c)
+    };
+    let mut conn: Option<PgConnection> = open().await.ok();
     let mut failures = 0u64;
     while requests.recv().await.is_some() {
-        let sent = async {
-            let c = match &mut conn {
+        // An existing connection may have died since the last NOTIFY (server restart, idle
+        // timeout, a proxy): then the NOTIFY is sent again, once, on a new connection, so the
+        // wake-up of this commit is not lost to the poll interval.
+        let mut sent = Err(sqlx::Error::PoolClosed);
+        for _ in 0..2 {
+            let mut c = match conn.take() {
                 Some(c) => c,
-                None => {
-                    let mut c = <PgConnection as sqlx::Connection>::connect_with(&*options).await?;
-                    super::nodelay::set_nodelay_towards(&peers);
-                    sqlx::raw_sql("SET synchronous_commit = off")
-                        .execute(&mut c)
-                        .await?;
-                    conn.insert(c)
-                }
+                None => match open().await {
+                    Ok(c) => c,
+                    Err(e) => {
+                        sent = Err(e);
+                        break;
+                    }
+                },
             };
-            sqlx::query(AssertSqlSafe(notify.clone())).execute(c).await
+            sent = sqlx::query(AssertSqlSafe(notify.clone()))
+                .execute(&mut c)
+                .await
+                .map(|_| ());
+            if sent.is_ok() {
+                conn = Some(c);
+                break;
+            }
         }
-        .await;
         match sent {
-            Ok(_) => failures = 0,
+            Ok(()) => failures = 0,
             Err(e) => {
-                conn = None;
                 failures += 1;
                 // One warning per run of failures; the relays' poll timer covers the rows.
                 if failures == 1 {
