@@ -204,6 +204,35 @@ async fn wait_for_listen(fx: &PgFixture) {
     .await;
 }
 
+/// Kill the post-commit notifier's connection of `fx`'s store, found by its last statement: the
+/// NOTIFY on this channel (waiting until it has sent one).
+async fn kill_notifier(fx: &PgFixture) {
+    let notifier = |kill: bool| {
+        let (pool, channel) = (fx.store.pool().clone(), fx.store.channel().to_owned());
+        async move {
+            let what = if kill {
+                "pg_terminate_backend(pid)"
+            } else {
+                "true"
+            };
+            let rows: Vec<bool> = sqlx::query_scalar(AssertSqlSafe(format!(
+                "SELECT {what} FROM pg_stat_activity WHERE pid <> pg_backend_pid() \
+                 AND query LIKE 'SELECT pg_notify(''' || $1 || '''%'"
+            )))
+            .bind(channel)
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+            rows
+        }
+    };
+    wait_until("the notifier's NOTIFY", Duration::from_secs(5), || async {
+        notifier(false).await.len() == 1
+    })
+    .await;
+    assert_eq!(notifier(true).await, [true], "the notifier's connection");
+}
+
 /// The next notification on `listener`, within 5 s.
 async fn next_notification(listener: &mut sqlx::postgres::PgListener) -> String {
     within("a notification", Duration::from_secs(5), listener.recv())
@@ -258,6 +287,19 @@ async fn postgres_deferred_notify_is_sent_after_commit_only() {
     marker("after-store-commit").await;
     assert_eq!(next_notification(&mut listener).await, "after-store-commit");
 
+    // The notifier's connection dies between commits: the next commit's NOTIFY is sent again
+    // on a new connection, not lost.
+    kill_notifier(&fx).await;
+    let mut tx = fx.store.begin().await.unwrap();
+    fx.store
+        .enqueue(&mut tx, NewMessage::new("t", "after a lost connection"))
+        .await
+        .unwrap();
+    fx.store.commit(tx).await.unwrap();
+    assert_eq!(next_notification(&mut listener).await, "");
+    marker("after-reconnect").await;
+    assert_eq!(next_notification(&mut listener).await, "after-reconnect");
+
     // Not marked (any other producer): the trigger notifies at the commit.
     let mut tx = fx.store.pool().begin().await.unwrap();
     fx.store
@@ -280,7 +322,7 @@ async fn postgres_deferred_notify_is_sent_after_commit_only() {
     assert_eq!(next_notification(&mut listener).await, "after-rollback");
     assert_eq!(
         fx.count(&format!("{} WHERE status = 0", fx.table())).await,
-        3
+        4
     );
     fx.cleanup().await;
 }
@@ -314,32 +356,7 @@ async fn postgres_post_commit_notify_wakes_a_relay_elsewhere() {
     wait_for_listen(&fx).await;
     for (i, n) in [1usize, 2, 3, 4].into_iter().enumerate() {
         if i == 2 {
-            // Kill the notifier's connection, found by its last statement: the NOTIFY on this
-            // channel (once it has sent one; the relay may have found the earlier rows first).
-            let notifier = |kill: bool| {
-                let (pool, channel) = (fx.store.pool().clone(), fx.store.channel().to_owned());
-                async move {
-                    let what = if kill {
-                        "pg_terminate_backend(pid)"
-                    } else {
-                        "true"
-                    };
-                    let rows: Vec<bool> = sqlx::query_scalar(AssertSqlSafe(format!(
-                        "SELECT {what} FROM pg_stat_activity WHERE pid <> pg_backend_pid() \
-                         AND query LIKE 'SELECT pg_notify(''' || $1 || '''%'"
-                    )))
-                    .bind(channel)
-                    .fetch_all(&pool)
-                    .await
-                    .unwrap();
-                    rows
-                }
-            };
-            wait_until("the notifier's NOTIFY", Duration::from_secs(5), || async {
-                notifier(false).await.len() == 1
-            })
-            .await;
-            assert_eq!(notifier(true).await, [true], "the notifier's connection");
+            kill_notifier(&fx).await;
         }
         let mut tx = fx.store.begin().await.unwrap();
         let id = fx
