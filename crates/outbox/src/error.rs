@@ -146,6 +146,19 @@ impl StoreError {
     pub fn is_retryable(&self) -> bool {
         self.kind() == StoreErrorKind::Transient
     }
+
+    /// The message followed by its source chain (`database error during read: error returned
+    /// from database: …`), for logs: `Display` alone gives only the first part.
+    pub fn report(&self) -> String {
+        let mut s = self.to_string();
+        let mut src = std::error::Error::source(self);
+        while let Some(e) = src {
+            s.push_str(": ");
+            s.push_str(&e.to_string());
+            src = e.source();
+        }
+        s
+    }
 }
 
 fn is_missing_table(e: &sqlx::Error) -> bool {
@@ -379,5 +392,24 @@ impl InboxError {
             InboxError::Handler(h) => !h.is_permanent(),
             InboxError::Store(_) => true,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `report` gives the whole chain, `Display` only the store's own part.
+    #[test]
+    fn store_error_report_carries_the_cause() {
+        let e = StoreError::Database {
+            op: "read",
+            source: sqlx::Error::PoolTimedOut,
+        };
+        let cause = sqlx::Error::PoolTimedOut.to_string();
+        assert_eq!(e.to_string(), "database error during read");
+        assert_eq!(e.report(), format!("database error during read: {cause}"));
+        let e = EnqueueError::Database(e);
+        assert!(e.to_string().starts_with("outbox insert failed"));
     }
 }

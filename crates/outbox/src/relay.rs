@@ -572,7 +572,7 @@ impl Relay {
             ) {
                 return Err(e);
             }
-            tracing::warn!(error = %e, "store not ready at start; will retry");
+            tracing::warn!(error = %e.report(), "store not ready at start; will retry");
         }
         let background = cancel.child_token();
         // A relay future dropped mid-run (a crash, `RelayHandle::abort`) must not leave its
@@ -637,7 +637,7 @@ impl Relay {
                     Ok(None) => {}
                     Err(e) => {
                         add(&inner.metrics.store_errors, 1);
-                        tracing::debug!(error = %e, "next_due_in failed");
+                        tracing::debug!(error = %e.report(), "next_due_in failed");
                     }
                 }
             } else {
@@ -665,7 +665,7 @@ impl Relay {
                     Err(e) => {
                         read_failures += 1;
                         add(&inner.metrics.store_errors, 1);
-                        tracing::warn!(error = %e, failures = read_failures, "read failed; backing off");
+                        tracing::warn!(error = %e.report(), failures = read_failures, "read failed; backing off");
                         sleep_for = cfg.probe_backoff.delay(read_failures);
                     }
                 }
@@ -942,7 +942,7 @@ impl Relay {
                 Err(e) => {
                     // The ordered rows of this batch are not published (no write); read again.
                     add(&inner.metrics.store_errors, 1);
-                    tracing::warn!(error = %e, "key_heads failed; ordered rows of this batch wait");
+                    tracing::warn!(error = %e.report(), "key_heads failed; ordered rows of this batch wait");
                     keys.clear();
                     Vec::new()
                 }
@@ -1212,10 +1212,10 @@ impl Relay {
                     add(&inner.metrics.store_errors, 1);
                     let wait = inner.config.probe_backoff.delay(failures);
                     if read_at.elapsed() + wait >= inner.config.lease {
-                        tracing::error!(error = %e, "completion failed until the lease ran out; the rows are published again");
+                        tracing::error!(error = %e.report(), "completion failed until the lease ran out; the rows are published again");
                         return false;
                     }
-                    tracing::warn!(error = %e, failures, "completion failed; retrying");
+                    tracing::warn!(error = %e.report(), failures, "completion failed; retrying");
                     tokio::time::sleep(wait).await;
                 }
             }
@@ -1239,7 +1239,7 @@ impl Relay {
         {
             Ok(()) => add(&self.inner.metrics.buckets_released, n),
             Err(e) => {
-                tracing::warn!(error = %e, "could not give the buckets back; they return by lease expiry")
+                tracing::warn!(error = %e.report(), "could not give the buckets back; they return by lease expiry")
             }
         }
     }
@@ -1413,7 +1413,7 @@ async fn membership_loop(relay: Relay, cancel: CancellationToken) {
                         }
                         Err(e) => {
                             add(&inner.metrics.store_errors, 1);
-                            tracing::warn!(error = %e, "could not give buckets back; they return by lease expiry");
+                            tracing::warn!(error = %e.report(), "could not give buckets back; they return by lease expiry");
                         }
                     }
                 }
@@ -1421,7 +1421,7 @@ async fn membership_loop(relay: Relay, cancel: CancellationToken) {
             Err(e) => {
                 failures += 1;
                 add(&inner.metrics.store_errors, 1);
-                tracing::warn!(error = %e, failures, "membership round failed; retrying");
+                tracing::warn!(error = %e.report(), failures, "membership round failed; retrying");
             }
         }
         let wait = if failures > 0 {
@@ -1498,7 +1498,7 @@ async fn reap_loop(relay: Relay, cancel: CancellationToken) {
             Err(e) => {
                 failures += 1;
                 add(&inner.metrics.store_errors, 1);
-                tracing::warn!(error = %e, "relay maintenance failed");
+                tracing::warn!(error = %e.report(), "relay maintenance failed");
             }
         }
     }
