@@ -18,6 +18,15 @@
 //! [`WebhookConfirmationSender`](crate::confirm::webhook::WebhookConfirmationSender)); listeners on the producer side
 //! ([`nats::listen`], [`webhook::router`]).
 
+#[cfg(any(
+    feature = "nats",
+    feature = "rocketmq",
+    feature = "rabbitmq",
+    feature = "redis",
+    feature = "mqtt",
+    feature = "kafka",
+    feature = "webhook"
+))]
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -169,6 +178,7 @@ pub fn parse_confirmations(body: &[u8]) -> Result<Vec<Confirmation>, serde_json:
 
 /// Apply `batch` with [`apply_with_retry`] (5 tries), add the counts to `total` and log unknown
 /// ids; on failure log that the confirmations were not applied (`then` says what recovers them).
+#[cfg(any(feature = "nats", feature = "rocketmq"))]
 pub(crate) async fn apply_counted(
     store: &Arc<dyn crate::Store>,
     batch: &[Confirmation],
@@ -188,6 +198,15 @@ pub(crate) async fn apply_counted(
 }
 
 /// Apply with retries: transient database errors are retried with backoff up to `tries` times.
+#[cfg(any(
+    feature = "nats",
+    feature = "rocketmq",
+    feature = "rabbitmq",
+    feature = "redis",
+    feature = "mqtt",
+    feature = "kafka",
+    feature = "webhook"
+))]
 pub(crate) async fn apply_with_retry(
     store: &Arc<dyn crate::Store>,
     batch: &[Confirmation],
@@ -213,6 +232,12 @@ pub(crate) async fn apply_with_retry(
 }
 
 /// Add a listener's applied batch to its totals, warning about unknown message ids.
+#[cfg(any(
+    feature = "nats",
+    feature = "rocketmq",
+    feature = "redis",
+    feature = "mqtt"
+))]
 pub(crate) fn record(total: &mut ConfirmReport, r: ConfirmReport) {
     if r.unknown > 0 {
         tracing::warn!(unknown = r.unknown, "confirmations for unknown message ids");

@@ -101,6 +101,7 @@ type Row = (
     i64,
     bool,
 );
+#[cfg(feature = "postgres")]
 type PgRow = (
     String,
     String,

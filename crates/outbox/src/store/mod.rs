@@ -592,6 +592,7 @@ impl BucketColumns {
 
 /// Rows per bucket one statement of a round-based [`Store::read_buckets`] asks for: four times
 /// an even share of `limit` over `buckets` buckets, at least 32, at most `limit`.
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
 pub(crate) fn per_bucket_limit(limit: u32, buckets: usize) -> u32 {
     let buckets = u32::try_from(buckets.max(1)).unwrap_or(u32::MAX);
     (limit / buckets).saturating_mul(4).max(32).min(limit)
@@ -604,6 +605,7 @@ pub(crate) fn per_bucket_limit(limit: u32, buckets: usize) -> u32 {
 /// row with its bucket and id. A bucket that filled its `k` rows may have more: while fewer than
 /// `limit` rows came, the next round reads on from the last id of each such bucket. Every
 /// bucket's rows are therefore a prefix of its due rows, in id order.
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
 pub(crate) async fn read_in_rounds<R, F, Fut>(
     buckets: &[Bucket],
     limit: u32,
