@@ -137,12 +137,15 @@ pub trait Broker: Send + Sync {
     async fn stored(&self) -> anyhow::Result<Option<u64>>;
 
     /// Start a consumer-side subscriber that records each message's id and arrival in
-    /// `receipts` until `cancel`; `None` when the broker has no consumer side to observe.
+    /// `receipts` until `cancel`; `None` (the default) when the broker has no consumer side to
+    /// observe.
     async fn observe(
         &self,
-        receipts: Arc<Receipts>,
-        cancel: CancellationToken,
-    ) -> anyhow::Result<Option<JoinHandle<()>>>;
+        _receipts: Arc<Receipts>,
+        _cancel: CancellationToken,
+    ) -> anyhow::Result<Option<JoinHandle<()>>> {
+        Ok(None)
+    }
 
     /// Remove what the bench created on the broker.
     async fn cleanup(&self) -> anyhow::Result<()>;
@@ -252,14 +255,6 @@ impl Broker for Sink {
 
     async fn stored(&self) -> anyhow::Result<Option<u64>> {
         Ok(Some(self.transport.acked.load(Ordering::Relaxed)))
-    }
-
-    async fn observe(
-        &self,
-        _receipts: Arc<Receipts>,
-        _cancel: CancellationToken,
-    ) -> anyhow::Result<Option<JoinHandle<()>>> {
-        Ok(None)
     }
 
     async fn cleanup(&self) -> anyhow::Result<()> {
@@ -657,17 +652,10 @@ mod rabbitmq_arm {
             Ok(Some(u64::from(q.message_count())))
         }
 
-        /// No subscriber: the default exchange routes a message to the one queue named by its
-        /// routing key, so a consumer could only read the queue that [`Broker::stored`] counts,
-        /// and would take the messages off it (the drain check would then see a loss).
-        async fn observe(
-            &self,
-            _receipts: Arc<Receipts>,
-            _cancel: CancellationToken,
-        ) -> anyhow::Result<Option<JoinHandle<()>>> {
-            Ok(None)
-        }
-
+        // `observe` is the default (no subscriber): the default exchange routes a message to
+        // the one queue named by its routing key, so a consumer could only read the queue that
+        // `Broker::stored` counts, and would take the messages off it (the drain check would
+        // then see a loss).
         async fn cleanup(&self) -> anyhow::Result<()> {
             let ch = self.channel().await?;
             let r = ch
@@ -742,14 +730,6 @@ mod kafka_arm {
         }
 
         async fn stored(&self) -> anyhow::Result<Option<u64>> {
-            Ok(None)
-        }
-
-        async fn observe(
-            &self,
-            _receipts: Arc<Receipts>,
-            _cancel: CancellationToken,
-        ) -> anyhow::Result<Option<JoinHandle<()>>> {
             Ok(None)
         }
 

@@ -18,16 +18,6 @@
 //! [`WebhookConfirmationSender`](crate::confirm::webhook::WebhookConfirmationSender)); listeners on the producer side
 //! ([`nats::listen`], [`webhook::router`]).
 
-#[cfg(any(
-    feature = "nats",
-    feature = "rocketmq",
-    feature = "rabbitmq",
-    feature = "redis",
-    feature = "mqtt",
-    feature = "kafka",
-    feature = "webhook"
-))]
-use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -180,7 +170,7 @@ pub fn parse_confirmations(body: &[u8]) -> Result<Vec<Confirmation>, serde_json:
 /// ids; on failure log that the confirmations were not applied (`then` says what recovers them).
 #[cfg(any(feature = "nats", feature = "rocketmq"))]
 pub(crate) async fn apply_counted(
-    store: &Arc<dyn crate::Store>,
+    store: &std::sync::Arc<dyn crate::Store>,
     batch: &[Confirmation],
     total: &mut ConfirmReport,
     then: &str,
@@ -191,7 +181,7 @@ pub(crate) async fn apply_counted(
             Ok(())
         }
         Err(e) => {
-            tracing::error!(error = %e, n = batch.len(), "confirmations not applied; {then}");
+            tracing::error!(error = %e.report(), n = batch.len(), "confirmations not applied; {then}");
             Err(e)
         }
     }
@@ -208,7 +198,7 @@ pub(crate) async fn apply_counted(
     feature = "webhook"
 ))]
 pub(crate) async fn apply_with_retry(
-    store: &Arc<dyn crate::Store>,
+    store: &std::sync::Arc<dyn crate::Store>,
     batch: &[Confirmation],
     tries: u32,
 ) -> Result<ConfirmReport, crate::StoreError> {
@@ -223,7 +213,7 @@ pub(crate) async fn apply_with_retry(
             Ok(r) => return Ok(r),
             Err(e) if e.is_retryable() && n + 1 < tries => {
                 n += 1;
-                tracing::warn!(error = %e, "applying confirmations failed; retrying");
+                tracing::warn!(error = %e.report(), "applying confirmations failed; retrying");
                 tokio::time::sleep(backoff.delay(n)).await;
             }
             Err(e) => return Err(e),
