@@ -150,14 +150,7 @@ impl StoreError {
     /// The message followed by its source chain (`database error during read: error returned
     /// from database: …`), for logs: `Display` alone gives only the first part.
     pub fn report(&self) -> String {
-        let mut s = self.to_string();
-        let mut src = std::error::Error::source(self);
-        while let Some(e) = src {
-            s.push_str(": ");
-            s.push_str(&e.to_string());
-            src = e.source();
-        }
-        s
+        with_sources(self.to_string(), std::error::Error::source(self))
     }
 }
 
@@ -271,17 +264,12 @@ impl TransportError {
 
     /// The message followed by the source chain, for `last_error`.
     pub fn report(&self) -> String {
-        let mut s = self.message.clone();
-        let mut src: Option<&(dyn std::error::Error + 'static)> = self
-            .source
-            .as_deref()
-            .map(|e| e as &(dyn std::error::Error + 'static));
-        while let Some(e) = src {
-            s.push_str(": ");
-            s.push_str(&e.to_string());
-            src = e.source();
-        }
-        s
+        with_sources(
+            self.message.clone(),
+            self.source
+                .as_deref()
+                .map(|e| e as &(dyn std::error::Error + 'static)),
+        )
     }
 }
 
@@ -393,6 +381,17 @@ impl InboxError {
             InboxError::Store(_) => true,
         }
     }
+}
+
+/// `first` followed by `source` and its own sources, each after `": "`.
+fn with_sources(mut first: String, source: Option<&(dyn std::error::Error + 'static)>) -> String {
+    let mut src = source;
+    while let Some(e) = src {
+        first.push_str(": ");
+        first.push_str(&e.to_string());
+        src = e.source();
+    }
+    first
 }
 
 #[cfg(test)]

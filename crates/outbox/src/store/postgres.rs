@@ -513,30 +513,25 @@ async fn post_commit_notifier(
     let mut conn: Option<PgConnection> = open().await.ok();
     let mut failures = 0u64;
     while requests.recv().await.is_some() {
-        // An existing connection may have died since the last NOTIFY (server restart, idle
-        // timeout, a proxy): then the NOTIFY is sent again, once, on a new connection, so the
-        // wake-up of this commit is not lost to the poll interval.
-        let mut sent = Err(sqlx::Error::PoolClosed);
-        for _ in 0..2 {
-            let mut c = match conn.take() {
-                Some(c) => c,
-                None => match open().await {
-                    Ok(c) => c,
-                    Err(e) => {
-                        sent = Err(e);
-                        break;
-                    }
-                },
-            };
-            sent = sqlx::query(AssertSqlSafe(notify.clone()))
-                .execute(&mut c)
-                .await
-                .map(|_| ());
-            if sent.is_ok() {
-                conn = Some(c);
-                break;
+        // One NOTIFY on the open connection (opening one if there is none); a failure drops it.
+        let mut send = async || {
+            if conn.is_none() {
+                conn = Some(open().await?);
             }
-        }
+            let c = conn.as_mut().expect("opened above");
+            let sent = sqlx::query(AssertSqlSafe(notify.clone())).execute(c).await;
+            if sent.is_err() {
+                conn = None;
+            }
+            sent.map(|_| ())
+        };
+        // The connection may have died since the last NOTIFY (server restart, idle timeout, a
+        // proxy): then the NOTIFY goes again at once on a new connection, so the wake-up of this
+        // commit is not left to the poll interval.
+        let sent = match send().await {
+            Ok(()) => Ok(()),
+            Err(_) => send().await,
+        };
         match sent {
             Ok(()) => failures = 0,
             Err(e) => {
