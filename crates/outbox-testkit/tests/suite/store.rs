@@ -146,3 +146,75 @@ async fn mysql_concurrent_migrate() {
     assert_eq!(versions, 6, "four outbox and two inbox versions, once each");
     fx.cleanup().await;
 }
+
+/// `PgStore::connect` and `MySqlStore::connect` against the real servers: their pools (with the
+/// `TCP_NODELAY` hook after each connect) open, migrate, and carry a producer's
+/// `begin` / `enqueue` / `commit` to a committed PENDING row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_pools_carry_a_producer_transaction() {
+    use outbox::store::Store as _;
+    let table = outbox_testkit::unique("obx_connect");
+    let options = || outbox::StoreOptions {
+        inbox_table: format!("{table}_inbox"),
+        ..outbox::StoreOptions::table(table.clone())
+    };
+    let pg = outbox::PgStore::connect(&outbox_testkit::postgres_url(), options())
+        .await
+        .expect("PgStore::connect");
+    pg.migrate().await.unwrap();
+    let mut tx = pg.begin().await.unwrap();
+    let id = pg
+        .enqueue(&mut tx, outbox::NewMessage::new("t", "pg"))
+        .await
+        .unwrap();
+    pg.commit(tx).await.unwrap();
+    let status: i16 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT status FROM {table} WHERE message_id = $1"
+    )))
+    .bind(id)
+    .fetch_one(pg.pool())
+    .await
+    .unwrap();
+    assert_eq!(status, 0);
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP TABLE {table}, {table}_buckets, {table}_relays, {table}_inbox, {table}_inbox_dlq; \
+         DROP FUNCTION {table}_notify(); \
+         DELETE FROM outbox_migrations WHERE table_name LIKE '{table}%'"
+    )))
+    .execute(pg.pool())
+    .await
+    .unwrap();
+
+    let my = outbox::MySqlStore::connect(&outbox_testkit::mysql_url(), options())
+        .await
+        .expect("MySqlStore::connect");
+    my.migrate().await.unwrap();
+    let mut tx = my.begin().await.unwrap();
+    let id = my
+        .enqueue(&mut tx, outbox::NewMessage::new("t", "mysql"))
+        .await
+        .unwrap();
+    my.commit(tx).await.unwrap();
+    let status: i16 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT status FROM {table} WHERE message_id = ?"
+    )))
+    .bind(id.to_string())
+    .fetch_one(my.pool())
+    .await
+    .unwrap();
+    assert_eq!(status, 0);
+    for t in ["", "_buckets", "_relays", "_inbox", "_inbox_dlq"] {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DROP TABLE IF EXISTS {table}{t}"
+        )))
+        .execute(my.pool())
+        .await
+        .unwrap();
+    }
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DELETE FROM outbox_migrations WHERE table_name LIKE '{table}%'"
+    )))
+    .execute(my.pool())
+    .await
+    .unwrap();
+}
