@@ -218,3 +218,45 @@ async fn connect_pools_carry_a_producer_transaction() {
     .await
     .unwrap();
 }
+
+/// MariaDB: a pooled connection that comes back with a transaction still open on the server (a
+/// future cancelled between `START TRANSACTION` and its answer leaves sqlx unaware of it) does not
+/// make the store's next READ COMMITTED transaction or its stats snapshot fail (MySQL refuses
+/// `SET TRANSACTION` inside a transaction: error 1568, seen in CI's MariaDB demo).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_connection_left_in_a_transaction_is_recovered() {
+    use outbox::store::Store as _;
+    use outbox_testkit::StoreFixture as _;
+    // One connection, so the store gets the one that was left in a transaction.
+    let fx = outbox_testkit::MySqlFixture::with_pool(outbox_testkit::mysql_pool(1).await).await;
+    let leak = || async {
+        let mut conn = fx.store.pool().acquire().await.unwrap();
+        // Behind sqlx's back, as the cancelled future left it.
+        sqlx::raw_sql("START TRANSACTION")
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+    };
+    leak().await;
+    let stats = fx
+        .store
+        .stats()
+        .await
+        .expect("stats after a leaked transaction");
+    assert!(stats.counts.values().all(|n| *n == 0), "{stats:?}");
+    let id = fx.insert_plain_sql("t", b"x").await;
+    leak().await;
+    // The legacy claim runs in a READ COMMITTED transaction (`begin_rc`).
+    let claim = fx
+        .store
+        .claim(&outbox::store::ClaimRequest {
+            owner: "r".into(),
+            batch_size: 10,
+            lease: std::time::Duration::from_secs(5),
+        })
+        .await
+        .expect("claim after a leaked transaction");
+    assert_eq!(claim.messages.len(), 1);
+    assert_eq!(claim.messages[0].message_id, id);
+    fx.cleanup().await;
+}

@@ -115,6 +115,23 @@ fn placeholders(n: usize) -> String {
 }
 
 /// `UTC_TIMESTAMP(6)` plus a bound number of milliseconds.
+/// Run `set` (a `SET TRANSACTION …` for the next transaction) on a pooled connection. A
+/// connection can come back to the pool with a transaction still open on the server: a future
+/// cancelled between `START TRANSACTION` and its answer (a relay task aborted) leaves sqlx
+/// unaware of it. MySQL then refuses the `SET` (error 1568, SQLSTATE 25001; seen in CI's
+/// MariaDB demo, which kills relays); that transaction holds nothing of anyone's, so it is
+/// rolled back and the `SET` runs again. No extra round trip otherwise.
+async fn set_isolation(conn: &mut MySqlConnection, set: &'static str) -> Result<(), sqlx::Error> {
+    match sqlx::query(set).execute(&mut *conn).await {
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("25001") => {
+            tracing::debug!("pooled connection had a transaction left open; rolled back");
+            sqlx::query("ROLLBACK").execute(&mut *conn).await?;
+            sqlx::query(set).execute(&mut *conn).await.map(|_| ())
+        }
+        r => r.map(|_| ()),
+    }
+}
+
 fn now_plus_ms() -> String {
     format!("{NOW} + INTERVAL (? * 1000) MICROSECOND")
 }
@@ -371,9 +388,7 @@ impl MySqlStore {
     /// Begin a READ COMMITTED transaction on a fresh pool connection.
     async fn begin_rc(&self) -> Result<sqlx::Transaction<'static, sqlx::MySql>, sqlx::Error> {
         let mut conn = self.pool.acquire().await?;
-        sqlx::query("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
-            .execute(&mut *conn)
-            .await?;
+        set_isolation(&mut conn, "SET TRANSACTION ISOLATION LEVEL READ COMMITTED").await?;
         sqlx::Transaction::begin(conn, None).await
     }
 
@@ -1129,8 +1144,7 @@ impl Store for MySqlStore {
         let t = self.table.as_str();
         // One consistent snapshot for both statements, so counts and ages agree.
         let mut conn = self.pool.acquire().await.map_err(self.err("stats"))?;
-        sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-            .execute(&mut *conn)
+        set_isolation(&mut conn, "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
             .await
             .map_err(self.err("stats"))?;
         let mut tx = sqlx::Connection::begin_with(
