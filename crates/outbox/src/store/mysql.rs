@@ -14,6 +14,16 @@
 //!   C31). Every relay statement retries them with backoff (up to 8 times) and counts them
 //!   ([`MySqlStore::conflicts_retried`]); one that still fails is reported as a transient
 //!   [`StoreError`], which the relay loop backs off on and never treats as a message failure.
+//! - Open producer transactions: an uncommitted insert holds a lock on its new row, and a
+//!   locking read or an UPDATE/DELETE whose scan reaches that row waits for the producer's
+//!   commit (up to `innodb_lock_wait_timeout`, 50 s by default). No relay statement reaches
+//!   one: reads (`read_buckets`, the due check, key heads) are plain consistent reads; the
+//!   completion joins its JSON list to the outbox by PRIMARY KEY in a forced join order
+//!   (`STRAIGHT_JOIN`, `FORCE INDEX`), so it locks only the rows it names; confirmations go
+//!   through the message id index; maintenance (reap, check-back, retention) first picks its
+//!   rows with `FOR UPDATE SKIP LOCKED`, then writes them by id; the membership statements
+//!   touch only `<table>_buckets` and `<table>_relays`, at READ COMMITTED (no gap locks). A
+//!   producer transaction held open for minutes delays only its own rows.
 //! - Isolation: the relay's own transactions run at READ COMMITTED, so a REPEATABLE READ
 //!   snapshot is never carried from one poll to the next (a row committed after a poll started
 //!   is seen by the next poll). [`Store::stats`] deliberately uses one REPEATABLE READ consistent
@@ -167,13 +177,22 @@ impl MySqlStore {
         // no guaranteed order): a row in (0, 3, 6) without `confirmed_at` is PENDING, one with
         // it was confirmed or rejected meanwhile. Reading the bucket row share-locks it, so a
         // takeover (which writes a new token) and this completion are serialised.
+        //
+        // The join order is forced (JSON list → outbox row by PRIMARY KEY → bucket row), so the
+        // statement locks exactly the rows it names. Left to itself the optimizer scans the
+        // outbox first by `status IN (0, 3, 6)` whenever few rows are pending (it estimates a
+        // JSON_TABLE at 40 rows), and that locking scan waits on every uncommitted producer
+        // insert (a PENDING row) for up to `innodb_lock_wait_timeout`: one open producer
+        // transaction stalled every completion, the leases ran out and the batches were
+        // published again (issue 11, item 3).
         let pending = "o.confirmed_at IS NULL";
         let sql = format!(
-            "UPDATE {t} o JOIN JSON_TABLE(?, '$[*]' COLUMNS (\
+            "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (\
                id BIGINT PATH '$.id', st SMALLINT PATH '$.st', d BIGINT PATH '$.d', \
                e LONGTEXT CHARACTER SET utf8mb4 PATH '$.e', a INT PATH '$.a', c BIGINT PATH '$.c', \
-               tk VARCHAR(20) CHARACTER SET ascii PATH '$.tk')) j ON o.id = j.id \
-             JOIN {t}_buckets b ON b.bucket = o.bucket \
+               tk VARCHAR(20) CHARACTER SET ascii PATH '$.tk')) j \
+             STRAIGHT_JOIN {t} o FORCE INDEX (PRIMARY) ON o.id = j.id \
+             STRAIGHT_JOIN {t}_buckets b ON b.bucket = o.bucket \
              SET o.attempts = CASE WHEN {pending} THEN j.a ELSE o.attempts END, \
              o.available_at = CASE WHEN {pending} AND j.st = 0 \
                THEN {NOW} + INTERVAL (j.d * 1000) MICROSECOND ELSE o.available_at END, \
@@ -423,6 +442,59 @@ impl MySqlStore {
         }
     }
 
+    /// A maintenance write that never waits on another session's row: in one READ COMMITTED
+    /// transaction, `select` (`SELECT id … LIMIT ? FOR UPDATE SKIP LOCKED`, bound to `limit`)
+    /// locks up to `limit` rows, skipping rows locked by anyone else (an open producer
+    /// transaction, a consumer's confirmation), then `write` (ending in `id IN `, followed by
+    /// `binds`) changes exactly those rows by primary key. Whatever plan the optimizer picks for
+    /// the selection, nothing waits for `innodb_lock_wait_timeout`: a skipped row is taken by a
+    /// later round. Returns the rows written; retries lock conflicts as [`Self::exec_rc`].
+    async fn write_selected(
+        &self,
+        op: &'static str,
+        select: &str,
+        limit: u32,
+        write: &str,
+        binds: &[Bind<'_>],
+    ) -> Result<u64, StoreError> {
+        let mut attempt = 0;
+        loop {
+            let r = async {
+                let mut tx = self.begin_rc().await?;
+                let ids: Vec<i64> = sqlx::query_scalar(AssertSqlSafe(select.to_owned()))
+                    .bind(i64::from(limit))
+                    .fetch_all(&mut *tx)
+                    .await?;
+                if ids.is_empty() {
+                    tx.commit().await?;
+                    return Ok(0);
+                }
+                let mut q = sqlx::query(AssertSqlSafe(format!(
+                    "{write}({})",
+                    placeholders(ids.len())
+                )));
+                for b in binds {
+                    q = match b {
+                        Bind::I64(v) => q.bind(*v),
+                        Bind::Str(v) => q.bind(*v),
+                    };
+                }
+                for id in &ids {
+                    q = q.bind(*id);
+                }
+                let n = q.execute(&mut *tx).await?.rows_affected();
+                tx.commit().await?;
+                Ok::<_, sqlx::Error>(n)
+            }
+            .await;
+            match r {
+                Ok(n) => return Ok(n),
+                Err(e) if self.retry_conflict(op, &e, attempt).await => attempt += 1,
+                Err(e) => return Err(self.err(op)(e)),
+            }
+        }
+    }
+
     async fn claim_once(
         &self,
         req: &ClaimRequest,
@@ -468,10 +540,14 @@ impl MySqlStore {
 
     async fn confirm_processed(&self, ids: &[String]) -> Result<Vec<String>, sqlx::Error> {
         let t = self.table.as_str();
+        let f = self.table.unqualified();
         let list = placeholders(ids.len());
         let mut tx = self.begin_rc().await?;
+        // By the message id index only: a scan by status (the optimizer's choice on a small
+        // table) would lock, and wait on, every uncommitted producer insert.
         let mut q = sqlx::query_scalar(AssertSqlSafe(format!(
-            "SELECT message_id FROM {t} WHERE message_id IN ({list}) AND status IN (0, 1, 2, 4) FOR UPDATE"
+            "SELECT message_id FROM {t} FORCE INDEX ({f}_message_id_key) \
+             WHERE message_id IN ({list}) AND status IN (0, 1, 2, 4) FOR UPDATE"
         )));
         for id in ids {
             q = q.bind(id);
@@ -479,7 +555,8 @@ impl MySqlStore {
         let moved: Vec<String> = q.fetch_all(&mut *tx).await?;
         if !moved.is_empty() {
             let mut q = sqlx::query(AssertSqlSafe(format!(
-                "UPDATE {t} SET status = 3, confirmed_at = {NOW}, confirm_deadline = NULL, updated_at = {NOW} \
+                "UPDATE {t} FORCE INDEX ({f}_message_id_key) SET status = 3, confirmed_at = {NOW}, \
+                 confirm_deadline = NULL, updated_at = {NOW} \
                  WHERE message_id IN ({}) AND status IN (0, 1, 2, 4)",
                 placeholders(moved.len())
             )));
@@ -962,12 +1039,13 @@ impl Store for MySqlStore {
         // Multi-table UPDATE assignments have no guaranteed order, so none reads `o.status`
         // (which one of them writes): a row in (1, 3, 6) without `confirmed_at` is SENDING, one
         // with it was confirmed or rejected while in flight (CONFIRMED and REJECTED are final).
+        // Join order forced as in `complete_chunk`: only the named rows are locked.
         let sending = "o.confirmed_at IS NULL";
         let sql = format!(
-            "UPDATE {t} o JOIN JSON_TABLE(?, '$[*]' COLUMNS (\
+            "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (\
                id BIGINT PATH '$.id', st SMALLINT PATH '$.st', d BIGINT PATH '$.d', \
                e LONGTEXT CHARACTER SET utf8mb4 PATH '$.e', gb INT PATH '$.gb', c BIGINT PATH '$.c')) j \
-             ON o.id = j.id \
+             STRAIGHT_JOIN {t} o FORCE INDEX (PRIMARY) ON o.id = j.id \
              SET o.attempts = o.attempts - CASE WHEN {sending} THEN j.gb ELSE 0 END, \
              o.available_at = CASE WHEN {sending} AND j.st = 0 \
                THEN {NOW} + INTERVAL (j.d * 1000) MICROSECOND ELSE o.available_at END, \
@@ -1107,8 +1185,12 @@ impl Store for MySqlStore {
 
     async fn reap_expired_leases(&self, limit: u32, max_attempts: u32) -> Result<u64, StoreError> {
         let t = self.table.as_str();
+        let select = format!(
+            "SELECT id FROM {t} WHERE status = 1 AND lease_expires_at < {NOW} \
+             ORDER BY lease_expires_at LIMIT ? FOR UPDATE SKIP LOCKED"
+        );
         // Single-table UPDATE assignments run left to right: read lease_owner before clearing it.
-        let sql = format!(
+        let write = format!(
             "UPDATE {t} SET \
              last_error = CASE WHEN attempts >= COALESCE(max_attempts, ?) \
                THEN 'lease expired on the last attempt' \
@@ -1116,13 +1198,15 @@ impl Store for MySqlStore {
              status = CASE WHEN attempts >= COALESCE(max_attempts, ?) THEN 4 ELSE 0 END, \
              available_at = {NOW}, lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL, \
              updated_at = {NOW} \
-             WHERE status = 1 AND lease_expires_at < {NOW} ORDER BY lease_expires_at LIMIT ?"
+             WHERE status = 1 AND id IN "
         );
         let max = i64::from(max_attempts);
-        self.exec_rc(
+        self.write_selected(
             "reap",
-            &sql,
-            &[Bind::I64(max), Bind::I64(max), Bind::I64(i64::from(limit))],
+            &select,
+            limit,
+            &write,
+            &[Bind::I64(max), Bind::I64(max)],
         )
         .await
     }
@@ -1267,8 +1351,12 @@ impl Store for MySqlStore {
 
     async fn check_back(&self, limit: u32, max_check_backs: u32) -> Result<u64, StoreError> {
         let t = self.table.as_str();
+        let select = format!(
+            "SELECT id FROM {t} WHERE status = 2 AND confirm_deadline < {NOW} \
+             ORDER BY confirm_deadline LIMIT ? FOR UPDATE SKIP LOCKED"
+        );
         // Single-table UPDATE assignments run left to right: check_backs is written last.
-        let sql = format!(
+        let write = format!(
             "UPDATE {t} SET \
              last_error = CASE WHEN check_backs >= ? \
                THEN CONCAT('unconfirmed: no confirmation after ', check_backs, ' check-backs') \
@@ -1277,39 +1365,32 @@ impl Store for MySqlStore {
              status = CASE WHEN check_backs >= ? THEN 4 ELSE 0 END, \
              check_backs = check_backs + CASE WHEN check_backs >= ? THEN 0 ELSE 1 END, \
              available_at = {NOW}, confirm_deadline = NULL, updated_at = {NOW} \
-             WHERE status = 2 AND confirm_deadline < {NOW} ORDER BY confirm_deadline LIMIT ?"
+             WHERE status = 2 AND id IN "
         );
         let max = i64::from(max_check_backs);
-        self.exec_rc(
+        self.write_selected(
             "check_back",
-            &sql,
-            &[
-                Bind::I64(max),
-                Bind::I64(max),
-                Bind::I64(max),
-                Bind::I64(max),
-                Bind::I64(i64::from(limit)),
-            ],
+            &select,
+            limit,
+            &write,
+            &[Bind::I64(max), Bind::I64(max), Bind::I64(max), Bind::I64(max)],
         )
         .await
     }
 
     async fn purge_finished(&self, older_than: Duration, limit: u32) -> Result<u64, StoreError> {
         let t = self.table.as_str();
-        let sql = format!(
-            "DELETE FROM {t} WHERE \
-               (status IN (3, 6) AND confirmed_at < {NOW} - INTERVAL (? * 1000) MICROSECOND) \
-               OR (status = 2 AND confirm_deadline IS NULL \
-                   AND sent_at < {NOW} - INTERVAL (? * 1000) MICROSECOND) \
-             LIMIT ?"
-        );
         let ms = millis(older_than);
-        self.exec_rc(
-            "purge",
-            &sql,
-            &[Bind::I64(ms), Bind::I64(ms), Bind::I64(i64::from(limit))],
-        )
-        .await
+        let select = format!(
+            "SELECT id FROM {t} WHERE \
+               (status IN (3, 6) AND confirmed_at < {NOW} - INTERVAL ({ms} * 1000) MICROSECOND) \
+               OR (status = 2 AND confirm_deadline IS NULL \
+                   AND sent_at < {NOW} - INTERVAL ({ms} * 1000) MICROSECOND) \
+             LIMIT ? FOR UPDATE SKIP LOCKED"
+        );
+        let write = format!("DELETE FROM {t} WHERE id IN ");
+        self.write_selected("purge", &select, limit, &write, &[])
+            .await
     }
 
     async fn requeue_failed(&self, ids: Option<&[i64]>) -> Result<u64, StoreError> {
