@@ -312,7 +312,9 @@ pub struct Message {
     pub headers: Headers,
     /// Payload bytes, byte-exact as enqueued.
     pub payload: Vec<u8>,
-    /// Publish attempts including the current one (1 on the first claim).
+    /// As read from the table: the publish attempts recorded so far (0 before the first).
+    /// As the relay hands it to a transport: the number of this publish attempt (1 on the
+    /// first, as the row records it once the attempt completes), sent as `outbox-attempt`.
     pub attempts: u32,
     /// Attempts allowed before the message is dead-lettered.
     pub max_attempts: u32,
@@ -330,7 +332,8 @@ impl Message {
         let mut h = self.headers.clone();
         h.insert(HEADER_MESSAGE_ID.into(), self.message_id.to_string());
         h.insert(HEADER_TOPIC.into(), self.topic.clone());
-        h.insert(HEADER_ATTEMPT.into(), self.attempts.to_string());
+        // An attempt is numbered from 1 (a stored message not yet attempted is on its first).
+        h.insert(HEADER_ATTEMPT.into(), self.attempts.max(1).to_string());
         if let Some(k) = &self.partition_key {
             h.insert(HEADER_PARTITION_KEY.into(), k.clone());
         }

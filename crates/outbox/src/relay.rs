@@ -56,6 +56,15 @@
 //!   does not read at all (shared case C05).
 //! - A completion that fails (deadlock, lost connection) is retried with backoff until the lease
 //!   runs out; the relay loop never dies of it (shared case C21).
+//! - A publish cut by `publish_timeout`: each message keeps the result its transport recorded
+//!   ([`Acks`]); unanswered ones get the timeout error, never-sent ones are released (warning
+//!   with the counts).
+//! - A panic in a transport's publish is contained: the messages are published again one at a
+//!   time and the one that panics alone goes to FAILED (`transport panicked: …`). A panic
+//!   elsewhere in a batch releases its buckets; its rows are read again like a takeover's
+//!   (attempt recorded first) and one at a time (`batch panicked: …` after `max_attempts`).
+//! - A batch stuck past its lease is reported: error log, [`Relay::stalled`],
+//!   [`RelayMetrics::stalled_batches`].
 //!
 //! # Shutdown
 //! Cancelling the token stops reading; batches in flight finish (bounded by `publish_timeout`)
@@ -63,11 +72,13 @@
 //! leaves, so the other relays take them over at their next membership round.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use futures::FutureExt;
 use tokio::sync::Notify;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -79,7 +90,7 @@ use crate::retry::Backoff;
 use crate::store::{
     Bucket, BucketBatch, BucketCompletion, LeaseToken, MembershipRequest, Outcome, Store,
 };
-use crate::transport::{DeadLetterPolicy, Outgoing, Router, Transport};
+use crate::transport::{AckState, Acks, DeadLetterPolicy, Outgoing, Router, Transport};
 
 /// Relay settings. Every field has a default ([`RelayConfig::default`]); [`RelayConfig::validate`]
 /// names the first bad field.
@@ -227,6 +238,14 @@ pub struct RelayMetrics {
     pub buckets_released: AtomicU64,
     /// Completion statements executed (each writes the rows of one batch once).
     pub completion_writes: AtomicU64,
+    /// Panics contained: a transport's publish (of a batch or of one message), or a whole batch
+    /// task. Each is logged at error level.
+    pub panics: AtomicU64,
+    /// Publishes cut short by `publish_timeout` (each logged with its counts).
+    pub publish_timeouts: AtomicU64,
+    /// Times a batch was found in flight past `lease - publish_timeout`: the relay stops renewing
+    /// its buckets until it returns and logs an error every lease meanwhile.
+    pub stalled_batches: AtomicU64,
 }
 
 /// A point-in-time copy of [`RelayMetrics`].
@@ -268,6 +287,12 @@ pub struct MetricsSnapshot {
     pub buckets_released: u64,
     /// See [`RelayMetrics::completion_writes`].
     pub completion_writes: u64,
+    /// See [`RelayMetrics::panics`].
+    pub panics: u64,
+    /// See [`RelayMetrics::publish_timeouts`].
+    pub publish_timeouts: u64,
+    /// See [`RelayMetrics::stalled_batches`].
+    pub stalled_batches: u64,
 }
 
 impl RelayMetrics {
@@ -293,6 +318,9 @@ impl RelayMetrics {
             buckets_lost: g(&self.buckets_lost),
             buckets_released: g(&self.buckets_released),
             completion_writes: g(&self.completion_writes),
+            panics: g(&self.panics),
+            publish_timeouts: g(&self.publish_timeouts),
+            stalled_batches: g(&self.stalled_batches),
         }
     }
 }
@@ -337,6 +365,9 @@ struct Ownership {
     held: BTreeMap<Bucket, Held>,
     /// Buckets in a batch in flight, with the time the batch was read.
     in_flight: BTreeMap<Bucket, Instant>,
+    /// Buckets whose last batch panicked, with the panic message (the dead-letter reason of a
+    /// row that reaches `max_attempts` this way).
+    panicked: BTreeMap<Bucket, String>,
     fair_share: u32,
     /// Rotates the bucket order of reads so no bucket is always read first.
     rotate: usize,
@@ -449,6 +480,7 @@ impl RelayBuilder {
 
 /// A relay running on its own task ([`Relay::spawn`]).
 pub struct RelayHandle {
+    relay: Relay,
     cancel: CancellationToken,
     join: tokio::task::JoinHandle<Result<(), StoreError>>,
     metrics: Arc<RelayMetrics>,
@@ -459,9 +491,22 @@ impl RelayHandle {
     ///
     /// # Errors
     /// The start-up error the relay stopped with, if any.
+    ///
+    /// # Panics
+    /// When the relay task panicked (its membership or maintenance task died), the panic is
+    /// resumed here rather than reported as a clean stop.
     pub async fn shutdown(self) -> Result<(), StoreError> {
         self.cancel.cancel();
-        self.join.await.unwrap_or(Ok(()))
+        match self.join.await {
+            Ok(r) => r,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(_) => Ok(()),
+        }
+    }
+
+    /// See [`Relay::stalled`].
+    pub fn stalled(&self) -> Option<Duration> {
+        self.relay.stalled()
     }
 
     /// Simulate a crash: abort the task at whatever point it is. Its buckets stay owned until
@@ -478,6 +523,46 @@ impl RelayHandle {
     /// Whether the relay task has ended.
     pub fn is_finished(&self) -> bool {
         self.join.is_finished()
+    }
+}
+
+/// Takes a batch's buckets out of `in_flight` when the batch ends, however it ends.
+struct InFlight<'a> {
+    relay: &'a Relay,
+    buckets: &'a BTreeSet<Bucket>,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        let inner = &self.relay.inner;
+        let mut own = inner
+            .ownership
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for b in self.buckets {
+            own.in_flight.remove(b);
+        }
+        drop(own);
+        inner.changed.notify_one();
+    }
+}
+
+/// What publishing did with one message.
+enum Published {
+    /// The transport's result (or the relay's: timeout, panic).
+    Done(Result<(), TransportError>),
+    /// Never handed to the broker: released without counting an attempt.
+    NotSent,
+}
+
+/// The text of a panic payload (`&str` or `String`; other payloads are not described).
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".to_owned()
     }
 }
 
@@ -547,6 +632,7 @@ impl Relay {
         let relay = self.clone();
         let c = cancel.clone();
         RelayHandle {
+            relay: self.clone(),
             cancel,
             join: tokio::spawn(async move { relay.run(c).await }),
             metrics: self.inner.metrics.clone(),
@@ -579,8 +665,8 @@ impl Relay {
         // background tasks running: the guard cancels them when `run` is dropped.
         let _stop_background_on_drop = background.clone().drop_guard();
         let _listener = inner.store.spawn_listener(background.clone());
-        let reaper = tokio::spawn(reap_loop(self.clone(), background.clone()));
-        let membership = tokio::spawn(membership_loop(self.clone(), background.clone()));
+        let mut reaper = tokio::spawn(reap_loop(self.clone(), background.clone()));
+        let mut membership = tokio::spawn(membership_loop(self.clone(), background.clone()));
         let mut batches: JoinSet<()> = JoinSet::new();
         let waker = inner.store.waker();
         let cfg = &inner.config;
@@ -592,7 +678,23 @@ impl Relay {
         tracing::info!(relay = %cfg.name, store = inner.store.backend(), table = inner.store.table(), "relay started");
 
         while !cancel.is_cancelled() {
-            while batches.try_join_next().is_some() {}
+            while let Some(r) = batches.try_join_next() {
+                self.batch_ended(r);
+            }
+            // Membership and maintenance only end when cancelled: one that ended otherwise
+            // panicked, and a relay without it cannot renew its buckets (it would idle alive).
+            for (task, name) in [(&mut membership, "membership"), (&mut reaper, "maintenance")] {
+                if task.is_finished() && !background.is_cancelled() {
+                    if let Err(e) = task.await
+                        && e.is_panic()
+                    {
+                        tracing::error!(relay = %cfg.name, task = name, "relay task panicked; the relay stops");
+                        std::panic::resume_unwind(e.into_panic());
+                    }
+                    tracing::error!(relay = %cfg.name, task = name, "relay task ended; the relay stops");
+                    panic!("the relay's {name} task ended unexpectedly");
+                }
+            }
             if inner.health.iter().all(|h| h.down.load(Ordering::Acquire)) {
                 tokio::select! {
                     _ = cancel.cancelled() => break,
@@ -609,7 +711,7 @@ impl Relay {
                 // Every lane busy or no bucket held: wait for a batch to finish or buckets.
                 tokio::select! {
                     _ = cancel.cancelled() => break,
-                    Some(_) = batches.join_next(), if !batches.is_empty() => {}
+                    Some(r) = batches.join_next(), if !batches.is_empty() => self.batch_ended(r),
                     _ = inner.changed.notified() => {}
                     _ = waker.notified() => {}
                     _ = tokio::time::sleep(cfg.poll_interval) => {}
@@ -675,7 +777,10 @@ impl Relay {
                 _ = cancel.cancelled() => break,
                 _ = waker.notified() => read_first = true,
                 _ = inner.changed.notified() => read_first = true,
-                Some(_) = batches.join_next(), if !batches.is_empty() => read_first = true,
+                Some(r) = batches.join_next(), if !batches.is_empty() => {
+                    self.batch_ended(r);
+                    read_first = true;
+                }
                 // After a full poll interval ask cheaply whether anything is due (one query).
                 _ = tokio::time::sleep(sleep_for) => {
                     read_first = !slept_full;
@@ -687,7 +792,9 @@ impl Relay {
         // Phase 1: stop reading, let batches in flight finish. Phase 2: drop the rest.
         tracing::info!(relay = %cfg.name, in_flight = batches.len(), "relay stopping");
         let drained = tokio::time::timeout(cfg.shutdown_timeout, async {
-            while batches.join_next().await.is_some() {}
+            while let Some(r) = batches.join_next().await {
+                self.batch_ended(r);
+            }
         })
         .await;
         if drained.is_err() {
@@ -704,6 +811,35 @@ impl Relay {
         }
         tracing::info!(relay = %cfg.name, "relay stopped");
         Ok(())
+    }
+
+    /// A batch task ended: a panic that escaped `process` (its buckets already left
+    /// `in_flight`) is logged and counted.
+    fn batch_ended(&self, r: Result<(), tokio::task::JoinError>) {
+        if let Err(e) = r
+            && e.is_panic()
+        {
+            add(&self.inner.metrics.panics, 1);
+            tracing::error!(relay = %self.inner.config.name, panic = panic_message(e.into_panic().as_ref()), "a batch task panicked");
+        }
+    }
+
+    /// How long the oldest batch in flight has been, when that is past the point where the relay
+    /// stops renewing its buckets (`lease - publish_timeout`): a stalled relay. `None` while it
+    /// makes progress. [`RelayMetrics::stalled_batches`] counts these episodes and each is logged
+    /// at error level.
+    pub fn stalled(&self) -> Option<Duration> {
+        let cfg = &self.inner.config;
+        let own = self
+            .inner
+            .ownership
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        own.in_flight
+            .values()
+            .map(Instant::elapsed)
+            .max()
+            .filter(|age| *age > cfg.lease.saturating_sub(cfg.publish_timeout))
     }
 
     /// Held buckets not in flight whose lease outlasts a publish, in rotated order.
@@ -825,15 +961,80 @@ impl Relay {
         })
     }
 
-    async fn process(&self, mut work: Vec<Work>, read_at: Instant, background: &CancellationToken) {
+    /// Publish and complete one batch. Its buckets leave `in_flight` however it ends (done,
+    /// panicked, aborted). A panic outside the transport's publish (a hook, the completion) is
+    /// contained and logged: its rows stay PENDING, and its buckets are treated like taken-over
+    /// ones (each later read of them records an attempt first) and isolated (their rows are
+    /// then processed one at a time), so only a row that panics alone every time is
+    /// dead-lettered after `max_attempts` ("batch panicked: …").
+    async fn process(&self, work: Vec<Work>, read_at: Instant, background: &CancellationToken) {
+        let inner = &self.inner;
         let buckets: BTreeSet<Bucket> = work.iter().map(|w| w.bucket).collect();
-        self.process_inner(&mut work, read_at, background).await;
-        let mut own = self.inner.ownership.lock().expect("ownership lock");
-        for b in &buckets {
-            own.in_flight.remove(b);
+        let _in_flight = InFlight {
+            relay: self,
+            buckets: &buckets,
+        };
+        let isolated: BTreeSet<Bucket> = {
+            let own = inner.ownership.lock().expect("ownership lock");
+            buckets
+                .iter()
+                .filter(|b| own.panicked.contains_key(b))
+                .copied()
+                .collect()
+        };
+        let mut parts: Vec<Vec<Work>> = Vec::new();
+        if isolated.is_empty() || work.len() == 1 {
+            parts.push(work);
+        } else {
+            let (singles, rest): (Vec<Work>, Vec<Work>) =
+                work.into_iter().partition(|w| isolated.contains(&w.bucket));
+            tracing::warn!(
+                relay = %inner.config.name,
+                rows = singles.len(),
+                "a batch of these buckets panicked before: processing their rows one at a time"
+            );
+            if !rest.is_empty() {
+                parts.push(rest);
+            }
+            parts.extend(singles.into_iter().map(|w| vec![w]));
         }
-        drop(own);
-        self.inner.changed.notify_one();
+        let mut panics: BTreeMap<Bucket, String> = BTreeMap::new();
+        for mut part in parts {
+            let ran = AssertUnwindSafe(self.process_inner(&mut part, read_at, background))
+                .catch_unwind()
+                .await;
+            if let Err(panic) = ran {
+                let reason = panic_message(panic.as_ref());
+                add(&inner.metrics.panics, 1);
+                let ids: Vec<i64> = part.iter().map(|w| w.message.id).collect();
+                tracing::error!(
+                    relay = %inner.config.name,
+                    ids = ?ids,
+                    panic = reason,
+                    "a batch panicked; its rows are read again, each time recording an attempt, until they succeed or are dead-lettered"
+                );
+                for w in &part {
+                    panics.insert(w.bucket, reason.clone());
+                }
+            }
+        }
+        let mut own = inner
+            .ownership
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for b in &buckets {
+            match panics.remove(b) {
+                Some(reason) => {
+                    if let Some(h) = own.held.get_mut(b) {
+                        h.suspect = true;
+                    }
+                    own.panicked.insert(*b, reason);
+                }
+                None => {
+                    own.panicked.remove(b);
+                }
+            }
+        }
     }
 
     async fn process_inner(
@@ -852,11 +1053,24 @@ impl Relay {
                 if w.stored_attempts > w.message.max_attempts {
                     // Not attempted again: `attempts` stays at the attempts made.
                     w.stored_attempts -= 1;
+                    let panicked = inner
+                        .ownership
+                        .lock()
+                        .expect("ownership lock")
+                        .panicked
+                        .get(&w.bucket)
+                        .cloned();
                     w.outcome = Some(Outcome::Failed {
-                        reason: format!(
-                            "relay stopped while publishing it ({} attempts)",
-                            w.stored_attempts
-                        ),
+                        reason: match panicked {
+                            Some(p) => format!(
+                                "batch panicked: {p} ({} attempts)",
+                                w.stored_attempts
+                            ),
+                            None => format!(
+                                "relay stopped while publishing it ({} attempts)",
+                                w.stored_attempts
+                            ),
+                        },
                     });
                 } else {
                     pre.push(BucketCompletion {
@@ -873,6 +1087,11 @@ impl Relay {
             if !self.complete(&pre, read_at).await {
                 return;
             }
+        }
+        // The messages carry the number of this attempt (1 on the first publish), as the row
+        // records it once the attempt completes: the `outbox-attempt` header.
+        for w in work.iter_mut() {
+            w.message.attempts = w.attempt();
         }
         // Copies for the hooks only: no per-message clone on the hot path without them.
         let messages: Vec<Message> = match &inner.hooks {
@@ -996,7 +1215,7 @@ impl Relay {
                 );
                 break;
             }
-            self.publish(work, &generation, background).await;
+            self.publish(work, &generation, read_at, background).await;
             // Advance the keys whose message was acknowledged (or dead-lettered under skip).
             let mut next = Vec::new();
             for (slot, pos) in live_keys {
@@ -1056,7 +1275,13 @@ impl Relay {
     }
 
     /// Publish the rows `idx` of `work`, pipelined per transport, and set their outcomes.
-    async fn publish(&self, work: &mut [Work], idx: &[usize], background: &CancellationToken) {
+    async fn publish(
+        &self,
+        work: &mut [Work],
+        idx: &[usize],
+        read_at: Instant,
+        background: &CancellationToken,
+    ) {
         let inner = &self.inner;
         let cfg = &inner.config;
         let mut groups: Vec<Vec<usize>> = vec![Vec::new(); inner.transports.len()];
@@ -1089,42 +1314,8 @@ impl Relay {
                         destination: shared[i].route.as_ref().expect("routed").1.as_str(),
                     })
                     .collect();
-                let transport = inner.transports[ti].clone();
                 async move {
-                    let results =
-                        match tokio::time::timeout(cfg.publish_timeout, transport.publish(&batch))
-                            .await
-                        {
-                            Ok(r) if r.len() == batch.len() => r,
-                            Ok(r) => {
-                                let msg = format!(
-                                    "transport {} returned {} results for {} messages",
-                                    transport.name(),
-                                    r.len(),
-                                    batch.len()
-                                );
-                                batch
-                                    .iter()
-                                    .map(|_| Err(TransportError::retryable(msg.clone())))
-                                    .collect()
-                            }
-                            Err(_) => {
-                                // A timeout while the broker is unreachable is an outage, not a
-                                // failed attempt: ask the transport which it was.
-                                let reason =
-                                    format!("publish timed out after {:?}", cfg.publish_timeout);
-                                let kind = match transport.probe().await {
-                                    Err(e) if e.kind() == TransportErrorKind::Unavailable => {
-                                        TransportErrorKind::Unavailable
-                                    }
-                                    _ => TransportErrorKind::Retryable,
-                                };
-                                batch
-                                    .iter()
-                                    .map(|_| Err(TransportError::new(kind, reason.clone())))
-                                    .collect()
-                            }
-                        };
+                    let results = self.publish_group(ti, &batch, shared, read_at).await;
                     (ti, results)
                 }
             });
@@ -1132,6 +1323,16 @@ impl Relay {
         for (ti, res) in results {
             let mut unavailable = None;
             for (&i, r) in groups[ti].iter().zip(res) {
+                let r = match r {
+                    Published::Done(r) => r,
+                    Published::NotSent => {
+                        // Never handed to the broker: no attempt made.
+                        work[i].outcome = Some(Outcome::Release {
+                            delay: Duration::ZERO,
+                        });
+                        continue;
+                    }
+                };
                 let w = &work[i];
                 let attempt = w.attempt();
                 let max = w.message.max_attempts;
@@ -1167,6 +1368,189 @@ impl Relay {
                 self.mark_down(ti, reason, background.clone());
             }
         }
+    }
+
+    /// Publish one transport's share of a batch under `publish_timeout`, containing panics: one
+    /// result per message of `batch`, in order.
+    ///
+    /// - The transport records each message's result as it is known ([`Acks`]); when the time
+    ///   runs out, the recorded results stand, the messages in doubt get a timeout error
+    ///   (`Unavailable` when a probe says the broker is unreachable, else retryable) and those
+    ///   never sent are released untouched. A warning gives the counts.
+    /// - A panic is contained: the messages without a result are published again one at a time;
+    ///   the one that panics alone is dead-lettered (`transport panicked: …`), the others get
+    ///   their own outcomes. When every message panics alone the transport itself is broken:
+    ///   they are retried with backoff instead.
+    async fn publish_group(
+        &self,
+        ti: usize,
+        batch: &[Outgoing<'_>],
+        work: &[Work],
+        read_at: Instant,
+    ) -> Vec<Published> {
+        let inner = &self.inner;
+        let transport = &inner.transports[ti];
+        let acks = Acks::new(batch.len());
+        let run = AssertUnwindSafe(transport.publish_each(batch, &acks)).catch_unwind();
+        let ran = tokio::time::timeout(inner.config.publish_timeout, run).await;
+        let states = acks.take();
+        match ran {
+            Ok(Ok(())) => states
+                .into_iter()
+                .map(|s| match s {
+                    AckState::Done(r) => Published::Done(r),
+                    AckState::InDoubt | AckState::NotSent => {
+                        Published::Done(Err(TransportError::retryable(format!(
+                            "transport {} returned no result for this message",
+                            transport.name()
+                        ))))
+                    }
+                })
+                .collect(),
+            Err(_) => self.timed_out(transport, states).await,
+            Ok(Err(panic)) => {
+                let reason = format!("transport panicked: {}", panic_message(panic.as_ref()));
+                add(&inner.metrics.panics, 1);
+                let mut out: Vec<Option<Published>> = Vec::with_capacity(batch.len());
+                let mut todo = Vec::new();
+                for (i, s) in states.into_iter().enumerate() {
+                    match s {
+                        AckState::Done(r) => out.push(Some(Published::Done(r))),
+                        AckState::InDoubt | AckState::NotSent => {
+                            out.push(None);
+                            todo.push(i);
+                        }
+                    }
+                }
+                if batch.len() == 1 {
+                    tracing::error!(
+                        transport = transport.name(),
+                        id = batch[0].message.id,
+                        reason,
+                        "the transport panicked publishing this message alone; dead-lettering it"
+                    );
+                    if out[0].is_none() {
+                        out[0] = Some(Published::Done(Err(TransportError::permanent(reason))));
+                    }
+                    return out.into_iter().map(|o| o.expect("set")).collect();
+                }
+                tracing::error!(
+                    transport = transport.name(),
+                    messages = batch.len(),
+                    without_result = todo.len(),
+                    reason,
+                    "the transport panicked publishing a batch; publishing its messages one at a time to find the poison message"
+                );
+                let cfg = &inner.config;
+                let (mut panicked, mut succeeded) = (Vec::new(), 0usize);
+                for &i in &todo {
+                    if read_at.elapsed() + cfg.publish_timeout >= cfg.lease
+                        || !self.leases_fresh(work)
+                    {
+                        // Out of time for this batch: the rest is read again.
+                        break;
+                    }
+                    let one = Acks::new(1);
+                    let single = std::slice::from_ref(&batch[i]);
+                    let run = AssertUnwindSafe(transport.publish_each(single, &one)).catch_unwind();
+                    let r = match tokio::time::timeout(cfg.publish_timeout, run).await {
+                        Ok(Ok(())) => match one.take().pop() {
+                            Some(AckState::Done(r)) => Published::Done(r),
+                            _ => Published::Done(Err(TransportError::retryable(format!(
+                                "transport {} returned no result for this message",
+                                transport.name()
+                            )))),
+                        },
+                        Err(_) => self
+                            .timed_out(transport, one.take())
+                            .await
+                            .pop()
+                            .expect("one"),
+                        Ok(Err(panic)) => {
+                            add(&inner.metrics.panics, 1);
+                            let reason =
+                                format!("transport panicked: {}", panic_message(panic.as_ref()));
+                            tracing::error!(
+                                transport = transport.name(),
+                                id = batch[i].message.id,
+                                reason,
+                                "the transport panicked publishing this message alone"
+                            );
+                            panicked.push(i);
+                            Published::Done(Err(TransportError::permanent(reason)))
+                        }
+                    };
+                    if matches!(r, Published::Done(Ok(()))) {
+                        succeeded += 1;
+                    }
+                    out[i] = Some(r);
+                }
+                if panicked.len() > 1 && succeeded == 0 {
+                    // Every message panicked alone: the transport is broken, not the messages.
+                    tracing::error!(
+                        transport = transport.name(),
+                        messages = panicked.len(),
+                        "the transport panics on every message; retrying them with backoff instead of dead-lettering"
+                    );
+                    for &i in &panicked {
+                        if let Some(Published::Done(Err(e))) = out[i].take() {
+                            out[i] = Some(Published::Done(Err(TransportError::retryable(
+                                e.message(),
+                            ))));
+                        }
+                    }
+                }
+                out.into_iter()
+                    .map(|o| o.unwrap_or(Published::NotSent))
+                    .collect()
+            }
+        }
+    }
+
+    /// The results of a publish whose `publish_timeout` ran out, from what the transport had
+    /// recorded by then; logs the counts.
+    async fn timed_out(&self, transport: &Arc<dyn Transport>, states: Vec<AckState>) -> Vec<Published> {
+        let cfg = &self.inner.config;
+        let (mut acked, mut failed, mut in_doubt, mut not_sent) = (0usize, 0usize, 0usize, 0usize);
+        for s in &states {
+            match s {
+                AckState::Done(Ok(())) => acked += 1,
+                AckState::Done(Err(_)) => failed += 1,
+                AckState::InDoubt => in_doubt += 1,
+                AckState::NotSent => not_sent += 1,
+            }
+        }
+        // A timeout while the broker is unreachable is an outage, not a failed attempt: ask
+        // the transport which it was.
+        let reason = format!("publish timed out after {:?}", cfg.publish_timeout);
+        let kind = if in_doubt == 0 {
+            TransportErrorKind::Retryable
+        } else {
+            match transport.probe().await {
+                Err(e) if e.kind() == TransportErrorKind::Unavailable => {
+                    TransportErrorKind::Unavailable
+                }
+                _ => TransportErrorKind::Retryable,
+            }
+        };
+        tracing::warn!(
+            transport = transport.name(),
+            timeout = ?cfg.publish_timeout,
+            acknowledged = acked,
+            failed,
+            timed_out = in_doubt,
+            not_sent,
+            "publish timed out: acknowledged messages are recorded, the unanswered ones retried, the unsent ones released"
+        );
+        add(&self.inner.metrics.publish_timeouts, 1);
+        states
+            .into_iter()
+            .map(|s| match s {
+                AckState::Done(r) => Published::Done(r),
+                AckState::InDoubt => Published::Done(Err(TransportError::new(kind, reason.clone()))),
+                AckState::NotSent => Published::NotSent,
+            })
+            .collect()
     }
 
     /// Record outcomes in one statement, retrying transient database errors until the lease
@@ -1302,27 +1686,35 @@ async fn membership_loop(relay: Relay, cancel: CancellationToken) {
     // (or paused): it stops its heartbeat and renewals like a paused process would, so its
     // buckets expire and another relay takes them over; the stuck batch's completion is then
     // refused by the fence.
-    let stuck_after = cfg.lease.saturating_sub(cfg.publish_timeout);
-    let mut stuck_logged = false;
+    // Logged at error level when found and again every lease while it lasts: a relay that
+    // cannot make progress says so ([`Relay::stalled`], `stalled_batches`).
+    let mut stuck_logged: Option<Instant> = None;
     loop {
-        let (held, stuck) = {
+        let held: Vec<(Bucket, LeaseToken)> = {
             let own = inner.ownership.lock().expect("ownership lock");
-            let held: Vec<(Bucket, LeaseToken)> =
-                own.held.iter().map(|(b, h)| (*b, h.token)).collect();
-            let stuck = own.in_flight.values().any(|t| t.elapsed() > stuck_after);
-            (held, stuck)
+            own.held.iter().map(|(b, h)| (*b, h.token)).collect()
         };
-        if stuck {
-            if !stuck_logged {
-                tracing::warn!(relay = %cfg.name, "a batch is stuck past its lease; not renewing any bucket until it returns");
-                stuck_logged = true;
+        if let Some(age) = relay.stalled() {
+            if stuck_logged.is_none() {
+                add(&inner.metrics.stalled_batches, 1);
+            }
+            if stuck_logged.is_none_or(|t| t.elapsed() >= cfg.lease) {
+                tracing::error!(
+                    relay = %cfg.name,
+                    stalled_for = ?age,
+                    lease = ?cfg.lease,
+                    "a batch is stuck past its lease: this relay makes no progress; not renewing any bucket until it returns (other relays take them over)"
+                );
+                stuck_logged = Some(Instant::now());
             }
             tokio::select! {
                 _ = cancel.cancelled() => return,
                 _ = tokio::time::sleep(cfg.lease / 10) => continue,
             }
         }
-        stuck_logged = false;
+        if stuck_logged.take().is_some() {
+            tracing::info!(relay = %cfg.name, "the stuck batch returned; renewing buckets again");
+        }
         let req = MembershipRequest {
             relay: cfg.name.clone(),
             lease: cfg.lease,

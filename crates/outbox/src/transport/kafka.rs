@@ -88,7 +88,7 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 
-use super::{Outgoing, Transport};
+use super::{Acks, Outgoing, Transport};
 use crate::error::{ConfigError, TransportError, TransportErrorKind};
 
 /// Connection and producer settings of a Kafka cluster.
@@ -718,6 +718,12 @@ impl Transport for KafkaTransport {
     }
 
     async fn publish(&self, batch: &[Outgoing<'_>]) -> Vec<Result<(), TransportError>> {
+        let acks = Acks::new(batch.len());
+        self.publish_each(batch, &acks).await;
+        acks.into_results()
+    }
+
+    async fn publish_each(&self, batch: &[Outgoing<'_>], acks: &Acks) {
         let producer = self.producer();
         // Enqueue the whole batch, then await the delivery reports.
         let mut pending = Vec::with_capacity(batch.len());
@@ -754,9 +760,11 @@ impl Transport for KafkaTransport {
                 .with_source(e)),
             });
         }
-        let mut results = Vec::with_capacity(batch.len());
+        // Each delivery report is recorded as it arrives: acknowledged messages count even if
+        // the relay's publish timeout cuts the rest short.
+        let mut any_error = false;
         for (p, o) in pending.into_iter().zip(batch) {
-            results.push(match p {
+            let r = match p {
                 Err(e) => Err(e),
                 Ok(delivery) => match delivery.await {
                     Ok(Ok(_)) => {
@@ -772,12 +780,13 @@ impl Transport for KafkaTransport {
                         "the Kafka producer was dropped before the delivery report",
                     )),
                 },
-            });
+            };
+            any_error |= r.is_err();
+            acks.push(r);
         }
-        if results.iter().any(Result::is_err) {
+        if any_error {
             self.renew_if_fatal(&producer);
         }
-        results
     }
 
     async fn probe(&self) -> Result<(), TransportError> {

@@ -42,12 +42,168 @@ pub struct Outgoing<'a> {
     pub destination: &'a str,
 }
 
+/// The per-batch results slot of [`Transport::publish_each`]: one slot per message of the batch,
+/// filled by the transport as each message's result becomes known.
+///
+/// The relay owns it and keeps what was recorded when the batch's `publish_timeout` runs out, so a
+/// message the broker acknowledged is recorded SENT even if another message of its batch hangs;
+/// only the messages without a result get the timeout error.
+///
+/// A slot may be written more than once (the last result counts); an index outside the batch is
+/// ignored. A transport that hands messages to the broker one by one calls [`Acks::sending`] for
+/// each as it goes out: at a timeout, the messages it never marked (while it marked others) were
+/// never sent and are released without counting an attempt.
+#[derive(Debug)]
+pub struct Acks {
+    slots: std::sync::Mutex<AckSlots>,
+}
+
+#[derive(Debug)]
+struct AckSlots {
+    results: Vec<AckSlot>,
+    /// Next index [`Acks::push`] records.
+    cursor: usize,
+    /// Whether [`Acks::sending`] was called for any message.
+    tracks_sending: bool,
+}
+
+#[derive(Debug)]
+enum AckSlot {
+    Untouched,
+    Sending,
+    Done(Result<(), TransportError>),
+}
+
+/// What [`Acks::take`] says of one message.
+#[derive(Debug)]
+pub enum AckState {
+    /// The transport recorded this result.
+    Done(Result<(), TransportError>),
+    /// Handed to the broker (or not known otherwise) and no result yet: in doubt.
+    InDoubt,
+    /// Never handed to the broker (the transport marked others with [`Acks::sending`], not this
+    /// one).
+    NotSent,
+}
+
+impl Acks {
+    /// A slot for a batch of `len` messages, every result missing.
+    pub fn new(len: usize) -> Self {
+        Acks {
+            slots: std::sync::Mutex::new(AckSlots {
+                results: (0..len).map(|_| AckSlot::Untouched).collect(),
+                cursor: 0,
+                tracks_sending: false,
+            }),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, AckSlots> {
+        // A panic while the lock was held cannot leave a slot half-written: keep going.
+        self.slots
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The number of messages in the batch.
+    pub fn len(&self) -> usize {
+        self.lock().results.len()
+    }
+
+    /// Whether the batch is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Record the result of message `index` (its position in the batch).
+    pub fn record(&self, index: usize, result: Result<(), TransportError>) {
+        let mut s = self.lock();
+        if let Some(slot) = s.results.get_mut(index) {
+            *slot = AckSlot::Done(result);
+        }
+    }
+
+    /// Record the result of the next message in batch order (the first `push` records message
+    /// 0, the next message 1, …), for transports that learn results in batch order. Its cursor
+    /// counts pushes only: a [`Acks::record`] in between does not move it (and is overwritten
+    /// when the cursor reaches that message).
+    pub fn push(&self, result: Result<(), TransportError>) {
+        let mut s = self.lock();
+        let i = s.cursor;
+        s.cursor += 1;
+        if let Some(slot) = s.results.get_mut(i) {
+            *slot = AckSlot::Done(result);
+        }
+    }
+
+    /// Record the results of the whole batch, in order (the adapter for transports that learn
+    /// every result at once).
+    pub fn record_all(&self, results: Vec<Result<(), TransportError>>) {
+        let mut s = self.lock();
+        for (slot, r) in s.results.iter_mut().zip(results) {
+            *slot = AckSlot::Done(r);
+        }
+    }
+
+    /// Mark message `index` as handed to the broker, its result still unknown (see the type's
+    /// docs). Does nothing once its result is recorded.
+    pub fn sending(&self, index: usize) {
+        let mut s = self.lock();
+        s.tracks_sending = true;
+        if let Some(slot @ AckSlot::Untouched) = s.results.get_mut(index) {
+            *slot = AckSlot::Sending;
+        }
+    }
+
+    /// How many results were recorded so far.
+    pub fn recorded(&self) -> usize {
+        self.lock()
+            .results
+            .iter()
+            .filter(|s| matches!(s, AckSlot::Done(_)))
+            .count()
+    }
+
+    /// Take every message's state, in batch order, leaving the slots empty.
+    pub fn take(&self) -> Vec<AckState> {
+        let mut s = self.lock();
+        let tracks = s.tracks_sending;
+        s.results
+            .iter_mut()
+            .map(|slot| match std::mem::replace(slot, AckSlot::Untouched) {
+                AckSlot::Done(r) => AckState::Done(r),
+                AckSlot::Sending => AckState::InDoubt,
+                AckSlot::Untouched if tracks => AckState::NotSent,
+                AckSlot::Untouched => AckState::InDoubt,
+            })
+            .collect()
+    }
+
+    /// One result per message, in batch order; a message without a recorded result gets a
+    /// retryable error saying so.
+    pub fn into_results(self) -> Vec<Result<(), TransportError>> {
+        self.take()
+            .into_iter()
+            .map(|s| match s {
+                AckState::Done(r) => r,
+                AckState::InDoubt | AckState::NotSent => Err(TransportError::retryable(
+                    "the transport returned no result for this message",
+                )),
+            })
+            .collect()
+    }
+}
+
 /// A broker client that publishes with acknowledgement.
 ///
 /// # Contract
-/// - [`Transport::publish`] returns one result per input, in input order. `Ok` means the broker
-///   acknowledged that message durably. Implementations pipeline: send the whole batch, then await
-///   the acknowledgements.
+/// - [`Transport::publish_each`] records one result per message in its [`Acks`] as soon as it
+///   is known (the relay calls it, under its `publish_timeout`, and keeps what was recorded when
+///   the time runs out); [`Transport::publish`] returns one result per input, in input order.
+///   `Ok` means the broker acknowledged that message durably. Implementations pipeline: send the
+///   whole batch, then await the acknowledgements.
+/// - A panic inside a publish is contained by the relay: the messages of the batch are published
+///   again one at a time, and the one that panics alone is dead-lettered with the panic message.
 /// - Errors are classified where they are born ([`TransportErrorKind`](crate::TransportErrorKind)):
 ///   `Unavailable` when the broker cannot be reached, `Permanent` when the message can never be
 ///   accepted as it is, `Retryable` otherwise.
@@ -60,6 +216,16 @@ pub trait Transport: Send + Sync + 'static {
 
     /// Publish the batch, pipelined; one result per message, in order.
     async fn publish(&self, batch: &[Outgoing<'_>]) -> Vec<Result<(), TransportError>>;
+
+    /// Publish the batch, pipelined, recording each message's result in `acks` (index = position
+    /// in `batch`) as soon as it is known: what the relay calls. The future may be dropped at any
+    /// point (the relay's `publish_timeout`); what was recorded by then counts.
+    ///
+    /// Default: [`Transport::publish`], then every result at once (a transport that learns
+    /// results one by one overrides this and implements `publish` over it).
+    async fn publish_each(&self, batch: &[Outgoing<'_>], acks: &Acks) {
+        acks.record_all(self.publish(batch).await);
+    }
 
     /// Check that the broker is reachable, cheaply. Called while the transport is considered down.
     ///

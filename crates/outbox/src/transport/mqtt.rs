@@ -53,7 +53,7 @@ use rumqttc::v5::mqttbytes::v5::{
 use rumqttc::v5::{AsyncClient, ConnectionError, Event, EventLoop, MqttOptions};
 use tokio::sync::oneshot;
 
-use super::{Outgoing, Transport};
+use super::{Acks, Outgoing, Transport};
 use crate::error::{ConfigError, TransportError, TransportErrorKind};
 use crate::message::{Headers, Message};
 
@@ -442,10 +442,20 @@ impl Publisher {
         &self,
         pending: Vec<oneshot::Receiver<Result<(), TransportError>>>,
     ) -> Vec<Result<(), TransportError>> {
+        let acks = Acks::new(pending.len());
+        self.wait_each(pending, &acks).await;
+        acks.into_results()
+    }
+
+    /// As `wait`, recording each PUBACK's result in `acks` (in order) as it arrives.
+    async fn wait_each(
+        &self,
+        pending: Vec<oneshot::Receiver<Result<(), TransportError>>>,
+        acks: &Acks,
+    ) {
         let deadline = tokio::time::Instant::now() + self.ack_timeout;
-        let mut out = Vec::with_capacity(pending.len());
         for rx in pending {
-            out.push(match tokio::time::timeout_at(deadline, rx).await {
+            acks.push(match tokio::time::timeout_at(deadline, rx).await {
                 Ok(Ok(r)) => r,
                 Ok(Err(_)) => Err(TransportError::unavailable("MQTT event loop stopped")),
                 Err(_) => Err(TransportError::retryable(format!(
@@ -454,7 +464,6 @@ impl Publisher {
                 ))),
             });
         }
-        out
     }
 
     /// Publish one message at QoS 1 and wait for its PUBACK.
@@ -594,6 +603,12 @@ impl Transport for MqttTransport {
     }
 
     async fn publish(&self, batch: &[Outgoing<'_>]) -> Vec<Result<(), TransportError>> {
+        let acks = Acks::new(batch.len());
+        self.publish_each(batch, &acks).await;
+        acks.into_results()
+    }
+
+    async fn publish_each(&self, batch: &[Outgoing<'_>], acks: &Acks) {
         let pending: Vec<_> = batch
             .iter()
             .map(|o| {
@@ -604,7 +619,7 @@ impl Transport for MqttTransport {
                 )
             })
             .collect();
-        self.publisher.wait(pending).await
+        self.publisher.wait_each(pending, acks).await
     }
 
     async fn probe(&self) -> Result<(), TransportError> {

@@ -17,7 +17,7 @@ use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::{self, stream};
 use async_trait::async_trait;
 
-use super::{Outgoing, Transport};
+use super::{Acks, Outgoing, Transport};
 use crate::error::{ConfigError, TransportError, TransportErrorKind};
 
 /// NATS transport settings.
@@ -188,6 +188,12 @@ impl Transport for NatsTransport {
     }
 
     async fn publish(&self, batch: &[Outgoing<'_>]) -> Vec<Result<(), TransportError>> {
+        let acks = Acks::new(batch.len());
+        self.publish_each(batch, &acks).await;
+        acks.into_results()
+    }
+
+    async fn publish_each(&self, batch: &[Outgoing<'_>], acks: &Acks) {
         let mut pending = Vec::with_capacity(batch.len());
         for o in batch {
             if let Err(reason) = validate_subject(o.destination) {
@@ -206,23 +212,23 @@ impl Transport for NatsTransport {
                 .send_publish(o.destination.to_owned(), publish)
                 .await));
         }
-        let mut results = Vec::with_capacity(batch.len());
+        // Each PubAck is recorded as it arrives: acknowledged messages count even if the
+        // relay's publish timeout cuts the rest short.
         for p in pending {
             let r = match p {
                 Err(invalid) => {
-                    results.push(Err(invalid));
+                    acks.push(Err(invalid));
                     continue;
                 }
                 Ok(Ok(ack)) => ack.await,
                 Ok(Err(e)) => Err(e),
             };
-            results.push(r.map(|_| ()).map_err(|e| {
+            acks.push(r.map(|_| ()).map_err(|e| {
                 let connected = self.client.connection_state() == State::Connected;
                 TransportError::new(classify(&e, connected), "JetStream publish failed")
                     .with_source(e)
             }));
         }
-        results
     }
 
     async fn probe(&self) -> Result<(), TransportError> {

@@ -67,7 +67,7 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::uri::AMQPUri;
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ErrorKind};
 
-use super::{Outgoing, Transport};
+use super::{Acks, Outgoing, Transport};
 use crate::error::{ConfigError, TransportError, TransportErrorKind};
 use crate::message::{Headers, Message};
 
@@ -560,6 +560,16 @@ impl Link {
         &self,
         pubs: &[Publication<'_>],
     ) -> Vec<Result<(), TransportError>> {
+        self.publish_observed(pubs, &|_| {}).await
+    }
+
+    /// As `publish`, calling `on_ack(i)` as soon as publication `i` is confirmed by the broker
+    /// (so the relay keeps it SENT even if its publish timeout cuts the batch short).
+    pub(crate) async fn publish_observed(
+        &self,
+        pubs: &[Publication<'_>],
+        on_ack: &(dyn Fn(usize) + Send + Sync),
+    ) -> Vec<Result<(), TransportError>> {
         if pubs.is_empty() {
             return Vec::new();
         }
@@ -612,14 +622,14 @@ impl Link {
         }
         let todo: Vec<usize> = todo.into_iter().filter(|i| results[*i].is_none()).collect();
         let closed = self
-            .publish_window(&s, pubs, &dests, &todo, &mut results)
+            .publish_window(&s, pubs, &dests, &todo, &mut results, on_ack)
             .await;
         if !closed.is_empty() {
             // A channel closed by the broker took these down: give each its own result.
             self.forget_exchanges();
             // Closed again on its own, a message's error is its own (recorded by the window).
             for i in closed {
-                self.publish_window(&s, pubs, &dests, &[i], &mut results)
+                self.publish_window(&s, pubs, &dests, &[i], &mut results, on_ack)
                     .await;
             }
         }
@@ -638,6 +648,7 @@ impl Link {
         dests: &[Option<Destination>],
         todo: &[usize],
         results: &mut [Option<Result<(), TransportError>>],
+        on_ack: &(dyn Fn(usize) + Send + Sync),
     ) -> Vec<usize> {
         if todo.is_empty() {
             return Vec::new();
@@ -690,7 +701,10 @@ impl Link {
         for (i, confirm) in pending {
             let d = dests[i].as_ref().expect("parsed");
             results[i] = Some(match tokio::time::timeout_at(deadline, confirm).await {
-                Ok(Ok(Confirmation::Ack(None))) => Ok(()),
+                Ok(Ok(Confirmation::Ack(None))) => {
+                    on_ack(i);
+                    Ok(())
+                }
                 Ok(Ok(Confirmation::Ack(Some(ret)) | Confirmation::Nack(Some(ret)))) => {
                     let kind = match self.config.unroutable {
                         Unroutable::Retry => TransportErrorKind::Retryable,
@@ -958,6 +972,12 @@ impl Transport for RabbitMqTransport {
     }
 
     async fn publish(&self, batch: &[Outgoing<'_>]) -> Vec<Result<(), TransportError>> {
+        let acks = Acks::new(batch.len());
+        self.publish_each(batch, &acks).await;
+        acks.into_results()
+    }
+
+    async fn publish_each(&self, batch: &[Outgoing<'_>], acks: &Acks) {
         let mut props: Vec<Result<BasicProperties, String>> = batch
             .iter()
             .map(|o| message_properties(o.message))
@@ -974,10 +994,11 @@ impl Transport for RabbitMqTransport {
                 index.push(i);
             }
         }
-        let mut published = self.link.publish(&pubs).await.into_iter();
-        let mut results = Vec::with_capacity(batch.len());
+        // Confirms are recorded as they arrive; the other results when the batch is done.
+        let on_ack = |p: usize| acks.record(index[p], Ok(()));
+        let mut published = self.link.publish_observed(&pubs, &on_ack).await.into_iter();
         for p in props {
-            results.push(match p {
+            acks.push(match p {
                 Err(reason) => Err(TransportError::permanent(reason)),
                 Ok(_) => published.next().unwrap_or_else(|| {
                     Err(TransportError::retryable(
@@ -986,7 +1007,6 @@ impl Transport for RabbitMqTransport {
                 }),
             });
         }
-        results
     }
 
     async fn probe(&self) -> Result<(), TransportError> {

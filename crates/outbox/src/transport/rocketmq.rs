@@ -100,7 +100,7 @@ use rocketmq_model::common::message::{MessageConst, MessageTrait, STRING_HASH_SE
 use rocketmq_model::common::topic::TopicValidator;
 use rocketmq_model::result::SendStatus;
 
-use super::{Outgoing, Transport};
+use super::{Acks, Outgoing, Transport};
 use crate::error::{ConfigError, TransportError, TransportErrorKind};
 use crate::message::Message;
 
@@ -822,6 +822,12 @@ impl Transport for RocketMqTransport {
     }
 
     async fn publish(&self, batch: &[Outgoing<'_>]) -> Vec<Result<(), TransportError>> {
+        let acks = Acks::new(batch.len());
+        self.publish_each(batch, &acks).await;
+        acks.into_results()
+    }
+
+    async fn publish_each(&self, batch: &[Outgoing<'_>], acks: &Acks) {
         // Chains: the messages of one partition key in batch order (sent one after the other to
         // the key's queue); every message without a key (or with key order off) is a chain of
         // its own. Chains run concurrently.
@@ -839,8 +845,9 @@ impl Transport for RocketMqTransport {
                 _ => chains.push(vec![i]),
             }
         }
+        // Each send's result is recorded as it is known: acknowledged messages count even if the
+        // relay's publish timeout cuts the rest short.
         let runs = chains.into_iter().map(|indices| async move {
-            let mut out = Vec::with_capacity(indices.len());
             let mut held: Option<String> = None;
             for i in indices {
                 let o = &batch[i];
@@ -862,23 +869,13 @@ impl Transport for RocketMqTransport {
                         "not sent: an earlier message of partition key {k:?} in this batch was not acknowledged"
                     ));
                 }
-                out.push((i, r));
+                acks.record(i, r);
             }
-            out
         });
-        let mut results: Vec<Option<Result<(), TransportError>>> =
-            (0..batch.len()).map(|_| None).collect();
-        let done: Vec<Vec<(usize, Result<(), TransportError>)>> = futures::stream::iter(runs)
+        futures::stream::iter(runs)
             .buffer_unordered(self.config.max_in_flight)
-            .collect()
+            .for_each(|()| async {})
             .await;
-        for (i, r) in done.into_iter().flatten() {
-            results[i] = Some(r);
-        }
-        results
-            .into_iter()
-            .map(|r| r.expect("every message of the batch has a result"))
-            .collect()
     }
 
     async fn probe(&self) -> Result<(), TransportError> {

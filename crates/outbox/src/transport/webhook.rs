@@ -12,6 +12,11 @@
 //! other status permanent (the receiver refused the message; it goes to FAILED with the status
 //! and the start of the body). A refused connection is `Unavailable` (the relay pauses and
 //! probes); a timeout is retryable.
+//!
+//! Up to [`WebhookConfig::concurrency`] requests of a batch are in flight at once, each bounded
+//! by [`WebhookConfig::timeout`]; each answer is recorded as it comes, so a hanging request holds
+//! back only its own message, and when the relay's `publish_timeout` cuts the batch short, the
+//! answered messages keep their outcome and the ones not yet sent are released untouched.
 
 use std::time::Duration;
 
@@ -22,7 +27,7 @@ use hmac::{Hmac, Mac};
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use sha2::Sha256;
 
-use super::{Outgoing, Transport};
+use super::{Acks, Outgoing, Transport};
 use crate::error::{ConfigError, TransportError};
 
 /// Webhook transport settings.
@@ -292,14 +297,22 @@ impl Transport for WebhookTransport {
     }
 
     async fn publish(&self, batch: &[Outgoing<'_>]) -> Vec<Result<(), TransportError>> {
-        let mut posts: Vec<futures::future::BoxFuture<'_, Result<(), TransportError>>> =
-            Vec::with_capacity(batch.len());
-        for o in batch {
-            posts.push(Box::pin(self.post(*o)));
-        }
+        let acks = Acks::new(batch.len());
+        self.publish_each(batch, &acks).await;
+        acks.into_results()
+    }
+
+    /// Up to `concurrency` requests at once, each bounded by `timeout`; each answer is recorded
+    /// as it comes, so a hanging request holds only its own message, and the messages not yet
+    /// sent when the relay's publish timeout runs out are marked as never sent.
+    async fn publish_each(&self, batch: &[Outgoing<'_>], acks: &Acks) {
+        let posts = batch.iter().enumerate().map(|(i, o)| async move {
+            acks.sending(i);
+            acks.record(i, self.post(*o).await);
+        });
         futures::stream::iter(posts)
-            .buffered(self.config.concurrency)
-            .collect()
+            .buffer_unordered(self.config.concurrency)
+            .for_each(|()| async {})
             .await
     }
 
