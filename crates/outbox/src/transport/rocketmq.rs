@@ -874,7 +874,7 @@ impl Transport for RocketMqTransport {
         });
         futures::stream::iter(runs)
             .buffer_unordered(self.config.max_in_flight)
-            .for_each(|()| async {})
+            .collect::<Vec<()>>()
             .await;
     }
 

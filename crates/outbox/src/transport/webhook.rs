@@ -306,14 +306,17 @@ impl Transport for WebhookTransport {
     /// as it comes, so a hanging request holds only its own message, and the messages not yet
     /// sent when the relay's publish timeout runs out are marked as never sent.
     async fn publish_each(&self, batch: &[Outgoing<'_>], acks: &Acks) {
-        let posts = batch.iter().enumerate().map(|(i, o)| async move {
-            acks.sending(i);
-            acks.record(i, self.post(*o).await);
-        });
+        let mut posts: Vec<futures::future::BoxFuture<'_, ()>> = Vec::with_capacity(batch.len());
+        for (i, o) in batch.iter().enumerate() {
+            posts.push(Box::pin(async move {
+                acks.sending(i);
+                acks.record(i, self.post(*o).await);
+            }));
+        }
         futures::stream::iter(posts)
             .buffer_unordered(self.config.concurrency)
-            .for_each(|()| async {})
-            .await
+            .collect::<Vec<()>>()
+            .await;
     }
 
     async fn probe(&self) -> Result<(), TransportError> {
