@@ -27,6 +27,7 @@ mod relay;
 mod rocketmq;
 mod store;
 mod transport;
+mod wire;
 
 /// Log to the test output with `RUST_LOG=outbox=debug`.
 pub fn init_tracing() {
