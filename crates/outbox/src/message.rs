@@ -449,7 +449,14 @@ mod tests {
             l.validate(&ctl),
             Err(EnqueueError::InvalidHeaderValue(_))
         ));
-        for name in ["Nats-Msg-Id", "nats-expected-last-sequence", "BCC", "x-delay", "DELAY", "Content-Length"] {
+        for name in [
+            "Nats-Msg-Id",
+            "nats-expected-last-sequence",
+            "BCC",
+            "x-delay",
+            "DELAY",
+            "Content-Length",
+        ] {
             let reserved = NewMessage::new("t", "x").with_header(name, "v");
             let e = l.validate(&reserved).unwrap_err();
             assert!(
@@ -463,7 +470,11 @@ mod tests {
             .unwrap_err();
         assert!(e.to_string().contains("NATS JetStream"), "{e}");
         for free in ["x-request-id", "delay", "content-type", "traceparent"] {
-            assert!(l.validate(&NewMessage::new("t", "x").with_header(free, "v")).is_ok(), "{free}");
+            assert!(
+                l.validate(&NewMessage::new("t", "x").with_header(free, "v"))
+                    .is_ok(),
+                "{free}"
+            );
         }
         let zero = NewMessage::new("t", "x").with_max_attempts(0);
         assert!(matches!(

@@ -134,7 +134,10 @@ async fn bad_rows_dead_lettered_rest_published<F: TransportFixture>(
             reason.contains(named),
             "row {id}: last_error should name {named:?}: {reason:?}"
         );
-        assert_eq!(row.attempts, 1, "dead-lettered at the first attempt: {reason}");
+        assert_eq!(
+            row.attempts, 1,
+            "dead-lettered at the first attempt: {reason}"
+        );
     }
     // The relay goes on: a message enqueued now is published.
     let after = db
@@ -143,17 +146,23 @@ async fn bad_rows_dead_lettered_rest_published<F: TransportFixture>(
         ])
         .await
         .expect("enqueue")[0];
-    wait_until("the message enqueued afterwards SENT", Duration::from_secs(15), || async {
-        db.row(after).await.status == Status::Sent.as_i16()
-    })
+    wait_until(
+        "the message enqueued afterwards SENT",
+        Duration::from_secs(15),
+        || async { db.row(after).await.status == Status::Sent.as_i16() },
+    )
     .await;
     good_ids.push(after);
     let mut received = Vec::new();
-    wait_until("the broker holds every good message", Duration::from_secs(10), || async {
-        received = fx.received().await;
-        let c = counts(&received);
-        good_ids.iter().all(|id| c.contains_key(id))
-    })
+    wait_until(
+        "the broker holds every good message",
+        Duration::from_secs(10),
+        || async {
+            received = fx.received().await;
+            let c = counts(&received);
+            good_ids.iter().all(|id| c.contains_key(id))
+        },
+    )
     .await;
     let c = counts(&received);
     for id in &good_ids {
@@ -179,7 +188,11 @@ fn ordinary_rows_on(topic: &str) -> Vec<Row> {
             Some("order-1"),
             json!({"tag": "a", "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}),
         ),
-        Row::new(topic, Some("order 2 é"), json!({"note": "café ✅", "x-request-id": "r-1"})),
+        Row::new(
+            topic,
+            Some("order 2 é"),
+            json!({"note": "café ✅", "x-request-id": "r-1"}),
+        ),
         Row::new(topic, None, json!({"content-type": "application/json"})),
         Row::new(topic, Some("order-3"), json!({"tag": "b"})),
     ]
@@ -218,8 +231,16 @@ fn crlf_and_space_rows() -> Vec<Bad> {
 /// Rows with headers other brokers reserve (free on the broker under test when it reserves none).
 fn other_brokers_reserved_on(topic: &str) -> Vec<Row> {
     vec![
-        Row::new(topic, None, json!({"Nats-Msg-Id": "same", "BCC": "q", "DELAY": "3"})),
-        Row::new(topic, None, json!({"Nats-Msg-Id": "same", "Content-Length": "0"})),
+        Row::new(
+            topic,
+            None,
+            json!({"Nats-Msg-Id": "same", "BCC": "q", "DELAY": "3"}),
+        ),
+        Row::new(
+            topic,
+            None,
+            json!({"Nats-Msg-Id": "same", "Content-Length": "0"}),
+        ),
     ]
 }
 
@@ -245,8 +266,7 @@ fn assert_headers_intact(received: &[Received], rows: &[Row]) {
 async fn defect_01_nats_unsendable_header_or_key_is_dead_lettered_and_the_relay_goes_on() {
     let fx = NatsFixture::new().await;
     let dest = fx.good_destination();
-    bad_rows_dead_lettered_rest_published(&fx, &dest, ordinary_rows(), crlf_and_space_rows())
-        .await;
+    bad_rows_dead_lettered_rest_published(&fx, &dest, ordinary_rows(), crlf_and_space_rows()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -256,9 +276,18 @@ async fn defect_08_nats_reserved_headers_from_sql_are_dead_lettered_not_deduplic
     // Two distinct messages with the same user Nats-Msg-Id: before the fix JetStream kept one and
     // both rows were SENT.
     let bad = vec![
-        bad(Row::new(TOPIC, None, json!({"Nats-Msg-Id": "same"})), "\"Nats-Msg-Id\" is reserved by NATS JetStream"),
-        bad(Row::new(TOPIC, None, json!({"Nats-Msg-Id": "same"})), "\"Nats-Msg-Id\" is reserved by NATS JetStream"),
-        bad(Row::new(TOPIC, None, json!({"nats-expected-last-sequence": "0"})), "nats-expected-last-sequence"),
+        bad(
+            Row::new(TOPIC, None, json!({"Nats-Msg-Id": "same"})),
+            "\"Nats-Msg-Id\" is reserved by NATS JetStream",
+        ),
+        bad(
+            Row::new(TOPIC, None, json!({"Nats-Msg-Id": "same"})),
+            "\"Nats-Msg-Id\" is reserved by NATS JetStream",
+        ),
+        bad(
+            Row::new(TOPIC, None, json!({"nats-expected-last-sequence": "0"})),
+            "nats-expected-last-sequence",
+        ),
         bad(Row::new(TOPIC, None, json!({"Nats-TTL": "1s"})), "Nats-TTL"),
     ];
     bad_rows_dead_lettered_rest_published(&fx, &dest, ordinary_rows(), bad).await;
@@ -268,8 +297,7 @@ async fn defect_08_nats_reserved_headers_from_sql_are_dead_lettered_not_deduplic
 async fn defect_01_webhook_unsendable_header_or_key_is_dead_lettered() {
     let fx = WebhookFixture::new().await;
     let dest = fx.good_destination();
-    bad_rows_dead_lettered_rest_published(&fx, &dest, ordinary_rows(), crlf_and_space_rows())
-        .await;
+    bad_rows_dead_lettered_rest_published(&fx, &dest, ordinary_rows(), crlf_and_space_rows()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -277,16 +305,35 @@ async fn defect_08_webhook_connection_and_signature_headers_from_sql_are_dead_le
     let fx = WebhookFixture::new().await;
     let dest = fx.good_destination();
     let bad = vec![
-        bad(Row::new(TOPIC, None, json!({"Content-Length": "0"})), "\"Content-Length\" is reserved"),
-        bad(Row::new(TOPIC, None, json!({"Host": "evil.example"})), "\"Host\" is reserved"),
-        bad(Row::new(TOPIC, None, json!({"Transfer-Encoding": "chunked"})), "Transfer-Encoding"),
-        bad(Row::new(TOPIC, None, json!({"webhook-signature": "v1,forged"})), "webhook-signature"),
-        bad(Row::new(TOPIC, None, json!({"Connection": "close"})), "\"Connection\""),
+        bad(
+            Row::new(TOPIC, None, json!({"Content-Length": "0"})),
+            "\"Content-Length\" is reserved",
+        ),
+        bad(
+            Row::new(TOPIC, None, json!({"Host": "evil.example"})),
+            "\"Host\" is reserved",
+        ),
+        bad(
+            Row::new(TOPIC, None, json!({"Transfer-Encoding": "chunked"})),
+            "Transfer-Encoding",
+        ),
+        bad(
+            Row::new(TOPIC, None, json!({"webhook-signature": "v1,forged"})),
+            "webhook-signature",
+        ),
+        bad(
+            Row::new(TOPIC, None, json!({"Connection": "close"})),
+            "\"Connection\"",
+        ),
     ];
     let received = bad_rows_dead_lettered_rest_published(&fx, &dest, ordinary_rows(), bad).await;
     // The signature of every delivery is the transport's own.
     for r in &received {
-        let sig = r.headers.get("webhook-signature").cloned().unwrap_or_default();
+        let sig = r
+            .headers
+            .get("webhook-signature")
+            .cloned()
+            .unwrap_or_default();
         assert!(sig.starts_with("v1,") && sig != "v1,forged", "{sig}");
     }
 }
@@ -326,9 +373,16 @@ async fn defect_01_rabbitmq_unsendable_header_is_dead_lettered_and_what_amqp_car
     let dest = fx.good_destination();
     let long = "n".repeat(256);
     let bad = vec![
-        bad(Row::new(TOPIC, None, json!({ long.clone(): "v" })), "at most 255 bytes"),
         bad(
-            Row::new(TOPIC, None, json!({"content-type": format!("text/{}", "x".repeat(260))})),
+            Row::new(TOPIC, None, json!({ long.clone(): "v" })),
+            "at most 255 bytes",
+        ),
+        bad(
+            Row::new(
+                TOPIC,
+                None,
+                json!({"content-type": format!("text/{}", "x".repeat(260))}),
+            ),
             "header \"content-type\"",
         ),
     ];
@@ -346,13 +400,29 @@ async fn defect_08_rabbitmq_headers_rabbitmq_interprets_are_dead_lettered() {
     let fx = outbox_testkit::RabbitMqFixture::new().await;
     let dest = fx.good_destination();
     let bad = vec![
-        bad(Row::new(TOPIC, None, json!({"CC": "elsewhere"})), "\"CC\" is reserved by RabbitMQ"),
-        bad(Row::new(TOPIC, None, json!({"BCC": "elsewhere"})), "\"BCC\" is reserved by RabbitMQ"),
-        bad(Row::new(TOPIC, None, json!({"x-death": "forged"})), "\"x-death\" is reserved by RabbitMQ"),
-        bad(Row::new(TOPIC, None, json!({"x-delay": "60000"})), "\"x-delay\" is reserved by RabbitMQ"),
+        bad(
+            Row::new(TOPIC, None, json!({"CC": "elsewhere"})),
+            "\"CC\" is reserved by RabbitMQ",
+        ),
+        bad(
+            Row::new(TOPIC, None, json!({"BCC": "elsewhere"})),
+            "\"BCC\" is reserved by RabbitMQ",
+        ),
+        bad(
+            Row::new(TOPIC, None, json!({"x-death": "forged"})),
+            "\"x-death\" is reserved by RabbitMQ",
+        ),
+        bad(
+            Row::new(TOPIC, None, json!({"x-delay": "60000"})),
+            "\"x-delay\" is reserved by RabbitMQ",
+        ),
     ];
     let mut good = ordinary_rows();
-    good.push(Row::new(TOPIC, None, json!({"cc": "lower case is not interpreted"})));
+    good.push(Row::new(
+        TOPIC,
+        None,
+        json!({"cc": "lower case is not interpreted"}),
+    ));
     bad_rows_dead_lettered_rest_published(&fx, &dest, good, bad).await;
 }
 
@@ -396,10 +466,22 @@ async fn defect_01_mqtt_malformed_strings_are_dead_lettered_and_the_relay_goes_o
     // Mosquitto closes the connection on a user property with a control character; rumqttc
     // writes a string over 65,535 bytes with a truncated length (a malformed packet).
     let bad = vec![
-        bad(Row::new(TOPIC, None, json!({"note": "x\ty"})), "header \"note\""),
-        bad(Row::new(TOPIC, Some("k\r\n1"), json!({})), "partition key \"k\\r\\n1\""),
-        bad(Row::new(TOPIC, None, json!({"big": long})), "at most 65,535 bytes"),
-        bad(Row::new(TOPIC, None, json!({"odd": "x\u{FFFF}"})), "noncharacter"),
+        bad(
+            Row::new(TOPIC, None, json!({"note": "x\ty"})),
+            "header \"note\"",
+        ),
+        bad(
+            Row::new(TOPIC, Some("k\r\n1"), json!({})),
+            "partition key \"k\\r\\n1\"",
+        ),
+        bad(
+            Row::new(TOPIC, None, json!({"big": long})),
+            "at most 65,535 bytes",
+        ),
+        bad(
+            Row::new(TOPIC, None, json!({"odd": "x\u{FFFF}"})),
+            "noncharacter",
+        ),
     ];
     // User property names may have spaces and colons; MQTT reserves no name.
     let mut good = ordinary_rows();
@@ -415,12 +497,25 @@ async fn defect_01_and_08_rocketmq_separators_and_system_properties_are_dead_let
     let fx = outbox_testkit::rocketmq::RocketMqFixture::new().await;
     let dest = fx.good_destination();
     let bad = vec![
-        bad(Row::new(TOPIC, None, json!({"note": "x\u{1}y"})), "header \"note\""),
+        bad(
+            Row::new(TOPIC, None, json!({"note": "x\u{1}y"})),
+            "header \"note\"",
+        ),
         bad(Row::new(TOPIC, Some("k\u{2}1"), json!({})), "partition key"),
-        bad(Row::new(TOPIC, None, json!({"DELAY": "3"})), "\"DELAY\" is reserved by RocketMQ"),
-        bad(Row::new(TOPIC, None, json!({"UNIQ_KEY": "forged"})), "\"UNIQ_KEY\" is reserved by RocketMQ"),
+        bad(
+            Row::new(TOPIC, None, json!({"DELAY": "3"})),
+            "\"DELAY\" is reserved by RocketMQ",
+        ),
+        bad(
+            Row::new(TOPIC, None, json!({"UNIQ_KEY": "forged"})),
+            "\"UNIQ_KEY\" is reserved by RocketMQ",
+        ),
     ];
     let mut good = ordinary_rows();
-    good.push(Row::new(TOPIC, None, json!({"delay": "lower case is free", "a b": "x\r\ny"})));
+    good.push(Row::new(
+        TOPIC,
+        None,
+        json!({"delay": "lower case is free", "a b": "x\r\ny"}),
+    ));
     bad_rows_dead_lettered_rest_published(&fx, &dest, good, bad).await;
 }

@@ -843,7 +843,12 @@ mod tests {
     fn check_refuses_only_bad_topics() {
         use crate::transport::wire::test_message as message;
         let m = message(
-            &[("a b", "x\r\ny"), ("Nats-Msg-Id", "1"), ("BCC", "q"), ("", "")],
+            &[
+                ("a b", "x\r\ny"),
+                ("Nats-Msg-Id", "1"),
+                ("BCC", "q"),
+                ("", ""),
+            ],
             Some("k\r\n\u{0}"),
         );
         let out = |destination| Outgoing {

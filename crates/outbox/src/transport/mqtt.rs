@@ -312,8 +312,13 @@ pub fn validate_topic(topic: &str) -> Result<(), String> {
 fn mqtt_string(s: &str) -> Result<(), &'static str> {
     if s.len() > 65_535 {
         Err("an MQTT string is at most 65,535 bytes")
-    } else if s.chars().any(|c| c.is_control() || wire::is_noncharacter(c)) {
-        Err("an MQTT string has no control character (U+0000..U+001F, U+007F..U+009F, tab included) or Unicode noncharacter")
+    } else if s
+        .chars()
+        .any(|c| c.is_control() || wire::is_noncharacter(c))
+    {
+        Err(
+            "an MQTT string has no control character (U+0000..U+001F, U+007F..U+009F, tab included) or Unicode noncharacter",
+        )
     } else {
         Ok(())
     }
@@ -707,7 +712,10 @@ mod tests {
         use crate::transport::wire::test_message as message;
         let long = "v".repeat(65_536);
         for (m, named) in [
-            (message(&[("a", long.as_str())], None), "header \"a\": an MQTT string is at most"),
+            (
+                message(&[("a", long.as_str())], None),
+                "header \"a\": an MQTT string is at most",
+            ),
             (message(&[("a\u{0}b", "v")], None), "header \"a\\0b\""),
             (message(&[("a", "x\ty")], None), "tab included"),
             (message(&[("a", "x\u{85}y")], None), "header \"a\""),

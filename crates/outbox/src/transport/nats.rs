@@ -196,7 +196,9 @@ const NATS_HEADERS: HeaderRules = HeaderRules {
         if n.is_empty() {
             Err("a NATS header name cannot be empty")
         } else if n.bytes().any(|b| !b.is_ascii_graphic() || b == b':') {
-            Err("a NATS header name is printable ASCII (! to ~) without ':' (no space, control or non-ASCII character)")
+            Err(
+                "a NATS header name is printable ASCII (! to ~) without ':' (no space, control or non-ASCII character)",
+            )
         } else {
             Ok(())
         }
@@ -246,7 +248,9 @@ fn refused_as_is(e: &jetstream::context::PublishError) -> bool {
     };
     matches!(
         api.error_code(),
-        ErrorCode(10054 | 10060 | 10063 | 10070 | 10071 | 10111 | 10164 | 10165 | 10166 | 10190..=10193)
+        ErrorCode(
+            10054 | 10060 | 10063 | 10070 | 10071 | 10111 | 10164 | 10165 | 10166 | 10190..=10193
+        )
     )
 }
 
@@ -346,8 +350,14 @@ mod tests {
             (message(&[("a", "x\r\ny")], None), "CR or LF"),
             (message(&[("a", "x\ny")], None), "header \"a\""),
             (message(&[], Some("k\r\n1")), "partition key \"k\\r\\n1\""),
-            (message(&[("Nats-Msg-Id", "dup")], None), "\"Nats-Msg-Id\" is reserved by NATS JetStream"),
-            (message(&[("nats-expected-last-sequence", "1")], None), "nats-expected-last-sequence"),
+            (
+                message(&[("Nats-Msg-Id", "dup")], None),
+                "\"Nats-Msg-Id\" is reserved by NATS JetStream",
+            ),
+            (
+                message(&[("nats-expected-last-sequence", "1")], None),
+                "nats-expected-last-sequence",
+            ),
             (message(&[("Nats-Rollup", "all")], None), "Nats-Rollup"),
         ];
         for (m, named) in cases {
@@ -366,7 +376,11 @@ mod tests {
         .unwrap_err();
         assert!(e.report().contains("destination \"a b\""), "{}", e.report());
         let ok = message(
-            &[("tag", "x y\tz \u{e9}"), ("traceparent", "00-abc-def-01"), ("x-request-id", "1")],
+            &[
+                ("tag", "x y\tz \u{e9}"),
+                ("traceparent", "00-abc-def-01"),
+                ("x-request-id", "1"),
+            ],
             Some("order 7 \u{e9}"),
         );
         assert!(check(&ok).is_ok());
@@ -384,18 +398,34 @@ mod tests {
             jetstream::context::PublishError::with_source(PublishErrorKind::Other, e)
         };
         for code in [10060, 10070, 10071, 10164, 10193, 10054, 10165] {
-            assert_eq!(classify(&api(code, 400), true), TransportErrorKind::Permanent, "{code}");
+            assert_eq!(
+                classify(&api(code, 400), true),
+                TransportErrorKind::Permanent,
+                "{code}"
+            );
         }
-        assert_eq!(classify(&api(10163, 503), true), TransportErrorKind::Retryable);
-        assert_eq!(classify(&api(10008, 503), false), TransportErrorKind::Unavailable);
-        for kind in [PublishErrorKind::WrongLastSequence, PublishErrorKind::WrongLastMessageId] {
+        assert_eq!(
+            classify(&api(10163, 503), true),
+            TransportErrorKind::Retryable
+        );
+        assert_eq!(
+            classify(&api(10008, 503), false),
+            TransportErrorKind::Unavailable
+        );
+        for kind in [
+            PublishErrorKind::WrongLastSequence,
+            PublishErrorKind::WrongLastMessageId,
+        ] {
             assert_eq!(
                 classify(&jetstream::context::PublishError::new(kind), true),
                 TransportErrorKind::Permanent
             );
         }
         assert_eq!(
-            classify(&jetstream::context::PublishError::new(PublishErrorKind::TimedOut), true),
+            classify(
+                &jetstream::context::PublishError::new(PublishErrorKind::TimedOut),
+                true
+            ),
             TransportErrorKind::Retryable
         );
     }

@@ -1063,11 +1063,20 @@ mod tests {
         let long_ct = format!("application/{}", "x".repeat(250));
         for (m, named) in [
             (message(&[(long.as_str(), "v")], None), "at most 255 bytes"),
-            (message(&[("content-type", long_ct.as_str())], None), "content_type"),
-            (message(&[("CC", "other-queue")], None), "\"CC\" is reserved by RabbitMQ"),
+            (
+                message(&[("content-type", long_ct.as_str())], None),
+                "content_type",
+            ),
+            (
+                message(&[("CC", "other-queue")], None),
+                "\"CC\" is reserved by RabbitMQ",
+            ),
             (message(&[("BCC", "q")], None), "\"BCC\""),
             (message(&[("x-death", "x")], None), "x-death"),
-            (message(&[("x-first-death-queue", "q")], None), "x-first-death-queue"),
+            (
+                message(&[("x-first-death-queue", "q")], None),
+                "x-first-death-queue",
+            ),
             (message(&[("x-delay", "1000")], None), "x-delay"),
         ] {
             let e = check_message(&Outgoing {
@@ -1079,7 +1088,11 @@ mod tests {
             assert!(e.report().contains(named), "{named}: {}", e.report());
         }
         let ok = message(
-            &[("a b", "x\r\ny"), ("x-request-id", "1"), ("cc", "lower case is free")],
+            &[
+                ("a b", "x\r\ny"),
+                ("x-request-id", "1"),
+                ("cc", "lower case is free"),
+            ],
             Some("k\n"),
         );
         assert!(

@@ -696,14 +696,18 @@ const ROCKETMQ_PROPERTIES: HeaderRules = HeaderRules {
     broker: Broker::RocketMq,
     name: |n| {
         if n.contains(['\u{1}', '\u{2}']) {
-            Err("a RocketMQ property name cannot contain U+0001 or U+0002 (the property separators)")
+            Err(
+                "a RocketMQ property name cannot contain U+0001 or U+0002 (the property separators)",
+            )
         } else {
             Ok(())
         }
     },
     value: |v| {
         if v.contains(['\u{1}', '\u{2}']) {
-            Err("a RocketMQ property value cannot contain U+0001 or U+0002 (the property separators)")
+            Err(
+                "a RocketMQ property value cannot contain U+0001 or U+0002 (the property separators)",
+            )
         } else {
             Ok(())
         }
@@ -738,7 +742,11 @@ pub(crate) fn check_message(
         )));
     }
     wire::check_headers(m, &ROCKETMQ_PROPERTIES)?;
-    if let Some(name) = m.headers.keys().find(|k| STRING_HASH_SET.contains(k.as_str())) {
+    if let Some(name) = m
+        .headers
+        .keys()
+        .find(|k| STRING_HASH_SET.contains(k.as_str()))
+    {
         // The client's own list, in case it knows a name `wire::RESERVED` does not yet.
         return Err(TransportError::permanent(format!(
             "header {name:?} is a RocketMQ system property name and cannot travel as a user property"
@@ -1066,7 +1074,10 @@ mod tests {
             (message(&[("a\u{1}b", "v")], None), "U+0001 or U+0002"),
             (message(&[("a", "x\u{2}y")], None), "header \"a\""),
             (message(&[], Some("k\u{1}")), "partition key"),
-            (message(&[("DELAY", "3")], None), "\"DELAY\" is reserved by RocketMQ"),
+            (
+                message(&[("DELAY", "3")], None),
+                "\"DELAY\" is reserved by RocketMQ",
+            ),
             (message(&[("UNIQ_KEY", "x")], None), "UNIQ_KEY"),
             (empty, "empty message body"),
         ] {

@@ -49,7 +49,9 @@ const HTTP_HEADERS: HeaderRules = HeaderRules {
     },
     value: |v| match HeaderValue::try_from(v) {
         Ok(_) => Ok(()),
-        Err(_) => Err("an HTTP header value cannot contain control characters other than tab (no CR, LF, NUL or DEL)"),
+        Err(_) => Err(
+            "an HTTP header value cannot contain control characters other than tab (no CR, LF, NUL or DEL)",
+        ),
     },
 };
 
@@ -431,10 +433,22 @@ mod tests {
             (vec![("a b", "v")], None, "header \"a b\""),
             (vec![("a", "x\r\nInjected: 1")], None, "header \"a\""),
             (vec![], Some("k\n"), "partition key \"k\\n\""),
-            (vec![("Content-Length", "0")], None, "\"Content-Length\" is reserved"),
+            (
+                vec![("Content-Length", "0")],
+                None,
+                "\"Content-Length\" is reserved",
+            ),
             (vec![("host", "evil")], None, "\"host\" is reserved"),
-            (vec![("Transfer-Encoding", "chunked")], None, "Transfer-Encoding"),
-            (vec![("webhook-signature", "v1,forged")], None, "webhook-signature"),
+            (
+                vec![("Transfer-Encoding", "chunked")],
+                None,
+                "Transfer-Encoding",
+            ),
+            (
+                vec![("webhook-signature", "v1,forged")],
+                None,
+                "webhook-signature",
+            ),
         ] {
             let e = check(&headers, key).unwrap_err();
             assert_eq!(e.kind(), crate::TransportErrorKind::Permanent);

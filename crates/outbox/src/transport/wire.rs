@@ -105,7 +105,8 @@ impl Reserved {
             NameMatch::IgnoreCase => name.eq_ignore_ascii_case(n),
             NameMatch::Prefix => name.starts_with(n),
             NameMatch::PrefixIgnoreCase => {
-                name.len() >= n.len() && name.as_bytes()[..n.len()].eq_ignore_ascii_case(n.as_bytes())
+                name.len() >= n.len()
+                    && name.as_bytes()[..n.len()].eq_ignore_ascii_case(n.as_bytes())
             }
         }
     }
@@ -130,7 +131,8 @@ const fn r(broker: Broker, name: &'static str, matching: NameMatch, why: &'stati
 
 const HOP: &str = "an HTTP connection or framing header the HTTP client sets";
 const AMQP_DLX: &str = "dead-lettering information RabbitMQ records and interprets";
-const RMQ: &str = "a RocketMQ system property (MessageConst) the client or broker sets or interprets";
+const RMQ: &str =
+    "a RocketMQ system property (MessageConst) the client or broker sets or interprets";
 
 /// Every header name a broker reserves (see the module docs and `docs/transports/*.md`).
 ///
@@ -162,13 +164,38 @@ pub const RESERVED: &[Reserved] = &[
         "the Nats- namespace is reserved by the NATS server (Nats-Msg-Id is the relay's duplicate-detection id; Nats-Expected-*, Nats-Rollup, Nats-TTL and Nats-Schedule* steer JetStream)",
     ),
     r(Broker::Webhook, "host", NameMatch::IgnoreCase, HOP),
-    r(Broker::Webhook, "content-length", NameMatch::IgnoreCase, HOP),
-    r(Broker::Webhook, "transfer-encoding", NameMatch::IgnoreCase, HOP),
+    r(
+        Broker::Webhook,
+        "content-length",
+        NameMatch::IgnoreCase,
+        HOP,
+    ),
+    r(
+        Broker::Webhook,
+        "transfer-encoding",
+        NameMatch::IgnoreCase,
+        HOP,
+    ),
     r(Broker::Webhook, "connection", NameMatch::IgnoreCase, HOP),
     r(Broker::Webhook, "keep-alive", NameMatch::IgnoreCase, HOP),
-    r(Broker::Webhook, "proxy-connection", NameMatch::IgnoreCase, HOP),
-    r(Broker::Webhook, "proxy-authenticate", NameMatch::IgnoreCase, HOP),
-    r(Broker::Webhook, "proxy-authorization", NameMatch::IgnoreCase, HOP),
+    r(
+        Broker::Webhook,
+        "proxy-connection",
+        NameMatch::IgnoreCase,
+        HOP,
+    ),
+    r(
+        Broker::Webhook,
+        "proxy-authenticate",
+        NameMatch::IgnoreCase,
+        HOP,
+    ),
+    r(
+        Broker::Webhook,
+        "proxy-authorization",
+        NameMatch::IgnoreCase,
+        HOP,
+    ),
     r(Broker::Webhook, "te", NameMatch::IgnoreCase, HOP),
     r(Broker::Webhook, "trailer", NameMatch::IgnoreCase, HOP),
     r(Broker::Webhook, "upgrade", NameMatch::IgnoreCase, HOP),
@@ -192,8 +219,18 @@ pub const RESERVED: &[Reserved] = &[
         "sender-selected distribution: extra routing keys, removed before delivery",
     ),
     r(Broker::RabbitMq, "x-death", NameMatch::Exact, AMQP_DLX),
-    r(Broker::RabbitMq, "x-first-death-", NameMatch::Prefix, AMQP_DLX),
-    r(Broker::RabbitMq, "x-last-death-", NameMatch::Prefix, AMQP_DLX),
+    r(
+        Broker::RabbitMq,
+        "x-first-death-",
+        NameMatch::Prefix,
+        AMQP_DLX,
+    ),
+    r(
+        Broker::RabbitMq,
+        "x-last-death-",
+        NameMatch::Prefix,
+        AMQP_DLX,
+    ),
     r(
         Broker::RabbitMq,
         "x-delivery-count",
@@ -275,8 +312,18 @@ pub const RESERVED: &[Reserved] = &[
     r(Broker::RocketMq, "MQ2_FLAG", NameMatch::Exact, RMQ),
     r(Broker::RocketMq, "RECONSUME_TIME", NameMatch::Exact, RMQ),
     r(Broker::RocketMq, "UNIQ_KEY", NameMatch::Exact, RMQ),
-    r(Broker::RocketMq, "MAX_RECONSUME_TIMES", NameMatch::Exact, RMQ),
-    r(Broker::RocketMq, "CONSUME_START_TIME", NameMatch::Exact, RMQ),
+    r(
+        Broker::RocketMq,
+        "MAX_RECONSUME_TIMES",
+        NameMatch::Exact,
+        RMQ,
+    ),
+    r(
+        Broker::RocketMq,
+        "CONSUME_START_TIME",
+        NameMatch::Exact,
+        RMQ,
+    ),
     r(Broker::RocketMq, "POP_CK", NameMatch::Exact, RMQ),
     r(Broker::RocketMq, "POP_CK_OFFSET", NameMatch::Exact, RMQ),
     r(Broker::RocketMq, "1ST_POP_TIME", NameMatch::Exact, RMQ),
@@ -296,8 +343,18 @@ pub const RESERVED: &[Reserved] = &[
     r(Broker::RocketMq, "PUSH_REPLY_TIME", NameMatch::Exact, RMQ),
     r(Broker::RocketMq, "CLUSTER", NameMatch::Exact, RMQ),
     r(Broker::RocketMq, "MSG_TYPE", NameMatch::Exact, RMQ),
-    r(Broker::RocketMq, "INNER_MULTI_QUEUE_OFFSET", NameMatch::Exact, RMQ),
-    r(Broker::RocketMq, "INNER_MULTI_DISPATCH", NameMatch::Exact, RMQ),
+    r(
+        Broker::RocketMq,
+        "INNER_MULTI_QUEUE_OFFSET",
+        NameMatch::Exact,
+        RMQ,
+    ),
+    r(
+        Broker::RocketMq,
+        "INNER_MULTI_DISPATCH",
+        NameMatch::Exact,
+        RMQ,
+    ),
     r(Broker::RocketMq, "INNER_NUM", NameMatch::Exact, RMQ),
     r(Broker::RocketMq, "INNER_BASE", NameMatch::Exact, RMQ),
     r(Broker::RocketMq, "TIMER_", NameMatch::Prefix, RMQ),
@@ -305,11 +362,26 @@ pub const RESERVED: &[Reserved] = &[
     r(Broker::RocketMq, "__BORNHOST", NameMatch::Exact, RMQ),
     r(Broker::RocketMq, "BORN_TIMESTAMP", NameMatch::Exact, RMQ),
     r(Broker::RocketMq, "DLQ_ORIGIN_TOPIC", NameMatch::Exact, RMQ),
-    r(Broker::RocketMq, "DLQ_ORIGIN_MESSAGE_ID", NameMatch::Exact, RMQ),
+    r(
+        Broker::RocketMq,
+        "DLQ_ORIGIN_MESSAGE_ID",
+        NameMatch::Exact,
+        RMQ,
+    ),
     r(Broker::RocketMq, "__CRC32#", NameMatch::Exact, RMQ),
-    r(Broker::RocketMq, "_SYS_MSG_PRIORITY_", NameMatch::Exact, RMQ),
+    r(
+        Broker::RocketMq,
+        "_SYS_MSG_PRIORITY_",
+        NameMatch::Exact,
+        RMQ,
+    ),
     r(Broker::RocketMq, "__LITE_TOPIC", NameMatch::Exact, RMQ),
-    r(Broker::RocketMq, "__STARTDELIVERTIME", NameMatch::Exact, RMQ),
+    r(
+        Broker::RocketMq,
+        "__STARTDELIVERTIME",
+        NameMatch::Exact,
+        RMQ,
+    ),
     r(Broker::RocketMq, "__SHARDINGKEY", NameMatch::Exact, RMQ),
     r(Broker::RocketMq, "__transactionId__", NameMatch::Exact, RMQ),
     r(Broker::RocketMq, "__RMQ.TRANSIENT.", NameMatch::Prefix, RMQ),
@@ -319,7 +391,12 @@ pub const RESERVED: &[Reserved] = &[
         NameMatch::Exact,
         RMQ,
     ),
-    r(Broker::RocketMq, "TRANSACTION_CHECK_TIMES", NameMatch::Exact, RMQ),
+    r(
+        Broker::RocketMq,
+        "TRANSACTION_CHECK_TIMES",
+        NameMatch::Exact,
+        RMQ,
+    ),
     r(Broker::RocketMq, "TRANS_OFFSET", NameMatch::Exact, RMQ),
     r(Broker::RocketMq, "TRACE_CONTEXT", NameMatch::Exact, RMQ),
     r(Broker::RocketMq, "REDIRECT", NameMatch::Exact, RMQ),
@@ -364,7 +441,9 @@ impl fmt::Display for Field {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Field::Header(n) => write!(f, "header {n:?}"),
-            Field::PartitionKey(k) => write!(f, "partition key {k} (header {HEADER_PARTITION_KEY})"),
+            Field::PartitionKey(k) => {
+                write!(f, "partition key {k} (header {HEADER_PARTITION_KEY})")
+            }
             Field::Topic(t) => write!(f, "topic {t} (header {HEADER_TOPIC})"),
             Field::Destination(d) => write!(f, "destination {d:?}"),
             Field::Payload => f.write_str("the payload"),
@@ -480,12 +559,14 @@ pub(crate) fn check_headers(m: &Message, rules: &HeaderRules) -> Result<(), Wire
     }
     let header = |name: &str| Field::Header(name.to_owned());
     for (name, value) in &m.headers {
-        (rules.name)(name).map_err(|rule| WireError::unsupported(rules.broker, header(name), rule))?;
+        (rules.name)(name)
+            .map_err(|rule| WireError::unsupported(rules.broker, header(name), rule))?;
         (rules.value)(value)
             .map_err(|rule| WireError::unsupported(rules.broker, header(name), rule))?;
     }
-    (rules.value)(&m.topic)
-        .map_err(|rule| WireError::unsupported(rules.broker, Field::Topic(shown(&m.topic)), rule))?;
+    (rules.value)(&m.topic).map_err(|rule| {
+        WireError::unsupported(rules.broker, Field::Topic(shown(&m.topic)), rule)
+    })?;
     if let Some(key) = &m.partition_key {
         (rules.value)(key).map_err(|rule| {
             WireError::unsupported(rules.broker, Field::PartitionKey(shown(key)), rule)
@@ -529,13 +610,28 @@ mod tests {
     #[test]
     fn reserved_names_match_as_each_broker_compares() {
         assert_eq!(reserved_by("Nats-Msg-Id").unwrap().broker, Broker::Nats);
-        assert_eq!(reserved_by("nats-expected-stream").unwrap().broker, Broker::Nats);
-        assert_eq!(reserved_by("Content-Length").unwrap().broker, Broker::Webhook);
-        assert_eq!(reserved_by("webhook-signature").unwrap().broker, Broker::Webhook);
+        assert_eq!(
+            reserved_by("nats-expected-stream").unwrap().broker,
+            Broker::Nats
+        );
+        assert_eq!(
+            reserved_by("Content-Length").unwrap().broker,
+            Broker::Webhook
+        );
+        assert_eq!(
+            reserved_by("webhook-signature").unwrap().broker,
+            Broker::Webhook
+        );
         assert_eq!(reserved_by("BCC").unwrap().broker, Broker::RabbitMq);
-        assert_eq!(reserved_by("x-first-death-queue").unwrap().broker, Broker::RabbitMq);
+        assert_eq!(
+            reserved_by("x-first-death-queue").unwrap().broker,
+            Broker::RabbitMq
+        );
         assert_eq!(reserved_by("DELAY").unwrap().broker, Broker::RocketMq);
-        assert_eq!(reserved_by("TIMER_DELIVER_MS").unwrap().broker, Broker::RocketMq);
+        assert_eq!(
+            reserved_by("TIMER_DELIVER_MS").unwrap().broker,
+            Broker::RocketMq
+        );
         // Case-sensitive brokers: other spellings are free.
         for free in [
             "bcc",
@@ -576,14 +672,21 @@ mod tests {
             },
         };
         let e = check_headers(&message(&[("a b", "v")], None), &rules).unwrap_err();
-        assert_eq!(e.to_string(), "NATS JetStream cannot carry header \"a b\": no spaces in names");
+        assert_eq!(
+            e.to_string(),
+            "NATS JetStream cannot carry header \"a b\": no spaces in names"
+        );
         let e = check_headers(&message(&[("a", "x\ny")], None), &rules).unwrap_err();
         assert!(e.to_string().contains("header \"a\""), "{e}");
         let e = check_headers(&message(&[], Some("k\n1")), &rules).unwrap_err();
         assert!(e.to_string().contains("partition key \"k\\n1\""), "{e}");
         let e = check_headers(&message(&[("Nats-Msg-Id", "x")], None), &rules).unwrap_err();
         assert!(matches!(e, WireError::Reserved { .. }));
-        assert!(e.to_string().contains("\"Nats-Msg-Id\" is reserved by NATS JetStream"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("\"Nats-Msg-Id\" is reserved by NATS JetStream"),
+            "{e}"
+        );
         let t: TransportError = e.into();
         assert_eq!(t.kind(), crate::TransportErrorKind::Permanent);
         assert!(t.report().contains("Nats-Msg-Id"), "{}", t.report());
@@ -595,7 +698,14 @@ mod tests {
 
     #[test]
     fn noncharacters() {
-        for c in ['\u{FDD0}', '\u{FDEF}', '\u{FFFE}', '\u{FFFF}', '\u{1FFFF}', '\u{10FFFF}'] {
+        for c in [
+            '\u{FDD0}',
+            '\u{FDEF}',
+            '\u{FFFE}',
+            '\u{FFFF}',
+            '\u{1FFFF}',
+            '\u{10FFFF}',
+        ] {
             assert!(is_noncharacter(c), "{c:?}");
         }
         for c in ['a', '\u{FDCF}', '\u{FFFD}', '😀'] {
