@@ -153,17 +153,16 @@ async fn bad_rows_dead_lettered_rest_published<F: TransportFixture>(
     )
     .await;
     good_ids.push(after);
-    let mut received = Vec::new();
     wait_until(
         "the broker holds every good message",
         Duration::from_secs(10),
         || async {
-            received = fx.received().await;
-            let c = counts(&received);
+            let c = counts(&fx.received().await);
             good_ids.iter().all(|id| c.contains_key(id))
         },
     )
     .await;
+    let received = fx.received().await;
     let c = counts(&received);
     for id in &good_ids {
         assert_eq!(c.get(id), Some(&1), "good message {id} received once");
