@@ -44,6 +44,20 @@ pub enum EnqueueError {
         "invalid header name {0:?}: 1 to 128 of A-Z a-z 0-9 - _ . and not reserved (outbox-*, webhook-*)"
     )]
     InvalidHeaderName(String),
+    /// A header whose name a broker reserves for itself
+    /// ([`transport::wire::RESERVED`](crate::transport::wire::RESERVED)): `Nats-Msg-Id` and the
+    /// rest of the `Nats-` namespace, HTTP connection headers such as `Content-Length`,
+    /// RabbitMQ's `CC`/`BCC`/`x-death`/`x-delay`, RocketMQ system properties such as `DELAY`.
+    /// Refused for every transport, since the relay may route the message to any of them.
+    #[error("header {name:?} is reserved by {broker} ({why}): choose another name")]
+    ReservedHeader {
+        /// The header name.
+        name: String,
+        /// The broker that reserves it (`"NATS JetStream"`, `"RabbitMQ"`, ...).
+        broker: &'static str,
+        /// What the broker does with it.
+        why: &'static str,
+    },
     /// A header value that is too long or has control characters.
     #[error("invalid value for header {0:?}: too long or has control characters")]
     InvalidHeaderValue(String),

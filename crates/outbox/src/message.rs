@@ -227,7 +227,8 @@ impl Default for Limits {
 }
 
 impl Limits {
-    /// Check `msg` against these limits and the naming rules.
+    /// Check `msg` against these limits and the naming rules, broker-reserved header names
+    /// included ([`EnqueueError::ReservedHeader`]).
     ///
     /// # Errors
     /// The first problem found, as an [`EnqueueError`] variant that names it.
@@ -252,6 +253,13 @@ impl Limits {
         }
         for (name, value) in &msg.headers {
             validate_header_name(name)?;
+            if let Some(r) = crate::transport::wire::reserved_by(name) {
+                return Err(EnqueueError::ReservedHeader {
+                    name: name.clone(),
+                    broker: r.broker.name(),
+                    why: r.why,
+                });
+            }
             if value.len() > self.max_header_value_bytes
                 || value.chars().any(|c| c.is_control() && c != '\t')
             {
@@ -444,6 +452,33 @@ mod tests {
             l.validate(&ctl),
             Err(EnqueueError::InvalidHeaderValue(_))
         ));
+        for name in [
+            "Nats-Msg-Id",
+            "nats-expected-last-sequence",
+            "BCC",
+            "x-delay",
+            "DELAY",
+            "Content-Length",
+        ] {
+            let reserved = NewMessage::new("t", "x").with_header(name, "v");
+            let e = l.validate(&reserved).unwrap_err();
+            assert!(
+                matches!(&e, EnqueueError::ReservedHeader { name: n, .. } if n == name),
+                "{name}: {e:?}"
+            );
+            assert!(e.to_string().contains(name), "{e}");
+        }
+        let e = l
+            .validate(&NewMessage::new("t", "x").with_header("Nats-Msg-Id", "dup"))
+            .unwrap_err();
+        assert!(e.to_string().contains("NATS JetStream"), "{e}");
+        for free in ["x-request-id", "delay", "content-type", "traceparent"] {
+            assert!(
+                l.validate(&NewMessage::new("t", "x").with_header(free, "v"))
+                    .is_ok(),
+                "{free}"
+            );
+        }
         let zero = NewMessage::new("t", "x").with_max_attempts(0);
         assert!(matches!(
             l.validate(&zero),

@@ -51,6 +51,11 @@
 //! - `Retryable` publish error: PENDING again after [`Backoff`] on the database clock, or FAILED
 //!   ("attempts exhausted") after `max_attempts`.
 //! - `Permanent` error or no route: FAILED at once with the reason (shared case C07).
+//! - A message the route's transport refuses to put on the wire ([`Transport::check`]: a header
+//!   name or value, a partition key its client cannot carry, a broker-reserved header such as
+//!   `Nats-Msg-Id`, typically from a row written by plain SQL): FAILED at once with the reason
+//!   naming the header or key; it is never handed to the broker's client, and the rest of the
+//!   batch is published.
 //! - `Unavailable`: the message is released without counting the attempt, the transport is
 //!   marked down, and a prober checks it with backoff; while every transport is down the relay
 //!   does not read at all (shared case C05).
@@ -597,6 +602,20 @@ impl Work {
             _ => self.attempt(),
         }
     }
+}
+
+/// The outcome of a message `transport` refuses to put on the wire ([`Transport::check`]): a
+/// dead letter naming the header or key and the rule it breaks. `None` when it may be sent.
+fn refused_by_transport(transport: &dyn Transport, w: &Work) -> Option<Outcome> {
+    let (_, destination) = w.route.as_ref()?;
+    let out = Outgoing {
+        message: &w.message,
+        destination,
+    };
+    transport
+        .check(&out)
+        .err()
+        .map(|e| Outcome::Failed { reason: e.report() })
 }
 
 impl Relay {
@@ -1293,6 +1312,11 @@ impl Relay {
                 .iter()
                 .position(|x| Arc::ptr_eq(x, t))
                 .expect("transport listed");
+            // What the broker cannot carry (a header from plain SQL) is dead-lettered, never sent.
+            if let Some(refused) = refused_by_transport(t.as_ref(), &work[i]) {
+                work[i].outcome = Some(refused);
+                continue;
+            }
             if inner.health[ti].down.load(Ordering::Acquire) {
                 work[i].outcome = Some(Outcome::Release {
                     delay: cfg.probe_backoff.max.min(Duration::from_secs(1)),

@@ -28,6 +28,7 @@ mod relay_faults;
 mod rocketmq;
 mod store;
 mod transport;
+mod wire;
 
 /// Log to the test output with `RUST_LOG=outbox=debug`.
 pub fn init_tracing() {

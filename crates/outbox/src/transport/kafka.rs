@@ -412,6 +412,23 @@ pub(crate) fn config_error(e: KafkaError) -> ConfigError {
     }
 }
 
+/// What Kafka cannot carry: an invalid topic name (see [`valid_topic`]).
+///
+/// # Errors
+/// A permanent error whose source is a [`WireError`](super::wire::WireError) naming the topic.
+pub(crate) fn check_message(out: &Outgoing<'_>) -> Result<(), TransportError> {
+    if valid_topic(out.destination) {
+        Ok(())
+    } else {
+        Err(super::wire::WireError::unsupported(
+            super::wire::Broker::Kafka,
+            super::wire::Field::Destination(out.destination.to_owned()),
+            "a Kafka topic name is 1 to 249 of A-Z a-z 0-9 . _ - (and not . or ..)",
+        )
+        .into())
+    }
+}
+
 /// Whether `topic` is a valid Kafka topic name: 1 to 249 characters of `A-Z a-z 0-9 . _ -`, and
 /// not `.` or `..` (Kafka's `Topic.validate`).
 pub fn valid_topic(topic: &str) -> bool {
@@ -717,6 +734,13 @@ impl Transport for KafkaTransport {
         "kafka"
     }
 
+    /// Kafka carries any header name and value (record header keys are UTF-8 strings, values
+    /// bytes) and any partition key (the record key, bytes), and reserves no header name: only the
+    /// topic name is checked.
+    fn check(&self, out: &Outgoing<'_>) -> Result<(), TransportError> {
+        check_message(out)
+    }
+
     async fn publish(&self, batch: &[Outgoing<'_>]) -> Vec<Result<(), TransportError>> {
         let acks = Acks::new(batch.len());
         self.publish_each(batch, &acks).await;
@@ -728,11 +752,8 @@ impl Transport for KafkaTransport {
         // Enqueue the whole batch, then await the delivery reports.
         let mut pending = Vec::with_capacity(batch.len());
         for o in batch {
-            if !valid_topic(o.destination) {
-                pending.push(Err(TransportError::permanent(format!(
-                    "invalid Kafka topic name {:?}: 1 to 249 of A-Z a-z 0-9 . _ -",
-                    o.destination
-                ))));
+            if let Err(refused) = self.check(o) {
+                pending.push(Err(refused));
                 continue;
             }
             let m = o.message;
@@ -824,6 +845,29 @@ mod tests {
         for bad in ["", ".", "..", "a b", "a/b", "ä", &"x".repeat(250), "a*"] {
             assert!(!valid_topic(bad), "{bad:?}");
         }
+    }
+
+    /// Kafka carries any header and key; only the topic is checked, and a bad one is named.
+    #[test]
+    fn check_refuses_only_bad_topics() {
+        use crate::transport::wire::test_message as message;
+        let m = message(
+            &[
+                ("a b", "x\r\ny"),
+                ("Nats-Msg-Id", "1"),
+                ("BCC", "q"),
+                ("", ""),
+            ],
+            Some("k\r\n\u{0}"),
+        );
+        let out = |destination| Outgoing {
+            message: &m,
+            destination,
+        };
+        assert!(check_message(&out("orders.created")).is_ok());
+        let e = check_message(&out("a b")).unwrap_err();
+        assert_eq!(e.kind(), TransportErrorKind::Permanent);
+        assert!(e.report().contains("destination \"a b\""), "{}", e.report());
     }
 
     #[test]

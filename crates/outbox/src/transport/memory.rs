@@ -1,5 +1,9 @@
 //! In-memory transport for tests and demos: records every acknowledged publish and can be told
 //! to fail.
+//!
+//! It stands in for any broker, so its [`check`](Transport::check) refuses a user header whose
+//! name any broker reserves ([`wire::reserved_by`](super::wire::reserved_by), what enqueue
+//! refuses), as permanent; every other name, value and key travels.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -8,6 +12,7 @@ use async_trait::async_trait;
 use tokio::sync::Notify;
 use uuid::Uuid;
 
+use super::wire::{WireError, reserved_by};
 use super::{Outgoing, Transport};
 use crate::error::{TransportError, TransportErrorKind};
 use crate::message::Message;
@@ -84,11 +89,28 @@ impl Transport for MemoryTransport {
         "memory"
     }
 
+    fn check(&self, out: &Outgoing<'_>) -> Result<(), TransportError> {
+        match out
+            .message
+            .headers
+            .keys()
+            .find_map(|name| Some((name, reserved_by(name)?)))
+        {
+            Some((name, reserved)) => Err(WireError::Reserved {
+                name: name.clone(),
+                reserved,
+            }
+            .into()),
+            None => Ok(()),
+        }
+    }
+
     async fn publish(&self, batch: &[Outgoing<'_>]) -> Vec<Result<(), TransportError>> {
         let mut st = self.state.lock().expect("poisoned");
         let results = batch
             .iter()
             .map(|o| {
+                self.check(o)?;
                 if st.down {
                     return Err(TransportError::unavailable("memory broker is down"));
                 }

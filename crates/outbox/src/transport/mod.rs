@@ -29,6 +29,7 @@ pub mod redis;
 pub mod rocketmq;
 #[cfg(feature = "webhook")]
 pub mod webhook;
+pub mod wire;
 
 pub use memory::MemoryTransport;
 
@@ -209,10 +210,28 @@ impl Acks {
 ///   accepted as it is, `Retryable` otherwise.
 /// - The message id travels in the broker's native id field where there is one, so a re-publish
 ///   after a crash is recognisable as a duplicate downstream.
+/// - [`Transport::check`] refuses, before anything is sent, what the broker cannot carry; the
+///   relay calls it for every message and dead-letters the refused ones, and `publish` calls it
+///   again for each message so that nothing reaching the client can make it panic or write a
+///   malformed frame.
 #[async_trait]
 pub trait Transport: Send + Sync + 'static {
     /// A short name for logs and metrics (`"nats"`, `"webhook"`, `"memory"`).
     fn name(&self) -> &str;
+
+    /// Check that the broker can carry `out` as it is: the destination, header names and values,
+    /// the partition key, reserved header names ([`wire::RESERVED`]), sizes the transport knows.
+    /// A pure function of the message and the transport's settings: no I/O. Default: `Ok`.
+    ///
+    /// # Errors
+    /// A [`Permanent`](crate::TransportErrorKind::Permanent) error whose source is a
+    /// [`wire::WireError`] naming the header, key or destination and the rule it breaks. The
+    /// relay dead-letters the message with it (FAILED, reason in `last_error`) and publishes the
+    /// rest of the batch.
+    fn check(&self, out: &Outgoing<'_>) -> Result<(), TransportError> {
+        let _ = out;
+        Ok(())
+    }
 
     /// Publish the batch, pipelined; one result per message, in order.
     async fn publish(&self, batch: &[Outgoing<'_>]) -> Vec<Result<(), TransportError>>;

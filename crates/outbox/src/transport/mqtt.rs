@@ -12,6 +12,19 @@
 //!   correlate by it. The `content-type` header, when present, also sets the MQTT 5 content type.
 //! - no retain flag (a retained message would be delivered again to every new subscriber).
 //!
+//! # What MQTT 5 can carry
+//! User property names and values, the content type and the topic are MQTT UTF-8 strings
+//! (MQTT 5 §1.5.4): at most 65,535 bytes, no U+0000, and a receiver may treat U+0001..U+001F,
+//! U+007F..U+009F and the Unicode noncharacters as a malformed packet and close the connection.
+//! rumqttc writes a longer string with a truncated length prefix (a malformed packet) and sends
+//! the others as they are, so one such message would make the broker drop the publisher's
+//! connection again and again. [`MqttTransport::check`](Transport::check) refuses, as permanent,
+//! before anything is sent: a header name or value, topic or partition key (they travel as the
+//! `outbox-topic` and `outbox-partition-key` user properties) over 65,535 bytes or with a control
+//! character (tab included) or a noncharacter, and an invalid publish topic. MQTT 5 user
+//! properties are free-form: no header name is reserved (the properties the transport sets,
+//! content type and correlation data, are not user properties).
+//!
 //! # Acknowledgement and its correlation
 //! rumqttc 0.25 has no per-publish ack future: its event loop reports `Outgoing::Publish(pkid)`
 //! when it writes a publish (packet ids are assigned in request order) and `Incoming::PubAck`
@@ -53,6 +66,7 @@ use rumqttc::v5::mqttbytes::v5::{
 use rumqttc::v5::{AsyncClient, ConnectionError, Event, EventLoop, MqttOptions};
 use tokio::sync::oneshot;
 
+use super::wire::{self, Broker, Field, HeaderRules, WireError};
 use super::{Acks, Outgoing, Transport};
 use crate::error::{ConfigError, TransportError, TransportErrorKind};
 use crate::message::{Headers, Message};
@@ -292,6 +306,46 @@ pub fn validate_topic(topic: &str) -> Result<(), String> {
     } else {
         Ok(())
     }
+}
+
+/// An MQTT UTF-8 string as every receiver accepts it (MQTT 5 §1.5.4; see the module docs).
+fn mqtt_string(s: &str) -> Result<(), &'static str> {
+    if s.len() > 65_535 {
+        Err("an MQTT string is at most 65,535 bytes")
+    } else if s
+        .chars()
+        .any(|c| c.is_control() || wire::is_noncharacter(c))
+    {
+        Err(
+            "an MQTT string has no control character (U+0000..U+001F, U+007F..U+009F, tab included) or Unicode noncharacter",
+        )
+    } else {
+        Ok(())
+    }
+}
+
+/// User properties are pairs of MQTT UTF-8 strings.
+const MQTT_PROPERTIES: HeaderRules = HeaderRules {
+    broker: Broker::Mqtt,
+    name: mqtt_string,
+    value: mqtt_string,
+};
+
+/// What MQTT 5 cannot carry (see the module docs): a pure function of the message.
+///
+/// # Errors
+/// A permanent error whose source is a [`WireError`] naming the topic, header or key.
+pub(crate) fn check_message(out: &Outgoing<'_>) -> Result<(), TransportError> {
+    if validate_topic(out.destination).is_err() || mqtt_string(out.destination).is_err() {
+        return Err(WireError::unsupported(
+            Broker::Mqtt,
+            Field::Destination(out.destination.to_owned()),
+            "an MQTT publish topic is 1 to 65,535 bytes without wildcards (+ #), control characters or noncharacters, not starting with $",
+        )
+        .into());
+    }
+    wire::check_headers(out.message, &MQTT_PROPERTIES)?;
+    Ok(())
 }
 
 /// Success or the classified error of a PUBACK.
@@ -602,6 +656,10 @@ impl Transport for MqttTransport {
         "mqtt"
     }
 
+    fn check(&self, out: &Outgoing<'_>) -> Result<(), TransportError> {
+        check_message(out)
+    }
+
     async fn publish(&self, batch: &[Outgoing<'_>]) -> Vec<Result<(), TransportError>> {
         let acks = Acks::new(batch.len());
         self.publish_each(batch, &acks).await;
@@ -612,6 +670,11 @@ impl Transport for MqttTransport {
         let pending: Vec<_> = batch
             .iter()
             .map(|o| {
+                if let Err(refused) = self.check(o) {
+                    let (tx, rx) = oneshot::channel();
+                    let _ = tx.send(Err(refused));
+                    return rx;
+                }
                 self.publisher.send(
                     o.destination,
                     Bytes::from(o.message.payload.clone()),
@@ -656,6 +719,44 @@ pub fn decode(p: &Publish) -> (Headers, Vec<u8>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Strings a broker may treat as malformed, or rumqttc cannot encode, are refused as
+    /// permanent, naming the header or key; MQTT reserves no name.
+    #[test]
+    fn check_refuses_what_mqtt_cannot_carry() {
+        use crate::transport::wire::test_message as message;
+        let long = "v".repeat(65_536);
+        for (m, named) in [
+            (
+                message(&[("a", long.as_str())], None),
+                "header \"a\": an MQTT string is at most",
+            ),
+            (message(&[("a\u{0}b", "v")], None), "header \"a\\0b\""),
+            (message(&[("a", "x\ty")], None), "tab included"),
+            (message(&[("a", "x\u{85}y")], None), "header \"a\""),
+            (message(&[("a", "x\u{FFFF}")], None), "noncharacter"),
+            (message(&[], Some("k\r\n")), "partition key \"k\\r\\n\""),
+        ] {
+            let e = check_message(&Outgoing {
+                message: &m,
+                destination: "orders/created",
+            })
+            .unwrap_err();
+            assert_eq!(e.kind(), TransportErrorKind::Permanent);
+            assert!(e.report().contains(named), "{named}: {}", e.report());
+        }
+        let ok = message(
+            &[("a b", "x y \u{e9}😀"), ("Nats-Msg-Id", "1"), ("BCC", "q")],
+            Some("order 7"),
+        );
+        let out = |destination| Outgoing {
+            message: &ok,
+            destination,
+        };
+        assert!(check_message(&out("orders/created")).is_ok());
+        assert!(check_message(&out("orders/+")).is_err());
+        assert!(check_message(&out("a\nb")).is_err());
+    }
 
     #[test]
     fn urls_parse() {

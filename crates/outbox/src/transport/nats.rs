@@ -6,8 +6,23 @@
 //! a second copy in the stream if it comes back within the window; past it, the consumer's inbox
 //! absorbs the copy.
 //!
+//! # What NATS can carry
+//! [`NatsTransport::check`](Transport::check) refuses, as permanent, before anything is sent
+//! (async-nats panics on the header names and values it cannot encode):
+//! - a header name that is empty or has a character outside printable ASCII (`!` to `~`) or a
+//!   `:` (a space, a control character, a non-ASCII letter);
+//! - a header value, topic or partition key (they travel as `outbox-topic` and
+//!   `outbox-partition-key`) with a CR or LF;
+//! - a user header in the `Nats-` namespace, any case (`Nats-Msg-Id` would replace the relay's
+//!   duplicate-detection id, so JetStream would drop distinct messages as duplicates while their
+//!   rows are marked SENT; `Nats-Expected-*`, `Nats-Rollup`, `Nats-TTL`, ... steer the server);
+//! - a subject that is not a valid publish subject.
+//!
 //! Classification: not connected → `Unavailable`; ack timeout, broken pipe, too many pending acks
-//! → retryable; no stream for the subject, message over the server's `max_payload` → permanent.
+//! → retryable; no stream for the subject, message over the server's `max_payload` or the
+//! stream's `max_msg_size`, a failed `Nats-Expected-*` condition (wrong last sequence, wrong last
+//! message id, wrong stream), an invalid TTL or rollup → permanent (the same message would fail
+//! the same way again).
 
 use std::time::Duration;
 
@@ -17,6 +32,7 @@ use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::{self, stream};
 use async_trait::async_trait;
 
+use super::wire::{self, Broker, Field, HeaderRules, WireError};
 use super::{Acks, Outgoing, Transport};
 use crate::error::{ConfigError, TransportError, TransportErrorKind};
 
@@ -171,11 +187,79 @@ fn validate_subject(subject: &str) -> Result<(), String> {
     }
 }
 
+/// The header rules of async-nats 0.51 (`header.rs`): a name is printable ASCII without `:`
+/// (`HeaderName`; the client panics on others), a value has no CR or LF (`HeaderValue`; the
+/// client panics on them).
+const NATS_HEADERS: HeaderRules = HeaderRules {
+    broker: Broker::Nats,
+    name: |n| {
+        if n.is_empty() {
+            Err("a NATS header name cannot be empty")
+        } else if n.bytes().any(|b| !b.is_ascii_graphic() || b == b':') {
+            Err(
+                "a NATS header name is printable ASCII (! to ~) without ':' (no space, control or non-ASCII character)",
+            )
+        } else {
+            Ok(())
+        }
+    },
+    value: |v| {
+        if v.contains(['\r', '\n']) {
+            Err("a NATS header value cannot contain CR or LF")
+        } else {
+            Ok(())
+        }
+    },
+};
+
+/// What NATS cannot carry (see the module docs): a pure function of the message.
+///
+/// # Errors
+/// A permanent error whose source is a [`WireError`] naming the subject, header or key.
+pub(crate) fn check_message(out: &Outgoing<'_>) -> Result<(), TransportError> {
+    if validate_subject(out.destination).is_err() {
+        return Err(WireError::unsupported(
+            Broker::Nats,
+            Field::Destination(out.destination.to_owned()),
+            "a NATS publish subject is dot-separated non-empty tokens, without whitespace or wildcards",
+        )
+        .into());
+    }
+    wire::check_headers(out.message, &NATS_HEADERS)?;
+    Ok(())
+}
+
+/// JetStream API error codes that refuse this message as it is: publishing it again fails the
+/// same way. `Nats-Expected-*` conditions (10060 expected stream, 10063 expected sequence, 10070
+/// wrong last message id, 10071 / 10164 wrong last sequence, 10193 expected last subject sequence
+/// invalid), 10054 over the stream's `max_msg_size`, 10111 rollup refused, 10165 / 10166 invalid or
+/// disabled per-message TTL, 10190..10192 invalid schedule.
+fn refused_as_is(e: &jetstream::context::PublishError) -> bool {
+    use jetstream::ErrorCode;
+    if matches!(
+        e.kind(),
+        PublishErrorKind::WrongLastMessageId | PublishErrorKind::WrongLastSequence
+    ) {
+        return true;
+    }
+    let Some(api) = std::error::Error::source(e).and_then(|s| s.downcast_ref::<jetstream::Error>())
+    else {
+        return false;
+    };
+    matches!(
+        api.error_code(),
+        ErrorCode(
+            10054 | 10060 | 10063 | 10070 | 10071 | 10111 | 10164 | 10165 | 10166 | 10190..=10193
+        )
+    )
+}
+
 fn classify(e: &jetstream::context::PublishError, connected: bool) -> TransportErrorKind {
     match e.kind() {
         PublishErrorKind::StreamNotFound | PublishErrorKind::MaxPayloadExceeded => {
             TransportErrorKind::Permanent
         }
+        _ if refused_as_is(e) => TransportErrorKind::Permanent,
         _ if !connected => TransportErrorKind::Unavailable,
         _ => TransportErrorKind::Retryable,
     }
@@ -187,6 +271,10 @@ impl Transport for NatsTransport {
         "nats"
     }
 
+    fn check(&self, out: &Outgoing<'_>) -> Result<(), TransportError> {
+        check_message(out)
+    }
+
     async fn publish(&self, batch: &[Outgoing<'_>]) -> Vec<Result<(), TransportError>> {
         let acks = Acks::new(batch.len());
         self.publish_each(batch, &acks).await;
@@ -196,8 +284,8 @@ impl Transport for NatsTransport {
     async fn publish_each(&self, batch: &[Outgoing<'_>], acks: &Acks) {
         let mut pending = Vec::with_capacity(batch.len());
         for o in batch {
-            if let Err(reason) = validate_subject(o.destination) {
-                pending.push(Err(TransportError::permanent(reason)));
+            if let Err(refused) = self.check(o) {
+                pending.push(Err(refused));
                 continue;
             }
             let m = o.message;
@@ -244,6 +332,110 @@ impl Transport for NatsTransport {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use crate::message::Message;
+    use crate::transport::wire::test_message as message;
+
+    fn check(m: &Message) -> Result<(), TransportError> {
+        check_message(&Outgoing {
+            message: m,
+            destination: "orders.created",
+        })
+    }
+
+    /// Everything async-nats would panic on, and the `Nats-` namespace, is refused as permanent
+    /// with the header or key named; what it accepts passes.
+    #[test]
+    fn check_refuses_what_nats_cannot_carry() {
+        let cases: &[(Message, &str)] = &[
+            (message(&[("a b", "v")], None), "header \"a b\""),
+            (message(&[("a:b", "v")], None), "header \"a:b\""),
+            (message(&[("", "v")], None), "header \"\""),
+            (message(&[("caf\u{e9}", "v")], None), "header \"caf\u{e9}\""),
+            (message(&[("tab\there", "v")], None), "printable ASCII"),
+            (message(&[("a", "x\r\ny")], None), "CR or LF"),
+            (message(&[("a", "x\ny")], None), "header \"a\""),
+            (message(&[], Some("k\r\n1")), "partition key \"k\\r\\n1\""),
+            (
+                message(&[("Nats-Msg-Id", "dup")], None),
+                "\"Nats-Msg-Id\" is reserved by NATS JetStream",
+            ),
+            (
+                message(&[("nats-expected-last-sequence", "1")], None),
+                "nats-expected-last-sequence",
+            ),
+            (message(&[("Nats-Rollup", "all")], None), "Nats-Rollup"),
+        ];
+        for (m, named) in cases {
+            let e = check(m).unwrap_err();
+            assert_eq!(e.kind(), TransportErrorKind::Permanent);
+            assert!(e.report().contains(named), "{named}: {}", e.report());
+        }
+        let mut topic = message(&[], None);
+        topic.topic = "a\nb".into();
+        assert!(check(&topic).unwrap_err().report().contains("topic"));
+        let bad_subject = message(&[], None);
+        let e = check_message(&Outgoing {
+            message: &bad_subject,
+            destination: "a b",
+        })
+        .unwrap_err();
+        assert!(e.report().contains("destination \"a b\""), "{}", e.report());
+        let ok = message(
+            &[
+                ("tag", "x y\tz \u{e9}"),
+                ("traceparent", "00-abc-def-01"),
+                ("x-request-id", "1"),
+            ],
+            Some("order 7 \u{e9}"),
+        );
+        assert!(check(&ok).is_ok());
+    }
+
+    /// Failed `Nats-Expected-*` conditions and other refusals of the message as it is are
+    /// permanent; a server that is busy is not.
+    #[test]
+    fn expected_header_mismatches_are_permanent() {
+        let api = |code: u64, status: u16| {
+            let e: jetstream::Error = serde_json::from_str(&format!(
+                r#"{{"code":{status},"err_code":{code},"description":"x"}}"#
+            ))
+            .unwrap();
+            jetstream::context::PublishError::with_source(PublishErrorKind::Other, e)
+        };
+        for code in [10060, 10070, 10071, 10164, 10193, 10054, 10165] {
+            assert_eq!(
+                classify(&api(code, 400), true),
+                TransportErrorKind::Permanent,
+                "{code}"
+            );
+        }
+        assert_eq!(
+            classify(&api(10163, 503), true),
+            TransportErrorKind::Retryable
+        );
+        assert_eq!(
+            classify(&api(10008, 503), false),
+            TransportErrorKind::Unavailable
+        );
+        for kind in [
+            PublishErrorKind::WrongLastSequence,
+            PublishErrorKind::WrongLastMessageId,
+        ] {
+            assert_eq!(
+                classify(&jetstream::context::PublishError::new(kind), true),
+                TransportErrorKind::Permanent
+            );
+        }
+        assert_eq!(
+            classify(
+                &jetstream::context::PublishError::new(PublishErrorKind::TimedOut),
+                true
+            ),
+            TransportErrorKind::Retryable
+        );
+    }
+
     #[test]
     fn subjects_are_validated() {
         for ok in ["a", "orders.created", "a.b-c_d.e"] {

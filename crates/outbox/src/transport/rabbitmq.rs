@@ -21,6 +21,18 @@
 //! - `content_type` from the message's `content-type` header when it has one, `type` = the topic,
 //!   `timestamp` = the publish time (seconds since the Unix epoch), `app_id` = `outbox`.
 //!
+//! # What AMQP can carry
+//! [`RabbitMqTransport::check`](Transport::check) refuses, as permanent, before anything is sent:
+//! a header name over 255 bytes (table keys are AMQP short strings), a `content-type` header over
+//! 255 bytes (it also sets the `content_type` property, a short string), a user header RabbitMQ
+//! interprets (`CC`, `BCC`: extra routing keys, RabbitMQ closes the channel when they are not
+//! arrays; `x-death`, `x-first-death-*`, `x-last-death-*`, `x-delivery-count`, `x-delay`,
+//! `x-match`, `x-received-from`, `x-shovelled*`, `x-stream-offset`, `x-stream-filter-value`,
+//! `x-mqtt-publish-qos`, `x-amqp-1.0-*`; case-sensitive, as RabbitMQ compares them; other `x-`
+//! names stay free), and an invalid destination. Header values are long strings: any bytes.
+//! The AMQP properties the transport sets (`message_id`, `type`, `timestamp`, `app_id`,
+//! `delivery_mode`, `content_type`) are not headers, so no user header can replace them.
+//!
 //! The batch is pipelined: every message is written, then the confirms are awaited (for at most
 //! [`RabbitMqConfig::confirm_timeout`]). RabbitMQ has no broker-side deduplication: a re-publish
 //! after a lost confirm is a second copy with the same `message_id`, which the consumer's inbox
@@ -67,9 +79,46 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::uri::AMQPUri;
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ErrorKind};
 
+use super::wire::{self, Broker, Field, HeaderRules, WireError};
 use super::{Acks, Outgoing, Transport};
 use crate::error::{ConfigError, TransportError, TransportErrorKind};
 use crate::message::{Headers, Message};
+
+/// The header rules of AMQP 0-9-1 tables as lapin encodes them: a key is a short string (at most
+/// 255 bytes), a value a long string (any bytes).
+const AMQP_HEADERS: HeaderRules = HeaderRules {
+    broker: Broker::RabbitMq,
+    name: |n| {
+        if n.len() > 255 {
+            Err("an AMQP header name is a short string of at most 255 bytes")
+        } else {
+            Ok(())
+        }
+    },
+    value: |_| Ok(()),
+};
+
+/// What RabbitMQ cannot carry (see the module docs): a pure function of the message.
+///
+/// # Errors
+/// A permanent error whose source is a [`WireError`] naming the destination or header.
+pub(crate) fn check_message(out: &Outgoing<'_>) -> Result<(), TransportError> {
+    if let Err(reason) = Destination::parse(out.destination) {
+        return Err(TransportError::permanent(reason));
+    }
+    wire::check_headers(out.message, &AMQP_HEADERS)?;
+    if let Some(ct) = out.message.headers.get("content-type")
+        && ct.len() > 255
+    {
+        return Err(WireError::unsupported(
+            Broker::RabbitMq,
+            Field::Header("content-type".into()),
+            "the content-type header sets the AMQP content_type property, a short string of at most 255 bytes",
+        )
+        .into());
+    }
+    Ok(())
+}
 
 /// What a message returned as unroutable (`basic.return` with `312 NO_ROUTE`: the exchange exists
 /// but no queue is bound for the routing key) counts as.
@@ -971,6 +1020,10 @@ impl Transport for RabbitMqTransport {
         "rabbitmq"
     }
 
+    fn check(&self, out: &Outgoing<'_>) -> Result<(), TransportError> {
+        check_message(out)
+    }
+
     async fn publish(&self, batch: &[Outgoing<'_>]) -> Vec<Result<(), TransportError>> {
         let acks = Acks::new(batch.len());
         self.publish_each(batch, &acks).await;
@@ -980,7 +1033,10 @@ impl Transport for RabbitMqTransport {
     async fn publish_each(&self, batch: &[Outgoing<'_>], acks: &Acks) {
         let mut props: Vec<Result<BasicProperties, String>> = batch
             .iter()
-            .map(|o| message_properties(o.message))
+            .map(|o| {
+                self.check(o).map_err(|e| e.report())?;
+                message_properties(o.message)
+            })
             .collect();
         let mut pubs = Vec::with_capacity(batch.len());
         let mut index = Vec::with_capacity(batch.len());
@@ -1017,6 +1073,63 @@ impl Transport for RabbitMqTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Header names over a short string, a long content-type and the headers RabbitMQ
+    /// interprets are refused as permanent, naming the header; the rest passes.
+    #[test]
+    fn check_refuses_what_amqp_cannot_carry() {
+        use crate::transport::wire::test_message as message;
+        let long = "n".repeat(256);
+        let long_ct = format!("application/{}", "x".repeat(250));
+        for (m, named) in [
+            (message(&[(long.as_str(), "v")], None), "at most 255 bytes"),
+            (
+                message(&[("content-type", long_ct.as_str())], None),
+                "content_type",
+            ),
+            (
+                message(&[("CC", "other-queue")], None),
+                "\"CC\" is reserved by RabbitMQ",
+            ),
+            (message(&[("BCC", "q")], None), "\"BCC\""),
+            (message(&[("x-death", "x")], None), "x-death"),
+            (
+                message(&[("x-first-death-queue", "q")], None),
+                "x-first-death-queue",
+            ),
+            (message(&[("x-delay", "1000")], None), "x-delay"),
+        ] {
+            let e = check_message(&Outgoing {
+                message: &m,
+                destination: "orders/created",
+            })
+            .unwrap_err();
+            assert_eq!(e.kind(), TransportErrorKind::Permanent);
+            assert!(e.report().contains(named), "{named}: {}", e.report());
+        }
+        let ok = message(
+            &[
+                ("a b", "x\r\ny"),
+                ("x-request-id", "1"),
+                ("cc", "lower case is free"),
+            ],
+            Some("k\n"),
+        );
+        assert!(
+            check_message(&Outgoing {
+                message: &ok,
+                destination: "orders/created",
+            })
+            .is_ok()
+        );
+        assert!(
+            check_message(&Outgoing {
+                message: &ok,
+                destination: "",
+            })
+            .is_err()
+        );
+    }
 
     #[test]
     fn destinations_parse() {

@@ -17,6 +17,10 @@
 //! detection, so a relay that re-publishes after a crash adds a second entry with the same `id`
 //! field and the consumer's inbox absorbs it.
 //!
+//! Every header name and value and every partition key can travel (fields and values are
+//! binary-safe), and the transport reserves no header name: [`RedisTransport::check`](Transport::check)
+//! checks only the destination stream key.
+//!
 //! # What the acknowledgement means (durability)
 //! Redis replies to `XADD` once the entry is in the server's memory: that reply is the
 //! acknowledgement the relay waits for. It survives a Redis restart only as far as persistence is
@@ -429,14 +433,21 @@ impl Transport for RedisTransport {
         "redis"
     }
 
+    /// Redis stream fields are binary-safe and the header fields are prefixed `h:` (see the
+    /// module docs), so every header name, value and partition key can travel and no header name
+    /// is reserved: only the stream key is checked.
+    fn check(&self, out: &Outgoing<'_>) -> Result<(), TransportError> {
+        validate_key(out.destination).map_err(TransportError::permanent)
+    }
+
     async fn publish(&self, batch: &[Outgoing<'_>]) -> Vec<Result<(), TransportError>> {
         let mut results: Vec<Option<Result<(), TransportError>>> = Vec::with_capacity(batch.len());
         let mut pipe = redis::pipe();
         pipe.ignore_errors();
         let mut sent = 0;
         for o in batch {
-            if let Err(reason) = validate_key(o.destination) {
-                results.push(Some(Err(TransportError::permanent(reason))));
+            if let Err(refused) = self.check(o) {
+                results.push(Some(Err(refused)));
                 continue;
             }
             let mut cmd = redis::cmd("XADD");

@@ -100,6 +100,7 @@ use rocketmq_model::common::message::{MessageConst, MessageTrait, STRING_HASH_SE
 use rocketmq_model::common::topic::TopicValidator;
 use rocketmq_model::result::SendStatus;
 
+use super::wire::{self, Broker, Field, HeaderRules, WireError};
 use super::{Acks, Outgoing, Transport};
 use crate::error::{ConfigError, TransportError, TransportErrorKind};
 use crate::message::Message;
@@ -689,6 +690,71 @@ impl RocketMqTransport {
     }
 }
 
+/// RocketMQ's property encoding (`MessageDecoder.messageProperties2String`): `name` U+0001
+/// `value` U+0002 per property, unescaped, so neither character may appear in a name or value.
+const ROCKETMQ_PROPERTIES: HeaderRules = HeaderRules {
+    broker: Broker::RocketMq,
+    name: |n| {
+        if n.contains(['\u{1}', '\u{2}']) {
+            Err(
+                "a RocketMQ property name cannot contain U+0001 or U+0002 (the property separators)",
+            )
+        } else {
+            Ok(())
+        }
+    },
+    value: |v| {
+        if v.contains(['\u{1}', '\u{2}']) {
+            Err(
+                "a RocketMQ property value cannot contain U+0001 or U+0002 (the property separators)",
+            )
+        } else {
+            Ok(())
+        }
+    },
+};
+
+/// What RocketMQ cannot carry (see the module docs): an invalid destination, an empty payload or
+/// one over `max_message_size` bytes, a header named as a system property, a property separator
+/// (U+0001, U+0002) in a header name or value, the topic or the partition key (which also
+/// travels in `KEYS`). A pure function of the message.
+///
+/// # Errors
+/// A permanent error naming the destination, payload, header or key and the rule it breaks.
+pub(crate) fn check_message(
+    out: &Outgoing<'_>,
+    max_message_size: usize,
+) -> Result<(), TransportError> {
+    Destination::parse(out.destination).map_err(TransportError::permanent)?;
+    let m = out.message;
+    if m.payload.is_empty() {
+        return Err(WireError::unsupported(
+            Broker::RocketMq,
+            Field::Payload,
+            "RocketMQ refuses an empty message body (MESSAGE_ILLEGAL: the message body length is zero)",
+        )
+        .into());
+    }
+    if m.payload.len() > max_message_size {
+        return Err(TransportError::permanent(format!(
+            "payload of {} bytes exceeds the RocketMQ max_message_size of {max_message_size} bytes",
+            m.payload.len()
+        )));
+    }
+    wire::check_headers(m, &ROCKETMQ_PROPERTIES)?;
+    if let Some(name) = m
+        .headers
+        .keys()
+        .find(|k| STRING_HASH_SET.contains(k.as_str()))
+    {
+        // The client's own list, in case it knows a name `wire::RESERVED` does not yet.
+        return Err(TransportError::permanent(format!(
+            "header {name:?} is a RocketMQ system property name and cannot travel as a user property"
+        )));
+    }
+    Ok(())
+}
+
 /// Build a RocketMQ message: `UNIQ_KEY` = `uniq_key` (when given; otherwise the client
 /// generates one), `KEYS` = `keys` joined by spaces, the destination's tag, and `properties` as
 /// user properties.
@@ -821,6 +887,10 @@ impl Transport for RocketMqTransport {
         "rocketmq"
     }
 
+    fn check(&self, out: &Outgoing<'_>) -> Result<(), TransportError> {
+        check_message(out, self.config.max_message_size)
+    }
+
     async fn publish(&self, batch: &[Outgoing<'_>]) -> Vec<Result<(), TransportError>> {
         let acks = Acks::new(batch.len());
         self.publish_each(batch, &acks).await;
@@ -855,7 +925,10 @@ impl Transport for RocketMqTransport {
                 let r = if let Some(reason) = &held {
                     Err(TransportError::retryable(reason.clone()))
                 } else {
-                    match Destination::parse(o.destination)
+                    match self
+                        .check(o)
+                        .map_err(|e| e.report())
+                        .and_then(|()| Destination::parse(o.destination))
                         .and_then(|d| self.build_message(o.message, &d))
                     {
                         Ok(msg) => self.send_one(msg, key).await,
@@ -973,6 +1046,56 @@ mod tests {
         let h = "order-7".java_hash_code();
         assert_eq!(q.queue_id(), (h % 4).abs());
         assert!(select_by_key(&[], &m, &"k".to_string()).is_none());
+    }
+
+    /// Every name of the client's system property list is in `wire::RESERVED`, so the enqueue
+    /// check refuses it without the `rocketmq` feature.
+    #[test]
+    fn reserved_list_covers_the_clients_system_properties() {
+        for name in STRING_HASH_SET.iter() {
+            assert!(
+                crate::transport::wire::reserved_on(Broker::RocketMq, name).is_some(),
+                "{name} is missing from wire::RESERVED"
+            );
+        }
+    }
+
+    /// Property separators, system property names, an empty body and a bad destination are
+    /// refused as permanent, naming the header, key or destination.
+    #[test]
+    fn check_refuses_what_rocketmq_cannot_carry() {
+        use crate::transport::wire::test_message as message;
+        let mut empty = message(&[], None);
+        empty.payload.clear();
+        for (m, named) in [
+            (message(&[("a\u{1}b", "v")], None), "U+0001 or U+0002"),
+            (message(&[("a", "x\u{2}y")], None), "header \"a\""),
+            (message(&[], Some("k\u{1}")), "partition key"),
+            (
+                message(&[("DELAY", "3")], None),
+                "\"DELAY\" is reserved by RocketMQ",
+            ),
+            (message(&[("UNIQ_KEY", "x")], None), "UNIQ_KEY"),
+            (empty, "empty message body"),
+        ] {
+            let e = check_message(
+                &Outgoing {
+                    message: &m,
+                    destination: "Orders:created",
+                },
+                1024,
+            )
+            .unwrap_err();
+            assert_eq!(e.kind(), TransportErrorKind::Permanent);
+            assert!(e.report().contains(named), "{named}: {}", e.report());
+        }
+        let ok = message(&[("delay", "3"), ("a b", "x\r\ny")], Some("order 7"));
+        let out = |destination| Outgoing {
+            message: &ok,
+            destination,
+        };
+        assert!(check_message(&out("Orders:created"), 1024).is_ok());
+        assert!(check_message(&out("orders.created"), 1024).is_err());
     }
 
     #[test]

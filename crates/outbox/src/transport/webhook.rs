@@ -8,6 +8,17 @@
 //! message's headers travel as HTTP headers (`outbox-message-id`, `outbox-topic`,
 //! `outbox-partition-key`, `outbox-attempt`, `traceparent`, user headers).
 //!
+//! # What HTTP can carry
+//! [`WebhookTransport::check`](Transport::check) refuses, as permanent, before anything is sent:
+//! a header name that is not an HTTP token (RFC 9110 §5.1: no space, `:`, control or non-ASCII
+//! character), a header value, topic or partition key (they travel as `outbox-topic` and
+//! `outbox-partition-key`) with a control character other than tab (CR and LF included), a user
+//! header the HTTP client or the transport owns (`Host`, `Content-Length`, `Transfer-Encoding`,
+//! `Connection`, `Keep-Alive`, `Proxy-*`, `TE`, `Trailer`, `Upgrade`, `Expect`, and the
+//! `webhook-*` headers the transport sets and signs: a `webhook-signature` from a row would pass
+//! for the relay's own on an unsigned transport), and a destination that is not a URL.
+//! `Content-Type` and the other representation headers stay the user's.
+//!
 //! Classification of the answer: `2xx` acknowledged; `408`, `425`, `429` and `5xx` retryable; any
 //! other status permanent (the receiver refused the message; it goes to FAILED with the status
 //! and the start of the body). A refused connection is `Unavailable` (the relay pauses and
@@ -27,8 +38,27 @@ use hmac::{Hmac, Mac};
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use sha2::Sha256;
 
+use super::wire::{self, Broker, HeaderRules};
 use super::{Acks, Outgoing, Transport};
 use crate::error::{ConfigError, TransportError};
+
+/// The header rules of HTTP as the `http` crate enforces them: a name is a token, a value has no
+/// control character but tab.
+const HTTP_HEADERS: HeaderRules = HeaderRules {
+    broker: Broker::Webhook,
+    name: |n| match HeaderName::try_from(n) {
+        Ok(_) => Ok(()),
+        Err(_) => Err(
+            "an HTTP header name is a non-empty token of ASCII letters, digits and !#$%&'*+-.^_`|~ (no space, ':', control or non-ASCII character)",
+        ),
+    },
+    value: |v| match HeaderValue::try_from(v) {
+        Ok(_) => Ok(()),
+        Err(_) => Err(
+            "an HTTP header value cannot contain control characters other than tab (no CR, LF, NUL or DEL)",
+        ),
+    },
+};
 
 /// Webhook transport settings.
 #[derive(Debug, Clone)]
@@ -209,6 +239,7 @@ impl WebhookTransport {
     }
 
     async fn post(&self, out: Outgoing<'_>) -> Result<(), TransportError> {
+        self.check(&out)?;
         let m = out.message;
         let url = match self.target(out.destination) {
             Ok(u) => u,
@@ -294,6 +325,12 @@ impl WebhookTransport {
 impl Transport for WebhookTransport {
     fn name(&self) -> &str {
         "webhook"
+    }
+
+    fn check(&self, out: &Outgoing<'_>) -> Result<(), TransportError> {
+        self.target(out.destination)?;
+        wire::check_headers(out.message, &HTTP_HEADERS)?;
+        Ok(())
     }
 
     async fn publish(&self, batch: &[Outgoing<'_>]) -> Vec<Result<(), TransportError>> {
@@ -394,6 +431,52 @@ mod tests {
             "http://h:1/hooks/order-created"
         );
         assert_eq!(t.target("https://x/y").unwrap().as_str(), "https://x/y");
+    }
+
+    /// Headers HTTP cannot carry and the headers the client or the transport owns are refused as
+    /// permanent, naming the header or key; the rest passes.
+    #[test]
+    fn check_refuses_what_http_cannot_carry() {
+        let t = WebhookTransport::new(WebhookConfig::new("http://h:1/hooks/")).unwrap();
+        let check = |headers: &[(&str, &str)], key: Option<&str>| {
+            let m = crate::transport::wire::test_message(headers, key);
+            t.check(&Outgoing {
+                message: &m,
+                destination: "",
+            })
+        };
+        for (headers, key, named) in [
+            (vec![("a b", "v")], None, "header \"a b\""),
+            (vec![("a", "x\r\nInjected: 1")], None, "header \"a\""),
+            (vec![], Some("k\n"), "partition key \"k\\n\""),
+            (
+                vec![("Content-Length", "0")],
+                None,
+                "\"Content-Length\" is reserved",
+            ),
+            (vec![("host", "evil")], None, "\"host\" is reserved"),
+            (
+                vec![("Transfer-Encoding", "chunked")],
+                None,
+                "Transfer-Encoding",
+            ),
+            (
+                vec![("webhook-signature", "v1,forged")],
+                None,
+                "webhook-signature",
+            ),
+        ] {
+            let e = check(&headers, key).unwrap_err();
+            assert_eq!(e.kind(), crate::TransportErrorKind::Permanent);
+            assert!(e.report().contains(named), "{named}: {}", e.report());
+        }
+        assert!(
+            check(
+                &[("content-type", "application/json"), ("tag", "a\tb \u{e9}")],
+                Some("order 7")
+            )
+            .is_ok()
+        );
     }
 
     #[test]
