@@ -564,17 +564,21 @@ async fn defect_03_open_producer_transaction_delays_only_its_own_rows() {
         ..fast_config("r1")
     };
     let relay = relay_to(&fx, mem.clone(), config).spawn();
-    outbox_testkit::wait_until("the relay holds every bucket", Duration::from_secs(10), || async {
-        relay.metrics().snapshot().buckets_acquired >= 64
-    })
+    outbox_testkit::wait_until(
+        "the relay holds every bucket",
+        Duration::from_secs(10),
+        || async { relay.metrics().snapshot().buckets_acquired >= 64 },
+    )
     .await;
 
     // The producer: a business row and an outbox row, not committed.
     let mut producer = fx.store.begin().await.unwrap();
-    sqlx::query(AssertSqlSafe(format!("INSERT INTO {t}_orders (id) VALUES (1)")))
-        .execute(&mut *producer)
-        .await
-        .unwrap();
+    sqlx::query(AssertSqlSafe(format!(
+        "INSERT INTO {t}_orders (id) VALUES (1)"
+    )))
+    .execute(&mut *producer)
+    .await
+    .unwrap();
     let held = fx
         .store
         .enqueue(
@@ -585,25 +589,23 @@ async fn defect_03_open_producer_transaction_delays_only_its_own_rows() {
         .unwrap();
     let opened = Instant::now();
 
-    // Other producers commit rows of the held row's bucket (its key) and of other buckets, in
-    // waves, while the transaction stays open.
+    // Other producers commit rows of the held row's bucket (its key) and of other buckets, one
+    // at a time (a quiet table: the completion statement's plan then scanned the outbox by
+    // status, into the uncommitted row), while the transaction stays open.
     let mut others = Vec::new();
     let mut took = Vec::new();
-    for wave in 0..3 {
-        let msgs: Vec<NewMessage> = (0..10)
-            .map(|i| {
-                let key = if i % 2 == 0 {
-                    "k-held".to_owned()
-                } else {
-                    format!("k-{wave}-{i}")
-                };
-                NewMessage::new("t", format!("w{wave}-{i}")).with_partition_key(key)
-            })
-            .collect();
-        let ids = fx.enqueue_commit(msgs).await.unwrap();
-        took.push(wait_sent(&fx, &ids, "a wave of other rows SENT", bound).await);
+    for i in 0..12 {
+        let key = if i % 2 == 0 {
+            "k-held".to_owned()
+        } else {
+            format!("k-{i}")
+        };
+        let msg = NewMessage::new("t", format!("m{i}")).with_partition_key(key);
+        let ids = fx.enqueue_commit(vec![msg]).await.unwrap();
+        took.push(wait_sent(&fx, &ids, "another row SENT", bound).await);
         others.extend(ids);
     }
+    took.sort();
 
     // Keep the producer open for more than three leases, watching for relay statements that
     // wait on a lock (sampled every 50 ms).
@@ -614,23 +616,44 @@ async fn defect_03_open_producer_transaction_delays_only_its_own_rows() {
     }
     let m = relay.metrics().snapshot();
     println!(
-        "defect_03: {} rows in 3 waves SENT after {took:?} while a producer held its transaction {:?}; \
-         lost_leases {}, takeovers {}, stale batches {}, lock conflicts retried {}",
+        "defect_03: {} rows committed one by one, each SENT after median {:?}, max {:?}, while a \
+         producer held its transaction {:?}; lost_leases {}, takeovers {}, stale batches {}, \
+         lock conflicts retried {}",
         others.len(),
+        took[took.len() / 2],
+        took[took.len() - 1],
         opened.elapsed(),
         m.lost_leases,
         m.takeovers,
         m.stale_batches,
         fx.store.conflicts_retried()
     );
-    assert!(waited.is_empty(), "relay statements waited on a lock: {waited:?}");
-    assert_eq!(m.lost_leases, 0, "a completion was refused: a lease ran out");
+    assert!(
+        waited.is_empty(),
+        "relay statements waited on a lock: {waited:?}"
+    );
+    assert_eq!(
+        m.lost_leases, 0,
+        "a completion was refused: a lease ran out"
+    );
     assert_eq!(m.takeovers, 0, "a bucket's lease ran out");
-    assert_eq!(fx.store.conflicts_retried(), 0, "a relay statement hit a lock conflict");
+    assert_eq!(
+        fx.store.conflicts_retried(),
+        0,
+        "a relay statement hit a lock conflict"
+    );
     let counts = counts_by_id(&mem.delivered());
-    assert!(!counts.contains_key(&held), "the uncommitted row was published");
+    assert!(
+        !counts.contains_key(&held),
+        "the uncommitted row was published"
+    );
     for id in &others {
-        assert_eq!(counts.get(id), Some(&1), "message {id} delivered {:?} times", counts.get(id));
+        assert_eq!(
+            counts.get(id),
+            Some(&1),
+            "message {id} delivered {:?} times",
+            counts.get(id)
+        );
     }
 
     // The producer commits: its row is published once, like any other.
@@ -638,7 +661,10 @@ async fn defect_03_open_producer_transaction_delays_only_its_own_rows() {
     wait_sent(&fx, &[held], "the held row SENT after its commit", bound).await;
     let counts = counts_by_id(&mem.delivered());
     assert_eq!(counts.len(), others.len() + 1);
-    assert!(counts.values().all(|n| *n == 1), "a message was published twice: {counts:?}");
+    assert!(
+        counts.values().all(|n| *n == 1),
+        "a message was published twice: {counts:?}"
+    );
     relay.shutdown().await.unwrap();
     fx.exec(&format!("DROP TABLE {t}_orders")).await;
     fx.cleanup().await;
@@ -678,15 +704,21 @@ async fn defect_03_maintenance_skips_rows_another_transaction_locks() {
         }
         ids.push((pair[0], pair[1]));
     }
-    let [(purge_locked, purge_free), (reap_locked, reap_free), (check_locked, check_free)] =
-        ids[..]
+    let [
+        (purge_locked, purge_free),
+        (reap_locked, reap_free),
+        (check_locked, check_free),
+    ] = ids[..]
     else {
         unreachable!()
     };
-    // Another session locks one row of each kind and holds an uncommitted producer row.
+    // Another session locks one row of each kind (by primary key: a covering scan of a
+    // secondary index at REPEATABLE READ would lock every row) and holds an uncommitted
+    // producer row.
     let mut other = fx.store.begin().await.unwrap();
     sqlx::query(AssertSqlSafe(format!(
-        "SELECT id FROM {t} WHERE id IN ({purge_locked}, {reap_locked}, {check_locked}) FOR UPDATE"
+        "SELECT id, payload FROM {t} FORCE INDEX (PRIMARY) \
+         WHERE id IN ({purge_locked}, {reap_locked}, {check_locked}) FOR UPDATE"
     )))
     .fetch_all(&mut *other)
     .await
@@ -724,10 +756,19 @@ async fn defect_03_maintenance_skips_rows_another_transaction_locks() {
     .await;
     let took = started.elapsed();
     let waited = lock_waits_on(&fx).await;
-    assert!(waited.is_empty(), "relay statements wait on a lock: {waited:?}");
+    assert!(
+        waited.is_empty(),
+        "relay statements wait on a lock: {waited:?}"
+    );
     let rows = fx.rows().await;
-    assert!(status_of(&rows, purge_locked).is_some(), "a locked row was purged");
-    assert_eq!(status_of(&rows, reap_locked), Some(Status::Sending.as_i16()));
+    assert!(
+        status_of(&rows, purge_locked).is_some(),
+        "a locked row was purged"
+    );
+    assert_eq!(
+        status_of(&rows, reap_locked),
+        Some(Status::Sending.as_i16())
+    );
     assert_eq!(status_of(&rows, check_locked), Some(sent));
 
     // The other session commits: the rows it held are handled now, each published once.
@@ -743,10 +784,15 @@ async fn defect_03_maintenance_skips_rows_another_transaction_locks() {
         },
     )
     .await;
-    println!("defect_03 maintenance: unlocked rows handled after {took:?} while other rows were locked");
+    println!(
+        "defect_03 maintenance: unlocked rows handled after {took:?} while other rows were locked"
+    );
     let counts = counts_by_id(&mem.delivered());
     assert_eq!(counts.len(), 5);
-    assert!(counts.values().all(|n| *n == 1), "a message was published twice: {counts:?}");
+    assert!(
+        counts.values().all(|n| *n == 1),
+        "a message was published twice: {counts:?}"
+    );
     relay.shutdown().await.unwrap();
     fx.cleanup().await;
 }

@@ -1373,7 +1373,12 @@ impl Store for MySqlStore {
             &select,
             limit,
             &write,
-            &[Bind::I64(max), Bind::I64(max), Bind::I64(max), Bind::I64(max)],
+            &[
+                Bind::I64(max),
+                Bind::I64(max),
+                Bind::I64(max),
+                Bind::I64(max),
+            ],
         )
         .await
     }
