@@ -330,6 +330,9 @@ struct Held {
     /// Taken over from an expired lease and not read since: the first batch records an
     /// attempt before publishing (crash-loop protection).
     suspect: bool,
+    /// Handed over by a relay that could not route some of its messages: kept when this relay
+    /// gives buckets back above its fair share, so it does not bounce back.
+    handed: bool,
 }
 
 #[derive(Debug, Default)]
@@ -361,6 +364,11 @@ struct Inner {
     changed: Notify,
     /// A completion was refused: run a membership round now to learn which buckets were lost.
     renew_now: Notify,
+    /// The topic patterns of this relay's routes, normalised: advertised in the membership.
+    routes: Vec<String>,
+    /// Held buckets with messages only another live relay routes, and that relay: handed over
+    /// to it at the next membership round ([`Store::hand_off_buckets`]).
+    handoffs: Mutex<BTreeMap<Bucket, String>>,
 }
 
 /// The relay (see the module docs). Build with [`Relay::builder`], run with [`Relay::run`] or
@@ -428,6 +436,13 @@ impl RelayBuilder {
                 down: AtomicBool::new(false),
             })
             .collect();
+        let patterns: Vec<String> = self
+            .router
+            .routes()
+            .iter()
+            .map(|r| r.pattern.to_string())
+            .collect();
+        let routes = crate::store::normalise_routes(&patterns);
         Ok(Relay {
             inner: Arc::new(Inner {
                 store: self.store,
@@ -442,6 +457,8 @@ impl RelayBuilder {
                 held_back: Mutex::new(HashMap::new()),
                 changed: Notify::new(),
                 renew_now: Notify::new(),
+                routes,
+                handoffs: Mutex::new(BTreeMap::new()),
             }),
         })
     }
@@ -710,12 +727,19 @@ impl Relay {
     fn free_buckets(&self) -> Vec<Bucket> {
         let mut own = self.inner.ownership.lock().expect("ownership lock");
         let horizon = Instant::now() + self.inner.config.publish_timeout;
+        // A bucket about to be handed over to another relay is not read again.
+        let handoffs = self.inner.handoffs.lock().expect("handoffs lock");
         let mut free: Vec<Bucket> = own
             .held
             .iter()
-            .filter(|(b, h)| h.valid_until > horizon && !own.in_flight.contains_key(b))
+            .filter(|(b, h)| {
+                h.valid_until > horizon
+                    && !own.in_flight.contains_key(b)
+                    && !handoffs.contains_key(b)
+            })
             .map(|(b, _)| *b)
             .collect();
+        drop(handoffs);
         if !free.is_empty() {
             own.rotate = own.rotate.wrapping_add(1);
             let k = own.rotate % free.len();
@@ -833,6 +857,14 @@ impl Relay {
             own.in_flight.remove(b);
         }
         drop(own);
+        let hand_off = {
+            let handoffs = self.inner.handoffs.lock().expect("handoffs lock");
+            buckets.iter().any(|b| handoffs.contains_key(b))
+        };
+        if hand_off {
+            // Hand those buckets over now rather than at the next regular round.
+            self.inner.renew_now.notify_one();
+        }
         self.inner.changed.notify_one();
     }
 
@@ -882,8 +914,9 @@ impl Relay {
         if let Some(h) = &inner.hooks {
             h.before_publish(&messages).await;
         }
-        // Routes; no route is a permanent error.
-        for w in work.iter_mut() {
+        // Routes; no route is a permanent error unless another live relay routes the topic.
+        let mut unrouted = Vec::new();
+        for (i, w) in work.iter_mut().enumerate() {
             if w.outcome.is_some() {
                 continue;
             }
@@ -897,12 +930,11 @@ impl Relay {
                     }
                     w.route = Some((route, dest));
                 }
-                None => {
-                    w.outcome = Some(Outcome::Failed {
-                        reason: format!("no route for topic {:?}", w.message.topic),
-                    })
-                }
+                None => unrouted.push(i),
             }
+        }
+        if !unrouted.is_empty() {
+            self.route_elsewhere(work, &unrouted).await;
         }
         // Ordered routes: per key, the indexes of its rows in id order (work is in id order
         // within each bucket, and a key lives in one bucket).
@@ -1053,6 +1085,83 @@ impl Relay {
             add(counter, 1);
         }
         self.complete(&completions, read_at).await;
+    }
+
+    /// Decide the rows `idx` of `work`, which no route of this relay matches: a row whose topic
+    /// a live peer relay routes (by the route set it advertised) is released untouched (no
+    /// attempt counted, due again after `poll_interval`) and its bucket is marked for hand-over
+    /// to that peer; a row no live relay routes is dead-lettered `no route for topic …`. When
+    /// the membership cannot be read, the rows are released (a database error is no reason to
+    /// dead-letter).
+    async fn route_elsewhere(&self, work: &mut [Work], idx: &[usize]) {
+        let inner = &self.inner;
+        let cfg = &inner.config;
+        let release = Outcome::Release {
+            delay: cfg.poll_interval,
+        };
+        let peers: Vec<(String, Vec<crate::transport::TopicPattern>)> =
+            match inner.store.relays(cfg.lease).await {
+                Ok(relays) => relays
+                    .into_iter()
+                    .filter(|r| r.name != cfg.name)
+                    .filter_map(|r| {
+                        let patterns = r
+                            .routes?
+                            .iter()
+                            .map(|p| crate::transport::TopicPattern::parse(p))
+                            .collect();
+                        Some((r.name, patterns))
+                    })
+                    .collect(),
+                Err(e) => {
+                    add(&inner.metrics.store_errors, 1);
+                    tracing::warn!(error = %e.report(), rows = idx.len(), "no local route and the membership could not be read; releasing the rows");
+                    for &i in idx {
+                        work[i].outcome = Some(release.clone());
+                    }
+                    return;
+                }
+            };
+        let mut handed: BTreeMap<String, (usize, String)> = BTreeMap::new();
+        for &i in idx {
+            let w = &mut work[i];
+            let peer = peers
+                .iter()
+                .find(|(_, patterns)| patterns.iter().any(|p| p.matches(&w.message.topic)));
+            match peer {
+                Some((name, _)) => {
+                    w.outcome = Some(release.clone());
+                    inner
+                        .handoffs
+                        .lock()
+                        .expect("handoffs lock")
+                        .entry(w.bucket)
+                        .or_insert_with(|| name.clone());
+                    let e = handed
+                        .entry(name.clone())
+                        .or_insert_with(|| (0, w.message.topic.clone()));
+                    e.0 += 1;
+                }
+                None => {
+                    w.outcome = Some(Outcome::Failed {
+                        reason: format!(
+                            "no route for topic {:?} (on this relay nor on any live relay)",
+                            w.message.topic
+                        ),
+                    })
+                }
+            }
+        }
+        for (peer, (rows, topic)) in handed {
+            tracing::warn!(
+                relay = %cfg.name,
+                peer,
+                rows,
+                topic,
+                "no local route for these messages but the live relay {peer} routes them: released \
+                 untouched, their buckets are handed over to it"
+            );
+        }
     }
 
     /// Publish the rows `idx` of `work`, pipelined per transport, and set their outcomes.
@@ -1304,6 +1413,8 @@ async fn membership_loop(relay: Relay, cancel: CancellationToken) {
     // refused by the fence.
     let stuck_after = cfg.lease.saturating_sub(cfg.publish_timeout);
     let mut stuck_logged = false;
+    // The peers' route sets (hashes) last compared with this relay's.
+    let mut route_sets: BTreeMap<String, Option<String>> = BTreeMap::new();
     loop {
         let (held, stuck) = {
             let own = inner.ownership.lock().expect("ownership lock");
@@ -1328,6 +1439,7 @@ async fn membership_loop(relay: Relay, cancel: CancellationToken) {
             lease: cfg.lease,
             held: held.clone(),
             acquire: true,
+            routes: inner.routes.clone(),
         };
         let started = Instant::now();
         let mut below_share = false;
@@ -1354,15 +1466,23 @@ async fn membership_loop(relay: Relay, cancel: CancellationToken) {
                         }
                     }
                     for l in &round.acquired {
+                        let handed = round.handed_over.contains(&l.bucket);
                         own.held.insert(
                             l.bucket,
                             Held {
                                 token: l.token,
                                 valid_until,
                                 suspect: l.takeover,
+                                handed,
                             },
                         );
                         add(&inner.metrics.buckets_acquired, 1);
+                        if handed {
+                            tracing::info!(
+                                bucket = l.bucket,
+                                "took a bucket another relay handed over: it holds messages only this relay routes"
+                            );
+                        }
                         if l.takeover {
                             add(&inner.metrics.takeovers, 1);
                             tracing::info!(
@@ -1376,13 +1496,19 @@ async fn membership_loop(relay: Relay, cancel: CancellationToken) {
                     below_share = own.held.len() < share;
                     let excess = own.held.len().saturating_sub(share);
                     if excess > 0 {
-                        let spare: Vec<(Bucket, LeaseToken)> = own
+                        // Buckets handed over to this relay are given back last.
+                        let mut spare: Vec<(Bucket, LeaseToken, bool)> = own
                             .held
                             .iter()
                             .rev()
                             .filter(|(b, _)| !own.in_flight.contains_key(b))
+                            .map(|(b, h)| (*b, h.token, h.handed))
+                            .collect();
+                        spare.sort_by_key(|(_, _, handed)| *handed);
+                        let spare: Vec<(Bucket, LeaseToken)> = spare
+                            .into_iter()
                             .take(excess)
-                            .map(|(b, h)| (*b, h.token))
+                            .map(|(b, t, _)| (b, t))
                             .collect();
                         for (b, _) in &spare {
                             own.held.remove(b);
@@ -1417,6 +1543,8 @@ async fn membership_loop(relay: Relay, cancel: CancellationToken) {
                         }
                     }
                 }
+                hand_off(&relay).await;
+                check_route_sets(&relay, &mut route_sets).await;
             }
             Err(e) => {
                 failures += 1;
@@ -1437,6 +1565,106 @@ async fn membership_loop(relay: Relay, cancel: CancellationToken) {
             _ = tokio::time::sleep(wait) => {}
         }
     }
+}
+
+/// Hand the buckets marked by [`Relay::route_elsewhere`] over to the relays that route their
+/// messages: those held and not in flight (the others wait for the next round).
+async fn hand_off(relay: &Relay) {
+    let inner = &relay.inner;
+    let cfg = &inner.config;
+    let mut to: BTreeMap<String, Vec<(Bucket, LeaseToken)>> = BTreeMap::new();
+    {
+        let mut own = inner.ownership.lock().expect("ownership lock");
+        let mut handoffs = inner.handoffs.lock().expect("handoffs lock");
+        handoffs.retain(|b, peer| {
+            if own.in_flight.contains_key(b) {
+                return true;
+            }
+            if let Some(h) = own.held.remove(b) {
+                to.entry(peer.clone()).or_default().push((*b, h.token));
+            }
+            false
+        });
+    }
+    for (peer, buckets) in to {
+        let n = buckets.len() as u64;
+        match inner
+            .store
+            .hand_off_buckets(&cfg.name, &buckets, &peer, cfg.lease)
+            .await
+        {
+            Ok(()) => {
+                add(&inner.metrics.buckets_released, n);
+                tracing::info!(
+                    relay = %cfg.name,
+                    peer,
+                    buckets = ?buckets.iter().map(|(b, _)| *b).collect::<Vec<_>>(),
+                    "buckets handed over to the relay that routes their messages"
+                );
+            }
+            Err(e) => {
+                add(&inner.metrics.store_errors, 1);
+                tracing::warn!(error = %e.report(), peer, "could not hand buckets over; they return by lease expiry");
+            }
+        }
+    }
+}
+
+/// Compare the live peers' advertised route sets with this relay's and log an error naming
+/// both relays and the difference, at the first round and whenever a peer's set changes.
+/// `seen` keeps the peers' hashes last compared.
+async fn check_route_sets(relay: &Relay, seen: &mut BTreeMap<String, Option<String>>) {
+    let inner = &relay.inner;
+    let cfg = &inner.config;
+    let relays = match inner.store.relays(cfg.lease).await {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::debug!(error = %e.report(), "could not read the membership's route sets");
+            return;
+        }
+    };
+    let mine = crate::store::routes_hash(&inner.routes);
+    let now: BTreeMap<String, Option<String>> = relays
+        .iter()
+        .filter(|r| r.name != cfg.name)
+        .map(|r| (r.name.clone(), r.routes_hash.clone()))
+        .collect();
+    for r in relays.iter().filter(|r| r.name != cfg.name) {
+        if seen.get(&r.name) == Some(&r.routes_hash) {
+            continue;
+        }
+        match &r.routes {
+            Some(theirs) if r.routes_hash.as_deref() == Some(mine.as_str()) => {
+                tracing::debug!(peer = r.name, routes = ?theirs, "peer relay routes the same topics");
+            }
+            Some(theirs) => {
+                let only_here: Vec<&String> =
+                    inner.routes.iter().filter(|p| !theirs.contains(p)).collect();
+                let only_there: Vec<&String> =
+                    theirs.iter().filter(|p| !inner.routes.contains(p)).collect();
+                tracing::error!(
+                    relay = %cfg.name,
+                    peer = r.name,
+                    ?only_here,
+                    ?only_there,
+                    "relays {} and {} on one table route different topics (only {}: {:?}; only {}: {:?}): \
+                     a message only one of them routes is handed over to it, never dead-lettered while it \
+                     is live, but it waits for the hand-over; give every relay the same routes (docs/ordering.md)",
+                    cfg.name, r.name, cfg.name, only_here, r.name, only_there
+                );
+            }
+            None => {
+                tracing::error!(
+                    relay = %cfg.name,
+                    peer = r.name,
+                    "relay {} advertises no route set (a version before schema v6): messages it cannot \
+                     route are dead-lettered by it; upgrade every relay (docs/ordering.md)",
+                    r.name
+                );
+            }
+        }
+    }
+    *seen = now;
 }
 
 /// Maintenance, on every relay, each step one bounded conditional statement so relays never

@@ -102,6 +102,17 @@ impl TopicPattern {
     }
 }
 
+impl std::fmt::Display for TopicPattern {
+    /// The pattern as [`TopicPattern::parse`] reads it: `*`, `prefix*` or the exact topic.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TopicPattern::Any => f.write_str("*"),
+            TopicPattern::Prefix(p) => write!(f, "{p}*"),
+            TopicPattern::Exact(t) => f.write_str(t),
+        }
+    }
+}
+
 /// A route: topics matching `pattern` go to `transport` at `destination`, where `{topic}` in the
 /// destination is replaced by the message's topic.
 #[derive(Clone)]
@@ -261,5 +272,12 @@ mod tests {
         assert_eq!(r.resolve("x"), Some((2, "all".into())));
         assert_eq!(Router::new().resolve("x"), None);
         assert_eq!(r.transports().len(), 1);
+    }
+
+    #[test]
+    fn patterns_print_as_parsed() {
+        for p in ["*", "orders.*", "a-*", "exact.topic"] {
+            assert_eq!(TopicPattern::parse(p).to_string(), p);
+        }
     }
 }
