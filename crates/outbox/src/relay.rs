@@ -50,7 +50,12 @@
 //! # Failure handling
 //! - `Retryable` publish error: PENDING again after [`Backoff`] on the database clock, or FAILED
 //!   ("attempts exhausted") after `max_attempts`.
-//! - `Permanent` error or no route: FAILED at once with the reason (shared case C07).
+//! - `Permanent` error: FAILED at once with the reason (shared case C07).
+//! - No route on this relay: if a live peer relay advertises a route for the topic (relays
+//!   advertise their route patterns in the membership, schema v6), the message is released
+//!   untouched and its bucket handed over to that peer ([`Store::hand_off_buckets`]); only a
+//!   topic no live relay routes is FAILED (`no route for topic …`). Relays whose route sets
+//!   differ log an error naming both and the difference (docs/ordering.md).
 //! - `Unavailable`: the message is released without counting the attempt, the transport is
 //!   marked down, and a prober checks it with backoff; while every transport is down the relay
 //!   does not read at all (shared case C05).

@@ -1,7 +1,8 @@
 use std::sync::Arc;
 
 use outbox::{
-    DeadLetterPolicy, NatsConfig, NatsTransport, PgStore, Relay, RelayHandle, Router, StreamSetup,
+    DeadLetterPolicy, NatsConfig, NatsTransport, PgStore, Relay, RelayHandle, Router, Store,
+    StreamSetup,
 };
 
 type Error = Box<dyn std::error::Error + Send + Sync>;

@@ -162,7 +162,9 @@ impl std::fmt::Debug for Route {
 }
 
 /// Ordered list of routes; the first match wins. A topic with no route is a permanent error
-/// for that message (it goes to FAILED with reason `no route for topic …`).
+/// for that message (it goes to FAILED with reason `no route for topic …`), unless another live
+/// relay on the same table routes it: then the relay hands the message's bucket over to that
+/// relay (see [`crate::relay`], "Failure handling").
 #[derive(Debug, Clone, Default)]
 pub struct Router {
     routes: Vec<Route>,
