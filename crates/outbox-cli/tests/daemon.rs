@@ -744,6 +744,33 @@ subjects = ["{subject}.>"]
     }
 }
 
+impl Fixture {
+    /// Start `outbox relay` with `config`, its log (`RUST_LOG=info`) in `<dir>/<name>.log`.
+    fn spawn_relay_logged(&self, config: &Path, name: &str) -> Child {
+        let log = std::fs::File::create(self.dir.join(format!("{name}.log"))).unwrap();
+        outbox()
+            .args(["relay", "--config"])
+            .arg(config)
+            .env("RUST_LOG", "info,sqlx=warn")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start outbox relay")
+    }
+}
+
+/// Kills the relays when dropped (a failing test leaves no relay running).
+struct Relays(Vec<Child>);
+
+impl Drop for Relays {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
 /// Waits until the relays `names` all heartbeat in the membership table.
 async fn wait_live(pool: &PgPool, table: &str, names: &[&str]) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
@@ -823,24 +850,30 @@ async fn defect_10_rolling_upgrade_adding_a_route_dead_letters_nothing() {
     let js = nats().await;
     let a_cfg = f.routes_config("relay-a", &["a-*"]);
     let b_cfg = f.routes_config("relay-b", &["a-*", "b-*"]);
-    let mut a = f.spawn_relay(&a_cfg);
+    let mut relays = Relays(vec![f.spawn_relay_logged(&a_cfg, "relay-a")]);
     wait_live(&pool, &f.table, &["relay-a"]).await;
-    let mut b = f.spawn_relay(&b_cfg);
+    relays.0.push(f.spawn_relay_logged(&b_cfg, "relay-b"));
     wait_live(&pool, &f.table, &["relay-a", "relay-b"]).await;
 
     enqueue_topics(&pool, &f.table, &["a-created", "b-created"], 300).await;
     wait_all_sent_none_failed(&pool, &f.table, Duration::from_secs(60)).await;
 
     // A stops (the upgrade goes on): what comes now is drained by B alone.
-    nix_kill(&a, "TERM");
-    assert_eq!(wait_exit(&mut a, Duration::from_secs(20)).code(), Some(0));
+    nix_kill(&relays.0[0], "TERM");
+    assert_eq!(
+        wait_exit(&mut relays.0[0], Duration::from_secs(20)).code(),
+        Some(0)
+    );
     enqueue_topics(&pool, &f.table, &["a-created", "b-created"], 100).await;
     wait_all_sent_none_failed(&pool, &f.table, Duration::from_secs(60)).await;
     let ids = stream_ids(&js, &f.stream, 800).await;
     assert_eq!(ids.len(), 800, "every message in the stream once");
 
-    nix_kill(&b, "TERM");
-    assert_eq!(wait_exit(&mut b, Duration::from_secs(20)).code(), Some(0));
+    nix_kill(&relays.0[1], "TERM");
+    assert_eq!(
+        wait_exit(&mut relays.0[1], Duration::from_secs(20)).code(),
+        Some(0)
+    );
     js.delete_stream(&f.stream).await.unwrap();
 }
 
@@ -854,8 +887,10 @@ async fn defect_10_relays_with_disjoint_routes_dead_letter_nothing() {
     f.migrate();
     let pool = pg().await;
     let js = nats().await;
-    let mut a = f.spawn_relay(&f.routes_config("relay-a", &["a-*"]));
-    let mut b = f.spawn_relay(&f.routes_config("relay-b", &["b-*"]));
+    let mut relays = Relays(vec![
+        f.spawn_relay_logged(&f.routes_config("relay-a", &["a-*"]), "relay-a"),
+        f.spawn_relay_logged(&f.routes_config("relay-b", &["b-*"]), "relay-b"),
+    ]);
     wait_live(&pool, &f.table, &["relay-a", "relay-b"]).await;
 
     enqueue_topics(&pool, &f.table, &["a-created", "b-created"], 300).await;
@@ -885,7 +920,7 @@ async fn defect_10_relays_with_disjoint_routes_dead_letter_nothing() {
     };
     assert!(reason.contains("no route"), "{reason}");
 
-    for r in [&mut a, &mut b] {
+    for r in relays.0.iter_mut() {
         nix_kill(r, "TERM");
         assert_eq!(wait_exit(r, Duration::from_secs(20)).code(), Some(0));
     }
@@ -974,10 +1009,18 @@ fn defect_12_operator_commands_never_create_a_database() {
     )
     .unwrap();
     let runs: [(&str, Vec<String>); 4] = [
-        ("status", vec!["status".into(), "--database".into(), db.clone()]),
+        (
+            "status",
+            vec!["status".into(), "--database".into(), db.clone()],
+        ),
         (
             "requeue --all",
-            vec!["requeue".into(), "--database".into(), db.clone(), "--all".into()],
+            vec![
+                "requeue".into(),
+                "--database".into(),
+                db.clone(),
+                "--all".into(),
+            ],
         ),
         (
             "requeue --id",
@@ -991,13 +1034,20 @@ fn defect_12_operator_commands_never_create_a_database() {
         ),
         (
             "relay",
-            vec!["relay".into(), "--config".into(), config.display().to_string()],
+            vec![
+                "relay".into(),
+                "--config".into(),
+                config.display().to_string(),
+            ],
         ),
     ];
     for (what, args) in runs {
         let out = outbox().args(&args).output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{what} on a missing database succeeded");
+        assert!(
+            !out.status.success(),
+            "{what} on a missing database succeeded"
+        );
         assert!(
             err.contains(&path_text) && err.contains("does not exist"),
             "{what}: the error must name the path: {err}"
@@ -1008,11 +1058,19 @@ fn defect_12_operator_commands_never_create_a_database() {
         .args(["migrate", "--database", &db])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(path.exists(), "migrate creates the database");
     let out = outbox()
         .args(["status", "--database", &db])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

@@ -1110,7 +1110,10 @@ pub async fn bucket_hand_over_and_route_sets<F: StoreFixture>(fx: &F) {
         .await
         .unwrap();
     let r = round(&store, "relay-a", LONG, &a).await;
-    assert!(r.renewed.contains(&h), "a stale hand-over gave the bucket away");
+    assert!(
+        r.renewed.contains(&h),
+        "a stale hand-over gave the bucket away"
+    );
     store
         .hand_off_buckets("relay-a", &[(h, th)], "relay-b", LONG)
         .await
@@ -1127,7 +1130,11 @@ pub async fn bucket_hand_over_and_route_sets<F: StoreFixture>(fx: &F) {
     // relay-b takes it at its next round although it holds its full share.
     let r = round(&store, "relay-b", LONG, &b).await;
     assert_eq!(r.handed_over, vec![h]);
-    let l = r.acquired.iter().find(|l| l.bucket == h).expect("handed over");
+    let l = r
+        .acquired
+        .iter()
+        .find(|l| l.bucket == h)
+        .expect("handed over");
     assert!(!l.takeover, "a hand-over is no takeover");
     hold(&mut b, &r);
     assert!(b.contains_key(&h));

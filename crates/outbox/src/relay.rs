@@ -335,9 +335,10 @@ struct Held {
     /// Taken over from an expired lease and not read since: the first batch records an
     /// attempt before publishing (crash-loop protection).
     suspect: bool,
-    /// Handed over by a relay that could not route some of its messages: kept when this relay
-    /// gives buckets back above its fair share, so it does not bounce back.
-    handed: bool,
+    /// Handed over by a relay that could not route some of its messages: until this time (one
+    /// lease after the hand-over) the bucket is not given back above the fair share, so this
+    /// relay publishes its messages before it can bounce back to the relay that gave it.
+    handed_until: Option<Instant>,
 }
 
 #[derive(Debug, Default)]
@@ -1104,29 +1105,32 @@ impl Relay {
         let release = Outcome::Release {
             delay: cfg.poll_interval,
         };
-        let peers: Vec<(String, Vec<crate::transport::TopicPattern>)> =
-            match inner.store.relays(cfg.lease).await {
-                Ok(relays) => relays
-                    .into_iter()
-                    .filter(|r| r.name != cfg.name)
-                    .filter_map(|r| {
-                        let patterns = r
-                            .routes?
-                            .iter()
-                            .map(|p| crate::transport::TopicPattern::parse(p))
-                            .collect();
-                        Some((r.name, patterns))
-                    })
-                    .collect(),
-                Err(e) => {
-                    add(&inner.metrics.store_errors, 1);
-                    tracing::warn!(error = %e.report(), rows = idx.len(), "no local route and the membership could not be read; releasing the rows");
-                    for &i in idx {
-                        work[i].outcome = Some(release.clone());
-                    }
-                    return;
+        let peers: Vec<(String, Vec<crate::transport::TopicPattern>)> = match inner
+            .store
+            .relays(cfg.lease)
+            .await
+        {
+            Ok(relays) => relays
+                .into_iter()
+                .filter(|r| r.name != cfg.name)
+                .filter_map(|r| {
+                    let patterns = r
+                        .routes?
+                        .iter()
+                        .map(|p| crate::transport::TopicPattern::parse(p))
+                        .collect();
+                    Some((r.name, patterns))
+                })
+                .collect(),
+            Err(e) => {
+                add(&inner.metrics.store_errors, 1);
+                tracing::warn!(error = %e.report(), rows = idx.len(), "no local route and the membership could not be read; releasing the rows");
+                for &i in idx {
+                    work[i].outcome = Some(release.clone());
                 }
-            };
+                return;
+            }
+        };
         let mut handed: BTreeMap<String, (usize, String)> = BTreeMap::new();
         for &i in idx {
             let w = &mut work[i];
@@ -1478,7 +1482,7 @@ async fn membership_loop(relay: Relay, cancel: CancellationToken) {
                                 token: l.token,
                                 valid_until,
                                 suspect: l.takeover,
-                                handed,
+                                handed_until: handed.then(|| started + cfg.lease),
                             },
                         );
                         add(&inner.metrics.buckets_acquired, 1);
@@ -1501,19 +1505,19 @@ async fn membership_loop(relay: Relay, cancel: CancellationToken) {
                     below_share = own.held.len() < share;
                     let excess = own.held.len().saturating_sub(share);
                     if excess > 0 {
-                        // Buckets handed over to this relay are given back last.
-                        let mut spare: Vec<(Bucket, LeaseToken, bool)> = own
+                        // Buckets handed over to this relay within the last lease are kept
+                        // (above the share if need be): they hold messages only it routes.
+                        let now = Instant::now();
+                        let spare: Vec<(Bucket, LeaseToken)> = own
                             .held
                             .iter()
                             .rev()
-                            .filter(|(b, _)| !own.in_flight.contains_key(b))
-                            .map(|(b, h)| (*b, h.token, h.handed))
-                            .collect();
-                        spare.sort_by_key(|(_, _, handed)| *handed);
-                        let spare: Vec<(Bucket, LeaseToken)> = spare
-                            .into_iter()
+                            .filter(|(b, h)| {
+                                !own.in_flight.contains_key(b)
+                                    && h.handed_until.is_none_or(|t| t <= now)
+                            })
                             .take(excess)
-                            .map(|(b, t, _)| (b, t))
+                            .map(|(b, h)| (*b, h.token))
                             .collect();
                         for (b, _) in &spare {
                             own.held.remove(b);
@@ -1643,10 +1647,15 @@ async fn check_route_sets(relay: &Relay, seen: &mut BTreeMap<String, Option<Stri
                 tracing::debug!(peer = r.name, routes = ?theirs, "peer relay routes the same topics");
             }
             Some(theirs) => {
-                let only_here: Vec<&String> =
-                    inner.routes.iter().filter(|p| !theirs.contains(p)).collect();
-                let only_there: Vec<&String> =
-                    theirs.iter().filter(|p| !inner.routes.contains(p)).collect();
+                let only_here: Vec<&String> = inner
+                    .routes
+                    .iter()
+                    .filter(|p| !theirs.contains(p))
+                    .collect();
+                let only_there: Vec<&String> = theirs
+                    .iter()
+                    .filter(|p| !inner.routes.contains(p))
+                    .collect();
                 tracing::error!(
                     relay = %cfg.name,
                     peer = r.name,

@@ -29,7 +29,9 @@ fn readme_examples() -> Vec<(String, String)> {
         rest = &rest[at + "<!-- example: ".len()..];
         let end = rest.find(" -->").expect("marker ends with -->");
         let path = rest[..end].to_owned();
-        let fence = rest.find("```rust").expect("a rust block follows the marker");
+        let fence = rest
+            .find("```rust")
+            .expect("a rust block follows the marker");
         let body_start = fence + rest[fence..].find('\n').expect("fence line") + 1;
         let body_len = rest[body_start..].find("\n```").expect("closing fence") + 1;
         out.push((path, rest[body_start..body_start + body_len].to_owned()));
@@ -127,7 +129,12 @@ async fn defect_13_readme_examples_deliver_every_order_once() {
 
     let q = |sql: &'static str| {
         let pool = store.pool().clone();
-        async move { sqlx::query_scalar::<_, i64>(sql).fetch_one(&pool).await.unwrap() }
+        async move {
+            sqlx::query_scalar::<_, i64>(sql)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
     };
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {
@@ -167,17 +174,29 @@ async fn defect_13_readme_examples_deliver_every_order_once() {
 
     // Each order applied once: the stock went down by exactly the ordered quantities.
     let stock = q("SELECT qty FROM stock WHERE sku = 'apple'").await;
-    assert_eq!(stock, 100_000 - ordered, "an order was applied twice or not at all");
+    assert_eq!(
+        stock,
+        100_000 - ordered,
+        "an order was applied twice or not at all"
+    );
     assert_eq!(q("SELECT COUNT(*) FROM outbox WHERE status = 2").await, n);
-    let info = js.get_stream("ORDERS").await.unwrap().info().await.unwrap().clone();
-    assert_eq!(info.state.messages, n as u64, "one message per order in ORDERS");
+    let info = js
+        .get_stream("ORDERS")
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .clone();
+    assert_eq!(
+        info.state.messages, n as u64,
+        "one message per order in ORDERS"
+    );
 
     drop(store);
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "DROP SCHEMA {schema} CASCADE"
-    )))
-    .execute(&admin)
-    .await
-    .unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+        .execute(&admin)
+        .await
+        .unwrap();
     js.delete_stream("ORDERS").await.unwrap();
 }

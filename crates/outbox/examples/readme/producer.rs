@@ -12,8 +12,8 @@ pub async fn place_order(store: &PgStore, order_id: i64, sku: &str, qty: i64) ->
         .execute(&mut *tx)
         .await?;
     let event = serde_json::json!({"order_id": order_id, "sku": sku, "qty": qty});
-    let message = NewMessage::json("order-created", &event)?
-        .with_partition_key(format!("order-{order_id}"));
+    let message =
+        NewMessage::json("order-created", &event)?.with_partition_key(format!("order-{order_id}"));
     store.enqueue(&mut tx, message).await?;
     store.commit(tx).await?; // commits, then wakes an embedded relay at once
     Ok(())

@@ -1056,16 +1056,15 @@ impl Store for MySqlStore {
 
     async fn relays(&self, lease: Duration) -> Result<Vec<RelayInfo>, StoreError> {
         let t = self.table.as_str();
-        let rows: Vec<(String, Option<String>, Option<String>)> = sqlx::query_as(AssertSqlSafe(
-            format!(
+        let rows: Vec<(String, Option<String>, Option<String>)> =
+            sqlx::query_as(AssertSqlSafe(format!(
                 "SELECT name, routes, routes_hash FROM {t}_relays \
                  WHERE heartbeat_at > {NOW} - INTERVAL (? * 1000) MICROSECOND ORDER BY name"
-            ),
-        ))
-        .bind(millis(lease))
-        .fetch_all(&self.pool)
-        .await
-        .map_err(self.err("relays"))?;
+            )))
+            .bind(millis(lease))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(self.err("relays"))?;
         Ok(rows
             .into_iter()
             .map(|(n, r, h)| super::relay_info(n, r, h))

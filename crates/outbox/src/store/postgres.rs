@@ -896,13 +896,14 @@ impl Store for PgStore {
         let mut round = super::membership_round(live, renewed);
         if req.acquire {
             let token = new_token();
-            let handed: Vec<Bucket> = sqlx::query_scalar(AssertSqlSafe(self.sql.take_handoffs.clone()))
-                .bind(&req.relay)
-                .bind(token)
-                .bind(lease)
-                .fetch_all(&mut *tx)
-                .await
-                .map_err(&err)?;
+            let handed: Vec<Bucket> =
+                sqlx::query_scalar(AssertSqlSafe(self.sql.take_handoffs.clone()))
+                    .bind(&req.relay)
+                    .bind(token)
+                    .bind(lease)
+                    .fetch_all(&mut *tx)
+                    .await
+                    .map_err(&err)?;
             round.acquired = handed
                 .iter()
                 .map(|&bucket| BucketLease {

@@ -123,7 +123,11 @@ impl SqliteStore {
         Self::open(url, options, false).await
     }
 
-    async fn open(url: &str, options: StoreOptions, create: bool) -> Result<SqliteStore, StoreError> {
+    async fn open(
+        url: &str,
+        options: StoreOptions,
+        create: bool,
+    ) -> Result<SqliteStore, StoreError> {
         let connect = SqliteConnectOptions::from_str(url)
             .map_err(|e| StoreError::Config(format!("bad SQLite URL {url:?}: {e}")))?
             .create_if_missing(create)
@@ -808,16 +812,15 @@ impl Store for SqliteStore {
 
     async fn relays(&self, lease: Duration) -> Result<Vec<RelayInfo>, StoreError> {
         let t = self.table.as_str();
-        let rows: Vec<(String, Option<String>, Option<String>)> = sqlx::query_as(AssertSqlSafe(
-            format!(
+        let rows: Vec<(String, Option<String>, Option<String>)> =
+            sqlx::query_as(AssertSqlSafe(format!(
                 "SELECT name, routes, routes_hash FROM {t}_relays \
                  WHERE heartbeat_at > {NOW_MS} - ?1 ORDER BY name"
-            ),
-        ))
-        .bind(millis(lease))
-        .fetch_all(&self.pool)
-        .await
-        .map_err(self.err("relays"))?;
+            )))
+            .bind(millis(lease))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(self.err("relays"))?;
         Ok(rows
             .into_iter()
             .map(|(n, r, h)| super::relay_info(n, r, h))
