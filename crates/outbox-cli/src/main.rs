@@ -194,14 +194,28 @@ async fn inbox_command(cmd: InboxCommand) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Open the store named by `url`.
+/// Whether a command may create the database it opens: only `outbox migrate` does
+/// ([`Create::IfMissing`]); every other command (`status`, `requeue`, the relay daemon) opens
+/// an existing one ([`Create::Never`]), so a mistyped SQLite path is an error naming the path,
+/// not a new empty database.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Create {
+    /// Create a missing SQLite database file (`outbox migrate`).
+    IfMissing,
+    /// Refuse a missing SQLite database file.
+    Never,
+}
+
+/// Open the store named by `url`; a SQLite file is created only with [`Create::IfMissing`].
 ///
 /// # Errors
-/// An unsupported scheme, a URL the driver rejects, or an unreachable server, each named.
+/// An unsupported scheme, a URL the driver rejects, an unreachable server, or (with
+/// [`Create::Never`]) a SQLite file that does not exist, each named.
 pub async fn open_store(
     url: &str,
     table: &str,
     inbox_table: &str,
+    create: Create,
 ) -> anyhow::Result<Arc<dyn Store>> {
     let options = StoreOptions {
         table: table.into(),
@@ -219,9 +233,11 @@ pub async fn open_store(
             .with_context(|| format!("cannot open {}", redact(url)))?;
         Ok(Arc::new(store))
     } else if url.starts_with("sqlite:") {
-        let store = SqliteStore::connect(url, options)
-            .await
-            .with_context(|| format!("cannot open {}", redact(url)))?;
+        let store = match create {
+            Create::IfMissing => SqliteStore::connect(url, options).await,
+            Create::Never => SqliteStore::connect_existing(url, options).await,
+        }
+        .with_context(|| format!("cannot open {}", redact(url)))?;
         Ok(Arc::new(store))
     } else {
         bail!(
@@ -254,7 +270,7 @@ fn fmt_age(d: Option<Duration>) -> String {
 }
 
 async fn status(db: DbArgs, failed: u32, json: bool) -> anyhow::Result<()> {
-    let store = open_store(&db.database, &db.table, &db.inbox_table).await?;
+    let store = open_store(&db.database, &db.table, &db.inbox_table, Create::Never).await?;
     let stats = store.stats().await?;
     let dead = store.failed(failed).await?;
     if json {
@@ -312,6 +328,50 @@ async fn status(db: DbArgs, failed: u32, json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `outbox requeue`: FAILED → PENDING. With `--id`, every id that is not requeued is named with
+/// the reason (no such row, or its state) and the command fails.
+async fn requeue(db: DbArgs, ids: Vec<i64>, all: bool) -> anyhow::Result<()> {
+    let store = open_store(&db.database, &db.table, &db.inbox_table, Create::Never).await?;
+    if all {
+        let n = store.requeue_failed(None).await?;
+        println!("requeued {n} dead letter(s) in {}", store.table());
+        return Ok(());
+    }
+    let mut ids = ids;
+    ids.sort_unstable();
+    ids.dedup();
+    // What each id is before: only FAILED rows can be requeued; name the others and why.
+    let before: std::collections::BTreeMap<i64, Status> =
+        store.statuses(&ids).await?.into_iter().collect();
+    let refused: Vec<String> = ids
+        .iter()
+        .filter_map(|id| match before.get(id) {
+            None => Some(format!("id {id}: no such row")),
+            Some(Status::Failed) => None,
+            Some(s) => Some(format!("id {id}: {}, not FAILED", s.name())),
+        })
+        .collect();
+    let failed = ids.len() - refused.len();
+    let n = store.requeue_failed(Some(&ids)).await?;
+    println!("requeued {n} dead letter(s) in {}", store.table());
+    if refused.is_empty() && n as usize == failed {
+        return Ok(());
+    }
+    let mut reasons = refused;
+    if (n as usize) < failed {
+        reasons.push(format!(
+            "{} FAILED row(s) changed state meanwhile",
+            failed - n as usize
+        ));
+    }
+    bail!(
+        "{} of {} id(s) not requeued: {}",
+        ids.len() - n as usize,
+        ids.len(),
+        reasons.join("; ")
+    )
+}
+
 async fn relay(config: PathBuf, database: Option<String>) -> anyhow::Result<()> {
     let mut file = config::FileConfig::load(Some(&config))?;
     if let Some(url) = database {
@@ -319,10 +379,12 @@ async fn relay(config: PathBuf, database: Option<String>) -> anyhow::Result<()> 
     }
     file.validate()?;
     let relay_config = file.relay_config()?;
+    // The relay never creates a database: `outbox migrate` does (docs/configuration.md).
     let store = open_store(
         &file.database.url,
         &file.database.table,
         &file.database.inbox_table,
+        Create::Never,
     )
     .await?;
     let router = file.router().await?;
@@ -586,7 +648,8 @@ async fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Migrate(db) => {
             async {
-                let store = open_store(&db.database, &db.table, &db.inbox_table).await?;
+                let store =
+                    open_store(&db.database, &db.table, &db.inbox_table, Create::IfMissing).await?;
                 store.migrate().await?;
                 println!(
                     "migrated {} and {} on {}",
@@ -600,17 +663,7 @@ async fn main() -> std::process::ExitCode {
         }
         Command::Relay { config, database } => relay(config, database).await,
         Command::Status { db, failed, json } => status(db, failed, json).await,
-        Command::Requeue { db, ids, all } => {
-            async {
-                let store = open_store(&db.database, &db.table, &db.inbox_table).await?;
-                let n = store
-                    .requeue_failed(if all { None } else { Some(&ids) })
-                    .await?;
-                println!("requeued {n} dead letter(s) in {}", store.table());
-                Ok(())
-            }
-            .await
-        }
+        Command::Requeue { db, ids, all } => requeue(db, ids, all).await,
         Command::Inbox(cmd) => inbox_command(cmd).await,
         Command::Demo(args) => demo::run(args).await,
         Command::Bench(args) => bench::run(args).await,

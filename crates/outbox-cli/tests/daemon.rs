@@ -427,8 +427,10 @@ fn requeue_moves_dead_letters_back_to_pending() {
         .args(["requeue", "--database", &db, "--id", "1", "--id", "3"])
         .output()
         .unwrap();
+    // The SENT row is not requeued: named, and the command fails (issue 11 item 12).
+    assert!(!out.status.success());
     assert!(
-        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).contains("id 3: SENT, not FAILED"),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
@@ -693,4 +695,382 @@ async fn one_relay_routes_two_topics_to_two_brokers() {
         .query_async::<i64>(&mut conn)
         .await
         .unwrap();
+}
+
+impl Fixture {
+    /// A relay configuration named `name` routing exactly `patterns` to the fixture's stream
+    /// (lease 3 s: a membership round every second).
+    fn routes_config(&self, name: &str, patterns: &[&str]) -> PathBuf {
+        let path = self.dir.join(format!("{name}.toml"));
+        let mut routes = String::new();
+        for p in patterns {
+            routes.push_str(&format!(
+                "\n[[routes]]\ntopics = \"{p}\"\ntransport = \"bus\"\ndestination = \"{}.{{topic}}\"\n",
+                self.subject
+            ));
+        }
+        std::fs::write(
+            &path,
+            format!(
+                r#"
+[database]
+url = "{pg}"
+table = "{table}"
+inbox_table = "{table}_inbox"
+
+[relay]
+name = "{name}"
+poll_interval = "300ms"
+lease = "3s"
+publish_timeout = "1s"
+reap_interval = "500ms"
+batch_size = 100
+
+[transports.bus]
+kind = "nats"
+url = "{nats}"
+stream = "{stream}"
+subjects = ["{subject}.>"]
+{routes}"#,
+                pg = pg_url(),
+                nats = nats_url(),
+                table = self.table,
+                stream = self.stream,
+                subject = self.subject,
+            ),
+        )
+        .unwrap();
+        path
+    }
+}
+
+impl Fixture {
+    /// Start `outbox relay` with `config`, its log (`RUST_LOG=info`) in `<dir>/<name>.log`.
+    fn spawn_relay_logged(&self, config: &Path, name: &str) -> Child {
+        let log = std::fs::File::create(self.dir.join(format!("{name}.log"))).unwrap();
+        outbox()
+            .args(["relay", "--config"])
+            .arg(config)
+            .env("RUST_LOG", "info,sqlx=warn")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start outbox relay")
+    }
+}
+
+/// Kills the relays when dropped (a failing test leaves no relay running).
+struct Relays(Vec<Child>);
+
+impl Drop for Relays {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Waits until the relays `names` all heartbeat in the membership table.
+async fn wait_live(pool: &PgPool, table: &str, names: &[&str]) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let live: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT name FROM {table}_relays WHERE heartbeat_at > now() - interval '3 seconds'"
+        )))
+        .fetch_all(pool)
+        .await
+        .unwrap();
+        if names.iter().all(|n| live.iter().any(|l| l == n)) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "relays {names:?} not live within 20 s (live: {live:?})"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Plain-SQL `n` messages on each of `topics`, without partition key (spread over the buckets).
+async fn enqueue_topics(pool: &PgPool, table: &str, topics: &[&str], n: i64) {
+    for t in topics {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO {table} (topic, payload) SELECT $1, convert_to(g::text, 'UTF8') \
+             FROM generate_series(1, $2) g"
+        )))
+        .bind(*t)
+        .bind(n)
+        .execute(pool)
+        .await
+        .unwrap();
+    }
+}
+
+/// Waits until every row is SENT; fails at once, with the reason, when one is FAILED.
+async fn wait_all_sent_none_failed(pool: &PgPool, table: &str, within: Duration) {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let rows: Vec<(i16, Option<String>, String)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT status, last_error, topic FROM {table} WHERE status <> 2 ORDER BY status DESC"
+        )))
+        .fetch_all(pool)
+        .await
+        .unwrap();
+        let failed: Vec<_> = rows.iter().filter(|r| r.0 == 4).collect();
+        assert!(
+            failed.is_empty(),
+            "{} message(s) dead-lettered, e.g. topic {:?}: {:?}",
+            failed.len(),
+            failed[0].2,
+            failed[0].1
+        );
+        if rows.is_empty() {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} message(s) not SENT within {within:?}",
+            rows.len()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Issue 11 item 10, rolling upgrade: relay A routes `a-*`, relay B (the new version) routes
+/// `a-*` and `b-*`, on one table. Every message is delivered and none is dead-lettered although
+/// A holds half the buckets, `b-…` messages among them (A hands those buckets to B); then A
+/// stops and B alone drains the rest. Before the fix A dead-lettered the `b-…` messages of its
+/// buckets as "no route".
+#[tokio::test]
+async fn defect_10_rolling_upgrade_adding_a_route_dead_letters_nothing() {
+    let f = Fixture::new("upgrade");
+    f.migrate();
+    let pool = pg().await;
+    let js = nats().await;
+    let a_cfg = f.routes_config("relay-a", &["a-*"]);
+    let b_cfg = f.routes_config("relay-b", &["a-*", "b-*"]);
+    let mut relays = Relays(vec![f.spawn_relay_logged(&a_cfg, "relay-a")]);
+    wait_live(&pool, &f.table, &["relay-a"]).await;
+    relays.0.push(f.spawn_relay_logged(&b_cfg, "relay-b"));
+    wait_live(&pool, &f.table, &["relay-a", "relay-b"]).await;
+
+    enqueue_topics(&pool, &f.table, &["a-created", "b-created"], 300).await;
+    wait_all_sent_none_failed(&pool, &f.table, Duration::from_secs(60)).await;
+
+    // A stops (the upgrade goes on): what comes now is drained by B alone.
+    nix_kill(&relays.0[0], "TERM");
+    assert_eq!(
+        wait_exit(&mut relays.0[0], Duration::from_secs(20)).code(),
+        Some(0)
+    );
+    enqueue_topics(&pool, &f.table, &["a-created", "b-created"], 100).await;
+    wait_all_sent_none_failed(&pool, &f.table, Duration::from_secs(60)).await;
+    let ids = stream_ids(&js, &f.stream, 800).await;
+    assert_eq!(ids.len(), 800, "every message in the stream once");
+
+    nix_kill(&relays.0[1], "TERM");
+    assert_eq!(
+        wait_exit(&mut relays.0[1], Duration::from_secs(20)).code(),
+        Some(0)
+    );
+    js.delete_stream(&f.stream).await.unwrap();
+}
+
+/// Issue 11 item 10, disjoint routes: relay A routes only `a-*`, relay B only `b-*`. Each
+/// holds buckets with the other's messages; nothing is dead-lettered and everything is
+/// delivered (each hands such buckets to the other). Before the fix each dead-lettered the
+/// other's topics as "no route". A topic that no live relay routes is still dead-lettered.
+#[tokio::test]
+async fn defect_10_relays_with_disjoint_routes_dead_letter_nothing() {
+    let f = Fixture::new("disjoint");
+    f.migrate();
+    let pool = pg().await;
+    let js = nats().await;
+    let mut relays = Relays(vec![
+        f.spawn_relay_logged(&f.routes_config("relay-a", &["a-*"]), "relay-a"),
+        f.spawn_relay_logged(&f.routes_config("relay-b", &["b-*"]), "relay-b"),
+    ]);
+    wait_live(&pool, &f.table, &["relay-a", "relay-b"]).await;
+
+    enqueue_topics(&pool, &f.table, &["a-created", "b-created"], 300).await;
+    wait_all_sent_none_failed(&pool, &f.table, Duration::from_secs(60)).await;
+    let ids = stream_ids(&js, &f.stream, 600).await;
+    assert_eq!(ids.len(), 600, "every message in the stream once");
+
+    // Nobody routes `c-…`: dead-lettered, with the reason.
+    enqueue_topics(&pool, &f.table, &["c-created"], 1).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let reason: String = loop {
+        let r: Option<Option<String>> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT last_error FROM {} WHERE topic = 'c-created' AND status = 4",
+            f.table
+        )))
+        .fetch_optional(&pool)
+        .await
+        .unwrap();
+        if let Some(r) = r {
+            break r.unwrap_or_default();
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "an unroutable message was not dead-lettered"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(reason.contains("no route"), "{reason}");
+
+    for r in relays.0.iter_mut() {
+        nix_kill(r, "TERM");
+        assert_eq!(wait_exit(r, Duration::from_secs(20)).code(), Some(0));
+    }
+    js.delete_stream(&f.stream).await.unwrap();
+}
+
+/// Issue 11 item 12: `requeue --id` names every id it could not requeue, with the reason (no
+/// such row, or its state), and exits non-zero; the FAILED ones among them are requeued.
+/// Before the fix it printed "requeued 1" and exited 0.
+#[test]
+fn defect_12_requeue_names_the_ids_it_could_not_requeue() {
+    let f = Fixture::new("rqnames");
+    let db = format!("sqlite://{}", f.dir.join("rq.db").display());
+    assert!(
+        outbox()
+            .args(["migrate", "--database", &db])
+            .output()
+            .unwrap()
+            .status
+            .success()
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let pool = sqlx::SqlitePool::connect(&db).await.unwrap();
+        sqlx::query(
+            "INSERT INTO outbox (message_id, topic, payload, status, attempts, last_error) VALUES \
+             ('00000000-0000-7000-8000-000000000001', 't', x'00', 4, 16, 'attempts exhausted'), \
+             ('00000000-0000-7000-8000-000000000002', 't', x'00', 2, 1, NULL), \
+             ('00000000-0000-7000-8000-000000000003', 't', x'00', 0, 0, NULL)",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+    });
+    let out = outbox()
+        .args(["requeue", "--database", &db])
+        .args(["--id", "1", "--id", "2", "--id", "3", "--id", "99"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "ids not requeued must fail: {err}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("requeued 1 "));
+    for want in [
+        "3 of 4 id(s) not requeued",
+        "id 2: SENT, not FAILED",
+        "id 3: PENDING, not FAILED",
+        "id 99: no such row",
+    ] {
+        assert!(err.contains(want), "stderr lacks {want:?}: {err}");
+    }
+    assert!(!err.contains("id 1:"), "id 1 was requeued: {err}");
+    // All requeued: success.
+    rt.block_on(async {
+        let pool = sqlx::SqlitePool::connect(&db).await.unwrap();
+        sqlx::query("UPDATE outbox SET status = 4 WHERE id = 1")
+            .execute(&pool)
+            .await
+            .unwrap();
+    });
+    let out = outbox()
+        .args(["requeue", "--database", &db, "--id", "1"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Issue 11 item 12: `status`, `requeue` and the relay daemon on a SQLite path that does not
+/// exist fail naming the path and create no file; only `migrate` creates the database. Before
+/// the fix `status` and `requeue` left an empty database file behind.
+#[test]
+fn defect_12_operator_commands_never_create_a_database() {
+    let f = Fixture::new("nocreate");
+    let path = f.dir.join("typo.db");
+    let db = format!("sqlite://{}", path.display());
+    let path_text = path.display().to_string();
+    let config = f.dir.join("relay.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[database]\nurl = \"{db}\"\n[transports.t]\nkind = \"webhook\"\nurl = \"http://127.0.0.1:9/\"\n[[routes]]\ntopics = \"*\"\ntransport = \"t\"\n"
+        ),
+    )
+    .unwrap();
+    let runs: [(&str, Vec<String>); 4] = [
+        (
+            "status",
+            vec!["status".into(), "--database".into(), db.clone()],
+        ),
+        (
+            "requeue --all",
+            vec![
+                "requeue".into(),
+                "--database".into(),
+                db.clone(),
+                "--all".into(),
+            ],
+        ),
+        (
+            "requeue --id",
+            vec![
+                "requeue".into(),
+                "--database".into(),
+                db.clone(),
+                "--id".into(),
+                "1".into(),
+            ],
+        ),
+        (
+            "relay",
+            vec![
+                "relay".into(),
+                "--config".into(),
+                config.display().to_string(),
+            ],
+        ),
+    ];
+    for (what, args) in runs {
+        let out = outbox().args(&args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success(),
+            "{what} on a missing database succeeded"
+        );
+        assert!(
+            err.contains(&path_text) && err.contains("does not exist"),
+            "{what}: the error must name the path: {err}"
+        );
+        assert!(!path.exists(), "{what} created {path_text}");
+    }
+    let out = outbox()
+        .args(["migrate", "--database", &db])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(path.exists(), "migrate creates the database");
+    let out = outbox()
+        .args(["status", "--database", &db])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

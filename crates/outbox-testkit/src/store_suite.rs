@@ -925,6 +925,7 @@ async fn round(
             lease,
             held: held.iter().map(|(b, t)| (*b, *t)).collect(),
             acquire: true,
+            routes: vec![format!("{relay}-*")],
         })
         .await
         .expect("membership")
@@ -1068,6 +1069,78 @@ pub async fn bucket_membership_fair_share<F: StoreFixture>(fx: &F) {
     assert!(r.acquired.iter().all(|l| !l.takeover));
     hold(&mut a, &r);
     assert_eq!(a.len(), usize::from(BUCKETS));
+}
+
+/// Route sets and hand-over (migration v6): every live relay's advertised routes are listed by
+/// `relays` with their hash; a bucket handed over to a relay is reserved for it (a third relay
+/// below its share cannot take it) and the target acquires it at its next round even at its
+/// full share, as `handed_over`, not a takeover. A stale hand-over (wrong token) changes nothing.
+pub async fn bucket_hand_over_and_route_sets<F: StoreFixture>(fx: &F) {
+    let store = fx.store();
+    let mut a = hold_all(&store, "relay-a", LONG).await;
+    let mut b = BTreeMap::new();
+    let r = round(&store, "relay-b", LONG, &b).await;
+    assert_eq!(r.live_relays, 2);
+    let relays = store.relays(LONG).await.expect("relays");
+    let names: Vec<&str> = relays.iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(names, ["relay-a", "relay-b"]);
+    assert_eq!(relays[0].routes, Some(vec!["relay-a-*".to_owned()]));
+    assert_eq!(relays[1].routes, Some(vec!["relay-b-*".to_owned()]));
+    assert_eq!(
+        relays[0].routes_hash.as_deref(),
+        Some(outbox::store::routes_hash(&["relay-a-*".to_owned()]).as_str())
+    );
+    assert_ne!(relays[0].routes_hash, relays[1].routes_hash);
+
+    // relay-a keeps 32 and gives the rest back; relay-b takes them: both at their share.
+    let extra: Vec<(Bucket, LeaseToken)> = a.iter().skip(32).map(|(b, t)| (*b, *t)).collect();
+    store
+        .release_buckets("relay-a", &extra, false)
+        .await
+        .unwrap();
+    a.retain(|bucket, _| !extra.iter().any(|(x, _)| x == bucket));
+    let r = round(&store, "relay-b", LONG, &b).await;
+    hold(&mut b, &r);
+    assert_eq!(b.len(), 32);
+
+    // relay-a hands bucket `h` to relay-b; a stale hand-over (wrong token) does nothing.
+    let (h, th) = a.iter().next().map(|(b, t)| (*b, *t)).unwrap();
+    store
+        .hand_off_buckets("relay-a", &[(h, th ^ 1)], "relay-b", LONG)
+        .await
+        .unwrap();
+    let r = round(&store, "relay-a", LONG, &a).await;
+    assert!(
+        r.renewed.contains(&h),
+        "a stale hand-over gave the bucket away"
+    );
+    store
+        .hand_off_buckets("relay-a", &[(h, th)], "relay-b", LONG)
+        .await
+        .unwrap();
+    a.remove(&h);
+    // A third relay (below its share) and relay-a itself cannot take the reserved bucket.
+    let c = round(&store, "relay-c", LONG, &BTreeMap::new()).await;
+    assert!(
+        !c.acquired.iter().any(|l| l.bucket == h),
+        "a bucket handed over to relay-b was taken by relay-c: {c:?}"
+    );
+    let ra = round(&store, "relay-a", LONG, &a).await;
+    assert!(!ra.acquired.iter().any(|l| l.bucket == h));
+    // relay-b takes it at its next round although it holds its full share.
+    let r = round(&store, "relay-b", LONG, &b).await;
+    assert_eq!(r.handed_over, vec![h]);
+    let l = r
+        .acquired
+        .iter()
+        .find(|l| l.bucket == h)
+        .expect("handed over");
+    assert!(!l.takeover, "a hand-over is no takeover");
+    hold(&mut b, &r);
+    assert!(b.contains_key(&h));
+    let r = round(&store, "relay-b", LONG, &b).await;
+    assert!(r.renewed.contains(&h));
+    assert!(r.handed_over.is_empty(), "a hand-over is taken once");
 }
 
 /// A relay cannot take buckets whose lease is live; once the holder's lease expired (on the

@@ -113,6 +113,17 @@ pub enum StoreError {
         #[source]
         source: sqlx::Error,
     },
+    /// The SQLite database file does not exist and the caller opened it without creating it
+    /// ([`SqliteStore::connect_existing`](crate::SqliteStore::connect_existing): operator
+    /// commands and the relay daemon; only `outbox migrate` creates a database). Kind
+    /// [`StoreErrorKind::MissingTable`].
+    #[error(
+        "SQLite database {path:?} does not exist: check the path, or create it with `outbox migrate --database URL` (only migrate creates a database)"
+    )]
+    MissingDatabase {
+        /// The file path the URL names.
+        path: String,
+    },
     /// A table or schema name that is not a plain SQL identifier.
     #[error(
         "invalid identifier {0:?}: letters, digits and _ only, starting with a letter or _, at most 48 characters per part (optionally schema.table)"
@@ -150,7 +161,9 @@ impl StoreError {
                 StoreErrorKind::Transient
             }
             StoreError::Database { .. } => StoreErrorKind::Other,
-            StoreError::MissingTable { .. } => StoreErrorKind::MissingTable,
+            StoreError::MissingTable { .. } | StoreError::MissingDatabase { .. } => {
+                StoreErrorKind::MissingTable
+            }
             StoreError::InvalidIdentifier(_) | StoreError::Config(_) => StoreErrorKind::Config,
             StoreError::Corrupt { .. } => StoreErrorKind::Corrupt,
         }

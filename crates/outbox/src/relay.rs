@@ -50,12 +50,17 @@
 //! # Failure handling
 //! - `Retryable` publish error: PENDING again after [`Backoff`] on the database clock, or FAILED
 //!   ("attempts exhausted") after `max_attempts`.
-//! - `Permanent` error or no route: FAILED at once with the reason (shared case C07).
+//! - `Permanent` error: FAILED at once with the reason (shared case C07).
 //! - A message the route's transport refuses to put on the wire ([`Transport::check`]: a header
 //!   name or value, a partition key its client cannot carry, a broker-reserved header such as
 //!   `Nats-Msg-Id`, typically from a row written by plain SQL): FAILED at once with the reason
 //!   naming the header or key; it is never handed to the broker's client, and the rest of the
 //!   batch is published.
+//! - No route on this relay: if a live peer relay advertises a route for the topic (relays
+//!   advertise their route patterns in the membership, schema v6), the message is released
+//!   untouched and its bucket handed over to that peer ([`Store::hand_off_buckets`]); only a
+//!   topic no live relay routes is FAILED (`no route for topic …`). Relays whose route sets
+//!   differ log an error naming both and the difference (docs/ordering.md).
 //! - `Unavailable`: the message is released without counting the attempt, the transport is
 //!   marked down, and a prober checks it with backoff; while every transport is down the relay
 //!   does not read at all (shared case C05).
@@ -363,6 +368,10 @@ struct Held {
     /// Taken over from an expired lease and not read since: the first batch records an
     /// attempt before publishing (crash-loop protection).
     suspect: bool,
+    /// Handed over by a relay that could not route some of its messages: until this time (one
+    /// lease after the hand-over) the bucket is not given back above the fair share, so this
+    /// relay publishes its messages before it can bounce back to the relay that gave it.
+    handed_until: Option<Instant>,
 }
 
 #[derive(Debug, Default)]
@@ -397,6 +406,11 @@ struct Inner {
     changed: Notify,
     /// A completion was refused: run a membership round now to learn which buckets were lost.
     renew_now: Notify,
+    /// The topic patterns of this relay's routes, normalised: advertised in the membership.
+    routes: Vec<String>,
+    /// Held buckets with messages only another live relay routes, and that relay: handed over
+    /// to it at the next membership round ([`Store::hand_off_buckets`]).
+    handoffs: Mutex<BTreeMap<Bucket, String>>,
 }
 
 /// The relay (see the module docs). Build with [`Relay::builder`], run with [`Relay::run`] or
@@ -464,6 +478,13 @@ impl RelayBuilder {
                 down: AtomicBool::new(false),
             })
             .collect();
+        let patterns: Vec<String> = self
+            .router
+            .routes()
+            .iter()
+            .map(|r| r.pattern.to_string())
+            .collect();
+        let routes = crate::store::normalise_routes(&patterns);
         Ok(Relay {
             inner: Arc::new(Inner {
                 store: self.store,
@@ -478,6 +499,8 @@ impl RelayBuilder {
                 held_back: Mutex::new(HashMap::new()),
                 changed: Notify::new(),
                 renew_now: Notify::new(),
+                routes,
+                handoffs: Mutex::new(BTreeMap::new()),
             }),
         })
     }
@@ -865,12 +888,19 @@ impl Relay {
     fn free_buckets(&self) -> Vec<Bucket> {
         let mut own = self.inner.ownership.lock().expect("ownership lock");
         let horizon = Instant::now() + self.inner.config.publish_timeout;
+        // A bucket about to be handed over to another relay is not read again.
+        let handoffs = self.inner.handoffs.lock().expect("handoffs lock");
         let mut free: Vec<Bucket> = own
             .held
             .iter()
-            .filter(|(b, h)| h.valid_until > horizon && !own.in_flight.contains_key(b))
+            .filter(|(b, h)| {
+                h.valid_until > horizon
+                    && !own.in_flight.contains_key(b)
+                    && !handoffs.contains_key(b)
+            })
             .map(|(b, _)| *b)
             .collect();
+        drop(handoffs);
         if !free.is_empty() {
             own.rotate = own.rotate.wrapping_add(1);
             let k = own.rotate % free.len();
@@ -1054,6 +1084,15 @@ impl Relay {
                 }
             }
         }
+        drop(own);
+        let hand_off = {
+            let handoffs = self.inner.handoffs.lock().expect("handoffs lock");
+            buckets.iter().any(|b| handoffs.contains_key(b))
+        };
+        if hand_off {
+            // Hand those buckets over now rather than at the next regular round.
+            self.inner.renew_now.notify_one();
+        }
     }
 
     async fn process_inner(
@@ -1120,8 +1159,9 @@ impl Relay {
         if let Some(h) = &inner.hooks {
             h.before_publish(&messages).await;
         }
-        // Routes; no route is a permanent error.
-        for w in work.iter_mut() {
+        // Routes; no route is a permanent error unless another live relay routes the topic.
+        let mut unrouted = Vec::new();
+        for (i, w) in work.iter_mut().enumerate() {
             if w.outcome.is_some() {
                 continue;
             }
@@ -1135,12 +1175,11 @@ impl Relay {
                     }
                     w.route = Some((route, dest));
                 }
-                None => {
-                    w.outcome = Some(Outcome::Failed {
-                        reason: format!("no route for topic {:?}", w.message.topic),
-                    })
-                }
+                None => unrouted.push(i),
             }
+        }
+        if !unrouted.is_empty() {
+            self.route_elsewhere(work, &unrouted).await;
         }
         // Ordered routes: per key, the indexes of its rows in id order (work is in id order
         // within each bucket, and a key lives in one bucket).
@@ -1291,6 +1330,86 @@ impl Relay {
             add(counter, 1);
         }
         self.complete(&completions, read_at).await;
+    }
+
+    /// Decide the rows `idx` of `work`, which no route of this relay matches: a row whose topic
+    /// a live peer relay routes (by the route set it advertised) is released untouched (no
+    /// attempt counted, due again after `poll_interval`) and its bucket is marked for hand-over
+    /// to that peer; a row no live relay routes is dead-lettered `no route for topic …`. When
+    /// the membership cannot be read, the rows are released (a database error is no reason to
+    /// dead-letter).
+    async fn route_elsewhere(&self, work: &mut [Work], idx: &[usize]) {
+        let inner = &self.inner;
+        let cfg = &inner.config;
+        let release = Outcome::Release {
+            delay: cfg.poll_interval,
+        };
+        let peers: Vec<(String, Vec<crate::transport::TopicPattern>)> = match inner
+            .store
+            .relays(cfg.lease)
+            .await
+        {
+            Ok(relays) => relays
+                .into_iter()
+                .filter(|r| r.name != cfg.name)
+                .filter_map(|r| {
+                    let patterns = r
+                        .routes?
+                        .iter()
+                        .map(|p| crate::transport::TopicPattern::parse(p))
+                        .collect();
+                    Some((r.name, patterns))
+                })
+                .collect(),
+            Err(e) => {
+                add(&inner.metrics.store_errors, 1);
+                tracing::warn!(error = %e.report(), rows = idx.len(), "no local route and the membership could not be read; releasing the rows");
+                for &i in idx {
+                    work[i].outcome = Some(release.clone());
+                }
+                return;
+            }
+        };
+        let mut handed: BTreeMap<String, (usize, String)> = BTreeMap::new();
+        for &i in idx {
+            let w = &mut work[i];
+            let peer = peers
+                .iter()
+                .find(|(_, patterns)| patterns.iter().any(|p| p.matches(&w.message.topic)));
+            match peer {
+                Some((name, _)) => {
+                    w.outcome = Some(release.clone());
+                    inner
+                        .handoffs
+                        .lock()
+                        .expect("handoffs lock")
+                        .entry(w.bucket)
+                        .or_insert_with(|| name.clone());
+                    let e = handed
+                        .entry(name.clone())
+                        .or_insert_with(|| (0, w.message.topic.clone()));
+                    e.0 += 1;
+                }
+                None => {
+                    w.outcome = Some(Outcome::Failed {
+                        reason: format!(
+                            "no route for topic {:?} (on this relay nor on any live relay)",
+                            w.message.topic
+                        ),
+                    })
+                }
+            }
+        }
+        for (peer, (rows, topic)) in handed {
+            tracing::warn!(
+                relay = %cfg.name,
+                peer,
+                rows,
+                topic,
+                "no local route for these messages but the live relay {peer} routes them: released \
+                 untouched, their buckets are handed over to it"
+            );
+        }
     }
 
     /// Publish the rows `idx` of `work`, pipelined per transport, and set their outcomes.
@@ -1713,6 +1832,8 @@ async fn membership_loop(relay: Relay, cancel: CancellationToken) {
     // Logged at error level when found and again every lease while it lasts: a relay that
     // cannot make progress says so ([`Relay::stalled`], `stalled_batches`).
     let mut stuck_logged: Option<Instant> = None;
+    // The peers' route sets (hashes) last compared with this relay's.
+    let mut route_sets: BTreeMap<String, Option<String>> = BTreeMap::new();
     loop {
         let held: Vec<(Bucket, LeaseToken)> = {
             let own = inner.ownership.lock().expect("ownership lock");
@@ -1744,6 +1865,7 @@ async fn membership_loop(relay: Relay, cancel: CancellationToken) {
             lease: cfg.lease,
             held: held.clone(),
             acquire: true,
+            routes: inner.routes.clone(),
         };
         let started = Instant::now();
         let mut below_share = false;
@@ -1770,15 +1892,23 @@ async fn membership_loop(relay: Relay, cancel: CancellationToken) {
                         }
                     }
                     for l in &round.acquired {
+                        let handed = round.handed_over.contains(&l.bucket);
                         own.held.insert(
                             l.bucket,
                             Held {
                                 token: l.token,
                                 valid_until,
                                 suspect: l.takeover,
+                                handed_until: handed.then(|| started + cfg.lease),
                             },
                         );
                         add(&inner.metrics.buckets_acquired, 1);
+                        if handed {
+                            tracing::info!(
+                                bucket = l.bucket,
+                                "took a bucket another relay handed over: it holds messages only this relay routes"
+                            );
+                        }
                         if l.takeover {
                             add(&inner.metrics.takeovers, 1);
                             tracing::info!(
@@ -1792,11 +1922,17 @@ async fn membership_loop(relay: Relay, cancel: CancellationToken) {
                     below_share = own.held.len() < share;
                     let excess = own.held.len().saturating_sub(share);
                     if excess > 0 {
+                        // Buckets handed over to this relay within the last lease are kept
+                        // (above the share if need be): they hold messages only it routes.
+                        let now = Instant::now();
                         let spare: Vec<(Bucket, LeaseToken)> = own
                             .held
                             .iter()
                             .rev()
-                            .filter(|(b, _)| !own.in_flight.contains_key(b))
+                            .filter(|(b, h)| {
+                                !own.in_flight.contains_key(b)
+                                    && h.handed_until.is_none_or(|t| t <= now)
+                            })
                             .take(excess)
                             .map(|(b, h)| (*b, h.token))
                             .collect();
@@ -1833,6 +1969,8 @@ async fn membership_loop(relay: Relay, cancel: CancellationToken) {
                         }
                     }
                 }
+                hand_off(&relay).await;
+                check_route_sets(&relay, &mut route_sets).await;
             }
             Err(e) => {
                 failures += 1;
@@ -1853,6 +1991,111 @@ async fn membership_loop(relay: Relay, cancel: CancellationToken) {
             _ = tokio::time::sleep(wait) => {}
         }
     }
+}
+
+/// Hand the buckets marked by [`Relay::route_elsewhere`] over to the relays that route their
+/// messages: those held and not in flight (the others wait for the next round).
+async fn hand_off(relay: &Relay) {
+    let inner = &relay.inner;
+    let cfg = &inner.config;
+    let mut to: BTreeMap<String, Vec<(Bucket, LeaseToken)>> = BTreeMap::new();
+    {
+        let mut own = inner.ownership.lock().expect("ownership lock");
+        let mut handoffs = inner.handoffs.lock().expect("handoffs lock");
+        handoffs.retain(|b, peer| {
+            if own.in_flight.contains_key(b) {
+                return true;
+            }
+            if let Some(h) = own.held.remove(b) {
+                to.entry(peer.clone()).or_default().push((*b, h.token));
+            }
+            false
+        });
+    }
+    for (peer, buckets) in to {
+        let n = buckets.len() as u64;
+        match inner
+            .store
+            .hand_off_buckets(&cfg.name, &buckets, &peer, cfg.lease)
+            .await
+        {
+            Ok(()) => {
+                add(&inner.metrics.buckets_released, n);
+                tracing::info!(
+                    relay = %cfg.name,
+                    peer,
+                    buckets = ?buckets.iter().map(|(b, _)| *b).collect::<Vec<_>>(),
+                    "buckets handed over to the relay that routes their messages"
+                );
+            }
+            Err(e) => {
+                add(&inner.metrics.store_errors, 1);
+                tracing::warn!(error = %e.report(), peer, "could not hand buckets over; they return by lease expiry");
+            }
+        }
+    }
+}
+
+/// Compare the live peers' advertised route sets with this relay's and log an error naming
+/// both relays and the difference, at the first round and whenever a peer's set changes.
+/// `seen` keeps the peers' hashes last compared.
+async fn check_route_sets(relay: &Relay, seen: &mut BTreeMap<String, Option<String>>) {
+    let inner = &relay.inner;
+    let cfg = &inner.config;
+    let relays = match inner.store.relays(cfg.lease).await {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::debug!(error = %e.report(), "could not read the membership's route sets");
+            return;
+        }
+    };
+    let mine = crate::store::routes_hash(&inner.routes);
+    let now: BTreeMap<String, Option<String>> = relays
+        .iter()
+        .filter(|r| r.name != cfg.name)
+        .map(|r| (r.name.clone(), r.routes_hash.clone()))
+        .collect();
+    for r in relays.iter().filter(|r| r.name != cfg.name) {
+        if seen.get(&r.name) == Some(&r.routes_hash) {
+            continue;
+        }
+        match &r.routes {
+            Some(theirs) if r.routes_hash.as_deref() == Some(mine.as_str()) => {
+                tracing::debug!(peer = r.name, routes = ?theirs, "peer relay routes the same topics");
+            }
+            Some(theirs) => {
+                let only_here: Vec<&String> = inner
+                    .routes
+                    .iter()
+                    .filter(|p| !theirs.contains(p))
+                    .collect();
+                let only_there: Vec<&String> = theirs
+                    .iter()
+                    .filter(|p| !inner.routes.contains(p))
+                    .collect();
+                tracing::error!(
+                    relay = %cfg.name,
+                    peer = r.name,
+                    ?only_here,
+                    ?only_there,
+                    "relays {} and {} on one table route different topics (only {}: {:?}; only {}: {:?}): \
+                     a message only one of them routes is handed over to it, never dead-lettered while it \
+                     is live, but it waits for the hand-over; give every relay the same routes (docs/ordering.md)",
+                    cfg.name, r.name, cfg.name, only_here, r.name, only_there
+                );
+            }
+            None => {
+                tracing::error!(
+                    relay = %cfg.name,
+                    peer = r.name,
+                    "relay {} advertises no route set (a version before schema v6): messages it cannot \
+                     route are dead-lettered by it; upgrade every relay (docs/ordering.md)",
+                    r.name
+                );
+            }
+        }
+    }
+    *seen = now;
 }
 
 /// Maintenance, on every relay, each step one bounded conditional statement so relays never

@@ -21,6 +21,7 @@ mod kafka;
 mod mqtt;
 mod ordering;
 mod rabbitmq;
+mod readme;
 mod redis;
 mod relay;
 mod relay_faults;

@@ -61,6 +61,10 @@ macro_rules! store_conformance {
             case!(bucket_membership_fair_share, bucket_membership_fair_share);
             case!(bucket_takeover_after_expiry, bucket_takeover_after_expiry);
             case!(
+                bucket_hand_over_and_route_sets,
+                bucket_hand_over_and_route_sets
+            );
+            case!(
                 read_buckets_due_pending_in_order,
                 read_buckets_due_pending_in_order
             );
@@ -143,7 +147,7 @@ async fn mysql_concurrent_migrate() {
             t = fx.table
         ))
         .await;
-    assert_eq!(versions, 6, "four outbox and two inbox versions, once each");
+    assert_eq!(versions, 7, "five outbox and two inbox versions, once each");
     fx.cleanup().await;
 }
 

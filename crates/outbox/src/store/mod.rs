@@ -167,9 +167,16 @@ pub struct MembershipRequest {
     pub lease: Duration,
     /// The buckets the relay believes it holds, with their tokens; they are renewed.
     pub held: Vec<(Bucket, LeaseToken)>,
-    /// Acquire free or expired buckets up to the fair share (`ceil(BUCKETS / live relays)`).
+    /// Acquire free or expired buckets up to the fair share (`ceil(BUCKETS / live relays)`),
+    /// and the buckets another relay handed over to this one ([`Store::hand_off_buckets`]).
     /// False while shutting down.
     pub acquire: bool,
+    /// The topic patterns this relay routes ([`TopicPattern`](crate::TopicPattern) syntax:
+    /// `*`, `prefix*` or an exact topic), sorted and deduplicated
+    /// ([`normalise_routes`]). Stored with the heartbeat (columns `routes`, a JSON array, and
+    /// `routes_hash`, migration v6) so the other relays know which topics this one can publish
+    /// ([`Store::relays`]).
+    pub routes: Vec<String>,
 }
 
 /// What a membership round found and did.
@@ -182,8 +189,61 @@ pub struct MembershipRound {
     /// Held buckets whose lease was renewed. A held bucket missing here was lost (another relay
     /// took it over after this relay's lease expired): the relay must stop using it at once.
     pub renewed: Vec<Bucket>,
-    /// Buckets newly acquired in this round.
+    /// Buckets newly acquired in this round (handed-over ones included).
     pub acquired: Vec<BucketLease>,
+    /// The buckets of `acquired` that another relay handed over to this one because it could
+    /// not route some of their messages ([`Store::hand_off_buckets`]); acquired even above the
+    /// fair share.
+    pub handed_over: Vec<Bucket>,
+}
+
+/// A live relay as its membership row shows it ([`Store::relays`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RelayInfo {
+    /// The relay's name.
+    pub name: String,
+    /// The topic patterns it routes ([`MembershipRequest::routes`]); `None` when its row has
+    /// none (a relay of a version before migration v6) or an unreadable one: such a relay is
+    /// not counted as routing anything.
+    pub routes: Option<Vec<String>>,
+    /// A hash of its route set (16 hex digits, [`routes_hash`]); equal hashes, equal sets.
+    pub routes_hash: Option<String>,
+}
+
+/// Route patterns as advertised: sorted, without duplicates.
+pub fn normalise_routes<S: AsRef<str>>(patterns: &[S]) -> Vec<String> {
+    let set: std::collections::BTreeSet<String> =
+        patterns.iter().map(|p| p.as_ref().to_owned()).collect();
+    set.into_iter().collect()
+}
+
+/// The stable hash of a normalised route set: FNV-1a 64 of its JSON array, 16 hex digits.
+pub fn routes_hash(routes: &[String]) -> String {
+    let json = routes_json(routes);
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in json.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
+/// The route set as stored: a JSON array of strings.
+pub(crate) fn routes_json(routes: &[String]) -> String {
+    serde_json::to_string(routes).expect("strings serialize")
+}
+
+/// A membership row's route set, `None` when absent or not a JSON array of strings.
+pub(crate) fn relay_info(
+    name: String,
+    routes: Option<String>,
+    routes_hash: Option<String>,
+) -> RelayInfo {
+    RelayInfo {
+        name,
+        routes: routes.and_then(|r| serde_json::from_str::<Vec<String>>(&r).ok()),
+        routes_hash,
+    }
 }
 
 /// A PENDING row read from an owned bucket ([`Store::read_buckets`]).
@@ -279,6 +339,27 @@ pub trait Store: Send + Sync + 'static {
     /// fewer than the fair share are held, takes free buckets and buckets whose lease expired
     /// (`owner = relay`, a fresh token, `takeovers + 1` for an expired one) with `SKIP LOCKED`.
     async fn membership(&self, req: &MembershipRequest) -> Result<MembershipRound, StoreError>;
+
+    /// The relays whose heartbeat is younger than `lease` (this one included), with the route
+    /// sets they advertised, by name. One statement.
+    async fn relays(&self, lease: Duration) -> Result<Vec<RelayInfo>, StoreError>;
+
+    /// Hand buckets over to the relay `to`, where owner and token still match: the bucket is
+    /// free (`owner = NULL`) but reserved for `to` for one `lease` (`handoff = to`,
+    /// `expires_at = now() + lease`): no other relay acquires it meanwhile, and `to` acquires
+    /// it at its next membership round even above its fair share. Used by a relay that holds
+    /// messages only `to` can route; after the reservation expired anyone may take it.
+    async fn hand_off_buckets(
+        &self,
+        relay: &str,
+        buckets: &[(Bucket, LeaseToken)],
+        to: &str,
+        lease: Duration,
+    ) -> Result<(), StoreError>;
+
+    /// The status of each of `ids` that exists, in id order (ids without a row are left out).
+    /// For operator commands (`outbox requeue` names the ids it could not requeue).
+    async fn statuses(&self, ids: &[i64]) -> Result<Vec<(i64, Status)>, StoreError>;
 
     /// Give buckets back (`owner = NULL`, lease expired at once) where owner and token still
     /// match; with `leave`, also delete the relay's membership row. Used when a relay holds more
@@ -535,6 +616,7 @@ pub(crate) fn membership_round(live: i64, renewed: Vec<Bucket>) -> MembershipRou
         fair_share: u32::from(BUCKETS).div_ceil(live),
         renewed,
         acquired: Vec::new(),
+        handed_over: Vec::new(),
     }
 }
 
@@ -699,4 +781,23 @@ impl StoreOptions {
             ..StoreOptions::default()
         }
     }
+}
+
+/// `(id, status)` rows as read (status as the database returns it), sorted by id.
+pub(crate) fn statuses_from(
+    rows: impl IntoIterator<Item = (i64, i64)>,
+) -> Result<Vec<(i64, Status)>, StoreError> {
+    let mut out = Vec::new();
+    for (id, status) in rows {
+        let s = i16::try_from(status)
+            .ok()
+            .and_then(Status::from_i16)
+            .ok_or_else(|| StoreError::Corrupt {
+                id,
+                reason: format!("unknown status {status}"),
+            })?;
+        out.push((id, s));
+    }
+    out.sort_by_key(|(id, _)| *id);
+    Ok(out)
 }

@@ -61,7 +61,8 @@ use uuid::Uuid;
 use super::{
     Bucket, BucketBatch, BucketCompletion, BucketLease, Claim, ClaimRequest, Completion,
     CompletionColumns, FailedMessage, KeyHead, LeaseToken, MembershipRequest, MembershipRound,
-    Stats, Store, StoreOptions, claim_from_rows, millis, new_token, parse_headers, stats_from,
+    RelayInfo, Stats, Store, StoreOptions, claim_from_rows, millis, new_token, parse_headers,
+    stats_from,
 };
 use crate::confirm::{ConfirmReport, Confirmation, RejectionHook, Verdict};
 use crate::error::{EnqueueError, StoreError};
@@ -592,12 +593,20 @@ impl MySqlStore {
     ) -> Result<MembershipRound, sqlx::Error> {
         let t = self.table.as_str();
         let lease = millis(req.lease);
+        let (routes, hash) = (
+            super::routes_json(&req.routes),
+            super::routes_hash(&req.routes),
+        );
         let mut tx = self.begin_rc().await?;
         sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO {t}_relays (name, heartbeat_at) VALUES (?, {NOW}) \
-             ON DUPLICATE KEY UPDATE heartbeat_at = {NOW}"
+            "INSERT INTO {t}_relays (name, heartbeat_at, routes, routes_hash) VALUES (?, {NOW}, ?, ?) \
+             ON DUPLICATE KEY UPDATE heartbeat_at = {NOW}, routes = ?, routes_hash = ?"
         )))
         .bind(&req.relay)
+        .bind(&routes)
+        .bind(&hash)
+        .bind(&routes)
+        .bind(&hash)
         .execute(&mut *tx)
         .await?;
         // Forget relays silent for 10 leases, then count the live ones.
@@ -645,13 +654,51 @@ impl MySqlStore {
             }
         }
         let mut round = super::membership_round(live, renewed);
-        let need = round
-            .fair_share
-            .saturating_sub(u32::try_from(round.renewed.len()).unwrap_or(u32::MAX));
+        if req.acquire {
+            // Buckets handed over to this relay (migration v6), even above the fair share.
+            let mut handed: Vec<Bucket> = sqlx::query_scalar(AssertSqlSafe(format!(
+                "SELECT bucket FROM {t}_buckets WHERE owner IS NULL AND handoff = ? \
+                 FOR UPDATE SKIP LOCKED"
+            )))
+            .bind(&req.relay)
+            .fetch_all(&mut *tx)
+            .await?;
+            if !handed.is_empty() {
+                handed.sort_unstable();
+                let token = new_token();
+                let mut q = sqlx::query(AssertSqlSafe(format!(
+                    "UPDATE {t}_buckets SET owner = ?, token = ?, expires_at = {}, handoff = NULL \
+                     WHERE bucket IN ({})",
+                    now_plus_ms(),
+                    placeholders(handed.len())
+                )))
+                .bind(&req.relay)
+                .bind(token)
+                .bind(lease);
+                for b in &handed {
+                    q = q.bind(*b);
+                }
+                q.execute(&mut *tx).await?;
+                round.acquired = handed
+                    .iter()
+                    .map(|&bucket| BucketLease {
+                        bucket,
+                        token,
+                        takeover: false,
+                    })
+                    .collect();
+                round.handed_over = handed;
+            }
+        }
+        let need = round.fair_share.saturating_sub(
+            u32::try_from(round.renewed.len() + round.handed_over.len()).unwrap_or(u32::MAX),
+        );
         if req.acquire && need > 0 {
+            // A bucket handed over to another relay is reserved for it until its lease ends.
             let free: Vec<(Bucket, i64)> = sqlx::query_as(AssertSqlSafe(format!(
                 "SELECT bucket, owner IS NOT NULL FROM {t}_buckets \
-                 WHERE owner IS NULL OR expires_at < {NOW} ORDER BY bucket LIMIT ? FOR UPDATE SKIP LOCKED"
+                 WHERE expires_at < {NOW} OR (owner IS NULL AND handoff IS NULL) \
+                 ORDER BY bucket LIMIT ? FOR UPDATE SKIP LOCKED"
             )))
             .bind(i64::from(need))
             .fetch_all(&mut *tx)
@@ -662,7 +709,7 @@ impl MySqlStore {
                 // assignments run left to right, so `takeovers` reads the old owner.
                 let mut q = sqlx::query(AssertSqlSafe(format!(
                     "UPDATE {t}_buckets SET takeovers = takeovers + CASE WHEN owner IS NULL THEN 0 ELSE 1 END, \
-                     owner = ?, token = ?, expires_at = {} WHERE bucket IN ({})",
+                     owner = ?, token = ?, expires_at = {}, handoff = NULL WHERE bucket IN ({})",
                     now_plus_ms(),
                     placeholders(free.len())
                 )))
@@ -673,14 +720,13 @@ impl MySqlStore {
                     q = q.bind(*b);
                 }
                 q.execute(&mut *tx).await?;
-                round.acquired = free
-                    .into_iter()
-                    .map(|(bucket, was_owned)| BucketLease {
+                round
+                    .acquired
+                    .extend(free.into_iter().map(|(bucket, was_owned)| BucketLease {
                         bucket,
                         token,
                         takeover: was_owned != 0,
-                    })
-                    .collect();
+                    }));
             }
         }
         tx.commit().await?;
@@ -868,6 +914,20 @@ fn migrations(table: &TableName, inbox: &TableName) -> Vec<Step> {
                      DROP KEY {f}_partition_key",
                     buckets = super::BUCKETS
                 ),
+            ],
+        ),
+        (
+            t.to_owned(),
+            6,
+            // Route sets in the membership and bucket hand-over (docs/ordering.md, "Relays with
+            // different routes"); only the small membership tables change. Version 5 is
+            // PostgreSQL's deferred NOTIFY: MySQL has none.
+            vec![
+                format!(
+                    "ALTER TABLE {t}_relays ADD COLUMN routes LONGTEXT NULL, \
+                     ADD COLUMN routes_hash VARCHAR(64) NULL"
+                ),
+                format!("ALTER TABLE {t}_buckets ADD COLUMN handoff VARCHAR(255) NULL"),
             ],
         ),
     ];
@@ -1070,6 +1130,68 @@ impl Store for MySqlStore {
                 Err(e) => return Err(self.err("membership")(e)),
             }
         }
+    }
+
+    async fn relays(&self, lease: Duration) -> Result<Vec<RelayInfo>, StoreError> {
+        let t = self.table.as_str();
+        let rows: Vec<(String, Option<String>, Option<String>)> =
+            sqlx::query_as(AssertSqlSafe(format!(
+                "SELECT name, routes, routes_hash FROM {t}_relays \
+                 WHERE heartbeat_at > {NOW} - INTERVAL (? * 1000) MICROSECOND ORDER BY name"
+            )))
+            .bind(millis(lease))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(self.err("relays"))?;
+        Ok(rows
+            .into_iter()
+            .map(|(n, r, h)| super::relay_info(n, r, h))
+            .collect())
+    }
+
+    async fn hand_off_buckets(
+        &self,
+        relay: &str,
+        buckets: &[(Bucket, LeaseToken)],
+        to: &str,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        if buckets.is_empty() {
+            return Ok(());
+        }
+        let t = self.table.as_str();
+        let sql = format!(
+            "UPDATE {t}_buckets SET owner = NULL, token = NULL, handoff = ?, expires_at = {} \
+             WHERE owner = ? AND ({})",
+            now_plus_ms(),
+            bucket_token_pairs(buckets.len())
+        );
+        let mut binds = vec![Bind::Str(to), Bind::I64(millis(lease)), Bind::Str(relay)];
+        for (bucket, token) in buckets {
+            binds.push(Bind::I64(i64::from(*bucket)));
+            binds.push(Bind::I64(*token));
+        }
+        self.exec_rc("hand_off_buckets", &sql, &binds).await?;
+        Ok(())
+    }
+
+    async fn statuses(&self, ids: &[i64]) -> Result<Vec<(i64, crate::Status)>, StoreError> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let t = self.table.as_str();
+        let mut q = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT id, CAST(status AS SIGNED) FROM {t} WHERE id IN ({})",
+            placeholders(ids.len())
+        )));
+        for id in ids {
+            q = q.bind(*id);
+        }
+        let rows: Vec<(i64, i64)> = q
+            .fetch_all(&self.pool)
+            .await
+            .map_err(self.err("statuses"))?;
+        super::statuses_from(rows)
     }
 
     async fn release_buckets(

@@ -40,7 +40,7 @@ use uuid::Uuid;
 use super::{
     Bucket, BucketBatch, BucketCompletion, BucketLease, Claim, ClaimRequest, Completion,
     CompletionColumns, FailedMessage, KeyHead, LeaseToken, MembershipRequest, MembershipRound,
-    Stats, Store, StoreOptions, claim_from_rows, millis, new_token, stats_from,
+    RelayInfo, Stats, Store, StoreOptions, claim_from_rows, millis, new_token, stats_from,
 };
 use crate::confirm::{ConfirmReport, Confirmation, RejectionHook, Verdict};
 use crate::error::{EnqueueError, StoreError};
@@ -63,6 +63,10 @@ struct Sql {
     live: Arc<str>,
     renew: Arc<str>,
     acquire: Arc<str>,
+    /// Acquire the buckets handed over to this relay (migration v6).
+    take_handoffs: Arc<str>,
+    hand_off: Arc<str>,
+    relays: Arc<str>,
     release: Arc<str>,
     leave: Arc<str>,
     read_buckets: Arc<str>,
@@ -216,8 +220,9 @@ impl PgStore {
             )
             .into(),
             heartbeat: format!(
-                "INSERT INTO {t}_relays (name, heartbeat_at) VALUES ($1, now()) \
-                 ON CONFLICT (name) DO UPDATE SET heartbeat_at = now()"
+                "INSERT INTO {t}_relays (name, heartbeat_at, routes, routes_hash) VALUES ($1, now(), $2, $3) \
+                 ON CONFLICT (name) DO UPDATE SET heartbeat_at = now(), routes = EXCLUDED.routes, \
+                 routes_hash = EXCLUDED.routes_hash"
             )
             .into(),
             // Forgets relays silent for 10 leases, then counts the live ones.
@@ -238,11 +243,29 @@ impl PgStore {
             acquire: format!(
                 "UPDATE {t}_buckets b SET owner = $1, token = $2, \
                  expires_at = now() + make_interval(secs => $3::float8 / 1000), \
-                 takeovers = b.takeovers + CASE WHEN c.was_owned THEN 1 ELSE 0 END \
+                 takeovers = b.takeovers + CASE WHEN c.was_owned THEN 1 ELSE 0 END, handoff = NULL \
                  FROM (SELECT bucket, owner IS NOT NULL AS was_owned FROM {t}_buckets \
-                       WHERE owner IS NULL OR expires_at < now() \
+                       WHERE expires_at < now() OR (owner IS NULL AND handoff IS NULL) \
                        ORDER BY bucket LIMIT $4 FOR UPDATE SKIP LOCKED) c \
                  WHERE b.bucket = c.bucket RETURNING b.bucket, c.was_owned"
+            )
+            .into(),
+            take_handoffs: format!(
+                "UPDATE {t}_buckets SET owner = $1, token = $2, \
+                 expires_at = now() + make_interval(secs => $3::float8 / 1000), handoff = NULL \
+                 WHERE owner IS NULL AND handoff = $1 RETURNING bucket"
+            )
+            .into(),
+            hand_off: format!(
+                "UPDATE {t}_buckets b SET owner = NULL, token = NULL, handoff = $4, \
+                 expires_at = now() + make_interval(secs => $5::float8 / 1000) \
+                 FROM UNNEST($2::smallint[], $3::bigint[]) AS h(bucket, token) \
+                 WHERE b.bucket = h.bucket AND b.owner = $1 AND b.token = h.token"
+            )
+            .into(),
+            relays: format!(
+                "SELECT name, routes, routes_hash FROM {t}_relays \
+                 WHERE heartbeat_at > now() - make_interval(secs => $1::float8 / 1000) ORDER BY name"
             )
             .into(),
             release: format!(
@@ -659,6 +682,19 @@ fn migrations(table: &TableName, inbox: &TableName, channel: &str) -> Vec<(Strin
                 END $fn$;"
             ),
         ),
+        (
+            t.to_owned(),
+            6,
+            // Route sets in the membership (docs/ordering.md, "Relays with different routes"):
+            // each relay advertises the topic patterns it routes; a bucket may be handed over
+            // to a named relay. Nullable columns without a default: no table rewrite, and the
+            // small membership tables only.
+            format!(
+                "ALTER TABLE {t}_relays ADD COLUMN IF NOT EXISTS routes text, \
+                   ADD COLUMN IF NOT EXISTS routes_hash text;
+                ALTER TABLE {t}_buckets ADD COLUMN IF NOT EXISTS handoff text;"
+            ),
+        ),
     ];
     steps.extend(inbox_steps(inbox));
     steps
@@ -838,6 +874,8 @@ impl Store for PgStore {
         let mut tx = self.pool.begin().await.map_err(&err)?;
         sqlx::query(AssertSqlSafe(self.sql.heartbeat.clone()))
             .bind(&req.relay)
+            .bind(super::routes_json(&req.routes))
+            .bind(super::routes_hash(&req.routes))
             .execute(&mut *tx)
             .await
             .map_err(&err)?;
@@ -856,7 +894,28 @@ impl Store for PgStore {
             .await
             .map_err(&err)?;
         let mut round = super::membership_round(live, renewed);
-        let need = round.fair_share.saturating_sub(round.renewed.len() as u32);
+        if req.acquire {
+            let token = new_token();
+            let handed: Vec<Bucket> =
+                sqlx::query_scalar(AssertSqlSafe(self.sql.take_handoffs.clone()))
+                    .bind(&req.relay)
+                    .bind(token)
+                    .bind(lease)
+                    .fetch_all(&mut *tx)
+                    .await
+                    .map_err(&err)?;
+            round.acquired = handed
+                .iter()
+                .map(|&bucket| BucketLease {
+                    bucket,
+                    token,
+                    takeover: false,
+                })
+                .collect();
+            round.handed_over = handed;
+        }
+        let held = round.renewed.len() + round.handed_over.len();
+        let need = round.fair_share.saturating_sub(held as u32);
         if req.acquire && need > 0 {
             let token = new_token();
             let rows: Vec<(Bucket, bool)> = sqlx::query_as(AssertSqlSafe(self.sql.acquire.clone()))
@@ -867,17 +926,64 @@ impl Store for PgStore {
                 .fetch_all(&mut *tx)
                 .await
                 .map_err(&err)?;
-            round.acquired = rows
-                .into_iter()
-                .map(|(bucket, takeover)| BucketLease {
+            round
+                .acquired
+                .extend(rows.into_iter().map(|(bucket, takeover)| BucketLease {
                     bucket,
                     token,
                     takeover,
-                })
-                .collect();
+                }));
         }
         tx.commit().await.map_err(&err)?;
         Ok(round)
+    }
+
+    async fn relays(&self, lease: Duration) -> Result<Vec<RelayInfo>, StoreError> {
+        let rows: Vec<(String, Option<String>, Option<String>)> =
+            sqlx::query_as(AssertSqlSafe(self.sql.relays.clone()))
+                .bind(millis(lease))
+                .fetch_all(&self.pool)
+                .await
+                .map_err(self.err("relays"))?;
+        Ok(rows
+            .into_iter()
+            .map(|(n, r, h)| super::relay_info(n, r, h))
+            .collect())
+    }
+
+    async fn hand_off_buckets(
+        &self,
+        relay: &str,
+        buckets: &[(Bucket, LeaseToken)],
+        to: &str,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        if buckets.is_empty() {
+            return Ok(());
+        }
+        let (b, t): (Vec<Bucket>, Vec<LeaseToken>) = buckets.iter().copied().unzip();
+        sqlx::query(AssertSqlSafe(self.sql.hand_off.clone()))
+            .bind(relay)
+            .bind(&b)
+            .bind(&t)
+            .bind(to)
+            .bind(millis(lease))
+            .execute(&self.pool)
+            .await
+            .map_err(self.err("hand_off_buckets"))?;
+        Ok(())
+    }
+
+    async fn statuses(&self, ids: &[i64]) -> Result<Vec<(i64, crate::Status)>, StoreError> {
+        let t = self.table.as_str();
+        let rows: Vec<(i64, i16)> = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT id, status FROM {t} WHERE id = ANY($1)"
+        )))
+        .bind(ids)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(self.err("statuses"))?;
+        super::statuses_from(rows.into_iter().map(|(i, s)| (i, i64::from(s))))
     }
 
     async fn release_buckets(

@@ -27,7 +27,7 @@ use uuid::Uuid;
 use super::{
     Bucket, BucketBatch, BucketCompletion, BucketLease, Claim, ClaimRequest, Completion,
     CompletionColumns, FailedMessage, KeyHead, LeaseToken, MembershipRequest, MembershipRound,
-    Stats, Store, claim_from_rows, millis, new_token, parse_headers, stats_from,
+    RelayInfo, Stats, Store, claim_from_rows, millis, new_token, parse_headers, stats_from,
 };
 use crate::confirm::{ConfirmReport, Confirmation, RejectionHook, Verdict};
 use crate::error::{EnqueueError, StoreError};
@@ -105,10 +105,41 @@ impl SqliteStore {
     /// [`StoreError::Config`] for a URL that cannot be parsed or an invalid table name;
     /// [`StoreError::Database`] when the database cannot be opened.
     pub async fn connect(url: &str, options: StoreOptions) -> Result<SqliteStore, StoreError> {
+        Self::open(url, options, true).await
+    }
+
+    /// Like [`SqliteStore::connect`], but never creates the database: a file URL whose file
+    /// does not exist is refused. For commands that only read or administer an existing outbox
+    /// (`outbox status`, `outbox requeue`, the relay daemon), so a mistyped path is reported
+    /// instead of leaving an empty database behind.
+    ///
+    /// # Errors
+    /// [`StoreError::MissingDatabase`] naming the path when the file does not exist; otherwise
+    /// as [`SqliteStore::connect`].
+    pub async fn connect_existing(
+        url: &str,
+        options: StoreOptions,
+    ) -> Result<SqliteStore, StoreError> {
+        Self::open(url, options, false).await
+    }
+
+    async fn open(
+        url: &str,
+        options: StoreOptions,
+        create: bool,
+    ) -> Result<SqliteStore, StoreError> {
         let connect = SqliteConnectOptions::from_str(url)
             .map_err(|e| StoreError::Config(format!("bad SQLite URL {url:?}: {e}")))?
-            .create_if_missing(true)
+            .create_if_missing(create)
             .busy_timeout(Duration::from_secs(10));
+        if !create && !url_is_in_memory(url) {
+            let path = connect.get_filename();
+            if !path.exists() {
+                return Err(StoreError::MissingDatabase {
+                    path: path.display().to_string(),
+                });
+            }
+        }
         let pool = if url_is_in_memory(url) {
             SqlitePoolOptions::new()
                 .max_connections(1)
@@ -365,10 +396,13 @@ impl SqliteStore {
         let mut conn = self.pool.acquire().await?;
         let mut tx = sqlx::Connection::begin_with(&mut *conn, "BEGIN IMMEDIATE").await?;
         sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO {t}_relays (name, heartbeat_at) VALUES (?1, {NOW_MS}) \
-             ON CONFLICT (name) DO UPDATE SET heartbeat_at = excluded.heartbeat_at"
+            "INSERT INTO {t}_relays (name, heartbeat_at, routes, routes_hash) VALUES (?1, {NOW_MS}, ?2, ?3) \
+             ON CONFLICT (name) DO UPDATE SET heartbeat_at = excluded.heartbeat_at, \
+             routes = excluded.routes, routes_hash = excluded.routes_hash"
         )))
         .bind(&req.relay)
+        .bind(super::routes_json(&req.routes))
+        .bind(super::routes_hash(&req.routes))
         .execute(&mut *tx)
         .await?;
         // Forget relays silent for 10 leases, then count the live ones.
@@ -401,14 +435,39 @@ impl SqliteStore {
             renewed.sort_unstable();
         }
         let mut round = super::membership_round(live, renewed);
-        let need = round
-            .fair_share
-            .saturating_sub(u32::try_from(round.renewed.len()).unwrap_or(u32::MAX));
+        if req.acquire {
+            // Buckets handed over to this relay (migration v6), even above the fair share.
+            let token = new_token();
+            let mut handed: Vec<Bucket> = sqlx::query_scalar(AssertSqlSafe(format!(
+                "UPDATE {t}_buckets SET owner = ?1, token = ?2, expires_at = {NOW_MS} + ?3, handoff = NULL \
+                 WHERE owner IS NULL AND handoff = ?1 RETURNING bucket"
+            )))
+            .bind(&req.relay)
+            .bind(token)
+            .bind(lease)
+            .fetch_all(&mut *tx)
+            .await?;
+            handed.sort_unstable();
+            round.acquired = handed
+                .iter()
+                .map(|&bucket| BucketLease {
+                    bucket,
+                    token,
+                    takeover: false,
+                })
+                .collect();
+            round.handed_over = handed;
+        }
+        let need = round.fair_share.saturating_sub(
+            u32::try_from(round.renewed.len() + round.handed_over.len()).unwrap_or(u32::MAX),
+        );
         if req.acquire && need > 0 {
-            // The transaction holds the write lock: what is read here is what is updated.
+            // The transaction holds the write lock: what is read here is what is updated. A
+            // bucket handed over to another relay is reserved for it until its lease ends.
             let free: Vec<(Bucket, bool)> = sqlx::query_as(AssertSqlSafe(format!(
                 "SELECT bucket, owner IS NOT NULL FROM {t}_buckets \
-                 WHERE owner IS NULL OR expires_at < {NOW_MS} ORDER BY bucket LIMIT ?1"
+                 WHERE expires_at < {NOW_MS} OR (owner IS NULL AND handoff IS NULL) \
+                 ORDER BY bucket LIMIT ?1"
             )))
             .bind(i64::from(need))
             .fetch_all(&mut *tx)
@@ -418,7 +477,7 @@ impl SqliteStore {
                 let list: Vec<Bucket> = free.iter().map(|(b, _)| *b).collect();
                 sqlx::query(AssertSqlSafe(format!(
                     "UPDATE {t}_buckets SET takeovers = takeovers + (owner IS NOT NULL), owner = ?1, \
-                     token = ?2, expires_at = {NOW_MS} + ?3 \
+                     token = ?2, expires_at = {NOW_MS} + ?3, handoff = NULL \
                      WHERE bucket IN (SELECT value FROM json_each(?4))"
                 )))
                 .bind(&req.relay)
@@ -427,14 +486,13 @@ impl SqliteStore {
                 .bind(serde_json::to_string(&list).expect("buckets serialize"))
                 .execute(&mut *tx)
                 .await?;
-                round.acquired = free
-                    .into_iter()
-                    .map(|(bucket, takeover)| BucketLease {
+                round
+                    .acquired
+                    .extend(free.into_iter().map(|(bucket, takeover)| BucketLease {
                         bucket,
                         token,
                         takeover,
-                    })
-                    .collect();
+                    }));
             }
         }
         tx.commit().await?;
@@ -572,6 +630,17 @@ fn migrations(t: &str, inbox: &str) -> Vec<(String, i64, String)> {
                 );",
                 bucket = bucket_expr(),
                 last = super::BUCKETS - 1,
+            ),
+        ),
+        (
+            t.to_owned(),
+            6,
+            // Route sets in the membership and bucket hand-over (docs/ordering.md, "Relays with
+            // different routes"). Version 5 is PostgreSQL's deferred NOTIFY: SQLite has none.
+            format!(
+                "ALTER TABLE {t}_relays ADD COLUMN routes TEXT;
+                ALTER TABLE {t}_relays ADD COLUMN routes_hash TEXT;
+                ALTER TABLE {t}_buckets ADD COLUMN handoff TEXT;"
             ),
         ),
     ];
@@ -739,6 +808,61 @@ impl Store for SqliteStore {
         self.membership_tx(req)
             .await
             .map_err(self.err("membership"))
+    }
+
+    async fn relays(&self, lease: Duration) -> Result<Vec<RelayInfo>, StoreError> {
+        let t = self.table.as_str();
+        let rows: Vec<(String, Option<String>, Option<String>)> =
+            sqlx::query_as(AssertSqlSafe(format!(
+                "SELECT name, routes, routes_hash FROM {t}_relays \
+                 WHERE heartbeat_at > {NOW_MS} - ?1 ORDER BY name"
+            )))
+            .bind(millis(lease))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(self.err("relays"))?;
+        Ok(rows
+            .into_iter()
+            .map(|(n, r, h)| super::relay_info(n, r, h))
+            .collect())
+    }
+
+    async fn hand_off_buckets(
+        &self,
+        relay: &str,
+        buckets: &[(Bucket, LeaseToken)],
+        to: &str,
+        lease: Duration,
+    ) -> Result<(), StoreError> {
+        if buckets.is_empty() {
+            return Ok(());
+        }
+        let t = self.table.as_str();
+        sqlx::query(AssertSqlSafe(format!(
+            "UPDATE {t}_buckets SET owner = NULL, token = NULL, handoff = ?3, expires_at = {NOW_MS} + ?4 \
+             WHERE owner = ?1 AND EXISTS (SELECT 1 FROM json_each(?2) h \
+             WHERE h.value ->> '$[0]' = {t}_buckets.bucket AND h.value ->> '$[1]' = {t}_buckets.token)"
+        )))
+        .bind(relay)
+        .bind(serde_json::to_string(buckets).expect("buckets serialize"))
+        .bind(to)
+        .bind(millis(lease))
+        .execute(&self.pool)
+        .await
+        .map_err(self.err("hand_off_buckets"))?;
+        Ok(())
+    }
+
+    async fn statuses(&self, ids: &[i64]) -> Result<Vec<(i64, crate::Status)>, StoreError> {
+        let t = self.table.as_str();
+        let rows: Vec<(i64, i64)> = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT id, status FROM {t} WHERE id IN (SELECT value FROM json_each(?1))"
+        )))
+        .bind(serde_json::to_string(ids).expect("ids serialize"))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(self.err("statuses"))?;
+        super::statuses_from(rows)
     }
 
     async fn release_buckets(

@@ -287,6 +287,17 @@ impl TopicPattern {
     }
 }
 
+impl std::fmt::Display for TopicPattern {
+    /// The pattern as [`TopicPattern::parse`] reads it: `*`, `prefix*` or the exact topic.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TopicPattern::Any => f.write_str("*"),
+            TopicPattern::Prefix(p) => write!(f, "{p}*"),
+            TopicPattern::Exact(t) => f.write_str(t),
+        }
+    }
+}
+
 /// A route: topics matching `pattern` go to `transport` at `destination`, where `{topic}` in the
 /// destination is replaced by the message's topic.
 #[derive(Clone)]
@@ -336,7 +347,9 @@ impl std::fmt::Debug for Route {
 }
 
 /// Ordered list of routes; the first match wins. A topic with no route is a permanent error
-/// for that message (it goes to FAILED with reason `no route for topic …`).
+/// for that message (it goes to FAILED with reason `no route for topic …`), unless another live
+/// relay on the same table routes it: then the relay hands the message's bucket over to that
+/// relay (see [`crate::relay`], "Failure handling").
 #[derive(Debug, Clone, Default)]
 pub struct Router {
     routes: Vec<Route>,
@@ -446,5 +459,12 @@ mod tests {
         assert_eq!(r.resolve("x"), Some((2, "all".into())));
         assert_eq!(Router::new().resolve("x"), None);
         assert_eq!(r.transports().len(), 1);
+    }
+
+    #[test]
+    fn patterns_print_as_parsed() {
+        for p in ["*", "orders.*", "a-*", "exact.topic"] {
+            assert_eq!(TopicPattern::parse(p).to_string(), p);
+        }
     }
 }
