@@ -63,7 +63,9 @@ pub enum EnqueueError {
     /// (another session holds `LOCK TABLE`, a migration or `VACUUM FULL` rewrites it). Nothing
     /// was written; the caller's transaction is aborted and must be rolled back. Retrying later
     /// may succeed. See `PgStore::with_enqueue_timeout`.
-    #[error("outbox insert into {table} waited longer than the enqueue timeout of {timeout:?} for a lock on the table")]
+    #[error(
+        "outbox insert into {table} waited longer than the enqueue timeout of {timeout:?} for a lock on the table"
+    )]
     Timeout {
         /// The outbox table.
         table: String,

@@ -11,8 +11,8 @@ use outbox::{
     StoreErrorKind, StoreOptions,
 };
 use outbox_testkit::{
-    FaultProxy, MySqlFixture, PgFixture, SqliteFixture, StoreFixture as _, pg_pool,
-    postgres_url, unique, wait_until, within,
+    FaultProxy, MySqlFixture, PgFixture, SqliteFixture, StoreFixture as _, pg_pool, postgres_url,
+    unique, wait_until, within,
 };
 use sqlx::AssertSqlSafe;
 use tokio_util::sync::CancellationToken;
@@ -83,7 +83,11 @@ fn pg_url_with(host_port_: Option<&str>, database: Option<&str>) -> String {
 
 /// The `host:port` of `postgres_url()`.
 fn pg_host_port() -> String {
-    let rest = postgres_url().split_once("://").expect("postgres URL").1.to_owned();
+    let rest = postgres_url()
+        .split_once("://")
+        .expect("postgres URL")
+        .1
+        .to_owned();
     let rest = rest.rsplit_once('@').map_or(rest.as_str(), |(_, r)| r);
     rest.split(['/', '?']).next().unwrap().to_owned()
 }
@@ -153,7 +157,12 @@ async fn defect_05_read_only_server_connections_are_dropped_and_relay_recovers()
     config.poll_interval = Duration::from_millis(200);
     let handle = relay(Arc::new(store.clone()), transport.clone(), config).spawn();
     enqueue_plain(&store, "before").await;
-    within("the first message", Duration::from_secs(10), transport.wait_for(1)).await;
+    within(
+        "the first message",
+        Duration::from_secs(10),
+        transport.wait_for(1),
+    )
+    .await;
 
     // The server turns read-only for every session the pool opens from now on, and the pool's
     // sessions are ended so that it reopens them read-only.
@@ -260,10 +269,13 @@ async fn defect_05_half_open_listener_is_detected_and_replaced() {
     let proxy = FaultProxy::start(pg_host_port()).await;
     let schema = unique("obx");
     let options = StoreOptions::table(format!("{schema}.outbox"));
-    let store = PgStore::connect(&pg_url_with(Some(&proxy.addr.to_string()), None), options.clone())
-        .await
-        .expect("connect through the proxy")
-        .with_listener_check(Duration::from_millis(300));
+    let store = PgStore::connect(
+        &pg_url_with(Some(&proxy.addr.to_string()), None),
+        options.clone(),
+    )
+    .await
+    .expect("connect through the proxy")
+    .with_listener_check(Duration::from_millis(300));
     store.migrate().await.unwrap();
     // The producer connects directly, so only the relay's connections pass the proxy.
     let producer = PgStore::from_pool(admin.clone(), options).unwrap();
@@ -273,9 +285,17 @@ async fn defect_05_half_open_listener_is_detected_and_replaced() {
     let handle = relay(Arc::new(store.clone()), transport.clone(), config).spawn();
     let port = listener_port(&admin, store.channel()).await;
     enqueue_plain(&producer, "first").await;
-    within("a NOTIFY-woken publish", Duration::from_secs(10), transport.wait_for(1)).await;
+    within(
+        "a NOTIFY-woken publish",
+        Duration::from_secs(10),
+        transport.wait_for(1),
+    )
+    .await;
 
-    assert!(proxy.stall_connection(port), "the listener's connection passes the proxy");
+    assert!(
+        proxy.stall_connection(port),
+        "the listener's connection passes the proxy"
+    );
     enqueue_plain(&producer, "second").await;
     let started = std::time::Instant::now();
     within(
@@ -296,7 +316,12 @@ async fn defect_05_half_open_listener_is_detected_and_replaced() {
     );
     // And the next one is woken by the new listener at once.
     enqueue_plain(&producer, "third").await;
-    within("a publish on the new listener", Duration::from_secs(10), transport.wait_for(3)).await;
+    within(
+        "a publish on the new listener",
+        Duration::from_secs(10),
+        transport.wait_for(3),
+    )
+    .await;
     handle.shutdown().await.unwrap();
     sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
         .execute(&admin)
@@ -326,19 +351,28 @@ async fn defect_05_killed_listener_logs_its_reconnect() {
     .await
     .unwrap();
     assert_eq!(killed, [true]);
-    wait_until("the loss and the reconnect logged", Duration::from_secs(10), || async {
-        !logs
-            .lines_with(&["WARN", "LISTEN connection lost", &channel])
-            .is_empty()
-            && !logs
-                .lines_with(&["INFO", "LISTEN connection re-established", &channel])
+    wait_until(
+        "the loss and the reconnect logged",
+        Duration::from_secs(10),
+        || async {
+            !logs
+                .lines_with(&["WARN", "LISTEN connection lost", &channel])
                 .is_empty()
-    })
+                && !logs
+                    .lines_with(&["INFO", "LISTEN connection re-established", &channel])
+                    .is_empty()
+        },
+    )
     .await;
     let lost = logs.lines_with(&["LISTEN connection lost"]).remove(0);
     assert!(lost.contains("cause"), "the cause is logged: {lost}");
     enqueue_plain(&fx.store, "after").await;
-    within("a NOTIFY-woken publish", Duration::from_secs(10), transport.wait_for(1)).await;
+    within(
+        "a NOTIFY-woken publish",
+        Duration::from_secs(10),
+        transport.wait_for(1),
+    )
+    .await;
     handle.shutdown().await.unwrap();
     fx.cleanup().await;
 }
@@ -426,19 +460,22 @@ async fn defect_05_enqueue_on_a_locked_table_times_out_with_a_typed_error() {
 
 /// The version `migrate` recorded for `table` (the version this build needs).
 async fn pg_version(fx: &PgFixture) -> i64 {
-    let v: i32 = sqlx::query_scalar(
-        "SELECT MAX(version) FROM outbox_migrations WHERE table_name = $1",
-    )
-    .bind(fx.table())
-    .fetch_one(fx.store.pool())
-    .await
-    .unwrap();
+    let v: i32 =
+        sqlx::query_scalar("SELECT MAX(version) FROM outbox_migrations WHERE table_name = $1")
+            .bind(fx.table())
+            .fetch_one(fx.store.pool())
+            .await
+            .unwrap();
     i64::from(v)
 }
 
 /// Run a relay over `store` and expect it to refuse to start with a schema version error.
 async fn expect_refusal(store: Arc<dyn Store>) -> StoreError {
-    let relay = relay(store, Arc::new(MemoryTransport::new()), fast_config(&unique("relay")));
+    let relay = relay(
+        store,
+        Arc::new(MemoryTransport::new()),
+        fast_config(&unique("relay")),
+    );
     let cancel = CancellationToken::new();
     let r = within(
         "the relay to refuse the table's schema",
@@ -490,7 +527,12 @@ async fn defect_07_relay_and_migrate_refuse_a_newer_schema() {
     ))
     .await;
     let check = |e: &StoreError, backend: &str| {
-        assert_eq!(e.kind(), StoreErrorKind::SchemaVersion, "{backend}: {}", e.report());
+        assert_eq!(
+            e.kind(),
+            StoreErrorKind::SchemaVersion,
+            "{backend}: {}",
+            e.report()
+        );
         let msg = e.to_string();
         assert!(
             msg.contains(&format!("v{newer}"))
@@ -499,7 +541,10 @@ async fn defect_07_relay_and_migrate_refuse_a_newer_schema() {
             "{backend}: {msg}"
         );
     };
-    check(&expect_refusal(Arc::new(fx.store.clone())).await, "postgres relay");
+    check(
+        &expect_refusal(Arc::new(fx.store.clone())).await,
+        "postgres relay",
+    );
     check(&fx.store.migrate().await.unwrap_err(), "postgres migrate");
     fx.exec(&format!(
         "DELETE FROM outbox_migrations WHERE table_name = '{}' AND version = {newer}",
@@ -510,11 +555,12 @@ async fn defect_07_relay_and_migrate_refuse_a_newer_schema() {
 
     // MariaDB.
     let my = MySqlFixture::new().await;
-    let needed: i64 = sqlx::query_scalar("SELECT MAX(version) FROM outbox_migrations WHERE table_name = ?")
-        .bind(&my.table)
-        .fetch_one(my.store.pool())
-        .await
-        .unwrap();
+    let needed: i64 =
+        sqlx::query_scalar("SELECT MAX(version) FROM outbox_migrations WHERE table_name = ?")
+            .bind(&my.table)
+            .fetch_one(my.store.pool())
+            .await
+            .unwrap();
     let newer_my = needed + 2;
     my.exec(&format!(
         "INSERT INTO outbox_migrations (table_name, version) VALUES ('{}', {newer_my})",
@@ -525,18 +571,28 @@ async fn defect_07_relay_and_migrate_refuse_a_newer_schema() {
         expect_refusal(Arc::new(my.store.clone())).await,
         my.store.migrate().await.unwrap_err(),
     ] {
-        assert_eq!(e.kind(), StoreErrorKind::SchemaVersion, "mysql: {}", e.report());
+        assert_eq!(
+            e.kind(),
+            StoreErrorKind::SchemaVersion,
+            "mysql: {}",
+            e.report()
+        );
         let msg = e.to_string();
-        assert!(msg.contains(&format!("v{newer_my}")) && msg.contains(&format!("v{needed}")), "{msg}");
+        assert!(
+            msg.contains(&format!("v{newer_my}")) && msg.contains(&format!("v{needed}")),
+            "{msg}"
+        );
     }
     my.cleanup().await;
 
     // SQLite.
     let lite = SqliteFixture::new().await;
-    let needed: i64 = sqlx::query_scalar("SELECT MAX(version) FROM outbox_migrations WHERE table_name = 'outbox'")
-        .fetch_one(lite.store.pool())
-        .await
-        .unwrap();
+    let needed: i64 = sqlx::query_scalar(
+        "SELECT MAX(version) FROM outbox_migrations WHERE table_name = 'outbox'",
+    )
+    .fetch_one(lite.store.pool())
+    .await
+    .unwrap();
     sqlx::query("INSERT INTO outbox_migrations (table_name, version) VALUES ('outbox', ?1)")
         .bind(needed + 2)
         .execute(lite.store.pool())
@@ -546,7 +602,12 @@ async fn defect_07_relay_and_migrate_refuse_a_newer_schema() {
         expect_refusal(Arc::new(lite.store.clone())).await,
         lite.store.migrate().await.unwrap_err(),
     ] {
-        assert_eq!(e.kind(), StoreErrorKind::SchemaVersion, "sqlite: {}", e.report());
+        assert_eq!(
+            e.kind(),
+            StoreErrorKind::SchemaVersion,
+            "sqlite: {}",
+            e.report()
+        );
         assert!(e.to_string().contains(&format!("v{}", needed + 2)), "{e}");
     }
 }

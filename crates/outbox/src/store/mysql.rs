@@ -387,7 +387,10 @@ impl MySqlStore {
     }
 
     fn err(&self, op: &'static str) -> impl Fn(sqlx::Error) -> StoreError + '_ {
-        move |e| self.read_only.check(StoreError::db(op, self.table.as_str(), e))
+        move |e| {
+            self.read_only
+                .check(StoreError::db(op, self.table.as_str(), e))
+        }
     }
 
     /// Whether to retry after `e` on attempt `attempt` (counting and backing off if so).

@@ -598,7 +598,10 @@ impl PgStore {
     }
 
     fn err(&self, op: &'static str) -> impl Fn(sqlx::Error) -> StoreError + '_ {
-        move |e| self.read_only.check(StoreError::db(op, self.table.as_str(), e))
+        move |e| {
+            self.read_only
+                .check(StoreError::db(op, self.table.as_str(), e))
+        }
     }
 }
 
@@ -1470,7 +1473,12 @@ async fn listen(
                     _ => format!("no answer within {setup_deadline:?}"),
                 };
                 if failures == 1 || failures.is_power_of_two() {
-                    tracing::warn!(channel, failures, cause, "LISTEN connection failed; polling meanwhile");
+                    tracing::warn!(
+                        channel,
+                        failures,
+                        cause,
+                        "LISTEN connection failed; polling meanwhile"
+                    );
                 }
                 tokio::select! {
                     _ = cancel.cancelled() => return,
@@ -1485,11 +1493,25 @@ async fn listen(
         listened_before = true;
         // Rows may have been inserted while we were not listening.
         waker.notify_one();
-        let cause = match receive(&mut listener, &pool, &ping, &ping_channel, check, &waker, &cancel).await {
+        let cause = match receive(
+            &mut listener,
+            &pool,
+            &ping,
+            &ping_channel,
+            check,
+            &waker,
+            &cancel,
+        )
+        .await
+        {
             None => return,
             Some(cause) => cause,
         };
-        tracing::warn!(channel, cause, "LISTEN connection lost; reconnecting (polling meanwhile)");
+        tracing::warn!(
+            channel,
+            cause,
+            "LISTEN connection lost; reconnecting (polling meanwhile)"
+        );
         waker.notify_one();
         // Dropping the listener sends `UNLISTEN` on its connection from a background task; on a
         // half-open connection that task waits until the kernel gives the connection up. It
