@@ -861,6 +861,7 @@ async fn pump(
     to: &mut (impl tokio::io::AsyncWrite + Unpin),
     blocked: &AtomicBool,
     discard: Option<&AtomicBool>,
+    stalled: &AtomicBool,
 ) -> std::io::Result<()> {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let mut buf = vec![0u8; 16 * 1024];
@@ -869,7 +870,7 @@ async fn pump(
         if n == 0 || blocked.load(Ordering::SeqCst) {
             return Ok(());
         }
-        if !discard.is_some_and(|d| d.load(Ordering::SeqCst)) {
+        if !discard.is_some_and(|d| d.load(Ordering::SeqCst)) && !stalled.load(Ordering::SeqCst) {
             to.write_all(&buf[..n]).await?;
         }
     }
@@ -884,6 +885,8 @@ pub struct FaultProxy {
     replies_dropped: Arc<AtomicBool>,
     cut: Arc<tokio::sync::watch::Sender<u64>>,
     shutdown: tokio_util::sync::CancellationToken,
+    /// Per open connection: the local port of its upstream socket and its stall flag.
+    stalls: Arc<std::sync::Mutex<Vec<(u16, Arc<AtomicBool>)>>>,
 }
 
 impl FaultProxy {
@@ -903,6 +906,8 @@ impl FaultProxy {
         let shutdown = tokio_util::sync::CancellationToken::new();
         let (b, c, s) = (blocked.clone(), cut.clone(), shutdown.clone());
         let dropped = replies_dropped.clone();
+        let stalls: Arc<std::sync::Mutex<Vec<(u16, Arc<AtomicBool>)>>> = Arc::default();
+        let all_stalls = stalls.clone();
         tokio::spawn(async move {
             loop {
                 let (mut client, _) = tokio::select! {
@@ -918,18 +923,31 @@ impl FaultProxy {
                 let s = s.clone();
                 let dropped = dropped.clone();
                 let blocked = b.clone();
+                let all_stalls = all_stalls.clone();
                 tokio::spawn(async move {
                     let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
                         return;
                     };
+                    let stalled = Arc::new(AtomicBool::new(false));
+                    if let Ok(local) = server.local_addr() {
+                        let mut all = all_stalls.lock().expect("stalls");
+                        all.retain(|(_, s)| Arc::strong_count(s) > 1);
+                        all.push((local.port(), stalled.clone()));
+                    }
                     let (mut client_rx, mut client_tx) = client.split();
                     let (mut server_rx, mut server_tx) = server.into_split();
                     // Both directions check the flag on every chunk, so that nothing passes
                     // once `set_blocked(true)` has returned, even before this task has seen
                     // the cut (a test that publishes right after blocking must not race it).
-                    let up = pump(&mut client_rx, &mut server_tx, &blocked, None);
+                    let up = pump(&mut client_rx, &mut server_tx, &blocked, None, &stalled);
                     // Server to client, discarding while replies are dropped.
-                    let down = pump(&mut server_rx, &mut client_tx, &blocked, Some(&dropped));
+                    let down = pump(
+                        &mut server_rx,
+                        &mut client_tx,
+                        &blocked,
+                        Some(&dropped),
+                        &stalled,
+                    );
                     tokio::select! {
                         _ = s.cancelled() => {}
                         _ = cut_rx.changed() => {}
@@ -945,7 +963,25 @@ impl FaultProxy {
             replies_dropped,
             cut,
             shutdown,
+            stalls,
         }
+    }
+
+    /// Make one open connection half-open: the one whose socket towards the upstream has local
+    /// port `upstream_port` (what the server sees as the client's port, e.g. PostgreSQL's
+    /// `pg_stat_activity.client_port`). From now on nothing passes in either direction and
+    /// nothing is closed, as when a NAT or firewall forgets a connection; other connections are
+    /// unaffected. Returns whether such a connection was open.
+    pub fn stall_connection(&self, upstream_port: u16) -> bool {
+        let all = self.stalls.lock().expect("stalls");
+        let mut found = false;
+        for (port, stalled) in all.iter() {
+            if *port == upstream_port {
+                stalled.store(true, Ordering::SeqCst);
+                found = true;
+            }
+        }
+        found
     }
 
     /// While set, forward client → server but discard everything the server sends back (the

@@ -73,6 +73,22 @@ pub enum EnqueueError {
     /// The insert failed in the database; the caller's transaction should be rolled back.
     #[error("outbox insert failed")]
     Database(#[source] StoreError),
+    /// The insert waited longer than the store's enqueue timeout for a lock on the outbox table
+    /// (another session holds `LOCK TABLE`, a migration or `VACUUM FULL` rewrites it). Nothing
+    /// was written; the caller's transaction is aborted and must be rolled back. Retrying later
+    /// may succeed. See `PgStore::with_enqueue_timeout`.
+    #[error(
+        "outbox insert into {table} waited longer than the enqueue timeout of {timeout:?} for a lock on the table"
+    )]
+    Timeout {
+        /// The outbox table.
+        table: String,
+        /// The timeout that expired.
+        timeout: Duration,
+        /// The driver's error (PostgreSQL `lock_not_available`, SQLSTATE 55P03).
+        #[source]
+        source: sqlx::Error,
+    },
 }
 
 /// The kind of a [`StoreError`].
@@ -87,6 +103,15 @@ pub enum StoreErrorKind {
     Config,
     /// A row holds a value outside the schema (unknown status, headers that are not a JSON object).
     Corrupt,
+    /// The server cannot take writes now: a read-only replica, a hot standby, PostgreSQL
+    /// `default_transaction_read_only`, MariaDB `read_only` (SQLSTATE 25006, MariaDB 1290 and
+    /// 1792). Like a lost connection: try again; a store built with `connect` drops its
+    /// connections to that server, so the next attempt reconnects (through DNS or a proxy) and
+    /// reaches the primary.
+    Unavailable,
+    /// The table's schema version is not the one this build runs on: older (run `outbox
+    /// migrate`) or newer (upgrade this build). Retrying cannot help.
+    SchemaVersion,
     /// Any other database error.
     Other,
 }
@@ -124,6 +149,31 @@ pub enum StoreError {
         /// The file path the URL names.
         path: String,
     },
+    /// The server refused a write because it is read-only (see
+    /// [`StoreErrorKind::Unavailable`]).
+    #[error(
+        "database is read-only during {op} (a replica or hot standby, or read-only mode is on): its connections are dropped and reopened; point the URL at the primary"
+    )]
+    ReadOnly {
+        /// The store operation.
+        op: &'static str,
+        /// The driver's error.
+        #[source]
+        source: sqlx::Error,
+    },
+    /// The outbox table's schema version (its highest migration recorded in
+    /// `outbox_migrations`) is not the one this build needs: `found < needed` says "run `outbox
+    /// migrate`", `found > needed` says this build is older than the schema and must be
+    /// upgraded. `found` is 0 for a table no migration created.
+    #[error("{}", schema_version_message(table, *found, *needed))]
+    SchemaVersion {
+        /// The outbox table.
+        table: String,
+        /// The version recorded for the table.
+        found: i64,
+        /// The version this build's migrations end at.
+        needed: i64,
+    },
     /// A table or schema name that is not a plain SQL identifier.
     #[error(
         "invalid identifier {0:?}: letters, digits and _ only, starting with a letter or _, at most 48 characters per part (optionally schema.table)"
@@ -145,11 +195,14 @@ pub enum StoreError {
 impl StoreError {
     /// Wrap a driver error raised during `op`, recognising a missing table.
     pub fn db(op: &'static str, table: &str, source: sqlx::Error) -> StoreError {
+        if is_read_only(&source) {
+            return StoreError::ReadOnly { op, source };
+        }
         if is_missing_table(&source) {
-            return StoreError::MissingTable {
-                table: table.to_owned(),
-                source,
-            };
+            // The relation the server names (`outbox_buckets` of a table at an older schema),
+            // not always the outbox table itself.
+            let table = missing_relation(&source).unwrap_or_else(|| table.to_owned());
+            return StoreError::MissingTable { table, source };
         }
         StoreError::Database { op, source }
     }
@@ -164,6 +217,8 @@ impl StoreError {
             StoreError::MissingTable { .. } | StoreError::MissingDatabase { .. } => {
                 StoreErrorKind::MissingTable
             }
+            StoreError::ReadOnly { .. } => StoreErrorKind::Unavailable,
+            StoreError::SchemaVersion { .. } => StoreErrorKind::SchemaVersion,
             StoreError::InvalidIdentifier(_) | StoreError::Config(_) => StoreErrorKind::Config,
             StoreError::Corrupt { .. } => StoreErrorKind::Corrupt,
         }
@@ -171,7 +226,10 @@ impl StoreError {
 
     /// Whether trying the same operation again later can succeed.
     pub fn is_retryable(&self) -> bool {
-        self.kind() == StoreErrorKind::Transient
+        matches!(
+            self.kind(),
+            StoreErrorKind::Transient | StoreErrorKind::Unavailable
+        )
     }
 
     /// The message followed by its source chain (`database error during read: error returned
@@ -181,7 +239,56 @@ impl StoreError {
     }
 }
 
-fn is_missing_table(e: &sqlx::Error) -> bool {
+/// The message of [`StoreError::SchemaVersion`].
+fn schema_version_message(table: &str, found: i64, needed: i64) -> String {
+    if found > needed {
+        format!(
+            "table {table} is at schema v{found}, this build supports up to v{needed}: upgrade outbox (or run the build that migrated it)"
+        )
+    } else {
+        format!("run `outbox migrate` (table {table} at v{found}, this build needs v{needed})")
+    }
+}
+
+/// A write refused by a read-only server: SQLSTATE 25006 `read_only_sql_transaction`
+/// (PostgreSQL read-only transaction or hot standby; MySQL/MariaDB 1792 in a read-only
+/// transaction), MariaDB/MySQL 1290 `ER_OPTION_PREVENTS_STATEMENT` for `--read-only` (1290 is
+/// also raised for other options, so its message must name read-only).
+pub(crate) fn is_read_only(e: &sqlx::Error) -> bool {
+    let sqlx::Error::Database(db) = e else {
+        return false;
+    };
+    if db.code().as_deref() == Some("25006") {
+        return true;
+    }
+    #[cfg(feature = "mysql")]
+    if let Some(my) = db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
+        return my.number() == 1792
+            || (my.number() == 1290
+                && (my.message().contains("read-only") || my.message().contains("read_only")));
+    }
+    false
+}
+
+/// The relation a "does not exist" error names: PostgreSQL `relation "s.t" does not exist`,
+/// MySQL `Table 'db.t' doesn't exist`, SQLite `no such table: t`.
+fn missing_relation(e: &sqlx::Error) -> Option<String> {
+    let sqlx::Error::Database(db) = e else {
+        return None;
+    };
+    let msg = db.message();
+    if let Some(rest) = msg.split("no such table: ").nth(1) {
+        return Some(rest.trim().to_owned());
+    }
+    let quote = msg.find(['"', '\''])?;
+    let q = msg[quote..].chars().next()?;
+    let rest = &msg[quote + 1..];
+    let end = rest.find(q)?;
+    Some(rest[..end].to_owned()).filter(|s| !s.is_empty())
+}
+
+/// A "table does not exist" error (PostgreSQL 42P01, MySQL 42S02, SQLite "no such table").
+pub(crate) fn is_missing_table(e: &sqlx::Error) -> bool {
     match e {
         sqlx::Error::Database(db) => {
             matches!(db.code().as_deref(), Some("42P01" | "42S02"))

@@ -684,8 +684,10 @@ impl Relay {
     /// Run until `cancel` is cancelled, then shut down gracefully.
     ///
     /// # Errors
-    /// Only at start-up: [`StoreError::MissingTable`] (run `outbox migrate`) or a configuration
-    /// error of the store. Later errors are logged, counted and retried.
+    /// Only at start-up: [`StoreError::MissingTable`] (run `outbox migrate`),
+    /// [`StoreError::SchemaVersion`] (the table is at an older schema than this build needs, or
+    /// a newer one than it knows; the error names both versions) or a configuration error of
+    /// the store. Later errors are logged, counted and retried.
     ///
     /// # Cancel safety
     /// Dropping the future instead of cancelling the token is a crash: the relay's buckets stay
@@ -693,11 +695,20 @@ impl Relay {
     /// was not recorded (again: the consumer's inbox absorbs copies).
     pub async fn run(&self, cancel: CancellationToken) -> Result<(), StoreError> {
         let inner = &self.inner;
-        if let Err(e) = inner.store.next_due_in().await {
+        // A table at another schema version than this build's fails every statement later,
+        // with errors that name the symptom (a missing table or column), not the cause.
+        let ready = match inner.store.check_schema().await {
+            Ok(()) => inner.store.next_due_in().await.map(|_| ()),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = ready {
             if matches!(
                 e.kind(),
-                StoreErrorKind::MissingTable | StoreErrorKind::Config
+                StoreErrorKind::MissingTable
+                    | StoreErrorKind::Config
+                    | StoreErrorKind::SchemaVersion
             ) {
+                tracing::error!(error = %e.report(), "relay cannot start");
                 return Err(e);
             }
             tracing::warn!(error = %e.report(), "store not ready at start; will retry");

@@ -16,6 +16,7 @@ mod cases_mysql;
 mod confirm;
 mod crash;
 mod crash_mysql;
+mod db_roles;
 mod inbox;
 mod kafka;
 mod mqtt;

@@ -90,6 +90,8 @@ pub struct MySqlStore {
     waker: Arc<Notify>,
     conflicts: Arc<AtomicU64>,
     hook: Option<Arc<dyn RejectionHook<sqlx::MySql>>>,
+    /// Read-only refusals seen; the pool of [`MySqlStore::connect`] drops older connections.
+    read_only: Arc<super::ReadOnlyGuard>,
 }
 
 impl std::fmt::Debug for MySqlStore {
@@ -218,6 +220,12 @@ impl MySqlStore {
     /// pool of up to 10 connections, each with `TCP_NODELAY` (see [`super::nodelay`]: sqlx 0.9.0
     /// does not set it).
     ///
+    /// When the server refuses a write as read-only (`--read-only`: error 1290; a read-only
+    /// transaction: 1792), the error is [`StoreError::ReadOnly`] and this pool closes every
+    /// connection opened before it instead of handing it out again, so the next attempt
+    /// reconnects, through DNS or a proxy, to whatever server the URL names now. A pool given to
+    /// [`MySqlStore::from_pool`] keeps its connections.
+    ///
     /// # Errors
     /// [`StoreError::Config`] for an invalid table name, [`StoreError::Database`] when the server
     /// cannot be reached (the error names the cause).
@@ -237,6 +245,8 @@ impl MySqlStore {
             Ok(o) => super::nodelay::resolve(o.get_host(), o.get_port()).await,
             Err(_) => Vec::new(),
         };
+        let read_only = super::ReadOnlyGuard::new();
+        let (on_acquire, on_release) = (read_only.clone(), read_only.clone());
         let pool = MySqlPoolOptions::new()
             .max_connections(10)
             .acquire_timeout(Duration::from_secs(10))
@@ -244,13 +254,23 @@ impl MySqlStore {
                 super::nodelay::set_nodelay_towards(&peers);
                 Box::pin(async { Ok(()) })
             })
+            .before_acquire(move |_, meta| {
+                let keep = on_acquire.keep(meta.age);
+                Box::pin(async move { Ok(keep) })
+            })
+            .after_release(move |_, meta| {
+                let keep = on_release.keep(meta.age);
+                Box::pin(async move { Ok(keep) })
+            })
             .connect(&url)
             .await
             .map_err(|e| StoreError::Database {
                 op: "connect",
                 source: e,
             })?;
-        MySqlStore::from_pool(pool, options)
+        let mut store = MySqlStore::from_pool(pool, options)?;
+        store.read_only = read_only;
+        Ok(store)
     }
 
     /// Use an existing pool (the application's own). The session time zone and default
@@ -270,6 +290,7 @@ impl MySqlStore {
             waker: Arc::new(Notify::new()),
             conflicts: Arc::new(AtomicU64::new(0)),
             hook: None,
+            read_only: super::ReadOnlyGuard::new(),
         })
     }
 
@@ -356,9 +377,9 @@ impl MySqlStore {
                     .bind(m.max_attempts.map(i64::from))
                     .bind(m.delay.map(millis).unwrap_or(0));
             }
-            q.execute(&mut *conn).await.map_err(|e| {
-                EnqueueError::Database(StoreError::db("enqueue", self.table.as_str(), e))
-            })?;
+            q.execute(&mut *conn)
+                .await
+                .map_err(|e| EnqueueError::Database(self.err("enqueue")(e)))?;
         }
         Ok(msgs.iter().map(|m| m.message_id).collect())
     }
@@ -386,7 +407,10 @@ impl MySqlStore {
     }
 
     fn err(&self, op: &'static str) -> impl Fn(sqlx::Error) -> StoreError + '_ {
-        move |e| StoreError::db(op, self.table.as_str(), e)
+        move |e| {
+            self.read_only
+                .check(StoreError::db(op, self.table.as_str(), e))
+        }
     }
 
     /// Whether to retry after `e` on attempt `attempt` (counting and backing off if so).
@@ -1008,6 +1032,23 @@ pub(crate) async fn run_migrations(pool: &MySqlPool, steps: Vec<Step>) -> Result
         .execute(&mut *conn)
         .await
         .map_err(e("migrate"))?;
+        // A table migrated by a newer build is left alone: this build does not know its schema.
+        for (table, needed) in super::newest_versions(&steps) {
+            let found: Option<i64> = sqlx::query_scalar(
+                "SELECT MAX(version) FROM outbox_migrations WHERE table_name = ?",
+            )
+            .bind(&table)
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(e("migrate"))?;
+            if let Some(found) = found.filter(|f| *f > needed) {
+                return Err(StoreError::SchemaVersion {
+                    table,
+                    found,
+                    needed,
+                });
+            }
+        }
         for (table, version, stmts) in steps {
             let done: Option<i64> = sqlx::query_scalar(
                 "SELECT version FROM outbox_migrations WHERE table_name = ? AND version = ?",
@@ -1055,6 +1096,35 @@ impl Store for MySqlStore {
 
     async fn migrate(&self) -> Result<(), StoreError> {
         run_migrations(&self.pool, migrations(&self.table, &self.inbox_table)).await
+    }
+
+    async fn check_schema(&self) -> Result<(), StoreError> {
+        let t = self.table.as_str();
+        let needed = super::latest_version(&migrations(&self.table, &self.inbox_table), t);
+        let found: Option<i64> = match sqlx::query_scalar(
+            "SELECT MAX(version) FROM outbox_migrations WHERE table_name = ?",
+        )
+        .bind(t)
+        .fetch_one(&self.pool)
+        .await
+        {
+            Ok(v) => v,
+            Err(e) if crate::error::is_missing_table(&e) => None,
+            Err(e) => return Err(self.err("check_schema")(e)),
+        };
+        if super::compare_version(t, found, needed)? {
+            return Ok(());
+        }
+        // No migration recorded: a missing table says so; one made by other means is at v0.
+        sqlx::query(AssertSqlSafe(format!("SELECT 1 FROM {t} LIMIT 0")))
+            .execute(&self.pool)
+            .await
+            .map_err(self.err("check_schema"))?;
+        Err(StoreError::SchemaVersion {
+            table: t.to_owned(),
+            found: 0,
+            needed,
+        })
     }
 
     async fn claim(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {

@@ -52,6 +52,9 @@ const COMPLETION_CHUNK: usize = 125;
 
 struct Sql {
     insert: Arc<str>,
+    /// `insert` that also restores `lock_timeout` to `$8` once it holds its locks
+    /// ([`PgStore::with_enqueue_timeout`]).
+    insert_timed: Arc<str>,
     claim: Arc<str>,
     complete: Arc<str>,
     reap: Arc<str>,
@@ -92,7 +95,18 @@ pub struct PgStore {
     /// The post-commit notifier of [`PgStore::commit`], started on first use (shared by clones).
     notifier: Arc<std::sync::OnceLock<tokio::sync::mpsc::Sender<()>>>,
     hook: Option<Arc<dyn RejectionHook<sqlx::Postgres>>>,
+    /// Read-only refusals seen; the pool of [`PgStore::connect`] drops older connections.
+    read_only: Arc<super::ReadOnlyGuard>,
+    /// How long an enqueue waits for a lock on the table ([`PgStore::with_enqueue_timeout`]).
+    enqueue_timeout: Option<Duration>,
+    /// Interval of the listener's liveness ping ([`PgStore::with_listener_check`]).
+    listener_check: Duration,
 }
+
+/// Default of [`PgStore::with_enqueue_timeout`].
+pub const DEFAULT_ENQUEUE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default of [`PgStore::with_listener_check`].
+pub const DEFAULT_LISTENER_CHECK: Duration = Duration::from_secs(5);
 
 impl std::fmt::Debug for PgStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -106,6 +120,12 @@ impl PgStore {
     /// Connect to `url` (`postgres://user@host:port/db`) with a pool of up to 10 connections,
     /// each with `TCP_NODELAY` (see [`super::nodelay`]: sqlx 0.9.0 does not set it; a pool of
     /// your own given to [`PgStore::from_pool`] can do the same in its `after_connect`).
+    ///
+    /// When the server refuses a write as read-only (SQLSTATE 25006: a replica, a hot standby,
+    /// `default_transaction_read_only`), the error is [`StoreError::ReadOnly`] and this pool
+    /// closes every connection opened before it instead of handing it out again, so the next
+    /// attempt reconnects, through DNS or a proxy, to whatever server the URL names now. A pool
+    /// given to [`PgStore::from_pool`] keeps its connections (its owner decides).
     ///
     /// # Errors
     /// [`StoreError::Config`] for an invalid table name, [`StoreError::Database`] when the server
@@ -124,6 +144,8 @@ impl PgStore {
             Ok(o) => super::nodelay::resolve(o.get_host(), o.get_port()).await,
             Err(_) => Vec::new(),
         };
+        let read_only = super::ReadOnlyGuard::new();
+        let (on_acquire, on_release) = (read_only.clone(), read_only.clone());
         let pool = PgPoolOptions::new()
             .max_connections(10)
             .acquire_timeout(Duration::from_secs(10))
@@ -131,13 +153,23 @@ impl PgStore {
                 super::nodelay::set_nodelay_towards(&peers);
                 Box::pin(async { Ok(()) })
             })
+            .before_acquire(move |_, meta| {
+                let keep = on_acquire.keep(meta.age);
+                Box::pin(async move { Ok(keep) })
+            })
+            .after_release(move |_, meta| {
+                let keep = on_release.keep(meta.age);
+                Box::pin(async move { Ok(keep) })
+            })
             .connect(url)
             .await
             .map_err(|e| StoreError::Database {
                 op: "connect",
                 source: e,
             })?;
-        PgStore::from_pool(pool, options)
+        let mut store = PgStore::from_pool(pool, options)?;
+        store.read_only = read_only;
+        Ok(store)
     }
 
     /// Use an existing pool (the application's own).
@@ -160,6 +192,16 @@ impl PgStore {
                  SELECT m, tp, k, h::jsonb, p, ma, now() + make_interval(secs => d::float8 / 1000) \
                  FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::bytea[], $6::int[], $7::bigint[]) \
                  AS u(m, tp, k, h, p, ma, d)"
+            )
+            .into(),
+            // The restore is evaluated while the insert runs, after the table lock was taken
+            // (at Bind, before execution), so the timeout covers that wait and nothing after.
+            insert_timed: format!(
+                "INSERT INTO {t} (message_id, topic, partition_key, headers, payload, max_attempts, available_at) \
+                 SELECT m, tp, k, h::jsonb, p, ma, now() + make_interval(secs => d::float8 / 1000) \
+                 FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::bytea[], $6::int[], $7::bigint[]) \
+                 AS u(m, tp, k, h, p, ma, d) \
+                 CROSS JOIN (SELECT set_config('lock_timeout', $8, false)) AS restore_lock_timeout"
             )
             .into(),
             claim: format!(
@@ -329,7 +371,37 @@ impl PgStore {
             waker: Arc::new(Notify::new()),
             notifier: Arc::new(std::sync::OnceLock::new()),
             hook: None,
+            read_only: super::ReadOnlyGuard::new(),
+            enqueue_timeout: Some(DEFAULT_ENQUEUE_TIMEOUT),
+            listener_check: DEFAULT_LISTENER_CHECK,
         })
+    }
+
+    /// How long [`PgStore::enqueue`] waits for a lock on the outbox table before it gives up
+    /// with [`EnqueueError::Timeout`]; `None` waits as long as the server lets it
+    /// (`lock_timeout` of the session). Default [`DEFAULT_ENQUEUE_TIMEOUT`] (10 s).
+    ///
+    /// The insert waits on a table lock only when another session holds a conflicting one
+    /// (`LOCK TABLE`, `ALTER TABLE`, `VACUUM FULL`, a migration that rewrites the table). The
+    /// timeout is PostgreSQL's `lock_timeout`, set for the insert statement alone: one extra
+    /// round trip per enqueue call sets it and reads the session's value, which the insert
+    /// itself restores. The caller's other statements keep their own setting. Rounded up to
+    /// whole milliseconds; zero is treated as `None` (PostgreSQL's `0` disables the timeout).
+    pub fn with_enqueue_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.enqueue_timeout = timeout.filter(|t| !t.is_zero());
+        self
+    }
+
+    /// How often the relay's LISTEN connection is checked (default [`DEFAULT_LISTENER_CHECK`],
+    /// 5 s): every interval the listener sends a `NOTIFY` to a channel of its own through the
+    /// pool; when it has not come back through the listening connection by the next interval,
+    /// the connection is taken for dead (half-open: a proxy, NAT or firewall dropped it without
+    /// a reset) and replaced. A lost connection is found within two intervals, so NOTIFY
+    /// wake-ups are back well before the poll interval would have found the rows. At least
+    /// 100 ms.
+    pub fn with_listener_check(mut self, interval: Duration) -> Self {
+        self.listener_check = interval.max(Duration::from_millis(100));
+        self
     }
 
     /// Run `hook` for every message the consumer rejects, inside the producer transaction that
@@ -414,7 +486,32 @@ impl PgStore {
             max_attempts.push(m.max_attempts.map(|a| i32::try_from(a).unwrap_or(i32::MAX)));
             delays.push(m.delay.map(millis).unwrap_or(0));
         }
-        sqlx::query(AssertSqlSafe(self.sql.insert.clone()))
+        let Some(timeout) = self.enqueue_timeout else {
+            sqlx::query(AssertSqlSafe(self.sql.insert.clone()))
+                .bind(&ids)
+                .bind(topics)
+                .bind(keys)
+                .bind(headers)
+                .bind(payloads)
+                .bind(max_attempts)
+                .bind(delays)
+                .execute(conn)
+                .await
+                .map_err(|e| EnqueueError::Database(self.err("enqueue")(e)))?;
+            return Ok(ids);
+        };
+        // `lock_timeout` for the insert alone: set here (returning the session's value), and
+        // restored by the insert itself once it holds its locks. Session-level (not LOCAL), so it
+        // also applies outside a transaction block; inside one, a rollback undoes it anyway.
+        let ms = format!("{}ms", timeout.as_millis().max(1));
+        let previous: String = sqlx::query_scalar(
+            "SELECT current_setting('lock_timeout') FROM (SELECT set_config('lock_timeout', $1, false)) s",
+        )
+        .bind(&ms)
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(|e| EnqueueError::Database(self.err("enqueue")(e)))?;
+        let inserted = sqlx::query(AssertSqlSafe(self.sql.insert_timed.clone()))
             .bind(&ids)
             .bind(topics)
             .bind(keys)
@@ -422,11 +519,27 @@ impl PgStore {
             .bind(payloads)
             .bind(max_attempts)
             .bind(delays)
-            .execute(conn)
-            .await
-            .map_err(|e| {
-                EnqueueError::Database(StoreError::db("enqueue", self.table.as_str(), e))
-            })?;
+            .bind(&previous)
+            .execute(&mut *conn)
+            .await;
+        if let Err(e) = inserted {
+            // Outside a transaction block the setting would outlive the failed insert: restore
+            // it (inside one, this fails on the aborted transaction and the rollback restores).
+            let _ = sqlx::query("SELECT set_config('lock_timeout', $1, false)")
+                .bind(&previous)
+                .execute(&mut *conn)
+                .await;
+            if let sqlx::Error::Database(db) = &e
+                && db.code().as_deref() == Some("55P03")
+            {
+                return Err(EnqueueError::Timeout {
+                    table: self.table.as_str().to_owned(),
+                    timeout,
+                    source: e,
+                });
+            }
+            return Err(EnqueueError::Database(self.err("enqueue")(e)));
+        }
         Ok(ids)
     }
 
@@ -508,7 +621,10 @@ impl PgStore {
     }
 
     fn err(&self, op: &'static str) -> impl Fn(sqlx::Error) -> StoreError + '_ {
-        move |e| StoreError::db(op, self.table.as_str(), e)
+        move |e| {
+            self.read_only
+                .check(StoreError::db(op, self.table.as_str(), e))
+        }
     }
 }
 
@@ -754,18 +870,60 @@ pub(crate) fn inbox_migrations(inbox: &TableName) -> Vec<(String, i64, String)> 
     inbox_steps(inbox)
 }
 
+/// How long a migration's DDL waits for a table lock before it gives up and tries again.
+const MIGRATION_LOCK_TIMEOUT: &str = "1s";
+/// Attempts of a migration whose DDL found its table busy.
+const MIGRATION_ATTEMPTS: u32 = 30;
+
 /// Apply migrations once each, recorded in `outbox_migrations`, serialised by an advisory lock
 /// so concurrent `migrate` calls are safe.
+///
+/// The DDL waits at most [`MIGRATION_LOCK_TIMEOUT`] for its table lock: a lock request that
+/// waits (behind a long producer transaction) blocks every producer that comes after it, so
+/// instead of waiting on, the migration rolls back, backs off and tries again (up to
+/// [`MIGRATION_ATTEMPTS`] times).
 pub(crate) async fn run_migrations(
     pool: &PgPool,
     steps: Vec<(String, i64, String)>,
 ) -> Result<(), StoreError> {
+    let backoff = crate::Backoff {
+        base: Duration::from_millis(200),
+        max: Duration::from_secs(5),
+        ..Default::default()
+    };
+    let mut attempt = 1;
+    loop {
+        match migrate_once(pool, steps.clone()).await {
+            Err(StoreError::Database {
+                source: sqlx::Error::Database(db),
+                ..
+            }) if db.code().as_deref() == Some("55P03") && attempt < MIGRATION_ATTEMPTS => {
+                tracing::info!(
+                    attempt,
+                    error = %db,
+                    "migration: a table is busy (lock not granted within {MIGRATION_LOCK_TIMEOUT}); retrying"
+                );
+                tokio::time::sleep(backoff.delay(attempt)).await;
+                attempt += 1;
+            }
+            r => return r,
+        }
+    }
+}
+
+async fn migrate_once(pool: &PgPool, steps: Vec<(String, i64, String)>) -> Result<(), StoreError> {
     let e = |op| move |e| StoreError::Database { op, source: e };
     let mut tx = pool.begin().await.map_err(e("migrate"))?;
     sqlx::query("SELECT pg_advisory_xact_lock(7263541029384756)")
         .execute(&mut *tx)
         .await
         .map_err(e("migrate"))?;
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "SET LOCAL lock_timeout = '{MIGRATION_LOCK_TIMEOUT}'"
+    )))
+    .execute(&mut *tx)
+    .await
+    .map_err(e("migrate"))?;
     sqlx::query(
         "CREATE TABLE IF NOT EXISTS outbox_migrations (table_name text NOT NULL, version int NOT NULL, \
          applied_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (table_name, version))",
@@ -773,6 +931,22 @@ pub(crate) async fn run_migrations(
     .execute(&mut *tx)
     .await
     .map_err(e("migrate"))?;
+    // A table migrated by a newer build is left alone: this build does not know its schema.
+    for (table, needed) in super::newest_versions(&steps) {
+        let found: Option<i32> =
+            sqlx::query_scalar("SELECT MAX(version) FROM outbox_migrations WHERE table_name = $1")
+                .bind(&table)
+                .fetch_one(&mut *tx)
+                .await
+                .map_err(e("migrate"))?;
+        if let Some(found) = found.map(i64::from).filter(|f| *f > needed) {
+            return Err(StoreError::SchemaVersion {
+                table,
+                found,
+                needed,
+            });
+        }
+    }
     for (table, version, sql) in steps {
         let done: Option<i32> = sqlx::query_scalar(
             "SELECT version FROM outbox_migrations WHERE table_name = $1 AND version = $2",
@@ -1308,58 +1482,198 @@ impl Store for PgStore {
     }
 
     fn spawn_listener(&self, cancel: CancellationToken) -> Option<tokio::task::JoinHandle<()>> {
-        let pool = self.pool.clone();
-        let channel = self.channel.clone();
-        let waker = self.waker.clone();
-        Some(tokio::spawn(async move {
-            let backoff = crate::Backoff {
-                base: Duration::from_millis(200),
-                max: Duration::from_secs(10),
-                ..Default::default()
-            };
-            let mut failures = 0u32;
-            while !cancel.is_cancelled() {
-                let mut listener = match PgListener::connect_with(&pool).await {
-                    Ok(l) => l,
-                    Err(e) => {
-                        failures += 1;
-                        tracing::warn!(error = %e, "LISTEN connection failed; polling meanwhile");
-                        tokio::select! {
-                            _ = cancel.cancelled() => return,
-                            _ = tokio::time::sleep(backoff.delay(failures)) => continue,
-                        }
-                    }
+        Some(tokio::spawn(listen(
+            self.pool.clone(),
+            self.channel.clone(),
+            self.waker.clone(),
+            self.listener_check,
+            cancel,
+        )))
+    }
+
+    async fn check_schema(&self) -> Result<(), StoreError> {
+        let t = self.table.as_str();
+        let needed = super::latest_version(
+            &migrations(&self.table, &self.inbox_table, &self.channel),
+            t,
+        );
+        let found: Option<i32> = match sqlx::query_scalar(
+            "SELECT MAX(version) FROM outbox_migrations WHERE table_name = $1",
+        )
+        .bind(t)
+        .fetch_one(&self.pool)
+        .await
+        {
+            Ok(v) => v,
+            Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("42P01") => None,
+            Err(e) => return Err(self.err("check_schema")(e)),
+        };
+        if super::compare_version(t, found.map(i64::from), needed)? {
+            return Ok(());
+        }
+        // No migration recorded: a missing table says so; one made by other means is at v0.
+        sqlx::query(AssertSqlSafe(format!("SELECT 1 FROM {t} LIMIT 0")))
+            .execute(&self.pool)
+            .await
+            .map_err(self.err("check_schema"))?;
+        Err(StoreError::SchemaVersion {
+            table: t.to_owned(),
+            found: 0,
+            needed,
+        })
+    }
+}
+
+/// The relay's LISTEN task ([`Store::spawn_listener`]): wakes `waker` on every notification of
+/// `channel`, checks its connection every `check` with a ping, and replaces a connection that
+/// died or stopped answering, logging the loss (`warn`, with the cause) and the reconnect
+/// (`info`). Ends at `cancel`.
+///
+/// The listening connection comes from a pool of one of its own (same connect options), never
+/// from the store's pool: a connection found dead is dropped with its pool instead of going back
+/// to the application's.
+async fn listen(
+    pool: PgPool,
+    channel: String,
+    waker: Arc<Notify>,
+    check: Duration,
+    cancel: CancellationToken,
+) {
+    let backoff = crate::Backoff {
+        base: Duration::from_millis(200),
+        max: Duration::from_secs(10),
+        ..Default::default()
+    };
+    // The ping goes to a channel only this listener listens on, so it wakes no relay.
+    let ping_channel = format!("outbox_ping_{:016x}", rand::random::<u64>());
+    let ping = format!("SELECT pg_notify('{ping_channel}', '')");
+    let setup_deadline = check.max(Duration::from_secs(5));
+    let mut failures = 0u32;
+    let mut listened_before = false;
+    while !cancel.is_cancelled() {
+        let own: PgPool = PgPoolOptions::new()
+            .max_connections(1)
+            .idle_timeout(None)
+            .max_lifetime(None)
+            .acquire_timeout(setup_deadline)
+            .connect_lazy_with((*pool.connect_options()).clone());
+        let setup = async {
+            let mut l = PgListener::connect_with(&own).await?;
+            // A lost connection ends `try_recv` with `Ok(None)` instead of a silent reconnect:
+            // this task reconnects itself, on a new pool, and logs it.
+            l.eager_reconnect(false);
+            l.listen_all([channel.as_str(), ping_channel.as_str()])
+                .await?;
+            Ok::<_, sqlx::Error>(l)
+        };
+        let setup = tokio::select! {
+            _ = cancel.cancelled() => return,
+            r = tokio::time::timeout(setup_deadline, setup) => r,
+        };
+        let mut listener = match setup {
+            Ok(Ok(l)) => l,
+            failed => {
+                failures += 1;
+                let cause = match failed {
+                    Ok(Err(e)) => e.to_string(),
+                    _ => format!("no answer within {setup_deadline:?}"),
                 };
-                if let Err(e) = listener.listen(&channel).await {
-                    failures += 1;
-                    tracing::warn!(error = %e, channel, "LISTEN failed; polling meanwhile");
-                    tokio::select! {
-                        _ = cancel.cancelled() => return,
-                        _ = tokio::time::sleep(backoff.delay(failures)) => continue,
-                    }
+                if failures == 1 || failures.is_power_of_two() {
+                    tracing::warn!(
+                        channel,
+                        failures,
+                        cause,
+                        "LISTEN connection failed; polling meanwhile"
+                    );
                 }
-                failures = 0;
-                // Rows may have been inserted while we were not listening.
-                waker.notify_one();
-                loop {
-                    tokio::select! {
-                        _ = cancel.cancelled() => return,
-                        n = listener.try_recv() => match n {
-                            Ok(Some(_)) => waker.notify_one(),
-                            Ok(None) => {
-                                // Connection lost; sqlx reconnects on the next call. Catch up.
-                                tracing::debug!("LISTEN connection lost, reconnecting");
-                                waker.notify_one();
-                            }
-                            Err(e) => {
-                                tracing::warn!(error = %e, "LISTEN receive failed; reconnecting");
-                                break;
-                            }
-                        }
-                    }
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    _ = tokio::time::sleep(backoff.delay(failures)) => continue,
                 }
             }
-        }))
+        };
+        if listened_before || failures > 0 {
+            tracing::info!(channel, "LISTEN connection re-established");
+        }
+        failures = 0;
+        listened_before = true;
+        // Rows may have been inserted while we were not listening.
+        waker.notify_one();
+        let cause = match receive(
+            &mut listener,
+            &pool,
+            &ping,
+            &ping_channel,
+            check,
+            &waker,
+            &cancel,
+        )
+        .await
+        {
+            None => return,
+            Some(cause) => cause,
+        };
+        tracing::warn!(
+            channel,
+            cause,
+            "LISTEN connection lost; reconnecting (polling meanwhile)"
+        );
+        waker.notify_one();
+        // Dropping the listener sends `UNLISTEN` on its connection from a background task; on a
+        // half-open connection that task waits until the kernel gives the connection up. It
+        // holds only this listener's own pool.
+        drop(listener);
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(backoff.delay(1)) => {}
+        }
+    }
+}
+
+/// Receive on `listener` until it fails (returning the cause) or `cancel` (returning `None`).
+/// Every `check` a ping goes out through `pool`; a ping still unanswered at the next `check`
+/// means the connection is dead. A ping that cannot be sent (the database itself is down)
+/// proves nothing and is not counted.
+async fn receive(
+    listener: &mut PgListener,
+    pool: &PgPool,
+    ping: &str,
+    ping_channel: &str,
+    check: Duration,
+    waker: &Notify,
+    cancel: &CancellationToken,
+) -> Option<String> {
+    let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + check, check);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut unanswered = false;
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return None,
+            // Cancel safe: sqlx reads a notification only once it has all of it.
+            n = listener.try_recv() => match n {
+                Ok(Some(n)) if n.channel() == ping_channel => unanswered = false,
+                Ok(Some(_)) => waker.notify_one(),
+                Ok(None) => return Some("the connection was closed".to_owned()),
+                Err(e) => return Some(e.to_string()),
+            },
+            _ = ticker.tick() => {
+                if unanswered {
+                    return Some(format!(
+                        "no answer to a ping through the listening connection within {check:?} (half-open connection?)"
+                    ));
+                }
+                let sent = tokio::time::timeout(
+                    check,
+                    sqlx::query(AssertSqlSafe(ping.to_owned())).execute(pool),
+                )
+                .await;
+                match sent {
+                    Ok(Ok(_)) => unanswered = true,
+                    Ok(Err(e)) => tracing::debug!(error = %e, "listener ping not sent"),
+                    Err(_) => tracing::debug!("listener ping not sent within the check interval"),
+                }
+            }
+        }
     }
 }
 

@@ -703,6 +703,22 @@ pub(crate) async fn run_migrations(
     .execute(pool)
     .await
     .map_err(e("migrate"))?;
+    // A table migrated by a newer build is left alone: this build does not know its schema.
+    for (table, needed) in super::newest_versions(&steps) {
+        let found: Option<i64> =
+            sqlx::query_scalar("SELECT MAX(version) FROM outbox_migrations WHERE table_name = ?1")
+                .bind(&table)
+                .fetch_one(pool)
+                .await
+                .map_err(e("migrate"))?;
+        if let Some(found) = found.filter(|f| *f > needed) {
+            return Err(StoreError::SchemaVersion {
+                table,
+                found,
+                needed,
+            });
+        }
+    }
     for (table, version, sql) in steps {
         let mut conn = pool.acquire().await.map_err(e("migrate"))?;
         let mut tx = sqlx::Connection::begin_with(&mut *conn, "BEGIN IMMEDIATE")
@@ -755,6 +771,38 @@ impl Store for SqliteStore {
             migrations(self.table.as_str(), self.inbox_table.as_str()),
         )
         .await
+    }
+
+    async fn check_schema(&self) -> Result<(), StoreError> {
+        let t = self.table.as_str();
+        let needed = super::latest_version(
+            &migrations(self.table.as_str(), self.inbox_table.as_str()),
+            t,
+        );
+        let found: Option<i64> = match sqlx::query_scalar(
+            "SELECT MAX(version) FROM outbox_migrations WHERE table_name = ?1",
+        )
+        .bind(t)
+        .fetch_one(&self.pool)
+        .await
+        {
+            Ok(v) => v,
+            Err(e) if crate::error::is_missing_table(&e) => None,
+            Err(e) => return Err(self.err("check_schema")(e)),
+        };
+        if super::compare_version(t, found, needed)? {
+            return Ok(());
+        }
+        // No migration recorded: a missing table says so; one made by other means is at v0.
+        sqlx::query(AssertSqlSafe(format!("SELECT 1 FROM {t} LIMIT 0")))
+            .execute(&self.pool)
+            .await
+            .map_err(self.err("check_schema"))?;
+        Err(StoreError::SchemaVersion {
+            table: t.to_owned(),
+            found: 0,
+            needed,
+        })
     }
 
     async fn claim(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {

@@ -1,0 +1,613 @@
+//! Issue 11, items 5 and 7: database roles and connections (a read-only server, the LISTEN
+//! connection, a locked outbox table) and schema versions, on the real PostgreSQL, MariaDB and
+//! SQLite.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use outbox::store::Store;
+use outbox::{
+    EnqueueError, MemoryTransport, NewMessage, PgStore, Relay, RelayConfig, Router, StoreError,
+    StoreErrorKind, StoreOptions,
+};
+use outbox_testkit::{
+    FaultProxy, MySqlFixture, PgFixture, SqliteFixture, StoreFixture as _, pg_pool, postgres_url,
+    unique, wait_until, within,
+};
+use sqlx::AssertSqlSafe;
+use tokio_util::sync::CancellationToken;
+
+use crate::relay::fast_config;
+
+/// Log lines (INFO and above) of the current thread, for tests on a current-thread runtime:
+/// every task they spawn logs into it.
+#[derive(Clone, Default)]
+struct Logs(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Logs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Logs {
+    /// Capture this thread's events until the guard is dropped.
+    fn capture() -> (Logs, tracing::subscriber::DefaultGuard) {
+        let logs = Logs::default();
+        let writer = logs.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::INFO)
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        (logs, tracing::subscriber::set_default(subscriber))
+    }
+
+    /// Lines that contain every one of `parts`.
+    fn lines_with(&self, parts: &[&str]) -> Vec<String> {
+        let text = String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned();
+        text.lines()
+            .filter(|l| parts.iter().all(|p| l.contains(p)))
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
+/// `postgres_url()` with another `host:port` or database.
+fn pg_url_with(host_port_: Option<&str>, database: Option<&str>) -> String {
+    let url = postgres_url();
+    let (scheme, rest) = url.split_once("://").expect("postgres URL");
+    let (auth, rest) = rest.rsplit_once('@').map_or(("", rest), |(a, r)| (a, r));
+    let (hp, path) = rest.split_once('/').unwrap_or((rest, "postgres"));
+    let (db, query) = path.split_once('?').map_or((path, ""), |(d, q)| (d, q));
+    let auth = if auth.is_empty() {
+        String::new()
+    } else {
+        format!("{auth}@")
+    };
+    let query = if query.is_empty() {
+        String::new()
+    } else {
+        format!("?{query}")
+    };
+    format!(
+        "{scheme}://{auth}{}/{}{query}",
+        host_port_.unwrap_or(hp),
+        database.unwrap_or(db)
+    )
+}
+
+/// The `host:port` of `postgres_url()`.
+fn pg_host_port() -> String {
+    let rest = postgres_url()
+        .split_once("://")
+        .expect("postgres URL")
+        .1
+        .to_owned();
+    let rest = rest.rsplit_once('@').map_or(rest.as_str(), |(_, r)| r);
+    rest.split(['/', '?']).next().unwrap().to_owned()
+}
+
+/// A relay over `store` publishing everything to `transport`.
+fn relay(store: Arc<dyn Store>, transport: Arc<MemoryTransport>, config: RelayConfig) -> Relay {
+    Relay::builder(store)
+        .router(Router::single(transport))
+        .config(config)
+        .build()
+        .expect("relay config")
+}
+
+/// Enqueue one message on `store` in a plain transaction (`tx.commit()`: the trigger's NOTIFY,
+/// no in-process wake-up of any other store).
+async fn enqueue_plain(store: &PgStore, topic: &str) -> uuid::Uuid {
+    let mut tx = store.pool().begin().await.expect("begin");
+    let id = store
+        .enqueue(&mut tx, NewMessage::new(topic, "x"))
+        .await
+        .expect("enqueue");
+    tx.commit().await.expect("commit");
+    id
+}
+
+/// The `client_port` of the session LISTENing on `channel` (as the server sees it).
+async fn listener_port(admin: &sqlx::PgPool, channel: &str) -> u16 {
+    let mut port = 0;
+    wait_until("the relay to LISTEN", Duration::from_secs(10), || async {
+        let p: Option<i32> = sqlx::query_scalar(
+            "SELECT client_port FROM pg_stat_activity WHERE query LIKE 'LISTEN%' \
+             AND query LIKE '%' || $1 || '%' LIMIT 1",
+        )
+        .bind(channel)
+        .fetch_optional(admin)
+        .await
+        .unwrap();
+        port = p.unwrap_or(0) as u16;
+        port != 0
+    })
+    .await;
+    port
+}
+
+/// Item 5a: a pool whose connections sit on a read-only server (sessions of a database whose
+/// default is `default_transaction_read_only = on`, as on a replica) after the server became
+/// writable again (the URL moved back to the primary). Before: the pool kept its read-only
+/// sessions (sqlx closes connections on I/O errors only), every relay write failed with 25006
+/// and nothing was delivered. After: the read-only refusal drops the pool's older connections,
+/// the next attempt reconnects to a writable session and the message is delivered.
+#[tokio::test]
+async fn defect_05_read_only_server_connections_are_dropped_and_relay_recovers() {
+    let (logs, _guard) = Logs::capture();
+    let admin = pg_pool(2).await;
+    let db = unique("ro");
+    sqlx::raw_sql(AssertSqlSafe(format!("CREATE DATABASE {db}")))
+        .execute(&admin)
+        .await
+        .unwrap();
+    let url = pg_url_with(None, Some(&db));
+    let store = PgStore::connect(&url, StoreOptions::default())
+        .await
+        .expect("connect");
+    store.migrate().await.expect("migrate");
+    let transport = Arc::new(MemoryTransport::new());
+    let mut config = fast_config(&unique("relay"));
+    config.poll_interval = Duration::from_millis(200);
+    let handle = relay(Arc::new(store.clone()), transport.clone(), config).spawn();
+    enqueue_plain(&store, "before").await;
+    within(
+        "the first message",
+        Duration::from_secs(10),
+        transport.wait_for(1),
+    )
+    .await;
+
+    // The server turns read-only for every session the pool opens from now on, and the pool's
+    // sessions are ended so that it reopens them read-only.
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "ALTER DATABASE {db} SET default_transaction_read_only = on"
+    )))
+    .execute(&admin)
+    .await
+    .unwrap();
+    let kill = format!(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{db}' AND pid <> pg_backend_pid()"
+    );
+    sqlx::raw_sql(AssertSqlSafe(kill.clone()))
+        .execute(&admin)
+        .await
+        .unwrap();
+    wait_until(
+        "a relay error naming read-only",
+        Duration::from_secs(15),
+        || async { !logs.lines_with(&["read-only"]).is_empty() },
+    )
+    .await;
+    // A producer on a writable session of its own.
+    let mut producer = <sqlx::PgConnection as sqlx::Connection>::connect(&url)
+        .await
+        .unwrap();
+    sqlx::raw_sql("SET default_transaction_read_only = off")
+        .execute(&mut producer)
+        .await
+        .unwrap();
+    let mut tx = sqlx::Connection::begin(&mut producer).await.unwrap();
+    store
+        .enqueue(&mut tx, NewMessage::new("after", "x"))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+
+    // The URL reaches a writable server again: sessions opened from now on are writable; the
+    // pool's read-only ones stay read-only until they are closed.
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "ALTER DATABASE {db} RESET default_transaction_read_only"
+    )))
+    .execute(&admin)
+    .await
+    .unwrap();
+    let started = std::time::Instant::now();
+    within(
+        "the relay to deliver once the server is writable",
+        Duration::from_secs(20),
+        transport.wait_for(2),
+    )
+    .await;
+    eprintln!(
+        "defect_05 read-only: delivered {:?} after the server became writable",
+        started.elapsed()
+    );
+    let line = logs.lines_with(&["read-only"]).remove(0);
+    assert!(
+        line.contains("WARN") || line.contains("ERROR"),
+        "logged as a warning: {line}"
+    );
+
+    handle.shutdown().await.unwrap();
+    store.pool().close().await;
+    drop(producer);
+    let _ = sqlx::raw_sql(AssertSqlSafe(kill)).execute(&admin).await;
+    sqlx::raw_sql(AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db}")))
+        .execute(&admin)
+        .await
+        .unwrap();
+}
+
+/// The PostgreSQL error is classified as a read-only server: retryable, kind `Unavailable`.
+#[tokio::test]
+async fn defect_05_read_only_refusal_is_classified_unavailable() {
+    let fx = PgFixture::new().await;
+    let mut tx = fx.store.pool().begin().await.unwrap();
+    sqlx::raw_sql("SET TRANSACTION READ ONLY")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let e = fx
+        .store
+        .enqueue(&mut tx, NewMessage::new("t", "x"))
+        .await
+        .unwrap_err();
+    let EnqueueError::Database(e) = e else {
+        panic!("a database error, got {e:?}")
+    };
+    assert_eq!(e.kind(), StoreErrorKind::Unavailable, "{}", e.report());
+    assert!(e.is_retryable());
+    assert!(e.report().contains("read-only"), "{}", e.report());
+    fx.cleanup().await;
+}
+
+/// Item 5b: the relay's LISTEN connection goes half-open (a proxy stops forwarding it without
+/// closing it). Before: nothing noticed; NOTIFY wake-ups were lost and a message waited for the
+/// poll interval (30 s here). After: the listener's ping goes unanswered, the connection is
+/// replaced within two check intervals (300 ms here) and a NOTIFY-woken publish is fast again.
+#[tokio::test]
+async fn defect_05_half_open_listener_is_detected_and_replaced() {
+    let (logs, _guard) = Logs::capture();
+    let admin = pg_pool(2).await;
+    let proxy = FaultProxy::start(pg_host_port()).await;
+    let schema = unique("obx");
+    let options = StoreOptions::table(format!("{schema}.outbox"));
+    let store = PgStore::connect(
+        &pg_url_with(Some(&proxy.addr.to_string()), None),
+        options.clone(),
+    )
+    .await
+    .expect("connect through the proxy")
+    .with_listener_check(Duration::from_millis(300));
+    store.migrate().await.unwrap();
+    // The producer connects directly, so only the relay's connections pass the proxy.
+    let producer = PgStore::from_pool(admin.clone(), options).unwrap();
+    let transport = Arc::new(MemoryTransport::new());
+    let mut config = fast_config(&unique("relay"));
+    config.poll_interval = Duration::from_secs(30);
+    let handle = relay(Arc::new(store.clone()), transport.clone(), config).spawn();
+    let port = listener_port(&admin, store.channel()).await;
+    enqueue_plain(&producer, "first").await;
+    within(
+        "a NOTIFY-woken publish",
+        Duration::from_secs(10),
+        transport.wait_for(1),
+    )
+    .await;
+
+    assert!(
+        proxy.stall_connection(port),
+        "the listener's connection passes the proxy"
+    );
+    enqueue_plain(&producer, "second").await;
+    let started = std::time::Instant::now();
+    within(
+        "a publish after the LISTEN connection went half-open (poll interval 30 s)",
+        Duration::from_secs(10),
+        transport.wait_for(2),
+    )
+    .await;
+    eprintln!(
+        "defect_05 half-open LISTEN: published {:?} after the stall",
+        started.elapsed()
+    );
+    assert!(
+        !logs
+            .lines_with(&["WARN", "LISTEN connection lost", "ping"])
+            .is_empty(),
+        "the loss is logged with its cause"
+    );
+    // And the next one is woken by the new listener at once.
+    enqueue_plain(&producer, "third").await;
+    within(
+        "a publish on the new listener",
+        Duration::from_secs(10),
+        transport.wait_for(3),
+    )
+    .await;
+    handle.shutdown().await.unwrap();
+    sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+        .execute(&admin)
+        .await
+        .unwrap();
+}
+
+/// Item 5b: a killed LISTEN connection. Before: sqlx reconnected it silently (a debug line at
+/// most). After: a warning with the cause, then an info line when it listens again; NOTIFY
+/// wake-ups work again.
+#[tokio::test]
+async fn defect_05_killed_listener_logs_its_reconnect() {
+    let (logs, _guard) = Logs::capture();
+    let fx = PgFixture::new().await;
+    let transport = Arc::new(MemoryTransport::new());
+    let mut config = fast_config(&unique("relay"));
+    config.poll_interval = Duration::from_secs(30);
+    let handle = relay(Arc::new(fx.store.clone()), transport.clone(), config).spawn();
+    let channel = fx.store.channel().to_owned();
+    listener_port(fx.store.pool(), &channel).await;
+    let killed: Vec<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE query LIKE 'LISTEN%' \
+         AND query LIKE '%' || $1 || '%'",
+    )
+    .bind(&channel)
+    .fetch_all(fx.store.pool())
+    .await
+    .unwrap();
+    assert_eq!(killed, [true]);
+    wait_until(
+        "the loss and the reconnect logged",
+        Duration::from_secs(10),
+        || async {
+            !logs
+                .lines_with(&["WARN", "LISTEN connection lost", &channel])
+                .is_empty()
+                && !logs
+                    .lines_with(&["INFO", "LISTEN connection re-established", &channel])
+                    .is_empty()
+        },
+    )
+    .await;
+    let lost = logs.lines_with(&["LISTEN connection lost"]).remove(0);
+    assert!(lost.contains("cause"), "the cause is logged: {lost}");
+    enqueue_plain(&fx.store, "after").await;
+    within(
+        "a NOTIFY-woken publish",
+        Duration::from_secs(10),
+        transport.wait_for(1),
+    )
+    .await;
+    handle.shutdown().await.unwrap();
+    fx.cleanup().await;
+}
+
+/// Item 5c: `enqueue` while another transaction holds `LOCK TABLE … IN ACCESS EXCLUSIVE MODE`.
+/// Before: it waited as long as the lock was held. After: it returns
+/// `EnqueueError::Timeout` naming the table and the timeout, and the session's own
+/// `lock_timeout` is left as it was.
+#[tokio::test]
+async fn defect_05_enqueue_on_a_locked_table_times_out_with_a_typed_error() {
+    let fx = PgFixture::new().await;
+    let timeout = Duration::from_millis(500);
+    let store = fx.store.clone().with_enqueue_timeout(Some(timeout));
+    let mut locker = fx.store.pool().begin().await.unwrap();
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "LOCK TABLE {} IN ACCESS EXCLUSIVE MODE",
+        fx.table()
+    )))
+    .execute(&mut *locker)
+    .await
+    .unwrap();
+
+    // In a producer transaction.
+    let mut tx = store.begin().await.unwrap();
+    let e = within(
+        "enqueue to give up on the locked table",
+        Duration::from_secs(10),
+        store.enqueue(&mut tx, NewMessage::new("t", "x")),
+    )
+    .await
+    .unwrap_err();
+    match &e {
+        EnqueueError::Timeout {
+            table, timeout: t, ..
+        } => {
+            assert_eq!(table, &fx.table());
+            assert_eq!(*t, timeout);
+        }
+        other => panic!("EnqueueError::Timeout, got {other:?}"),
+    }
+    assert!(e.to_string().contains(&fx.table()), "{e}");
+    tx.rollback().await.unwrap();
+
+    // Outside a transaction block: the session's lock_timeout is restored after the failure.
+    let mut conn = fx.store.pool().acquire().await.unwrap();
+    let before: String = sqlx::query_scalar("SHOW lock_timeout")
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    let e = within(
+        "enqueue outside a transaction to give up",
+        Duration::from_secs(10),
+        store.enqueue(&mut conn, NewMessage::new("t", "x")),
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(e, EnqueueError::Timeout { .. }), "{e:?}");
+    let after: String = sqlx::query_scalar("SHOW lock_timeout")
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    assert_eq!(after, before);
+    drop(conn);
+
+    locker.rollback().await.unwrap();
+    // Unlocked: the enqueue goes through, and the caller's setting is untouched after it.
+    let mut tx = store.begin().await.unwrap();
+    sqlx::raw_sql("SET LOCAL lock_timeout = '7s'")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    store
+        .enqueue(&mut tx, NewMessage::new("t", "x"))
+        .await
+        .unwrap();
+    let kept: String = sqlx::query_scalar("SHOW lock_timeout")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    assert_eq!(kept, "7s");
+    store.commit(tx).await.unwrap();
+    assert_eq!(fx.count(&fx.table()).await, 1);
+    fx.cleanup().await;
+}
+
+/// The version `migrate` recorded for `table` (the version this build needs).
+async fn pg_version(fx: &PgFixture) -> i64 {
+    let v: i32 =
+        sqlx::query_scalar("SELECT MAX(version) FROM outbox_migrations WHERE table_name = $1")
+            .bind(fx.table())
+            .fetch_one(fx.store.pool())
+            .await
+            .unwrap();
+    i64::from(v)
+}
+
+/// Run a relay over `store` and expect it to refuse to start with a schema version error.
+async fn expect_refusal(store: Arc<dyn Store>) -> StoreError {
+    let relay = relay(
+        store,
+        Arc::new(MemoryTransport::new()),
+        fast_config(&unique("relay")),
+    );
+    let cancel = CancellationToken::new();
+    let r = within(
+        "the relay to refuse the table's schema",
+        Duration::from_secs(5),
+        relay.run(cancel.clone()),
+    )
+    .await;
+    cancel.cancel();
+    r.expect_err("the relay refuses to start")
+}
+
+/// Item 7: a relay of this build on a table at an older schema (here v3: before bucket leases).
+/// Before: it started, and its membership failed forever with "table … does not exist". After:
+/// it refuses to start with "run `outbox migrate` (table … at v3, this build needs vN)".
+#[tokio::test]
+async fn defect_07_relay_refuses_an_older_schema_naming_both_versions() {
+    let fx = PgFixture::new().await;
+    let needed = pg_version(&fx).await;
+    let t = fx.table();
+    fx.exec(&format!(
+        "DROP TABLE {t}_buckets; DROP TABLE {t}_relays; \
+         DELETE FROM outbox_migrations WHERE table_name = '{t}' AND version > 3"
+    ))
+    .await;
+    let e = expect_refusal(Arc::new(fx.store.clone())).await;
+    assert_eq!(e.kind(), StoreErrorKind::SchemaVersion, "{}", e.report());
+    let msg = e.to_string();
+    assert!(
+        msg.contains("outbox migrate") && msg.contains("v3") && msg.contains(&format!("v{needed}")),
+        "{msg}"
+    );
+    // `migrate` brings it up to date, and the relay starts.
+    fx.store.migrate().await.unwrap();
+    fx.store.check_schema().await.unwrap();
+    fx.cleanup().await;
+}
+
+/// Item 7: a table migrated by a newer build (v+2). Before: the relay started as if it knew the
+/// schema and `migrate` said nothing. After: both refuse, naming both versions.
+#[tokio::test]
+async fn defect_07_relay_and_migrate_refuse_a_newer_schema() {
+    // PostgreSQL.
+    let fx = PgFixture::new().await;
+    let needed = pg_version(&fx).await;
+    let newer = needed + 2;
+    fx.exec(&format!(
+        "INSERT INTO outbox_migrations (table_name, version) VALUES ('{}', {newer})",
+        fx.table()
+    ))
+    .await;
+    let check = |e: &StoreError, backend: &str| {
+        assert_eq!(
+            e.kind(),
+            StoreErrorKind::SchemaVersion,
+            "{backend}: {}",
+            e.report()
+        );
+        let msg = e.to_string();
+        assert!(
+            msg.contains(&format!("v{newer}"))
+                && msg.contains(&format!("v{needed}"))
+                && msg.contains("upgrade"),
+            "{backend}: {msg}"
+        );
+    };
+    check(
+        &expect_refusal(Arc::new(fx.store.clone())).await,
+        "postgres relay",
+    );
+    check(&fx.store.migrate().await.unwrap_err(), "postgres migrate");
+    fx.exec(&format!(
+        "DELETE FROM outbox_migrations WHERE table_name = '{}' AND version = {newer}",
+        fx.table()
+    ))
+    .await;
+    fx.cleanup().await;
+
+    // MariaDB.
+    let my = MySqlFixture::new().await;
+    let needed: i64 =
+        sqlx::query_scalar("SELECT MAX(version) FROM outbox_migrations WHERE table_name = ?")
+            .bind(&my.table)
+            .fetch_one(my.store.pool())
+            .await
+            .unwrap();
+    let newer_my = needed + 2;
+    my.exec(&format!(
+        "INSERT INTO outbox_migrations (table_name, version) VALUES ('{}', {newer_my})",
+        my.table
+    ))
+    .await;
+    for e in [
+        expect_refusal(Arc::new(my.store.clone())).await,
+        my.store.migrate().await.unwrap_err(),
+    ] {
+        assert_eq!(
+            e.kind(),
+            StoreErrorKind::SchemaVersion,
+            "mysql: {}",
+            e.report()
+        );
+        let msg = e.to_string();
+        assert!(
+            msg.contains(&format!("v{newer_my}")) && msg.contains(&format!("v{needed}")),
+            "{msg}"
+        );
+    }
+    my.cleanup().await;
+
+    // SQLite.
+    let lite = SqliteFixture::new().await;
+    let needed: i64 = sqlx::query_scalar(
+        "SELECT MAX(version) FROM outbox_migrations WHERE table_name = 'outbox'",
+    )
+    .fetch_one(lite.store.pool())
+    .await
+    .unwrap();
+    sqlx::query("INSERT INTO outbox_migrations (table_name, version) VALUES ('outbox', ?1)")
+        .bind(needed + 2)
+        .execute(lite.store.pool())
+        .await
+        .unwrap();
+    for e in [
+        expect_refusal(Arc::new(lite.store.clone())).await,
+        lite.store.migrate().await.unwrap_err(),
+    ] {
+        assert_eq!(
+            e.kind(),
+            StoreErrorKind::SchemaVersion,
+            "sqlite: {}",
+            e.report()
+        );
+        assert!(e.to_string().contains(&format!("v{}", needed + 2)), "{e}");
+    }
+}
