@@ -334,6 +334,7 @@ fn add(a: &AtomicU64, n: u64) {
 pub trait RelayHooks: Send + Sync + 'static {
     /// After a batch was read (and, after a takeover, its attempt recorded) and before anything
     /// is published; the stale-lease check runs after this hook (shared case C15 pauses here).
+    /// `messages`: the rows of the batch still to publish (not those already dead-lettered).
     async fn before_publish(&self, messages: &[Message]) {
         let _ = messages;
     }
@@ -1093,9 +1094,15 @@ impl Relay {
         for w in work.iter_mut() {
             w.message.attempts = w.attempt();
         }
-        // Copies for the hooks only: no per-message clone on the hot path without them.
+        // Copies for the hooks only: no per-message clone on the hot path without them. Rows
+        // whose outcome is already known (malformed, attempts exhausted) are not published and
+        // not shown: a hook that panics on a message cannot keep its dead letter from landing.
         let messages: Vec<Message> = match &inner.hooks {
-            Some(_) => work.iter().map(|w| w.message.clone()).collect(),
+            Some(_) => work
+                .iter()
+                .filter(|w| w.outcome.is_none())
+                .map(|w| w.message.clone())
+                .collect(),
             None => Vec::new(),
         };
         if let Some(h) = &inner.hooks {
