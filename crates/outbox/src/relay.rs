@@ -684,7 +684,10 @@ impl Relay {
             }
             // Membership and maintenance only end when cancelled: one that ended otherwise
             // panicked, and a relay without it cannot renew its buckets (it would idle alive).
-            for (task, name) in [(&mut membership, "membership"), (&mut reaper, "maintenance")] {
+            for (task, name) in [
+                (&mut membership, "membership"),
+                (&mut reaper, "maintenance"),
+            ] {
                 if task.is_finished() && !background.is_cancelled() {
                     if let Err(e) = task.await
                         && e.is_panic()
@@ -1063,10 +1066,9 @@ impl Relay {
                         .cloned();
                     w.outcome = Some(Outcome::Failed {
                         reason: match panicked {
-                            Some(p) => format!(
-                                "batch panicked: {p} ({} attempts)",
-                                w.stored_attempts
-                            ),
+                            Some(p) => {
+                                format!("batch panicked: {p} ({} attempts)", w.stored_attempts)
+                            }
                             None => format!(
                                 "relay stopped while publishing it ({} attempts)",
                                 w.stored_attempts
@@ -1501,9 +1503,8 @@ impl Relay {
                     );
                     for &i in &panicked {
                         if let Some(Published::Done(Err(e))) = out[i].take() {
-                            out[i] = Some(Published::Done(Err(TransportError::retryable(
-                                e.message(),
-                            ))));
+                            out[i] =
+                                Some(Published::Done(Err(TransportError::retryable(e.message()))));
                         }
                     }
                 }
@@ -1516,7 +1517,11 @@ impl Relay {
 
     /// The results of a publish whose `publish_timeout` ran out, from what the transport had
     /// recorded by then; logs the counts.
-    async fn timed_out(&self, transport: &Arc<dyn Transport>, states: Vec<AckState>) -> Vec<Published> {
+    async fn timed_out(
+        &self,
+        transport: &Arc<dyn Transport>,
+        states: Vec<AckState>,
+    ) -> Vec<Published> {
         let cfg = &self.inner.config;
         let (mut acked, mut failed, mut in_doubt, mut not_sent) = (0usize, 0usize, 0usize, 0usize);
         for s in &states {
@@ -1554,7 +1559,9 @@ impl Relay {
             .into_iter()
             .map(|s| match s {
                 AckState::Done(r) => Published::Done(r),
-                AckState::InDoubt => Published::Done(Err(TransportError::new(kind, reason.clone()))),
+                AckState::InDoubt => {
+                    Published::Done(Err(TransportError::new(kind, reason.clone())))
+                }
                 AckState::NotSent => Published::NotSent,
             })
             .collect()

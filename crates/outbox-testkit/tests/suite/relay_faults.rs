@@ -13,8 +13,8 @@ use axum::body::Bytes;
 use axum::http::{HeaderMap, StatusCode};
 use outbox::transport::{Outgoing, Transport};
 use outbox::{
-    Backoff, HandlerError, InboundMessage, Inbox, MemoryTransport, Message, NewMessage, RelayConfig,
-    RelayHooks, Status, TransportError,
+    Backoff, HandlerError, InboundMessage, Inbox, MemoryTransport, Message, NewMessage,
+    RelayConfig, RelayHooks, Status, TransportError,
 };
 use outbox_testkit::{PgFixture, SqliteFixture, StoreFixture, wait_until};
 use tokio::sync::Notify;
@@ -111,9 +111,11 @@ async fn defect_01_transport_panic_is_contained(fx: &dyn StoreFixture) {
     assert!(r1.stalled().is_none() && r2.stalled().is_none());
 
     // Relay 1 crashes; relay 2 takes its buckets over and meets a second poison message.
-    wait_until("both relays hold buckets", Duration::from_secs(10), || async {
-        !relay1.held_buckets().is_empty() && !relay2.held_buckets().is_empty()
-    })
+    wait_until(
+        "both relays hold buckets",
+        Duration::from_secs(10),
+        || async { !relay1.held_buckets().is_empty() && !relay2.held_buckets().is_empty() },
+    )
     .await;
     r1.abort();
     wait_until(
@@ -183,7 +185,10 @@ async fn defect_01_batch_panic_is_contained(fx: &dyn StoreFixture) {
     assert_eq!(row.attempts, 3, "{row:?}");
     for r in fx.rows().await {
         if r.message_id != poison {
-            assert_eq!(r.attempts, 1, "an innocent message paid for the poison: {r:?}");
+            assert_eq!(
+                r.attempts, 1,
+                "an innocent message paid for the poison: {r:?}"
+            );
         }
     }
     // The relay goes on.
@@ -226,9 +231,11 @@ async fn defect_01_a_stalled_relay_says_so(fx: &dyn StoreFixture) {
         .build()
         .expect("relay")
         .spawn();
-    wait_until("the relay reports its stall", Duration::from_secs(10), || async {
-        relay.stalled().is_some() && relay.metrics().snapshot().stalled_batches == 1
-    })
+    wait_until(
+        "the relay reports its stall",
+        Duration::from_secs(10),
+        || async { relay.stalled().is_some() && relay.metrics().snapshot().stalled_batches == 1 },
+    )
     .await;
     hook.resume.notify_one();
     wait_until("the stall clears", Duration::from_secs(10), || async {
@@ -316,7 +323,12 @@ async fn serve(rx: Arc<Receiver>, mode: Mode) -> (String, CancellationToken) {
                             *n += 1;
                             *n
                         };
-                        rx.attempts.lock().unwrap().entry(id).or_default().push(attempt);
+                        rx.attempts
+                            .lock()
+                            .unwrap()
+                            .entry(id)
+                            .or_default()
+                            .push(attempt);
                         if &body[..] == b"hang" && n == 1 {
                             std::future::pending::<()>().await;
                         }
@@ -574,10 +586,18 @@ async fn defect_11_attempt_header_counts_from_one() {
             .map(|(_, a, d)| (a.clone(), *d))
             .collect()
     };
-    assert_eq!(of("ok"), [("1".to_owned(), 1)], "first delivery is attempt 1");
+    assert_eq!(
+        of("ok"),
+        [("1".to_owned(), 1)],
+        "first delivery is attempt 1"
+    );
     assert_eq!(
         of("fail"),
-        [("1".to_owned(), 1), ("2".to_owned(), 2), ("3".to_owned(), 3)],
+        [
+            ("1".to_owned(), 1),
+            ("2".to_owned(), 2),
+            ("3".to_owned(), 3)
+        ],
         "attempts 1, 2, 3; dead-lettered at the third"
     );
     let dead = inbox.dead_letters(10).await.unwrap();
