@@ -77,7 +77,8 @@ pub use transport::rocketmq::{RocketMqConfig, RocketMqTransport};
 #[cfg(feature = "webhook")]
 pub use transport::webhook::{WebhookConfig, WebhookSigner, WebhookTransport};
 pub use transport::{
-    AckState, Acks, DeadLetterPolicy, MemoryTransport, Outgoing, Route, Router, TopicPattern, Transport,
+    AckState, Acks, DeadLetterPolicy, MemoryTransport, Outgoing, Route, Router, TopicPattern,
+    Transport,
 };
 
 /// The README's examples, compiled as doc tests so they stay true.

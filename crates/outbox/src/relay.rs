@@ -344,6 +344,7 @@ fn add(a: &AtomicU64, n: u64) {
 pub trait RelayHooks: Send + Sync + 'static {
     /// After a batch was read (and, after a takeover, its attempt recorded) and before anything
     /// is published; the stale-lease check runs after this hook (shared case C15 pauses here).
+    /// `messages`: the rows of the batch still to publish (not those already dead-lettered).
     async fn before_publish(&self, messages: &[Message]) {
         let _ = messages;
     }
@@ -736,7 +737,10 @@ impl Relay {
             }
             // Membership and maintenance only end when cancelled: one that ended otherwise
             // panicked, and a relay without it cannot renew its buckets (it would idle alive).
-            for (task, name) in [(&mut membership, "membership"), (&mut reaper, "maintenance")] {
+            for (task, name) in [
+                (&mut membership, "membership"),
+                (&mut reaper, "maintenance"),
+            ] {
                 if task.is_finished() && !background.is_cancelled() {
                     if let Err(e) = task.await
                         && e.is_panic()
@@ -1131,10 +1135,9 @@ impl Relay {
                         .cloned();
                     w.outcome = Some(Outcome::Failed {
                         reason: match panicked {
-                            Some(p) => format!(
-                                "batch panicked: {p} ({} attempts)",
-                                w.stored_attempts
-                            ),
+                            Some(p) => {
+                                format!("batch panicked: {p} ({} attempts)", w.stored_attempts)
+                            }
                             None => format!(
                                 "relay stopped while publishing it ({} attempts)",
                                 w.stored_attempts
@@ -1162,9 +1165,15 @@ impl Relay {
         for w in work.iter_mut() {
             w.message.attempts = w.attempt();
         }
-        // Copies for the hooks only: no per-message clone on the hot path without them.
+        // Copies for the hooks only: no per-message clone on the hot path without them. Rows
+        // whose outcome is already known (malformed, attempts exhausted) are not published and
+        // not shown: a hook that panics on a message cannot keep its dead letter from landing.
         let messages: Vec<Message> = match &inner.hooks {
-            Some(_) => work.iter().map(|w| w.message.clone()).collect(),
+            Some(_) => work
+                .iter()
+                .filter(|w| w.outcome.is_none())
+                .map(|w| w.message.clone())
+                .collect(),
             None => Vec::new(),
         };
         if let Some(h) = &inner.hooks {
@@ -1648,9 +1657,8 @@ impl Relay {
                     );
                     for &i in &panicked {
                         if let Some(Published::Done(Err(e))) = out[i].take() {
-                            out[i] = Some(Published::Done(Err(TransportError::retryable(
-                                e.message(),
-                            ))));
+                            out[i] =
+                                Some(Published::Done(Err(TransportError::retryable(e.message()))));
                         }
                     }
                 }
@@ -1663,7 +1671,11 @@ impl Relay {
 
     /// The results of a publish whose `publish_timeout` ran out, from what the transport had
     /// recorded by then; logs the counts.
-    async fn timed_out(&self, transport: &Arc<dyn Transport>, states: Vec<AckState>) -> Vec<Published> {
+    async fn timed_out(
+        &self,
+        transport: &Arc<dyn Transport>,
+        states: Vec<AckState>,
+    ) -> Vec<Published> {
         let cfg = &self.inner.config;
         let (mut acked, mut failed, mut in_doubt, mut not_sent) = (0usize, 0usize, 0usize, 0usize);
         for s in &states {
@@ -1701,7 +1713,9 @@ impl Relay {
             .into_iter()
             .map(|s| match s {
                 AckState::Done(r) => Published::Done(r),
-                AckState::InDoubt => Published::Done(Err(TransportError::new(kind, reason.clone()))),
+                AckState::InDoubt => {
+                    Published::Done(Err(TransportError::new(kind, reason.clone())))
+                }
                 AckState::NotSent => Published::NotSent,
             })
             .collect()

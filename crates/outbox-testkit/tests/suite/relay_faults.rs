@@ -13,8 +13,8 @@ use axum::body::Bytes;
 use axum::http::{HeaderMap, StatusCode};
 use outbox::transport::{Outgoing, Transport};
 use outbox::{
-    Backoff, HandlerError, InboundMessage, Inbox, MemoryTransport, Message, NewMessage, RelayConfig,
-    RelayHooks, Status, TransportError,
+    Backoff, HandlerError, InboundMessage, Inbox, MemoryTransport, Message, NewMessage,
+    RelayConfig, RelayHooks, Status, TransportError,
 };
 use outbox_testkit::{PgFixture, SqliteFixture, StoreFixture, wait_until};
 use tokio::sync::Notify;
@@ -86,8 +86,10 @@ async fn defect_01_transport_panic_is_contained(fx: &dyn StoreFixture) {
     msgs.insert(17, NewMessage::new("orders", POISON));
     let poison1 = msgs[17].message_id();
     fx.enqueue_commit(msgs).await.expect("enqueue");
-    let r1 = relay_to(fx, t.clone(), fast_config("panic-1")).spawn();
-    let r2 = relay_to(fx, t.clone(), fast_config("panic-2")).spawn();
+    let relay1 = relay_to(fx, t.clone(), fast_config("panic-1"));
+    let relay2 = relay_to(fx, t.clone(), fast_config("panic-2"));
+    let r1 = relay1.spawn();
+    let r2 = relay2.spawn();
     wait_resolved(fx, &[poison1], Duration::from_secs(30)).await;
     let row = fx.row(poison1).await;
     assert!(
@@ -109,7 +111,19 @@ async fn defect_01_transport_panic_is_contained(fx: &dyn StoreFixture) {
     assert!(r1.stalled().is_none() && r2.stalled().is_none());
 
     // Relay 1 crashes; relay 2 takes its buckets over and meets a second poison message.
+    wait_until(
+        "both relays hold buckets",
+        Duration::from_secs(10),
+        || async { !relay1.held_buckets().is_empty() && !relay2.held_buckets().is_empty() },
+    )
+    .await;
     r1.abort();
+    wait_until(
+        "relay 2 takes relay 1's buckets over",
+        Duration::from_secs(20),
+        || async { relay2.held_buckets().len() == outbox::store::BUCKETS as usize },
+    )
+    .await;
     let mut more = batch_of(19, "b");
     more.insert(5, NewMessage::new("orders", POISON));
     let poison2 = more[5].message_id();
@@ -171,7 +185,10 @@ async fn defect_01_batch_panic_is_contained(fx: &dyn StoreFixture) {
     assert_eq!(row.attempts, 3, "{row:?}");
     for r in fx.rows().await {
         if r.message_id != poison {
-            assert_eq!(r.attempts, 1, "an innocent message paid for the poison: {r:?}");
+            assert_eq!(
+                r.attempts, 1,
+                "an innocent message paid for the poison: {r:?}"
+            );
         }
     }
     // The relay goes on.
@@ -214,9 +231,11 @@ async fn defect_01_a_stalled_relay_says_so(fx: &dyn StoreFixture) {
         .build()
         .expect("relay")
         .spawn();
-    wait_until("the relay reports its stall", Duration::from_secs(10), || async {
-        relay.stalled().is_some() && relay.metrics().snapshot().stalled_batches == 1
-    })
+    wait_until(
+        "the relay reports its stall",
+        Duration::from_secs(10),
+        || async { relay.stalled().is_some() && relay.metrics().snapshot().stalled_batches == 1 },
+    )
     .await;
     hook.resume.notify_one();
     wait_until("the stall clears", Duration::from_secs(10), || async {
@@ -304,7 +323,12 @@ async fn serve(rx: Arc<Receiver>, mode: Mode) -> (String, CancellationToken) {
                             *n += 1;
                             *n
                         };
-                        rx.attempts.lock().unwrap().entry(id).or_default().push(attempt);
+                        rx.attempts
+                            .lock()
+                            .unwrap()
+                            .entry(id)
+                            .or_default()
+                            .push(attempt);
                         if &body[..] == b"hang" && n == 1 {
                             std::future::pending::<()>().await;
                         }
@@ -339,6 +363,19 @@ fn webhook(url: &str, timeout: Duration, concurrency: usize) -> Arc<dyn Transpor
     Arc::new(outbox::WebhookTransport::new(c).expect("webhook"))
 }
 
+/// A relay posting every topic to the webhook's own URL.
+fn relay_to_webhook(
+    fx: &dyn StoreFixture,
+    transport: Arc<dyn Transport>,
+    config: RelayConfig,
+) -> outbox::Relay {
+    outbox::Relay::builder(fx.store())
+        .router(outbox::Router::new().route("*", transport, ""))
+        .config(config)
+        .build()
+        .expect("relay")
+}
+
 /// Item 2: one webhook request hangs while the others of its batch are answered (300 ms each).
 /// Before: the batch's publish timeout marked every message retryable, the answered ones were
 /// posted again and nothing of the batch was SENT. After: each answered message is SENT after
@@ -360,7 +397,7 @@ async fn defect_02_acknowledged_messages_survive_a_publish_timeout() {
     };
     // The per-request timeout is longer than the relay's publish timeout: the relay's cut
     // decides.
-    let relay = relay_to(&fx, webhook(&url, Duration::from_secs(30), 64), config).spawn();
+    let relay = relay_to_webhook(&fx, webhook(&url, Duration::from_secs(30), 64), config).spawn();
     wait_until("every message SENT", Duration::from_secs(30), || async {
         fx.rows()
             .await
@@ -417,7 +454,7 @@ async fn defect_02_a_slow_receiver_still_drains() {
         max_attempts: 16,
         ..fast_config("serial-webhook")
     };
-    let relay = relay_to(
+    let relay = relay_to_webhook(
         &fx,
         webhook(&url, Duration::from_secs(30), concurrency),
         config,
@@ -529,7 +566,7 @@ async fn defect_11_attempt_header_counts_from_one() {
         ])
         .await
         .unwrap();
-    let relay = relay_to(
+    let relay = relay_to_webhook(
         &fx,
         webhook(&format!("http://{addr}/in"), Duration::from_secs(5), 8),
         fast_config("attempts"),
@@ -549,10 +586,18 @@ async fn defect_11_attempt_header_counts_from_one() {
             .map(|(_, a, d)| (a.clone(), *d))
             .collect()
     };
-    assert_eq!(of("ok"), [("1".to_owned(), 1)], "first delivery is attempt 1");
+    assert_eq!(
+        of("ok"),
+        [("1".to_owned(), 1)],
+        "first delivery is attempt 1"
+    );
     assert_eq!(
         of("fail"),
-        [("1".to_owned(), 1), ("2".to_owned(), 2), ("3".to_owned(), 3)],
+        [
+            ("1".to_owned(), 1),
+            ("2".to_owned(), 2),
+            ("3".to_owned(), 3)
+        ],
         "attempts 1, 2, 3; dead-lettered at the third"
     );
     let dead = inbox.dead_letters(10).await.unwrap();
