@@ -115,8 +115,8 @@ async fn enqueue_plain(store: &PgStore, topic: &str) -> uuid::Uuid {
 
 /// The `client_port` of the session LISTENing on `channel` (as the server sees it).
 async fn listener_port(admin: &sqlx::PgPool, channel: &str) -> u16 {
-    let mut port = 0;
-    wait_until("the relay to LISTEN", Duration::from_secs(10), || async {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
         let p: Option<i32> = sqlx::query_scalar(
             "SELECT client_port FROM pg_stat_activity WHERE query LIKE 'LISTEN%' \
              AND query LIKE '%' || $1 || '%' LIMIT 1",
@@ -125,11 +125,15 @@ async fn listener_port(admin: &sqlx::PgPool, channel: &str) -> u16 {
         .fetch_optional(admin)
         .await
         .unwrap();
-        port = p.unwrap_or(0) as u16;
-        port != 0
-    })
-    .await;
-    port
+        if let Some(p) = p.filter(|p| *p > 0) {
+            return p as u16;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out after 10 s waiting for the relay to LISTEN"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// Item 5a: a pool whose connections sit on a read-only server (sessions of a database whose
