@@ -267,6 +267,7 @@ async fn defect_05_read_only_refusal_is_classified_unavailable() {
 /// poll interval (30 s here). After: the listener's ping goes unanswered, the connection is
 /// replaced within two check intervals (300 ms here) and a NOTIFY-woken publish is fast again.
 #[tokio::test]
+#[ignore = "unfinished: the message is published within 100 ms of the stall even before the listener notices, so this does not yet prove the half-open case (see the report of helper dbroles)"]
 async fn defect_05_half_open_listener_is_detected_and_replaced() {
     let (logs, _guard) = Logs::capture();
     let admin = pg_pool(2).await;
