@@ -143,6 +143,7 @@ async fn listener_port(admin: &sqlx::PgPool, channel: &str) -> u16 {
 /// and nothing was delivered. After: the read-only refusal drops the pool's older connections,
 /// the next attempt reconnects to a writable session and the message is delivered.
 #[tokio::test]
+#[ignore = "unfinished: it also passes with the connection drop disabled (the pool reopens the terminated sessions lazily, some after the RESET), so it does not prove the fix yet"]
 async fn defect_05_read_only_server_connections_are_dropped_and_relay_recovers() {
     let (logs, _guard) = Logs::capture();
     let admin = pg_pool(2).await;
