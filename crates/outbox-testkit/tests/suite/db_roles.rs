@@ -115,8 +115,8 @@ async fn enqueue_plain(store: &PgStore, topic: &str) -> uuid::Uuid {
 
 /// The `client_port` of the session LISTENing on `channel` (as the server sees it).
 async fn listener_port(admin: &sqlx::PgPool, channel: &str) -> u16 {
-    let mut port = 0;
-    wait_until("the relay to LISTEN", Duration::from_secs(10), || async {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
         let p: Option<i32> = sqlx::query_scalar(
             "SELECT client_port FROM pg_stat_activity WHERE query LIKE 'LISTEN%' \
              AND query LIKE '%' || $1 || '%' LIMIT 1",
@@ -125,11 +125,15 @@ async fn listener_port(admin: &sqlx::PgPool, channel: &str) -> u16 {
         .fetch_optional(admin)
         .await
         .unwrap();
-        port = p.unwrap_or(0) as u16;
-        port != 0
-    })
-    .await;
-    port
+        if let Some(p) = p.filter(|p| *p > 0) {
+            return p as u16;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out after 10 s waiting for the relay to LISTEN"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// Item 5a: a pool whose connections sit on a read-only server (sessions of a database whose
@@ -139,6 +143,7 @@ async fn listener_port(admin: &sqlx::PgPool, channel: &str) -> u16 {
 /// and nothing was delivered. After: the read-only refusal drops the pool's older connections,
 /// the next attempt reconnects to a writable session and the message is delivered.
 #[tokio::test]
+#[ignore = "unfinished: it also passes with the connection drop disabled (the pool reopens the terminated sessions lazily, some after the RESET), so it does not prove the fix yet"]
 async fn defect_05_read_only_server_connections_are_dropped_and_relay_recovers() {
     let (logs, _guard) = Logs::capture();
     let admin = pg_pool(2).await;
@@ -263,6 +268,7 @@ async fn defect_05_read_only_refusal_is_classified_unavailable() {
 /// poll interval (30 s here). After: the listener's ping goes unanswered, the connection is
 /// replaced within two check intervals (300 ms here) and a NOTIFY-woken publish is fast again.
 #[tokio::test]
+#[ignore = "unfinished: the message is published within 100 ms of the stall even before the listener notices, so this does not yet prove the half-open case (see the report of helper dbroles)"]
 async fn defect_05_half_open_listener_is_detected_and_replaced() {
     let (logs, _guard) = Logs::capture();
     let admin = pg_pool(2).await;

@@ -504,8 +504,9 @@ impl PgStore {
         // restored by the insert itself once it holds its locks. Session-level (not LOCAL), so it
         // also applies outside a transaction block; inside one, a rollback undoes it anyway.
         let ms = format!("{}ms", timeout.as_millis().max(1));
-        let previous: String = sqlx::query_scalar(
-            "SELECT current_setting('lock_timeout') FROM (SELECT set_config('lock_timeout', $1, false)) s",
+        // The target list is evaluated left to right: the session's value is read before it is set.
+        let (previous, _): (String, String) = sqlx::query_as(
+            "SELECT current_setting('lock_timeout'), set_config('lock_timeout', $1, false)",
         )
         .bind(&ms)
         .fetch_one(&mut *conn)
