@@ -23,6 +23,7 @@ mod ordering;
 mod rabbitmq;
 mod redis;
 mod relay;
+mod resilience;
 #[cfg(feature = "rocketmq")]
 mod rocketmq;
 mod store;
