@@ -344,6 +344,9 @@ struct Health {
     probes: AtomicU32,
     /// Relapses of the current outage.
     relapses: AtomicU32,
+    /// Bumped by every outage and relapse, so a prober knows whether the transport failed again
+    /// after its successful probe.
+    epoch: AtomicU64,
 }
 
 /// A held bucket lease, as this relay knows it.
@@ -1303,6 +1306,7 @@ impl Relay {
             return;
         }
         let transport = inner.transports[ti].clone();
+        let epoch = health.epoch.fetch_add(1, Ordering::AcqRel) + 1;
         if health.recovering.swap(false, Ordering::AcqRel) {
             let relapses = health.relapses.fetch_add(1, Ordering::AcqRel) + 1;
             tracing::debug!(
@@ -1355,6 +1359,15 @@ impl Relay {
             health.down.store(false, Ordering::Release);
             inner.health_changed.notify_waiters();
             inner.store.wake();
+            // No publish within a lease after the probe (nothing to send) and no relapse: the
+            // outage is over all the same.
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(inner.config.lease) => {}
+            }
+            if health.epoch.load(Ordering::Acquire) == epoch {
+                relay.mark_up(ti);
+            }
         });
     }
 

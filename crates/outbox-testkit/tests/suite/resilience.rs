@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use outbox::transport::Transport;
 use outbox::{
-    NewMessage, RabbitMqTransport, Relay, Router, Status, WebhookConfig, WebhookTransport,
+    NewMessage, RabbitMqTransport, Relay, RelayConfig, Router, Status, WebhookConfig, WebhookTransport,
 };
 use outbox_testkit::{
     KafkaFixture, RabbitMqFixture, SqliteFixture, StoreFixture, TransportFixture as _,
@@ -154,7 +154,11 @@ async fn defect_09_rabbitmq_access_refused_pauses_without_dead_letters() {
     let router = Router::new().route("*", transport, format!("{}/{{topic}}", fx.exchange));
     let relay = Relay::builder(db.store())
         .router(router)
-        .config(fast_config("d09-403"))
+        .config(RelayConfig {
+            publish_timeout: Duration::from_secs(2),
+            lease: Duration::from_secs(6),
+            ..fast_config("d09-403")
+        })
         .build()
         .unwrap()
         .spawn();

@@ -762,7 +762,11 @@ impl Link {
         closed: &mut Vec<usize>,
     ) {
         let connected = s.conn.status().connected();
+        // A 403 (no write permission) is the transport's fault, not one message's: the messages
+        // it took down keep that error (Unavailable) instead of being tried one by one.
+        let refused = matches!(soft_error(e), Some((AMQPSoftError::ACCESSREFUSED, _)));
         let by_broker = connected
+            && !refused
             && (soft_error(e).is_some() || matches!(e.kind(), ErrorKind::InvalidChannelState(..)));
         let reason = match soft_error(e) {
             Some((code, text)) => format!(
