@@ -1605,18 +1605,21 @@ where
     F: Fn() -> Fut + Send + Sync + 'static,
     Fut: std::future::Future<Output = Result<T, ConfigError>> + Send + 'static,
 {
-    Arc::new(outbox::transport::lazy::LazyTransport::new(kind, move || {
-        let connecting = connect();
-        Box::pin(async move {
-            match connecting.await {
-                Ok(t) => Ok(Arc::new(t) as Arc<dyn Transport>),
-                Err(e) => Err(outbox::TransportError::unavailable(format!(
-                    "cannot connect the {kind} transport ({}): {}",
-                    e.field, e.reason
-                ))),
-            }
-        })
-    }))
+    Arc::new(outbox::transport::lazy::LazyTransport::new(
+        kind,
+        move || {
+            let connecting = connect();
+            Box::pin(async move {
+                match connecting.await {
+                    Ok(t) => Ok(Arc::new(t) as Arc<dyn Transport>),
+                    Err(e) => Err(outbox::TransportError::unavailable(format!(
+                        "cannot connect the {kind} transport ({}): {}",
+                        e.field, e.reason
+                    ))),
+                }
+            })
+        },
+    ))
 }
 
 fn prefix(e: ConfigError, name: &str) -> ConfigError {

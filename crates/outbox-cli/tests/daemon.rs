@@ -782,7 +782,11 @@ async fn defect_06_daemon_starts_while_the_broker_is_down_and_publishes_once_it_
         relay.try_wait().unwrap().is_none(),
         "the daemon exited while the broker was down"
     );
-    assert_eq!(count(&pool, &f.table, 2).await, 0, "nothing can be SENT yet");
+    assert_eq!(
+        count(&pool, &f.table, 2).await,
+        0,
+        "nothing can be SENT yet"
+    );
     let attempts: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "SELECT COALESCE(SUM(attempts), 0)::bigint FROM {}",
         f.table

@@ -1178,8 +1178,7 @@ impl Relay {
                     }
                     Err(e) => match e.kind() {
                         TransportErrorKind::Unavailable
-                            if e.is_missing_destination()
-                                && self.missing_too_long(ti, dest) =>
+                            if e.is_missing_destination() && self.missing_too_long(ti, dest) =>
                         {
                             Outcome::Failed {
                                 reason: format!(

@@ -129,7 +129,10 @@ async fn c04a_missing_exchange_not_sent_reason_recorded() {
     wait_status(&db, &good, Status::Sent, Duration::from_secs(10)).await;
     let row = db.row(bad).await;
     assert!(!row.sent, "never marked sent");
-    assert_eq!(row.attempts, 1, "dead-lettered after its grace: one attempt");
+    assert_eq!(
+        row.attempts, 1,
+        "dead-lettered after its grace: one attempt"
+    );
     let err = row.last_error.unwrap_or_default();
     assert!(err.contains("404") && err.contains("NOT_FOUND"), "{err}");
     assert!(err.contains("missing_destination_grace"), "{err}");

@@ -13,7 +13,8 @@ use std::time::Duration;
 
 use outbox::transport::Transport;
 use outbox::{
-    NewMessage, RabbitMqTransport, Relay, RelayConfig, Router, Status, WebhookConfig, WebhookTransport,
+    NewMessage, RabbitMqTransport, Relay, RelayConfig, Router, Status, WebhookConfig,
+    WebhookTransport,
 };
 use outbox_testkit::{
     KafkaFixture, RabbitMqFixture, SqliteFixture, StoreFixture, TransportFixture as _,
@@ -301,7 +302,9 @@ impl SelfSignedTls {
         std::fs::create_dir_all(&dir).unwrap();
         let (key, cert) = (dir.join("key.pem"), dir.join("cert.pem"));
         let out = std::process::Command::new("openssl")
-            .args(["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"])
+            .args([
+                "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+            ])
             .args(["-subj", "/CN=localhost", "-keyout"])
             .arg(&key)
             .arg("-out")
@@ -387,8 +390,16 @@ async fn defect_09_webhook_untrusted_certificate_pauses_without_flapping() {
         "the transport flapped:\n{}",
         logs.dump()
     );
-    assert_eq!(logs.count("WARN", "transport unavailable"), 1, "{}", logs.dump());
-    assert!(transport.probe().await.is_err(), "the probe sees the TLS fault");
+    assert_eq!(
+        logs.count("WARN", "transport unavailable"),
+        1,
+        "{}",
+        logs.dump()
+    );
+    assert!(
+        transport.probe().await.is_err(),
+        "the probe sees the TLS fault"
+    );
     let snap = relay.metrics().snapshot();
     assert_eq!(snap.failed, 0, "{snap:?}");
     assert_eq!(snap.outages, 1, "{snap:?}");
@@ -423,7 +434,10 @@ async fn defect_04_kafka_fenced_producer_is_rebuilt_without_burning_attempts() {
                 reason.as_ptr(),
             );
         }
-        assert!(fenced.client().fatal_error().is_some(), "the producer is dead");
+        assert!(
+            fenced.client().fatal_error().is_some(),
+            "the producer is dead"
+        );
     }
     let relay = Relay::builder(db.store())
         .router(Router::new().route("*", fx.transport.clone(), fx.good_destination()))
@@ -438,7 +452,10 @@ async fn defect_04_kafka_fenced_producer_is_rebuilt_without_burning_attempts() {
     wait_status(&db, &ids, Status::Sent, Duration::from_secs(60)).await;
     let snap = relay.metrics().snapshot();
     assert_eq!(snap.failed, 0, "{snap:?}");
-    assert_eq!(snap.retried, 0, "the dead producer burned attempts: {snap:?}");
+    assert_eq!(
+        snap.retried, 0,
+        "the dead producer burned attempts: {snap:?}"
+    );
     for r in db.rows().await {
         assert_eq!(r.attempts, 1, "{r:?}");
     }

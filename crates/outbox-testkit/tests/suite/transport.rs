@@ -77,7 +77,10 @@ async fn webhook_classifies_answers() {
         .await
         .unwrap_err();
     assert_eq!(e.kind(), TransportErrorKind::Unavailable, "404: {e:?}");
-    assert!(e.is_missing_destination(), "404 is a missing destination: {e:?}");
+    assert!(
+        e.is_missing_destination(),
+        "404 is a missing destination: {e:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

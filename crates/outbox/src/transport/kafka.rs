@@ -949,9 +949,7 @@ mod tests {
             classify(&k(C::UnknownTopicOrPartition), false),
             TransportErrorKind::Unavailable
         );
-        assert!(
-            produce_error(k(C::UnknownTopicOrPartition), false, "t").is_missing_destination()
-        );
+        assert!(produce_error(k(C::UnknownTopicOrPartition), false, "t").is_missing_destination());
         for dead in [
             C::Fatal,
             C::ProducerFenced,

@@ -317,12 +317,9 @@ fn puback_result(ack: &PubAck, no_subscribers: NoSubscribers) -> Result<(), Tran
         PubAckReason::NotAuthorized => Err(TransportError::unavailable(format!(
             "PUBACK refused: NotAuthorized{reason} (the broker's ACL refuses this client the topic)"
         ))),
-        PubAckReason::TopicNameInvalid | PubAckReason::PayloadFormatInvalid => {
-            Err(TransportError::permanent(format!(
-                "PUBACK refused: {:?}{reason}",
-                ack.reason
-            )))
-        }
+        PubAckReason::TopicNameInvalid | PubAckReason::PayloadFormatInvalid => Err(
+            TransportError::permanent(format!("PUBACK refused: {:?}{reason}", ack.reason)),
+        ),
         other => Err(TransportError::retryable(format!(
             "PUBACK refused: {other:?}{reason}"
         ))),
