@@ -108,6 +108,10 @@ pub struct RelaySection {
     pub max_check_backs: Option<u32>,
     /// Retention of finished rows (`"7d"` or `"forever"`).
     pub retention: Option<Retention>,
+    /// How long a destination may be missing before its messages are dead-lettered
+    /// (`RelayConfig::missing_destination_grace`). Default `"5m"`.
+    #[serde(default, with = "humantime_serde")]
+    pub missing_destination_grace: Option<Duration>,
 }
 
 /// `[transports.<name>]`, tagged by `kind`.
@@ -1011,7 +1015,8 @@ impl FileConfig {
             reap_interval,
             in_flight_batches,
             shutdown_timeout,
-            max_check_backs
+            max_check_backs,
+            missing_destination_grace
         );
         match r.retention {
             Some(Retention::Forever) => c.retention = None,
@@ -1268,10 +1273,14 @@ impl FileConfig {
         Ok(())
     }
 
-    /// Connect every transport and build the router.
+    /// Build every transport and the router. The broker transports (everything but webhooks) are
+    /// [`LazyTransport`](outbox::transport::lazy::LazyTransport)s: their settings are validated
+    /// here, their connection is made by their first successful probe, so a broker that is down
+    /// at start-up pauses its transport (the relay probes it with backoff) instead of stopping
+    /// the daemon.
     ///
     /// # Errors
-    /// A transport that cannot be built or reached, named.
+    /// A transport whose settings are invalid, named (`transports.<name>.<field>`).
     pub async fn router(&self) -> anyhow::Result<Router> {
         self.validate()?;
         let mut built: BTreeMap<&str, Arc<dyn Transport>> = BTreeMap::new();
@@ -1297,11 +1306,13 @@ impl FileConfig {
                     Arc::new(outbox::WebhookTransport::new(c).map_err(|e| prefix(e, name))?)
                 }
                 #[cfg(feature = "rabbitmq")]
-                TransportSection::Rabbitmq(r) => Arc::new(
-                    outbox::RabbitMqTransport::connect(r.config(name)?)
-                        .await
-                        .map_err(|e| prefix(e, name))?,
-                ),
+                TransportSection::Rabbitmq(r) => {
+                    let c = r.config(name)?;
+                    c.validate().map_err(|e| prefix(e, name))?;
+                    lazy("rabbitmq", move || {
+                        outbox::RabbitMqTransport::connect(c.clone())
+                    })
+                }
                 TransportSection::Nats(n) => {
                     let mut c = outbox::NatsConfig::new(&n.url);
                     if let Some(s) = &n.stream {
@@ -1319,38 +1330,35 @@ impl FileConfig {
                     if let Some(t) = n.ack_timeout {
                         c.ack_timeout = t;
                     }
-                    Arc::new(
-                        outbox::NatsTransport::connect(c)
-                            .await
-                            .map_err(|e| prefix(e, name))?,
-                    )
+                    lazy("nats", move || outbox::NatsTransport::connect(c.clone()))
                 }
                 #[cfg(feature = "redis")]
-                TransportSection::Redis(r) => Arc::new(
-                    outbox::RedisTransport::connect(redis_config(name, r)?)
-                        .await
-                        .map_err(|e| prefix(e, name))?,
-                ),
+                TransportSection::Redis(r) => {
+                    let c = redis_config(name, r)?;
+                    c.validate().map_err(|e| prefix(e, name))?;
+                    lazy("redis", move || outbox::RedisTransport::connect(c.clone()))
+                }
                 #[cfg(feature = "mqtt")]
-                TransportSection::Mqtt(m) => Arc::new(
-                    outbox::MqttTransport::connect(mqtt_config(name, m)?)
-                        .await
-                        .map_err(|e| prefix(e, name))?,
-                ),
+                TransportSection::Mqtt(m) => {
+                    let c = mqtt_config(name, m)?;
+                    lazy("mqtt", move || outbox::MqttTransport::connect(c.clone()))
+                }
                 TransportSection::Rocketmq(r) => rocketmq::connect(name, r).await?,
                 #[cfg(feature = "kafka")]
                 TransportSection::Kafka(k) => {
                     let c = k.kafka_config(name, self.relay_config()?.publish_timeout)?;
-                    if !k.create_topics.is_empty() {
-                        outbox::transport::kafka::create_topics(&c, &k.topics())
-                            .await
-                            .map_err(|e| prefix(e, name))?;
-                    }
-                    Arc::new(
-                        outbox::KafkaTransport::connect(c)
-                            .await
-                            .map_err(|e| prefix(e, name))?,
-                    )
+                    c.validate().map_err(|e| prefix(e, name))?;
+                    c.check_features().map_err(|e| prefix(e, name))?;
+                    let topics = k.topics();
+                    lazy("kafka", move || {
+                        let (c, topics) = (c.clone(), topics.clone());
+                        async move {
+                            if !topics.is_empty() {
+                                outbox::transport::kafka::create_topics(&c, &topics).await?;
+                            }
+                            outbox::KafkaTransport::connect(c).await
+                        }
+                    })
                 }
             };
             built.insert(name, transport);
@@ -1518,18 +1526,19 @@ pub mod rocketmq {
         }
     }
 
-    /// Connect the transport of `[transports.<name>]`.
+    /// The transport of `[transports.<name>]`, connected by its first probe
+    /// ([`super::lazy`]).
     ///
     /// # Errors
-    /// The section is invalid or RocketMQ cannot be reached (named).
+    /// The section is invalid (named).
     pub async fn connect(name: &str, s: &RocketMqSection) -> anyhow::Result<Arc<dyn Transport>> {
         #[cfg(feature = "rocketmq")]
         {
             let c = transport_config(name, s)?;
-            let t = outbox::RocketMqTransport::connect(c)
-                .await
-                .map_err(|e| prefix(e, name))?;
-            Ok(Arc::new(t))
+            c.validate().map_err(|e| prefix(e, name))?;
+            Ok(super::lazy("rocketmq", move || {
+                outbox::RocketMqTransport::connect(c.clone())
+            }))
         }
         #[cfg(not(feature = "rocketmq"))]
         {
@@ -1585,6 +1594,32 @@ pub mod rocketmq {
         let _ = secret("confirmations.", access_key, secret_key_env);
         Err(not_built("confirmations.kind".into()))
     }
+}
+
+/// A [`LazyTransport`](outbox::transport::lazy::LazyTransport) named `kind` whose probe runs
+/// `connect`; a connection error becomes an `Unavailable` error carrying its reason (the relay
+/// logs it when it pauses the transport, and keeps probing with backoff).
+fn lazy<T, F, Fut>(kind: &'static str, connect: F) -> Arc<dyn Transport>
+where
+    T: Transport,
+    F: Fn() -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<T, ConfigError>> + Send + 'static,
+{
+    Arc::new(outbox::transport::lazy::LazyTransport::new(
+        kind,
+        move || {
+            let connecting = connect();
+            Box::pin(async move {
+                match connecting.await {
+                    Ok(t) => Ok(Arc::new(t) as Arc<dyn Transport>),
+                    Err(e) => Err(outbox::TransportError::unavailable(format!(
+                        "cannot connect the {kind} transport ({}): {}",
+                        e.field, e.reason
+                    ))),
+                }
+            })
+        },
+    ))
 }
 
 fn prefix(e: ConfigError, name: &str) -> ConfigError {

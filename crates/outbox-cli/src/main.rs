@@ -388,6 +388,17 @@ async fn relay(config: PathBuf, database: Option<String>) -> anyhow::Result<()> 
     )
     .await?;
     let router = file.router().await?;
+    // Connect the transports now, so their state is logged at start; a broker that is down does
+    // not stop the daemon: the relay pauses its transport and probes it with backoff.
+    for t in router.transports() {
+        if let Err(e) = t.probe().await {
+            tracing::warn!(
+                transport = t.name(),
+                error = %e.report(),
+                "transport unreachable at start; the relay starts anyway and connects it once the broker answers"
+            );
+        }
+    }
     let relay = outbox::Relay::builder(store.clone())
         .router(router)
         .config(relay_config)

@@ -1073,4 +1073,136 @@ fn defect_12_operator_commands_never_create_a_database() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+/// A free loopback port: bound, then released, so nothing listens on it.
+fn closed_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Listen on `port` and forward every connection to `upstream` (`host:port`): the broker "comes
+/// back" on the address the daemon was configured with.
+async fn forward(port: u16, upstream: String) -> tokio::task::JoinHandle<()> {
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+        .await
+        .expect("bind the forwarder on the closed port");
+    tokio::spawn(async move {
+        while let Ok((mut client, _)) = listener.accept().await {
+            let upstream = upstream.clone();
+            tokio::spawn(async move {
+                if let Ok(mut server) = tokio::net::TcpStream::connect(&upstream).await {
+                    let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                }
+            });
+        }
+    })
+}
+
+/// Issue 11 item 6: a broker that is down when the daemon starts does not stop it. Before: the
+/// daemon exited at once with "invalid configuration field transports.bus.url" and no cause
+/// (a restart during an outage crash-looped). Now it starts, logs the cause (the connection
+/// error), keeps running, and publishes every row once the broker answers on its address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn defect_06_daemon_starts_while_the_broker_is_down_and_publishes_once_it_is_back() {
+    let f = Fixture::new("down");
+    f.migrate();
+    let pool = pg().await;
+    let js = nats().await;
+    let port = closed_port();
+    let config = f.config("30s", "5s");
+    let text = std::fs::read_to_string(&config)
+        .unwrap()
+        .replace(&nats_url(), &format!("nats://127.0.0.1:{port}"));
+    std::fs::write(&config, text).unwrap();
+    let log = f.dir.join("relay.log");
+    let mut relay = outbox()
+        .args(["relay", "--config"])
+        .arg(&config)
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .expect("start outbox relay");
+    for i in 0..30 {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO {} (topic, payload) VALUES ('order-created', $1)",
+            f.table
+        )))
+        .bind(format!("{{\"order\":{i}}}").into_bytes())
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    // The cause is logged, and the daemon is still running after it.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if text.contains("transport unreachable at start") {
+            assert!(
+                text.to_lowercase().contains("connection refused"),
+                "the log names the cause: {text}"
+            );
+            break;
+        }
+        if let Some(status) = relay.try_wait().unwrap() {
+            panic!("the daemon exited ({status:?}) while the broker was down:\n{text}");
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no start-up warning within 20 s:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        relay.try_wait().unwrap().is_none(),
+        "the daemon exited while the broker was down"
+    );
+    assert_eq!(
+        count(&pool, &f.table, 2).await,
+        0,
+        "nothing can be SENT yet"
+    );
+    let attempts: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT COALESCE(SUM(attempts), 0)::bigint FROM {}",
+        f.table
+    )))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(attempts, 0, "an outage burns no attempt");
+    // The broker comes back on the configured address.
+    let upstream = nats_url().trim_start_matches("nats://").to_owned();
+    let forwarder = forward(port, upstream).await;
+    wait_until_sent(&pool, &f.table, 30, Duration::from_secs(30)).await;
+    let ids = stream_ids(&js, &f.stream, 30).await;
+    assert_eq!(ids.len(), 30);
+    nix_kill(&relay, "TERM");
+    let status = wait_exit(&mut relay, Duration::from_secs(20));
+    assert_eq!(status.code(), Some(0), "{status:?}");
+    forwarder.abort();
+    js.delete_stream(&f.stream).await.unwrap();
+}
+
+/// Issue 11 item 6, the other half: a configuration error is still an error. A NATS URL that is
+/// not a URL exits non-zero at once, naming the field.
+#[test]
+fn defect_06_config_error_still_exits_non_zero_naming_the_field() {
+    let f = Fixture::new("badurl");
+    let path = f.dir.join("bad.toml");
+    std::fs::write(
+        &path,
+        "[database]\nurl = \"sqlite://x.db\"\n[transports.bus]\nkind = \"nats\"\nurl = \"127.0.0.1:4222\"\n[[routes]]\ntopics = \"*\"\ntransport = \"bus\"\n",
+    )
+    .unwrap();
+    let out = outbox()
+        .args(["relay", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("transports.bus.url"), "{err}");
 }

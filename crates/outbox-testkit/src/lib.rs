@@ -750,8 +750,10 @@ impl TransportFixture for NatsFixture {
         format!("{}.ok", self.prefix)
     }
 
+    /// A subject with a space: refused before sending (a subject no stream captures is not a
+    /// permanent refusal: it pauses the transport until a stream exists).
     fn rejecting_destination(&self) -> String {
-        format!("{}_nostream.x", self.prefix)
+        format!("{}.no stream", self.prefix)
     }
 
     async fn received(&self) -> Vec<Received> {

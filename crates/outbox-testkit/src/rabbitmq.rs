@@ -330,8 +330,10 @@ impl TransportFixture for RabbitMqFixture {
         format!("{}/ok", self.exchange)
     }
 
+    /// A routing key over AMQP's 255 bytes: refused before sending (a missing exchange is not a
+    /// permanent refusal: it pauses the transport until the exchange exists).
     fn rejecting_destination(&self) -> String {
-        format!("{}_missing/ok", self.exchange)
+        format!("{}/{}", self.exchange, "k".repeat(256))
     }
 
     async fn received(&self) -> Vec<Received> {

@@ -335,8 +335,14 @@ fn is_transient(e: &sqlx::Error) -> bool {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum TransportErrorKind {
-    /// The broker cannot be reached (connection refused, disconnected). The relay stops claiming,
-    /// probes with backoff and does not count the attempt against the message.
+    /// The transport cannot publish anything now, whatever the message: the broker cannot be
+    /// reached (connection refused, disconnected), the client is dead (a fenced or fatally failed
+    /// producer, a closed connection), or the transport's configuration is refused
+    /// (authentication, permission, TLS, a missing destination: see
+    /// [`TransportError::missing_destination`]). The relay releases the message without counting
+    /// the attempt, pauses the transport and probes it with backoff (the probe rebuilds a dead
+    /// client); it never dead-letters for this kind, except a destination missing for longer
+    /// than its grace period.
     Unavailable,
     /// This publish failed but a later one may succeed (timeout, nack, 5xx, 429).
     Retryable,
@@ -351,6 +357,7 @@ pub enum TransportErrorKind {
 pub struct TransportError {
     kind: TransportErrorKind,
     message: String,
+    missing_destination: bool,
     #[source]
     source: Option<BoxError>,
 }
@@ -361,8 +368,27 @@ impl TransportError {
         TransportError {
             kind,
             message: message.into(),
+            missing_destination: false,
             source: None,
         }
+    }
+
+    /// The destination does not exist (a RabbitMQ exchange, a Kafka topic, a JetStream stream for
+    /// the subject, a webhook answering 404): an [`Unavailable`](TransportErrorKind::Unavailable)
+    /// error, because a missing destination is almost always a deployment step not taken yet
+    /// (the transport is paused and probed, no attempt is counted), that the relay dead-letters
+    /// once the destination has been missing for longer than
+    /// [`RelayConfig::missing_destination_grace`](crate::RelayConfig::missing_destination_grace).
+    pub fn missing_destination(message: impl Into<String>) -> Self {
+        let mut e = Self::new(TransportErrorKind::Unavailable, message);
+        e.missing_destination = true;
+        e
+    }
+
+    /// Whether this error says the destination does not exist
+    /// ([`TransportError::missing_destination`]).
+    pub fn is_missing_destination(&self) -> bool {
+        self.missing_destination
     }
 
     /// Shorthand for [`TransportErrorKind::Unavailable`].

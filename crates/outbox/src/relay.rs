@@ -61,9 +61,14 @@
 //!   untouched and its bucket handed over to that peer ([`Store::hand_off_buckets`]); only a
 //!   topic no live relay routes is FAILED (`no route for topic …`). Relays whose route sets
 //!   differ log an error naming both and the difference (docs/ordering.md).
-//! - `Unavailable`: the message is released without counting the attempt, the transport is
-//!   marked down, and a prober checks it with backoff; while every transport is down the relay
-//!   does not read at all (shared case C05).
+//! - `Unavailable` (broker unreachable, dead client, refused credentials, permission or TLS, a
+//!   missing destination): the message is released without counting the attempt, the transport
+//!   is marked down, and a prober checks it with backoff (the transport's probe reconnects or
+//!   rebuilds its client); while every transport is down the relay does not read at all (shared
+//!   case C05). One warning when the outage begins, one info line when a publish is accepted
+//!   again; a probe that succeeds while publishes keep failing is the same outage (debug lines,
+//!   the probe backoff keeps growing). A destination missing for longer than
+//!   [`RelayConfig::missing_destination_grace`] is dead-lettered.
 //! - A completion that fails (deadlock, lost connection) is retried with backoff until the lease
 //!   runs out; the relay loop never dies of it (shared case C21).
 //! - A publish cut by `publish_timeout`: each message keeps the result its transport recorded
@@ -83,7 +88,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -126,8 +131,17 @@ pub struct RelayConfig {
     /// Backoff between attempts of one message. Default [`Backoff::default`] (1 s, ×2, ≤ 5 min).
     pub backoff: Backoff,
     /// Backoff between probes of an unavailable transport and between retries of failed
-    /// database calls. Default 200 ms, ×2, ≤ 10 s.
+    /// database calls. Default 200 ms, ×2, ≤ 10 s. During one outage the probe delay keeps
+    /// growing across relapses (a probe that succeeds while the next publish fails again in the
+    /// same way, as with a refused permission): only a publish the broker accepts ends the outage.
     pub probe_backoff: Backoff,
+    /// How long a destination may be missing (a RabbitMQ exchange, a Kafka topic, a JetStream
+    /// stream, a webhook answering 404: [`TransportError::is_missing_destination`]) before its
+    /// messages are dead-lettered. Until then the transport is paused and probed and no attempt
+    /// is counted (a missing destination is usually a deployment step not taken yet). Counted
+    /// from the first publish that found it missing, per transport and destination; a publish
+    /// the broker accepts for it resets it. Default 5 min; zero dead-letters at once.
+    pub missing_destination_grace: Duration,
     /// How often maintenance runs (reap expired row leases of the legacy claim protocol, check
     /// back, retention). Default 5 s.
     pub reap_interval: Duration,
@@ -159,6 +173,7 @@ impl Default for RelayConfig {
                 max: Duration::from_secs(10),
                 jitter: 0.2,
             },
+            missing_destination_grace: Duration::from_secs(300),
             reap_interval: Duration::from_secs(5),
             in_flight_batches: 2,
             shutdown_timeout: Duration::from_secs(15),
@@ -356,8 +371,21 @@ pub trait RelayHooks: Send + Sync + 'static {
     }
 }
 
+/// Availability of one transport (see [`Relay::mark_down`]).
+#[derive(Default)]
 struct Health {
+    /// Paused: publishes release their messages, a prober runs.
     down: AtomicBool,
+    /// A probe succeeded after an outage, but no publish has been accepted since: a failure now
+    /// is the same outage going on (a relapse), not a new one.
+    recovering: AtomicBool,
+    /// Probes since the outage began, across relapses: the probe backoff's attempt number.
+    probes: AtomicU32,
+    /// Relapses of the current outage.
+    relapses: AtomicU32,
+    /// Bumped by every outage and relapse, so a prober knows whether the transport failed again
+    /// after its successful probe.
+    epoch: AtomicU64,
 }
 
 /// A held bucket lease, as this relay knows it.
@@ -403,6 +431,8 @@ struct Inner {
     ownership: Mutex<Ownership>,
     /// Keys of ordered routes held back, until when (their rows are left out of reads).
     held_back: Mutex<HashMap<String, Instant>>,
+    /// Destinations found missing, by transport index and destination: since when.
+    missing: Mutex<HashMap<(usize, String), Instant>>,
     /// Buckets acquired or batches finished: the reader may have work.
     changed: Notify,
     /// A completion was refused: run a membership round now to learn which buckets were lost.
@@ -473,12 +503,7 @@ impl RelayBuilder {
             return Err(ConfigError::new("routes", "at least one route is needed"));
         }
         let transports = self.router.transports();
-        let health = transports
-            .iter()
-            .map(|_| Health {
-                down: AtomicBool::new(false),
-            })
-            .collect();
+        let health = transports.iter().map(|_| Health::default()).collect();
         let patterns: Vec<String> = self
             .router
             .routes()
@@ -498,6 +523,7 @@ impl RelayBuilder {
                 health_changed: Notify::new(),
                 ownership: Mutex::new(Ownership::default()),
                 held_back: Mutex::new(HashMap::new()),
+                missing: Mutex::new(HashMap::new()),
                 changed: Notify::new(),
                 renew_now: Notify::new(),
                 routes,
@@ -1485,6 +1511,7 @@ impl Relay {
         let results = futures::future::join_all(publishes).await;
         for (ti, res) in results {
             let mut unavailable = None;
+            let mut accepted = false;
             for (&i, r) in groups[ti].iter().zip(res) {
                 let r = match r {
                     Published::Done(r) => r,
@@ -1503,12 +1530,28 @@ impl Relay {
                     .confirm
                     .as_ref()
                     .map(|p| p.timeout);
+                let dest = &w.route.as_ref().expect("routed").1;
                 let outcome = match r {
-                    Ok(()) => match confirm {
-                        Some(within) => Outcome::SentAwaitingConfirmation { within },
-                        None => Outcome::Sent,
-                    },
+                    Ok(()) => {
+                        accepted = true;
+                        self.destination_found(ti, dest);
+                        match confirm {
+                            Some(within) => Outcome::SentAwaitingConfirmation { within },
+                            None => Outcome::Sent,
+                        }
+                    }
                     Err(e) => match e.kind() {
+                        TransportErrorKind::Unavailable
+                            if e.is_missing_destination() && self.missing_too_long(ti, dest) =>
+                        {
+                            Outcome::Failed {
+                                reason: format!(
+                                    "destination missing for longer than missing_destination_grace ({:?}): {}",
+                                    cfg.missing_destination_grace,
+                                    e.report()
+                                ),
+                            }
+                        }
                         TransportErrorKind::Unavailable => {
                             unavailable = Some(e.report());
                             Outcome::Release {
@@ -1529,6 +1572,8 @@ impl Relay {
             }
             if let Some(reason) = unavailable {
                 self.mark_down(ti, reason, background.clone());
+            } else if accepted {
+                self.mark_up(ti);
             }
         }
     }
@@ -1796,49 +1841,122 @@ impl Relay {
         }
     }
 
+    /// Pause transport `ti` after an `Unavailable` error and probe it with backoff.
+    ///
+    /// One outage logs one warning when it begins and one info line when it truly ends (a
+    /// publish the broker accepted, [`Relay::mark_up`]). A probe that succeeds only lets publishes
+    /// try again: when they fail again (a refused permission, a TLS certificate the probe cannot
+    /// see, a missing exchange), that is a relapse of the same outage: logged at debug with its
+    /// count, and the probe backoff goes on growing from where it was instead of starting over,
+    /// so a transport that answers its probe but refuses every publish costs a few publishes per
+    /// `probe_backoff.max` and no log storm.
     fn mark_down(&self, ti: usize, reason: String, stop: CancellationToken) {
         let inner = &self.inner;
-        if inner.health[ti].down.swap(true, Ordering::AcqRel) {
+        let health = &inner.health[ti];
+        if health.down.swap(true, Ordering::AcqRel) {
             return;
         }
-        add(&inner.metrics.outages, 1);
         let transport = inner.transports[ti].clone();
-        tracing::warn!(
-            transport = transport.name(),
-            reason,
-            "transport unavailable; pausing it and probing"
-        );
+        let epoch = health.epoch.fetch_add(1, Ordering::AcqRel) + 1;
+        if health.recovering.swap(false, Ordering::AcqRel) {
+            let relapses = health.relapses.fetch_add(1, Ordering::AcqRel) + 1;
+            tracing::debug!(
+                transport = transport.name(),
+                reason,
+                relapses,
+                "transport still unavailable after a successful probe; pausing it again"
+            );
+        } else {
+            add(&inner.metrics.outages, 1);
+            health.probes.store(0, Ordering::Release);
+            health.relapses.store(0, Ordering::Release);
+            tracing::warn!(
+                transport = transport.name(),
+                reason,
+                "transport unavailable; pausing it and probing"
+            );
+        }
         let relay = self.clone();
         tokio::spawn(async move {
             let inner = &relay.inner;
-            let mut n = 0u32;
+            let health = &inner.health[ti];
             loop {
-                n += 1;
+                let n = health.probes.fetch_add(1, Ordering::AcqRel) + 1;
                 tokio::select! {
                     // The relay stopped or crashed: nobody needs the answer any more. A later
                     // run starts with the transport presumed up and finds out again.
                     _ = stop.cancelled() => {
-                        inner.health[ti].down.store(false, Ordering::Release);
+                        health.recovering.store(false, Ordering::Release);
+                        health.down.store(false, Ordering::Release);
                         return;
                     }
                     _ = tokio::time::sleep(inner.config.probe_backoff.delay(n)) => {}
                 }
                 match transport.probe().await {
-                    Ok(()) => break,
+                    Ok(()) => {
+                        tracing::debug!(
+                            transport = transport.name(),
+                            probes = n,
+                            "probe succeeded; publishing again"
+                        );
+                        break;
+                    }
                     Err(e) => {
-                        tracing::debug!(transport = transport.name(), error = %e.report(), "probe failed")
+                        tracing::debug!(transport = transport.name(), error = %e.report(), probes = n, "probe failed")
                     }
                 }
             }
-            inner.health[ti].down.store(false, Ordering::Release);
+            health.recovering.store(true, Ordering::Release);
+            health.down.store(false, Ordering::Release);
             inner.health_changed.notify_waiters();
             inner.store.wake();
+            // No publish within a lease after the probe (nothing to send) and no relapse: the
+            // outage is over all the same.
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(inner.config.lease) => {}
+            }
+            if health.epoch.load(Ordering::Acquire) == epoch {
+                relay.mark_up(ti);
+            }
+        });
+    }
+
+    /// A publish on transport `ti` was accepted: the outage, if one was going on, is over.
+    fn mark_up(&self, ti: usize) {
+        let health = &self.inner.health[ti];
+        if health.recovering.swap(false, Ordering::AcqRel) {
             tracing::info!(
-                transport = transport.name(),
-                probes = n,
+                transport = self.inner.transports[ti].name(),
+                probes = health.probes.swap(0, Ordering::AcqRel),
+                relapses = health.relapses.swap(0, Ordering::AcqRel),
                 "transport available again"
             );
-        });
+        }
+    }
+
+    /// Whether `destination` of transport `ti` has been missing for longer than
+    /// `missing_destination_grace`, counting from the first time it was found missing (now, if
+    /// this is the first).
+    fn missing_too_long(&self, ti: usize, destination: &str) -> bool {
+        let grace = self.inner.config.missing_destination_grace;
+        let mut missing = self.inner.missing.lock().expect("missing lock");
+        if missing.len() >= 10_000 {
+            // Bounded: a flood of distinct missing destinations restarts their grace.
+            missing.clear();
+        }
+        let since = *missing
+            .entry((ti, destination.to_owned()))
+            .or_insert_with(Instant::now);
+        since.elapsed() >= grace
+    }
+
+    /// `destination` of transport `ti` accepted a message: it exists (again).
+    fn destination_found(&self, ti: usize, destination: &str) {
+        let mut missing = self.inner.missing.lock().expect("missing lock");
+        if !missing.is_empty() {
+            missing.remove(&(ti, destination.to_owned()));
+        }
     }
 }
 

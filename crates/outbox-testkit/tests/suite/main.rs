@@ -26,6 +26,7 @@ mod readme;
 mod redis;
 mod relay;
 mod relay_faults;
+mod resilience;
 #[cfg(feature = "rocketmq")]
 mod rocketmq;
 mod store;

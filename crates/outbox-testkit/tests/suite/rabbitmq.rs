@@ -107,9 +107,14 @@ async fn c04a_missing_exchange_not_sent_reason_recorded() {
             fx.transport.clone(),
             format!("{}/{{topic}}", fx.exchange),
         );
+    // A missing exchange pauses the transport (issue 11 item 9) and is dead-lettered only after
+    // its grace period: short here.
     let relay = Relay::builder(db.store())
         .router(router)
-        .config(fast_config("c04a"))
+        .config(RelayConfig {
+            missing_destination_grace: Duration::from_millis(500),
+            ..fast_config("c04a")
+        })
         .build()
         .unwrap()
         .spawn();
@@ -124,9 +129,13 @@ async fn c04a_missing_exchange_not_sent_reason_recorded() {
     wait_status(&db, &good, Status::Sent, Duration::from_secs(10)).await;
     let row = db.row(bad).await;
     assert!(!row.sent, "never marked sent");
-    assert_eq!(row.attempts, 1, "permanent: one attempt");
+    assert_eq!(
+        row.attempts, 1,
+        "dead-lettered after its grace: one attempt"
+    );
     let err = row.last_error.unwrap_or_default();
     assert!(err.contains("404") && err.contains("NOT_FOUND"), "{err}");
+    assert!(err.contains("missing_destination_grace"), "{err}");
     assert!(err.contains(&missing), "{err}");
     let stored = fx.take_all(&fx.queue).await;
     assert_eq!(stored.len(), 3);
@@ -372,7 +381,8 @@ async fn exchange_deleted_after_check_fails_only_its_message() {
     for (i, r) in results.iter().enumerate() {
         if i == 1 {
             let e = r.as_ref().unwrap_err();
-            assert_eq!(e.kind(), TransportErrorKind::Permanent, "{e:?}");
+            assert_eq!(e.kind(), TransportErrorKind::Unavailable, "{e:?}");
+            assert!(e.is_missing_destination(), "{e:?}");
             assert!(e.message().contains("404"), "{e:?}");
         } else {
             assert!(r.is_ok(), "message {i}: {r:?}");
@@ -399,7 +409,8 @@ async fn exchange_deleted_after_check_fails_only_its_message() {
     .await
     .remove(0)
     .unwrap_err();
-    assert_eq!(e.kind(), TransportErrorKind::Permanent);
+    assert_eq!(e.kind(), TransportErrorKind::Unavailable);
+    assert!(e.is_missing_destination(), "{e:?}");
     assert!(e.message().contains("does not exist"), "{e:?}");
     fx.cleanup().await;
 }

@@ -76,7 +76,11 @@ async fn webhook_classifies_answers() {
     let e = publish_one(t.as_ref(), &fx.receiver.url("/missing"))
         .await
         .unwrap_err();
-    assert_eq!(e.kind(), TransportErrorKind::Permanent, "404: {e:?}");
+    assert_eq!(e.kind(), TransportErrorKind::Unavailable, "404: {e:?}");
+    assert!(
+        e.is_missing_destination(),
+        "404 is a missing destination: {e:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -156,12 +160,16 @@ async fn nats_same_message_twice_is_stored_once() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nats_subject_without_stream_is_permanent() {
+async fn nats_subject_without_stream_is_a_missing_destination() {
     let fx = NatsFixture::new().await;
-    let e = publish_one(fx.transport().as_ref(), &fx.rejecting_destination())
-        .await
-        .unwrap_err();
-    assert_eq!(e.kind(), TransportErrorKind::Permanent, "{e:?}");
+    let e = publish_one(
+        fx.transport().as_ref(),
+        &format!("{}_nostream.x", fx.prefix),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(e.kind(), TransportErrorKind::Unavailable, "{e:?}");
+    assert!(e.is_missing_destination(), "{e:?}");
     fx.cleanup().await;
 }
 

@@ -41,15 +41,16 @@
 //! |---|---|
 //! | record larger than `message.max.bytes` (refused at `produce`, never put in a batch), `MSG_SIZE_TOO_LARGE` / `RECORD_LIST_TOO_LARGE` / `INVALID_RECORD` / `INVALID_TOPIC` from the broker, invalid topic name | Permanent |
 //! | local queue full (`queue.buffering.max.messages` / `.kbytes`) | Retryable |
-//! | unknown topic or partition (the producer does not ask the broker to create topics) | Retryable, see below |
+//! | unknown topic or partition (the producer does not ask the broker to create topics) | Unavailable, missing destination: see below |
 //! | `MessageTimedOut` while librdkafka reports all brokers down, transport and resolve failures | Unavailable |
-//! | `MessageTimedOut` otherwise, `NOT_ENOUGH_REPLICAS`, leader changes, authorization, anything else | Retryable |
+//! | fatal producer error, fenced producer (`_FATAL`, `_FENCED`, `PRODUCER_FENCED`, `INVALID_PRODUCER_EPOCH`) | Unavailable: the producer is rebuilt |
+//! | authentication (`_AUTHENTICATION`, `SASL_AUTHENTICATION_FAILED`), TLS (`_SSL`), authorization (`TOPIC_AUTHORIZATION_FAILED`, `CLUSTER_AUTHORIZATION_FAILED`) | Unavailable: a configuration fault pauses the transport |
+//! | `MessageTimedOut` otherwise, `NOT_ENOUGH_REPLICAS`, leader changes, anything else | Retryable |
 //!
-//! **Unknown topic is retryable**, by choice: on Kafka a missing topic is almost always a
-//! deployment that has not created it yet (auto-creation is usually off), so the message backs off
-//! and is published once the topic exists; with the relay's defaults (16 attempts, backoff up to
-//! 5 min) that leaves about 40 minutes before it goes to FAILED as "attempts exhausted" with the
-//! broker's reason. librdkafka waits `topic.metadata.propagation.max.ms` (here half the delivery
+//! **Unknown topic pauses the transport**: on Kafka a missing topic is almost always a deployment
+//! that has not created it yet (auto-creation is usually off), so no attempt is counted and the
+//! message is published once the topic exists; after the relay's `missing_destination_grace`
+//! (default 5 min) it is dead-lettered with the broker's reason. librdkafka waits `topic.metadata.propagation.max.ms` (here half the delivery
 //! timeout, unless set in [`KafkaConfig::properties`]) for a new topic to appear before it reports
 //! it unknown, and then learns of its creation at its next metadata refresh
 //! (`topic.metadata.refresh.interval.ms`, 5 min by default).
@@ -60,9 +61,10 @@
 //! `max.message.bytes` (broker default 1 MiB): a record the client lets through but the broker
 //! refuses fails with `MSG_SIZE_TOO_LARGE`, also permanent.
 //!
-//! A fatal idempotent-producer error (for example an out-of-order sequence after data loss on the
-//! broker) makes the producer unusable: the transport reports the batch retryable and builds a
-//! fresh producer for the next one.
+//! A fatal idempotent-producer error (a fenced producer, an out-of-order sequence after data loss
+//! on the broker) makes the producer unusable: the transport reports every failure of the batch
+//! `Unavailable` (no attempt counted) and builds a fresh producer at once; if that fails, the
+//! relay's probe ([`Transport::probe`]) builds it, with backoff, without a restart.
 //!
 //! # Limits
 //! - The producer never asks the broker to create a topic (`allow.auto.create.topics=false`,
@@ -662,12 +664,13 @@ impl KafkaTransport {
         self.producer.read().expect("producer lock").clone()
     }
 
-    /// Replace a producer that hit a fatal error (idempotence state lost).
-    fn renew_if_fatal(&self, current: &Arc<KafkaProducer>) {
-        let Some((code, reason)) = current.client().fatal_error() else {
-            return;
-        };
-        tracing::error!(
+    /// Replace a producer that hit a fatal error (fenced, idempotence state lost): `None` when
+    /// `current` is healthy, otherwise the fatal error's description (the producer is replaced
+    /// when a new one can be built; if not, the next probe tries again).
+    fn renew_if_fatal(&self, current: &Arc<KafkaProducer>) -> Option<String> {
+        let (code, reason) = current.client().fatal_error()?;
+        let what = format!("the Kafka producer failed fatally ({code:?}: {reason})");
+        tracing::warn!(
             ?code,
             reason,
             "Kafka producer fatal error; building a new producer"
@@ -679,8 +682,9 @@ impl KafkaTransport {
                     *slot = Arc::new(p);
                 }
             }
-            Err(e) => tracing::error!(error = %e, "cannot build a new Kafka producer"),
+            Err(e) => tracing::warn!(error = %e, "cannot build a new Kafka producer"),
         }
+        Some(what)
     }
 }
 
@@ -709,11 +713,42 @@ pub fn classify(e: &KafkaError, brokers_down: bool) -> TransportErrorKind {
         C::AllBrokersDown | C::BrokerTransportFailure | C::Resolve => {
             TransportErrorKind::Unavailable
         }
+        // A dead producer (fenced, fatal idempotence error): rebuilt, the message is not at fault.
+        C::Fatal
+        | C::Fenced
+        | C::ProducerFenced
+        | C::InvalidProducerEpoch
+        | C::TransactionCoordinatorFenced => TransportErrorKind::Unavailable,
+        // Credentials, TLS and permissions: the transport's configuration, not the message.
+        C::Authentication
+        | C::SaslAuthenticationFailed
+        | C::SSL
+        | C::TopicAuthorizationFailed
+        | C::ClusterAuthorizationFailed
+        | C::TransactionalIdAuthorizationFailed => TransportErrorKind::Unavailable,
+        // A missing topic (see `produce_error`): the transport pauses until it exists.
+        C::UnknownTopic | C::UnknownTopicOrPartition => TransportErrorKind::Unavailable,
         C::MessageTimedOut | C::RequestTimedOut | C::OperationTimedOut if brokers_down => {
             TransportErrorKind::Unavailable
         }
         _ => TransportErrorKind::Retryable,
     }
+}
+
+/// The error of a failed produce or delivery: [`classify`], with an unknown topic marked as a
+/// [`missing destination`](TransportError::missing_destination).
+fn produce_error(e: KafkaError, brokers_down: bool, destination: &str) -> TransportError {
+    let reason = report(&e, destination);
+    let missing = matches!(
+        e.rdkafka_error_code(),
+        Some(RDKafkaErrorCode::UnknownTopic | RDKafkaErrorCode::UnknownTopicOrPartition)
+    );
+    let err = if missing {
+        TransportError::missing_destination(reason)
+    } else {
+        TransportError::new(classify(&e, brokers_down), reason)
+    };
+    err.with_source(e)
 }
 
 fn report(e: &KafkaError, destination: &str) -> String {
@@ -774,11 +809,7 @@ impl Transport for KafkaTransport {
                 .headers(headers);
             pending.push(match producer.send_result(record) {
                 Ok(delivery) => Ok(delivery),
-                Err((e, _)) => Err(TransportError::new(
-                    classify(&e, self.state.brokers_down()),
-                    report(&e, o.destination),
-                )
-                .with_source(e)),
+                Err((e, _)) => Err(produce_error(e, self.state.brokers_down(), o.destination)),
             });
         }
         // Each delivery report is recorded as it arrives: acknowledged messages count even if
@@ -792,15 +823,24 @@ impl Transport for KafkaTransport {
                         self.state.set_up();
                         Ok(())
                     }
-                    Ok(Err((e, _))) => Err(TransportError::new(
-                        classify(&e, self.state.brokers_down()),
-                        report(&e, o.destination),
-                    )
-                    .with_source(e)),
+                    Ok(Err((e, _))) => {
+                        Err(produce_error(e, self.state.brokers_down(), o.destination))
+                    }
                     Err(_) => Err(TransportError::retryable(
                         "the Kafka producer was dropped before the delivery report",
                     )),
                 },
+            };
+            // A fatal producer (fenced): no failure of this batch is the message's fault.
+            let r = match r {
+                Err(e) => match producer.client().fatal_error() {
+                    Some((code, reason)) => Err(TransportError::unavailable(format!(
+                        "the Kafka producer failed fatally ({code:?}: {reason}); it is rebuilt"
+                    ))
+                    .with_source(e)),
+                    None => Err(e),
+                },
+                ok => ok,
             };
             any_error |= r.is_err();
             acks.push(r);
@@ -811,7 +851,15 @@ impl Transport for KafkaTransport {
     }
 
     async fn probe(&self) -> Result<(), TransportError> {
+        if let Some(fatal) = self.renew_if_fatal(&self.producer()) {
+            tracing::debug!(fatal, "Kafka producer rebuilt by the probe");
+        }
         let producer = self.producer();
+        if let Some((code, reason)) = producer.client().fatal_error() {
+            return Err(TransportError::unavailable(format!(
+                "the Kafka producer failed fatally ({code:?}: {reason}) and could not be rebuilt"
+            )));
+        }
         let timeout = self.config.connect_timeout;
         let p = producer.clone();
         let fetched = tokio::task::spawn_blocking(move || {
@@ -952,8 +1000,17 @@ mod tests {
         );
         assert_eq!(
             classify(&k(C::UnknownTopicOrPartition), false),
-            TransportErrorKind::Retryable
+            TransportErrorKind::Unavailable
         );
+        assert!(produce_error(k(C::UnknownTopicOrPartition), false, "t").is_missing_destination());
+        for dead in [
+            C::Fatal,
+            C::ProducerFenced,
+            C::TopicAuthorizationFailed,
+            C::SaslAuthenticationFailed,
+        ] {
+            assert_eq!(classify(&k(dead), false), TransportErrorKind::Unavailable);
+        }
         assert_eq!(
             classify(&k(C::MessageTimedOut), false),
             TransportErrorKind::Retryable

@@ -16,6 +16,7 @@ use crate::message::Message;
 
 #[cfg(feature = "kafka")]
 pub mod kafka;
+pub mod lazy;
 pub mod memory;
 #[cfg(feature = "mqtt")]
 pub mod mqtt;

@@ -37,8 +37,9 @@
 //! reconnects by itself with a clean session.
 //!
 //! A PUBACK with a reason code ≥ 0x80 (not authorized, topic name invalid, quota exceeded,
-//! payload format invalid, …) is not a success: permanent for 0x87/0x90/0x99 and retryable for
-//! the others. Reason 0x10 *No matching subscribers* means the broker accepted the message and
+//! payload format invalid, …) is not a success: `Unavailable` for 0x87 *Not authorized* (the
+//! broker's ACL refuses this client the topic: a configuration fault that pauses the transport
+//! and burns no attempt), permanent for 0x90/0x99 and retryable for the others. Reason 0x10 *No matching subscribers* means the broker accepted the message and
 //! discarded it: MQTT keeps nothing for a topic nobody subscribes to (a consumer's persistent
 //! session subscription counts, even offline). By default ([`NoSubscribers::Retry`]) it is a
 //! retryable error, so nothing is marked SENT that no consumer can receive (the counterpart of
@@ -365,12 +366,14 @@ fn puback_result(ack: &PubAck, no_subscribers: NoSubscribers) -> Result<(), Tran
                  (no consumer session subscribes to the topic)"
             ))),
         },
-        PubAckReason::NotAuthorized
-        | PubAckReason::TopicNameInvalid
-        | PubAckReason::PayloadFormatInvalid => Err(TransportError::permanent(format!(
-            "PUBACK refused: {:?}{reason}",
-            ack.reason
+        // The broker's ACL refuses this client the topic: the transport's configuration, not the
+        // message; the relay pauses the transport and publishes once the ACL allows it.
+        PubAckReason::NotAuthorized => Err(TransportError::unavailable(format!(
+            "PUBACK refused: NotAuthorized{reason} (the broker's ACL refuses this client the topic)"
         ))),
+        PubAckReason::TopicNameInvalid | PubAckReason::PayloadFormatInvalid => Err(
+            TransportError::permanent(format!("PUBACK refused: {:?}{reason}", ack.reason)),
+        ),
         other => Err(TransportError::retryable(format!(
             "PUBACK refused: {other:?}{reason}"
         ))),
@@ -790,7 +793,7 @@ mod tests {
         );
         assert_eq!(
             puback_kind(PubAckReason::NotAuthorized),
-            Some(TransportErrorKind::Permanent)
+            Some(TransportErrorKind::Unavailable)
         );
         assert_eq!(
             puback_kind(PubAckReason::QuotaExceeded),

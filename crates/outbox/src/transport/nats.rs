@@ -18,11 +18,19 @@
 //!   rows are marked SENT; `Nats-Expected-*`, `Nats-Rollup`, `Nats-TTL`, ... steer the server);
 //! - a subject that is not a valid publish subject.
 //!
-//! Classification: not connected → `Unavailable`; ack timeout, broken pipe, too many pending acks
-//! → retryable; no stream for the subject, message over the server's `max_payload` or the
-//! stream's `max_msg_size`, a failed `Nats-Expected-*` condition (wrong last sequence, wrong last
-//! message id, wrong stream), an invalid TTL or rollup → permanent (the same message would fail
-//! the same way again).
+//! Classification: not connected → `Unavailable`; no stream captures the subject (JetStream's
+//! "no responders") → `Unavailable`, marked as a missing destination (the transport pauses until
+//! the stream exists; the relay dead-letters after its `missing_destination_grace`, default
+//! 5 min); ack timeout, broken pipe, too many pending acks → retryable; a message over the
+//! server's `max_payload` or the stream's `max_msg_size`, a failed `Nats-Expected-*` condition
+//! (wrong last sequence, wrong last message id, wrong stream), an invalid TTL or rollup →
+//! permanent (the same message would fail the same way again). A publish the server refuses for
+//! lack of permission gets no acknowledgement and surfaces as an ack timeout (retryable):
+//! async-nats reports the permission violation only as a connection event.
+//!
+//! [`NatsTransport::connect`] fails when the server cannot be reached, with the client's reason;
+//! once connected, the client reconnects by itself, forever, after a lost connection (the relay
+//! pauses the transport meanwhile).
 
 use std::time::Duration;
 
@@ -84,28 +92,21 @@ impl NatsTransport {
     /// [`ConfigError`] naming `url` when the server cannot be reached, or `stream` when the stream
     /// is missing and may not be created, or cannot be created.
     pub async fn connect(config: NatsConfig) -> Result<Self, ConfigError> {
+        // No `retry_on_initial_connect`: a failed first connection is reported now, with the
+        // client's reason (connection refused, TLS, authorization).
         let client = async_nats::ConnectOptions::new()
-            .retry_on_initial_connect()
             .connection_timeout(Duration::from_secs(5))
             .connect(config.url.as_str())
             .await
             .map_err(|e| {
-                ConfigError::new(
-                    "url",
-                    format!("cannot connect to NATS at {}: {e}", config.url),
-                )
+                let mut reason = format!("cannot connect to NATS at {}: {e}", config.url);
+                let mut src = std::error::Error::source(&e);
+                while let Some(s) = src {
+                    reason.push_str(&format!(": {s}"));
+                    src = s.source();
+                }
+                ConfigError::new("url", reason)
             })?;
-        // Wait for the first connection so a wrong address is reported now, not as unavailability.
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-        while client.connection_state() != State::Connected {
-            if tokio::time::Instant::now() > deadline {
-                return Err(ConfigError::new(
-                    "url",
-                    format!("cannot connect to NATS at {}", config.url),
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
         Self::from_client(client, config).await
     }
 
@@ -256,9 +257,8 @@ fn refused_as_is(e: &jetstream::context::PublishError) -> bool {
 
 fn classify(e: &jetstream::context::PublishError, connected: bool) -> TransportErrorKind {
     match e.kind() {
-        PublishErrorKind::StreamNotFound | PublishErrorKind::MaxPayloadExceeded => {
-            TransportErrorKind::Permanent
-        }
+        PublishErrorKind::StreamNotFound => TransportErrorKind::Unavailable,
+        PublishErrorKind::MaxPayloadExceeded => TransportErrorKind::Permanent,
         _ if refused_as_is(e) => TransportErrorKind::Permanent,
         _ if !connected => TransportErrorKind::Unavailable,
         _ => TransportErrorKind::Retryable,
@@ -313,6 +313,12 @@ impl Transport for NatsTransport {
             };
             acks.push(r.map(|_| ()).map_err(|e| {
                 let connected = self.client.connection_state() == State::Connected;
+                if e.kind() == PublishErrorKind::StreamNotFound {
+                    return TransportError::missing_destination(
+                        "JetStream publish failed: no stream captures the subject",
+                    )
+                    .with_source(e);
+                }
                 TransportError::new(classify(&e, connected), "JetStream publish failed")
                     .with_source(e)
             }));

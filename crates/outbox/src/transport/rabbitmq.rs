@@ -42,22 +42,31 @@
 //! Publishing to a missing exchange makes RabbitMQ close the channel (`404 NOT_FOUND`), which
 //! fails every confirm still pending on it. So the exchanges of a batch are checked first with a
 //! passive `exchange.declare` on a channel of their own (a positive answer is cached for
-//! [`RabbitMqConfig::exchange_check_ttl`]); the messages for a missing exchange fail `Permanent`
-//! with the broker's reply text, the others are published. If a channel is nevertheless closed
+//! [`RabbitMqConfig::exchange_check_ttl`]); the messages for a missing exchange fail with the
+//! broker's reply text (a missing destination: the transport pauses until it exists, up to the
+//! relay's `missing_destination_grace`), the others are published. If a channel is nevertheless closed
 //! by the broker during a batch (an exchange deleted after the check, a message over the server's
 //! `max_message_size`), the messages it took down are published again one at a time on fresh
 //! channels so each gets its own result (the ones the broker had already routed may then be in
 //! the queue twice, with the same `message_id`).
 //!
 //! # Classification
-//! - connection refused, lost or closed by the broker, no answer to the connection handshake →
-//!   `Unavailable` (the relay pauses and probes; [`RabbitMqTransport::probe`] reconnects);
+//! - connection refused, lost or closed by the broker, no answer to the connection handshake,
+//!   refused credentials or TLS certificate → `Unavailable` (the relay pauses and probes;
+//!   [`RabbitMqTransport::probe`] reconnects);
+//! - access refused (`403 ACCESS_REFUSED`: the user has no write permission on the exchange) →
+//!   `Unavailable`: a configuration fault, not the message's; the transport pauses (the probe,
+//!   which needs no permission, succeeds, and the relay keeps backing off while publishes are
+//!   refused) and publishes once the permission is granted, without counting attempts;
+//! - missing exchange (`404 NOT_FOUND`) → `Unavailable`, marked as a missing destination: the
+//!   transport pauses until the exchange exists again (deleted and re-created under load loses
+//!   nothing), and the relay dead-letters its messages only after `missing_destination_grace`
+//!   (default 5 min);
 //! - `basic.nack` (e.g. a queue with `x-overflow = reject-publish` is full), no confirm within
 //!   `confirm_timeout`, a channel closed for another reason → `Retryable`; a timeout while the
 //!   broker blocks the connection (`connection.blocked`: memory or disk alarm) → `Unavailable`,
 //!   so an alarm pauses the relay instead of burning attempts;
-//! - missing exchange (`404`), access refused (`403`), precondition failed (`406`, e.g. over the
-//!   server's `max_message_size`), a payload over [`RabbitMqConfig::max_message_bytes`], headers
+//! - precondition failed (`406`, e.g. over the server's `max_message_size`), a payload over [`RabbitMqConfig::max_message_bytes`], headers
 //!   that do not fit in one frame (`frame_max`), an invalid destination → `Permanent`;
 //! - returned as unroutable (`312 NO_ROUTE`, the exchange exists but no queue is bound for the
 //!   routing key) → [`Unroutable`]: `Retryable` by default (a consumer that has not declared its
@@ -377,21 +386,36 @@ fn soft_error(e: &lapin::Error) -> Option<(AMQPSoftError, String)> {
     }
 }
 
-/// Classify a lapin error raised for one message (see the module docs).
+/// Classify a lapin error raised for one message (see the module docs): `403 ACCESS_REFUSED`
+/// (the user may not write to the exchange) and `404 NOT_FOUND` (the exchange does not exist)
+/// concern the transport's configuration, not the message: `Unavailable`.
 fn classify(e: &lapin::Error, connected: bool) -> TransportErrorKind {
     if connection_lost(e) || !connected {
         return TransportErrorKind::Unavailable;
     }
     match soft_error(e) {
-        Some((
-            AMQPSoftError::NOTFOUND
-            | AMQPSoftError::ACCESSREFUSED
-            | AMQPSoftError::PRECONDITIONFAILED
-            | AMQPSoftError::CONTENTTOOLARGE,
-            _,
-        )) => TransportErrorKind::Permanent,
+        Some((AMQPSoftError::NOTFOUND | AMQPSoftError::ACCESSREFUSED, _)) => {
+            TransportErrorKind::Unavailable
+        }
+        Some((AMQPSoftError::PRECONDITIONFAILED | AMQPSoftError::CONTENTTOOLARGE, _)) => {
+            TransportErrorKind::Permanent
+        }
         _ if matches!(e.kind(), ErrorKind::SerialisationError(_)) => TransportErrorKind::Permanent,
         _ => TransportErrorKind::Retryable,
+    }
+}
+
+/// The error for `e` with `reason`: classified by [`classify`], and marked
+/// [`missing_destination`](TransportError::missing_destination) for a `404 NOT_FOUND` (a missing
+/// exchange) on a live connection.
+fn error_for(e: &lapin::Error, connected: bool, reason: String) -> TransportError {
+    let missing = connected
+        && !connection_lost(e)
+        && matches!(soft_error(e), Some((AMQPSoftError::NOTFOUND, _)));
+    if missing {
+        TransportError::missing_destination(reason)
+    } else {
+        TransportError::new(classify(e, connected), reason)
     }
 }
 
@@ -585,10 +609,7 @@ impl Link {
                         ),
                         None => format!("checking RabbitMQ exchange {name:?} failed: {e}"),
                     };
-                    failed.insert(
-                        name.to_owned(),
-                        TransportError::new(classify(&e, connected), reason),
-                    );
+                    failed.insert(name.to_owned(), error_for(&e, connected, reason));
                 }
                 Err(_) => {
                     failed.insert(
@@ -804,7 +825,11 @@ impl Link {
         closed: &mut Vec<usize>,
     ) {
         let connected = s.conn.status().connected();
+        // A 403 (no write permission) is the transport's fault, not one message's: the messages
+        // it took down keep that error (Unavailable) instead of being tried one by one.
+        let refused = matches!(soft_error(e), Some((AMQPSoftError::ACCESSREFUSED, _)));
         let by_broker = connected
+            && !refused
             && (soft_error(e).is_some() || matches!(e.kind(), ErrorKind::InvalidChannelState(..)));
         let reason = match soft_error(e) {
             Some((code, text)) => format!(
@@ -816,7 +841,7 @@ impl Link {
             }
             None => format!("RabbitMQ publish failed ({d}): {e}"),
         };
-        results[i] = Some(Err(TransportError::new(classify(e, connected), reason)));
+        results[i] = Some(Err(error_for(e, connected, reason)));
         if by_broker {
             closed.push(i);
         }
@@ -837,7 +862,11 @@ fn timed_out(s: &Session, reason: String) -> TransportError {
 }
 
 fn clone_err(e: &TransportError) -> TransportError {
-    TransportError::new(e.kind(), e.report())
+    if e.is_missing_destination() {
+        TransportError::missing_destination(e.report())
+    } else {
+        TransportError::new(e.kind(), e.report())
+    }
 }
 
 fn fill(

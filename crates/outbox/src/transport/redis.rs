@@ -44,10 +44,13 @@
 //! and acknowledged.
 //!
 //! # Classification
-//! Connection refused, dropped or not established → `Unavailable`; response timeout, `OOM`,
-//! `LOADING`, `READONLY`, `BUSY`, `MASTERDOWN`, `TRYAGAIN`, a `WAIT` short of replicas →
-//! retryable; `WRONGTYPE` (the destination key exists and is not a stream), `NOPERM` (ACL),
-//! `ERR` (a command the server refuses as written), an invalid stream key → permanent. One
+//! Connection refused, dropped or not established, and the transport's configuration refused
+//! (`NOAUTH`, `WRONGPASS`, authentication failed, `NOPERM`: the ACL user may not `XADD` to the
+//! key) → `Unavailable` (the relay pauses the transport, counts no attempt, and publishes once
+//! the credentials or the ACL are fixed); response timeout, `OOM`, `LOADING`, `READONLY`, `BUSY`,
+//! `MASTERDOWN`, `TRYAGAIN`, a `WAIT` short of replicas → retryable; `WRONGTYPE` (the destination
+//! key exists and is not a stream), `ERR` (a command the server refuses as written), an invalid
+//! stream key → permanent. One
 //! refused entry does not fail the others: the pipeline reports one result per command.
 
 use std::time::Duration;
@@ -417,8 +420,12 @@ pub(crate) fn classify(e: &RedisError) -> TransportErrorKind {
     if e.is_timeout() {
         return TransportErrorKind::Retryable;
     }
+    if e.kind() == redis::ErrorKind::AuthenticationFailed {
+        return TransportErrorKind::Unavailable;
+    }
     match e.code() {
-        Some("WRONGTYPE" | "NOPERM" | "ERR" | "NOSCRIPT") => TransportErrorKind::Permanent,
+        Some("NOAUTH" | "WRONGPASS" | "NOPERM") => TransportErrorKind::Unavailable,
+        Some("WRONGTYPE" | "ERR" | "NOSCRIPT") => TransportErrorKind::Permanent,
         _ => TransportErrorKind::Retryable,
     }
 }

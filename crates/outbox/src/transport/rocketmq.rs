@@ -57,10 +57,12 @@
 //! # Classification
 //! - permanent: invalid destination (topic or tag), system property name used as a header, empty
 //!   or oversized body (over [`RocketMqConfig::max_message_size`], checked before sending, or the
-//!   broker's `maxMessageSize`: response `MESSAGE_ILLEGAL` 13), `NO_PERMISSION` 16;
+//!   broker's `maxMessageSize`: response `MESSAGE_ILLEGAL` 13);
 //! - unavailable: no name server answers a route query (the client's request fails, is cut or
 //!   times out), connection to the broker refused or lost (condition `unavailable` of the
-//!   client's error); the probe asks a name server for the default topic's route;
+//!   client's error), `NO_PERMISSION` 16 (the topic or broker refuses writes: a configuration
+//!   fault that pauses the transport and burns no attempt); the probe asks a name server for the
+//!   default topic's route;
 //! - retryable: `TOPIC_NOT_EXIST` 17 and "no route info of this topic" while a name server
 //!   answers, and everything else
 //!   (timeouts, `SYSTEM_BUSY` 2, `SYSTEM_ERROR` 1, the non-`SEND_OK` statuses above). A missing
@@ -837,8 +839,11 @@ pub(crate) fn class_of(e: &ClientError) -> Class {
     use rocketmq_error::CanonicalCondition as C;
     match response_code(e) {
         Some(code::NOT_FOUND_TOPIC | code::TOPIC_NOT_EXIST) => return Class::NoRoute,
-        Some(code::MESSAGE_ILLEGAL | code::NO_PERMISSION) => return Class::Permanent,
-        Some(code::NO_NAME_SERVER | code::CONNECT_BROKER) => return Class::Unavailable,
+        Some(code::MESSAGE_ILLEGAL) => return Class::Permanent,
+        // The topic or broker refuses writes: the deployment's configuration, not the message.
+        Some(code::NO_NAME_SERVER | code::CONNECT_BROKER | code::NO_PERMISSION) => {
+            return Class::Unavailable;
+        }
         Some(code::SYSTEM_ERROR | code::SYSTEM_BUSY) => return Class::Retryable,
         _ => {}
     }

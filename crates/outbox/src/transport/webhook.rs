@@ -19,10 +19,18 @@
 //! for the relay's own on an unsigned transport), and a destination that is not a URL.
 //! `Content-Type` and the other representation headers stay the user's.
 //!
-//! Classification of the answer: `2xx` acknowledged; `408`, `425`, `429` and `5xx` retryable; any
-//! other status permanent (the receiver refused the message; it goes to FAILED with the status
-//! and the start of the body). A refused connection is `Unavailable` (the relay pauses and
-//! probes); a timeout is retryable.
+//! Classification of the answer: `2xx` acknowledged; `408`, `425`, `429` and `5xx` retryable;
+//! `401` and `403` `Unavailable` (the receiver refuses the transport's credentials or signature: a
+//! configuration fault, not the message's; the relay pauses the transport, counts no attempt and
+//! publishes once the receiver accepts again); `404` a missing destination (`Unavailable`; the
+//! relay dead-letters after its `missing_destination_grace`, default 5 min); any other status
+//! permanent (the receiver refused the message; it goes to FAILED with the status and the start
+//! of the body). A refused connection or a failed TLS handshake (an untrusted certificate) is
+//! `Unavailable` (the relay pauses and probes); a timeout is retryable.
+//!
+//! The probe of an `https` URL makes a `HEAD` request to it (any HTTP answer will do), so it
+//! fails as long as the TLS handshake does, and a transport with a certificate problem stays
+//! paused instead of flapping up and down; an `http` URL is probed with a TCP connect.
 //!
 //! Up to [`WebhookConfig::concurrency`] requests of a batch are in flight at once, each bounded
 //! by [`WebhookConfig::timeout`]; each answer is recorded as it comes, so a hanging request holds
@@ -316,6 +324,10 @@ impl WebhookTransport {
         let msg = format!("POST {url} answered {status}: {snippet}");
         match status.as_u16() {
             408 | 425 | 429 | 500..=599 => Err(TransportError::retryable(msg)),
+            401 | 403 => Err(TransportError::unavailable(format!(
+                "{msg} (the receiver refuses the transport's credentials or signature)"
+            ))),
+            404 => Err(TransportError::missing_destination(msg)),
             _ => Err(TransportError::permanent(msg)),
         }
     }
@@ -359,6 +371,16 @@ impl Transport for WebhookTransport {
     async fn probe(&self) -> Result<(), TransportError> {
         let url = reqwest::Url::parse(&self.config.url)
             .map_err(|e| TransportError::permanent(e.to_string()))?;
+        if url.scheme() == "https" {
+            // Exercise the TLS handshake the publishes need; any HTTP answer means it passed.
+            return match self.client.head(url.as_str()).send().await {
+                Ok(_) => Ok(()),
+                Err(e) => Err(TransportError::unavailable(format!(
+                    "HEAD {url} failed (connection or TLS handshake)"
+                ))
+                .with_source(e)),
+            };
+        }
         let host = url.host_str().unwrap_or("localhost").to_owned();
         let port = url.port_or_known_default().unwrap_or(80);
         match tokio::time::timeout(

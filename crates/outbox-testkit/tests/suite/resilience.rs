@@ -1,0 +1,477 @@
+//! Issue 11, items 4 and 9, against the real brokers through a real relay: a dead client is
+//! rebuilt without burning attempts (Kafka producer fenced), and configuration faults (RabbitMQ
+//! 403, an exchange deleted and re-created under load, an untrusted TLS certificate) pause the
+//! transport instead of dead-lettering, with one log line per state change.
+//!
+//! The tests that count log lines run on a current-thread runtime with a thread-local capturing
+//! subscriber, so they see exactly the relay's own events (every task of the runtime runs on the
+//! test's thread).
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use outbox::transport::Transport;
+use outbox::{
+    NewMessage, RabbitMqTransport, Relay, RelayConfig, Router, Status, WebhookConfig,
+    WebhookTransport,
+};
+use outbox_testkit::{
+    KafkaFixture, RabbitMqFixture, SqliteFixture, StoreFixture, TransportFixture as _,
+    rabbitmq_config, rabbitmq_host_port, unique, wait_until,
+};
+
+use crate::confirm::wait_status;
+use crate::relay::fast_config;
+
+/// Every line the relay logs (debug and above), as text.
+#[derive(Clone, Default)]
+struct Capture(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Capture {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Capture {
+    type Writer = Capture;
+
+    fn make_writer(&'a self) -> Capture {
+        self.clone()
+    }
+}
+
+impl Capture {
+    /// Start capturing the events of this thread (the test's current-thread runtime).
+    fn start() -> (Capture, tracing::subscriber::DefaultGuard) {
+        let capture = Capture::default();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(capture.clone())
+            .with_ansi(false)
+            .with_max_level(tracing::Level::DEBUG)
+            .finish();
+        let guard = tracing::subscriber::set_default(subscriber);
+        (capture, guard)
+    }
+
+    /// Lines at `level` (`"WARN"`, `"INFO"`, `"DEBUG"`) containing `needle`.
+    fn count(&self, level: &str, needle: &str) -> usize {
+        let text = String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned();
+        text.lines()
+            .filter(|l| l.contains(level) && l.contains(needle))
+            .count()
+    }
+
+    /// Lines at warn level or above, or at info level, from the relay's outage handling.
+    fn state_changes(&self) -> usize {
+        self.count("WARN", "transport unavailable") + self.count("INFO", "available again")
+    }
+
+    fn dump(&self) -> String {
+        let text = String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned();
+        let lines: Vec<&str> = text.lines().collect();
+        let from = lines.len().saturating_sub(40);
+        lines[from..].join("\n")
+    }
+}
+
+/// Run `rabbitmqctl` (the tests run as root beside the broker).
+///
+/// # Panics
+/// When it fails, with its output.
+async fn rabbitmqctl(args: &[&str]) {
+    let args: Vec<String> = args.iter().map(|s| (*s).to_owned()).collect();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("rabbitmqctl")
+            .args(&args)
+            .output()
+            .map(|o| (o, args))
+    })
+    .await
+    .unwrap()
+    .expect("rabbitmqctl is needed for this test (run as root beside RabbitMQ)");
+    let (o, args) = out;
+    assert!(
+        o.status.success(),
+        "rabbitmqctl {args:?} failed: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+/// A RabbitMQ user that may connect and read but not write, deleted on drop.
+struct ReadOnlyUser {
+    name: String,
+}
+
+impl ReadOnlyUser {
+    async fn create() -> ReadOnlyUser {
+        let name = unique("obxu");
+        rabbitmqctl(&["add_user", &name, "pw"]).await;
+        // configure, write, read: no write permission on any resource.
+        rabbitmqctl(&["set_permissions", "-p", "/", &name, ".*", "^$", ".*"]).await;
+        ReadOnlyUser { name }
+    }
+
+    fn url(&self) -> String {
+        format!("amqp://{}:pw@{}/%2f", self.name, rabbitmq_host_port())
+    }
+
+    async fn grant_write(&self) {
+        rabbitmqctl(&["set_permissions", "-p", "/", &self.name, ".*", ".*", ".*"]).await;
+    }
+}
+
+impl Drop for ReadOnlyUser {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("rabbitmqctl")
+            .args(["delete_user", &self.name])
+            .output();
+    }
+}
+
+/// Issue 11 item 9: RabbitMQ `403 ACCESS_REFUSED` (a user without write permission) used to
+/// dead-letter every row after one attempt. Now the transport is paused: nothing is FAILED, no
+/// attempt is counted, the probe (which needs no permission) succeeds while publishes are still
+/// refused without a log storm (one warning), and once the permission is granted every row is
+/// delivered with one attempt and one "available again" line.
+#[tokio::test]
+async fn defect_09_rabbitmq_access_refused_pauses_without_dead_letters() {
+    let (logs, _guard) = Capture::start();
+    let fx = RabbitMqFixture::new().await;
+    let user = ReadOnlyUser::create().await;
+    let transport = Arc::new(
+        RabbitMqTransport::connect(rabbitmq_config(&user.url()))
+            .await
+            .expect("the read-only user may connect"),
+    );
+    let db = SqliteFixture::new().await;
+    let router = Router::new().route("*", transport, format!("{}/{{topic}}", fx.exchange));
+    let relay = Relay::builder(db.store())
+        .router(router)
+        .config(RelayConfig {
+            publish_timeout: Duration::from_secs(2),
+            lease: Duration::from_secs(6),
+            ..fast_config("d09-403")
+        })
+        .build()
+        .unwrap()
+        .spawn();
+    let msgs: Vec<NewMessage> = (0..100)
+        .map(|i| NewMessage::new("perm", format!("m{i}")))
+        .collect();
+    let ids = db.enqueue_commit(msgs).await.unwrap();
+    let metrics = relay.metrics().clone();
+    wait_until(
+        "the relay to be refused three times (300 releases)",
+        Duration::from_secs(60),
+        || {
+            let m = metrics.clone();
+            async move { m.snapshot().released >= 300 || m.snapshot().failed > 0 }
+        },
+    )
+    .await;
+    let snap = relay.metrics().snapshot();
+    assert_eq!(snap.failed, 0, "403 dead-lettered rows: {snap:?}");
+    for r in db.rows().await {
+        assert_eq!(r.status, Status::Pending as i16, "{r:?}");
+        assert_eq!(r.attempts, 0, "an attempt was burned: {r:?}");
+    }
+    assert_eq!(
+        logs.count("WARN", "transport unavailable"),
+        1,
+        "one warning per outage:\n{}",
+        logs.dump()
+    );
+    assert_eq!(logs.count("INFO", "available again"), 0, "{}", logs.dump());
+    assert!(
+        logs.count("DEBUG", "still unavailable after a successful probe") >= 2,
+        "relapses are logged at debug:\n{}",
+        logs.dump()
+    );
+    user.grant_write().await;
+    wait_status(&db, &ids, Status::Sent, Duration::from_secs(30)).await;
+    for r in db.rows().await {
+        assert_eq!(r.attempts, 1, "{r:?}");
+    }
+    assert_eq!(logs.state_changes(), 2, "{}", logs.dump());
+    let stored: HashSet<String> = fx
+        .take_all(&fx.queue)
+        .await
+        .into_iter()
+        .filter_map(|s| s.received.native_id)
+        .collect();
+    let expected: HashSet<String> = ids.iter().map(|u| u.to_string()).collect();
+    assert_eq!(stored, expected);
+    relay.shutdown().await.unwrap();
+    fx.cleanup().await;
+}
+
+/// Issue 11 item 9: an exchange deleted and re-created while messages flow used to dead-letter
+/// the messages that met the gap (`404 NOT_FOUND`, permanent). Now they wait: nothing is FAILED
+/// and every message is delivered once the exchange is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn defect_09_rabbitmq_exchange_recreated_under_load_dead_letters_nothing() {
+    crate::init_tracing();
+    let fx = Arc::new(RabbitMqFixture::new().await);
+    let db = Arc::new(SqliteFixture::new().await);
+    let router = Router::new().route(
+        "*",
+        fx.transport.clone(),
+        format!("{}/{{topic}}", fx.exchange),
+    );
+    let relay = Relay::builder(db.store())
+        .router(router)
+        .config(fast_config("d09-404"))
+        .build()
+        .unwrap()
+        .spawn();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let producer = {
+        let (db, stop) = (db.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut ids = Vec::new();
+            let mut round = 0;
+            while !stop.is_cancelled() || round < 4 {
+                let msgs: Vec<NewMessage> = (0..20)
+                    .map(|i| NewMessage::new("load", format!("r{round}m{i}")))
+                    .collect();
+                ids.extend(db.enqueue_commit(msgs).await.unwrap());
+                round += 1;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            ids
+        })
+    };
+    let metrics = relay.metrics().clone();
+    let m = metrics.clone();
+    wait_until("messages flowing", Duration::from_secs(20), move || {
+        let m = m.clone();
+        async move { m.snapshot().sent >= 60 }
+    })
+    .await;
+    fx.delete_exchange(&fx.exchange).await;
+    let m = metrics.clone();
+    wait_until(
+        "the relay to meet the missing exchange",
+        Duration::from_secs(20),
+        move || {
+            let m = m.clone();
+            async move { m.snapshot().outages >= 1 || m.snapshot().failed > 0 }
+        },
+    )
+    .await;
+    fx.declare_exchange(&fx.exchange).await;
+    fx.declare_queue(&fx.queue, &[(&fx.exchange, "#")]).await;
+    stop.cancel();
+    let ids = producer.await.unwrap();
+    wait_status(db.as_ref(), &ids, Status::Sent, Duration::from_secs(30)).await;
+    let snap = relay.metrics().snapshot();
+    assert_eq!(snap.failed, 0, "{snap:?}");
+    assert!(snap.released > 0, "the gap was met: {snap:?}");
+    let stored: HashSet<String> = fx
+        .take_all(&fx.queue)
+        .await
+        .into_iter()
+        .filter_map(|s| s.received.native_id)
+        .collect();
+    for id in &ids {
+        assert!(stored.contains(&id.to_string()), "{id} not delivered");
+    }
+    relay.shutdown().await.unwrap();
+    fx.cleanup().await;
+}
+
+/// An `openssl s_server` with a fresh self-signed certificate on a loopback port: TLS in front of
+/// nothing. Killed on drop.
+struct SelfSignedTls {
+    port: u16,
+    child: std::process::Child,
+    _dir: std::path::PathBuf,
+}
+
+impl SelfSignedTls {
+    async fn start() -> SelfSignedTls {
+        let dir = std::env::temp_dir().join(unique("obx-tls"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (key, cert) = (dir.join("key.pem"), dir.join("cert.pem"));
+        let out = std::process::Command::new("openssl")
+            .args([
+                "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+            ])
+            .args(["-subj", "/CN=localhost", "-keyout"])
+            .arg(&key)
+            .arg("-out")
+            .arg(&cert)
+            .output()
+            .expect("openssl is needed for this test");
+        assert!(out.status.success(), "{out:?}");
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = std::process::Command::new("openssl")
+            .args(["s_server", "-quiet", "-www", "-accept"])
+            .arg(format!("127.0.0.1:{port}"))
+            .arg("-cert")
+            .arg(&cert)
+            .arg("-key")
+            .arg(&key)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start openssl s_server");
+        wait_until("the TLS listener", Duration::from_secs(10), || async move {
+            tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_ok()
+        })
+        .await;
+        SelfSignedTls {
+            port,
+            child,
+            _dir: dir,
+        }
+    }
+}
+
+impl Drop for SelfSignedTls {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Issue 11 item 9: a webhook behind a self-signed certificate used to flap down/up (the probe
+/// was a TCP connect, which succeeds; every publish then failed the TLS handshake again), with
+/// two log lines per cycle. Now the probe makes the TLS handshake too: the transport stays
+/// paused, one warning is logged, nothing is dead-lettered and no attempt is counted.
+#[tokio::test]
+async fn defect_09_webhook_untrusted_certificate_pauses_without_flapping() {
+    let (logs, _guard) = Capture::start();
+    let tls = SelfSignedTls::start().await;
+    let mut config = WebhookConfig::new(format!("https://127.0.0.1:{}/hook", tls.port));
+    config.timeout = Duration::from_secs(2);
+    let transport = Arc::new(WebhookTransport::new(config).unwrap());
+    let db = SqliteFixture::new().await;
+    let relay = Relay::builder(db.store())
+        .router(Router::new().route("*", transport.clone(), ""))
+        .config(fast_config("d09-tls"))
+        .build()
+        .unwrap()
+        .spawn();
+    let msgs: Vec<NewMessage> = (0..20)
+        .map(|i| NewMessage::new("tls", format!("m{i}")))
+        .collect();
+    db.enqueue_commit(msgs).await.unwrap();
+    let l = logs.clone();
+    wait_until(
+        "eight failed probes (or eight flaps)",
+        Duration::from_secs(60),
+        move || {
+            let l = l.clone();
+            async move {
+                l.count("DEBUG", "probe failed") >= 8 || l.count("INFO", "available again") >= 8
+            }
+        },
+    )
+    .await;
+    assert_eq!(
+        logs.count("INFO", "available again"),
+        0,
+        "the transport flapped:\n{}",
+        logs.dump()
+    );
+    assert_eq!(
+        logs.count("WARN", "transport unavailable"),
+        1,
+        "{}",
+        logs.dump()
+    );
+    assert!(
+        transport.probe().await.is_err(),
+        "the probe sees the TLS fault"
+    );
+    let snap = relay.metrics().snapshot();
+    assert_eq!(snap.failed, 0, "{snap:?}");
+    assert_eq!(snap.outages, 1, "{snap:?}");
+    for r in db.rows().await {
+        assert_eq!(r.attempts, 0, "{r:?}");
+        assert_eq!(r.status, Status::Pending as i16, "{r:?}");
+    }
+    relay.shutdown().await.unwrap();
+}
+
+/// Issue 11 item 4: a Kafka producer that librdkafka declares dead (a fatal error, as for a
+/// producer fenced by the broker) used to fail its batch as retryable (attempts burned) and was
+/// rebuilt only as a side effect of that failure. Now every failure of a dead producer is
+/// `Unavailable` (no attempt counted), the producer is rebuilt, and every message is delivered
+/// with one attempt, without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn defect_04_kafka_fenced_producer_is_rebuilt_without_burning_attempts() {
+    crate::init_tracing();
+    let fx = KafkaFixture::new().await;
+    let db = SqliteFixture::new().await;
+    // Fence the producer before the relay publishes anything.
+    let fenced = fx.transport.producer();
+    {
+        use rdkafka::producer::Producer as _;
+        let reason = std::ffi::CString::new("fenced by the test").unwrap();
+        // SAFETY: the client pointer is valid while `fenced` is alive; librdkafka copies the
+        // reason.
+        unsafe {
+            rdkafka::bindings::rd_kafka_test_fatal_error(
+                fenced.client().native_ptr(),
+                rdkafka::bindings::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_PRODUCER_FENCED,
+                reason.as_ptr(),
+            );
+        }
+        assert!(
+            fenced.client().fatal_error().is_some(),
+            "the producer is dead"
+        );
+    }
+    let relay = Relay::builder(db.store())
+        .router(Router::new().route("*", fx.transport.clone(), fx.good_destination()))
+        .config(fast_config("d04-kafka"))
+        .build()
+        .unwrap()
+        .spawn();
+    let msgs: Vec<NewMessage> = (0..100)
+        .map(|i| NewMessage::new("fenced", format!("m{i}")))
+        .collect();
+    let ids = db.enqueue_commit(msgs).await.unwrap();
+    wait_status(&db, &ids, Status::Sent, Duration::from_secs(60)).await;
+    let snap = relay.metrics().snapshot();
+    assert_eq!(snap.failed, 0, "{snap:?}");
+    assert_eq!(
+        snap.retried, 0,
+        "the dead producer burned attempts: {snap:?}"
+    );
+    for r in db.rows().await {
+        assert_eq!(r.attempts, 1, "{r:?}");
+    }
+    {
+        use rdkafka::producer::Producer as _;
+        let current = fx.transport.producer();
+        assert!(!Arc::ptr_eq(&current, &fenced), "the producer was rebuilt");
+        assert!(current.client().fatal_error().is_none());
+    }
+    let got: HashSet<uuid::Uuid> = fx
+        .received()
+        .await
+        .iter()
+        .filter_map(outbox_testkit::header_message_id)
+        .collect();
+    assert_eq!(got, ids.iter().copied().collect::<HashSet<_>>());
+    relay.shutdown().await.unwrap();
+    fx.cleanup().await;
+}
