@@ -1073,6 +1073,8 @@ fn defect_12_operator_commands_never_create_a_database() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
 /// A free loopback port: bound, then released, so nothing listens on it.
 fn closed_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")

@@ -113,10 +113,11 @@ async fn kafka_partition_key_is_the_record_key() {
 }
 
 /// A record over `message.max.bytes` is permanent and does not affect the next record of the
-/// same batch and partition; an unknown topic is retryable (by design: topics are created by
-/// deployments, see `outbox::transport::kafka`).
+/// same batch and partition; an unknown topic is a missing destination (`Unavailable`: the
+/// relay pauses the transport and dead-letters only after `missing_destination_grace`; topics
+/// are created by deployments, see `outbox::transport::kafka`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn kafka_too_large_is_permanent_and_unknown_topic_retryable() {
+async fn kafka_too_large_is_permanent_and_unknown_topic_a_missing_destination() {
     crate::init_tracing();
     let fx = KafkaFixture::new().await;
     let dest = fx.good_destination();
@@ -137,7 +138,8 @@ async fn kafka_too_large_is_permanent_and_unknown_topic_retryable() {
     )
     .await;
     let e = r[0].as_ref().unwrap_err();
-    assert_eq!(e.kind(), TransportErrorKind::Retryable, "{e:?}");
+    assert_eq!(e.kind(), TransportErrorKind::Unavailable, "{e:?}");
+    assert!(e.is_missing_destination(), "{e:?}");
     fx.cleanup().await;
 }
 
