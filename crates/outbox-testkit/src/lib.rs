@@ -876,6 +876,10 @@ async fn pump(
     }
 }
 
+/// Per open connection of a [`FaultProxy`]: the local port of its upstream socket and its stall
+/// flag.
+type Stalls = Arc<std::sync::Mutex<Vec<(u16, Arc<AtomicBool>)>>>;
+
 /// A TCP proxy that forwards to `upstream` and, while blocked, cuts every connection and refuses
 /// new ones (accepts and closes them at once).
 pub struct FaultProxy {
@@ -886,7 +890,7 @@ pub struct FaultProxy {
     cut: Arc<tokio::sync::watch::Sender<u64>>,
     shutdown: tokio_util::sync::CancellationToken,
     /// Per open connection: the local port of its upstream socket and its stall flag.
-    stalls: Arc<std::sync::Mutex<Vec<(u16, Arc<AtomicBool>)>>>,
+    stalls: Stalls,
 }
 
 impl FaultProxy {
@@ -906,7 +910,7 @@ impl FaultProxy {
         let shutdown = tokio_util::sync::CancellationToken::new();
         let (b, c, s) = (blocked.clone(), cut.clone(), shutdown.clone());
         let dropped = replies_dropped.clone();
-        let stalls: Arc<std::sync::Mutex<Vec<(u16, Arc<AtomicBool>)>>> = Arc::default();
+        let stalls: Stalls = Arc::default();
         let all_stalls = stalls.clone();
         tokio::spawn(async move {
             loop {
