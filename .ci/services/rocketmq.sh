@@ -72,7 +72,18 @@ EOF
         -c "$ROCKETMQ_CI_DIR/broker.toml" >>"$ROCKETMQ_CI_DIR/broker.log" 2>&1 &
     )
   fi
-  wait_port "RocketMQ broker" "$ROCKETMQ_BROKER_PORT" 60
+  if ! wait_port "RocketMQ broker" "$ROCKETMQ_BROKER_PORT" 60; then
+    # The broker rolls its start-up back ("Service lifecycle operation failed", after "disk
+    # capacity requires reclaim") when the disk of its store is 75 % full or more (RocketMQ's
+    # diskMaxUsedSpaceRatio): say so instead of leaving only the port time-out.
+    local used
+    used=$(df --output=pcent "$ROCKETMQ_CI_DIR" | tail -n 1 | tr -dc '0-9')
+    echo "error: the RocketMQ broker did not start; its log: $ROCKETMQ_CI_DIR/broker.log" >&2
+    if [ "${used:-0}" -ge 75 ]; then
+      echo "error: the disk holding $ROCKETMQ_CI_DIR is ${used}% full; the RocketMQ broker refuses to start at 75% or more: free disk space (old cargo target directories)" >&2
+    fi
+    return 1
+  fi
 }
 
 # An open broker port is not enough: a producer can send to a new topic only once the broker has
