@@ -334,12 +334,16 @@ impl MySqlStore {
     ///   (written as a MariaDB executable comment, `/*M! … */`, which MySQL skips);
     /// - MySQL 8.0.3+: the optimizer hints `/*+ SET_VAR(lock_wait_timeout = N)
     ///   SET_VAR(innodb_lock_wait_timeout = N) */` on the insert (MariaDB 10.x reads them as a
-    ///   plain comment). Only the MariaDB form is tested here (MySQL 8 is not in the test
-    ///   services); a MySQL that does not apply a hint warns and keeps the session's value.
+    ///   plain comment). MySQL's manual lists `lock_wait_timeout` as settable by `SET_VAR`;
+    ///   a hint the server does not apply is ignored with a warning, and that wait keeps the
+    ///   session's value. Only the MariaDB form is tested here (MySQL 8 is not in the test
+    ///   services).
     ///
-    /// Both variables are whole seconds: the timeout is rounded up, to at least 1 s. The server
-    /// reports either expiry as error 1205 (`ER_LOCK_WAIT_TIMEOUT`), which `enqueue` returns as
-    /// [`EnqueueError::Timeout`]. Zero is treated as `None`.
+    /// Both variables are whole seconds: the timeout is rounded up, to at least 1 s. The servers
+    /// apply it to each lock the insert waits for (a table or metadata lock, then row locks), so
+    /// an insert that waits for two locks in turn can take up to twice as long. Either expiry is
+    /// error 1205 (`ER_LOCK_WAIT_TIMEOUT`, checked on MariaDB 10.11 for `LOCK TABLES … WRITE`),
+    /// which `enqueue` returns as [`EnqueueError::Timeout`]. Zero is treated as `None`.
     pub fn with_enqueue_timeout(mut self, timeout: Option<Duration>) -> Self {
         self.enqueue_timeout = timeout.filter(|t| !t.is_zero());
         self

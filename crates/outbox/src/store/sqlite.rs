@@ -115,7 +115,8 @@ fn url_is_in_memory(url: &str) -> bool {
 
 impl SqliteStore {
     /// Open (creating if missing) the database at `url` (`sqlite://path/to/file.db`,
-    /// `sqlite::memory:`) with WAL, `synchronous = FULL` and a 10 s busy timeout. An in-memory
+    /// `sqlite::memory:`) with WAL, `synchronous = FULL` and a 10 s busy timeout (an enqueue's
+    /// wait for the write lock is [`SqliteStore::with_enqueue_timeout`] instead). An in-memory
     /// URL gets a single pinned connection that is never closed (shared case C24).
     ///
     /// # Errors
