@@ -74,9 +74,12 @@ pub enum EnqueueError {
     #[error("outbox insert failed")]
     Database(#[source] StoreError),
     /// The insert waited longer than the store's enqueue timeout for a lock on the outbox table
-    /// (another session holds `LOCK TABLE`, a migration or `VACUUM FULL` rewrites it). Nothing
-    /// was written; the caller's transaction is aborted and must be rolled back. Retrying later
-    /// may succeed. See `PgStore::with_enqueue_timeout`.
+    /// (PostgreSQL: another session holds `LOCK TABLE`, a migration or `VACUUM FULL` rewrites
+    /// it; MySQL/MariaDB: `LOCK TABLES … WRITE`, `ALTER TABLE`, or a row lock of another
+    /// transaction; SQLite: another connection holds the database's write lock). Nothing was
+    /// written; roll the caller's transaction back (PostgreSQL has aborted it). Retrying later
+    /// may succeed. See `PgStore::with_enqueue_timeout`, `MySqlStore::with_enqueue_timeout`,
+    /// `SqliteStore::with_enqueue_timeout`.
     #[error(
         "outbox insert into {table} waited longer than the enqueue timeout of {timeout:?} for a lock on the table"
     )]
@@ -85,7 +88,8 @@ pub enum EnqueueError {
         table: String,
         /// The timeout that expired.
         timeout: Duration,
-        /// The driver's error (PostgreSQL `lock_not_available`, SQLSTATE 55P03).
+        /// The driver's error (PostgreSQL `lock_not_available`, SQLSTATE 55P03; MySQL/MariaDB
+        /// 1205 `ER_LOCK_WAIT_TIMEOUT`; SQLite `SQLITE_BUSY`, "database is locked").
         #[source]
         source: sqlx::Error,
     },

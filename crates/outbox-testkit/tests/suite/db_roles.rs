@@ -500,6 +500,144 @@ async fn defect_05_enqueue_on_a_locked_table_times_out_with_a_typed_error() {
     fx.cleanup().await;
 }
 
+/// Item 5c on MariaDB: `enqueue` while another session holds `LOCK TABLES <outbox> WRITE`.
+/// Before: the insert waited on the table lock for `lock_wait_timeout` (one year by default).
+/// After: it returns `EnqueueError::Timeout` naming the table after about the configured
+/// timeout (1 s), the caller's connection is usable and its `lock_wait_timeout` unchanged.
+#[tokio::test]
+async fn defect_05_mysql_enqueue_on_a_locked_table_times_out_with_a_typed_error() {
+    let fx = MySqlFixture::new().await;
+    let timeout = Duration::from_secs(1);
+    let store = fx.store.clone().with_enqueue_timeout(Some(timeout));
+    let mut locker =
+        <sqlx::MySqlConnection as sqlx::Connection>::connect(&outbox_testkit::mysql_url())
+            .await
+            .unwrap();
+    sqlx::raw_sql(AssertSqlSafe(format!("LOCK TABLES {} WRITE", fx.table)))
+        .execute(&mut locker)
+        .await
+        .unwrap();
+
+    let mut tx = store.begin().await.unwrap();
+    let session_wait: u64 = sqlx::query_scalar("SELECT @@SESSION.lock_wait_timeout")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let e = within(
+        "enqueue to give up on the locked table",
+        Duration::from_secs(15),
+        store.enqueue(&mut tx, NewMessage::new("t", "x")),
+    )
+    .await
+    .unwrap_err();
+    let waited = started.elapsed();
+    eprintln!("defect_05 mysql: enqueue gave up after {waited:?}: {e}");
+    match &e {
+        EnqueueError::Timeout {
+            table, timeout: t, ..
+        } => {
+            assert_eq!(table, &fx.table);
+            assert_eq!(*t, timeout);
+        }
+        other => panic!("EnqueueError::Timeout, got {other:?}"),
+    }
+    assert!(e.to_string().contains(&fx.table), "{e}");
+    assert!(waited >= Duration::from_millis(900), "waited {waited:?}");
+    // The caller's connection is usable, its own setting untouched.
+    let after: u64 = sqlx::query_scalar("SELECT @@SESSION.lock_wait_timeout")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    assert_eq!(after, session_wait);
+    tx.rollback().await.unwrap();
+
+    sqlx::raw_sql("UNLOCK TABLES")
+        .execute(&mut locker)
+        .await
+        .unwrap();
+    // Unlocked: the enqueue goes through.
+    let mut tx = store.begin().await.unwrap();
+    store
+        .enqueue(&mut tx, NewMessage::new("t", "x"))
+        .await
+        .unwrap();
+    store.commit(tx).await.unwrap();
+    assert_eq!(fx.count(&fx.table).await, 1);
+    fx.cleanup().await;
+}
+
+/// Item 5c on SQLite: `enqueue` while another connection holds the write lock
+/// (`BEGIN IMMEDIATE` and an insert, uncommitted). Before: the insert waited the connection's
+/// 10 s busy timeout and failed with a plain database error ("database is locked"). After: it
+/// returns `EnqueueError::Timeout` naming the table after about the configured timeout (1 s),
+/// and the caller's connection is usable with its busy timeout unchanged.
+#[tokio::test]
+async fn defect_05_sqlite_enqueue_on_a_locked_table_times_out_with_a_typed_error() {
+    let fx = SqliteFixture::new().await;
+    let timeout = Duration::from_secs(1);
+    let store = fx.store.clone().with_enqueue_timeout(Some(timeout));
+    let mut locker = fx.store.pool().acquire().await.unwrap();
+    sqlx::raw_sql("BEGIN IMMEDIATE")
+        .execute(&mut *locker)
+        .await
+        .unwrap();
+    fx.store
+        .enqueue(&mut locker, NewMessage::new("held", "x"))
+        .await
+        .unwrap();
+
+    let mut tx = store.begin().await.unwrap();
+    let busy_before: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let e = within(
+        "enqueue to give up on the locked database",
+        Duration::from_secs(5),
+        store.enqueue(&mut tx, NewMessage::new("t", "x")),
+    )
+    .await
+    .unwrap_err();
+    let waited = started.elapsed();
+    eprintln!("defect_05 sqlite: enqueue gave up after {waited:?}: {e}");
+    match &e {
+        EnqueueError::Timeout {
+            table, timeout: t, ..
+        } => {
+            assert_eq!(table, "outbox");
+            assert_eq!(*t, timeout);
+        }
+        other => panic!("EnqueueError::Timeout, got {other:?}"),
+    }
+    assert!(e.to_string().contains("outbox"), "{e}");
+    assert!(waited >= Duration::from_millis(900), "waited {waited:?}");
+    let busy_after: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    assert_eq!(busy_after, busy_before);
+    tx.rollback().await.unwrap();
+
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut *locker)
+        .await
+        .unwrap();
+    drop(locker);
+    let mut tx = store.begin().await.unwrap();
+    store
+        .enqueue(&mut tx, NewMessage::new("t", "x"))
+        .await
+        .unwrap();
+    store.commit(tx).await.unwrap();
+    let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM outbox")
+        .fetch_one(fx.store.pool())
+        .await
+        .unwrap();
+    assert_eq!(n, 1);
+}
+
 /// The version `migrate` recorded for `table` (the version this build needs).
 async fn pg_version(fx: &PgFixture) -> i64 {
     let v: i32 =

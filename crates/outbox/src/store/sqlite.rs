@@ -81,13 +81,30 @@ pub struct SqliteStore {
     sql: Arc<Sql>,
     waker: Arc<Notify>,
     hook: Option<Arc<dyn RejectionHook<sqlx::Sqlite>>>,
+    /// How long an enqueue waits for the write lock ([`SqliteStore::with_enqueue_timeout`]).
+    enqueue_timeout: Option<Duration>,
 }
+
+/// Default of [`SqliteStore::with_enqueue_timeout`].
+pub const DEFAULT_ENQUEUE_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl std::fmt::Debug for SqliteStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SqliteStore")
             .field("table", &self.table)
             .finish_non_exhaustive()
+    }
+}
+
+/// Whether `e` is `SQLITE_BUSY` after the busy timeout (primary code 5, "database is locked"),
+/// not `SQLITE_BUSY_SNAPSHOT` (517: a stale read snapshot, returned at once without waiting).
+fn is_busy(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Database(db) => db
+            .code()
+            .and_then(|c| c.parse::<i32>().ok())
+            .is_some_and(|c| c & 0xff == 5 && c != 517),
+        _ => false,
     }
 }
 
@@ -98,7 +115,8 @@ fn url_is_in_memory(url: &str) -> bool {
 
 impl SqliteStore {
     /// Open (creating if missing) the database at `url` (`sqlite://path/to/file.db`,
-    /// `sqlite::memory:`) with WAL, `synchronous = FULL` and a 10 s busy timeout. An in-memory
+    /// `sqlite::memory:`) with WAL, `synchronous = FULL` and a 10 s busy timeout (an enqueue's
+    /// wait for the write lock is [`SqliteStore::with_enqueue_timeout`] instead). An in-memory
     /// URL gets a single pinned connection that is never closed (shared case C24).
     ///
     /// # Errors
@@ -276,7 +294,27 @@ impl SqliteStore {
             sql: Arc::new(sql),
             waker: Arc::new(Notify::new()),
             hook: None,
+            enqueue_timeout: Some(DEFAULT_ENQUEUE_TIMEOUT),
         })
+    }
+
+    /// How long [`SqliteStore::enqueue`] waits for the database's write lock before it gives up
+    /// with [`EnqueueError::Timeout`]; `None` waits as long as the connection's own busy timeout
+    /// (10 s for [`SqliteStore::connect`], the pool's setting for [`SqliteStore::from_pool`]).
+    /// Default [`DEFAULT_ENQUEUE_TIMEOUT`] (10 s).
+    ///
+    /// SQLite has one writer at a time: the insert waits while another connection holds a write
+    /// transaction (`BEGIN IMMEDIATE`, or any transaction that has written), then fails with
+    /// `SQLITE_BUSY` ("database is locked"). The timeout is SQLite's busy timeout of the
+    /// caller's connection, set for the insert alone: `enqueue` reads the connection's
+    /// `PRAGMA busy_timeout`, sets it to this timeout, inserts and sets it back (three
+    /// statements on the in-process connection instead of one). It bounds the wait for the lock
+    /// of this insert; when the caller's transaction already holds the write lock (it wrote
+    /// before), the insert does not wait at all. Rounded up to whole milliseconds; zero is
+    /// treated as `None`.
+    pub fn with_enqueue_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.enqueue_timeout = timeout.filter(|t| !t.is_zero());
+        self
     }
 
     /// Run `hook` for every message the consumer rejects, inside the producer transaction that
@@ -299,8 +337,10 @@ impl SqliteStore {
     /// committed while an enqueue is still pending (shared case C10).
     ///
     /// # Errors
-    /// A validation [`EnqueueError`] before anything is written, or
-    /// [`EnqueueError::Database`] when the insert fails (roll the transaction back).
+    /// A validation [`EnqueueError`] before anything is written,
+    /// [`EnqueueError::Timeout`] when another connection held the write lock for longer than
+    /// the enqueue timeout ([`SqliteStore::with_enqueue_timeout`]), or
+    /// [`EnqueueError::Database`] when the insert fails otherwise (roll the transaction back).
     ///
     /// # Examples
     /// ```no_run
@@ -316,9 +356,7 @@ impl SqliteStore {
         conn: &mut SqliteConnection,
         msg: NewMessage,
     ) -> Result<Uuid, EnqueueError> {
-        self.limits.validate(&msg)?;
-        self.insert(conn, &msg).await?;
-        Ok(msg.message_id)
+        self.enqueue_many(conn, vec![msg]).await.map(|ids| ids[0])
     }
 
     /// Insert several messages through the caller's connection; all are validated before the
@@ -334,9 +372,52 @@ impl SqliteStore {
         for m in &msgs {
             self.limits.validate(m)?;
         }
+        if msgs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let Some(timeout) = self.enqueue_timeout else {
+            return self.insert_all(conn, &msgs, None).await;
+        };
+        // The connection's busy timeout for these inserts alone (see `with_enqueue_timeout`).
+        let db = |e| EnqueueError::Database(StoreError::db("enqueue", self.table.as_str(), e));
+        let previous: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(db)?;
+        let ms = u64::try_from(timeout.as_micros().div_ceil(1000)).unwrap_or(u64::MAX);
+        let ms = ms.clamp(1, i32::MAX as u64);
+        sqlx::raw_sql(AssertSqlSafe(format!("PRAGMA busy_timeout = {ms}")))
+            .execute(&mut *conn)
+            .await
+            .map_err(db)?;
+        let inserted = self.insert_all(conn, &msgs, Some(timeout)).await;
+        let restored = sqlx::raw_sql(AssertSqlSafe(format!("PRAGMA busy_timeout = {previous}")))
+            .execute(&mut *conn)
+            .await;
+        let ids = inserted?;
+        restored.map_err(db)?;
+        Ok(ids)
+    }
+
+    async fn insert_all(
+        &self,
+        conn: &mut SqliteConnection,
+        msgs: &[NewMessage],
+        timeout: Option<Duration>,
+    ) -> Result<Vec<Uuid>, EnqueueError> {
         let mut ids = Vec::with_capacity(msgs.len());
-        for m in &msgs {
-            self.insert(conn, m).await?;
+        for m in msgs {
+            let headers = serde_json::to_string(&m.headers).map_err(EnqueueError::Serialize)?;
+            self.insert(conn, m, headers)
+                .await
+                .map_err(|e| match timeout {
+                    Some(timeout) if is_busy(&e) => EnqueueError::Timeout {
+                        table: self.table.as_str().to_owned(),
+                        timeout,
+                        source: e,
+                    },
+                    _ => EnqueueError::Database(StoreError::db("enqueue", self.table.as_str(), e)),
+                })?;
             ids.push(m.message_id);
         }
         Ok(ids)
@@ -346,8 +427,8 @@ impl SqliteStore {
         &self,
         conn: &mut SqliteConnection,
         msg: &NewMessage,
-    ) -> Result<(), EnqueueError> {
-        let headers = serde_json::to_string(&msg.headers).map_err(EnqueueError::Serialize)?;
+        headers: String,
+    ) -> Result<(), sqlx::Error> {
         sqlx::query(AssertSqlSafe(self.sql.insert.clone()))
             .bind(msg.message_id.to_string())
             .bind(&msg.topic)
@@ -357,10 +438,7 @@ impl SqliteStore {
             .bind(msg.max_attempts.map(i64::from))
             .bind(msg.delay.map(millis).unwrap_or(0))
             .execute(conn)
-            .await
-            .map_err(|e| {
-                EnqueueError::Database(StoreError::db("enqueue", self.table.as_str(), e))
-            })?;
+            .await?;
         Ok(())
     }
 
