@@ -151,6 +151,53 @@ async fn mysql_concurrent_migrate() {
     fx.cleanup().await;
 }
 
+/// A MySQL/MariaDB migration interrupted between its DDL statements (each commits by itself):
+/// v6's first `ALTER` applied, its second not, the version not recorded (a crash or a lost
+/// connection in between, or membership tables left behind by a dropped outbox table). `migrate`
+/// runs again, meets the column that is already there, applies the rest and records v6. Before
+/// the fix it failed for good with "1060 Duplicate column name 'routes'" (CI's MariaDB demo).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_migration_interrupted_between_statements_completes_on_the_next_run() {
+    use outbox::store::Store as _;
+    use outbox_testkit::StoreFixture as _;
+    let fx = outbox_testkit::MySqlFixture::new().await;
+    fx.store.migrate().await.unwrap();
+    let t = fx.table.clone();
+    for sql in [
+        format!("ALTER TABLE {t}_buckets DROP COLUMN handoff"),
+        format!("DELETE FROM outbox_migrations WHERE table_name = '{t}' AND version = 6"),
+    ] {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+            .execute(fx.store.pool())
+            .await
+            .unwrap();
+    }
+    fx.store
+        .migrate()
+        .await
+        .expect("migrate completes an interrupted migration");
+    let handoff: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM information_schema.columns WHERE table_schema = DATABASE() \
+         AND table_name = ? AND column_name = 'handoff'",
+    )
+    .bind(format!("{t}_buckets"))
+    .fetch_one(fx.store.pool())
+    .await
+    .unwrap();
+    assert_eq!(
+        handoff, 1,
+        "the statement not applied before is applied now"
+    );
+    assert_eq!(
+        fx.count(&format!(
+            "outbox_migrations WHERE table_name = '{t}' AND version = 6"
+        ))
+        .await,
+        1
+    );
+    fx.cleanup().await;
+}
+
 /// `PgStore::connect` and `MySqlStore::connect` against the real servers: their pools (with the
 /// `TCP_NODELAY` hook after each connect) open, migrate, and carry a producer's
 /// `begin` / `enqueue` / `commit` to a committed PENDING row.

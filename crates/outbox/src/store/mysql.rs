@@ -120,6 +120,22 @@ pub(crate) fn is_lock_conflict(e: &sqlx::Error) -> bool {
     }
 }
 
+/// Whether `e` says a migration statement's effect is already there: 1050
+/// `ER_TABLE_EXISTS_ERROR`, 1060 `ER_DUP_FIELDNAME` (a column), 1061 `ER_DUP_KEYNAME` (an index).
+/// Each migration statement is one atomic DDL statement, so its effect is there whole or not at
+/// all.
+fn is_already_applied(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Database(db) => {
+            if let Some(my) = db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
+                return matches!(my.number(), 1050 | 1060 | 1061);
+            }
+            false
+        }
+        _ => false,
+    }
+}
+
 /// Whether `e` is a lock wait timeout (1205 `ER_LOCK_WAIT_TIMEOUT`): a row lock past
 /// `innodb_lock_wait_timeout`, or on MariaDB a table or metadata lock past `lock_wait_timeout`.
 fn is_lock_wait_timeout(e: &sqlx::Error) -> bool {
@@ -1144,10 +1160,19 @@ pub(crate) async fn run_migrations(pool: &MySqlPool, steps: Vec<Step>) -> Result
                 continue;
             }
             for sql in stmts {
-                sqlx::raw_sql(AssertSqlSafe(sql))
-                    .execute(&mut *conn)
-                    .await
-                    .map_err(e("migrate"))?;
+                match sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut *conn).await {
+                    Ok(_) => {}
+                    // DDL commits by itself on MySQL/MariaDB: a migration interrupted between
+                    // its statements (a crash, a lost connection) left the earlier ones applied
+                    // and the version unrecorded. Running it again meets their effect.
+                    Err(err) if is_already_applied(&err) => tracing::warn!(
+                        table,
+                        version,
+                        error = %err,
+                        "migration statement already applied (an earlier migrate stopped before recording the version); going on"
+                    ),
+                    Err(err) => return Err(e("migrate")(err)),
+                }
             }
             sqlx::query("INSERT INTO outbox_migrations (table_name, version) VALUES (?, ?)")
                 .bind(&table)
