@@ -475,3 +475,205 @@ async fn defect_04_kafka_fenced_producer_is_rebuilt_without_burning_attempts() {
     relay.shutdown().await.unwrap();
     fx.cleanup().await;
 }
+
+/// A private `nats-server` with JetStream and two users, on a free loopback port: `admin` may do
+/// anything; `relay` may do anything but publish to `denied.>` until [`PrivateNats::grant`]
+/// rewrites the configuration and reloads it (SIGHUP). Killed on drop.
+struct PrivateNats {
+    port: u16,
+    conf: std::path::PathBuf,
+    child: std::process::Child,
+    _dir: std::path::PathBuf,
+}
+
+impl PrivateNats {
+    fn config(port: u16, store: &std::path::Path, deny: bool) -> String {
+        let relay_perms = if deny {
+            r#"permissions: { publish: { deny: ["denied.>"] } }"#
+        } else {
+            ""
+        };
+        format!(
+            "listen: \"127.0.0.1:{port}\"\njetstream {{ store_dir: \"{}\" }}\n\
+             authorization {{\n  users = [\n    {{ user: admin, password: pw }}\n    \
+             {{ user: relay, password: pw, {relay_perms} }}\n  ]\n}}\n",
+            store.display()
+        )
+    }
+
+    async fn start() -> PrivateNats {
+        let dir = std::env::temp_dir().join(unique("obx-nats"));
+        std::fs::create_dir_all(dir.join("js")).unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let conf = dir.join("nats.conf");
+        std::fs::write(&conf, Self::config(port, &dir.join("js"), true)).unwrap();
+        let child = std::process::Command::new("nats-server")
+            .arg("-c")
+            .arg(&conf)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("nats-server is needed for this test (it runs a private server with users)");
+        wait_until(
+            &format!("the private nats-server on 127.0.0.1:{port}"),
+            Duration::from_secs(20),
+            || async move {
+                tokio::net::TcpStream::connect(("127.0.0.1", port))
+                    .await
+                    .is_ok()
+            },
+        )
+        .await;
+        PrivateNats {
+            port,
+            conf,
+            child,
+            _dir: dir,
+        }
+    }
+
+    fn url(&self, user: &str) -> String {
+        format!("nats://{user}:pw@127.0.0.1:{}", self.port)
+    }
+
+    /// Lift the deny rule and reload the server's configuration.
+    fn grant(&self) {
+        let store = self._dir.join("js");
+        std::fs::write(&self.conf, Self::config(self.port, &store, false)).unwrap();
+        let out = std::process::Command::new("kill")
+            .args(["-HUP", &self.child.id().to_string()])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+    }
+}
+
+impl Drop for PrivateNats {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self._dir);
+    }
+}
+
+/// Issue 11 item 9 on NATS: a publish the server refuses for lack of permission gets no PubAck
+/// (the server reports the violation on the connection only), so it used to surface as an ack
+/// timeout: retryable, an attempt burned per try, and the rows dead-lettered after
+/// `max_attempts`. Now the transport watches the connection's permission errors: the refused
+/// rows are released without an attempt while the transport pauses (one warning), the rows of a
+/// permitted subject are published meanwhile, and once the permission is granted (the server
+/// reloads its configuration) every refused row is delivered with one attempt.
+#[tokio::test]
+async fn defect_09_nats_permission_violation_pauses_without_dead_letters() {
+    use outbox::{NatsConfig, NatsTransport, transport::nats::StreamSetup};
+    let (logs, _guard) = Capture::start();
+    let server = PrivateNats::start().await;
+    let admin = outbox_testkit::nats_client_at(&server.url("admin")).await;
+    let js = async_nats::jetstream::new(admin);
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: "PERM".into(),
+        subjects: vec!["denied.>".into(), "allowed.>".into()],
+        ..Default::default()
+    })
+    .await
+    .expect("create the stream as admin");
+    let mut config = NatsConfig::new(server.url("relay"));
+    config.ack_timeout = Duration::from_millis(500);
+    config.stream = Some(StreamSetup {
+        name: "PERM".into(),
+        subjects: vec![],
+        create: false,
+    });
+    let transport = Arc::new(
+        NatsTransport::connect(config)
+            .await
+            .expect("relay connects"),
+    );
+    let db = SqliteFixture::new().await;
+    let relay = Relay::builder(db.store())
+        .router(
+            Router::new()
+                .route("denied", transport.clone(), "denied.{topic}")
+                .route("allowed", transport.clone(), "allowed.{topic}"),
+        )
+        .config(RelayConfig {
+            publish_timeout: Duration::from_secs(2),
+            max_attempts: 2,
+            ..fast_config("d09-nats-perm")
+        })
+        .build()
+        .unwrap()
+        .spawn();
+    let denied = db
+        .enqueue_commit(
+            (0..20)
+                .map(|i| NewMessage::new("denied", format!("d{i}")))
+                .collect(),
+        )
+        .await
+        .unwrap();
+    let metrics = relay.metrics().clone();
+    wait_until(
+        "the refused rows to be released three times (or dead-lettered)",
+        Duration::from_secs(60),
+        || {
+            let m = metrics.clone();
+            async move { m.snapshot().released >= 60 || m.snapshot().failed > 0 }
+        },
+    )
+    .await;
+    let snap = relay.metrics().snapshot();
+    assert_eq!(
+        snap.failed, 0,
+        "a permission fault dead-lettered rows: {snap:?}"
+    );
+    assert_eq!(
+        snap.retried, 0,
+        "a permission fault burned attempts: {snap:?}"
+    );
+    for r in db.rows().await {
+        assert_eq!(r.status, Status::Pending as i16, "{r:?}");
+        assert_eq!(r.attempts, 0, "an attempt was burned: {r:?}");
+    }
+    assert_eq!(
+        logs.count("WARN", "transport unavailable"),
+        1,
+        "one warning per outage:\n{}",
+        logs.dump()
+    );
+    assert!(
+        logs.count("WARN", "permissions violation") >= 1,
+        "the warning names the cause:\n{}",
+        logs.dump()
+    );
+    let allowed = db
+        .enqueue_commit(
+            (0..20)
+                .map(|i| NewMessage::new("allowed", format!("a{i}")))
+                .collect(),
+        )
+        .await
+        .unwrap();
+    wait_status(&db, &allowed, Status::Sent, Duration::from_secs(60)).await;
+    server.grant();
+    wait_status(&db, &denied, Status::Sent, Duration::from_secs(60)).await;
+    for r in db.rows().await {
+        assert_eq!(r.attempts, 1, "{r:?}");
+    }
+    let snap = relay.metrics().snapshot();
+    assert_eq!(snap.failed, 0, "{snap:?}");
+    let stream = js
+        .get_stream("PERM")
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .clone();
+    assert_eq!(stream.state.messages, 40, "{stream:?}");
+    relay.shutdown().await.unwrap();
+}

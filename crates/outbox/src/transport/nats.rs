@@ -24,15 +24,26 @@
 //! 5 min); ack timeout, broken pipe, too many pending acks → retryable; a message over the
 //! server's `max_payload` or the stream's `max_msg_size`, a failed `Nats-Expected-*` condition
 //! (wrong last sequence, wrong last message id, wrong stream), an invalid TTL or rollup →
-//! permanent (the same message would fail the same way again). A publish the server refuses for
-//! lack of permission gets no acknowledgement and surfaces as an ack timeout (retryable):
-//! async-nats reports the permission violation only as a connection event.
+//! permanent (the same message would fail the same way again).
+//!
+//! A publish the server refuses for lack of permission gets no acknowledgement: the server
+//! answers `-ERR 'Permissions Violation for Publish to "<subject>"'` on the connection, which
+//! async-nats reports only as a connection event, and the PubAck times out. A transport made by
+//! [`NatsTransport::connect`] watches those events: an ack timeout on a subject the server
+//! refused since the message was sent (or while the server refuses the reply subscription,
+//! `Permissions Violation for Subscription to "_INBOX..."`) is `Unavailable`, a configuration
+//! fault: the relay pauses the transport, counts no attempt and dead-letters nothing, and
+//! publishes once the permission is granted. A transport made by [`NatsTransport::from_client`]
+//! cannot see the events of a client it did not connect; there a refused publish stays an ack
+//! timeout (retryable).
 //!
 //! [`NatsTransport::connect`] fails when the server cannot be reached, with the client's reason;
 //! once connected, the client reconnects by itself, forever, after a lost connection (the relay
 //! pauses the transport meanwhile).
 
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use async_nats::connection::State;
 use async_nats::jetstream::context::PublishErrorKind;
@@ -83,6 +94,77 @@ pub struct StreamSetup {
 pub struct NatsTransport {
     client: async_nats::Client,
     js: jetstream::Context,
+    refusals: Arc<Refusals>,
+}
+
+/// The permission violations the server reported on the transport's connection (see the module
+/// docs): when each subject was last refused for publishing, and when the reply subscription was
+/// last refused.
+#[derive(Debug, Default)]
+struct Refusals {
+    state: Mutex<RefusalState>,
+}
+
+#[derive(Debug, Default)]
+struct RefusalState {
+    publish: HashMap<String, Instant>,
+    subscribe: Option<(Instant, String)>,
+}
+
+/// Most subjects remembered; older entries are dropped first (a refusal matters only to the
+/// acks that time out after it, within one `ack_timeout`).
+const MAX_REFUSED_SUBJECTS: usize = 4096;
+
+impl Refusals {
+    /// Record a server error text, e.g. `Permissions Violation for Publish to "orders.x"`.
+    fn record(&self, text: &str) {
+        let lower = text.to_ascii_lowercase();
+        let subject = || {
+            let t = text.trim_matches(|c| c == '\'' || c == ' ');
+            let start = t.find('"')? + 1;
+            let end = t[start..].find('"')? + start;
+            Some(t[start..end].to_owned())
+        };
+        let mut state = self.state.lock().expect("poisoned");
+        let now = Instant::now();
+        if lower.contains("permissions violation for publish to") {
+            if let Some(s) = subject() {
+                if state.publish.len() >= MAX_REFUSED_SUBJECTS {
+                    let oldest = state
+                        .publish
+                        .iter()
+                        .min_by_key(|(_, t)| **t)
+                        .map(|(s, _)| s.clone());
+                    if let Some(o) = oldest {
+                        state.publish.remove(&o);
+                    }
+                }
+                state.publish.insert(s, now);
+            }
+        } else if lower.contains("permissions violation for subscription to") {
+            state.subscribe = Some((now, subject().unwrap_or_default()));
+        }
+    }
+
+    /// Why an ack for `subject`, sent at `sent`, never came, if the server refused it.
+    fn refused(&self, subject: &str, sent: Instant) -> Option<String> {
+        let state = self.state.lock().expect("poisoned");
+        if let Some(at) = state.publish.get(subject)
+            && *at >= sent
+        {
+            return Some(format!(
+                "NATS refused the publish to {subject:?}: permissions violation (grant the user publish permission on the subject)"
+            ));
+        }
+        if let Some((at, inbox)) = &state.subscribe
+            && *at >= sent
+        {
+            return Some(format!(
+                "NATS refused the subscription to the reply subject {inbox:?}: permissions violation, so no PubAck can arrive (grant the user subscribe permission on _INBOX.>)"
+            ));
+        }
+        None
+    }
 }
 
 impl NatsTransport {
@@ -94,8 +176,17 @@ impl NatsTransport {
     pub async fn connect(config: NatsConfig) -> Result<Self, ConfigError> {
         // No `retry_on_initial_connect`: a failed first connection is reported now, with the
         // client's reason (connection refused, TLS, authorization).
+        let refusals = Arc::new(Refusals::default());
+        let watcher = refusals.clone();
         let client = async_nats::ConnectOptions::new()
             .connection_timeout(Duration::from_secs(5))
+            .event_callback(move |event| {
+                if let async_nats::Event::ServerError(async_nats::ServerError::Other(text)) = &event
+                {
+                    watcher.record(text);
+                }
+                async {}
+            })
             .connect(config.url.as_str())
             .await
             .map_err(|e| {
@@ -107,10 +198,14 @@ impl NatsTransport {
                 }
                 ConfigError::new("url", reason)
             })?;
-        Self::from_client(client, config).await
+        let mut transport = Self::from_client(client, config).await?;
+        transport.refusals = refusals;
+        Ok(transport)
     }
 
-    /// Use an existing client.
+    /// Use an existing client. The transport cannot see the server errors of a client it did not
+    /// connect, so a publish refused for lack of permission stays an ack timeout (retryable; see
+    /// the module docs).
     ///
     /// # Errors
     /// As [`NatsTransport::connect`] for the stream.
@@ -146,7 +241,11 @@ impl NatsTransport {
                 }
             }
         }
-        Ok(NatsTransport { client, js })
+        Ok(NatsTransport {
+            client,
+            js,
+            refusals: Arc::default(),
+        })
     }
 
     /// The JetStream context.
@@ -283,6 +382,7 @@ impl Transport for NatsTransport {
 
     async fn publish_each(&self, batch: &[Outgoing<'_>], acks: &Acks) {
         let mut pending = Vec::with_capacity(batch.len());
+        let sent = Instant::now();
         for o in batch {
             if let Err(refused) = self.check(o) {
                 pending.push(Err(refused));
@@ -302,7 +402,7 @@ impl Transport for NatsTransport {
         }
         // Each PubAck is recorded as it arrives: acknowledged messages count even if the
         // relay's publish timeout cuts the rest short.
-        for p in pending {
+        for (o, p) in batch.iter().zip(pending) {
             let r = match p {
                 Err(invalid) => {
                     acks.push(Err(invalid));
@@ -318,6 +418,11 @@ impl Transport for NatsTransport {
                         "JetStream publish failed: no stream captures the subject",
                     )
                     .with_source(e);
+                }
+                if e.kind() == PublishErrorKind::TimedOut
+                    && let Some(why) = self.refusals.refused(o.destination, sent)
+                {
+                    return TransportError::unavailable(why).with_source(e);
                 }
                 TransportError::new(classify(&e, connected), "JetStream publish failed")
                     .with_source(e)
@@ -440,6 +545,31 @@ mod tests {
             ),
             TransportErrorKind::Retryable
         );
+    }
+
+    /// The server's permission errors are parsed into the subject they name; a refusal counts
+    /// only for acks of messages sent before it.
+    #[test]
+    fn permission_violations_are_recorded_per_subject() {
+        let r = Refusals::default();
+        let before = Instant::now();
+        r.record("Permissions Violation for Publish to \"orders.created\"");
+        r.record("'Permissions Violation for Publish to \"Orders.Mixed\"'");
+        r.record("maximum payload exceeded");
+        let why = r.refused("orders.created", before).expect("refused");
+        assert!(
+            why.contains("\"orders.created\"") && why.contains("permission"),
+            "{why}"
+        );
+        assert!(r.refused("Orders.Mixed", before).is_some());
+        assert!(r.refused("orders.other", before).is_none());
+        assert!(
+            r.refused("orders.created", Instant::now() + Duration::from_secs(1))
+                .is_none()
+        );
+        r.record("Permissions Violation for Subscription to \"_INBOX.abc.*\"");
+        let why = r.refused("orders.other", before).expect("inbox refused");
+        assert!(why.contains("_INBOX.abc.*"), "{why}");
     }
 
     #[test]

@@ -1,0 +1,361 @@
+//! The relay's decisions as pure functions of what it knows: what a publish result makes of a
+//! message, where an ordered key stands, and whether it goes on after a generation. The batch
+//! code ([`super::batch`]) gathers the inputs and applies the answers; the unit tests below
+//! check each rule on its own.
+
+use std::time::Duration;
+
+use crate::error::{TransportError, TransportErrorKind};
+use crate::store::{KeyHead, Outcome};
+use crate::transport::DeadLetterPolicy;
+
+use super::RelayConfig;
+
+/// What a publish result says about the transport, besides the message's outcome.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Signal {
+    /// The broker accepted the message: the transport works (an outage, if any, is over).
+    Accepted,
+    /// The transport is unavailable, with the reason: pause it and probe.
+    Unavailable(String),
+    /// Nothing about the transport (a message's own failure).
+    Nothing,
+}
+
+/// The outcome of one published message.
+///
+/// - `Ok` → SENT, or SENT awaiting confirmation within `confirm` on a route with
+///   confirmations;
+/// - `Unavailable` → released without counting the attempt (due again in 500 ms) and the
+///   transport paused; a missing destination past `missing_destination_grace`
+///   (`missing_too_long`, asked only for a missing destination) → FAILED naming the grace;
+/// - `Permanent` → FAILED with the error;
+/// - `Retryable` → PENDING again after `cfg.backoff.delay(attempt)`, or FAILED ("attempts
+///   exhausted") when `attempt >= max_attempts`.
+pub(super) fn after_publish(
+    result: Result<(), TransportError>,
+    attempt: u32,
+    max_attempts: u32,
+    confirm: Option<Duration>,
+    missing_too_long: impl FnOnce() -> bool,
+    cfg: &RelayConfig,
+) -> (Outcome, Signal) {
+    let e = match result {
+        Ok(()) => {
+            let outcome = match confirm {
+                Some(within) => Outcome::SentAwaitingConfirmation { within },
+                None => Outcome::Sent,
+            };
+            return (outcome, Signal::Accepted);
+        }
+        Err(e) => e,
+    };
+    let outcome = match e.kind() {
+        TransportErrorKind::Unavailable if e.is_missing_destination() && missing_too_long() => {
+            Outcome::Failed {
+                reason: format!(
+                    "destination missing for longer than missing_destination_grace ({:?}): {}",
+                    cfg.missing_destination_grace,
+                    e.report()
+                ),
+            }
+        }
+        TransportErrorKind::Unavailable => {
+            return (
+                Outcome::Release {
+                    delay: Duration::from_millis(500),
+                },
+                Signal::Unavailable(e.report()),
+            );
+        }
+        TransportErrorKind::Permanent => Outcome::Failed { reason: e.report() },
+        TransportErrorKind::Retryable if attempt >= max_attempts => Outcome::Failed {
+            reason: format!("attempts exhausted ({attempt}): {}", e.report()),
+        },
+        TransportErrorKind::Retryable => Outcome::Retry {
+            delay: cfg.backoff.delay(attempt),
+            error: e.report(),
+        },
+    };
+    (outcome, Signal::Nothing)
+}
+
+/// Where an ordered key stands before its first message in a batch (id `first_id`) is
+/// published, from the key's head in the table ([`crate::Store::key_heads`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum KeyStart {
+    /// An earlier message of the key is still open, or dead-lettered under
+    /// [`DeadLetterPolicy::Block`] (`behind_dead`): the key's rows wait.
+    HeldBack { behind_dead: bool },
+    /// The first message is the key's head: publish, `past_dead` when it goes past a
+    /// dead-lettered earlier message ([`DeadLetterPolicy::Skip`]).
+    Go { past_dead: bool },
+}
+
+/// The [`KeyStart`] of a key whose first message in the batch has id `first_id`.
+pub(super) fn key_start(
+    first_id: i64,
+    head: Option<&KeyHead>,
+    policy: DeadLetterPolicy,
+) -> KeyStart {
+    let open_before = head
+        .and_then(|h| h.first_open)
+        .is_some_and(|open| open < first_id);
+    let dead_before = head
+        .and_then(|h| h.first_failed)
+        .is_some_and(|failed| failed < first_id);
+    let behind_dead = policy == DeadLetterPolicy::Block && dead_before;
+    if open_before || behind_dead {
+        KeyStart::HeldBack { behind_dead }
+    } else {
+        KeyStart::Go {
+            past_dead: dead_before,
+        }
+    }
+}
+
+/// What an ordered key does after one of its messages was published in a generation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum KeyStep {
+    /// The message is done (acknowledged, or dead-lettered under `Skip`): the next one may go.
+    Next,
+    /// The message will be tried again after `delay`: the key is held back until then.
+    HoldBack(Duration),
+    /// The key stops in this batch (dead-lettered under `Block`, or no outcome).
+    Stop,
+}
+
+/// The [`KeyStep`] after a key's message got `outcome`.
+pub(super) fn key_step(outcome: Option<&Outcome>, policy: DeadLetterPolicy) -> KeyStep {
+    match outcome {
+        Some(Outcome::Sent | Outcome::SentAwaitingConfirmation { .. }) => KeyStep::Next,
+        Some(Outcome::Failed { .. }) if policy == DeadLetterPolicy::Skip => KeyStep::Next,
+        Some(Outcome::Failed { .. }) | None => KeyStep::Stop,
+        Some(Outcome::Retry { delay, .. } | Outcome::Release { delay }) => {
+            KeyStep::HoldBack(*delay)
+        }
+    }
+}
+
+/// The `attempts` value a row stores with `outcome`: a release gives the attempt back
+/// (`stored`, what the row held), every other outcome records `attempt`.
+pub(super) fn attempts_to_store(stored: u32, attempt: u32, outcome: &Outcome) -> u32 {
+    match outcome {
+        Outcome::Release { .. } => stored,
+        _ => attempt,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::retry::Backoff;
+
+    fn cfg() -> RelayConfig {
+        RelayConfig {
+            backoff: Backoff {
+                base: Duration::from_millis(100),
+                factor: 2.0,
+                max: Duration::from_secs(10),
+                jitter: 0.0,
+            },
+            missing_destination_grace: Duration::from_secs(300),
+            ..RelayConfig::default()
+        }
+    }
+
+    fn never() -> bool {
+        panic!("asked about a missing destination for another error")
+    }
+
+    #[test]
+    fn acknowledged_is_sent_or_awaits_its_confirmation() {
+        let c = cfg();
+        assert_eq!(
+            after_publish(Ok(()), 1, 5, None, never, &c),
+            (Outcome::Sent, Signal::Accepted)
+        );
+        let within = Duration::from_secs(30);
+        assert_eq!(
+            after_publish(Ok(()), 3, 5, Some(within), never, &c),
+            (
+                Outcome::SentAwaitingConfirmation { within },
+                Signal::Accepted
+            )
+        );
+    }
+
+    #[test]
+    fn unavailable_releases_and_pauses_the_transport() {
+        let c = cfg();
+        let (o, s) = after_publish(
+            Err(TransportError::unavailable("broker down")),
+            5,
+            5,
+            None,
+            never,
+            &c,
+        );
+        // Even at the last attempt: an outage never dead-letters.
+        assert_eq!(
+            o,
+            Outcome::Release {
+                delay: Duration::from_millis(500)
+            }
+        );
+        assert!(matches!(s, Signal::Unavailable(r) if r.contains("broker down")));
+    }
+
+    #[test]
+    fn a_missing_destination_fails_only_past_the_grace() {
+        let c = cfg();
+        let missing = || Err(TransportError::missing_destination("no stream"));
+        let (o, s) = after_publish(missing(), 1, 5, None, || false, &c);
+        assert!(matches!(o, Outcome::Release { .. }), "{o:?}");
+        assert!(matches!(s, Signal::Unavailable(_)));
+        let (o, s) = after_publish(missing(), 1, 5, None, || true, &c);
+        match o {
+            Outcome::Failed { reason } => {
+                assert!(
+                    reason.contains("missing_destination_grace (300s)"),
+                    "{reason}"
+                );
+                assert!(reason.contains("no stream"), "{reason}");
+            }
+            o => panic!("{o:?}"),
+        }
+        assert_eq!(s, Signal::Nothing);
+    }
+
+    #[test]
+    fn permanent_fails_at_once() {
+        let (o, s) = after_publish(
+            Err(TransportError::permanent("too large")),
+            1,
+            5,
+            None,
+            never,
+            &cfg(),
+        );
+        assert!(
+            matches!(&o, Outcome::Failed { reason } if reason.contains("too large")),
+            "{o:?}"
+        );
+        assert_eq!(s, Signal::Nothing);
+    }
+
+    #[test]
+    fn retryable_backs_off_by_attempt_until_exhausted() {
+        let c = cfg();
+        let err = || Err(TransportError::retryable("nack"));
+        for (attempt, ms) in [(1, 100), (2, 200), (3, 400)] {
+            let (o, s) = after_publish(err(), attempt, 5, None, never, &c);
+            assert_eq!(s, Signal::Nothing);
+            match o {
+                Outcome::Retry { delay, error } => {
+                    assert_eq!(delay, Duration::from_millis(ms), "attempt {attempt}");
+                    assert!(error.contains("nack"));
+                }
+                o => panic!("attempt {attempt}: {o:?}"),
+            }
+        }
+        let (o, _) = after_publish(err(), 5, 5, None, never, &c);
+        assert!(
+            matches!(&o, Outcome::Failed { reason } if reason.starts_with("attempts exhausted (5)")),
+            "{o:?}"
+        );
+    }
+
+    fn head(first_open: Option<i64>, first_failed: Option<i64>) -> KeyHead {
+        KeyHead {
+            key: "k".into(),
+            first_open,
+            first_failed,
+        }
+    }
+
+    #[test]
+    fn key_start_waits_behind_an_open_message() {
+        use DeadLetterPolicy::{Block, Skip};
+        // No head known, or the batch's first message is the first open one: go.
+        assert_eq!(
+            key_start(10, None, Block),
+            KeyStart::Go { past_dead: false }
+        );
+        let h = head(Some(10), None);
+        assert_eq!(
+            key_start(10, Some(&h), Block),
+            KeyStart::Go { past_dead: false }
+        );
+        // An earlier message is still open (a retry in backoff): wait, under both policies.
+        let h = head(Some(7), None);
+        for p in [Block, Skip] {
+            assert_eq!(
+                key_start(10, Some(&h), p),
+                KeyStart::HeldBack { behind_dead: false }
+            );
+        }
+    }
+
+    #[test]
+    fn key_start_behind_a_dead_letter_depends_on_the_policy() {
+        let h = head(Some(10), Some(4));
+        assert_eq!(
+            key_start(10, Some(&h), DeadLetterPolicy::Block),
+            KeyStart::HeldBack { behind_dead: true }
+        );
+        assert_eq!(
+            key_start(10, Some(&h), DeadLetterPolicy::Skip),
+            KeyStart::Go { past_dead: true }
+        );
+        // A dead letter after the first message does not hold it.
+        let h = head(Some(10), Some(12));
+        assert_eq!(
+            key_start(10, Some(&h), DeadLetterPolicy::Block),
+            KeyStart::Go { past_dead: false }
+        );
+    }
+
+    #[test]
+    fn key_step_goes_on_only_after_a_finished_message() {
+        use DeadLetterPolicy::{Block, Skip};
+        let within = Duration::from_secs(1);
+        for p in [Block, Skip] {
+            assert_eq!(key_step(Some(&Outcome::Sent), p), KeyStep::Next);
+            assert_eq!(
+                key_step(Some(&Outcome::SentAwaitingConfirmation { within }), p),
+                KeyStep::Next
+            );
+            let delay = Duration::from_millis(250);
+            assert_eq!(
+                key_step(
+                    Some(&Outcome::Retry {
+                        delay,
+                        error: "x".into()
+                    }),
+                    p
+                ),
+                KeyStep::HoldBack(delay)
+            );
+            assert_eq!(
+                key_step(Some(&Outcome::Release { delay }), p),
+                KeyStep::HoldBack(delay)
+            );
+            assert_eq!(key_step(None, p), KeyStep::Stop);
+        }
+        let failed = Outcome::Failed { reason: "x".into() };
+        assert_eq!(key_step(Some(&failed), Skip), KeyStep::Next);
+        assert_eq!(key_step(Some(&failed), Block), KeyStep::Stop);
+    }
+
+    #[test]
+    fn a_release_gives_the_attempt_back() {
+        let release = Outcome::Release {
+            delay: Duration::ZERO,
+        };
+        assert_eq!(attempts_to_store(2, 3, &release), 2);
+        assert_eq!(attempts_to_store(2, 3, &Outcome::Sent), 3);
+        let failed = Outcome::Failed { reason: "x".into() };
+        assert_eq!(attempts_to_store(2, 3, &failed), 3);
+    }
+}
