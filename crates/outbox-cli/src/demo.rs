@@ -1674,7 +1674,8 @@ impl Delivery {
                 Ok(Delivery::Webhook { secret })
             }
             Some(url) if url.starts_with("nats://") => {
-                let client = async_nats::connect(url)
+                let client = outbox::transport::nats::connect_options(url)
+                    .connect(url)
                     .await
                     .with_context(|| format!("cannot connect to NATS at {url}"))?;
                 let js = async_nats::jetstream::new(client);

@@ -474,7 +474,8 @@ async fn spawn_confirmations(
             subject,
             queue,
         } => {
-            let client = async_nats::connect(url.as_str())
+            let client = outbox::transport::nats::connect_options(&url)
+                .connect(url.as_str())
                 .await
                 .with_context(|| format!("confirmations.url: cannot connect to NATS at {url}"))?;
             tracing::info!(subject, queue, "listening for confirmations on NATS");

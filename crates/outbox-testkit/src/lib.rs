@@ -143,7 +143,7 @@ pub async fn nats_client() -> async_nats::Client {
 /// # Panics
 /// As [`nats_client`].
 pub async fn nats_client_at(url: &str) -> async_nats::Client {
-    let connect = async_nats::ConnectOptions::new()
+    let connect = outbox::transport::nats::connect_options(url)
         .connection_timeout(Duration::from_secs(5))
         .connect(url);
     match tokio::time::timeout(Duration::from_secs(5), connect).await {

@@ -602,6 +602,7 @@ async fn defect_09_nats_permission_violation_pauses_without_dead_letters() {
         )
         .config(RelayConfig {
             publish_timeout: Duration::from_secs(2),
+            lease: Duration::from_secs(6),
             max_attempts: 2,
             ..fast_config("d09-nats-perm")
         })

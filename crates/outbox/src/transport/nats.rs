@@ -55,10 +55,31 @@ use super::wire::{self, Broker, Field, HeaderRules, WireError};
 use super::{Acks, Outgoing, Transport};
 use crate::error::{ConfigError, TransportError, TransportErrorKind};
 
+/// Connection options for `url` with the credentials it carries: `nats://user:password@host`
+/// (user and password) or `nats://token@host` (a token). async-nats 0.51 does not read
+/// credentials from the URL by itself: a URL with credentials connected without them, and the
+/// server refused it with "authorization violation".
+///
+/// # Errors
+/// None: a URL that does not parse is left to `connect`, which names it.
+pub fn connect_options(url: &str) -> async_nats::ConnectOptions {
+    let options = async_nats::ConnectOptions::new();
+    let Ok(addr) = url.parse::<async_nats::ServerAddr>() else {
+        return options;
+    };
+    match (addr.username(), addr.password()) {
+        (Some(user), Some(pass)) => options.user_and_password(user.to_owned(), pass.to_owned()),
+        (Some(token), None) => options.token(token.to_owned()),
+        _ => options,
+    }
+}
+
 /// NATS transport settings.
 #[derive(Debug, Clone)]
 pub struct NatsConfig {
-    /// Server URL, e.g. `nats://127.0.0.1:4222`. Required.
+    /// Server URL, e.g. `nats://127.0.0.1:4222`; credentials may be given in it
+    /// (`nats://user:password@host:4222`, `nats://token@host:4222`, see [`connect_options`]).
+    /// Required.
     pub url: String,
     /// The stream that captures the published subjects, if the transport should check or create it.
     /// Default: none (the stream is managed elsewhere).
@@ -178,7 +199,7 @@ impl NatsTransport {
         // client's reason (connection refused, TLS, authorization).
         let refusals = Arc::new(Refusals::default());
         let watcher = refusals.clone();
-        let client = async_nats::ConnectOptions::new()
+        let client = connect_options(&config.url)
             .connection_timeout(Duration::from_secs(5))
             .event_callback(move |event| {
                 if let async_nats::Event::ServerError(async_nats::ServerError::Other(text)) = &event
@@ -256,6 +277,28 @@ impl NatsTransport {
     /// The client.
     pub fn client(&self) -> &async_nats::Client {
         &self.client
+    }
+
+    /// The error of a failed publish to `destination`, sent at `sent` (see the module docs).
+    fn publish_error(
+        &self,
+        e: jetstream::context::PublishError,
+        destination: &str,
+        sent: Instant,
+    ) -> TransportError {
+        if e.kind() == PublishErrorKind::StreamNotFound {
+            return TransportError::missing_destination(
+                "JetStream publish failed: no stream captures the subject",
+            )
+            .with_source(e);
+        }
+        if e.kind() == PublishErrorKind::TimedOut
+            && let Some(why) = self.refusals.refused(destination, sent)
+        {
+            return TransportError::unavailable(why).with_source(e);
+        }
+        let connected = self.client.connection_state() == State::Connected;
+        TransportError::new(classify(&e, connected), "JetStream publish failed").with_source(e)
     }
 }
 
@@ -400,33 +443,28 @@ impl Transport for NatsTransport {
                 .send_publish(o.destination.to_owned(), publish)
                 .await));
         }
-        // Each PubAck is recorded as it arrives: acknowledged messages count even if the
-        // relay's publish timeout cuts the rest short.
-        for (o, p) in batch.iter().zip(pending) {
-            let r = match p {
-                Err(invalid) => {
-                    acks.push(Err(invalid));
-                    continue;
+        // The acks are awaited together (each ack's timeout runs from its first poll, so awaiting
+        // them one after another would add the timeouts up) and recorded in order as they
+        // arrive: acknowledged messages count even if the relay's publish timeout cuts the rest
+        // short.
+        let mut waiting: futures::stream::FuturesOrdered<_> = pending
+            .into_iter()
+            .map(|p| async move {
+                match p {
+                    Err(invalid) => Err(Ok(invalid)),
+                    Ok(Ok(ack)) => ack.await.map(|_| ()).map_err(Err),
+                    Ok(Err(e)) => Err(Err(e)),
                 }
-                Ok(Ok(ack)) => ack.await,
-                Ok(Err(e)) => Err(e),
-            };
-            acks.push(r.map(|_| ()).map_err(|e| {
-                let connected = self.client.connection_state() == State::Connected;
-                if e.kind() == PublishErrorKind::StreamNotFound {
-                    return TransportError::missing_destination(
-                        "JetStream publish failed: no stream captures the subject",
-                    )
-                    .with_source(e);
-                }
-                if e.kind() == PublishErrorKind::TimedOut
-                    && let Some(why) = self.refusals.refused(o.destination, sent)
-                {
-                    return TransportError::unavailable(why).with_source(e);
-                }
-                TransportError::new(classify(&e, connected), "JetStream publish failed")
-                    .with_source(e)
-            }));
+            })
+            .collect();
+        let mut destinations = batch.iter().map(|o| o.destination);
+        while let Some(r) = futures::StreamExt::next(&mut waiting).await {
+            let destination = destinations.next().unwrap_or_default();
+            acks.push(match r {
+                Ok(()) => Ok(()),
+                Err(Ok(invalid)) => Err(invalid),
+                Err(Err(e)) => Err(self.publish_error(e, destination, sent)),
+            });
         }
     }
 
