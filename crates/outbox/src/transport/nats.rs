@@ -18,7 +18,10 @@
 //!   rows are marked SENT; `Nats-Expected-*`, `Nats-Rollup`, `Nats-TTL`, ... steer the server);
 //! - a subject that is not a valid publish subject.
 //!
-//! Classification: not connected → `Unavailable`; no stream captures the subject (JetStream's
+//! Classification: not connected, or the connection lost (or replaced by a reconnection) while
+//! a PubAck was awaited (issue 11 item 4: async-nats would wait for the lost ack until its
+//! timeout, a retryable error that burned an attempt; the message is in doubt and its re-publish
+//! is deduplicated by `Nats-Msg-Id`) → `Unavailable`; no stream captures the subject (JetStream's
 //! "no responders") → `Unavailable`, marked as a missing destination (the transport pauses until
 //! the stream exists; the relay dead-letters after its `missing_destination_grace`, default
 //! 5 min); ack timeout, broken pipe, too many pending acks → retryable; a message over the
@@ -158,6 +161,23 @@ impl NatsTransport {
     pub fn client(&self) -> &async_nats::Client {
         &self.client
     }
+
+    /// How many times the client has connected (the first connection included).
+    fn connects(&self) -> u64 {
+        self.client
+            .statistics()
+            .connects
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Resolves once the connection that was current when the client had connected `connects`
+    /// times is gone (disconnected, or replaced by a reconnection): a PubAck awaited on it is
+    /// lost with it (async-nats keeps waiting until its ack timeout). Polled every 20 ms.
+    async fn connection_lost_since(&self, connects: u64) {
+        while self.client.connection_state() == State::Connected && self.connects() == connects {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
 }
 
 /// The `Nats-Msg-Id`: the message id, suffixed `-r<n>` on the n-th intentional redelivery
@@ -282,6 +302,7 @@ impl Transport for NatsTransport {
     }
 
     async fn publish_each(&self, batch: &[Outgoing<'_>], acks: &Acks) {
+        let connects = self.connects();
         let mut pending = Vec::with_capacity(batch.len());
         for o in batch {
             if let Err(refused) = self.check(o) {
@@ -308,7 +329,21 @@ impl Transport for NatsTransport {
                     acks.push(Err(invalid));
                     continue;
                 }
-                Ok(Ok(ack)) => ack.await,
+                Ok(Ok(ack)) => {
+                    let ack = std::future::IntoFuture::into_future(ack);
+                    tokio::select! {
+                        biased;
+                        r = ack => r,
+                        () = self.connection_lost_since(connects) => {
+                            acks.push(Err(TransportError::unavailable(
+                                "NATS connection lost while awaiting the PubAck: the message is in \
+                                 doubt and is published again (JetStream drops the copy by its \
+                                 Nats-Msg-Id)",
+                            )));
+                            continue;
+                        }
+                    }
+                }
                 Ok(Err(e)) => Err(e),
             };
             acks.push(r.map(|_| ()).map_err(|e| {
