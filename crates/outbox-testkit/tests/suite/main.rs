@@ -17,6 +17,7 @@ mod confirm;
 mod crash;
 mod crash_mysql;
 mod db_roles;
+mod dead_client;
 mod inbox;
 mod kafka;
 mod mqtt;

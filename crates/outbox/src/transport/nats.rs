@@ -18,7 +18,10 @@
 //!   rows are marked SENT; `Nats-Expected-*`, `Nats-Rollup`, `Nats-TTL`, ... steer the server);
 //! - a subject that is not a valid publish subject.
 //!
-//! Classification: not connected → `Unavailable`; no stream captures the subject (JetStream's
+//! Classification: not connected, or the connection lost (or replaced by a reconnection) while
+//! a PubAck was awaited (issue 11 item 4: async-nats would wait for the lost ack until its
+//! timeout, a retryable error that burned an attempt; the message is in doubt and its re-publish
+//! is deduplicated by `Nats-Msg-Id`) → `Unavailable`; no stream captures the subject (JetStream's
 //! "no responders") → `Unavailable`, marked as a missing destination (the transport pauses until
 //! the stream exists; the relay dead-letters after its `missing_destination_grace`, default
 //! 5 min); ack timeout, broken pipe, too many pending acks → retryable; a message over the
@@ -300,6 +303,23 @@ impl NatsTransport {
         let connected = self.client.connection_state() == State::Connected;
         TransportError::new(classify(&e, connected), "JetStream publish failed").with_source(e)
     }
+
+    /// How many times the client has connected (the first connection included).
+    fn connects(&self) -> u64 {
+        self.client
+            .statistics()
+            .connects
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Resolves once the connection that was current when the client had connected `connects`
+    /// times is gone (disconnected, or replaced by a reconnection): a PubAck awaited on it is
+    /// lost with it (async-nats keeps waiting until its ack timeout). Polled every 20 ms.
+    async fn connection_lost_since(&self, connects: u64) {
+        while self.client.connection_state() == State::Connected && self.connects() == connects {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
 }
 
 /// The `Nats-Msg-Id`: the message id, suffixed `-r<n>` on the n-th intentional redelivery
@@ -424,6 +444,7 @@ impl Transport for NatsTransport {
     }
 
     async fn publish_each(&self, batch: &[Outgoing<'_>], acks: &Acks) {
+        let connects = self.connects();
         let mut pending = Vec::with_capacity(batch.len());
         let sent = Instant::now();
         for o in batch {
@@ -458,13 +479,35 @@ impl Transport for NatsTransport {
             })
             .collect();
         let mut destinations = batch.iter().map(|o| o.destination);
-        while let Some(r) = futures::StreamExt::next(&mut waiting).await {
-            let destination = destinations.next().unwrap_or_default();
-            acks.push(match r {
-                Ok(()) => Ok(()),
-                Err(Ok(invalid)) => Err(invalid),
-                Err(Err(e)) => Err(self.publish_error(e, destination, sent)),
-            });
+        // A PubAck awaited on a connection that is lost (or replaced by a reconnection) never
+        // comes: async-nats would wait for it until its timeout (retryable, an attempt burned).
+        // The messages still unanswered then are in doubt: Unavailable, published again (the
+        // copy is dropped by its `Nats-Msg-Id`).
+        let lost = self.connection_lost_since(connects);
+        tokio::pin!(lost);
+        loop {
+            tokio::select! {
+                biased;
+                r = futures::StreamExt::next(&mut waiting) => {
+                    let Some(r) = r else { break };
+                    let destination = destinations.next().unwrap_or_default();
+                    acks.push(match r {
+                        Ok(()) => Ok(()),
+                        Err(Ok(invalid)) => Err(invalid),
+                        Err(Err(e)) => Err(self.publish_error(e, destination, sent)),
+                    });
+                }
+                () = &mut lost => {
+                    for _ in destinations.by_ref() {
+                        acks.push(Err(TransportError::unavailable(
+                            "NATS connection lost while awaiting the PubAck: the message is in \
+                             doubt and is published again (JetStream drops the copy by its \
+                             Nats-Msg-Id)",
+                        )));
+                    }
+                    break;
+                }
+            }
         }
     }
 
