@@ -1,16 +1,18 @@
-//! Shared failure cases (see `/work/shared/cases/README.md`), one test per case id. C08 and C25/C27
-//! also have tests in the store, transport and inbox modules; C10's compile-time half is the
-//! `compile_fail` doc test in the test kit's crate docs.
+//! Shared failure cases (see `/work/shared/cases/README.md`), one test per case id, driven through
+//! the `Relay` (C17 is in `cases_fencing`). C08 and C25/C27 also have tests in the store,
+//! transport and inbox modules; C10's compile-time half is the `compile_fail` doc test in the
+//! test kit's crate docs.
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox::store::{ClaimRequest, Completion, Outcome, Store as _};
+use outbox::store::Store as _;
 use outbox::{
-    HandlerError, InboundMessage, Inbox, MemoryTransport, NewMessage, PgStore, Processed, Relay,
-    RelayConfig, Router, SqliteStore, Status, StoreErrorKind, StoreOptions, TransportErrorKind,
+    Backoff, HandlerError, InboundMessage, Inbox, MemoryTransport, NewMessage, PgStore, Processed,
+    Relay, RelayConfig, Router, SqliteStore, Status, StoreErrorKind, StoreOptions,
+    TransportErrorKind,
 };
 use outbox_testkit::{PgFixture, SqliteFixture, StoreFixture, wait_until, within};
 use sqlx::{AssertSqlSafe, Executor as _, PgConnection};
@@ -19,14 +21,6 @@ use tokio::sync::Notify;
 use crate::crash::PauseFirstClaim;
 use crate::inbox::inbound;
 use crate::relay::{counts_by_id, fast_config, relay_to, wait_all_status};
-
-fn req(lease: Duration) -> ClaimRequest {
-    ClaimRequest {
-        owner: "case".into(),
-        batch_size: 100,
-        lease,
-    }
-}
 
 /// C01: a row whose transaction commits after a later row's is still published (claim by
 /// state, no id cursor).
@@ -250,144 +244,10 @@ async fn c10_replies_enqueued_in_consumer_transactions_are_all_delivered() {
     fx.cleanup().await;
 }
 
-/// C17 on PostgreSQL: every state change is conditional on the expected state and token.
-/// (a) A completion that lands after the lease expired but before any reap stays SENT; a later
-/// reap does not reset it. (b) A reaper racing a completion that holds the row lock skips the
-/// row. (c) Once reaped, the late completion is refused.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn c17_reaper_never_overwrites_a_completion() {
-    crate::init_tracing();
-    let fx = PgFixture::new().await;
-    let store = fx.store();
-    let table = fx.table();
-
-    // (a) + (b): the completion holds the row lock while the reaper runs.
-    let ids = fx
-        .enqueue_commit(vec![NewMessage::new("t", "m1")])
-        .await
-        .unwrap();
-    let c = store.claim(&req(Duration::from_millis(300))).await.unwrap();
-    let id = c.messages[0].id;
-    wait_until("the lease to expire", Duration::from_secs(5), || {
-        let store = store.clone();
-        async move { store.stats().await.unwrap().expired_leases == 1 }
-    })
-    .await;
-    let mut x = fx.store.pool().begin().await.unwrap();
-    sqlx::query(AssertSqlSafe(format!(
-        "SELECT id FROM {table} WHERE id = $1 FOR UPDATE"
-    )))
-    .bind(id)
-    .execute(&mut *x)
-    .await
-    .unwrap();
-    let completion = {
-        let store = store.clone();
-        let token = c.token;
-        tokio::spawn(async move {
-            store
-                .complete(
-                    token,
-                    &[Completion {
-                        id,
-                        outcome: Outcome::Sent,
-                    }],
-                )
-                .await
-        })
-    };
-    // The reaper does not wait for the locked row and does not touch it.
-    assert_eq!(store.reap_expired_leases(100, 16).await.unwrap(), 0);
-    x.commit().await.unwrap();
-    assert_eq!(completion.await.unwrap().unwrap(), 1);
-    let sent = fx.row(ids[0]).await;
-    assert_eq!(sent.status, Status::Sent.as_i16());
-    assert_eq!(store.reap_expired_leases(100, 16).await.unwrap(), 0);
-    let after = fx.row(ids[0]).await;
-    assert_eq!(
-        after.status,
-        Status::Sent.as_i16(),
-        "a reap reset a SENT row"
-    );
-    assert_eq!(after.attempts, sent.attempts);
-    assert_eq!(after.last_error, sent.last_error);
-    assert!(after.sent);
-
-    // (c): reaped first, then the late completion is refused.
-    let ids = fx
-        .enqueue_commit(vec![NewMessage::new("t", "m2")])
-        .await
-        .unwrap();
-    let c = store.claim(&req(Duration::from_millis(300))).await.unwrap();
-    wait_until(
-        "the second lease to be reaped",
-        Duration::from_secs(5),
-        || {
-            let store = store.clone();
-            async move { store.reap_expired_leases(100, 16).await.unwrap() == 1 }
-        },
-    )
-    .await;
-    let late = store
-        .complete(
-            c.token,
-            &[Completion {
-                id: c.messages[0].id,
-                outcome: Outcome::Sent,
-            }],
-        )
-        .await
-        .unwrap();
-    assert_eq!(late, 0, "a completion on a reaped lease was applied");
-    assert_eq!(fx.row(ids[0]).await.status, Status::Pending.as_i16());
-    fx.cleanup().await;
-}
-
-/// C17 on SQLite: a completion after lease expiry stays SENT through a later reap; a late
-/// completion after a reap is refused.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn c17_sqlite_reaper_never_overwrites_a_completion() {
-    let fx = SqliteFixture::new().await;
-    let store = fx.store();
-    let ids = fx
-        .enqueue_commit(vec![NewMessage::new("t", "m1")])
-        .await
-        .unwrap();
-    let c = store.claim(&req(Duration::from_millis(200))).await.unwrap();
-    wait_until("the lease to expire", Duration::from_secs(5), || {
-        let store = store.clone();
-        async move { store.stats().await.unwrap().expired_leases == 1 }
-    })
-    .await;
-    let comp = [Completion {
-        id: c.messages[0].id,
-        outcome: Outcome::Sent,
-    }];
-    assert_eq!(store.complete(c.token, &comp).await.unwrap(), 1);
-    assert_eq!(store.reap_expired_leases(100, 16).await.unwrap(), 0);
-    assert_eq!(fx.row(ids[0]).await.status, Status::Sent.as_i16());
-
-    let ids = fx
-        .enqueue_commit(vec![NewMessage::new("t", "m2")])
-        .await
-        .unwrap();
-    let c = store.claim(&req(Duration::from_millis(200))).await.unwrap();
-    wait_until("the lease to be reaped", Duration::from_secs(5), || {
-        let store = store.clone();
-        async move { store.reap_expired_leases(100, 16).await.unwrap() == 1 }
-    })
-    .await;
-    let comp = [Completion {
-        id: c.messages[0].id,
-        outcome: Outcome::Sent,
-    }];
-    assert_eq!(store.complete(c.token, &comp).await.unwrap(), 0);
-    assert_eq!(fx.row(ids[0]).await.status, Status::Pending.as_i16());
-}
-
-/// C20: the relay is killed after claiming 37 of 100 messages and before writing any result.
-/// After a restart every message is published, none of the in-flight rows stays SENDING past
-/// its lease.
+/// C20: the relay is killed (aborted) with a batch of 37 of 100 messages in flight (read, about
+/// to be published) and before writing any result. A relay started after it takes the buckets
+/// over once their lease expires and publishes every message once; nothing needs resetting by
+/// hand and no row is left in flight.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn c20_rows_in_flight_at_a_crash_are_published_after_restart() {
     crate::init_tracing();
@@ -437,7 +297,8 @@ async fn c20_rows_in_flight_at_a_crash_are_published_after_restart() {
     let restarted = tokio::time::Instant::now();
     let r2 = relay_to(&fx, mem.clone(), fast_config("r2")).spawn();
     wait_all_status(&fx, Status::Sent, Duration::from_secs(10)).await;
-    // Lease 2 s + reap interval + a poll: well within 4 s.
+    // R1's bucket leases (2 s) expire, R2 takes them over at its next membership round and
+    // publishes: lease + a round + a poll, well within 4 s.
     assert!(
         restarted.elapsed() < Duration::from_secs(4),
         "{:?}",
@@ -500,7 +361,7 @@ async fn c24_in_memory_sqlite_pool() {
 
 async fn pg_store_in_time_zone(fx: &PgFixture, tz: &'static str) -> PgStore {
     let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(2)
+        .max_connections(5)
         .after_connect(move |conn, _| {
             Box::pin(async move {
                 conn.execute(AssertSqlSafe(format!("SET TIME ZONE '{tz}'")))
@@ -523,8 +384,8 @@ async fn epoch(store: &PgStore, sql: &str, id: uuid::Uuid) -> f64 {
 }
 
 /// C35: two instances whose sessions run in Asia/Shanghai and UTC enqueue at the same moment:
-/// the stored instants agree within 1 s, and delays and retries are measured on the database
-/// clock whatever the session time zone.
+/// the stored instants agree within 1 s, and delays and the retries a relay in the Shanghai session
+/// records are measured on the database clock whatever the session time zone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn c35_session_time_zones_do_not_shift_times() {
     crate::init_tracing();
@@ -584,34 +445,49 @@ async fn c35_session_time_zones_do_not_shift_times() {
             assert!((58.0..=60.0).contains(&d), "delayed message due in {d} s");
         }
     }
-    // Claim in the Shanghai session, fail both once with a 60 s retry.
-    let c = shanghai.claim(&req(Duration::from_secs(30))).await.unwrap();
-    assert_eq!(c.messages.len(), 2);
-    let comps: Vec<Completion> = c
-        .messages
-        .iter()
-        .map(|m| Completion {
-            id: m.id,
-            outcome: Outcome::Retry {
-                delay: Duration::from_secs(60),
-                error: "broker nack".into(),
+    // Only a relay in the Shanghai session processes; the broker refuses both once, and the
+    // retry backoff is exactly 60 s.
+    let mem = Arc::new(MemoryTransport::new());
+    for id in [a, b] {
+        mem.fail_next(id, vec![TransportErrorKind::Retryable]);
+    }
+    let relay = Relay::builder(Arc::new(shanghai.clone()))
+        .router(Router::single(mem.clone()))
+        .config(RelayConfig {
+            backoff: Backoff {
+                base: Duration::from_secs(60),
+                factor: 1.0,
+                max: Duration::from_secs(60),
+                jitter: 0.0,
             },
+            ..fast_config("shanghai")
         })
-        .collect();
-    assert_eq!(shanghai.complete(c.token, &comps).await.unwrap(), 2);
+        .build()
+        .unwrap()
+        .spawn();
+    wait_until("both to fail once", Duration::from_secs(10), || async {
+        let r = relay.metrics().snapshot();
+        r.retried >= 2 && r.completion_writes >= 1
+    })
+    .await;
+    wait_until("both retries recorded", Duration::from_secs(5), || async {
+        let (ra, rb) = (fx.row(a).await, fx.row(b).await);
+        [ra, rb].iter().all(|r| {
+            r.status == Status::Pending.as_i16() && r.attempts == 1 && r.last_error.is_some()
+        })
+    })
+    .await;
+    relay.shutdown().await.unwrap();
     for reader in [&shanghai, &utc] {
         for id in [a, b] {
             let d = epoch(reader, &due_in, id).await;
             assert!((58.0..=60.0).contains(&d), "retry due in {d} s");
         }
     }
-    assert!(
-        utc.claim(&req(Duration::from_secs(30)))
-            .await
-            .unwrap()
-            .messages
-            .is_empty()
-    );
+    // Nothing is due for a relay in the UTC session either.
+    let due = utc.next_due_in().await.unwrap().unwrap();
+    assert!(due > Duration::from_secs(55), "next due in {due:?}");
+    assert_eq!(mem.count(), 0, "published before its retry was due");
     let _ = (shanghai.pool().close().await, utc.pool().close().await);
     fx.cleanup().await;
 }

@@ -6,21 +6,16 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use outbox::store::{ClaimRequest, Completion, Outcome, Store as _};
-use outbox::{MemoryTransport, MySqlStore, NewMessage, Status, StoreError, StoreErrorKind};
+use outbox::store::{BucketCompletion, MembershipRequest, Outcome, Store as _};
+use outbox::{
+    Backoff, MemoryTransport, MySqlStore, NewMessage, Relay, Router, Status, StoreError,
+    StoreErrorKind, TransportErrorKind,
+};
 use outbox::{RelayConfig, StoreOptions};
-use outbox_testkit::{MySqlFixture, StoreFixture as _, within};
+use outbox_testkit::{MySqlFixture, StoreFixture as _, wait_until, within};
 use sqlx::{AssertSqlSafe, Executor as _};
 
 use crate::relay::{counts_by_id, fast_config, relay_to, wait_all_status};
-
-fn req(lease: Duration) -> ClaimRequest {
-    ClaimRequest {
-        owner: "case".into(),
-        batch_size: 100,
-        lease,
-    }
-}
 
 /// C01 on MariaDB: session A draws the lower AUTO_INCREMENT id and commits late, a rolled-back
 /// insert leaves a gap; the row committed late is still published.
@@ -251,7 +246,7 @@ async fn mysql_c31_concurrent_relays_and_contending_updates_lose_nothing() {
 
 async fn mysql_store_in_time_zone(fx: &MySqlFixture, tz: &'static str) -> MySqlStore {
     let pool = sqlx::mysql::MySqlPoolOptions::new()
-        .max_connections(2)
+        .max_connections(5)
         .after_connect(move |conn, _| {
             Box::pin(async move {
                 conn.execute(AssertSqlSafe(format!("SET time_zone = '{tz}'")))
@@ -275,8 +270,8 @@ async fn seconds(store: &MySqlStore, sql: &str, id: uuid::Uuid) -> f64 {
 }
 
 /// C35 on MariaDB: sessions in '+08:00' and '+00:00' enqueue at the same moment: the stored
-/// instants agree, and delays and retries are measured on the UTC database clock whatever the
-/// session time zone.
+/// instants agree, and delays and the retries a relay in the '+08:00' session records are
+/// measured on the UTC database clock whatever the session time zone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mysql_c35_session_time_zones_do_not_shift_times() {
     crate::init_tracing();
@@ -346,33 +341,47 @@ async fn mysql_c35_session_time_zones_do_not_shift_times() {
             assert!((58.0..=60.0).contains(&d), "delayed message due in {d} s");
         }
     }
-    let c = shanghai.claim(&req(Duration::from_secs(30))).await.unwrap();
-    assert_eq!(c.messages.len(), 3);
-    let comps: Vec<Completion> = c
-        .messages
-        .iter()
-        .map(|m| Completion {
-            id: m.id,
-            outcome: Outcome::Retry {
-                delay: Duration::from_secs(60),
-                error: "broker nack".into(),
+    // Only a relay in the +08:00 session processes; the broker refuses each once, and the
+    // retry backoff is exactly 60 s.
+    let mem = Arc::new(MemoryTransport::new());
+    for id in [a, b, plain] {
+        mem.fail_next(id, vec![TransportErrorKind::Retryable]);
+    }
+    let relay = Relay::builder(Arc::new(shanghai.clone()))
+        .router(Router::single(mem.clone()))
+        .config(RelayConfig {
+            backoff: Backoff {
+                base: Duration::from_secs(60),
+                factor: 1.0,
+                max: Duration::from_secs(60),
+                jitter: 0.0,
             },
+            ..fast_config("shanghai")
         })
-        .collect();
-    assert_eq!(shanghai.complete(c.token, &comps).await.unwrap(), 3);
+        .build()
+        .unwrap()
+        .spawn();
+    wait_until("3 retries recorded", Duration::from_secs(10), || async {
+        let rows = fx.rows().await;
+        [a, b, plain].iter().all(|id| {
+            rows.iter().any(|r| {
+                r.message_id == *id
+                    && r.status == Status::Pending.as_i16()
+                    && r.attempts == 1
+                    && r.last_error.is_some()
+            })
+        })
+    })
+    .await;
+    relay.shutdown().await.unwrap();
+    assert_eq!(mem.count(), 0, "published before its retry was due");
     for reader in [&shanghai, &utc] {
         for id in [a, b, plain] {
             let d = seconds(reader, &due_in, id).await;
             assert!((58.0..=60.0).contains(&d), "retry due in {d} s");
         }
     }
-    assert!(
-        utc.claim(&req(Duration::from_secs(30)))
-            .await
-            .unwrap()
-            .messages
-            .is_empty()
-    );
+    // Nothing is due for a relay in the +00:00 session either.
     let due = utc.next_due_in().await.unwrap().unwrap();
     assert!(due > Duration::from_secs(55), "next due in {due:?}");
     let _ = (shanghai.pool().close().await, utc.pool().close().await);
@@ -398,12 +407,30 @@ async fn mysql_binary_payloads_and_emoji_round_trip() {
         ])
         .await
         .unwrap();
-    let c = fx.store.claim(&req(Duration::from_secs(30))).await.unwrap();
-    assert!(c.malformed.is_empty(), "{:?}", c.malformed);
-    assert_eq!(c.messages.len(), 3);
-    assert_eq!(c.messages[0].payload, binary);
-    assert_eq!(c.messages[1].payload, all_bytes);
-    let m = &c.messages[2];
+    // Read back by the store methods the relay calls, in its sequence: a membership round
+    // acquires the buckets (the only relay: all of them), then their due rows are read.
+    let round = fx
+        .store
+        .membership(&MembershipRequest {
+            relay: "case".into(),
+            lease: Duration::from_secs(30),
+            held: Vec::new(),
+            acquire: true,
+            routes: vec!["*".into()],
+        })
+        .await
+        .unwrap();
+    let held: Vec<_> = round.acquired.iter().map(|l| (l.bucket, l.token)).collect();
+    assert_eq!(held.len(), usize::from(outbox::store::BUCKETS));
+    let buckets: Vec<_> = held.iter().map(|(b, _)| *b).collect();
+    let batch = fx.store.read_buckets(&buckets, &[], 100).await.unwrap();
+    assert!(batch.malformed.is_empty(), "{:?}", batch.malformed);
+    let mut rows = batch.rows;
+    rows.sort_by_key(|r| r.message.id);
+    assert_eq!(rows.len(), 3);
+    assert_eq!(rows[0].message.payload, binary);
+    assert_eq!(rows[1].message.payload, all_bytes);
+    let m = &rows[2].message;
     assert_eq!(m.message_id, ids[2]);
     assert_eq!(m.topic, "订单.😀");
     assert_eq!(m.partition_key.as_deref(), Some("客户-🦀"));
@@ -412,36 +439,27 @@ async fn mysql_binary_payloads_and_emoji_round_trip() {
         Some("✅ 4-byte: 😀")
     );
     assert_eq!(m.payload, emoji.as_bytes());
-    // An error text with emoji is stored intact too.
-    let comps = vec![Completion {
+    // An error text with emoji is stored intact too (the relay's fenced completion).
+    let token = held.iter().find(|(b, _)| *b == rows[2].bucket).unwrap().1;
+    let comps = vec![BucketCompletion {
         id: m.id,
+        bucket: rows[2].bucket,
+        token,
+        attempts: 1,
         outcome: Outcome::Failed {
             reason: "拒绝 🙅 \u{0}nul".into(),
         },
     }];
-    assert_eq!(fx.store.complete(c.token, &comps).await.unwrap(), 1);
+    assert_eq!(
+        fx.store.complete_in_buckets("case", &comps).await.unwrap(),
+        1
+    );
     let failed = fx.store.failed(10).await.unwrap();
     assert_eq!(failed[0].last_error.as_deref(), Some("拒绝 🙅 \u{0}nul"));
     assert_eq!(failed[0].topic, "订单.😀");
-    // Through a relay: byte-identical at the broker.
+    // Through a relay: byte-identical at the broker, once this one has left.
     assert_eq!(fx.store.requeue_failed(None).await.unwrap(), 1);
-    let rel = fx
-        .store
-        .complete(
-            c.token,
-            &c.messages[..2]
-                .iter()
-                .map(|m| Completion {
-                    id: m.id,
-                    outcome: Outcome::Release {
-                        delay: Duration::ZERO,
-                    },
-                })
-                .collect::<Vec<_>>(),
-        )
-        .await
-        .unwrap();
-    assert_eq!(rel, 2);
+    fx.store.release_buckets("case", &held, true).await.unwrap();
     let mem = Arc::new(MemoryTransport::new());
     let relay = relay_to(&fx, mem.clone(), fast_config("r1")).spawn();
     within("3 deliveries", Duration::from_secs(10), mem.wait_for(3)).await;
@@ -467,8 +485,15 @@ async fn mysql_in_process_wake_beats_polling() {
         poll_interval: Duration::from_secs(1),
         ..fast_config("r1")
     };
-    let relay = relay_to(&fx, mem.clone(), config).spawn();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let relay = relay_to(&fx, mem.clone(), config);
+    let handle = relay.spawn();
+    wait_until(
+        "the relay to hold every bucket",
+        Duration::from_secs(5),
+        || async { relay.held_buckets().len() == usize::from(outbox::store::BUCKETS) },
+    )
+    .await;
+    let relay = handle;
     let mut woken = Vec::new();
     for i in 0..20 {
         let started = Instant::now();

@@ -939,8 +939,10 @@ fn sqlite_v1_sql(t: &str, i: &str) -> String {
 
 /// A v1 database with a SENT row and an inbox record upgrades to v2 (twice, idempotently): the
 /// rows are kept, the SENT row awaits no confirmation, the old inbox record reads as processed,
-/// and the confirmation cycle works on the upgraded tables.
-async fn check_upgraded(store: &dyn Store, pending: Uuid) {
+/// and the confirmation cycle works on the upgraded tables: a relay on a confirmed route
+/// publishes the PENDING row (not the SENT one) and records its confirmation deadline, and the
+/// consumer's confirmation moves it to CONFIRMED.
+async fn check_upgraded(store: Arc<dyn Store>, pending: Uuid) {
     store.migrate().await.expect("upgrade to v2");
     store.migrate().await.expect("migrate again");
     let st = store.stats().await.unwrap();
@@ -948,29 +950,33 @@ async fn check_upgraded(store: &dyn Store, pending: Uuid) {
     assert_eq!(st.counts[&Status::Pending], 1);
     assert_eq!(st.awaiting_confirmation, 0, "a v1 SENT row awaits nothing");
     assert_eq!(store.check_back(100, 3).await.unwrap(), 0);
-    let c = store
-        .claim(&outbox::store::ClaimRequest {
-            owner: "t".into(),
-            batch_size: 10,
-            lease: Duration::from_secs(30),
-        })
-        .await
-        .unwrap();
-    assert_eq!(c.messages.len(), 1);
-    assert_eq!(c.messages[0].message_id, pending);
-    store
-        .complete(
-            c.token,
-            &[outbox::store::Completion {
-                id: c.messages[0].id,
-                outcome: outbox::store::Outcome::SentAwaitingConfirmation {
-                    within: Duration::from_secs(60),
-                },
-            }],
-        )
-        .await
-        .unwrap();
-    assert_eq!(store.stats().await.unwrap().awaiting_confirmation, 1);
+    let mem = Arc::new(outbox::MemoryTransport::new());
+    let policy = ConfirmPolicy {
+        reply_to: "confirmations".into(),
+        timeout: Duration::from_secs(60),
+    };
+    let relay = Relay::builder(store.clone())
+        .router(Router::new().route_confirmed("*", mem.clone(), "{topic}", policy))
+        .config(confirm_config("upgraded"))
+        .build()
+        .unwrap()
+        .spawn();
+    within(
+        "the PENDING row published",
+        Duration::from_secs(10),
+        mem.wait_for(1),
+    )
+    .await;
+    wait_until(
+        "its confirmation deadline recorded",
+        Duration::from_secs(5),
+        || async { store.stats().await.unwrap().awaiting_confirmation == 1 },
+    )
+    .await;
+    relay.shutdown().await.unwrap();
+    let delivered = mem.delivered();
+    assert_eq!(delivered.len(), 1, "the v1 SENT row was published again");
+    assert_eq!(delivered[0].message.message_id, pending);
     let r = store
         .apply_confirmations(&[Confirmation {
             message_id: pending,
@@ -1002,7 +1008,7 @@ async fn migrate_from_v1_postgres() {
     .await
     .unwrap();
     let store = outbox::PgStore::from_pool(pool.clone(), outbox::StoreOptions::table(&t)).unwrap();
-    check_upgraded(&store, pending).await;
+    check_upgraded(Arc::new(store), pending).await;
     let inbox = Inbox::<sqlx::Postgres>::new(pool.clone(), &i, "c").unwrap();
     inbox.migrate().await.unwrap();
     assert_eq!(inbox.verdict(old).await.unwrap(), Some(Verdict::Processed));
@@ -1041,7 +1047,7 @@ async fn migrate_from_v1_sqlite() {
     .unwrap();
     let store =
         outbox::SqliteStore::from_pool(pool.clone(), outbox::StoreOptions::default()).unwrap();
-    check_upgraded(&store, pending).await;
+    check_upgraded(Arc::new(store), pending).await;
     let inbox = Inbox::<sqlx::Sqlite>::new(pool.clone(), "outbox_inbox", "c").unwrap();
     inbox.migrate().await.unwrap();
     assert_eq!(inbox.verdict(old).await.unwrap(), Some(Verdict::Processed));

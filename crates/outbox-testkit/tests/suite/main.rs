@@ -12,6 +12,7 @@
 #![cfg_attr(feature = "rocketmq", recursion_limit = "256")]
 
 mod cases;
+mod cases_fencing;
 mod cases_mysql;
 mod confirm;
 mod crash;
@@ -67,11 +68,15 @@ fn futures_are_send() {
         send(&pg.enqueue(pg_conn, outbox::NewMessage::new("t", "x")));
         send(&sqlite.enqueue(sqlite_conn, outbox::NewMessage::new("t", "x")));
         send(&my.enqueue(my_conn, outbox::NewMessage::new("t", "x")));
-        send(&my.claim(&outbox::store::ClaimRequest {
-            owner: "t".into(),
-            batch_size: 1,
+        send(&my.membership(&outbox::store::MembershipRequest {
+            relay: "t".into(),
             lease: std::time::Duration::from_secs(1),
+            held: Vec::new(),
+            acquire: true,
+            routes: Vec::new(),
         }));
+        send(&pg.read_buckets(&[0], &[], 1));
+        send(&sqlite.complete_in_buckets("t", &[]));
         send(&pg.migrate());
         send(&sqlite.stats());
         send(&nats.publish(&[]));
