@@ -1,25 +1,308 @@
 //! The store conformance suite: one async function per property, generic over
 //! [`StoreFixture`](crate::StoreFixture), run against every dialect on the real database.
 //!
+//! Every property drives the protocol production runs: the bucket leases of the
+//! [`Relay`](outbox::Relay). Store-level properties make the store calls the relay makes, in its
+//! order and with its arguments ([`ProtocolRelay`]): a membership round (renew, acquire, give
+//! back what is above the fair share), a read of the held buckets, a takeover batch recording
+//! its attempt first, and one completion per batch fenced by the bucket tokens the rows were
+//! read under. Properties about the relay's own decisions (dead letter at `max_attempts`, an
+//! unreachable broker giving the attempt back, a plain-SQL row delivered) run the `Relay` itself
+//! over the store, publishing to a [`MemoryTransport`].
+//!
 //! Each function panics on a violation (they are called from `#[tokio::test]`s).
 
-use std::collections::HashSet;
+use std::collections::{BTreeSet, HashSet};
 use std::time::Duration;
 
-use outbox::store::{ClaimRequest, Completion, Outcome};
-use outbox::{EnqueueError, NewMessage, Status, StoreErrorKind};
+use outbox::store::Outcome;
+use outbox::{
+    Backoff, EnqueueError, MemoryTransport, NewMessage, Relay, RelayConfig, Router, Status,
+    StoreErrorKind, TransportErrorKind,
+};
 
-use crate::{StoreFixture, wait_until};
+use crate::{StoreFixture, wait_until, within};
 
-fn req(batch: u32, lease: Duration) -> ClaimRequest {
-    ClaimRequest {
-        owner: "suite".into(),
-        batch_size: batch,
-        lease,
+const LONG: Duration = Duration::from_secs(60);
+
+/// One message of a batch read by a [`ProtocolRelay`], as the relay keeps it: the bucket and
+/// the token it was read under, the attempts stored in the row, and whether this attempt was
+/// recorded before publishing (the first batch of a taken-over bucket).
+#[derive(Debug, Clone)]
+struct Work {
+    row: BucketRow,
+    token: LeaseToken,
+    stored_attempts: u32,
+    counted: bool,
+}
+
+impl Work {
+    /// The attempt number of this publish.
+    fn attempt(&self) -> u32 {
+        if self.counted {
+            self.stored_attempts
+        } else {
+            self.stored_attempts + 1
+        }
+    }
+
+    /// The completion the relay writes for this message with `outcome`: `attempts` is this
+    /// attempt's number, except for a release (the attempt is given back).
+    fn completion(&self, outcome: Outcome) -> BucketCompletion {
+        let attempts = match outcome {
+            Outcome::Release { .. } => self.stored_attempts,
+            _ => self.attempt(),
+        };
+        BucketCompletion {
+            id: self.row.message.id,
+            bucket: self.row.bucket,
+            token: self.token,
+            attempts,
+            outcome,
+        }
     }
 }
 
-const LONG: Duration = Duration::from_secs(60);
+/// One relay's side of the bucket protocol, making the store calls `outbox::Relay` makes with
+/// the same arguments (relay.rs: `membership_loop`, `read_buckets` in the main loop,
+/// `process_inner`, `complete`, `leave`).
+struct ProtocolRelay {
+    name: String,
+    lease: Duration,
+    /// The buckets this relay believes it holds, with the token of each.
+    held: BTreeMap<Bucket, LeaseToken>,
+    /// Buckets taken over whose first batch was not read yet.
+    suspect: BTreeSet<Bucket>,
+}
+
+impl ProtocolRelay {
+    fn new(name: &str, lease: Duration) -> Self {
+        ProtocolRelay {
+            name: name.into(),
+            lease,
+            held: BTreeMap::new(),
+            suspect: BTreeSet::new(),
+        }
+    }
+
+    /// The held buckets, in order.
+    fn buckets(&self) -> Vec<Bucket> {
+        self.held.keys().copied().collect()
+    }
+
+    /// A membership round: heartbeat, renew the held buckets, acquire up to the fair share.
+    /// Renewed buckets are kept, lost ones dropped, acquired ones added (taken-over ones
+    /// suspect), as the relay does.
+    async fn membership(&mut self, store: &Arc<dyn outbox::Store>) -> MembershipRound {
+        let r = store
+            .membership(&MembershipRequest {
+                relay: self.name.clone(),
+                lease: self.lease,
+                held: self.held.iter().map(|(b, t)| (*b, *t)).collect(),
+                acquire: true,
+                routes: vec!["*".into()],
+            })
+            .await
+            .expect("membership");
+        self.held.retain(|b, _| r.renewed.contains(b));
+        self.suspect.retain(|b| r.renewed.contains(b));
+        for l in &r.acquired {
+            self.held.insert(l.bucket, l.token);
+            if l.takeover {
+                self.suspect.insert(l.bucket);
+            }
+        }
+        r
+    }
+
+    /// Take the buckets above `fair_share` out of the held set (the last ones, as the relay
+    /// does) and return them for [`ProtocolRelay::release`].
+    fn excess(&mut self, fair_share: u32) -> Vec<(Bucket, LeaseToken)> {
+        let n = self.held.len().saturating_sub(fair_share as usize);
+        let spare: Vec<(Bucket, LeaseToken)> = self
+            .held
+            .iter()
+            .rev()
+            .take(n)
+            .map(|(b, t)| (*b, *t))
+            .collect();
+        for (b, _) in &spare {
+            self.held.remove(b);
+            self.suspect.remove(b);
+        }
+        spare
+    }
+
+    /// Give `buckets` back (`leave`: and leave the membership).
+    async fn release(
+        &self,
+        store: &Arc<dyn outbox::Store>,
+        buckets: &[(Bucket, LeaseToken)],
+        leave: bool,
+    ) {
+        store
+            .release_buckets(&self.name, buckets, leave)
+            .await
+            .expect("release_buckets");
+    }
+
+    /// A membership round followed by giving back what is above the fair share.
+    async fn round(&mut self, store: &Arc<dyn outbox::Store>) -> MembershipRound {
+        let r = self.membership(store).await;
+        let spare = self.excess(r.fair_share);
+        if !spare.is_empty() {
+            self.release(store, &spare, false).await;
+        }
+        r
+    }
+
+    /// Read up to `limit` due rows of the held buckets. The rows of a taken-over bucket's first
+    /// batch are `counted` (their attempt is recorded before publishing).
+    async fn read(&mut self, store: &Arc<dyn outbox::Store>, limit: u32) -> Vec<Work> {
+        let batch = store
+            .read_buckets(&self.buckets(), &[], limit)
+            .await
+            .expect("read_buckets");
+        assert!(batch.malformed.is_empty(), "{:?}", batch.malformed);
+        let suspects: BTreeSet<Bucket> = batch
+            .rows
+            .iter()
+            .map(|r| r.bucket)
+            .filter(|b| self.suspect.contains(b))
+            .collect();
+        self.suspect.retain(|b| !suspects.contains(b));
+        batch
+            .rows
+            .into_iter()
+            .map(|row| {
+                let token = *self.held.get(&row.bucket).unwrap_or_else(|| {
+                    panic!("{} read bucket {} it does not hold", self.name, row.bucket)
+                });
+                Work {
+                    token,
+                    stored_attempts: row.message.attempts,
+                    counted: suspects.contains(&row.bucket),
+                    row,
+                }
+            })
+            .collect()
+    }
+
+    /// A takeover batch records its attempt before publishing: one completion releasing each
+    /// counted row with `attempts + 1`, due now. Returns the rows matched.
+    async fn record_takeover_attempts(
+        &self,
+        store: &Arc<dyn outbox::Store>,
+        work: &mut [Work],
+    ) -> u64 {
+        let mut pre = Vec::new();
+        for w in work.iter_mut().filter(|w| w.counted) {
+            w.stored_attempts += 1;
+            pre.push(BucketCompletion {
+                id: w.row.message.id,
+                bucket: w.row.bucket,
+                token: w.token,
+                attempts: w.stored_attempts,
+                outcome: Outcome::Release {
+                    delay: Duration::ZERO,
+                },
+            });
+        }
+        self.write_completions(store, &pre).await
+    }
+
+    /// One completion statement for the batch, each message with its outcome.
+    async fn complete_batch(
+        &self,
+        store: &Arc<dyn outbox::Store>,
+        outcomes: &[(&Work, Outcome)],
+    ) -> u64 {
+        let completions: Vec<BucketCompletion> = outcomes
+            .iter()
+            .map(|(w, o)| w.completion(o.clone()))
+            .collect();
+        self.write_completions(store, &completions).await
+    }
+
+    async fn write_completions(
+        &self,
+        store: &Arc<dyn outbox::Store>,
+        completions: &[BucketCompletion],
+    ) -> u64 {
+        store
+            .complete_in_buckets(&self.name, completions)
+            .await
+            .expect("complete_in_buckets")
+    }
+
+    /// Give every held bucket back and leave (the relay's graceful shutdown).
+    async fn leave(&mut self, store: &Arc<dyn outbox::Store>) {
+        let all: Vec<(Bucket, LeaseToken)> = self.held.iter().map(|(b, t)| (*b, *t)).collect();
+        self.held.clear();
+        self.suspect.clear();
+        self.release(store, &all, true).await;
+    }
+}
+
+/// A relay holding every bucket (the only live one), with lease `lease`.
+async fn sole_relay(store: &Arc<dyn outbox::Store>, name: &str, lease: Duration) -> ProtocolRelay {
+    let mut r = ProtocolRelay::new(name, lease);
+    r.round(store).await;
+    assert_eq!(
+        r.held.len(),
+        usize::from(BUCKETS),
+        "{name} alone holds every bucket"
+    );
+    r
+}
+
+/// Relay settings scaled down for the suite: lease 2 s, publish timeout 500 ms, poll 100 ms,
+/// retry backoff from 100 ms, probes from 50 ms.
+fn relay_config(name: &str) -> RelayConfig {
+    RelayConfig {
+        name: name.into(),
+        batch_size: 100,
+        lease: Duration::from_secs(2),
+        publish_timeout: Duration::from_millis(500),
+        poll_interval: Duration::from_millis(100),
+        max_attempts: 5,
+        backoff: Backoff {
+            base: Duration::from_millis(100),
+            factor: 2.0,
+            max: Duration::from_secs(1),
+            jitter: 0.2,
+        },
+        probe_backoff: Backoff {
+            base: Duration::from_millis(50),
+            factor: 2.0,
+            max: Duration::from_millis(300),
+            jitter: 0.2,
+        },
+        reap_interval: Duration::from_millis(200),
+        shutdown_timeout: Duration::from_secs(5),
+        ..RelayConfig::default()
+    }
+}
+
+/// A relay over `fx`'s store publishing every topic to `mem`, running.
+fn spawn_relay<F: StoreFixture>(fx: &F, mem: &Arc<MemoryTransport>) -> outbox::RelayHandle {
+    Relay::builder(fx.store())
+        .router(Router::single(mem.clone()))
+        .config(relay_config("suite-relay"))
+        .build()
+        .expect("relay config")
+        .spawn()
+}
+
+/// Wait until the row of `id` has `status`.
+async fn wait_status<F: StoreFixture>(fx: &F, id: Uuid, status: Status) {
+    wait_until(
+        &format!("message {id} to be {status}"),
+        Duration::from_secs(15),
+        || async move { fx.row(id).await.status == status.as_i16() },
+    )
+    .await;
+}
 
 /// `migrate` can run again (twice) without error or data loss.
 pub async fn migrate_is_idempotent<F: StoreFixture>(fx: &F) {
@@ -34,200 +317,324 @@ pub async fn migrate_is_idempotent<F: StoreFixture>(fx: &F) {
     assert_eq!(rows[0].message_id, ids[0]);
 }
 
-/// A rolled-back enqueue is never visible; a committed one is claimed.
+/// A rolled-back enqueue is never visible to the relay's read; a committed one is read.
 pub async fn rollback_is_never_visible<F: StoreFixture>(fx: &F) {
     fx.enqueue_rollback(vec![NewMessage::new("t", "rolled-back")])
         .await
         .expect("enqueue inside the transaction works");
     let store = fx.store();
-    let claim = store.claim(&req(10, LONG)).await.unwrap();
-    assert!(claim.messages.is_empty(), "rolled back message claimed");
+    let mut relay = sole_relay(&store, "relay-a", LONG).await;
+    assert!(
+        relay.read(&store, 10).await.is_empty(),
+        "rolled back message read"
+    );
     assert!(fx.rows().await.is_empty());
     let ids = fx
         .enqueue_commit(vec![NewMessage::new("t", "committed")])
         .await
         .unwrap();
-    let claim = store.claim(&req(10, LONG)).await.unwrap();
+    let work = relay.read(&store, 10).await;
     assert_eq!(
-        claim
-            .messages
-            .iter()
-            .map(|m| m.message_id)
+        work.iter()
+            .map(|w| w.row.message.message_id)
             .collect::<Vec<_>>(),
         ids
     );
 }
 
-/// Two claimers racing over 200 rows never get the same row, and together get them all.
-pub async fn claims_are_exclusive<F: StoreFixture>(fx: &F) {
+/// Which relay holds each bucket, as the relays themselves see it: a relay registers a bucket
+/// after the store granted it and unregisters it before giving it back.
+type Registry = std::sync::Mutex<BTreeMap<Bucket, String>>;
+
+/// Register the buckets `r` granted to `relay`; none may be registered to another relay.
+fn register(registry: &Registry, relay: &ProtocolRelay, r: &MembershipRound) {
+    let mut reg = registry.lock().unwrap();
+    for l in &r.acquired {
+        if let Some(other) = reg.insert(l.bucket, relay.name.clone())
+            && other != relay.name
+        {
+            panic!(
+                "bucket {} granted to {} while {other} holds it",
+                l.bucket, relay.name
+            );
+        }
+    }
+}
+
+/// Two relays racing over 200 rows: at no time do both hold a bucket (each acquisition is of a
+/// bucket the other gave back first), each reads only the buckets it holds, every row is read
+/// and completed exactly once, by the relay holding its bucket, with one attempt.
+pub async fn relays_never_share_a_bucket<F: StoreFixture>(fx: &F) {
     let msgs: Vec<NewMessage> = (0..200)
         .map(|i| NewMessage::new("t", format!("{i}")))
         .collect();
     fx.enqueue_commit(msgs).await.unwrap();
-    let run = |store: std::sync::Arc<dyn outbox::Store>| async move {
-        let mut got = Vec::new();
-        loop {
-            let c = store.claim(&req(7, LONG)).await.expect("claim");
-            if c.messages.is_empty() {
-                return got;
+    let store = fx.store();
+    let registry: Arc<Registry> = Arc::default();
+    // relay-a joins alone (every bucket), then relay-b (nothing free yet).
+    let mut a = ProtocolRelay::new("relay-a", LONG);
+    let r = a.round(&store).await;
+    register(&registry, &a, &r);
+    let mut b = ProtocolRelay::new("relay-b", LONG);
+    let r = b.round(&store).await;
+    assert!(r.acquired.is_empty(), "held buckets granted twice: {r:?}");
+    assert_eq!(r.live_relays, 2);
+
+    let run = |mut relay: ProtocolRelay| {
+        let store = store.clone();
+        let registry = registry.clone();
+        async move {
+            // (id, attempts stored) of every row this relay read and completed.
+            let mut done = Vec::new();
+            loop {
+                let r = relay.membership(&store).await;
+                register(&registry, &relay, &r);
+                let spare = relay.excess(r.fair_share);
+                if !spare.is_empty() {
+                    {
+                        let mut reg = registry.lock().unwrap();
+                        for (bucket, _) in &spare {
+                            assert_eq!(reg.remove(bucket).as_deref(), Some(relay.name.as_str()));
+                        }
+                    }
+                    relay.release(&store, &spare, false).await;
+                }
+                let work = relay.read(&store, 7).await;
+                if work.is_empty() {
+                    if store.next_due_in().await.expect("next_due_in").is_none() {
+                        return done;
+                    }
+                    tokio::task::yield_now().await;
+                    continue;
+                }
+                {
+                    let reg = registry.lock().unwrap();
+                    for w in &work {
+                        assert_eq!(
+                            reg.get(&w.row.bucket).map(String::as_str),
+                            Some(relay.name.as_str()),
+                            "{} read bucket {} it does not hold",
+                            relay.name,
+                            w.row.bucket
+                        );
+                    }
+                }
+                let outcomes: Vec<(&Work, Outcome)> =
+                    work.iter().map(|w| (w, Outcome::Sent)).collect();
+                let n = relay.complete_batch(&store, &outcomes).await;
+                assert_eq!(n as usize, work.len(), "{}: completion refused", relay.name);
+                done.extend(work.iter().map(|w| (w.row.message.id, w.attempt())));
+                tokio::task::yield_now().await;
             }
-            got.extend(c.messages.into_iter().map(|m| (m.id, m.attempts)));
-            tokio::task::yield_now().await;
         }
     };
-    let (a, b) = tokio::join!(tokio::spawn(run(fx.store())), tokio::spawn(run(fx.store())));
-    let (a, b) = (a.unwrap(), b.unwrap());
+    let (ra, rb) = within(
+        "two relays to publish 200 rows",
+        Duration::from_secs(60),
+        async { tokio::join!(tokio::spawn(run(a)), tokio::spawn(run(b))) },
+    )
+    .await;
+    let (ra, rb) = (ra.unwrap(), rb.unwrap());
     let mut all = HashSet::new();
-    for (id, attempts) in a.iter().chain(b.iter()) {
-        assert!(all.insert(*id), "row {id} claimed twice");
+    for (id, attempts) in ra.iter().chain(rb.iter()) {
+        assert!(all.insert(*id), "row {id} read and completed twice");
         assert_eq!(*attempts, 1);
     }
-    assert_eq!(all.len(), 200, "a: {}, b: {}", a.len(), b.len());
+    assert_eq!(all.len(), 200, "a: {}, b: {}", ra.len(), rb.len());
     assert!(
-        fx.rows()
-            .await
-            .iter()
-            .all(|r| r.status == Status::Sending.as_i16())
+        !ra.is_empty() && !rb.is_empty(),
+        "both relays published: a {}, b {}",
+        ra.len(),
+        rb.len()
+    );
+    let rows = fx.rows().await;
+    assert!(
+        rows.iter()
+            .all(|r| r.status == Status::Sent.as_i16() && r.attempts == 1),
+        "every row SENT once"
     );
 }
 
-/// A claim with a short lease expires; the reaper returns the row to PENDING, due now, attempts
-/// kept; a live lease is not reaped; an expired last attempt goes to FAILED.
-pub async fn lease_expiry_and_reaping<F: StoreFixture>(fx: &F) {
+/// A relay that read a row and died: while its lease is live no other relay can take its
+/// buckets; once it expired (database clock) another relay takes them over, reads the row again
+/// (still PENDING, attempts untouched), records the attempt before publishing, and completes
+/// it; the dead relay's late completion is refused.
+pub async fn lease_expiry_takeover_reads_again<F: StoreFixture>(fx: &F) {
     let store = fx.store();
     let ids = fx
-        .enqueue_commit(vec![NewMessage::new("t", "short")])
+        .enqueue_commit(vec![NewMessage::new("t", "x")])
         .await
         .unwrap();
-    let c = store
-        .claim(&req(10, Duration::from_millis(300)))
-        .await
-        .unwrap();
-    assert_eq!(c.messages.len(), 1);
-    let live = fx
-        .enqueue_commit(vec![NewMessage::new("t", "long")])
-        .await
-        .unwrap();
-    let c2 = store.claim(&req(10, LONG)).await.unwrap();
-    assert_eq!(c2.messages[0].message_id, live[0]);
-    // Not yet expired: nothing to reap.
-    assert_eq!(store.reap_expired_leases(100, 16).await.unwrap(), 0);
-    wait_until(
-        "the short lease to be reaped",
-        Duration::from_secs(5),
-        || {
-            let store = store.clone();
-            async move { store.reap_expired_leases(100, 16).await.unwrap() == 1 }
-        },
-    )
-    .await;
+    // relay-a's lease (1 s) outlasts relay-b's liveness window (900 ms): once relay-a's buckets
+    // expired, relay-a no longer counts as live and relay-b's share is every bucket.
+    let mut a = sole_relay(&store, "relay-a", Duration::from_secs(1)).await;
+    let read_by_a = a.read(&store, 10).await;
+    assert_eq!(read_by_a.len(), 1);
+    assert_eq!(read_by_a[0].row.message.message_id, ids[0]);
+    // relay-a dies here, between read and completion.
+    let mut b = ProtocolRelay::new("relay-b", Duration::from_millis(900));
+    let r = b.round(&store).await;
+    assert!(r.acquired.is_empty(), "a live lease was taken: {r:?}");
+    assert!(b.read(&store, 10).await.is_empty());
+
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let taken = loop {
+        let r = b.round(&store).await;
+        if !r.acquired.is_empty() {
+            break r;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "relay-a's leases never expired"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(taken.live_relays, 1, "relay-a is no longer live");
+    assert!(taken.acquired.iter().all(|l| l.takeover), "{taken:?}");
+    assert_eq!(b.held.len(), usize::from(BUCKETS));
     let r = fx.row(ids[0]).await;
-    assert_eq!(r.status, Status::Pending.as_i16());
-    assert_eq!(r.attempts, 1, "reaping keeps the attempt count");
-    assert!(r.lease_token.is_none());
-    assert!(r.due_in_ms <= 0, "reaped row is due now");
-    assert!(r.last_error.is_some(), "reaping records why");
-    assert_eq!(
-        fx.row(live[0]).await.status,
-        Status::Sending.as_i16(),
-        "a live lease is not reaped"
-    );
-    let again = store.claim(&req(10, LONG)).await.unwrap();
-    assert_eq!(again.messages.len(), 1);
-    assert_eq!(again.messages[0].message_id, ids[0]);
-    assert_eq!(again.messages[0].attempts, 2);
+    assert_eq!((r.status, r.attempts), (Status::Pending.as_i16(), 0));
 
-    // Last attempt expired: FAILED.
-    let last = fx
-        .enqueue_commit(vec![NewMessage::new("t", "last").with_max_attempts(1)])
-        .await
-        .unwrap();
-    store
-        .claim(&req(10, Duration::from_millis(200)))
-        .await
-        .unwrap();
-    wait_until(
-        "the last-attempt lease to be reaped",
-        Duration::from_secs(5),
-        || {
-            let store = store.clone();
-            async move { store.reap_expired_leases(100, 16).await.unwrap() == 1 }
-        },
-    )
-    .await;
-    let r = fx.row(last[0]).await;
-    assert_eq!(r.status, Status::Failed.as_i16());
-    assert!(r.last_error.is_some());
+    let mut work = b.read(&store, 10).await;
+    assert_eq!(work.len(), 1, "the row is read again after the takeover");
+    assert_eq!(work[0].row.message.message_id, ids[0]);
+    assert_eq!(work[0].row.message.attempts, 0);
+    assert!(
+        work[0].counted,
+        "a takeover batch records its attempt first"
+    );
+    assert_eq!(b.record_takeover_attempts(&store, &mut work).await, 1);
+    let r = fx.row(ids[0]).await;
+    assert_eq!(
+        (r.status, r.attempts),
+        (Status::Pending.as_i16(), 1),
+        "the attempt is recorded before publishing"
+    );
+    assert!(r.due_in_ms <= 0);
+
+    // relay-a comes back with its stale batch: refused, nothing written.
+    let n = a
+        .complete_batch(&store, &[(&read_by_a[0], Outcome::Sent)])
+        .await;
+    assert_eq!(n, 0, "a dead relay's completion was applied");
+    assert_eq!(fx.row(ids[0]).await.status, Status::Pending.as_i16());
+    let n = b.complete_batch(&store, &[(&work[0], Outcome::Sent)]).await;
+    assert_eq!(n, 1);
+    let r = fx.row(ids[0]).await;
+    assert_eq!((r.status, r.attempts), (Status::Sent.as_i16(), 1));
 }
 
-/// A completion with a stale token matches no row and changes nothing; the right token works.
-pub async fn fenced_completion<F: StoreFixture>(fx: &F) {
+/// A completion is fenced by the bucket lease: a stale token, another relay's name, or a bucket
+/// the relay gave away match no row and change nothing; the holder's completion applies, and
+/// applies once.
+pub async fn stale_completion_writes_nothing<F: StoreFixture>(fx: &F) {
     let store = fx.store();
     let ids = fx
-        .enqueue_commit(vec![NewMessage::new("t", "a"), NewMessage::new("t", "b")])
+        .enqueue_commit(vec![
+            NewMessage::new("t", "a").with_partition_key("key-a"),
+            NewMessage::new("t", "b").with_partition_key("key-b"),
+        ])
         .await
         .unwrap();
-    let c = store.claim(&req(10, LONG)).await.unwrap();
-    assert_eq!(c.messages.len(), 2);
+    let mut a = sole_relay(&store, "relay-a", LONG).await;
+    let mut work = a.read(&store, 10).await;
+    work.sort_by_key(|w| w.row.message.message_id);
+    assert_eq!(work.len(), 2);
+    assert_ne!(work[0].row.bucket, work[1].row.bucket, "two buckets");
+    assert_eq!(
+        work.iter()
+            .map(|w| w.row.message.message_id)
+            .collect::<Vec<_>>(),
+        {
+            let mut s = ids.clone();
+            s.sort();
+            s
+        }
+    );
     let snapshot = |rows: Vec<crate::RowState>| {
         rows.into_iter()
             .map(|r| crate::RowState { due_in_ms: 0, ..r })
             .collect::<Vec<_>>()
     };
     let before = snapshot(fx.rows().await);
-    let stale = c.token ^ 1;
-    let done: Vec<Completion> = c
-        .messages
+    let sent: Vec<BucketCompletion> = work.iter().map(|w| w.completion(Outcome::Sent)).collect();
+    let stale: Vec<BucketCompletion> = sent
         .iter()
-        .map(|m| Completion {
-            id: m.id,
-            outcome: Outcome::Sent,
+        .map(|c| BucketCompletion {
+            token: c.token ^ 1,
+            ..c.clone()
         })
         .collect();
-    assert_eq!(store.complete(stale, &done).await.unwrap(), 0);
+    assert_eq!(a.write_completions(&store, &stale).await, 0);
+    assert_eq!(
+        store.complete_in_buckets("relay-b", &sent).await.unwrap(),
+        0,
+        "a relay that does not own the bucket completed"
+    );
     assert_eq!(
         snapshot(fx.rows().await),
         before,
-        "a stale token changed a row"
+        "a refused completion changed a row"
     );
-    assert_eq!(store.complete(c.token, &done).await.unwrap(), 2);
-    for id in &ids {
-        let r = fx.row(*id).await;
-        assert_eq!(r.status, Status::Sent.as_i16());
-        assert!(r.sent);
-        assert!(r.lease_token.is_none());
-    }
-    // A second completion with the same token is refused too (the lease is gone).
-    assert_eq!(store.complete(c.token, &done).await.unwrap(), 0);
+
+    // relay-a gives the first row's bucket away (above its share) and relay-b takes it.
+    let lost = work[0].row.bucket;
+    let given = vec![(lost, a.held[&lost])];
+    a.held.remove(&lost);
+    a.release(&store, &given, false).await;
+    let mut b = ProtocolRelay::new("relay-b", LONG);
+    let r = b.round(&store).await;
+    assert!(
+        r.acquired.iter().any(|l| l.bucket == lost && !l.takeover),
+        "{r:?}"
+    );
+    // relay-a's completion of its whole batch writes only the row whose bucket it still holds.
+    assert_eq!(a.write_completions(&store, &sent).await, 1);
+    let r0 = fx.row(work[0].row.message.message_id).await;
+    assert_eq!((r0.status, r0.attempts), (Status::Pending.as_i16(), 0));
+    let r1 = fx.row(work[1].row.message.message_id).await;
+    assert_eq!((r1.status, r1.attempts), (Status::Sent.as_i16(), 1));
+    assert!(r1.sent);
+    // The new owner reads the row again and completes it.
+    let again = b.read(&store, 10).await;
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0].row.message.id, work[0].row.message.id);
+    assert_eq!(
+        b.complete_batch(&store, &[(&again[0], Outcome::Sent)])
+            .await,
+        1
+    );
+    // A second completion of the same rows is refused (they are no longer PENDING).
+    assert_eq!(
+        b.complete_batch(&store, &[(&again[0], Outcome::Sent)])
+            .await,
+        0
+    );
+    assert_eq!(
+        a.complete_batch(&store, &[(&work[1], Outcome::Sent)]).await,
+        0
+    );
     let stats = store.stats().await.unwrap();
     assert_eq!(stats.counts[&Status::Sent], 2);
-    assert_eq!(stats.counts[&Status::Sending], 0);
+    assert_eq!(stats.counts[&Status::Pending], 0);
 }
 
-/// `Retry` puts the row back to PENDING due `delay` later on the database clock: not claimable
-/// at once, claimable after the delay, attempts kept, error recorded.
+/// `Retry` puts the row back to PENDING due `delay` later on the database clock: not read at
+/// once, read after the delay (`next_due_in_buckets` says when), attempts kept, error recorded.
 pub async fn retry_backs_off_on_the_database_clock<F: StoreFixture>(fx: &F) {
     let store = fx.store();
     let ids = fx
         .enqueue_commit(vec![NewMessage::new("t", "x")])
         .await
         .unwrap();
-    let c = store.claim(&req(10, LONG)).await.unwrap();
+    let mut a = sole_relay(&store, "relay-a", LONG).await;
+    let work = a.read(&store, 10).await;
     let delay = Duration::from_millis(1500);
-    let n = store
-        .complete(
-            c.token,
-            &[Completion {
-                id: c.messages[0].id,
-                outcome: Outcome::Retry {
-                    delay,
-                    error: "broker said no".into(),
-                },
-            }],
-        )
-        .await
-        .unwrap();
-    assert_eq!(n, 1);
+    let retry = Outcome::Retry {
+        delay,
+        error: "broker said no".into(),
+    };
+    assert_eq!(a.complete_batch(&store, &[(&work[0], retry)]).await, 1);
     let started = tokio::time::Instant::now();
     let r = fx.row(ids[0]).await;
     assert_eq!(r.status, Status::Pending.as_i16());
@@ -238,37 +645,45 @@ pub async fn retry_backs_off_on_the_database_clock<F: StoreFixture>(fx: &F) {
         "due in {} ms on the database clock",
         r.due_in_ms
     );
-    assert!(
-        store
-            .claim(&req(10, LONG))
-            .await
-            .unwrap()
-            .messages
-            .is_empty()
-    );
-    let due = store.next_due_in().await.unwrap().expect("a pending row");
+    assert!(a.read(&store, 10).await.is_empty());
+    let due = store
+        .next_due_in_buckets(&a.buckets())
+        .await
+        .unwrap()
+        .expect("a pending row");
     assert!(due > Duration::from_millis(900) && due <= delay, "{due:?}");
+    let buckets = a.buckets();
     wait_until(
-        "the retried row to be claimable",
+        "the retried row to be read again",
         Duration::from_secs(5),
         || {
             let store = store.clone();
+            let buckets = buckets.clone();
             async move {
                 !store
-                    .claim(&req(10, LONG))
+                    .read_buckets(&buckets, &[], 10)
                     .await
                     .unwrap()
-                    .messages
+                    .rows
                     .is_empty()
             }
         },
     )
     .await;
     assert!(started.elapsed() >= Duration::from_millis(900));
-    assert_eq!(fx.row(ids[0]).await.attempts, 2);
+    let work = a.read(&store, 10).await;
+    assert_eq!(work[0].row.message.attempts, 1);
+    assert_eq!(work[0].attempt(), 2);
+    assert_eq!(
+        a.complete_batch(&store, &[(&work[0], Outcome::Sent)]).await,
+        1
+    );
+    let r = fx.row(ids[0]).await;
+    assert_eq!((r.status, r.attempts), (Status::Sent.as_i16(), 2));
 }
 
-/// `Failed` dead-letters with the reason; stats and `failed()` show it.
+/// `Failed` dead-letters with the reason, in the same statement as the batch's other outcomes;
+/// stats and `failed()` show it; it is never read again.
 pub async fn dead_letter<F: StoreFixture>(fx: &F) {
     let store = fx.store();
     let ids = fx
@@ -278,20 +693,24 @@ pub async fn dead_letter<F: StoreFixture>(fx: &F) {
         ])
         .await
         .unwrap();
-    let c = store.claim(&req(10, LONG)).await.unwrap();
-    let comps = vec![
-        Completion {
-            id: c.messages[0].id,
-            outcome: Outcome::Failed {
-                reason: "too large for the broker".into(),
-            },
-        },
-        Completion {
-            id: c.messages[1].id,
-            outcome: Outcome::Sent,
-        },
-    ];
-    assert_eq!(store.complete(c.token, &comps).await.unwrap(), 2);
+    let mut a = sole_relay(&store, "relay-a", LONG).await;
+    let work = a.read(&store, 10).await;
+    let poison = work
+        .iter()
+        .find(|w| w.row.message.message_id == ids[0])
+        .unwrap();
+    let other = work
+        .iter()
+        .find(|w| w.row.message.message_id == ids[1])
+        .unwrap();
+    let failed = Outcome::Failed {
+        reason: "too large for the broker".into(),
+    };
+    assert_eq!(
+        a.complete_batch(&store, &[(poison, failed), (other, Outcome::Sent)])
+            .await,
+        2
+    );
     let r = fx.row(ids[0]).await;
     assert_eq!(r.status, Status::Failed.as_i16());
     assert_eq!(r.last_error.as_deref(), Some("too large for the broker"));
@@ -307,43 +726,82 @@ pub async fn dead_letter<F: StoreFixture>(fx: &F) {
         failed[0].last_error.as_deref(),
         Some("too large for the broker")
     );
-    assert!(
-        store
-            .claim(&req(10, LONG))
-            .await
-            .unwrap()
-            .messages
-            .is_empty()
-    );
+    assert!(a.read(&store, 10).await.is_empty());
 }
 
-/// `Release` gives the attempt back.
+/// The relay dead-letters a message whose every publish fails (retryable) after exactly its
+/// `max_attempts` attempts, backing off between them; the other messages are delivered.
+pub async fn relay_dead_letters_at_max_attempts<F: StoreFixture>(fx: &F) {
+    let mem = Arc::new(MemoryTransport::new());
+    let poison = NewMessage::new("t", "poison").with_max_attempts(3);
+    let poison_id = poison.message_id();
+    mem.fail_next(poison_id, vec![TransportErrorKind::Retryable; 10]);
+    let ids = fx
+        .enqueue_commit(vec![poison, NewMessage::new("t", "fine")])
+        .await
+        .unwrap();
+    assert_eq!(ids[0], poison_id);
+    let handle = spawn_relay(fx, &mem);
+    wait_status(fx, ids[1], Status::Sent).await;
+    wait_status(fx, poison_id, Status::Failed).await;
+    let r = fx.row(poison_id).await;
+    assert_eq!(r.attempts, 3, "dead-lettered after exactly max_attempts");
+    assert!(r.last_error.is_some(), "the reason is kept");
+    let delivered = mem.delivered();
+    assert_eq!(delivered.len(), 1);
+    assert_eq!(delivered[0].message.message_id, ids[1]);
+    let m = handle.metrics().snapshot();
+    assert_eq!((m.retried, m.failed, m.sent), (2, 1, 1), "{m:?}");
+    handle.shutdown().await.unwrap();
+    assert_eq!(fx.row(poison_id).await.status, Status::Failed.as_i16());
+}
+
+/// A release keeps the attempts as given (the attempt is given back): store level, then the
+/// relay with an unreachable broker releases the message without counting an attempt, and
+/// publishes it as its first attempt once the broker is back.
 pub async fn release_gives_the_attempt_back<F: StoreFixture>(fx: &F) {
     let store = fx.store();
     let ids = fx
         .enqueue_commit(vec![NewMessage::new("t", "x")])
         .await
         .unwrap();
-    let c = store.claim(&req(10, LONG)).await.unwrap();
-    assert_eq!(c.messages[0].attempts, 1);
-    store
-        .complete(
-            c.token,
-            &[Completion {
-                id: c.messages[0].id,
-                outcome: Outcome::Release {
-                    delay: Duration::ZERO,
-                },
-            }],
-        )
-        .await
-        .unwrap();
+    let mut a = sole_relay(&store, "relay-a", LONG).await;
+    let work = a.read(&store, 10).await;
+    assert_eq!(work[0].attempt(), 1);
+    let release = Outcome::Release {
+        delay: Duration::ZERO,
+    };
+    assert_eq!(a.complete_batch(&store, &[(&work[0], release)]).await, 1);
     let r = fx.row(ids[0]).await;
-    assert_eq!(r.status, Status::Pending.as_i16());
-    assert_eq!(r.attempts, 0);
-    let c = store.claim(&req(10, LONG)).await.unwrap();
-    assert_eq!(c.messages.len(), 1);
-    assert_eq!(c.messages[0].attempts, 1);
+    assert_eq!((r.status, r.attempts), (Status::Pending.as_i16(), 0));
+    let work = a.read(&store, 10).await;
+    assert_eq!(work.len(), 1);
+    assert_eq!(work[0].row.message.attempts, 0);
+    a.leave(&store).await;
+
+    // The relay: broker unreachable, then back.
+    let mem = Arc::new(MemoryTransport::new());
+    mem.set_down(true);
+    let handle = spawn_relay(fx, &mem);
+    wait_until(
+        "the relay to release the message",
+        Duration::from_secs(10),
+        || async { handle.metrics().snapshot().released >= 1 },
+    )
+    .await;
+    let r = fx.row(ids[0]).await;
+    assert_eq!(
+        (r.status, r.attempts),
+        (Status::Pending.as_i16(), 0),
+        "an unreachable broker costs no attempt"
+    );
+    mem.set_down(false);
+    wait_status(fx, ids[0], Status::Sent).await;
+    assert_eq!(fx.row(ids[0]).await.attempts, 1);
+    let delivered = mem.delivered();
+    assert_eq!(delivered.len(), 1);
+    assert_eq!(delivered[0].message.attempts, 1);
+    handle.shutdown().await.unwrap();
 }
 
 /// Validation errors are typed and raised before anything is written, and a bad message in a
@@ -396,38 +854,60 @@ pub async fn payload_round_trips_byte_exact<F: StoreFixture>(fx: &F) {
         ])
         .await
         .unwrap();
-    let c = fx.store().claim(&req(10, LONG)).await.unwrap();
+    let store = fx.store();
+    let mut a = sole_relay(&store, "relay-a", LONG).await;
+    let work = a.read(&store, 10).await;
     let by_id = |id| {
-        c.messages
-            .iter()
-            .find(|m| m.message_id == id)
-            .expect("claimed")
-            .payload
+        work.iter()
+            .find(|w| w.row.message.message_id == id)
+            .expect("read")
+            .row
+            .message
             .clone()
     };
-    assert_eq!(by_id(ids[0]), binary);
-    assert_eq!(by_id(ids[1]), json_bytes);
-    assert_eq!(by_id(ids[2]), raw_nul);
-    assert_eq!(by_id(ids[3]), Vec::<u8>::new());
-    let json_msg = c.messages.iter().find(|m| m.message_id == ids[1]).unwrap();
+    assert_eq!(by_id(ids[0]).payload, binary);
+    assert_eq!(by_id(ids[1]).payload, json_bytes);
+    assert_eq!(by_id(ids[2]).payload, raw_nul);
+    assert_eq!(by_id(ids[3]).payload, Vec::<u8>::new());
     assert_eq!(
-        json_msg.headers.get("content-type").map(String::as_str),
+        by_id(ids[1])
+            .headers
+            .get("content-type")
+            .map(String::as_str),
         Some("application/json")
     );
 }
 
-/// A row inserted with plain SQL by a foreign producer, giving only the required columns, is
-/// claimed with the defaults.
-pub async fn plain_sql_insert_is_claimed<F: StoreFixture>(fx: &F) {
+/// A row inserted with plain SQL by a foreign producer, giving only the required columns (the
+/// README's public contract), is read with the defaults and delivered by the relay: SENT after
+/// one attempt.
+pub async fn plain_sql_insert_is_delivered<F: StoreFixture>(fx: &F) {
     let id = fx.insert_plain_sql("foreign.topic", b"from java").await;
-    let c = fx.store().claim(&req(10, LONG)).await.unwrap();
-    assert_eq!(c.messages.len(), 1);
-    let m = &c.messages[0];
+    let store = fx.store();
+    let mut a = sole_relay(&store, "relay-a", LONG).await;
+    let work = a.read(&store, 10).await;
+    assert_eq!(work.len(), 1);
+    let m = &work[0].row.message;
     assert_eq!(m.message_id, id);
     assert_eq!(m.topic, "foreign.topic");
     assert_eq!(m.payload, b"from java");
     assert!(m.headers.is_empty());
-    assert_eq!(m.attempts, 1);
+    assert_eq!(m.attempts, 0);
+    a.leave(&store).await;
+
+    let mem = Arc::new(MemoryTransport::new());
+    let handle = spawn_relay(fx, &mem);
+    within("the delivery", Duration::from_secs(15), mem.wait_for(1)).await;
+    wait_status(fx, id, Status::Sent).await;
+    let delivered = mem.delivered();
+    assert_eq!(delivered.len(), 1);
+    let m = &delivered[0].message;
+    assert_eq!(m.message_id, id);
+    assert_eq!(m.topic, "foreign.topic");
+    assert_eq!(m.payload, b"from java");
+    assert_eq!(delivered[0].destination, "foreign.topic");
+    assert_eq!(fx.row(id).await.attempts, 1);
+    handle.shutdown().await.unwrap();
 }
 
 /// Table names that are not plain identifiers are rejected before any SQL runs.
@@ -445,8 +925,8 @@ pub async fn invalid_table_identifiers_are_rejected<F: StoreFixture>(fx: &F) {
     }
 }
 
-/// `next_due_in` and `stats` on an empty and a non-empty table; a delayed message is not
-/// claimable before its delay.
+/// `next_due_in` and `stats` on an empty and a non-empty table; a delayed message is not read
+/// before its delay.
 pub async fn delayed_message_and_stats<F: StoreFixture>(fx: &F) {
     let store = fx.store();
     assert_eq!(store.next_due_in().await.unwrap(), None);
@@ -463,18 +943,19 @@ pub async fn delayed_message_and_stats<F: StoreFixture>(fx: &F) {
         due > Duration::from_secs(28) && due <= Duration::from_secs(30),
         "{due:?}"
     );
-    assert!(
-        store
-            .claim(&req(10, LONG))
-            .await
-            .unwrap()
-            .messages
-            .is_empty()
-    );
+    let mut a = sole_relay(&store, "relay-a", LONG).await;
+    assert!(a.read(&store, 10).await.is_empty());
+    let due = store
+        .next_due_in_buckets(&a.buckets())
+        .await
+        .unwrap()
+        .expect("pending row");
+    assert!(due > Duration::from_secs(28), "{due:?}");
     fx.enqueue_commit(vec![NewMessage::new("t", "now")])
         .await
         .unwrap();
     assert_eq!(store.next_due_in().await.unwrap(), Some(Duration::ZERO));
+    assert_eq!(a.read(&store, 10).await.len(), 1);
     let stats = store.stats().await.unwrap();
     assert_eq!(stats.counts[&Status::Pending], 2);
     assert!(stats.oldest_pending_age.is_some());
@@ -520,23 +1001,22 @@ fn report(confirmed: u64, rejected: u64, duplicates: u64, unknown: u64) -> Confi
     }
 }
 
-/// Claim every due row and complete each with `outcome` (SENT, or SENT awaiting confirmation).
+/// Publish every due row with `outcome` (SENT, or SENT awaiting confirmation) as a relay does:
+/// join and take every bucket, read, one completion for the batch, leave. Returns the rows
+/// completed.
 async fn send_all(store: &Arc<dyn outbox::Store>, outcome: Outcome) -> usize {
-    let c = store.claim(&req(1000, LONG)).await.expect("claim");
-    let completions: Vec<Completion> = c
-        .messages
-        .iter()
-        .map(|m| Completion {
-            id: m.id,
-            outcome: outcome.clone(),
-        })
-        .collect();
-    let n = store
-        .complete(c.token, &completions)
-        .await
-        .expect("complete");
-    assert_eq!(n as usize, completions.len());
-    completions.len()
+    complete_all(store, |_| outcome.clone()).await
+}
+
+/// Like [`send_all`], each row's outcome chosen by `outcome`.
+async fn complete_all(store: &Arc<dyn outbox::Store>, outcome: impl Fn(&Work) -> Outcome) -> usize {
+    let mut relay = sole_relay(store, "suite-sender", LONG).await;
+    let work = relay.read(store, 1000).await;
+    let outcomes: Vec<(&Work, Outcome)> = work.iter().map(|w| (w, outcome(w))).collect();
+    let n = relay.complete_batch(store, &outcomes).await;
+    assert_eq!(n as usize, work.len());
+    relay.leave(store).await;
+    work.len()
 }
 
 fn awaiting(within: Duration) -> Outcome {
@@ -780,8 +1260,9 @@ pub async fn check_back_then_unconfirmed<F: ConfirmFixture>(fx: &F) {
 }
 
 /// Retention deletes only old CONFIRMED and REJECTED rows (and old SENT rows that await no
-/// confirmation), at most `limit` per call; never PENDING, SENDING, SENT awaiting confirmation or
-/// FAILED rows, and never recent finished ones.
+/// confirmation), at most `limit` per call; never PENDING rows (one read by a relay and not
+/// completed yet included), SENT awaiting confirmation or FAILED rows, and never recent
+/// finished ones.
 pub async fn purge_finished_only_old<F: ConfirmFixture>(fx: &F) {
     let store = fx.store();
     let mk = |p: &'static str| fx.enqueue_commit(vec![NewMessage::new("t", p)]);
@@ -811,22 +1292,15 @@ pub async fn purge_finished_only_old<F: ConfirmFixture>(fx: &F) {
     let waiting = mk("waiting").await.unwrap()[0];
     send_all(&store, awaiting(LONG)).await;
     let failed = mk("failed").await.unwrap()[0];
-    let c = store.claim(&req(10, LONG)).await.unwrap();
-    store
-        .complete(
-            c.token,
-            &[Completion {
-                id: c.messages[0].id,
-                outcome: Outcome::Failed { reason: "x".into() },
-            }],
-        )
-        .await
-        .unwrap();
-    let sending = mk("sending").await.unwrap()[0];
-    store.claim(&req(10, LONG)).await.unwrap();
+    complete_all(&store, |_| Outcome::Failed { reason: "x".into() }).await;
+    // Read by a relay that has not completed it yet: still PENDING.
+    let in_flight = mk("in flight").await.unwrap()[0];
+    let mut reader = sole_relay(&store, "suite-reader", LONG).await;
+    assert_eq!(reader.read(&store, 10).await.len(), 1);
+    reader.leave(&store).await;
     let pending = mk("pending").await.unwrap()[0];
     let old: Vec<Uuid> = fin.iter().copied().chain([plain]).collect();
-    let kept_old = [waiting, failed, sending, pending];
+    let kept_old = [waiting, failed, in_flight, pending];
     for id in old.iter().chain(kept_old.iter()) {
         fx.backdate(*id, hour).await;
     }

@@ -21,14 +21,24 @@ macro_rules! store_conformance {
 
             case!(migrate_is_idempotent, migrate_is_idempotent);
             case!(rollback_is_never_visible, rollback_is_never_visible);
-            case!(claims_are_exclusive, claims_are_exclusive);
-            case!(lease_expiry_and_reaping, lease_expiry_and_reaping);
-            case!(fenced_completion, fenced_completion);
+            case!(relays_never_share_a_bucket, relays_never_share_a_bucket);
+            case!(
+                lease_expiry_takeover_reads_again,
+                lease_expiry_takeover_reads_again
+            );
+            case!(
+                stale_completion_writes_nothing,
+                stale_completion_writes_nothing
+            );
             case!(
                 retry_backs_off_on_the_database_clock,
                 retry_backs_off_on_the_database_clock
             );
             case!(dead_letter, dead_letter);
+            case!(
+                relay_dead_letters_at_max_attempts,
+                relay_dead_letters_at_max_attempts
+            );
             case!(
                 release_gives_the_attempt_back,
                 release_gives_the_attempt_back
@@ -41,7 +51,7 @@ macro_rules! store_conformance {
                 c08_payload_round_trips_byte_exact,
                 payload_round_trips_byte_exact
             );
-            case!(plain_sql_insert_is_claimed, plain_sql_insert_is_claimed);
+            case!(plain_sql_insert_is_delivered, plain_sql_insert_is_delivered);
             case!(
                 invalid_table_identifiers_are_rejected,
                 invalid_table_identifiers_are_rejected
@@ -101,7 +111,7 @@ async fn postgres_concurrent_migrate() {
 /// An unqualified PostgreSQL table name (the default layout) migrates and works too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_unqualified_table() {
-    use outbox::store::{ClaimRequest, Store as _};
+    use outbox::store::{MembershipRequest, Store as _};
     let pool = outbox_testkit::pg_pool(4).await;
     let t = outbox_testkit::unique("obx");
     let store = outbox::PgStore::from_pool(pool.clone(), outbox::StoreOptions::table(&t)).unwrap();
@@ -113,15 +123,21 @@ async fn postgres_unqualified_table() {
         .await
         .unwrap();
     store.commit(tx).await.unwrap();
-    let c = store
-        .claim(&ClaimRequest {
-            owner: "t".into(),
-            batch_size: 10,
+    // As the relay: a membership round, then a read of the buckets it holds.
+    let round = store
+        .membership(&MembershipRequest {
+            relay: "t".into(),
             lease: std::time::Duration::from_secs(30),
+            held: Vec::new(),
+            acquire: true,
+            routes: vec!["*".into()],
         })
         .await
         .unwrap();
-    assert_eq!(c.messages[0].message_id, id);
+    let buckets: Vec<_> = round.acquired.iter().map(|l| l.bucket).collect();
+    assert_eq!(buckets.len(), usize::from(outbox::store::BUCKETS));
+    let batch = store.read_buckets(&buckets, &[], 10).await.unwrap();
+    assert_eq!(batch.rows[0].message.message_id, id);
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "DROP TABLE {t}, {t}_inbox, {t}_buckets, {t}_relays; DROP FUNCTION {t}_notify; \
          DELETE FROM outbox_migrations WHERE table_name IN ('{t}', '{t}_inbox')"
@@ -297,17 +313,22 @@ async fn mysql_connection_left_in_a_transaction_is_recovered() {
     assert!(stats.counts.values().all(|n| *n == 0), "{stats:?}");
     let id = fx.insert_plain_sql("t", b"x").await;
     leak().await;
-    // The legacy claim runs in a READ COMMITTED transaction (`begin_rc`).
-    let claim = fx
+    // The relay's membership round runs in a READ COMMITTED transaction (`begin_rc`).
+    let round = fx
         .store
-        .claim(&outbox::store::ClaimRequest {
-            owner: "r".into(),
-            batch_size: 10,
+        .membership(&outbox::store::MembershipRequest {
+            relay: "r".into(),
             lease: std::time::Duration::from_secs(5),
+            held: Vec::new(),
+            acquire: true,
+            routes: vec!["*".into()],
         })
         .await
-        .expect("claim after a leaked transaction");
-    assert_eq!(claim.messages.len(), 1);
-    assert_eq!(claim.messages[0].message_id, id);
+        .expect("membership after a leaked transaction");
+    let buckets: Vec<_> = round.acquired.iter().map(|l| l.bucket).collect();
+    assert_eq!(buckets.len(), usize::from(outbox::store::BUCKETS));
+    let batch = fx.store.read_buckets(&buckets, &[], 10).await.unwrap();
+    assert_eq!(batch.rows.len(), 1);
+    assert_eq!(batch.rows[0].message.message_id, id);
     fx.cleanup().await;
 }
