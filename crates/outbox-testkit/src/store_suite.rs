@@ -256,9 +256,10 @@ async fn sole_relay(store: &Arc<dyn outbox::Store>, name: &str, lease: Duration)
     r
 }
 
-/// Relay settings scaled down for the suite: lease 2 s, publish timeout 500 ms, poll 100 ms,
-/// retry backoff from 100 ms, probes from 50 ms.
-fn relay_config(name: &str) -> RelayConfig {
+/// Relay settings scaled down for tests: lease 2 s, publish timeout 500 ms, poll 100 ms,
+/// maintenance every 200 ms, retry backoff from 100 ms (×2, ≤ 1 s), probes from 50 ms (≤ 300 ms);
+/// the rest [`RelayConfig::default`]. The integration suite's `fast_config` is this.
+pub fn relay_config(name: &str) -> RelayConfig {
     RelayConfig {
         name: name.into(),
         batch_size: 100,

@@ -9,7 +9,7 @@ use std::time::Duration;
 use outbox::consumer::ConsumerMetrics;
 use outbox::consumer::nats::NatsConsumerConfig;
 use outbox::transport::memory::Delivered;
-use outbox::{Backoff, Inbox, MemoryTransport, NewMessage, Relay, RelayConfig, Router, Status};
+use outbox::{Inbox, MemoryTransport, NewMessage, Relay, RelayConfig, Router, Status};
 use outbox_testkit::{
     NatsFixture, PgFixture, SqliteFixture, StoreFixture, TransportFixture as _, wait_until, within,
 };
@@ -19,33 +19,9 @@ use uuid::Uuid;
 
 use crate::inbox::{EffectHandler, pg_count, pg_effects};
 
-/// Relay settings scaled down for tests: lease 2 s, publish timeout 500 ms, poll 100 ms, reap
-/// every 200 ms, retry backoff from 100 ms.
+/// Relay settings scaled down for tests ([`outbox_testkit::store_suite::relay_config`]).
 pub fn fast_config(name: &str) -> RelayConfig {
-    RelayConfig {
-        name: name.into(),
-        batch_size: 100,
-        lease: Duration::from_secs(2),
-        publish_timeout: Duration::from_millis(500),
-        poll_interval: Duration::from_millis(100),
-        max_attempts: 5,
-        backoff: Backoff {
-            base: Duration::from_millis(100),
-            factor: 2.0,
-            max: Duration::from_secs(1),
-            jitter: 0.2,
-        },
-        probe_backoff: Backoff {
-            base: Duration::from_millis(50),
-            factor: 2.0,
-            max: Duration::from_millis(300),
-            jitter: 0.2,
-        },
-        reap_interval: Duration::from_millis(200),
-        in_flight_batches: 2,
-        shutdown_timeout: Duration::from_secs(5),
-        ..RelayConfig::default()
-    }
+    outbox_testkit::store_suite::relay_config(name)
 }
 
 /// A relay over `fx` publishing every topic to `transport`.
