@@ -77,9 +77,9 @@ fn default_inbox_table() -> String {
 pub struct RelaySection {
     /// Lease owner name.
     pub name: Option<String>,
-    /// Rows per claim.
+    /// Rows per batch.
     pub batch_size: Option<u32>,
-    /// Claim lease.
+    /// Bucket lease.
     #[serde(default, with = "humantime_serde")]
     pub lease: Option<Duration>,
     /// Longest publish of one batch.
@@ -96,9 +96,9 @@ pub struct RelaySection {
     /// Largest retry delay.
     #[serde(default, with = "humantime_serde")]
     pub backoff_max: Option<Duration>,
-    /// Reaper period.
-    #[serde(default, with = "humantime_serde")]
-    pub reap_interval: Option<Duration>,
+    /// Maintenance period (check-back, retention); `reap_interval` is its name before 0.2.
+    #[serde(default, with = "humantime_serde", alias = "reap_interval")]
+    pub maintenance_interval: Option<Duration>,
     /// Batches in flight.
     pub in_flight_batches: Option<usize>,
     /// Graceful shutdown limit.
@@ -1012,7 +1012,7 @@ impl FileConfig {
             publish_timeout,
             poll_interval,
             max_attempts,
-            reap_interval,
+            maintenance_interval,
             in_flight_batches,
             shutdown_timeout,
             max_check_backs,

@@ -2348,7 +2348,7 @@ impl RelaySupervisor<'_> {
                 max: Duration::from_secs(2),
                 jitter: 0.2,
             },
-            reap_interval: Duration::from_secs(1),
+            maintenance_interval: Duration::from_secs(1),
             in_flight_batches: 4,
             max_check_backs: self.max_check_backs,
             // Keep every finished row: the report reads them.
@@ -2603,7 +2603,6 @@ impl Report {
             relay.released += s.released;
             relay.lost_leases += s.lost_leases;
             relay.stale_batches += s.stale_batches;
-            relay.reaped += s.reaped;
             relay.checked_back += s.checked_back;
             relay.purged += s.purged;
             relay.store_errors += s.store_errors;

@@ -283,7 +283,6 @@ async fn status(db: DbArgs, failed: u32, json: bool) -> anyhow::Result<()> {
             "table": store.table(),
             "counts": counts,
             "oldest_pending_age_ms": stats.oldest_pending_age.map(|d| d.as_millis() as u64),
-            "expired_leases": stats.expired_leases,
             "awaiting_confirmation": stats.awaiting_confirmation,
             "oldest_unconfirmed_age_ms": stats.oldest_unconfirmed_age.map(|d| d.as_millis() as u64),
             "failed": dead.iter().map(|f| serde_json::json!({
@@ -296,17 +295,18 @@ async fn status(db: DbArgs, failed: u32, json: bool) -> anyhow::Result<()> {
     }
     println!("outbox table {} ({})", store.table(), store.backend());
     for s in Status::ALL {
-        println!(
-            "  {:<10} {:>10}",
-            s.name(),
-            stats.counts.get(&s).copied().unwrap_or(0)
-        );
+        let n = stats.counts.get(&s).copied().unwrap_or(0);
+        // SENDING is retired (rows of an older relay, released by `migrate`): shown only when
+        // some are left.
+        if s == Status::Sending && n == 0 {
+            continue;
+        }
+        println!("  {:<10} {:>10}", s.name(), n);
     }
     println!(
         "  oldest pending (due) age: {}",
         fmt_age(stats.oldest_pending_age)
     );
-    println!("  expired leases awaiting reap: {}", stats.expired_leases);
     println!(
         "  SENT awaiting confirmation: {} (oldest {})",
         stats.awaiting_confirmation,

@@ -78,7 +78,7 @@ inbox_table = "{table}_inbox"
 poll_interval = "30s"
 lease = "{lease}"
 publish_timeout = "{publish_timeout}"
-reap_interval = "500ms"
+maintenance_interval = "500ms"
 batch_size = 200
 
 [transports.bus]
@@ -723,7 +723,7 @@ name = "{name}"
 poll_interval = "300ms"
 lease = "3s"
 publish_timeout = "1s"
-reap_interval = "500ms"
+reap_interval = "500ms" # the name before 0.2, still accepted
 batch_size = 100
 
 [transports.bus]

@@ -230,6 +230,10 @@ pub trait StoreFixture: Send + Sync + 'static {
     async fn insert_plain_sql(&self, topic: &str, payload: &[u8]) -> Uuid;
     /// Every row, by id.
     async fn rows(&self) -> Vec<RowState>;
+    /// Put the row of `message_id` where a 0.1 relay's row claim left it when that relay
+    /// stopped: status 1 (SENDING), one more attempt, a lease owner and token, a lease that
+    /// expires in an hour.
+    async fn leave_sending(&self, message_id: Uuid);
     /// Validate `table` as this dialect would (the error for an invalid name).
     async fn open_with_table(&self, table: &str) -> Result<(), outbox::StoreError>;
     /// Drop what the fixture created.
@@ -308,6 +312,18 @@ impl StoreFixture for SqliteFixture {
             .await
             .expect("plain SQL insert");
         id
+    }
+
+    async fn leave_sending(&self, message_id: Uuid) {
+        sqlx::query(
+            "UPDATE outbox SET status = 1, attempts = attempts + 1, lease_owner = 'relay-0.1', \
+             lease_token = 7, lease_expires_at = CAST(ROUND((julianday('now') - 2440587.5) * 86400000) AS INTEGER) + 3600000 \
+             WHERE message_id = ?1",
+        )
+        .bind(message_id.to_string())
+        .execute(self.store.pool())
+        .await
+        .expect("leave the row SENDING");
     }
 
     async fn rows(&self) -> Vec<RowState> {
@@ -435,6 +451,18 @@ impl StoreFixture for PgFixture {
         .fetch_one(self.store.pool())
         .await
         .expect("plain SQL insert")
+    }
+
+    async fn leave_sending(&self, message_id: Uuid) {
+        sqlx::query(AssertSqlSafe(format!(
+            "UPDATE {} SET status = 1, attempts = attempts + 1, lease_owner = 'relay-0.1', \
+             lease_token = 7, lease_expires_at = now() + interval '1 hour' WHERE message_id = $1",
+            self.table()
+        )))
+        .bind(message_id)
+        .execute(self.store.pool())
+        .await
+        .expect("leave the row SENDING");
     }
 
     async fn rows(&self) -> Vec<RowState> {
@@ -1368,6 +1396,18 @@ impl StoreFixture for MySqlFixture {
         .await
         .expect("plain SQL insert");
         id
+    }
+
+    async fn leave_sending(&self, message_id: Uuid) {
+        sqlx::query(AssertSqlSafe(format!(
+            "UPDATE {} SET status = 1, attempts = attempts + 1, lease_owner = 'relay-0.1', \
+             lease_token = 7, lease_expires_at = UTC_TIMESTAMP(6) + INTERVAL 1 HOUR WHERE message_id = ?",
+            self.table
+        )))
+        .bind(message_id.to_string())
+        .execute(self.store.pool())
+        .await
+        .expect("leave the row SENDING");
     }
 
     async fn rows(&self) -> Vec<RowState> {

@@ -279,7 +279,7 @@ pub fn relay_config(name: &str) -> RelayConfig {
             max: Duration::from_millis(300),
             jitter: 0.2,
         },
-        reap_interval: Duration::from_millis(200),
+        maintenance_interval: Duration::from_millis(200),
         shutdown_timeout: Duration::from_secs(5),
         ..RelayConfig::default()
     }
@@ -909,6 +909,66 @@ pub async fn plain_sql_insert_is_delivered<F: StoreFixture>(fx: &F) {
     assert_eq!(delivered[0].destination, "foreign.topic");
     assert_eq!(fx.row(id).await.attempts, 1);
     handle.shutdown().await.unwrap();
+}
+
+/// A row a 0.1 relay left SENDING (it claimed the row, then stopped) is not read by the relay,
+/// which reads PENDING rows only; `migrate` releases it (PENDING, lease cleared, due now) and the
+/// relay publishes it. Issue 12: the row-claim protocol and its reaper are gone.
+pub async fn migrate_releases_sending_rows_of_an_older_relay<F: StoreFixture>(fx: &F) {
+    let ids = fx
+        .enqueue_commit(vec![
+            NewMessage::new("upgrade", "left SENDING"),
+            NewMessage::new("upgrade", "pending"),
+        ])
+        .await
+        .expect("enqueue");
+    fx.leave_sending(ids[0]).await;
+    let store = fx.store();
+
+    let mem = Arc::new(MemoryTransport::new());
+    let handle = spawn_relay(fx, &mem);
+    wait_status(fx, ids[1], Status::Sent).await;
+    handle.shutdown().await.unwrap();
+    let left = fx.row(ids[0]).await;
+    assert_eq!(
+        left.status,
+        Status::Sending.as_i16(),
+        "the relay reads PENDING rows only"
+    );
+    assert_eq!(mem.delivered().len(), 1);
+
+    store.migrate().await.expect("migrate");
+    let released = fx.row(ids[0]).await;
+    assert_eq!(
+        released.status,
+        Status::Pending.as_i16(),
+        "migrate releases SENDING rows"
+    );
+    assert_eq!(released.lease_token, None, "the row lease is cleared");
+    assert!(
+        released.due_in_ms <= 0,
+        "due at once, not after the old lease: {} ms",
+        released.due_in_ms
+    );
+    store
+        .migrate()
+        .await
+        .expect("migrate again changes nothing");
+
+    let handle = spawn_relay(fx, &mem);
+    wait_status(fx, ids[0], Status::Sent).await;
+    handle.shutdown().await.unwrap();
+    let delivered: Vec<Uuid> = mem
+        .delivered()
+        .iter()
+        .map(|d| d.message.message_id)
+        .collect();
+    assert_eq!(delivered, vec![ids[1], ids[0]]);
+    let row = fx.row(ids[0]).await;
+    assert_eq!(
+        row.attempts, 2,
+        "the 0.1 relay's attempt is kept and this one counted"
+    );
 }
 
 /// Table names that are not plain identifiers are rejected before any SQL runs.

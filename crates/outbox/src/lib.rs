@@ -18,7 +18,7 @@
 //! - Transports ([`transport::Transport`]): [`MemoryTransport`], [`WebhookTransport`] (feature
 //!   `webhook`), [`NatsTransport`] (feature `nats`), `RedisTransport` (feature `redis`, Redis
 //!   Streams), `MqttTransport` (feature `mqtt`, MQTT 5); [`Router`] maps topics to them.
-//! - [`Relay`]: claim, publish, complete, reap, probe.
+//! - [`Relay`]: bucket leases, read, publish, complete (one write per message), maintenance, probe.
 //! - [`Inbox`] and the [`consumer`] runners.
 //! - [`confirm`]: consumer confirmations, rejection hooks (compensation), check-back.
 //!
@@ -59,9 +59,7 @@ pub use store::mysql::MySqlStore;
 pub use store::postgres::PgStore;
 #[cfg(feature = "sqlite")]
 pub use store::sqlite::SqliteStore;
-pub use store::{
-    Claim, ClaimRequest, Completion, FailedMessage, Outcome, Stats, Store, StoreOptions,
-};
+pub use store::{FailedMessage, Outcome, Stats, Store, StoreOptions};
 #[cfg(feature = "kafka")]
 pub use transport::kafka::{KafkaConfig, KafkaTransport};
 #[cfg(feature = "mqtt")]

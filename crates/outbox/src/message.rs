@@ -1,4 +1,4 @@
-//! Message types: what a producer enqueues ([`NewMessage`]), what the relay claims and publishes
+//! Message types: what a producer enqueues ([`NewMessage`]), what the relay reads and publishes
 //! ([`Message`]), what a consumer receives ([`InboundMessage`]), and the public status numbers
 //! ([`Status`]).
 
@@ -31,7 +31,7 @@ pub const HEADER_ATTEMPT: &str = "outbox-attempt";
 /// | value | status | meaning |
 /// |---|---|---|
 /// | 0 | `Pending` | committed, waiting for `available_at` and a relay |
-/// | 1 | `Sending` | claimed by a relay under a lease |
+/// | 1 | `Sending` | retired: a row claimed by a relay of an earlier version (`migrate` releases it) |
 /// | 2 | `Sent` | the broker acknowledged it |
 /// | 3 | `Confirmed` | the consumer confirmed it |
 /// | 4 | `Failed` | dead letter: attempts exhausted or permanent error; `last_error` says why |
@@ -40,9 +40,11 @@ pub const HEADER_ATTEMPT: &str = "outbox-attempt";
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[repr(i16)]
 pub enum Status {
-    /// 0: waiting to be claimed.
+    /// 0: waiting for `available_at` and the relay holding its bucket.
     Pending = 0,
-    /// 1: claimed under a lease, being published.
+    /// 1: retired. Rows claimed by a relay of the row-claim protocol of earlier versions;
+    /// [`Store::migrate`](crate::Store::migrate) releases them (PENDING again). No relay of this
+    /// version writes it.
     Sending = 1,
     /// 2: acknowledged by the broker.
     Sent = 2,
@@ -305,7 +307,7 @@ fn validate_header_name(name: &str) -> Result<(), EnqueueError> {
     Ok(())
 }
 
-/// A message claimed by a relay, as handed to a [`Transport`](crate::transport::Transport).
+/// A message read by a relay, as handed to a [`Transport`](crate::transport::Transport).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Message {
     /// Internal row id (table order).

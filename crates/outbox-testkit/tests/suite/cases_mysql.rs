@@ -695,22 +695,20 @@ async fn defect_03_open_producer_transaction_delays_only_its_own_rows() {
     fx.cleanup().await;
 }
 
-/// Issue 11, item 3, maintenance: reaping, check-back and retention never wait on a row another
+/// Issue 11, item 3, maintenance: check-back and retention never wait on a row another
 /// session holds (a consumer's rejection hook runs inside a transaction that locks its outbox
 /// row; an application may lock its own message). Before, the reaper's `UPDATE … ORDER BY …
 /// LIMIT` waited on such a row for `innodb_lock_wait_timeout` and check-back and retention
-/// waited behind it. Now each step skips locked rows (`FOR UPDATE SKIP LOCKED`), handles the
+/// waited behind it (the reaper is gone since issue 12). Now each step skips locked rows (`FOR UPDATE SKIP LOCKED`), handles the
 /// others at once, and takes the skipped ones once they are free.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn defect_03_maintenance_skips_rows_another_transaction_locks() {
     crate::init_tracing();
     let fx = MySqlFixture::new().await;
     let t = fx.table.clone();
-    // Two rows each: past retention (SENT an hour ago), an expired legacy lease (SENDING), a
-    // confirmation deadline passed (SENT).
+    // Two rows each: past retention (SENT an hour ago), a confirmation deadline passed (SENT).
     let kinds = [
         "2, UTC_TIMESTAMP(6) - INTERVAL 1 HOUR, NULL, NULL, NULL",
-        "1, NULL, UTC_TIMESTAMP(6) - INTERVAL 1 MINUTE, 'gone', NULL",
         "2, UTC_TIMESTAMP(6), NULL, NULL, UTC_TIMESTAMP(6) - INTERVAL 1 MINUTE",
     ];
     let mut ids: Vec<(i64, i64)> = Vec::new();
@@ -729,12 +727,7 @@ async fn defect_03_maintenance_skips_rows_another_transaction_locks() {
         }
         ids.push((pair[0], pair[1]));
     }
-    let [
-        (purge_locked, purge_free),
-        (reap_locked, reap_free),
-        (check_locked, check_free),
-    ] = ids[..]
-    else {
+    let [(purge_locked, purge_free), (check_locked, check_free)] = ids[..] else {
         unreachable!()
     };
     // Another session locks one row of each kind (by primary key: a covering scan of a
@@ -743,7 +736,7 @@ async fn defect_03_maintenance_skips_rows_another_transaction_locks() {
     let mut other = fx.store.begin().await.unwrap();
     sqlx::query(AssertSqlSafe(format!(
         "SELECT id, payload FROM {t} FORCE INDEX (PRIMARY) \
-         WHERE id IN ({purge_locked}, {reap_locked}, {check_locked}) FOR UPDATE"
+         WHERE id IN ({purge_locked}, {check_locked}) FOR UPDATE"
     )))
     .fetch_all(&mut *other)
     .await
@@ -768,14 +761,13 @@ async fn defect_03_maintenance_skips_rows_another_transaction_locks() {
     // Far below the 50 s a blocked step would wait.
     let started = Instant::now();
     outbox_testkit::wait_until(
-        "the unlocked rows purged, reaped and checked back, then published",
+        "the unlocked rows purged and checked back, then published",
         Duration::from_secs(5),
         || async {
             let rows = fx.rows().await;
             status_of(&rows, purge_free).is_none()
-                && status_of(&rows, reap_free) == Some(sent)
                 && status_of(&rows, check_free) == Some(sent)
-                && mem.count() == 2
+                && mem.count() == 1
         },
     )
     .await;
@@ -790,10 +782,6 @@ async fn defect_03_maintenance_skips_rows_another_transaction_locks() {
         status_of(&rows, purge_locked).is_some(),
         "a locked row was purged"
     );
-    assert_eq!(
-        status_of(&rows, reap_locked),
-        Some(Status::Sending.as_i16())
-    );
     assert_eq!(status_of(&rows, check_locked), Some(sent));
 
     // The other session commits: the rows it held are handled now, each published once.
@@ -805,7 +793,7 @@ async fn defect_03_maintenance_skips_rows_another_transaction_locks() {
             let rows = fx.rows().await;
             status_of(&rows, purge_locked).is_none()
                 && rows.iter().all(|r| r.status == sent)
-                && mem.count() == 5
+                && mem.count() == 3
         },
     )
     .await;
@@ -813,7 +801,7 @@ async fn defect_03_maintenance_skips_rows_another_transaction_locks() {
         "defect_03 maintenance: unlocked rows handled after {took:?} while other rows were locked"
     );
     let counts = counts_by_id(&mem.delivered());
-    assert_eq!(counts.len(), 5);
+    assert_eq!(counts.len(), 3);
     assert!(
         counts.values().all(|n| *n == 1),
         "a message was published twice: {counts:?}"

@@ -310,7 +310,7 @@ async fn defect_05_half_open_listener_is_detected_and_replaced() {
     // Membership rounds (every lease / 3) can wake the reader: none within the test.
     config.lease = Duration::from_secs(60);
     // Neither does maintenance, but its statements would hide the reader's last one.
-    config.reap_interval = Duration::from_secs(60);
+    config.maintenance_interval = Duration::from_secs(60);
     let handle = relay(Arc::new(store.clone()), transport.clone(), config).spawn();
     let port = listener_port(&admin, store.channel()).await;
     // Wait until the reader sleeps: no relay statement running and the reader's `next_due`

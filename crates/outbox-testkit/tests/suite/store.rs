@@ -53,6 +53,10 @@ macro_rules! store_conformance {
             );
             case!(plain_sql_insert_is_delivered, plain_sql_insert_is_delivered);
             case!(
+                migrate_releases_sending_rows_of_an_older_relay,
+                migrate_releases_sending_rows_of_an_older_relay
+            );
+            case!(
                 invalid_table_identifiers_are_rejected,
                 invalid_table_identifiers_are_rejected
             );

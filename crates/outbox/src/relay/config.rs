@@ -37,9 +37,9 @@ pub struct RelayConfig {
     /// from the first publish that found it missing, per transport and destination; a publish
     /// the broker accepts for it resets it. Default 5 min; zero dead-letters at once.
     pub missing_destination_grace: Duration,
-    /// How often maintenance runs (reap expired row leases of the legacy claim protocol, check
-    /// back, retention). Default 5 s.
-    pub reap_interval: Duration,
+    /// How often maintenance runs (check-back of unconfirmed messages, retention). Default 5 s.
+    /// Called `reap_interval` before 0.2 (the TOML configuration still accepts that name).
+    pub maintenance_interval: Duration,
     /// Batches published concurrently (each of different buckets). Default 2.
     pub in_flight_batches: usize,
     /// How long shutdown waits for batches in flight. Default 15 s.
@@ -69,7 +69,7 @@ impl Default for RelayConfig {
                 jitter: 0.2,
             },
             missing_destination_grace: Duration::from_secs(300),
-            reap_interval: Duration::from_secs(5),
+            maintenance_interval: Duration::from_secs(5),
             in_flight_batches: 2,
             shutdown_timeout: Duration::from_secs(15),
             max_check_backs: 3,
@@ -109,8 +109,8 @@ impl RelayConfig {
         if self.backoff.factor < 1.0 || !(0.0..=1.0).contains(&self.backoff.jitter) {
             return f("backoff", "factor must be >= 1 and jitter within 0..=1");
         }
-        if self.reap_interval.is_zero() {
-            return f("reap_interval", "must be greater than zero");
+        if self.maintenance_interval.is_zero() {
+            return f("maintenance_interval", "must be greater than zero");
         }
         if self.in_flight_batches == 0 {
             return f("in_flight_batches", "must be at least 1");

@@ -3,10 +3,10 @@
 use super::*;
 
 /// Maintenance, on every relay, each step one bounded conditional statement so relays never
-/// do the same work twice: reap expired leases, check back unconfirmed messages past their
-/// deadline, and delete finished rows past the retention period. A step that fills a whole
+/// do the same work twice: check back unconfirmed messages past their deadline, and delete
+/// finished rows past the retention period. A step that fills a whole
 /// batch runs again at once.
-pub(super) async fn reap_loop(relay: Relay, cancel: CancellationToken) {
+pub(super) async fn maintenance_loop(relay: Relay, cancel: CancellationToken) {
     let inner = &relay.inner;
     let cfg = &inner.config;
     let mut failures = 0u32;
@@ -17,7 +17,7 @@ pub(super) async fn reap_loop(relay: Relay, cancel: CancellationToken) {
         } else if full {
             Duration::ZERO
         } else {
-            cfg.reap_interval
+            cfg.maintenance_interval
         };
         tokio::select! {
             _ = cancel.cancelled() => return,
@@ -25,27 +25,17 @@ pub(super) async fn reap_loop(relay: Relay, cancel: CancellationToken) {
         }
         let limit = cfg.batch_size;
         let steps = async {
-            let reaped = inner
-                .store
-                .reap_expired_leases(limit, cfg.max_attempts)
-                .await?;
             let checked = inner.store.check_back(limit, cfg.max_check_backs).await?;
             let purged = match cfg.retention {
                 Some(r) => inner.store.purge_finished(r, limit).await?,
                 None => 0,
             };
-            Ok::<_, StoreError>((reaped, checked, purged))
+            Ok::<_, StoreError>((checked, purged))
         };
         match steps.await {
-            Ok((reaped, checked, purged)) => {
+            Ok((checked, purged)) => {
                 failures = 0;
-                full = [reaped, checked, purged]
-                    .iter()
-                    .any(|n| *n >= u64::from(limit));
-                if reaped > 0 {
-                    add(&inner.metrics.reaped, reaped);
-                    tracing::info!(rows = reaped, "reaped expired leases");
-                }
+                full = [checked, purged].iter().any(|n| *n >= u64::from(limit));
                 if checked > 0 {
                     add(&inner.metrics.checked_back, checked);
                     tracing::info!(rows = checked, "checked back unconfirmed messages");
@@ -54,7 +44,7 @@ pub(super) async fn reap_loop(relay: Relay, cancel: CancellationToken) {
                     add(&inner.metrics.purged, purged);
                     tracing::debug!(rows = purged, "purged finished rows past retention");
                 }
-                if reaped + checked > 0 {
+                if checked > 0 {
                     inner.store.wake();
                 }
             }

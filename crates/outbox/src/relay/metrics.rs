@@ -19,8 +19,6 @@ pub struct RelayMetrics {
     pub lost_leases: AtomicU64,
     /// Batches not published because a bucket lease was about to expire.
     pub stale_batches: AtomicU64,
-    /// Rows returned to PENDING (or FAILED) by this relay's reaper (legacy SENDING rows).
-    pub reaped: AtomicU64,
     /// Unconfirmed SENT rows past their deadline sent back to PENDING (or FAILED `unconfirmed`).
     pub checked_back: AtomicU64,
     /// Finished rows deleted by retention.
@@ -68,8 +66,6 @@ pub struct MetricsSnapshot {
     pub lost_leases: u64,
     /// See [`RelayMetrics::stale_batches`].
     pub stale_batches: u64,
-    /// See [`RelayMetrics::reaped`].
-    pub reaped: u64,
     /// See [`RelayMetrics::checked_back`].
     pub checked_back: u64,
     /// See [`RelayMetrics::purged`].
@@ -110,7 +106,6 @@ impl RelayMetrics {
             released: g(&self.released),
             lost_leases: g(&self.lost_leases),
             stale_batches: g(&self.stale_batches),
-            reaped: g(&self.reaped),
             checked_back: g(&self.checked_back),
             purged: g(&self.purged),
             store_errors: g(&self.store_errors),

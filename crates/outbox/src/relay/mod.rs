@@ -17,7 +17,7 @@
 //!         ─▶ ONE completion statement, fenced by the bucket leases:
 //!            SENT / PENDING + backoff / FAILED / released
 //! membership: heartbeat, renew, acquire, rebalance (every lease / 3)
-//! maintenance: reap legacy SENDING rows, check back unconfirmed, purge (every reap_interval)
+//! maintenance: check back unconfirmed, purge (every maintenance_interval)
 //! ```
 //! A bucket is in at most one batch at a time, so up to `in_flight_batches` batches of
 //! different buckets are published concurrently and a key's messages never race each other.
@@ -102,7 +102,7 @@ pub use metrics::{MetricsSnapshot, RelayHooks, RelayMetrics};
 
 use batch::Work;
 use health::Health;
-use maintenance::reap_loop;
+use maintenance::maintenance_loop;
 use membership::membership_loop;
 use metrics::add;
 use ownership::{InFlight, Ownership};
@@ -368,7 +368,7 @@ impl Relay {
         // background tasks running: the guard cancels them when `run` is dropped.
         let _stop_background_on_drop = background.clone().drop_guard();
         let _listener = inner.store.spawn_listener(background.clone());
-        let mut reaper = tokio::spawn(reap_loop(self.clone(), background.clone()));
+        let mut maintenance = tokio::spawn(maintenance_loop(self.clone(), background.clone()));
         let mut membership = tokio::spawn(membership_loop(self.clone(), background.clone()));
         let mut batches: JoinSet<()> = JoinSet::new();
         let waker = inner.store.waker();
@@ -388,7 +388,7 @@ impl Relay {
             // panicked, and a relay without it cannot renew its buckets (it would idle alive).
             for (task, name) in [
                 (&mut membership, "membership"),
-                (&mut reaper, "maintenance"),
+                (&mut maintenance, "maintenance"),
             ] {
                 if task.is_finished() && !background.is_cancelled() {
                     if let Err(e) = task.await
@@ -510,7 +510,7 @@ impl Relay {
             batches.abort_all();
         }
         background.cancel();
-        let _ = reaper.await;
+        let _ = maintenance.await;
         let _ = membership.await;
         if drained.is_ok() {
             self.leave().await;

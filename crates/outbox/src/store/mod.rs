@@ -7,12 +7,17 @@
 //! is per dialect (`PgStore::enqueue(&mut PgConnection, ..)`, `SqliteStore::enqueue(&mut
 //! SqliteConnection, ..)`).
 //!
-//! # Fencing
-//! A claim stamps every claimed row with a fresh random 63-bit lease token. Every later write by
-//! the claimer ([`Store::complete`]) is conditional on `status = SENDING AND lease_token = token`;
-//! a row that no longer matches (its lease expired and another relay took it, or the reaper put
-//! it back) is left untouched and counted as a lost lease. The reaper is a single conditional
-//! statement, so it cannot act on a stale snapshot (shared case C17).
+//! # One protocol: bucket leases
+//! The relay owns buckets, not rows (see `docs/architecture.md`, "Bucket leases"): a
+//! [`Store::membership`] round heartbeats, renews and acquires bucket leases, each with a fresh
+//! random 63-bit token; [`Store::read_buckets`] reads the due rows of owned buckets without
+//! writing; [`Store::complete_in_buckets`] writes each row's outcome once, fenced by its bucket's
+//! owner, token and unexpired lease, so a relay whose lease was taken over writes nothing (shared
+//! case C17). A row is never "in flight" in the table: a relay that dies leaves its rows PENDING,
+//! and the relay that takes its buckets over reads them again.
+//!
+//! Status 1 (SENDING) belonged to the row-claim protocol of earlier versions;
+//! [`Store::migrate`] releases any SENDING row an older relay left behind (logged with its count).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -34,73 +39,41 @@ pub mod postgres;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 
-/// A fencing token: random, drawn per claim, stored on every claimed row.
+/// A fencing token: random, drawn per bucket lease, stored on the bucket row and carried by every
+/// completion of a row of that bucket.
 pub type LeaseToken = i64;
 
-/// Parameters of a claim.
-#[derive(Debug, Clone)]
-pub struct ClaimRequest {
-    /// The relay's name, stored as `lease_owner` for operators.
-    pub owner: String,
-    /// Most rows to claim.
-    pub batch_size: u32,
-    /// How long the claim stays valid, from the database clock at claim time.
-    pub lease: Duration,
-}
-
-/// The rows of one claim, all stamped with `token`.
-#[derive(Debug, Clone)]
-pub struct Claim {
-    /// The fencing token of this claim.
-    pub token: LeaseToken,
-    /// Claimed messages, in `(available_at, id)` order; `attempts` already counts this attempt.
-    pub messages: Vec<Message>,
-    /// Claimed rows that could not be decoded (a plain-SQL producer wrote headers that are not a
-    /// JSON object of strings, or a message id that is not a UUID), with the reason. The relay
-    /// dead-letters them at once, so one malformed row never holds back the rest of its batch.
-    pub malformed: Vec<(i64, String)>,
-}
-
-/// What happened to one claimed message; applied by [`Store::complete`].
+/// What happened to one read message; written by [`Store::complete_in_buckets`].
 #[derive(Debug, Clone, PartialEq)]
 pub enum Outcome {
-    /// The broker acknowledged it: SENDING → SENT, `sent_at = now()`.
+    /// The broker acknowledged it: PENDING → SENT, `sent_at = now()`.
     Sent,
     /// The broker acknowledged it and the route requires the consumer's confirmation:
-    /// SENDING → SENT with `confirm_deadline = now() + within`; past the deadline the message is
+    /// PENDING → SENT with `confirm_deadline = now() + within`; past the deadline the message is
     /// checked back ([`Store::check_back`]).
     SentAwaitingConfirmation {
         /// How long the consumer has to confirm.
         within: Duration,
     },
-    /// Publish failed and attempts remain: SENDING → PENDING, `available_at = now() + delay`,
+    /// Publish failed and attempts remain: PENDING again, `available_at = now() + delay`,
     /// `last_error = error`.
     Retry {
-        /// Backoff before the next claim.
+        /// Backoff before the next read.
         delay: Duration,
         /// Why it failed.
         error: String,
     },
-    /// Permanent error or attempts exhausted: SENDING → FAILED with the reason.
+    /// Permanent error or attempts exhausted: PENDING → FAILED with the reason.
     Failed {
         /// Why it is dead-lettered.
         reason: String,
     },
-    /// Not attempted (broker unavailable, shutdown): SENDING → PENDING with the attempt given
-    /// back (`attempts - 1`), `available_at = now() + delay`.
+    /// Not attempted (broker unavailable, shutdown): stays PENDING, attempts as stored before
+    /// (the relay passes them in [`BucketCompletion::attempts`]), `available_at = now() + delay`.
     Release {
-        /// Delay before the next claim (zero on shutdown).
+        /// Delay before the next read (zero on shutdown).
         delay: Duration,
     },
-}
-
-/// One row's outcome for [`Store::complete`].
-#[derive(Debug, Clone, PartialEq)]
-pub struct Completion {
-    /// Row id.
-    pub id: i64,
-    /// What to record.
-    pub outcome: Outcome,
 }
 
 /// Counts and ages for `outbox status`.
@@ -110,8 +83,6 @@ pub struct Stats {
     pub counts: BTreeMap<Status, u64>,
     /// Age of the oldest PENDING row that is due (`available_at <= now()`), by the database clock.
     pub oldest_pending_age: Option<Duration>,
-    /// SENDING rows whose lease has expired (a relay died; the reaper will return them).
-    pub expired_leases: u64,
     /// SENT rows waiting for the consumer's confirmation.
     pub awaiting_confirmation: u64,
     /// Age since SENT of the oldest message still waiting for its confirmation.
@@ -269,7 +240,7 @@ pub struct BucketBatch {
 pub struct KeyHead {
     /// The partition key.
     pub key: String,
-    /// Smallest id of the key's rows still to publish (PENDING, due or not, or SENDING).
+    /// Smallest id of the key's rows still to publish (PENDING, due or not).
     pub first_open: Option<i64>,
     /// Smallest id of the key's dead-lettered (FAILED) rows.
     pub first_failed: Option<i64>,
@@ -322,26 +293,6 @@ pub trait Store: Send + Sync + 'static {
     async fn check_schema(&self) -> Result<(), StoreError> {
         Ok(())
     }
-
-    /// Claim up to `req.batch_size` due PENDING rows: status SENDING, `attempts + 1`, a fresh
-    /// lease token, `lease_expires_at = now() + lease`. Rows locked by another claimer are
-    /// skipped, never waited on. Scans by state, never by "highest id seen" (shared case C01).
-    async fn claim(&self, req: &ClaimRequest) -> Result<Claim, StoreError>;
-
-    /// Apply the outcomes of a claim in one statement, fenced by `token`. Returns how many rows
-    /// matched; fewer than `completions.len()` means leases were lost (never overwritten). A row
-    /// the consumer already confirmed or rejected while it was SENDING (its confirmation overtook
-    /// the broker's acknowledgement) still matches: its lease is cleared and its verdict kept.
-    async fn complete(
-        &self,
-        token: LeaseToken,
-        completions: &[Completion],
-    ) -> Result<u64, StoreError>;
-
-    /// Return up to `limit` SENDING rows whose lease expired to PENDING (due now), clearing the
-    /// lease; a row whose expired attempt was its last goes to FAILED with reason
-    /// `"lease expired on the last attempt"`. One conditional statement. Returns the rows moved.
-    async fn reap_expired_leases(&self, limit: u32, max_attempts: u32) -> Result<u64, StoreError>;
 
     /// Heartbeat, renew and acquire bucket leases, in one transaction (see the relay's module
     /// docs). Upserts `req.relay`'s heartbeat, counts the live relays, renews every held bucket
@@ -609,38 +560,11 @@ pub(crate) fn new_token() -> LeaseToken {
     rand::random::<i64>() & i64::MAX
 }
 
-/// Split decoded claim rows into messages (sorted by id) and malformed rows with their reason.
-pub(crate) fn claim_from_rows<R>(
-    token: LeaseToken,
-    rows: Vec<R>,
-    decode: impl Fn(&R) -> Result<(i64, Result<Message, String>), StoreError>,
-) -> Result<Claim, StoreError> {
-    let mut messages = Vec::with_capacity(rows.len());
-    let mut malformed = Vec::new();
-    for row in &rows {
-        match decode(row)? {
-            (_, Ok(m)) => messages.push(m),
-            (id, Err(reason)) => malformed.push((id, reason)),
-        }
-    }
-    messages.sort_by_key(|m| m.id);
-    Ok(Claim {
-        token,
-        messages,
-        malformed,
-    })
-}
-
-/// Stats from `(status, count)` rows, the oldest due pending age and the expired-lease count
-/// (milliseconds and counts as the database returns them).
+/// Stats from `(status, count)` rows, the oldest due pending age, the SENT rows awaiting
+/// confirmation and the oldest of them (milliseconds and counts as the database returns them).
 pub(crate) fn stats_from(
     counts: impl IntoIterator<Item = (i64, i64)>,
-    (oldest_pending_ms, expired, awaiting, oldest_unconfirmed_ms): (
-        Option<i64>,
-        i64,
-        i64,
-        Option<i64>,
-    ),
+    (oldest_pending_ms, awaiting, oldest_unconfirmed_ms): (Option<i64>, i64, Option<i64>),
 ) -> Result<Stats, StoreError> {
     let mut stats = Stats::default();
     for s in Status::ALL {
@@ -655,11 +579,24 @@ pub(crate) fn stats_from(
         stats.counts.insert(status, n.max(0) as u64);
     }
     stats.oldest_pending_age = oldest_pending_ms.map(|ms| Duration::from_millis(ms.max(0) as u64));
-    stats.expired_leases = expired.max(0) as u64;
     stats.awaiting_confirmation = awaiting.max(0) as u64;
     stats.oldest_unconfirmed_age =
         oldest_unconfirmed_ms.map(|ms| Duration::from_millis(ms.max(0) as u64));
     Ok(stats)
+}
+
+/// Log the SENDING rows [`Store::migrate`] released: rows an older relay, running the row-claim
+/// protocol of earlier versions, had claimed and not completed. They are PENDING again and
+/// will be published (again, if that relay had published them: at-least-once, the consumer's
+/// inbox absorbs the copy).
+pub(crate) fn log_released_sending(table: &str, rows: u64) {
+    if rows > 0 {
+        tracing::warn!(
+            table,
+            rows,
+            "released SENDING rows left by a relay of an earlier version; they are PENDING again"
+        );
+    }
 }
 
 /// Milliseconds of a duration as i64, saturating.
@@ -673,51 +610,6 @@ pub(crate) fn parse_headers(id: i64, raw: &str) -> Result<crate::Headers, StoreE
         id,
         reason: format!("headers are not a JSON object of strings: {e}"),
     })
-}
-
-/// Outcomes encoded as parallel arrays: (ids, statuses, delays in ms, errors, attempt give-back).
-pub(crate) struct CompletionColumns {
-    pub ids: Vec<i64>,
-    pub statuses: Vec<i16>,
-    pub delays_ms: Vec<i64>,
-    pub errors: Vec<Option<String>>,
-    pub give_back: Vec<i32>,
-    pub confirm_ms: Vec<Option<i64>>,
-}
-
-impl CompletionColumns {
-    pub(crate) fn from(completions: &[Completion]) -> Self {
-        let mut c = CompletionColumns {
-            ids: Vec::with_capacity(completions.len()),
-            statuses: Vec::with_capacity(completions.len()),
-            delays_ms: Vec::with_capacity(completions.len()),
-            errors: Vec::with_capacity(completions.len()),
-            give_back: Vec::with_capacity(completions.len()),
-            confirm_ms: Vec::with_capacity(completions.len()),
-        };
-        for comp in completions {
-            let mut confirm = None;
-            let (status, delay, error, give_back) = match &comp.outcome {
-                Outcome::Sent => (Status::Sent, 0, None, 0),
-                Outcome::SentAwaitingConfirmation { within } => {
-                    confirm = Some(millis(*within));
-                    (Status::Sent, 0, None, 0)
-                }
-                Outcome::Retry { delay, error } => {
-                    (Status::Pending, millis(*delay), Some(error.clone()), 0)
-                }
-                Outcome::Failed { reason } => (Status::Failed, 0, Some(reason.clone()), 0),
-                Outcome::Release { delay } => (Status::Pending, millis(*delay), None, 1),
-            };
-            c.ids.push(comp.id);
-            c.statuses.push(status.as_i16());
-            c.delays_ms.push(delay);
-            c.errors.push(error);
-            c.give_back.push(give_back);
-            c.confirm_ms.push(confirm);
-        }
-        c
-    }
 }
 
 /// [`MembershipRound`] from the live count and the renewed buckets (fair share

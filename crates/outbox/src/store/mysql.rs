@@ -4,13 +4,11 @@
 //! `JSON_TABLE`, used by the batched completion; MySQL has it since 8.0.4). Tested against
 //! MariaDB 10.11.
 //!
-//! - Claim: no `UPDATE … RETURNING` on MySQL/MariaDB, so a claim is one short READ COMMITTED
-//!   transaction: `SELECT id … WHERE status = 0 AND available_at <= UTC_TIMESTAMP(6) ORDER BY
-//!   available_at, id LIMIT n FOR UPDATE SKIP LOCKED`, then `UPDATE … WHERE id IN (…)`, then the
-//!   claimed rows are read back, then commit. Rows locked by another claimer are skipped, never
-//!   waited on.
+//! - Read: plain consistent reads of the owned buckets, a few buckets per statement
+//!   ([`super::read_in_rounds`]); completion: one `UPDATE` joining a `JSON_TABLE` list to the
+//!   outbox by primary key and to the bucket rows (the lease fence), per chunk of rows.
 //! - Deadlocks (error 1213) and lock wait timeouts (1205) are InnoDB's normal answer when
-//!   claimers, the completion and other sessions touch the same index ranges (shared cases C21,
+//!   relays, the completion and other sessions touch the same index ranges (shared cases C21,
 //!   C31). Every relay statement retries them with backoff (up to 8 times) and counts them
 //!   ([`MySqlStore::conflicts_retried`]); one that still fails is reported as a transient
 //!   [`StoreError`], which the relay loop backs off on and never treats as a message failure.
@@ -20,7 +18,7 @@
 //!   one: reads (`read_buckets`, the due check, key heads) are plain consistent reads; the
 //!   completion joins its JSON list to the outbox by PRIMARY KEY in a forced join order
 //!   (`STRAIGHT_JOIN`, `FORCE INDEX`), so it locks only the rows it names; confirmations go
-//!   through the message id index; maintenance (reap, check-back, retention) first picks its
+//!   through the message id index; maintenance (check-back, retention) first picks its
 //!   rows with `FOR UPDATE SKIP LOCKED`, then writes them by id; the membership statements
 //!   touch only `<table>_buckets` and `<table>_relays`, at READ COMMITTED (no gap locks). A
 //!   producer transaction held open for minutes delays only its own rows.
@@ -29,7 +27,7 @@
 //!   is seen by the next poll). [`Store::stats`] deliberately uses one REPEATABLE READ consistent
 //!   snapshot so its counts and ages agree.
 //! - Ids: `AUTO_INCREMENT` values are drawn at insert, not at commit, and rolled-back inserts
-//!   leave gaps; claims scan by state and `available_at`, never by "highest id seen", so a row
+//!   leave gaps; reads scan by state and bucket, never by "highest id seen", so a row
 //!   committed late is still published (shared case C01).
 //! - Times: `DATETIME(6)` in UTC from `UTC_TIMESTAMP(6)`, the database clock, never `NOW()`
 //!   (which follows the session's `time_zone`, shared case C35). A foreign producer that inserts
@@ -37,8 +35,8 @@
 //! - Text columns are `utf8mb4` (4-byte characters such as emoji survive); `payload` is
 //!   `LONGBLOB` and binary-safe; `headers` is `LONGTEXT` holding a JSON object of strings;
 //!   `message_id` is `CHAR(36)` (defaults to `UUID()` for plain SQL producers).
-//! - Indexes: MySQL has no partial indexes, so the claimable rows are found through
-//!   `(status, available_at, id)` and the other scans through `(status, <time column>)`; each
+//! - Indexes: MySQL has no partial indexes, so the due rows of a bucket are found through
+//!   `(status, bucket, id)` and the other scans through `(status, <time column>)`; each
 //!   scan fixes `status` by equality, so it reads only the rows of its state.
 //! - Wake-up: MySQL has no LISTEN/NOTIFY. An embedded relay is woken in-process by
 //!   [`Store::wake`] (or [`MySqlStore::commit`]); rows from other processes or plain SQL are
@@ -59,10 +57,9 @@ use tokio::sync::Notify;
 use uuid::Uuid;
 
 use super::{
-    Bucket, BucketBatch, BucketCompletion, BucketLease, Claim, ClaimRequest, Completion,
-    CompletionColumns, FailedMessage, KeyHead, LeaseToken, MembershipRequest, MembershipRound,
-    RelayInfo, Stats, Store, StoreOptions, claim_from_rows, millis, new_token, parse_headers,
-    stats_from,
+    Bucket, BucketBatch, BucketCompletion, BucketLease, FailedMessage, KeyHead, LeaseToken,
+    MembershipRequest, MembershipRound, RelayInfo, Stats, Store, StoreOptions, millis, new_token,
+    parse_headers, stats_from,
 };
 use crate::confirm::{ConfirmReport, Confirmation, RejectionHook, Verdict};
 use crate::error::{EnqueueError, StoreError};
@@ -618,49 +615,6 @@ impl MySqlStore {
         }
     }
 
-    async fn claim_once(
-        &self,
-        req: &ClaimRequest,
-        token: LeaseToken,
-    ) -> Result<Vec<MySqlRow>, sqlx::Error> {
-        let t = self.table.as_str();
-        let mut tx = self.begin_rc().await?;
-        let ids: Vec<i64> = sqlx::query_scalar(AssertSqlSafe(format!(
-            "SELECT id FROM {t} WHERE status = 0 AND available_at <= {NOW} \
-             ORDER BY available_at, id LIMIT ? FOR UPDATE SKIP LOCKED"
-        )))
-        .bind(i64::from(req.batch_size))
-        .fetch_all(&mut *tx)
-        .await?;
-        if ids.is_empty() {
-            tx.commit().await?;
-            return Ok(Vec::new());
-        }
-        let list = placeholders(ids.len());
-        let mut q = sqlx::query(AssertSqlSafe(format!(
-            "UPDATE {t} SET status = 1, attempts = attempts + 1, lease_owner = ?, lease_token = ?, \
-             lease_expires_at = {}, updated_at = {NOW} WHERE id IN ({list}) AND status = 0",
-            now_plus_ms()
-        )))
-        .bind(&req.owner)
-        .bind(token)
-        .bind(millis(req.lease));
-        for id in &ids {
-            q = q.bind(id);
-        }
-        q.execute(&mut *tx).await?;
-        let mut q = sqlx::query(AssertSqlSafe(format!(
-            "SELECT id, message_id, topic, partition_key, headers, payload, attempts, max_attempts, redelivery \
-             FROM {t} WHERE id IN ({list}) AND lease_token = ?"
-        )));
-        for id in &ids {
-            q = q.bind(id);
-        }
-        let rows = q.bind(token).fetch_all(&mut *tx).await?;
-        tx.commit().await?;
-        Ok(rows)
-    }
-
     async fn confirm_processed(&self, ids: &[String]) -> Result<Vec<String>, sqlx::Error> {
         let t = self.table.as_str();
         let f = self.table.unqualified();
@@ -1202,7 +1156,25 @@ impl Store for MySqlStore {
     }
 
     async fn migrate(&self) -> Result<(), StoreError> {
-        run_migrations(&self.pool, migrations(&self.table, &self.inbox_table)).await
+        run_migrations(&self.pool, migrations(&self.table, &self.inbox_table)).await?;
+        // SENDING rows of an older relay, found through the (status, lease_expires_at) index so
+        // no producer's uncommitted PENDING row is touched. A SENDING row another session locks
+        // is waited for, not skipped: no relay would ever release it afterwards.
+        let t = self.table.as_str();
+        let f = self.table.unqualified();
+        let released = self
+            .exec_rc(
+                "migrate",
+                &format!(
+                    "UPDATE {t} FORCE INDEX ({f}_leased) SET status = 0, available_at = {NOW}, \
+                     lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL, updated_at = {NOW} \
+                     WHERE status = 1"
+                ),
+                &[],
+            )
+            .await?;
+        super::log_released_sending(t, released);
+        Ok(())
     }
 
     async fn check_schema(&self) -> Result<(), StoreError> {
@@ -1232,70 +1204,6 @@ impl Store for MySqlStore {
             found: 0,
             needed,
         })
-    }
-
-    async fn claim(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
-        let token = new_token();
-        let mut attempt = 0;
-        let rows = loop {
-            match self.claim_once(req, token).await {
-                Ok(rows) => break rows,
-                Err(e) if self.retry_conflict("claim", &e, attempt).await => attempt += 1,
-                Err(e) => return Err(self.err("claim")(e)),
-            }
-        };
-        claim_from_rows(token, rows, |row| {
-            let id: i64 = row.try_get(0).map_err(self.err("claim"))?;
-            Ok((id, decode_row(id, row)))
-        })
-    }
-
-    async fn complete(
-        &self,
-        token: LeaseToken,
-        completions: &[Completion],
-    ) -> Result<u64, StoreError> {
-        if completions.is_empty() {
-            return Ok(0);
-        }
-        let c = CompletionColumns::from(completions);
-        let rows: Vec<serde_json::Value> = (0..c.ids.len())
-            .map(|i| {
-                serde_json::json!({
-                    "id": c.ids[i],
-                    "st": c.statuses[i],
-                    "d": c.delays_ms[i],
-                    "e": c.errors[i],
-                    "gb": c.give_back[i],
-                    "c": c.confirm_ms[i],
-                })
-            })
-            .collect();
-        let json = serde_json::Value::Array(rows).to_string();
-        let t = self.table.as_str();
-        // Multi-table UPDATE assignments have no guaranteed order, so none reads `o.status`
-        // (which one of them writes): a row in (1, 3, 6) without `confirmed_at` is SENDING, one
-        // with it was confirmed or rejected while in flight (CONFIRMED and REJECTED are final).
-        // Join order forced as in `complete_chunk`: only the named rows are locked.
-        let sending = "o.confirmed_at IS NULL";
-        let sql = format!(
-            "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (\
-               id BIGINT PATH '$.id', st SMALLINT PATH '$.st', d BIGINT PATH '$.d', \
-               e LONGTEXT CHARACTER SET utf8mb4 PATH '$.e', gb INT PATH '$.gb', c BIGINT PATH '$.c')) j \
-             STRAIGHT_JOIN {t} o FORCE INDEX (PRIMARY) ON o.id = j.id \
-             SET o.attempts = o.attempts - CASE WHEN {sending} THEN j.gb ELSE 0 END, \
-             o.available_at = CASE WHEN {sending} AND j.st = 0 \
-               THEN {NOW} + INTERVAL (j.d * 1000) MICROSECOND ELSE o.available_at END, \
-             o.sent_at = CASE WHEN j.st = 2 THEN {NOW} ELSE o.sent_at END, \
-             o.confirm_deadline = CASE WHEN {sending} AND j.st = 2 AND j.c IS NOT NULL \
-               THEN {NOW} + INTERVAL (j.c * 1000) MICROSECOND ELSE NULL END, \
-             o.last_error = CASE WHEN {sending} THEN COALESCE(j.e, o.last_error) ELSE o.last_error END, \
-             o.status = CASE WHEN {sending} THEN j.st ELSE o.status END, \
-             o.lease_owner = NULL, o.lease_token = NULL, o.lease_expires_at = NULL, o.updated_at = {NOW} \
-             WHERE o.status IN (1, 3, 6) AND o.lease_token = ?"
-        );
-        self.exec_rc("complete", &sql, &[Bind::Str(&json), Bind::I64(token)])
-            .await
     }
 
     async fn membership(&self, req: &MembershipRequest) -> Result<MembershipRound, StoreError> {
@@ -1482,34 +1390,6 @@ impl Store for MySqlStore {
         Ok(ms.map(|ms| Duration::from_millis(ms.max(0) as u64)))
     }
 
-    async fn reap_expired_leases(&self, limit: u32, max_attempts: u32) -> Result<u64, StoreError> {
-        let t = self.table.as_str();
-        let select = format!(
-            "SELECT id FROM {t} WHERE status = 1 AND lease_expires_at < {NOW} \
-             ORDER BY lease_expires_at LIMIT ? FOR UPDATE SKIP LOCKED"
-        );
-        // Single-table UPDATE assignments run left to right: read lease_owner before clearing it.
-        let write = format!(
-            "UPDATE {t} SET \
-             last_error = CASE WHEN attempts >= COALESCE(max_attempts, ?) \
-               THEN 'lease expired on the last attempt' \
-               ELSE CONCAT('lease of ', COALESCE(lease_owner, '?'), ' expired') END, \
-             status = CASE WHEN attempts >= COALESCE(max_attempts, ?) THEN 4 ELSE 0 END, \
-             available_at = {NOW}, lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL, \
-             updated_at = {NOW} \
-             WHERE status = 1 AND id IN "
-        );
-        let max = i64::from(max_attempts);
-        self.write_selected(
-            "reap",
-            &select,
-            limit,
-            &write,
-            &[Bind::I64(max), Bind::I64(max)],
-        )
-        .await
-    }
-
     async fn next_due_in(&self) -> Result<Option<Duration>, StoreError> {
         let t = self.table.as_str();
         // GREATEST is NULL when any argument is NULL: an empty table answers NULL.
@@ -1542,10 +1422,9 @@ impl Store for MySqlStore {
         .fetch_all(&mut *tx)
         .await
         .map_err(self.err("stats"))?;
-        let ages: (Option<i64>, i64, i64, Option<i64>) = sqlx::query_as(AssertSqlSafe(format!(
+        let ages: (Option<i64>, i64, Option<i64>) = sqlx::query_as(AssertSqlSafe(format!(
             "SELECT (SELECT TIMESTAMPDIFF(MICROSECOND, MIN(created_at), {NOW}) DIV 1000 FROM {t} \
                      WHERE status = 0 AND available_at <= {NOW}), \
-                    (SELECT COUNT(*) FROM {t} WHERE status = 1 AND lease_expires_at < {NOW}), \
                     (SELECT COUNT(*) FROM {t} WHERE status = 2 AND confirm_deadline IS NOT NULL), \
                     (SELECT TIMESTAMPDIFF(MICROSECOND, MIN(sent_at), {NOW}) DIV 1000 FROM {t} \
                      WHERE status = 2 AND confirm_deadline IS NOT NULL)"
@@ -1746,7 +1625,7 @@ impl Store for MySqlStore {
     }
 }
 
-/// Decode one claimed row; the error says what a foreign producer got wrong.
+/// Decode one read row; the error says what a foreign producer got wrong.
 fn decode_row(id: i64, row: &MySqlRow) -> Result<Message, String> {
     let get_err = |col: &str, e: sqlx::Error| format!("column {col}: {e}");
     let message_id: String = row.try_get(1).map_err(|e| get_err("message_id", e))?;

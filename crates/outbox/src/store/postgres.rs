@@ -1,7 +1,8 @@
 //! PostgreSQL store.
 //!
-//! - Claim: one statement, `UPDATE … FROM (SELECT … FOR UPDATE SKIP LOCKED) … RETURNING`, through a
-//!   partial index on PENDING rows `(available_at, id)`.
+//! - Read: one statement per batch over the owned buckets (`UNNEST` of buckets, `LATERAL` index
+//!   range scan on `(bucket, id) WHERE status = 0`); completion: one `UPDATE … FROM UNNEST`
+//!   fenced by the bucket leases.
 //! - Wake-up: a statement-level `AFTER INSERT` trigger calls `pg_notify('<table>_outbox', '')`,
 //!   delivered at commit and merged per transaction, so rows inserted by any producer (this crate,
 //!   or plain SQL from another language) wake a listening relay at once. The listener reconnects
@@ -38,9 +39,9 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::{
-    Bucket, BucketBatch, BucketCompletion, BucketLease, Claim, ClaimRequest, Completion,
-    CompletionColumns, FailedMessage, KeyHead, LeaseToken, MembershipRequest, MembershipRound,
-    RelayInfo, Stats, Store, StoreOptions, claim_from_rows, millis, new_token, stats_from,
+    Bucket, BucketBatch, BucketCompletion, BucketLease, FailedMessage, KeyHead, LeaseToken,
+    MembershipRequest, MembershipRound, RelayInfo, Stats, Store, StoreOptions, millis, new_token,
+    stats_from,
 };
 use crate::confirm::{ConfirmReport, Confirmation, RejectionHook, Verdict};
 use crate::error::{EnqueueError, StoreError};
@@ -55,9 +56,8 @@ struct Sql {
     /// `insert` that also restores `lock_timeout` to `$8` once it holds its locks
     /// ([`PgStore::with_enqueue_timeout`]).
     insert_timed: Arc<str>,
-    claim: Arc<str>,
-    complete: Arc<str>,
-    reap: Arc<str>,
+    /// Release SENDING rows left by a relay of the row-claim protocol ([`Store::migrate`]).
+    release_sending: Arc<str>,
     next_due: Arc<str>,
     counts: Arc<str>,
     ages: Arc<str>,
@@ -204,39 +204,9 @@ impl PgStore {
                  CROSS JOIN (SELECT set_config('lock_timeout', $8, false)) AS restore_lock_timeout"
             )
             .into(),
-            claim: format!(
-                "UPDATE {t} o SET status = 1, attempts = o.attempts + 1, lease_owner = $1, lease_token = $2, \
-                 lease_expires_at = now() + make_interval(secs => $3::float8 / 1000), updated_at = now() \
-                 FROM (SELECT id FROM {t} WHERE status = 0 AND available_at <= now() \
-                       ORDER BY available_at, id LIMIT $4 FOR UPDATE SKIP LOCKED) c \
-                 WHERE o.id = c.id RETURNING {cols}"
-            )
-            .into(),
-            complete: format!(
-                "UPDATE {t} o SET status = CASE WHEN o.status = 1 THEN u.st ELSE o.status END, \
-                 attempts = o.attempts - CASE WHEN o.status = 1 THEN u.gb ELSE 0 END, \
-                 available_at = CASE WHEN o.status = 1 AND u.st = 0 \
-                   THEN now() + make_interval(secs => u.delay_ms::float8 / 1000) ELSE o.available_at END, \
-                 sent_at = CASE WHEN u.st = 2 THEN now() ELSE o.sent_at END, \
-                 confirm_deadline = CASE WHEN o.status = 1 AND u.st = 2 AND u.confirm_ms IS NOT NULL \
-                   THEN now() + make_interval(secs => u.confirm_ms::float8 / 1000) ELSE NULL END, \
-                 last_error = CASE WHEN o.status = 1 THEN COALESCE(u.err, o.last_error) ELSE o.last_error END, \
-                 lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL, updated_at = now() \
-                 FROM UNNEST($1::bigint[], $2::smallint[], $3::bigint[], $4::text[], $5::int[], $7::bigint[]) \
-                   AS u(id, st, delay_ms, err, gb, confirm_ms) \
-                 WHERE o.id = u.id AND o.status IN (1, 3, 6) AND o.lease_token = $6"
-            )
-            .into(),
-            reap: format!(
-                "UPDATE {t} o SET \
-                 status = CASE WHEN o.attempts >= COALESCE(o.max_attempts, $2) THEN 4 ELSE 0 END, \
-                 last_error = CASE WHEN o.attempts >= COALESCE(o.max_attempts, $2) \
-                   THEN 'lease expired on the last attempt' \
-                   ELSE 'lease of ' || COALESCE(o.lease_owner, '?') || ' expired' END, \
-                 available_at = now(), lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL, updated_at = now() \
-                 FROM (SELECT id FROM {t} WHERE status = 1 AND lease_expires_at < now() \
-                       ORDER BY lease_expires_at LIMIT $1 FOR UPDATE SKIP LOCKED) c \
-                 WHERE o.id = c.id AND o.status = 1 AND o.lease_expires_at < now()"
+            release_sending: format!(
+                "UPDATE {t} SET status = 0, available_at = now(), lease_owner = NULL, lease_token = NULL, \
+                 lease_expires_at = NULL, updated_at = now() WHERE status = 1"
             )
             .into(),
             next_due: format!(
@@ -250,7 +220,6 @@ impl PgStore {
             ages: format!(
                 "SELECT (SELECT (EXTRACT(EPOCH FROM now() - MIN(created_at)) * 1000)::bigint FROM {t} \
                          WHERE status = 0 AND available_at <= now()), \
-                        (SELECT COUNT(*) FROM {t} WHERE status = 1 AND lease_expires_at < now()), \
                         (SELECT COUNT(*) FROM {t} WHERE status = 2 AND confirm_deadline IS NOT NULL), \
                         (SELECT (EXTRACT(EPOCH FROM now() - MIN(sent_at)) * 1000)::bigint FROM {t} \
                          WHERE status = 2 AND confirm_deadline IS NOT NULL)"
@@ -991,56 +960,13 @@ impl Store for PgStore {
             &self.pool,
             migrations(&self.table, &self.inbox_table, &self.channel),
         )
-        .await
-    }
-
-    async fn claim(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
-        let token = new_token();
-        let rows = sqlx::query(AssertSqlSafe(self.sql.claim.clone()))
-            .bind(&req.owner)
-            .bind(token)
-            .bind(millis(req.lease))
-            .bind(i64::from(req.batch_size))
-            .fetch_all(&self.pool)
-            .await
-            .map_err(self.err("claim"))?;
-        claim_from_rows(token, rows, |row| {
-            let id: i64 = row.try_get(0).map_err(self.err("claim"))?;
-            Ok((id, decode_row(id, row)))
-        })
-    }
-
-    async fn complete(
-        &self,
-        token: LeaseToken,
-        completions: &[Completion],
-    ) -> Result<u64, StoreError> {
-        if completions.is_empty() {
-            return Ok(0);
-        }
-        let c = CompletionColumns::from(completions);
-        let done = sqlx::query(AssertSqlSafe(self.sql.complete.clone()))
-            .bind(c.ids)
-            .bind(c.statuses)
-            .bind(c.delays_ms)
-            .bind(c.errors)
-            .bind(c.give_back)
-            .bind(token)
-            .bind(c.confirm_ms)
+        .await?;
+        let released = sqlx::query(AssertSqlSafe(self.sql.release_sending.clone()))
             .execute(&self.pool)
             .await
-            .map_err(self.err("complete"))?;
-        Ok(done.rows_affected())
-    }
-
-    async fn reap_expired_leases(&self, limit: u32, max_attempts: u32) -> Result<u64, StoreError> {
-        let done = sqlx::query(AssertSqlSafe(self.sql.reap.clone()))
-            .bind(i64::from(limit))
-            .bind(i32::try_from(max_attempts).unwrap_or(i32::MAX))
-            .execute(&self.pool)
-            .await
-            .map_err(self.err("reap"))?;
-        Ok(done.rows_affected())
+            .map_err(self.err("migrate"))?;
+        super::log_released_sending(self.table.as_str(), released.rows_affected());
+        Ok(())
     }
 
     async fn membership(&self, req: &MembershipRequest) -> Result<MembershipRound, StoreError> {
@@ -1312,7 +1238,7 @@ impl Store for PgStore {
             .fetch_all(&mut *tx)
             .await
             .map_err(self.err("stats"))?;
-        let ages: (Option<i64>, i64, i64, Option<i64>) =
+        let ages: (Option<i64>, i64, Option<i64>) =
             sqlx::query_as(AssertSqlSafe(self.sql.ages.clone()))
                 .fetch_one(&mut *tx)
                 .await
@@ -1678,7 +1604,7 @@ async fn receive(
     }
 }
 
-/// Decode one claimed row; the error says what a foreign producer got wrong.
+/// Decode one read row; the error says what a foreign producer got wrong.
 fn decode_row(id: i64, row: &sqlx::postgres::PgRow) -> Result<Message, String> {
     let get_err = |col: &str, e: sqlx::Error| format!("column {col}: {e}");
     let headers: String = row.try_get(4).map_err(|e| get_err("headers", e))?;

@@ -1,9 +1,9 @@
 //! SQLite store: the embedded default.
 //!
 //! # Limits
-//! - One writer at a time (SQLite's rule). Claims are single `UPDATE … RETURNING` statements, which
-//!   take the write lock before reading, like `BEGIN IMMEDIATE`; writers wait up to the busy
-//!   timeout (default 10 s) instead of failing.
+//! - One writer at a time (SQLite's rule). The relay's writes (membership round, completion)
+//!   are single short statements or transactions; writers wait up to the busy timeout (default
+//!   10 s) instead of failing.
 //! - No LISTEN/NOTIFY: an embedded relay is woken in-process by [`Store::wake`] (or
 //!   [`SqliteStore::commit`]); other producers are picked up by adaptive polling.
 //! - Times are integer milliseconds since the Unix epoch from SQLite's own clock
@@ -25,9 +25,9 @@ use tokio::sync::Notify;
 use uuid::Uuid;
 
 use super::{
-    Bucket, BucketBatch, BucketCompletion, BucketLease, Claim, ClaimRequest, Completion,
-    CompletionColumns, FailedMessage, KeyHead, LeaseToken, MembershipRequest, MembershipRound,
-    RelayInfo, Stats, Store, claim_from_rows, millis, new_token, parse_headers, stats_from,
+    Bucket, BucketBatch, BucketCompletion, BucketLease, FailedMessage, KeyHead, LeaseToken,
+    MembershipRequest, MembershipRound, RelayInfo, Stats, Store, millis, new_token, parse_headers,
+    stats_from,
 };
 use crate::confirm::{ConfirmReport, Confirmation, RejectionHook, Verdict};
 use crate::error::{EnqueueError, StoreError};
@@ -62,9 +62,8 @@ const READ_COLS: &str = "id, message_id, topic, partition_key, headers, CAST(pay
 struct Sql {
     complete_in_buckets: Arc<str>,
     insert: Arc<str>,
-    claim: Arc<str>,
-    complete: Arc<str>,
-    reap: Arc<str>,
+    /// Release SENDING rows left by a relay of the row-claim protocol ([`Store::migrate`]).
+    release_sending: Arc<str>,
     next_due: Arc<str>,
     counts: Arc<str>,
     ages: Arc<str>,
@@ -215,7 +214,6 @@ impl SqliteStore {
             ));
         }
         let t = table.as_str();
-        let cols = "id, message_id, topic, partition_key, headers, CAST(payload AS BLOB), attempts, max_attempts, redelivery";
         let sql = Sql {
             complete_in_buckets: format!(
                 "UPDATE {t} SET status = CASE WHEN {t}.status = 0 THEN j.st ELSE {t}.status END, \
@@ -238,44 +236,15 @@ impl SqliteStore {
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, {NOW_MS} + ?7)"
             )
             .into(),
-            claim: format!(
-                "UPDATE {t} SET status = 1, attempts = attempts + 1, lease_owner = ?1, lease_token = ?2, \
-                 lease_expires_at = {NOW_MS} + ?3, updated_at = {NOW_MS} \
-                 WHERE id IN (SELECT id FROM {t} WHERE status = 0 AND available_at <= {NOW_MS} \
-                 ORDER BY available_at, id LIMIT ?4) RETURNING {cols}"
-            )
-            .into(),
-            complete: format!(
-                "UPDATE {t} SET status = CASE WHEN {t}.status = 1 THEN j.st ELSE {t}.status END, \
-                 attempts = {t}.attempts - CASE WHEN {t}.status = 1 THEN j.gb ELSE 0 END, \
-                 available_at = CASE WHEN {t}.status = 1 AND j.st = 0 THEN {NOW_MS} + j.delay ELSE {t}.available_at END, \
-                 sent_at = CASE WHEN j.st = 2 THEN {NOW_MS} ELSE {t}.sent_at END, \
-                 confirm_deadline = CASE WHEN {t}.status = 1 AND j.st = 2 AND j.confirm IS NOT NULL \
-                   THEN {NOW_MS} + j.confirm ELSE NULL END, \
-                 last_error = CASE WHEN {t}.status = 1 THEN COALESCE(j.err, {t}.last_error) ELSE {t}.last_error END, \
-                 lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL, updated_at = {NOW_MS} \
-                 FROM (SELECT value ->> '$[0]' AS id, value ->> '$[1]' AS st, value ->> '$[2]' AS delay, \
-                       value ->> '$[3]' AS err, value ->> '$[4]' AS gb, value ->> '$[5]' AS confirm FROM json_each(?1)) AS j \
-                 WHERE {t}.id = j.id AND {t}.status IN (1, 3, 6) AND {t}.lease_token = ?2"
-            )
-            .into(),
-            reap: format!(
-                "UPDATE {t} SET \
-                 status = CASE WHEN attempts >= COALESCE(max_attempts, ?2) THEN 4 ELSE 0 END, \
-                 last_error = CASE WHEN attempts >= COALESCE(max_attempts, ?2) \
-                   THEN 'lease expired on the last attempt' \
-                   ELSE 'lease of ' || COALESCE(lease_owner, '?') || ' expired' END, \
-                 available_at = {NOW_MS}, lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL, \
-                 updated_at = {NOW_MS} \
-                 WHERE id IN (SELECT id FROM {t} WHERE status = 1 AND lease_expires_at < {NOW_MS} \
-                 ORDER BY lease_expires_at LIMIT ?1) AND status = 1 AND lease_expires_at < {NOW_MS}"
+            release_sending: format!(
+                "UPDATE {t} SET status = 0, available_at = {NOW_MS}, lease_owner = NULL, lease_token = NULL, \
+                 lease_expires_at = NULL, updated_at = {NOW_MS} WHERE status = 1"
             )
             .into(),
             next_due: format!("SELECT MAX(MIN(available_at) - {NOW_MS}, 0) FROM {t} WHERE status = 0").into(),
             counts: format!("SELECT status, COUNT(*) FROM {t} GROUP BY status").into(),
             ages: format!(
                 "SELECT (SELECT {NOW_MS} - MIN(created_at) FROM {t} WHERE status = 0 AND available_at <= {NOW_MS}), \
-                 (SELECT COUNT(*) FROM {t} WHERE status = 1 AND lease_expires_at < {NOW_MS}), \
                  (SELECT COUNT(*) FROM {t} WHERE status = 2 AND confirm_deadline IS NOT NULL), \
                  (SELECT {NOW_MS} - MIN(sent_at) FROM {t} WHERE status = 2 AND confirm_deadline IS NOT NULL)"
             )
@@ -848,7 +817,13 @@ impl Store for SqliteStore {
             &self.pool,
             migrations(self.table.as_str(), self.inbox_table.as_str()),
         )
-        .await
+        .await?;
+        let released = sqlx::query(AssertSqlSafe(self.sql.release_sending.clone()))
+            .execute(&self.pool)
+            .await
+            .map_err(self.err("migrate"))?;
+        super::log_released_sending(self.table.as_str(), released.rows_affected());
+        Ok(())
     }
 
     async fn check_schema(&self) -> Result<(), StoreError> {
@@ -881,53 +856,6 @@ impl Store for SqliteStore {
             found: 0,
             needed,
         })
-    }
-
-    async fn claim(&self, req: &ClaimRequest) -> Result<Claim, StoreError> {
-        let token = new_token();
-        let rows = sqlx::query(AssertSqlSafe(self.sql.claim.clone()))
-            .bind(&req.owner)
-            .bind(token)
-            .bind(millis(req.lease))
-            .bind(i64::from(req.batch_size))
-            .fetch_all(&self.pool)
-            .await
-            .map_err(self.err("claim"))?;
-        claim_from_rows(token, rows, |row| {
-            let id: i64 = row.try_get(0).map_err(self.err("claim"))?;
-            Ok((id, decode_row(id, row)))
-        })
-    }
-
-    async fn complete(
-        &self,
-        token: LeaseToken,
-        completions: &[Completion],
-    ) -> Result<u64, StoreError> {
-        if completions.is_empty() {
-            return Ok(0);
-        }
-        let c = CompletionColumns::from(completions);
-        let rows: Vec<serde_json::Value> = (0..c.ids.len())
-            .map(|i| {
-                serde_json::json!([
-                    c.ids[i],
-                    c.statuses[i],
-                    c.delays_ms[i],
-                    c.errors[i],
-                    c.give_back[i],
-                    c.confirm_ms[i]
-                ])
-            })
-            .collect();
-        let json = serde_json::Value::Array(rows).to_string();
-        let done = sqlx::query(AssertSqlSafe(self.sql.complete.clone()))
-            .bind(json)
-            .bind(token)
-            .execute(&self.pool)
-            .await
-            .map_err(self.err("complete"))?;
-        Ok(done.rows_affected())
     }
 
     async fn membership(&self, req: &MembershipRequest) -> Result<MembershipRound, StoreError> {
@@ -1128,16 +1056,6 @@ impl Store for SqliteStore {
         Ok(ms.map(|ms| Duration::from_millis(ms.max(0) as u64)))
     }
 
-    async fn reap_expired_leases(&self, limit: u32, max_attempts: u32) -> Result<u64, StoreError> {
-        let done = sqlx::query(AssertSqlSafe(self.sql.reap.clone()))
-            .bind(i64::from(limit))
-            .bind(i64::from(max_attempts))
-            .execute(&self.pool)
-            .await
-            .map_err(self.err("reap"))?;
-        Ok(done.rows_affected())
-    }
-
     async fn next_due_in(&self) -> Result<Option<Duration>, StoreError> {
         let ms: Option<i64> = sqlx::query_scalar(AssertSqlSafe(self.sql.next_due.clone()))
             .fetch_one(&self.pool)
@@ -1153,7 +1071,7 @@ impl Store for SqliteStore {
             .fetch_all(&mut *tx)
             .await
             .map_err(self.err("stats"))?;
-        let ages: (Option<i64>, i64, i64, Option<i64>) =
+        let ages: (Option<i64>, i64, Option<i64>) =
             sqlx::query_as(AssertSqlSafe(self.sql.ages.clone()))
                 .fetch_one(&mut *tx)
                 .await
@@ -1328,7 +1246,7 @@ impl Store for SqliteStore {
     }
 }
 
-/// Decode one claimed row; the error says what a foreign producer got wrong.
+/// Decode one read row; the error says what a foreign producer got wrong.
 fn decode_row(id: i64, row: &sqlx::sqlite::SqliteRow) -> Result<Message, String> {
     let get_err = |col: &str, e: sqlx::Error| format!("column {col}: {e}");
     let message_id: String = row.try_get(1).map_err(|e| get_err("message_id", e))?;
