@@ -389,11 +389,15 @@ async fn defect_04_mqtt_cut_connection_is_rebuilt_without_burning_attempts() {
 
 /// RocketMQ: every TCP connection of this test process to the RocketMQ name server and broker is
 /// reset (`ss -K`, run as root) while the relay works. The client reconnects by itself and every
-/// message is delivered without a restart and without a dead letter. Known gap: a send in flight
-/// on the reset connection is not failed by the client; it waits until the relay's
-/// `publish_timeout`, whose probe then finds the client reconnected, so those messages (1 to 17
-/// of 250 in four runs) spend one attempt each. Bounded here by what can be in flight at the
-/// reset: at most 40 rows (2 batches of 20), one extra attempt each.
+/// message is delivered without a restart and without a dead letter. Known gap, in the client
+/// (`rocketmq-transport` 1.0.0): when a connection's reader ends, the requests still awaiting an
+/// answer on it are not failed (the session's pending requests are completed only when its last
+/// handle is dropped, and each waiting request holds one), and the client offers no
+/// connection-closed event or connection identity the transport could watch instead. So a send
+/// in flight on the reset connection waits for the client's `send_timeout` or the relay's
+/// `publish_timeout`, whichever ends first (both 3 s here), and spends one attempt: 1 to 17 rows
+/// of 250 in seven runs. Bounded here by what can be in flight at the reset: at most 40 rows (2
+/// batches of 20), one extra attempt each.
 ///
 /// Not covered: a broker restart (the shared broker must stay up for the other tests).
 #[cfg(feature = "rocketmq")]

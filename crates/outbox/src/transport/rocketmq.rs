@@ -62,7 +62,10 @@
 //!   times out), connection to the broker refused or lost (condition `unavailable` of the
 //!   client's error), `NO_PERMISSION` 16 (the topic or broker refuses writes: a configuration
 //!   fault that pauses the transport and burns no attempt); the probe asks a name server for the
-//!   default topic's route;
+//!   default topic's route. A send already awaiting its answer when its connection is reset is
+//!   not failed by the client (`rocketmq-transport` 1.0.0 keeps it pending until its deadline):
+//!   it ends as a timeout when [`RocketMqConfig::send_timeout`] or the relay's `publish_timeout`
+//!   runs out, retryable while a name server answers, so it spends one attempt;
 //! - retryable: `TOPIC_NOT_EXIST` 17 and "no route info of this topic" while a name server
 //!   answers, and everything else
 //!   (timeouts, `SYSTEM_BUSY` 2, `SYSTEM_ERROR` 1, the non-`SEND_OK` statuses above). A missing
