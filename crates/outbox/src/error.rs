@@ -45,7 +45,7 @@ pub enum EnqueueError {
     )]
     InvalidHeaderName(String),
     /// A header whose name a broker reserves for itself
-    /// ([`transport::wire::RESERVED`](crate::transport::wire::RESERVED)): `Nats-Msg-Id` and the
+    /// ([`reserved::RESERVED`](crate::reserved::RESERVED)): `Nats-Msg-Id` and the
     /// rest of the `Nats-` namespace, HTTP connection headers such as `Content-Length`,
     /// RabbitMQ's `CC`/`BCC`/`x-death`/`x-delay`, RocketMQ system properties such as `DELAY`.
     /// Refused for every transport, since the relay may route the message to any of them.
@@ -124,11 +124,14 @@ pub enum StoreErrorKind {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum StoreError {
-    /// A database call failed during `op` (a short name such as `"claim"`).
+    /// A database call failed during `op` (a short name such as `"read"`).
     #[error("database error during {op}")]
     Database {
         /// The store operation.
         op: &'static str,
+        /// Whether the dialect that raised it classified it as worth retrying
+        /// ([`StoreErrorKind::Transient`]): a lost connection, a deadlock, a busy database.
+        transient: bool,
         /// The driver's error.
         #[source]
         source: sqlx::Error,
@@ -196,27 +199,84 @@ pub enum StoreError {
     },
 }
 
+/// What a dialect found a driver error to be. Each store dialect classifies the errors of its
+/// own database (`store::<dialect>::errors`, after sqlx's drivers, which each know their own
+/// error codes); [`StoreError::classified`] turns the class into the error.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DbErrorClass {
+    /// The server refused a write as read-only ([`StoreError::ReadOnly`]).
+    ReadOnly,
+    /// A table does not exist; the relation the server named, when it named one.
+    MissingTable(Option<String>),
+    /// Worth retrying: connection lost, pool timed out, deadlock, lock timeout, busy database.
+    Transient,
+    /// Anything else.
+    Other,
+}
+
+impl DbErrorClass {
+    /// The class of the errors every driver shares (not raised by a database server): I/O,
+    /// pool timeout and a crashed worker are [`DbErrorClass::Transient`]; `None` for a
+    /// database error, which only its dialect can classify.
+    pub fn of_driver(e: &sqlx::Error) -> Option<DbErrorClass> {
+        match e {
+            sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::WorkerCrashed => {
+                Some(DbErrorClass::Transient)
+            }
+            sqlx::Error::Database(_) => None,
+            _ => Some(DbErrorClass::Other),
+        }
+    }
+}
+
 impl StoreError {
-    /// Wrap a driver error raised during `op`, recognising a missing table.
-    pub fn db(op: &'static str, table: &str, source: sqlx::Error) -> StoreError {
-        if is_read_only(&source) {
-            return StoreError::ReadOnly { op, source };
+    /// Wrap a driver error raised during `op` on `table`, as its dialect classified it: a
+    /// read-only refusal, a missing table (the relation the server named, else `table`), or a
+    /// [`StoreError::Database`] that is transient or not.
+    pub fn classified(
+        op: &'static str,
+        table: &str,
+        source: sqlx::Error,
+        class: DbErrorClass,
+    ) -> StoreError {
+        match class {
+            DbErrorClass::ReadOnly => StoreError::ReadOnly { op, source },
+            DbErrorClass::MissingTable(named) => StoreError::MissingTable {
+                table: named.unwrap_or_else(|| table.to_owned()),
+                source,
+            },
+            DbErrorClass::Transient => StoreError::Database {
+                op,
+                transient: true,
+                source,
+            },
+            DbErrorClass::Other => StoreError::Database {
+                op,
+                transient: false,
+                source,
+            },
         }
-        if is_missing_table(&source) {
-            // The relation the server names (`outbox_buckets` of a table at an older schema),
-            // not always the outbox table itself.
-            let table = missing_relation(&source).unwrap_or_else(|| table.to_owned());
-            return StoreError::MissingTable { table, source };
+    }
+
+    /// A [`StoreError::Database`] for an error raised before any dialect could look at it
+    /// (connecting, acquiring from the pool): transient when every driver's errors say so
+    /// ([`DbErrorClass::of_driver`]), else not.
+    pub fn database(op: &'static str, source: sqlx::Error) -> StoreError {
+        let transient = DbErrorClass::of_driver(&source) == Some(DbErrorClass::Transient);
+        StoreError::Database {
+            op,
+            transient,
+            source,
         }
-        StoreError::Database { op, source }
     }
 
     /// The error's kind.
     pub fn kind(&self) -> StoreErrorKind {
         match self {
-            StoreError::Database { source, .. } if is_transient(source) => {
-                StoreErrorKind::Transient
-            }
+            StoreError::Database {
+                transient: true, ..
+            } => StoreErrorKind::Transient,
             StoreError::Database { .. } => StoreErrorKind::Other,
             StoreError::MissingTable { .. } | StoreError::MissingDatabase { .. } => {
                 StoreErrorKind::MissingTable
@@ -251,87 +311,6 @@ fn schema_version_message(table: &str, found: i64, needed: i64) -> String {
         )
     } else {
         format!("run `outbox migrate` (table {table} at v{found}, this build needs v{needed})")
-    }
-}
-
-/// A write refused by a read-only server: SQLSTATE 25006 `read_only_sql_transaction`
-/// (PostgreSQL read-only transaction or hot standby; MySQL/MariaDB 1792 in a read-only
-/// transaction), MariaDB/MySQL 1290 `ER_OPTION_PREVENTS_STATEMENT` for `--read-only` (1290 is
-/// also raised for other options, so its message must name read-only).
-pub(crate) fn is_read_only(e: &sqlx::Error) -> bool {
-    let sqlx::Error::Database(db) = e else {
-        return false;
-    };
-    if db.code().as_deref() == Some("25006") {
-        return true;
-    }
-    #[cfg(feature = "mysql")]
-    if let Some(my) = db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
-        return my.number() == 1792
-            || (my.number() == 1290
-                && (my.message().contains("read-only") || my.message().contains("read_only")));
-    }
-    false
-}
-
-/// The relation a "does not exist" error names: PostgreSQL `relation "s.t" does not exist`,
-/// MySQL `Table 'db.t' doesn't exist`, SQLite `no such table: t`.
-fn missing_relation(e: &sqlx::Error) -> Option<String> {
-    let sqlx::Error::Database(db) = e else {
-        return None;
-    };
-    let msg = db.message();
-    if let Some(rest) = msg.split("no such table: ").nth(1) {
-        return Some(rest.trim().to_owned());
-    }
-    let quote = msg.find(['"', '\''])?;
-    let q = msg[quote..].chars().next()?;
-    let rest = &msg[quote + 1..];
-    let end = rest.find(q)?;
-    Some(rest[..end].to_owned()).filter(|s| !s.is_empty())
-}
-
-/// A "table does not exist" error (PostgreSQL 42P01, MySQL 42S02, SQLite "no such table").
-pub(crate) fn is_missing_table(e: &sqlx::Error) -> bool {
-    match e {
-        sqlx::Error::Database(db) => {
-            matches!(db.code().as_deref(), Some("42P01" | "42S02"))
-                || db.message().contains("no such table")
-        }
-        _ => false,
-    }
-}
-
-/// Driver errors worth retrying: I/O, pool exhaustion, deadlock and serialization failures,
-/// lock timeouts, SQLite busy/locked, PostgreSQL admin shutdown, MySQL/MariaDB deadlock (1213) and
-/// lock wait timeout (1205). MySQL errors carry a SQLSTATE (`40001` for a deadlock, the generic
-/// `HY000` for a lock wait timeout) and a number; sqlx reports the SQLSTATE as `code()`, so the
-/// number is checked too.
-fn is_transient(e: &sqlx::Error) -> bool {
-    #[cfg(feature = "mysql")]
-    if crate::store::mysql::is_lock_conflict(e) {
-        return true;
-    }
-    match e {
-        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::WorkerCrashed => true,
-        sqlx::Error::Database(db) => {
-            let code = db.code();
-            matches!(
-                code.as_deref(),
-                Some(
-                    "40001"
-                        | "40P01"
-                        | "55P03"
-                        | "57P01"
-                        | "57P02"
-                        | "57P03"
-                        | "08000"
-                        | "08003"
-                        | "08006"
-                ) | Some("5" | "6" | "261" | "262" | "517" | "773")
-            ) || db.message().contains("database is locked")
-        }
-        _ => false,
     }
 }
 
@@ -565,10 +544,8 @@ mod tests {
     /// `report` gives the whole chain, `Display` only the store's own part.
     #[test]
     fn store_error_report_carries_the_cause() {
-        let e = StoreError::Database {
-            op: "read",
-            source: sqlx::Error::PoolTimedOut,
-        };
+        let e = StoreError::database("read", sqlx::Error::PoolTimedOut);
+        assert_eq!(e.kind(), StoreErrorKind::Transient);
         let cause = sqlx::Error::PoolTimedOut.to_string();
         assert_eq!(e.to_string(), "database error during read");
         assert_eq!(e.report(), format!("database error during read: {cause}"));

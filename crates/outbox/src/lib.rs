@@ -34,17 +34,19 @@ pub mod ident;
 pub mod inbox;
 pub mod message;
 pub mod relay;
+pub mod reserved;
 pub mod retry;
 pub mod store;
 pub mod transport;
+pub mod verdict;
 
 pub use confirm::{
     ConfirmPolicy, ConfirmReport, Confirmation, ConfirmationSender, RejectedMessage, RejectionHook,
     Verdict,
 };
 pub use error::{
-    BoxError, ConfigError, EnqueueError, HandlerError, InboxError, StoreError, StoreErrorKind,
-    TransportError, TransportErrorKind,
+    BoxError, ConfigError, DbErrorClass, EnqueueError, HandlerError, InboxError, StoreError,
+    StoreErrorKind, TransportError, TransportErrorKind,
 };
 pub use ident::TableName;
 pub use inbox::{DeadLetter, Handler, Inbox, InboxBackend, Processed, Replayed};

@@ -255,7 +255,7 @@ impl Limits {
         }
         for (name, value) in &msg.headers {
             validate_header_name(name)?;
-            if let Some(r) = crate::transport::wire::reserved_by(name) {
+            if let Some(r) = crate::reserved::reserved_by(name) {
                 return Err(EnqueueError::ReservedHeader {
                     name: name.clone(),
                     broker: r.broker.name(),

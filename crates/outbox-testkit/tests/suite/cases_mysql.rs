@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use outbox::store::{BucketCompletion, MembershipRequest, Outcome, Store as _};
 use outbox::{
-    Backoff, MemoryTransport, MySqlStore, NewMessage, Relay, Router, Status, StoreError,
-    StoreErrorKind, TransportErrorKind,
+    Backoff, MemoryTransport, MySqlStore, NewMessage, Relay, Router, Status, StoreErrorKind,
+    TransportErrorKind,
 };
 use outbox::{RelayConfig, StoreOptions};
 use outbox_testkit::{MySqlFixture, StoreFixture as _, wait_until, within};
@@ -94,7 +94,7 @@ async fn mysql_deadlock_and_lock_wait_timeout_are_transient() {
         .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
         .unwrap();
     assert_eq!((my.number(), db.code().as_deref()), (1213, Some("40001")));
-    let e = StoreError::db("test", &t, errors.into_iter().next().unwrap());
+    let e = outbox::store::db_error("test", &t, errors.into_iter().next().unwrap());
     assert_eq!(e.kind(), StoreErrorKind::Transient, "{e}");
     let _ = (rx.1.rollback().await, ry.1.rollback().await);
 
@@ -114,7 +114,7 @@ async fn mysql_deadlock_and_lock_wait_timeout_are_transient() {
         .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
         .unwrap();
     assert_eq!((my.number(), db.code().as_deref()), (1205, Some("HY000")));
-    let e = StoreError::db("test", &t, err);
+    let e = outbox::store::db_error("test", &t, err);
     assert_eq!(e.kind(), StoreErrorKind::Transient, "{e}");
     waiter
         .execute("SET SESSION innodb_lock_wait_timeout = DEFAULT")

@@ -56,13 +56,13 @@ use rdkafka::{ClientContext, Offset, TopicPartitionList};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::confirm::ConfirmationSender;
 use crate::consumer::{ConsumerMetrics, DeliveryPolicy, Disposition, deliver_batch, maintenance};
 use crate::error::ConfigError;
 use crate::inbox::{Handler, Inbox, InboxBackend};
 use crate::message::{Headers, InboundMessage};
 use crate::retry::Backoff;
 use crate::transport::kafka::{KafkaConfig, config_error};
+use crate::verdict::ConfirmationSender;
 
 /// Default `session.timeout.ms` of the runner and the confirmation listener: 10 s.
 pub const DEFAULT_SESSION_TIMEOUT: Duration = Duration::from_secs(10);

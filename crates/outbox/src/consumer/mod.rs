@@ -17,11 +17,11 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::confirm::{Confirmation, ConfirmationSender, HEADER_REPLY_TO, Verdict};
 use crate::error::InboxError;
 use crate::inbox::{Handler, Inbox, InboxBackend, Processed};
 use crate::message::InboundMessage;
 use crate::retry::Backoff;
+use crate::verdict::{Confirmation, ConfirmationSender, HEADER_REPLY_TO, Verdict};
 
 #[cfg(feature = "kafka")]
 pub mod kafka;

@@ -40,7 +40,6 @@ use rumqttc::v5::{AsyncClient, Event, EventLoop};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::confirm::ConfirmationSender;
 use crate::consumer::{
     ConsumerMetrics, DeliveryPolicy, Disposition, deliver, lane_of, maintenance,
 };
@@ -49,6 +48,7 @@ use crate::inbox::{Handler, Inbox, InboxBackend};
 use crate::message::InboundMessage;
 use crate::retry::Backoff;
 use crate::transport::mqtt::{decode, explain, first_connack, options};
+use crate::verdict::ConfirmationSender;
 
 /// Settings of an MQTT consumer runner.
 #[derive(Clone)]

@@ -22,12 +22,12 @@ use async_nats::jetstream::{self, AckKind};
 use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 
-use crate::confirm::ConfirmationSender;
 use crate::consumer::{ConsumerMetrics, DeliveryPolicy, Disposition, deliver_batch, maintenance};
 use crate::error::ConfigError;
 use crate::inbox::{Handler, Inbox, InboxBackend};
 use crate::message::{Headers, InboundMessage};
 use crate::retry::Backoff;
+use crate::verdict::ConfirmationSender;
 
 /// Settings of a JetStream consumer runner.
 #[derive(Clone)]

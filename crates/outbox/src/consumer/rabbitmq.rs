@@ -59,7 +59,6 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel};
 use tokio_util::sync::CancellationToken;
 
-use crate::confirm::ConfirmationSender;
 use crate::consumer::{ConsumerMetrics, DeliveryPolicy, Disposition, deliver_batch, maintenance};
 use crate::error::ConfigError;
 use crate::inbox::{Handler, Inbox, InboxBackend};
@@ -68,6 +67,7 @@ use crate::retry::Backoff;
 use crate::transport::rabbitmq::{
     Link, Publication, RabbitMqConfig, Session, connection_lost, received_headers,
 };
+use crate::verdict::ConfirmationSender;
 
 /// Header the runner sets on the copy it moves to a retry queue: the number of the next delivery
 /// (2 for the first retry).

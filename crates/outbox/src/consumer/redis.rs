@@ -43,13 +43,13 @@ use redis::{RedisError, Value};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::confirm::ConfirmationSender;
 use crate::consumer::{ConsumerMetrics, DeliveryPolicy, Disposition, deliver_batch, maintenance};
 use crate::error::ConfigError;
 use crate::inbox::{Handler, Inbox, InboxBackend};
 use crate::message::InboundMessage;
 use crate::retry::Backoff;
 use crate::transport::redis::{connect_manager, decode_fields};
+use crate::verdict::ConfirmationSender;
 
 /// Settings of a Redis Streams consumer runner.
 #[derive(Clone)]

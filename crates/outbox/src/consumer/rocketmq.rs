@@ -59,7 +59,6 @@ use rocketmq_model::common::message::message_ext::MessageExt;
 use tokio::sync::{Mutex, mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-use crate::confirm::ConfirmationSender;
 use crate::consumer::{ConsumerMetrics, DeliveryPolicy, Disposition, deliver_batch, maintenance};
 use crate::error::ConfigError;
 use crate::inbox::{Handler, Inbox, InboxBackend};
@@ -69,6 +68,7 @@ use crate::transport::rocketmq::{
     Credentials, LISTENER_TIMEOUT, acl_hook, any_reachable, client_config, client_runtime,
     parse_name_servers, validate_group, validate_topic,
 };
+use crate::verdict::ConfirmationSender;
 
 /// RocketMQ's default delay levels (`messageDelayLevel` of the broker):
 /// `1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h`.

@@ -22,12 +22,12 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
 
-use crate::confirm::Verdict;
 use crate::consumer::{ConsumerMetrics, DeliveryPolicy, Disposition, deliver};
 use crate::error::ConfigError;
 use crate::inbox::{Handler, Inbox, InboxBackend};
 use crate::message::{HEADER_MESSAGE_ID, HEADER_TOPIC, Headers, InboundMessage};
 use crate::transport::webhook::WebhookSigner;
+use crate::verdict::Verdict;
 
 struct AppState<DB: InboxBackend, H: ?Sized + 'static> {
     inbox: Inbox<DB>,

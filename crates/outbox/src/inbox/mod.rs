@@ -24,6 +24,12 @@
 //! Runners that feed an inbox from a broker: [`consumer::nats`](crate::consumer::nats) (JetStream
 //! pull consumer) and [`consumer::webhook`](crate::consumer::webhook) (axum handler).
 
+// A build without a database feature (a consumer-only build) has no inbox backend to use these.
+#![cfg_attr(
+    not(any(feature = "postgres", feature = "mysql", feature = "sqlite")),
+    allow(unused_imports, dead_code)
+)]
+
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -31,10 +37,10 @@ use futures::future::BoxFuture;
 use sqlx::{AssertSqlSafe, Pool};
 use uuid::Uuid;
 
-use crate::confirm::Verdict;
 use crate::error::{HandlerError, InboxError, StoreError};
 use crate::ident::TableName;
 use crate::message::{Headers, InboundMessage};
+use crate::verdict::Verdict;
 
 /// What [`Inbox::process`] did with a message. Every variant means "acknowledge it".
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -786,7 +792,7 @@ impl<DB: InboxBackend> Inbox<DB> {
     }
 
     fn err(&self, op: &'static str) -> impl Fn(sqlx::Error) -> StoreError + '_ {
-        move |e| StoreError::db(op, self.table.as_str(), e)
+        move |e| crate::store::db_error(op, self.table.as_str(), e)
     }
 
     /// Apply `msg` once (see the module docs).

@@ -217,7 +217,7 @@ impl Relay {
                 Some((route, dest)) => {
                     if let Some(policy) = &inner.router.routes()[route].confirm {
                         w.message.headers.insert(
-                            crate::confirm::HEADER_REPLY_TO.into(),
+                            crate::verdict::HEADER_REPLY_TO.into(),
                             policy.reply_to.clone(),
                         );
                     }

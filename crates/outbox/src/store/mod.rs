@@ -19,6 +19,12 @@
 //! Status 1 (SENDING) belonged to the row-claim protocol of earlier versions;
 //! [`Store::migrate`] releases any SENDING row an older relay left behind (logged with its count).
 
+// The helpers below serve the dialects; a build without a database feature compiles none.
+#![cfg_attr(
+    not(any(feature = "postgres", feature = "mysql", feature = "sqlite")),
+    allow(dead_code)
+)]
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,7 +33,7 @@ use async_trait::async_trait;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use crate::error::StoreError;
+use crate::error::{DbErrorClass, StoreError};
 use crate::message::{Message, Status};
 
 #[cfg(feature = "mysql")]
@@ -38,6 +44,57 @@ pub mod nodelay;
 pub mod postgres;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
+
+/// The class of a driver error, by the dialect that raised it (`store::<dialect>::errors`):
+/// shared driver errors first ([`DbErrorClass::of_driver`]), then the database error's own type
+/// (PostgreSQL, MySQL/MariaDB or SQLite, as compiled in). An error of no compiled dialect is
+/// [`DbErrorClass::Other`].
+pub fn classify(e: &sqlx::Error) -> DbErrorClass {
+    if let Some(class) = DbErrorClass::of_driver(e) {
+        return class;
+    }
+    let sqlx::Error::Database(db) = e else {
+        return DbErrorClass::Other;
+    };
+    #[cfg(feature = "postgres")]
+    if db
+        .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
+        .is_some()
+    {
+        return postgres::errors::classify(e);
+    }
+    #[cfg(feature = "mysql")]
+    if db
+        .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+        .is_some()
+    {
+        return mysql::errors::classify(e);
+    }
+    #[cfg(feature = "sqlite")]
+    if db.try_downcast_ref::<sqlx::sqlite::SqliteError>().is_some() {
+        return sqlite::errors::classify(e);
+    }
+    let _ = db;
+    DbErrorClass::Other
+}
+
+/// Wrap a driver error raised during `op` on `table`, classified by its dialect ([`classify`],
+/// [`StoreError::classified`]).
+pub fn db_error(op: &'static str, table: &str, source: sqlx::Error) -> StoreError {
+    let class = classify(&source);
+    StoreError::classified(op, table, source, class)
+}
+
+/// The first quoted name in a server message (`relation "s.t" does not exist`, `Table 'db.t'
+/// doesn't exist`), for the table a missing-table error names.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) fn quoted_name(message: &str) -> Option<String> {
+    let quote = message.find(['"', '\''])?;
+    let q = message[quote..].chars().next()?;
+    let rest = &message[quote + 1..];
+    let end = rest.find(q)?;
+    Some(rest[..end].to_owned()).filter(|s| !s.is_empty())
+}
 
 /// A fencing token: random, drawn per bucket lease, stored on the bucket row and carried by every
 /// completion of a row of that bucket.
@@ -376,8 +433,8 @@ pub trait Store: Send + Sync + 'static {
     /// duplicate or late confirmation changes nothing and a hook never runs twice.
     async fn apply_confirmations(
         &self,
-        batch: &[crate::confirm::Confirmation],
-    ) -> Result<crate::confirm::ConfirmReport, StoreError>;
+        batch: &[crate::verdict::Confirmation],
+    ) -> Result<crate::verdict::ConfirmReport, StoreError>;
 
     /// Check back up to `limit` SENT rows whose confirmation deadline passed: back to PENDING (due
     /// now, `check_backs + 1`) so they are published again and the consumer's inbox answers the
@@ -423,16 +480,16 @@ pub(crate) type RejectedRow = (i64, String, Option<String>, String, Vec<u8>);
 /// commit; a failing hook rolls back and is counted. Shared by every dialect.
 pub(crate) async fn finish_rejection<DB: sqlx::Database>(
     mut tx: sqlx::Transaction<'_, DB>,
-    hook: Option<&std::sync::Arc<dyn crate::confirm::RejectionHook<DB>>>,
-    c: &crate::confirm::Confirmation,
+    hook: Option<&std::sync::Arc<dyn crate::verdict::RejectionHook<DB>>>,
+    c: &crate::verdict::Confirmation,
     reason: &str,
     (id, topic, partition_key, headers, payload): RejectedRow,
-    report: &mut crate::confirm::ConfirmReport,
+    report: &mut crate::verdict::ConfirmReport,
     table: &str,
 ) -> Result<(), StoreError> {
-    let err = |e| StoreError::db("confirm", table, e);
+    let err = |e| db_error("confirm", table, e);
     if let Some(hook) = hook {
-        let rejected = crate::confirm::RejectedMessage {
+        let rejected = crate::verdict::RejectedMessage {
             id,
             message_id: c.message_id,
             topic,

@@ -312,7 +312,7 @@ pub struct Route {
     pub destination: String,
     /// Whether the consumer must confirm messages of this route, where to and by when. Default:
     /// none (SENT is final).
-    pub confirm: Option<crate::confirm::ConfirmPolicy>,
+    pub confirm: Option<crate::verdict::ConfirmPolicy>,
     /// Per-partition-key FIFO: `Some(policy)` publishes the messages of one partition key one
     /// after another in id (commit) order, and a message never overtakes an earlier one of its
     /// key that is still pending or backing off; `policy` says what a dead-lettered message does
@@ -412,7 +412,7 @@ impl Router {
         pattern: &str,
         transport: Arc<dyn Transport>,
         destination: impl Into<String>,
-        policy: crate::confirm::ConfirmPolicy,
+        policy: crate::verdict::ConfirmPolicy,
     ) -> Self {
         self = self.route(pattern, transport, destination);
         self.routes.last_mut().expect("just pushed").confirm = Some(policy);

@@ -46,6 +46,8 @@
 //!   messages at 6,000–7,500 msg/s while another session locks the same rows, retrying 50–80
 //!   deadlocks / lock wait timeouts per run without a single failure.
 
+pub(crate) mod errors;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -56,15 +58,16 @@ use sqlx::{AssertSqlSafe, Row};
 use tokio::sync::Notify;
 use uuid::Uuid;
 
+use self::errors::{is_already_applied, is_lock_conflict, is_lock_wait_timeout};
 use super::{
     Bucket, BucketBatch, BucketCompletion, BucketLease, FailedMessage, KeyHead, LeaseToken,
     MembershipRequest, MembershipRound, RelayInfo, Stats, Store, StoreOptions, millis, new_token,
     parse_headers, stats_from,
 };
-use crate::confirm::{ConfirmReport, Confirmation, RejectionHook, Verdict};
 use crate::error::{EnqueueError, StoreError};
 use crate::ident::TableName;
 use crate::message::{Limits, Message, NewMessage};
+use crate::verdict::{ConfirmReport, Confirmation, RejectionHook, Verdict};
 
 /// The database clock in UTC.
 const NOW: &str = "UTC_TIMESTAMP(6)";
@@ -101,49 +104,6 @@ impl std::fmt::Debug for MySqlStore {
         f.debug_struct("MySqlStore")
             .field("table", &self.table)
             .finish_non_exhaustive()
-    }
-}
-
-/// Whether `e` is an InnoDB deadlock (1213) or lock wait timeout (1205): retry the statement.
-pub(crate) fn is_lock_conflict(e: &sqlx::Error) -> bool {
-    match e {
-        sqlx::Error::Database(db) => {
-            if let Some(my) = db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
-                return matches!(my.number(), 1213 | 1205);
-            }
-            matches!(db.code().as_deref(), Some("1213" | "1205"))
-        }
-        _ => false,
-    }
-}
-
-/// Whether `e` says a migration statement's effect is already there: 1050
-/// `ER_TABLE_EXISTS_ERROR`, 1060 `ER_DUP_FIELDNAME` (a column), 1061 `ER_DUP_KEYNAME` (an index).
-/// Each migration statement is one atomic DDL statement, so its effect is there whole or not at
-/// all.
-fn is_already_applied(e: &sqlx::Error) -> bool {
-    match e {
-        sqlx::Error::Database(db) => {
-            if let Some(my) = db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
-                return matches!(my.number(), 1050 | 1060 | 1061);
-            }
-            false
-        }
-        _ => false,
-    }
-}
-
-/// Whether `e` is a lock wait timeout (1205 `ER_LOCK_WAIT_TIMEOUT`): a row lock past
-/// `innodb_lock_wait_timeout`, or on MariaDB a table or metadata lock past `lock_wait_timeout`.
-fn is_lock_wait_timeout(e: &sqlx::Error) -> bool {
-    match e {
-        sqlx::Error::Database(db) => {
-            if let Some(my) = db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
-                return my.number() == 1205;
-            }
-            db.code().as_deref() == Some("1205")
-        }
-        _ => false,
     }
 }
 
@@ -275,10 +235,7 @@ impl MySqlStore {
         };
         let conn = <MySqlConnection as sqlx::Connection>::connect(&url)
             .await
-            .map_err(|e| StoreError::Database {
-                op: "connect",
-                source: e,
-            })?;
+            .map_err(|e| StoreError::database("connect", e))?;
         let _ = sqlx::Connection::close(conn).await;
         let peers = match url.parse::<sqlx::mysql::MySqlConnectOptions>() {
             Ok(o) => super::nodelay::resolve(o.get_host(), o.get_port()).await,
@@ -303,10 +260,7 @@ impl MySqlStore {
             })
             .connect(&url)
             .await
-            .map_err(|e| StoreError::Database {
-                op: "connect",
-                source: e,
-            })?;
+            .map_err(|e| StoreError::database("connect", e))?;
         let mut store = MySqlStore::from_pool(pool, options)?;
         store.read_only = read_only;
         Ok(store)
@@ -504,7 +458,7 @@ impl MySqlStore {
     fn err(&self, op: &'static str) -> impl Fn(sqlx::Error) -> StoreError + '_ {
         move |e| {
             self.read_only
-                .check(StoreError::db(op, self.table.as_str(), e))
+                .check(errors::store_error(op, self.table.as_str(), e))
         }
     }
 
@@ -1064,7 +1018,7 @@ pub(crate) fn inbox_migrations(inbox: &TableName) -> Vec<Step> {
 /// Apply migrations once each, recorded in `outbox_migrations`, serialised by the named lock
 /// `outbox_migrate` (`GET_LOCK`) so concurrent `migrate` calls are safe.
 pub(crate) async fn run_migrations(pool: &MySqlPool, steps: Vec<Step>) -> Result<(), StoreError> {
-    let e = |op| move |e| StoreError::Database { op, source: e };
+    let e = |op| move |e| StoreError::database(op, e);
     let mut conn = pool.acquire().await.map_err(e("migrate"))?;
     let locked: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK('outbox_migrate', 60)")
         .fetch_one(&mut *conn)
@@ -1188,7 +1142,7 @@ impl Store for MySqlStore {
         .await
         {
             Ok(v) => v,
-            Err(e) if crate::error::is_missing_table(&e) => None,
+            Err(e) if errors::is_missing_table(&e) => None,
             Err(e) => return Err(self.err("check_schema")(e)),
         };
         if super::compare_version(t, found, needed)? {

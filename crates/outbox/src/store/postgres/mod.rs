@@ -28,6 +28,8 @@
 //! - Needs PostgreSQL 13 or newer (`gen_random_uuid()` as the default message id for plain SQL
 //!   producers).
 
+pub(crate) mod errors;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -43,10 +45,10 @@ use super::{
     MembershipRequest, MembershipRound, RelayInfo, Stats, Store, StoreOptions, millis, new_token,
     stats_from,
 };
-use crate::confirm::{ConfirmReport, Confirmation, RejectionHook, Verdict};
 use crate::error::{EnqueueError, StoreError};
 use crate::ident::TableName;
 use crate::message::{Limits, Message, NewMessage};
+use crate::verdict::{ConfirmReport, Confirmation, RejectionHook, Verdict};
 
 /// Rows per completion statement (one transaction per batch; see `complete_in_buckets`).
 const COMPLETION_CHUNK: usize = 125;
@@ -135,10 +137,7 @@ impl PgStore {
         // its cause instead of as a pool timeout.
         let conn = <PgConnection as sqlx::Connection>::connect(url)
             .await
-            .map_err(|e| StoreError::Database {
-                op: "connect",
-                source: e,
-            })?;
+            .map_err(|e| StoreError::database("connect", e))?;
         let _ = sqlx::Connection::close(conn).await;
         let peers = match url.parse::<sqlx::postgres::PgConnectOptions>() {
             Ok(o) => super::nodelay::resolve(o.get_host(), o.get_port()).await,
@@ -163,10 +162,7 @@ impl PgStore {
             })
             .connect(url)
             .await
-            .map_err(|e| StoreError::Database {
-                op: "connect",
-                source: e,
-            })?;
+            .map_err(|e| StoreError::database("connect", e))?;
         let mut store = PgStore::from_pool(pool, options)?;
         store.read_only = read_only;
         Ok(store)
@@ -499,9 +495,7 @@ impl PgStore {
                 .bind(&previous)
                 .execute(&mut *conn)
                 .await;
-            if let sqlx::Error::Database(db) = &e
-                && db.code().as_deref() == Some("55P03")
-            {
+            if errors::is_lock_timeout(&e) {
                 return Err(EnqueueError::Timeout {
                     table: self.table.as_str().to_owned(),
                     timeout,
@@ -593,7 +587,7 @@ impl PgStore {
     fn err(&self, op: &'static str) -> impl Fn(sqlx::Error) -> StoreError + '_ {
         move |e| {
             self.read_only
-                .check(StoreError::db(op, self.table.as_str(), e))
+                .check(errors::store_error(op, self.table.as_str(), e))
         }
     }
 }
@@ -864,13 +858,12 @@ pub(crate) async fn run_migrations(
     let mut attempt = 1;
     loop {
         match migrate_once(pool, steps.clone()).await {
-            Err(StoreError::Database {
-                source: sqlx::Error::Database(db),
-                ..
-            }) if db.code().as_deref() == Some("55P03") && attempt < MIGRATION_ATTEMPTS => {
+            Err(StoreError::Database { source, .. })
+                if errors::is_lock_timeout(&source) && attempt < MIGRATION_ATTEMPTS =>
+            {
                 tracing::info!(
                     attempt,
-                    error = %db,
+                    error = %source,
                     "migration: a table is busy (lock not granted within {MIGRATION_LOCK_TIMEOUT}); retrying"
                 );
                 tokio::time::sleep(backoff.delay(attempt)).await;
@@ -882,7 +875,7 @@ pub(crate) async fn run_migrations(
 }
 
 async fn migrate_once(pool: &PgPool, steps: Vec<(String, i64, String)>) -> Result<(), StoreError> {
-    let e = |op| move |e| StoreError::Database { op, source: e };
+    let e = |op| move |e| StoreError::database(op, e);
     let mut tx = pool.begin().await.map_err(e("migrate"))?;
     sqlx::query("SELECT pg_advisory_xact_lock(7263541029384756)")
         .execute(&mut *tx)
@@ -1432,7 +1425,11 @@ impl Store for PgStore {
         .await
         {
             Ok(v) => v,
-            Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("42P01") => None,
+            Err(sqlx::Error::Database(db))
+                if db.code().as_deref() == Some(errors::UNDEFINED_TABLE) =>
+            {
+                None
+            }
             Err(e) => return Err(self.err("check_schema")(e)),
         };
         if super::compare_version(t, found.map(i64::from), needed)? {

@@ -14,6 +14,8 @@
 //!   [`SqliteStore::from_pool`] refuses an in-memory pool that could close its last connection.
 //! - Files are opened in WAL mode with `synchronous = FULL`, so a commit survives power loss.
 
+pub(crate) mod errors;
+
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,16 +26,17 @@ use sqlx::{AssertSqlSafe, Row, SqliteConnection, SqlitePool};
 use tokio::sync::Notify;
 use uuid::Uuid;
 
+use self::errors::is_busy;
 use super::{
     Bucket, BucketBatch, BucketCompletion, BucketLease, FailedMessage, KeyHead, LeaseToken,
     MembershipRequest, MembershipRound, RelayInfo, Stats, Store, millis, new_token, parse_headers,
     stats_from,
 };
-use crate::confirm::{ConfirmReport, Confirmation, RejectionHook, Verdict};
 use crate::error::{EnqueueError, StoreError};
 use crate::ident::TableName;
 use crate::message::{Limits, Message, NewMessage};
 use crate::store::StoreOptions;
+use crate::verdict::{ConfirmReport, Confirmation, RejectionHook, Verdict};
 
 /// SQLite's clock in integer milliseconds since the Unix epoch.
 const NOW_MS: &str = "CAST(ROUND((julianday('now') - 2440587.5) * 86400000) AS INTEGER)";
@@ -92,18 +95,6 @@ impl std::fmt::Debug for SqliteStore {
         f.debug_struct("SqliteStore")
             .field("table", &self.table)
             .finish_non_exhaustive()
-    }
-}
-
-/// Whether `e` is `SQLITE_BUSY` after the busy timeout (primary code 5, "database is locked"),
-/// not `SQLITE_BUSY_SNAPSHOT` (517: a stale read snapshot, returned at once without waiting).
-fn is_busy(e: &sqlx::Error) -> bool {
-    match e {
-        sqlx::Error::Database(db) => db
-            .code()
-            .and_then(|c| c.parse::<i32>().ok())
-            .is_some_and(|c| c & 0xff == 5 && c != 517),
-        _ => false,
     }
 }
 
@@ -175,10 +166,7 @@ impl SqliteStore {
                 )
                 .await
         }
-        .map_err(|e| StoreError::Database {
-            op: "connect",
-            source: e,
-        })?;
+        .map_err(|e| StoreError::database("connect", e))?;
         SqliteStore::from_pool(pool, options)
     }
 
@@ -348,7 +336,7 @@ impl SqliteStore {
             return self.insert_all(conn, &msgs, None).await;
         };
         // The connection's busy timeout for these inserts alone (see `with_enqueue_timeout`).
-        let db = |e| EnqueueError::Database(StoreError::db("enqueue", self.table.as_str(), e));
+        let db = |e| EnqueueError::Database(super::db_error("enqueue", self.table.as_str(), e));
         let previous: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
             .fetch_one(&mut *conn)
             .await
@@ -385,7 +373,7 @@ impl SqliteStore {
                         timeout,
                         source: e,
                     },
-                    _ => EnqueueError::Database(StoreError::db("enqueue", self.table.as_str(), e)),
+                    _ => EnqueueError::Database(super::db_error("enqueue", self.table.as_str(), e)),
                 })?;
             ids.push(m.message_id);
         }
@@ -433,7 +421,7 @@ impl SqliteStore {
     }
 
     fn err(&self, op: &'static str) -> impl Fn(sqlx::Error) -> StoreError + '_ {
-        move |e| StoreError::db(op, self.table.as_str(), e)
+        move |e| errors::store_error(op, self.table.as_str(), e)
     }
 
     /// One membership round in one `BEGIN IMMEDIATE` transaction (see [`Store::membership`]).
@@ -741,7 +729,7 @@ pub(crate) async fn run_migrations(
     pool: &SqlitePool,
     steps: Vec<(String, i64, String)>,
 ) -> Result<(), StoreError> {
-    let e = |op| move |e| StoreError::Database { op, source: e };
+    let e = |op| move |e| StoreError::database(op, e);
     sqlx::query(
         "CREATE TABLE IF NOT EXISTS outbox_migrations (table_name TEXT NOT NULL, version INTEGER NOT NULL, \
          applied_at INTEGER NOT NULL DEFAULT (CAST(ROUND((julianday('now') - 2440587.5) * 86400000) AS INTEGER)), \
@@ -840,7 +828,7 @@ impl Store for SqliteStore {
         .await
         {
             Ok(v) => v,
-            Err(e) if crate::error::is_missing_table(&e) => None,
+            Err(e) if errors::is_missing_table(&e) => None,
             Err(e) => return Err(self.err("check_schema")(e)),
         };
         if super::compare_version(t, found, needed)? {
