@@ -1,5 +1,5 @@
 //! `outbox demo`: the order → inventory story end to end, with faults injected, through the
-//! whole state machine (DESIGN.md §4, §9).
+//! whole state machine (docs/design/DESIGN.md §4, §9).
 //!
 //! Two services, each with its own database:
 //! - the **order service** writes an order row (status `PLACED`) and an `order-created` outbox

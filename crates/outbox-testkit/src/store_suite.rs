@@ -1023,7 +1023,7 @@ pub async fn delayed_message_and_stats<F: StoreFixture>(fx: &F) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Confirmations, check-back and retention (DESIGN.md §4, §9).
+// Confirmations, check-back and retention (docs/design/DESIGN.md §4, §9).
 // ---------------------------------------------------------------------------------------------
 
 use std::sync::Arc;

@@ -1,4 +1,4 @@
-//! Error types, one enum per layer (STYLE.md "Errors"): [`EnqueueError`] for producers,
+//! Error types, one enum per layer (docs/design/STYLE.md "Errors"): [`EnqueueError`] for producers,
 //! [`StoreError`] for the database seam, [`TransportError`] for the broker seam, [`ConfigError`]
 //! for builders and configuration, [`HandlerError`] and [`InboxError`] for consumers.
 //!
@@ -314,7 +314,7 @@ fn schema_version_message(table: &str, found: i64, needed: i64) -> String {
     }
 }
 
-/// The kind of a [`TransportError`], decided where the error is born (DESIGN.md §8).
+/// The kind of a [`TransportError`], decided where the error is born (docs/design/DESIGN.md §8).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum TransportErrorKind {

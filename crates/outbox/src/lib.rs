@@ -5,7 +5,7 @@
 //! broker acknowledges; the consumer applies each message **once** through an [`Inbox`] in its
 //! own transaction.
 //!
-//! Promises (DESIGN.md §1): a committed message is published at least once whatever crashes;
+//! Promises (docs/design/DESIGN.md §1): a committed message is published at least once whatever crashes;
 //! a rolled-back one never; an inbox consumer applies each message's effect once; SENT only after
 //! the broker's acknowledgement; every time decision on the database clock; a poison message ends
 //! in FAILED with its reason without blocking others.

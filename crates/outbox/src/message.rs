@@ -26,7 +26,7 @@ pub const HEADER_PARTITION_KEY: &str = "outbox-partition-key";
 pub const HEADER_ATTEMPT: &str = "outbox-attempt";
 
 /// Status of an outbox row. The numbers are part of the public schema and never change
-/// (DESIGN.md §4).
+/// (docs/design/DESIGN.md §4).
 ///
 /// | value | status | meaning |
 /// |---|---|---|

@@ -1,4 +1,4 @@
-//! Retry policy: exponential backoff with jitter and a cap (DESIGN.md §8).
+//! Retry policy: exponential backoff with jitter and a cap (docs/design/DESIGN.md §8).
 
 use std::time::Duration;
 

@@ -1,4 +1,4 @@
-//! Model-based test of the store's state machine under the protocol the relay runs (STYLE.md
+//! Model-based test of the store's state machine under the protocol the relay runs (docs/design/STYLE.md
 //! "Tests"; vector tests its disk buffer the same way): random sequences of enqueue with commit
 //! or rollback, membership rounds of two relays, reads of the buckets each believes it holds,
 //! completions of read batches with every outcome (a taken-over bucket's first batch recording

@@ -1,4 +1,4 @@
-//! Shared failure cases (see `/work/shared/cases/README.md`), one test per case id, driven through
+//! Shared failure cases (see `docs/design/cases.md`), one test per case id, driven through
 //! the `Relay` (C17 is in `cases_fencing`). C08 and C25/C27 also have tests in the store,
 //! transport and inbox modules; C10's compile-time half is the `compile_fail` doc test in the
 //! test kit's crate docs.

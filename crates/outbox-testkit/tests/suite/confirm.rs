@@ -1,4 +1,4 @@
-//! Confirmations end to end (DESIGN.md §4, §9): relay → broker → consumer runner → inbox →
+//! Confirmations end to end (docs/design/DESIGN.md §4, §9): relay → broker → consumer runner → inbox →
 //! confirmation → producer, over NATS with PostgreSQL on both sides and over webhooks with SQLite
 //! on both sides; rejections and the producer's compensation hook; a lost confirmation recovered
 //! by the check-back; a consumer crash between commit and ack; poison messages in the consumer's

@@ -43,7 +43,7 @@ pub fn init_tracing() {
         .try_init();
 }
 
-/// Compile-time check (STYLE.md): the futures of the stores, transports, relay and inbox are
+/// Compile-time check (docs/design/STYLE.md): the futures of the stores, transports, relay and inbox are
 /// `Send`, so they can run on a multi-threaded runtime. Nothing is awaited.
 #[test]
 fn futures_are_send() {

@@ -1,4 +1,4 @@
-//! Consumer confirmations, result feedback and compensation (DESIGN.md §4, §9).
+//! Consumer confirmations, result feedback and compensation (docs/design/DESIGN.md §4, §9).
 //!
 //! After its inbox transaction commits, a consumer sends a [`Confirmation`] (message id, consumer
 //! name, [`Verdict`]) to the reply destination the relay put in the message's `outbox-reply-to`

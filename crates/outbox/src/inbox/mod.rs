@@ -1,4 +1,4 @@
-//! The inbox: apply each message's effect once (DESIGN.md §1.3), record the consumer's verdict,
+//! The inbox: apply each message's effect once (docs/design/DESIGN.md §1.3), record the consumer's verdict,
 //! and keep the consumer's dead letters.
 //!
 //! [`Inbox::process`] opens a transaction on the consumer's database, inserts

@@ -1,5 +1,5 @@
 //! The store seam: every database operation the relay needs, as whole operations
-//! (STYLE.md, after River's driver interface). Each dialect keeps its own SQL and migrations:
+//! (docs/design/STYLE.md, after River's driver interface). Each dialect keeps its own SQL and migrations:
 //! [`PgStore`](crate::PgStore) for PostgreSQL, [`SqliteStore`](crate::SqliteStore) for SQLite and
 //! [`MySqlStore`](crate::MySqlStore) for MySQL 8.0.1+ / MariaDB 10.6+.
 //!
@@ -324,7 +324,7 @@ pub struct BucketCompletion {
 /// [`SqliteStore`](crate::SqliteStore); the conformance suite in `outbox-testkit` runs against
 /// each on the real database.
 ///
-/// All times are the database clock's (DESIGN.md §1.5).
+/// All times are the database clock's (docs/design/DESIGN.md §1.5).
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
     /// A short name of the backend for logs (`"postgres"`, `"sqlite"`).

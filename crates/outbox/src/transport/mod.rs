@@ -1,5 +1,5 @@
 //! The transport seam: publish a batch to a broker, `Ok` only after the broker acknowledged
-//! (DESIGN.md §1.4: publisher confirm, JetStream PubAck, webhook 2xx; never "handed to the
+//! (docs/design/DESIGN.md §1.4: publisher confirm, JetStream PubAck, webhook 2xx; never "handed to the
 //! socket").
 //!
 //! Transports: [`MemoryTransport`] (tests, demos), [`WebhookTransport`](crate::WebhookTransport)
@@ -322,7 +322,7 @@ pub struct Route {
 }
 
 /// What a dead-lettered (FAILED) message does to the later messages of its partition key on an
-/// ordered route ([`Route::ordered`]). Follows DESIGN.md §6 (poison isolation): either way only
+/// ordered route ([`Route::ordered`]). Follows docs/design/DESIGN.md §6 (poison isolation): either way only
 /// that key is affected.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DeadLetterPolicy {
