@@ -353,9 +353,9 @@ impl InboxBackend for sqlx::Postgres {
         pool: &'a Pool<Self>,
         table: &'a TableName,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
-        Box::pin(crate::store::postgres::run_migrations(
+        Box::pin(crate::store::postgres::migrations::run_migrations(
             pool,
-            crate::store::postgres::inbox_migrations(table),
+            crate::store::postgres::migrations::inbox_migrations(table),
         ))
     }
 }
@@ -533,9 +533,9 @@ impl InboxBackend for sqlx::MySql {
         pool: &'a Pool<Self>,
         table: &'a TableName,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
-        Box::pin(crate::store::mysql::run_migrations(
+        Box::pin(crate::store::mysql::migrations::run_migrations(
             pool,
-            crate::store::mysql::inbox_migrations(table),
+            crate::store::mysql::migrations::inbox_migrations(table),
         ))
     }
 }
@@ -700,9 +700,9 @@ impl InboxBackend for sqlx::Sqlite {
         pool: &'a Pool<Self>,
         table: &'a TableName,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
-        Box::pin(crate::store::sqlite::run_migrations(
+        Box::pin(crate::store::sqlite::migrations::run_migrations(
             pool,
-            crate::store::sqlite::inbox_migrations(table.as_str()),
+            crate::store::sqlite::migrations::inbox_migrations(table.as_str()),
         ))
     }
 }

@@ -1,0 +1,256 @@
+//! MySQL/MariaDB migrations: the steps of each table, applied once each under a named lock.
+
+use super::*;
+
+/// Each step is a list of statements, of which only the last may be non-idempotent (MySQL DDL
+/// is not transactional; `CREATE TABLE IF NOT EXISTS` is, and a single `ALTER TABLE` is atomic).
+pub(super) type Step = (String, i64, Vec<String>);
+
+pub(crate) fn migrations(table: &TableName, inbox: &TableName) -> Vec<Step> {
+    let t = table.as_str();
+    let f = table.unqualified();
+    let mut steps = vec![
+        (
+            t.to_owned(),
+            1,
+            vec![format!(
+                "CREATE TABLE IF NOT EXISTS {t} (
+                    id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
+                    message_id CHAR(36) CHARACTER SET ascii NOT NULL DEFAULT (UUID()),
+                    topic TEXT NOT NULL,
+                    partition_key VARCHAR(255),
+                    headers LONGTEXT NOT NULL DEFAULT ('{{}}'),
+                    payload LONGBLOB NOT NULL,
+                    status SMALLINT NOT NULL DEFAULT 0 CHECK (status BETWEEN 0 AND 6),
+                    attempts INT NOT NULL DEFAULT 0,
+                    max_attempts INT CHECK (max_attempts >= 1),
+                    available_at DATETIME(6) NOT NULL DEFAULT (UTC_TIMESTAMP(6)),
+                    lease_owner TEXT,
+                    lease_token BIGINT,
+                    lease_expires_at DATETIME(6),
+                    created_at DATETIME(6) NOT NULL DEFAULT (UTC_TIMESTAMP(6)),
+                    sent_at DATETIME(6),
+                    confirmed_at DATETIME(6),
+                    updated_at DATETIME(6) NOT NULL DEFAULT (UTC_TIMESTAMP(6)),
+                    last_error LONGTEXT,
+                    UNIQUE KEY {f}_message_id_key (message_id),
+                    KEY {f}_claimable (status, available_at, id),
+                    KEY {f}_leased (status, lease_expires_at),
+                    KEY {f}_sent (status, sent_at),
+                    KEY {f}_failed (status, updated_at),
+                    KEY {f}_partition_key (partition_key)
+                ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"
+            )],
+        ),
+        (
+            t.to_owned(),
+            2,
+            vec![format!(
+                "ALTER TABLE {t} ADD COLUMN confirm_deadline DATETIME(6), \
+                 ADD COLUMN check_backs INT NOT NULL DEFAULT 0, \
+                 ADD KEY {f}_unconfirmed (status, confirm_deadline), \
+                 ADD KEY {f}_finished (status, confirmed_at)"
+            )],
+        ),
+        (
+            t.to_owned(),
+            3,
+            vec![format!(
+                "ALTER TABLE {t} ADD COLUMN redelivery INT NOT NULL DEFAULT 0"
+            )],
+        ),
+        (
+            t.to_owned(),
+            4,
+            // Bucket leases and per-key order (docs/design/one-write-and-ordering.md). The
+            // bucket is a stored generated column, so plain-SQL producers get it. MariaDB
+            // refuses a CHAR column as such in a stored expression (its value would depend on
+            // `PAD_CHAR_TO_FULL_LENGTH`); RTRIM removes that dependence and changes no UUID.
+            // No partial indexes: pending rows of a bucket are found through
+            // (status, bucket, id), the heads of a key through (partition_key, status, id),
+            // which replaces the plain partition_key index.
+            vec![
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {t}_buckets (
+                        bucket SMALLINT NOT NULL PRIMARY KEY,
+                        owner VARCHAR(255),
+                        token BIGINT,
+                        expires_at DATETIME(6) NOT NULL DEFAULT {LONG_AGO},
+                        takeovers BIGINT NOT NULL DEFAULT 0
+                    ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"
+                ),
+                format!(
+                    "INSERT INTO {t}_buckets (bucket) VALUES {} ON DUPLICATE KEY UPDATE bucket = bucket",
+                    (0..super::super::BUCKETS)
+                        .map(|b| format!("({b})"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {t}_relays (
+                        name VARCHAR(255) NOT NULL PRIMARY KEY,
+                        heartbeat_at DATETIME(6) NOT NULL
+                    ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"
+                ),
+                format!(
+                    "ALTER TABLE {t} ADD COLUMN bucket SMALLINT AS \
+                       (CRC32(COALESCE(partition_key, RTRIM(message_id))) % {buckets}) STORED, \
+                     ADD KEY {f}_bucket_pending (status, bucket, id), \
+                     ADD KEY {f}_key_open (partition_key, status, id), \
+                     DROP KEY {f}_partition_key",
+                    buckets = super::super::BUCKETS
+                ),
+            ],
+        ),
+        (
+            t.to_owned(),
+            6,
+            // Route sets in the membership and bucket hand-over (docs/ordering.md, "Relays with
+            // different routes"); only the small membership tables change. Version 5 is
+            // PostgreSQL's deferred NOTIFY: MySQL has none.
+            vec![
+                format!(
+                    "ALTER TABLE {t}_relays ADD COLUMN routes LONGTEXT NULL, \
+                     ADD COLUMN routes_hash VARCHAR(64) NULL"
+                ),
+                format!("ALTER TABLE {t}_buckets ADD COLUMN handoff VARCHAR(255) NULL"),
+            ],
+        ),
+    ];
+    steps.extend(inbox_steps(inbox));
+    steps
+}
+
+/// The inbox table and the consumer dead-letter table `<inbox>_dlq`.
+pub(crate) fn inbox_steps(inbox: &TableName) -> Vec<Step> {
+    let i = inbox.as_str();
+    let fi = inbox.unqualified();
+    vec![
+        (
+            i.to_owned(),
+            1,
+            vec![format!(
+                "CREATE TABLE IF NOT EXISTS {i} (
+                    consumer VARCHAR(255) NOT NULL,
+                    message_id CHAR(36) CHARACTER SET ascii NOT NULL,
+                    topic TEXT NOT NULL,
+                    received_at DATETIME(6) NOT NULL DEFAULT (UTC_TIMESTAMP(6)),
+                    outcome SMALLINT NOT NULL DEFAULT 0,
+                    PRIMARY KEY (consumer, message_id),
+                    KEY {fi}_received_at (received_at)
+                ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"
+            )],
+        ),
+        (
+            i.to_owned(),
+            2,
+            vec![
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {i}_dlq (
+                        consumer VARCHAR(255) NOT NULL,
+                        message_id CHAR(36) CHARACTER SET ascii NOT NULL,
+                        topic TEXT NOT NULL,
+                        partition_key VARCHAR(255),
+                        headers LONGTEXT NOT NULL,
+                        payload LONGBLOB NOT NULL,
+                        error LONGTEXT NOT NULL,
+                        deliveries INT NOT NULL,
+                        failed_at DATETIME(6) NOT NULL DEFAULT (UTC_TIMESTAMP(6)),
+                        replay_requested_at DATETIME(6),
+                        PRIMARY KEY (consumer, message_id),
+                        KEY {fi}_dlq_replay (consumer, replay_requested_at)
+                    ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"
+                ),
+                format!("ALTER TABLE {i} ADD COLUMN reason LONGTEXT"),
+            ],
+        ),
+    ]
+}
+
+pub(crate) fn inbox_migrations(inbox: &TableName) -> Vec<Step> {
+    inbox_steps(inbox)
+}
+
+/// Apply migrations once each, recorded in `outbox_migrations`, serialised by the named lock
+/// `outbox_migrate` (`GET_LOCK`) so concurrent `migrate` calls are safe.
+pub(crate) async fn run_migrations(pool: &MySqlPool, steps: Vec<Step>) -> Result<(), StoreError> {
+    let e = |op| move |e| StoreError::database(op, e);
+    let mut conn = pool.acquire().await.map_err(e("migrate"))?;
+    let locked: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK('outbox_migrate', 60)")
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(e("migrate"))?;
+    if locked != Some(1) {
+        return Err(StoreError::Config(
+            "another migration held the lock `outbox_migrate` for 60 s".into(),
+        ));
+    }
+    let r = async {
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS outbox_migrations (table_name VARCHAR(255) NOT NULL, \
+             version INT NOT NULL, applied_at DATETIME(6) NOT NULL DEFAULT (UTC_TIMESTAMP(6)), \
+             PRIMARY KEY (table_name, version)) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4",
+        )
+        .execute(&mut *conn)
+        .await
+        .map_err(e("migrate"))?;
+        // A table migrated by a newer build is left alone: this build does not know its schema.
+        for (table, needed) in super::super::newest_versions(&steps) {
+            let found: Option<i64> = sqlx::query_scalar(
+                "SELECT MAX(version) FROM outbox_migrations WHERE table_name = ?",
+            )
+            .bind(&table)
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(e("migrate"))?;
+            if let Some(found) = found.filter(|f| *f > needed) {
+                return Err(StoreError::SchemaVersion {
+                    table,
+                    found,
+                    needed,
+                });
+            }
+        }
+        for (table, version, stmts) in steps {
+            let done: Option<i64> = sqlx::query_scalar(
+                "SELECT version FROM outbox_migrations WHERE table_name = ? AND version = ?",
+            )
+            .bind(&table)
+            .bind(version)
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(e("migrate"))?;
+            if done.is_some() {
+                continue;
+            }
+            for sql in stmts {
+                match sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut *conn).await {
+                    Ok(_) => {}
+                    // DDL commits by itself on MySQL/MariaDB: a migration interrupted between
+                    // its statements (a crash, a lost connection) left the earlier ones applied
+                    // and the version unrecorded. Running it again meets their effect.
+                    Err(err) if is_already_applied(&err) => tracing::warn!(
+                        table,
+                        version,
+                        error = %err,
+                        "migration statement already applied (an earlier migrate stopped before recording the version); going on"
+                    ),
+                    Err(err) => return Err(e("migrate")(err)),
+                }
+            }
+            sqlx::query("INSERT INTO outbox_migrations (table_name, version) VALUES (?, ?)")
+                .bind(&table)
+                .bind(version)
+                .execute(&mut *conn)
+                .await
+                .map_err(e("migrate"))?;
+            tracing::info!(table, version, "applied MySQL migration");
+        }
+        Ok(())
+    }
+    .await;
+    let _ = sqlx::query("SELECT RELEASE_LOCK('outbox_migrate')")
+        .execute(&mut *conn)
+        .await;
+    r
+}
