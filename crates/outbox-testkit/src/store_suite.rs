@@ -1251,7 +1251,10 @@ pub async fn rejection_runs_the_hook_once<F: ConfirmFixture>(fx: &F) {
 /// message still confirms it.
 pub async fn check_back_then_unconfirmed<F: ConfirmFixture>(fx: &F) {
     let store = fx.store();
-    let short = Duration::from_millis(300);
+    // Long enough that the setup below (four enqueues and relay rounds) cannot outlast it on a
+    // loaded machine: at 300 ms the first "not before the deadline" check failed once in CI
+    // (PostgreSQL, 2 cores, the whole suite running).
+    let short = Duration::from_millis(1500);
     let ids = fx
         .enqueue_commit(vec![NewMessage::new("t", "awaiting")])
         .await
