@@ -1,0 +1,526 @@
+
+use super::*;
+
+fn parse(s: &str) -> Result<FileConfig, Box<figment::Error>> {
+    Figment::from(Toml::string(s)).extract().map_err(Box::new)
+}
+
+const GOOD: &str = r#"
+        [database]
+        url = "sqlite://x.db"
+        [relay]
+        batch_size = 100
+        lease = "30s"
+        [transports.hooks]
+        kind = "webhook"
+        url = "http://127.0.0.1:9/"
+        [transports.bus]
+        kind = "nats"
+        url = "nats://127.0.0.1:4222"
+        stream = "ORDERS"
+        [[routes]]
+        topics = "order-*"
+        transport = "bus"
+        destination = "orders.{topic}"
+        [[routes]]
+        topics = "*"
+        transport = "hooks"
+    "#;
+
+#[test]
+fn good_file_parses_and_validates() {
+    let c = parse(GOOD).unwrap();
+    c.validate().unwrap();
+    assert_eq!(c.relay_config().unwrap().batch_size, 100);
+    assert_eq!(c.database.table, "outbox");
+}
+
+#[test]
+fn confirmations_and_retention_parse() {
+    let with = GOOD.replace(
+            "destination = \"orders.{topic}\"",
+            "destination = \"orders.{topic}\"\nconfirm = { reply_to = \"orders.confirm\", timeout = \"2m\" }",
+        ) + "\n[confirmations]\nkind = \"nats\"\nurl = \"nats://127.0.0.1:4222\"\nsubject = \"orders.confirm\"\n";
+    let with = with.replace(
+        "lease = \"30s\"",
+        "lease = \"30s\"\nretention = \"forever\"\nmax_check_backs = 7",
+    );
+    let c = parse(&with).unwrap();
+    c.validate().unwrap();
+    let r = c.relay_config().unwrap();
+    assert_eq!(r.retention, None);
+    assert_eq!(r.max_check_backs, 7);
+    assert_eq!(
+        c.routes[0].confirm.as_ref().unwrap().timeout,
+        Some(Duration::from_secs(120))
+    );
+    assert!(
+        matches!(c.confirmations, Some(ConfirmationsSection::Nats { ref queue, .. }) if queue == "outbox-confirmations")
+    );
+    let e = parse(&with.replace("retention = \"forever\"", "retention = \"soon\""))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("retention"), "{e}");
+    let e = parse(&with.replace("subject = \"orders.confirm\"", "subject = \"x\"\nbogus = 1"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("bogus"), "{e}");
+    let c = parse(&with.replace("subject = \"orders.confirm\"", "subject = \"r c\"")).unwrap();
+    assert_eq!(c.validate().unwrap_err().field, "confirmations.subject");
+    let http = with.replace(
+        "kind = \"nats\"\nurl = \"nats://127.0.0.1:4222\"\nsubject = \"orders.confirm\"",
+        "kind = \"http\"\nlisten = \"127.0.0.1:8081\"\npath = \"confirm\"",
+    );
+    assert_eq!(
+        parse(&http).unwrap().validate().unwrap_err().field,
+        "confirmations.path"
+    );
+    let c = parse(&with.replace("retention = \"forever\"", "retention = \"3d\"")).unwrap();
+    assert_eq!(
+        c.relay_config().unwrap().retention,
+        Some(Duration::from_secs(3 * 86400))
+    );
+}
+
+#[cfg(feature = "rabbitmq")]
+#[test]
+fn rabbitmq_sections_validate_and_name_the_field() {
+    let mq = "[transports.mq]\nkind = \"rabbitmq\"\nurl = \"amqp://127.0.0.1:5672/%2f\"\n\
+                  exchange = \"orders\"\nconfirm_timeout = \"3s\"\nunroutable = \"fail\"\n";
+    let base = format!("{GOOD}\n{mq}");
+    let c = parse(&base).unwrap();
+    c.validate().unwrap();
+    let t = &c.transports["mq"];
+    assert_eq!(t.default_destination(), "orders/{topic}");
+    let TransportSection::Rabbitmq(m) = t else {
+        panic!("not rabbitmq")
+    };
+    let cfg = m.config("mq").unwrap();
+    assert_eq!(cfg.confirm_timeout, Duration::from_secs(3));
+    assert_eq!(cfg.unroutable, outbox::Unroutable::Fail);
+    assert_eq!(cfg.url, "amqp://127.0.0.1:5672/%2f");
+    let field = |toml: &str| parse(toml).unwrap().validate().unwrap_err().field;
+    let with = |extra: &str| base.replace("exchange = \"orders\"", extra);
+    assert_eq!(
+        field(&base.replace("amqp://127.0.0.1:5672/%2f", "http://x")),
+        "transports.mq.url"
+    );
+    assert_eq!(
+        field(&with(
+            "password_env = \"OUTBOX_TEST_SURELY_UNSET_VARIABLE\""
+        )),
+        "transports.mq.password_env"
+    );
+    let c = parse(&with("password_env = \"PATH\"\nusername = \"app\"")).unwrap();
+    let TransportSection::Rabbitmq(m) = &c.transports["mq"] else {
+        panic!("not rabbitmq")
+    };
+    let cfg = m.config("mq").unwrap();
+    assert_eq!(cfg.password, std::env::var("PATH").ok());
+    assert_eq!(cfg.username.as_deref(), Some("app"));
+    assert_eq!(
+        field(&base.replace("amqp://", "amqps://")),
+        "transports.mq.tls_ca_file"
+    );
+    assert_eq!(
+        field(&with("tls_ca_file = \"/etc/hostname\"")),
+        "transports.mq.tls_ca_file"
+    );
+    assert_eq!(field(&with("exchange = \"a/b\"")), "transports.mq.exchange");
+    assert_eq!(
+        field(&base.replace("\"3s\"", "\"0s\"")),
+        "transports.mq.confirm_timeout"
+    );
+    assert_eq!(
+        field(&with("max_message_bytes = 0")),
+        "transports.mq.max_message_bytes"
+    );
+    let e = parse(&with("exchang = \"x\"")).unwrap_err().to_string();
+    assert!(e.contains("exchang"), "{e}");
+    let e = parse(&base.replace("\"fail\"", "\"maybe\""))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("maybe"), "{e}");
+    // [confirmations] kind = "rabbitmq".
+    let confirm = format!(
+        "{base}\n[confirmations]\nkind = \"rabbitmq\"\nurl = \"amqp://127.0.0.1/%2f\"\nqueue = \"orders.confirmations\"\n"
+    );
+    let c = parse(&confirm).unwrap();
+    c.validate().unwrap();
+    let cfg = c
+        .confirmations
+        .as_ref()
+        .unwrap()
+        .rabbitmq()
+        .unwrap()
+        .unwrap();
+    assert_eq!(cfg.url, "amqp://127.0.0.1/%2f");
+    assert_eq!(
+        field(&confirm.replace("queue = \"orders.confirmations\"", "queue = \"\"")),
+        "confirmations.queue"
+    );
+    assert_eq!(
+        field(&confirm.replace("amqp://127.0.0.1/%2f", "nats://x")),
+        "confirmations.url"
+    );
+}
+
+#[test]
+fn unknown_field_is_named() {
+    let e = parse(&GOOD.replace("batch_size = 100", "batch_sise = 100"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("batch_sise"), "{e}");
+}
+
+#[cfg(feature = "kafka")]
+const KAFKA: &str = r#"
+        [transports.k]
+        kind = "kafka"
+        bootstrap_servers = "kafka://127.0.0.1:19092"
+        delivery_timeout = "3s"
+        max_message_bytes = 1048576
+        create_topics = ["orders.created"]
+        partitions = 3
+        [transports.k.properties]
+        "compression.type" = "lz4"
+        [[routes]]
+        topics = "kafka-*"
+        transport = "k"
+    "#;
+
+#[cfg(feature = "kafka")]
+#[test]
+fn kafka_section_parses_and_names_bad_fields() {
+    let good = format!("{GOOD}{KAFKA}");
+    let c = parse(&good).unwrap();
+    c.validate().unwrap();
+    let TransportSection::Kafka(k) = &c.transports["k"] else {
+        panic!("kafka section");
+    };
+    let kc = k.kafka_config("k", Duration::from_secs(10)).unwrap();
+    assert_eq!(kc.bootstrap_servers, "127.0.0.1:19092");
+    assert_eq!(kc.delivery_timeout, Duration::from_secs(3));
+    assert_eq!(kc.max_message_bytes, 1048576);
+    assert_eq!(kc.properties["compression.type"], "lz4");
+    assert_eq!(k.topics()[0].partitions, 3);
+    let field = |from: &str, to: &str| {
+        let c = parse(&good.replace(from, to)).unwrap();
+        c.validate().unwrap_err().field
+    };
+    assert_eq!(
+        field("kafka://127.0.0.1:19092", "nohostport"),
+        "transports.k.bootstrap_servers"
+    );
+    // The relay's default publish timeout is 10 s.
+    assert_eq!(
+        field("delivery_timeout = \"3s\"", "delivery_timeout = \"10s\""),
+        "transports.k.delivery_timeout"
+    );
+    assert_eq!(
+        field("\"compression.type\" = \"lz4\"", "acks = \"1\""),
+        "transports.k.properties.acks"
+    );
+    assert_eq!(
+        field("[\"orders.created\"]", "[\"bad topic\"]"),
+        "transports.k.create_topics"
+    );
+    assert_eq!(
+        field("partitions = 3", "partitions = 0"),
+        "transports.k.partitions"
+    );
+    assert_eq!(
+        field(
+            "partitions = 3",
+            "sasl = { username_env = \"OUTBOX_TEST_SURELY_UNSET_USER\", password_env = \"OUTBOX_TEST_SURELY_UNSET_PASSWORD\" }"
+        ),
+        "transports.k.sasl.username_env"
+    );
+    if !outbox::transport::kafka::builtin_features()
+        .split(',')
+        .any(|f| f == "ssl")
+    {
+        assert_eq!(
+            field("partitions = 3", "tls = { ca_file = \"/etc/ssl/ca.pem\" }"),
+            "transports.k.tls"
+        );
+    }
+    let e = parse(&good.replace("partitions = 3", "partitons = 3"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("partitons"), "{e}");
+}
+
+#[cfg(feature = "kafka")]
+#[test]
+fn kafka_confirmations_parse_and_validate() {
+    let with = format!(
+        "{GOOD}\n[confirmations]\nkind = \"kafka\"\nbootstrap_servers = \"127.0.0.1:19092\"\ntopic = \"orders.confirm\"\n"
+    );
+    let c = parse(&with).unwrap();
+    c.validate().unwrap();
+    let Some(ConfirmationsSection::Kafka(k)) = &c.confirmations else {
+        panic!("kafka confirmations");
+    };
+    assert_eq!(k.group, "outbox-confirmations");
+    let c = parse(&with.replace("orders.confirm", "orders confirm")).unwrap();
+    assert_eq!(c.validate().unwrap_err().field, "confirmations.topic");
+    let c = parse(&with.replace("127.0.0.1:19092", "")).unwrap();
+    assert_eq!(
+        c.validate().unwrap_err().field,
+        "confirmations.bootstrap_servers"
+    );
+    let e = parse(&format!("{with}bogus = 1\n"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("bogus"), "{e}");
+}
+
+#[test]
+fn bad_values_name_the_field() {
+    let c = parse(&GOOD.replace("lease = \"30s\"", "lease = \"1s\"")).unwrap();
+    assert_eq!(c.validate().unwrap_err().field, "relay.lease");
+    let c = parse(&GOOD.replace("transport = \"bus\"", "transport = \"nope\"")).unwrap();
+    assert_eq!(c.validate().unwrap_err().field, "routes[0].transport");
+    let c = parse(&GOOD.replace("http://127.0.0.1:9/", "ftp://x")).unwrap();
+    assert_eq!(c.validate().unwrap_err().field, "transports.hooks.url");
+    let e = parse(&GOOD.replace("batch_size = 100", "batch_size = \"many\""))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("batch_size"), "{e}");
+}
+
+#[cfg(feature = "redis")]
+#[test]
+fn redis_section_is_validated() {
+    let base = GOOD.replace(
+        "kind = \"nats\"\n        url = \"nats://127.0.0.1:4222\"\n        stream = \"ORDERS\"",
+        "kind = \"redis\"\n        url = \"redis://127.0.0.1:6379\"",
+    );
+    let c = parse(&base).unwrap();
+    c.validate().unwrap();
+    assert!(matches!(c.transports["bus"], TransportSection::Redis(_)));
+    let capped = base.replace(
+            "url = \"redis://127.0.0.1:6379\"",
+            "url = \"rediss://127.0.0.1:6380\"\nmax_len = 1000\nwait_replicas = 1\nwait_timeout = \"200ms\"",
+        );
+    let c = parse(&capped).unwrap();
+    c.validate().unwrap();
+    let TransportSection::Redis(r) = &c.transports["bus"] else {
+        panic!()
+    };
+    let rc = redis_config("bus", r).unwrap();
+    assert_eq!(rc.max_len, Some(1000));
+    assert_eq!(rc.warnings().len(), 1, "a cap is warned about");
+    for (bad, field) in [
+        ("url = \"http://127.0.0.1:6379\"", "transports.bus.url"),
+        ("url = \"redis://x\"\nmax_len = 0", "transports.bus.max_len"),
+        (
+            "url = \"redis://x\"\npassword_env = \"OUTBOX_TEST_UNSET_VARIABLE_4711\"",
+            "transports.bus.password_env",
+        ),
+        (
+            "url = \"redis://x\"\nwait_replicas = 1\nwait_timeout = \"10s\"",
+            "transports.bus.wait_replicas",
+        ),
+        (
+            "url = \"redis://x\"\nwait_timeout = \"1s\"",
+            "transports.bus.wait_timeout",
+        ),
+    ] {
+        let c = parse(&base.replace("url = \"redis://127.0.0.1:6379\"", bad)).unwrap();
+        assert_eq!(c.validate().unwrap_err().field, field, "{bad}");
+    }
+    let e = parse(&base.replace(
+        "url = \"redis://127.0.0.1:6379\"",
+        "url = \"redis://x\"\nmaxlen = 3",
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("maxlen"), "{e}");
+    let with = base.clone()
+        + "\n[confirmations]\nkind = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\nstream = \"orders:confirm\"\n";
+    let c = parse(&with).unwrap();
+    c.validate().unwrap();
+    assert!(
+        matches!(c.confirmations, Some(ConfirmationsSection::Redis { ref group, .. }) if group == "outbox-confirmations")
+    );
+    let c = parse(&with.replace("stream = \"orders:confirm\"", "stream = \"a b\"")).unwrap();
+    assert_eq!(c.validate().unwrap_err().field, "confirmations.stream");
+}
+
+#[cfg(feature = "mqtt")]
+#[test]
+fn mqtt_section_is_validated() {
+    let base = GOOD.replace(
+        "kind = \"nats\"\n        url = \"nats://127.0.0.1:4222\"\n        stream = \"ORDERS\"",
+        "kind = \"mqtt\"\n        url = \"mqtt://127.0.0.1:1883\"",
+    );
+    let c = parse(&base).unwrap();
+    c.validate().unwrap();
+    let TransportSection::Mqtt(m) = &c.transports["bus"] else {
+        panic!()
+    };
+    assert_eq!(
+        mqtt_config("bus", m).unwrap().no_subscribers,
+        outbox::NoSubscribers::Retry
+    );
+    for (bad, field) in [
+        ("url = \"nats://127.0.0.1:1883\"", "transports.bus.url"),
+        ("url = \"mqtt://h:port\"", "transports.bus.url"),
+        (
+            "url = \"mqtt://h\"\nno_subscribers = \"drop\"",
+            "transports.bus.no_subscribers",
+        ),
+        (
+            "url = \"mqtt://h\"\nmax_inflight = 0",
+            "transports.bus.max_inflight",
+        ),
+        (
+            "url = \"mqtt://h\"\nclient_id = \"\"",
+            "transports.bus.client_id",
+        ),
+        (
+            "url = \"mqtt://h\"\npassword_env = \"OUTBOX_TEST_UNSET_VARIABLE_4711\"",
+            "transports.bus.password_env",
+        ),
+    ] {
+        let c = parse(&base.replace("url = \"mqtt://127.0.0.1:1883\"", bad)).unwrap();
+        assert_eq!(c.validate().unwrap_err().field, field, "{bad}");
+    }
+    let with = base.clone()
+        + "\n[confirmations]\nkind = \"mqtt\"\nurl = \"mqtt://127.0.0.1:1883\"\ntopic = \"orders/confirm\"\n";
+    let c = parse(&with).unwrap();
+    c.validate().unwrap();
+    let c = parse(&with.replace("topic = \"orders/confirm\"", "topic = \"orders/#\"")).unwrap();
+    assert_eq!(c.validate().unwrap_err().field, "confirmations.topic");
+}
+
+const RMQ: &str = r#"
+        [database]
+        url = "sqlite://x.db"
+        [transports.mq]
+        kind = "rocketmq"
+        url = "rocketmq://127.0.0.1:19876"
+        producer_group = "orders-relay"
+        default_topic = "Orders"
+        send_timeout = "5s"
+        [[routes]]
+        topics = "order-*"
+        transport = "mq"
+        confirm = { reply_to = "OrdersConfirm:relay" }
+        [[routes]]
+        topics = "*"
+        transport = "mq"
+        destination = "Audit:{topic}"
+        [confirmations]
+        kind = "rocketmq"
+        url = "rocketmq://127.0.0.1:19876"
+        destination = "OrdersConfirm:relay"
+    "#;
+
+#[cfg(feature = "rocketmq")]
+#[test]
+fn rocketmq_section_parses_and_validates() {
+    let c = parse(RMQ).unwrap();
+    c.validate().unwrap();
+    let TransportSection::Rocketmq(s) = &c.transports["mq"] else {
+        panic!("not a rocketmq section")
+    };
+    let t = rocketmq::transport_config("mq", s).unwrap();
+    assert_eq!(t.name_server, "127.0.0.1:19876");
+    assert_eq!(t.producer_group, "orders-relay");
+    assert_eq!(t.send_timeout, Duration::from_secs(5));
+    assert_eq!(t.max_message_size, 4 * 1024 * 1024);
+    assert!(
+        matches!(c.confirmations, Some(ConfirmationsSection::Rocketmq { ref group, .. }) if group == "outbox-confirmations")
+    );
+    let l = rocketmq::listen_config(
+        "rocketmq://127.0.0.1:19876",
+        "OrdersConfirm:relay",
+        "outbox-confirmations",
+        None,
+        None,
+    )
+    .unwrap();
+    assert_eq!(l.name_server, "127.0.0.1:19876");
+}
+
+#[cfg(feature = "rocketmq")]
+#[test]
+fn rocketmq_bad_values_name_the_field() {
+    let field = |toml: String| parse(&toml).unwrap().validate().unwrap_err().field;
+    let cases = [
+        (
+            "url = \"rocketmq://127.0.0.1:19876\"\n        producer_group",
+            "url = \"nats://127.0.0.1:4222\"\n        producer_group",
+            "transports.mq.url",
+        ),
+        (
+            "url = \"rocketmq://127.0.0.1:19876\"\n        producer_group",
+            "url = \"rocketmq://host\"\n        producer_group",
+            "transports.mq.url",
+        ),
+        (
+            "producer_group = \"orders-relay\"",
+            "producer_group = \"orders relay\"",
+            "transports.mq.producer_group",
+        ),
+        (
+            "default_topic = \"Orders\"",
+            "default_topic = \"orders.created\"",
+            "transports.mq.default_topic",
+        ),
+        (
+            "send_timeout = \"5s\"",
+            "send_timeout = \"0s\"",
+            "transports.mq.send_timeout",
+        ),
+        (
+            "send_timeout = \"5s\"",
+            "max_in_flight = 0",
+            "transports.mq.max_in_flight",
+        ),
+        (
+            "send_timeout = \"5s\"",
+            "access_key = \"ak\"",
+            "transports.mq.secret_key_env",
+        ),
+        (
+            "send_timeout = \"5s\"",
+            "access_key = \"ak\"\n        secret_key_env = \"OUTBOX_TEST_UNSET_ROCKETMQ_SECRET\"",
+            "transports.mq.secret_key_env",
+        ),
+        (
+            "destination = \"Audit:{topic}\"",
+            "destination = \"audit.{topic}\"",
+            "routes[1].destination",
+        ),
+        (
+            "destination = \"OrdersConfirm:relay\"",
+            "destination = \"OrdersConfirm:a b\"",
+            "confirmations.destination",
+        ),
+        (
+            "destination = \"OrdersConfirm:relay\"",
+            "destination = \"OrdersConfirm:relay\"\n        group = \"a b\"",
+            "confirmations.group",
+        ),
+    ];
+    for (from, to, expected) in cases {
+        assert!(RMQ.contains(from), "{from}");
+        assert_eq!(field(RMQ.replacen(from, to, 1)), expected, "{to}");
+    }
+    let e = parse(&RMQ.replace("default_topic", "default_topik"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("default_topik"), "{e}");
+}
+
+#[cfg(not(feature = "rocketmq"))]
+#[test]
+fn rocketmq_without_the_feature_says_so() {
+    let e = parse(RMQ).unwrap().validate().unwrap_err();
+    assert_eq!(e.field, "transports.mq.kind");
+    assert!(e.reason.contains("--features rocketmq"), "{}", e.reason);
+}
