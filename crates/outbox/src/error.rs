@@ -259,18 +259,6 @@ impl StoreError {
         }
     }
 
-    /// A [`StoreError::Database`] for an error raised before any dialect could look at it
-    /// (connecting, acquiring from the pool): transient when every driver's errors say so
-    /// ([`DbErrorClass::of_driver`]), else not.
-    pub fn database(op: &'static str, source: sqlx::Error) -> StoreError {
-        let transient = DbErrorClass::of_driver(&source) == Some(DbErrorClass::Transient);
-        StoreError::Database {
-            op,
-            transient,
-            source,
-        }
-    }
-
     /// The error's kind.
     pub fn kind(&self) -> StoreErrorKind {
         match self {
@@ -544,7 +532,12 @@ mod tests {
     /// `report` gives the whole chain, `Display` only the store's own part.
     #[test]
     fn store_error_report_carries_the_cause() {
-        let e = StoreError::database("read", sqlx::Error::PoolTimedOut);
+        let e = StoreError::classified(
+            "read",
+            "outbox",
+            sqlx::Error::PoolTimedOut,
+            DbErrorClass::Transient,
+        );
         assert_eq!(e.kind(), StoreErrorKind::Transient);
         let cause = sqlx::Error::PoolTimedOut.to_string();
         assert_eq!(e.to_string(), "database error during read");

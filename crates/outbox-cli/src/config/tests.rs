@@ -1,4 +1,3 @@
-
 use super::*;
 
 fn parse(s: &str) -> Result<FileConfig, Box<figment::Error>> {

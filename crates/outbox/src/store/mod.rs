@@ -50,11 +50,8 @@ pub mod sqlite;
 /// (PostgreSQL, MySQL/MariaDB or SQLite, as compiled in). An error of no compiled dialect is
 /// [`DbErrorClass::Other`].
 pub fn classify(e: &sqlx::Error) -> DbErrorClass {
-    if let Some(class) = DbErrorClass::of_driver(e) {
-        return class;
-    }
     let sqlx::Error::Database(db) = e else {
-        return DbErrorClass::Other;
+        return DbErrorClass::of_driver(e).unwrap_or(DbErrorClass::Other);
     };
     #[cfg(feature = "postgres")]
     if db

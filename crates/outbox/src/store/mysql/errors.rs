@@ -73,3 +73,13 @@ pub(crate) fn store_error(op: &'static str, table: &str, e: sqlx::Error) -> crat
     let class = classify(&e);
     crate::StoreError::classified(op, table, e, class)
 }
+
+/// A [`StoreError::Database`](crate::StoreError::Database) for an error raised outside a table's
+/// operations (connecting, migrating), transient as classified here.
+pub(crate) fn database(op: &'static str, e: sqlx::Error) -> crate::StoreError {
+    crate::StoreError::Database {
+        op,
+        transient: classify(&e) == DbErrorClass::Transient,
+        source: e,
+    }
+}

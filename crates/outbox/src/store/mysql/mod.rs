@@ -237,7 +237,7 @@ impl MySqlStore {
         };
         let conn = <MySqlConnection as sqlx::Connection>::connect(&url)
             .await
-            .map_err(|e| StoreError::database("connect", e))?;
+            .map_err(|e| errors::database("connect", e))?;
         let _ = sqlx::Connection::close(conn).await;
         let peers = match url.parse::<sqlx::mysql::MySqlConnectOptions>() {
             Ok(o) => super::nodelay::resolve(o.get_host(), o.get_port()).await,
@@ -262,7 +262,7 @@ impl MySqlStore {
             })
             .connect(&url)
             .await
-            .map_err(|e| StoreError::database("connect", e))?;
+            .map_err(|e| errors::database("connect", e))?;
         let mut store = MySqlStore::from_pool(pool, options)?;
         store.read_only = read_only;
         Ok(store)

@@ -141,7 +141,7 @@ impl PgStore {
         // its cause instead of as a pool timeout.
         let conn = <PgConnection as sqlx::Connection>::connect(url)
             .await
-            .map_err(|e| StoreError::database("connect", e))?;
+            .map_err(|e| errors::database("connect", e))?;
         let _ = sqlx::Connection::close(conn).await;
         let peers = match url.parse::<sqlx::postgres::PgConnectOptions>() {
             Ok(o) => super::nodelay::resolve(o.get_host(), o.get_port()).await,
@@ -166,7 +166,7 @@ impl PgStore {
             })
             .connect(url)
             .await
-            .map_err(|e| StoreError::database("connect", e))?;
+            .map_err(|e| errors::database("connect", e))?;
         let mut store = PgStore::from_pool(pool, options)?;
         store.read_only = read_only;
         Ok(store)

@@ -168,7 +168,7 @@ impl SqliteStore {
                 )
                 .await
         }
-        .map_err(|e| StoreError::database("connect", e))?;
+        .map_err(|e| errors::database("connect", e))?;
         SqliteStore::from_pool(pool, options)
     }
 

@@ -1,4 +1,3 @@
-
 use super::*;
 
 /// Header names over a short string, a long content-type and the headers RabbitMQ
