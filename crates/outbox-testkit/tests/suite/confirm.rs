@@ -336,7 +336,7 @@ struct NatsSetup {
     producer: PgProducer,
     nats: NatsFixture,
     stop_listener: CancellationToken,
-    listener: tokio::task::JoinHandle<Result<outbox::ConfirmReport, async_nats::SubscribeError>>,
+    listener: tokio::task::JoinHandle<Result<outbox::ConfirmReport, outbox::ConfigError>>,
 }
 
 impl std::ops::Deref for NatsSetup {

@@ -15,6 +15,7 @@ mod cases;
 mod cases_fencing;
 mod cases_mysql;
 mod confirm;
+mod consumer_suite;
 mod crash;
 mod crash_mysql;
 mod db_roles;

@@ -6,7 +6,7 @@
 //! up to 500.
 //!
 //! The listener commits a batch's offsets only after the store applied it. When the store fails
-//! with a transient error (after [`apply_with_retry`]'s retries), the partitions of the batch are
+//! with a transient error (after 5 tries), the partitions of the batch are
 //! paused and sought back, and the batch is applied again after a backoff, so a database outage
 //! loses no confirmation. A record that is not a confirmation is logged and skipped; a batch the
 //! store refuses for good (a non-transient error) is logged and skipped too: the relay's
@@ -16,18 +16,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use rdkafka::consumer::Consumer as _;
-use rdkafka::message::{Header, Message as _, OwnedHeaders};
+use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use tokio_util::sync::CancellationToken;
 
-use super::{
-    ConfirmReport, Confirmation, ConfirmationSender, apply_with_retry, parse_confirmations,
-};
+use super::{ConfirmReport, Confirmation, ConfirmationSender};
 use crate::Store;
-use crate::consumer::kafka::{
-    DEFAULT_SESSION_TIMEOUT, PartitionState, close, next_batch, subscribe,
-};
+use crate::consumer::kafka::{DEFAULT_SESSION_TIMEOUT, KafkaConsumerConfig, KafkaSource};
+use crate::consumer::source::RunOptions;
 use crate::error::{ConfigError, TransportError};
 use crate::retry::Backoff;
 use crate::transport::kafka::{
@@ -102,8 +98,9 @@ impl ConfirmationSender for KafkaConfirmationSender {
 }
 
 /// Consume `topic` in consumer group `group_id` and apply confirmations to `store` in batches of
-/// up to 500, until `cancel`. Returns the totals. The group's `session.timeout.ms` is
-/// [`DEFAULT_SESSION_TIMEOUT`] unless `config.properties` sets it.
+/// up to 500, until `cancel`: the generic runner over a [`KafkaSource`] with a
+/// [`ConfirmationHandler`](super::ConfirmationHandler). Returns the totals. The group's
+/// `session.timeout.ms` is [`DEFAULT_SESSION_TIMEOUT`] unless `config.properties` sets it.
 ///
 /// # Errors
 /// [`ConfigError`] at start: invalid settings, the topic missing, or the cluster not answering.
@@ -115,94 +112,23 @@ pub async fn listen(
     store: Arc<dyn Store>,
     cancel: CancellationToken,
 ) -> Result<ConfirmReport, ConfigError> {
-    config.validate()?;
     if !valid_topic(&topic) {
         return Err(ConfigError::new(
             "topic",
             format!("{topic:?} is not a Kafka topic name"),
         ));
     }
-    if group_id.is_empty() {
-        return Err(ConfigError::new("group_id", "must not be empty"));
-    }
-    let consumer = subscribe(
-        &config,
-        &group_id,
-        std::slice::from_ref(&topic),
-        "earliest",
-        DEFAULT_SESSION_TIMEOUT,
-        &Default::default(),
-    )
-    .await?;
-    let backoff = Backoff {
-        base: Duration::from_millis(500),
-        max: Duration::from_secs(30),
-        ..Backoff::default()
+    let mut c = KafkaConsumerConfig::new(config, group_id, [topic]);
+    c.batch = 500;
+    c.batch_wait = Duration::from_millis(5);
+    c.session_timeout = DEFAULT_SESSION_TIMEOUT;
+    let options = RunOptions {
+        batch: 500,
+        reconnect: Backoff {
+            base: Duration::from_millis(500),
+            max: Duration::from_secs(30),
+            ..Backoff::default()
+        },
     };
-    let mut total = ConfirmReport::default();
-    let mut state = PartitionState::default();
-    let mut failures = 0u32;
-    loop {
-        let wake_at = state.resume_due(&consumer);
-        let records =
-            match next_batch(&consumer, 500, Duration::from_millis(5), wake_at, &cancel).await {
-                None => break,
-                Some(Ok(r)) => r,
-                Some(Err(e)) => {
-                    failures += 1;
-                    tracing::warn!(error = %e, "Kafka confirmation fetch failed; backing off");
-                    tokio::select! {
-                        _ = cancel.cancelled() => break,
-                        _ = tokio::time::sleep(backoff.delay(failures)) => continue,
-                    }
-                }
-            };
-        state.forget(consumer.context().take_rebalanced());
-        let records: Vec<_> = records
-            .into_iter()
-            .filter(|m| state.admit(&consumer, m))
-            .collect();
-        if records.is_empty() {
-            continue;
-        }
-        let mut batch = Vec::with_capacity(records.len());
-        for m in &records {
-            match parse_confirmations(m.payload().unwrap_or_default()) {
-                Ok(cs) => batch.extend(cs),
-                Err(e) => tracing::warn!(
-                    error = %e,
-                    partition = m.partition(),
-                    offset = m.offset(),
-                    "malformed confirmation skipped"
-                ),
-            }
-        }
-        let retry = match apply_with_retry(&store, &batch, 5).await {
-            Ok(r) => {
-                failures = 0;
-                if r.unknown > 0 {
-                    tracing::warn!(unknown = r.unknown, "confirmations for unknown message ids");
-                }
-                total.add(r);
-                None
-            }
-            Err(e) if e.is_retryable() => {
-                failures += 1;
-                let delay = backoff.delay(failures);
-                tracing::error!(error = %e, n = batch.len(), ?delay, "confirmations not applied; trying again after a backoff");
-                Some(delay)
-            }
-            Err(e) => {
-                tracing::error!(error = %e, n = batch.len(), "confirmations refused by the store; skipped (the check-back will bring them again)");
-                None
-            }
-        };
-        let done = records
-            .iter()
-            .map(|m| ((m.topic().to_owned(), m.partition()), m.offset(), retry))
-            .collect();
-        state.settle(&consumer, done);
-    }
-    close(consumer, std::mem::take(&mut state.committed)).await;
-    Ok(total)
+    super::listen(KafkaSource::new(c)?, store, &options, &cancel).await
 }

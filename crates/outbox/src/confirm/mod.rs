@@ -23,37 +23,7 @@ pub use crate::verdict::{
     RejectedMessage, RejectionHook, Verdict, parse_confirmations,
 };
 
-/// Apply `batch` with [`apply_with_retry`] (5 tries), add the counts to `total` and log unknown
-/// ids; on failure log that the confirmations were not applied (`then` says what recovers them).
-#[cfg(any(feature = "nats", feature = "rocketmq"))]
-pub(crate) async fn apply_counted(
-    store: &std::sync::Arc<dyn crate::Store>,
-    batch: &[Confirmation],
-    total: &mut ConfirmReport,
-    then: &str,
-) -> Result<(), crate::StoreError> {
-    match apply_with_retry(store, batch, 5).await {
-        Ok(r) => {
-            record(total, r);
-            Ok(())
-        }
-        Err(e) => {
-            tracing::error!(error = %e.report(), n = batch.len(), "confirmations not applied; {then}");
-            Err(e)
-        }
-    }
-}
-
 /// Apply with retries: transient database errors are retried with backoff up to `tries` times.
-#[cfg(any(
-    feature = "nats",
-    feature = "rocketmq",
-    feature = "rabbitmq",
-    feature = "redis",
-    feature = "mqtt",
-    feature = "kafka",
-    feature = "webhook"
-))]
 pub(crate) async fn apply_with_retry(
     store: &std::sync::Arc<dyn crate::Store>,
     batch: &[Confirmation],
@@ -78,18 +48,101 @@ pub(crate) async fn apply_with_retry(
     }
 }
 
-/// Add a listener's applied batch to its totals, warning about unknown message ids.
-#[cfg(any(
-    feature = "nats",
-    feature = "rocketmq",
-    feature = "redis",
-    feature = "mqtt"
-))]
-pub(crate) fn record(total: &mut ConfirmReport, r: ConfirmReport) {
-    if r.unknown > 0 {
-        tracing::warn!(unknown = r.unknown, "confirmations for unknown message ids");
+/// The confirmation listeners' [`BatchHandler`](crate::consumer::source::BatchHandler): parse each message as confirmations (one that
+/// is not is rejected and logged), apply the batch to the store in one transaction
+/// ([`apply_with_retry`], 5 tries) and acknowledge it after the commit; when the database fails
+/// transiently, have the whole batch delivered again after 1 s; when it refuses the batch for
+/// good, skip it (the check-back brings those messages again). Keeps the totals.
+///
+/// A listener is the generic runner ([`consumer::source::run`](crate::consumer::source::run))
+/// over a broker's [`Source`](crate::consumer::source::Source) with this handler; see [`listen`].
+pub struct ConfirmationHandler {
+    store: std::sync::Arc<dyn crate::Store>,
+    retry_after: std::time::Duration,
+    total: std::sync::Mutex<ConfirmReport>,
+}
+
+impl ConfirmationHandler {
+    /// A handler applying to `store`, redelivering a refused batch after 1 s.
+    pub fn new(store: std::sync::Arc<dyn crate::Store>) -> Self {
+        ConfirmationHandler {
+            store,
+            retry_after: std::time::Duration::from_secs(1),
+            total: std::sync::Mutex::new(ConfirmReport::default()),
+        }
     }
-    total.add(r);
+
+    /// The totals applied so far.
+    pub fn total(&self) -> ConfirmReport {
+        self.total.lock().map(|t| *t).unwrap_or_default()
+    }
+}
+
+#[async_trait::async_trait]
+impl crate::consumer::source::BatchHandler for ConfirmationHandler {
+    async fn handle(
+        &self,
+        batch: &[&crate::consumer::source::Envelope],
+    ) -> Vec<crate::consumer::source::Settle> {
+        use crate::consumer::source::Settle;
+        let mut out = Vec::with_capacity(batch.len());
+        let mut confirmations = Vec::with_capacity(batch.len());
+        for e in batch {
+            match parse_confirmations(&e.payload) {
+                Ok(cs) => {
+                    confirmations.extend(cs);
+                    out.push(Settle::Ack);
+                }
+                Err(err) => {
+                    tracing::warn!(error = %err, origin = %e.origin, "malformed confirmation dropped");
+                    out.push(Settle::Reject(format!("not a confirmation: {err}")));
+                }
+            }
+        }
+        if confirmations.is_empty() {
+            return out;
+        }
+        match apply_with_retry(&self.store, &confirmations, 5).await {
+            Ok(r) => {
+                if r.unknown > 0 {
+                    tracing::warn!(unknown = r.unknown, "confirmations for unknown message ids");
+                }
+                if let Ok(mut t) = self.total.lock() {
+                    t.add(r);
+                }
+                out
+            }
+            Err(e) if !e.is_retryable() => {
+                tracing::error!(error = %e.report(), n = confirmations.len(), "confirmations refused by the store; skipped (the check-back will bring them again)");
+                out
+            }
+            Err(e) => {
+                tracing::error!(error = %e.report(), n = confirmations.len(), "confirmations not applied; they come again");
+                out.into_iter()
+                    .map(|s| match s {
+                        Settle::Ack => Settle::Retry(self.retry_after),
+                        other => other,
+                    })
+                    .collect()
+            }
+        }
+    }
+}
+
+/// Run a confirmation listener: drive `source` with a [`ConfirmationHandler`] on `store`
+/// until `cancel`, and return the totals.
+///
+/// # Errors
+/// The [`ConfigError`](crate::ConfigError) of the source's first set-up.
+pub async fn listen<S: crate::consumer::source::Source>(
+    source: S,
+    store: std::sync::Arc<dyn crate::Store>,
+    options: &crate::consumer::source::RunOptions,
+    cancel: &tokio_util::sync::CancellationToken,
+) -> Result<ConfirmReport, crate::ConfigError> {
+    let handler = ConfirmationHandler::new(store);
+    crate::consumer::source::run(source, &handler, options, cancel).await?;
+    Ok(handler.total())
 }
 
 #[cfg(feature = "kafka")]
@@ -115,11 +168,10 @@ pub mod nats {
     use futures::StreamExt;
     use tokio_util::sync::CancellationToken;
 
-    use super::{
-        ConfirmReport, Confirmation, ConfirmationSender, apply_counted, parse_confirmations,
-    };
+    use super::{ConfirmReport, Confirmation, ConfirmationSender};
     use crate::Store;
-    use crate::error::TransportError;
+    use crate::consumer::source::{Delivery, Envelope, RunOptions, Settle, Source, SourceError};
+    use crate::error::{ConfigError, TransportError};
 
     /// Publishes confirmations on core NATS (fire and forget; the check-back covers a loss).
     #[derive(Debug, Clone)]
@@ -147,52 +199,114 @@ pub mod nats {
         }
     }
 
-    fn push(batch: &mut Vec<Confirmation>, payload: &[u8]) {
-        match parse_confirmations(payload) {
-            Ok(cs) => batch.extend(cs),
-            Err(e) => tracing::warn!(error = %e, "malformed confirmation ignored"),
+    /// A core NATS queue subscription as a [`Source`]: core NATS has no acknowledgement, so
+    /// settling does nothing; a batch the database refused is lost here and recovered by the
+    /// producer's check-back.
+    pub struct SubscriptionSource {
+        client: async_nats::Client,
+        subject: String,
+        queue: String,
+        sub: Option<async_nats::Subscriber>,
+    }
+
+    impl SubscriptionSource {
+        /// A source subscribing to `subject` in queue group `queue` (when opened).
+        pub fn new(client: async_nats::Client, subject: String, queue: String) -> Self {
+            SubscriptionSource {
+                client,
+                subject,
+                queue,
+                sub: None,
+            }
+        }
+    }
+
+    #[async_trait]
+    impl Source for SubscriptionSource {
+        type Token = ();
+
+        fn describe(&self) -> String {
+            format!("NATS subject {}, queue group {}", self.subject, self.queue)
+        }
+
+        async fn open(&mut self) -> Result<(), SourceError> {
+            let sub = self
+                .client
+                .queue_subscribe(self.subject.clone(), self.queue.clone())
+                .await
+                .map_err(|e| {
+                    ConfigError::new(
+                        "subject",
+                        format!("cannot subscribe to {}: {e}", self.subject),
+                    )
+                })?;
+            self.sub = Some(sub);
+            Ok(())
+        }
+
+        async fn fetch(&mut self, max: usize) -> Result<Vec<Delivery<()>>, SourceError> {
+            let sub = self
+                .sub
+                .as_mut()
+                .ok_or_else(|| SourceError::Lost("not subscribed".into()))?;
+            let delivery = |m: async_nats::Message| Delivery {
+                token: (),
+                envelope: Envelope {
+                    payload: m.payload.to_vec(),
+                    delivery_count: 1,
+                    origin: format!("subject {}", m.subject),
+                    ..Envelope::default()
+                },
+            };
+            let first = sub
+                .next()
+                .await
+                .ok_or_else(|| SourceError::Lost("the subscription ended".into()))?;
+            let mut out = vec![delivery(first)];
+            // Take whatever else is already here, without waiting, up to `max`.
+            while out.len() < max {
+                match tokio::time::timeout(Duration::from_millis(2), sub.next()).await {
+                    Ok(Some(m)) => out.push(delivery(m)),
+                    _ => break,
+                }
+            }
+            Ok(out)
+        }
+
+        async fn settle(&mut self, batch: Vec<(Delivery<()>, Settle)>) -> Result<(), SourceError> {
+            let lost = batch
+                .iter()
+                .filter(|(_, s)| matches!(s, Settle::Retry(_)))
+                .count();
+            if lost > 0 {
+                tracing::warn!(
+                    lost,
+                    "confirmations not applied; the check-back will bring them again"
+                );
+            }
+            Ok(())
         }
     }
 
     /// Listen on `subject` (queue group `queue`) and apply confirmations to `store` in batches of
-    /// up to 500, until `cancel`. Returns the totals.
+    /// up to 500, until `cancel`: the generic runner over a [`SubscriptionSource`] with a
+    /// [`ConfirmationHandler`](super::ConfirmationHandler). Returns the totals.
     ///
     /// # Errors
-    /// The subscription error at start.
+    /// [`ConfigError`] naming `subject` when the first subscription fails.
     pub async fn listen(
         client: async_nats::Client,
         subject: String,
         queue: String,
         store: Arc<dyn Store>,
         cancel: CancellationToken,
-    ) -> Result<ConfirmReport, async_nats::SubscribeError> {
-        let mut sub = client.queue_subscribe(subject, queue).await?;
-        let mut total = ConfirmReport::default();
-        loop {
-            let first = tokio::select! {
-                _ = cancel.cancelled() => return Ok(total),
-                m = sub.next() => match m { Some(m) => m, None => return Ok(total) },
-            };
-            let mut batch = Vec::new();
-            push(&mut batch, &first.payload);
-            // Take whatever else is already here, without waiting, up to 500.
-            while batch.len() < 500 {
-                match tokio::time::timeout(Duration::from_millis(2), sub.next()).await {
-                    Ok(Some(m)) => push(&mut batch, &m.payload),
-                    _ => break,
-                }
-            }
-            if batch.is_empty() {
-                continue;
-            }
-            let _ = apply_counted(
-                &store,
-                &batch,
-                &mut total,
-                "the check-back will bring them again",
-            )
-            .await;
-        }
+    ) -> Result<ConfirmReport, ConfigError> {
+        let options = RunOptions {
+            batch: 500,
+            ..RunOptions::default()
+        };
+        let source = SubscriptionSource::new(client, subject, queue);
+        super::listen(source, store, &options, &cancel).await
     }
 }
 

@@ -12,14 +12,13 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use rumqttc::v5::mqttbytes::v5::{Publish, PublishProperties};
+use rumqttc::v5::mqttbytes::v5::PublishProperties;
 use tokio_util::sync::CancellationToken;
 
-use super::{
-    ConfirmReport, Confirmation, ConfirmationSender, apply_with_retry, parse_confirmations,
-};
+use super::{ConfirmReport, Confirmation, ConfirmationSender};
 use crate::Store;
-use crate::consumer::mqtt::{next_publish, open_session};
+use crate::consumer::mqtt::{MqttConsumerConfig, MqttSource};
+use crate::consumer::source::RunOptions;
 use crate::error::{ConfigError, TransportError};
 use crate::transport::mqtt::{MqttConfig, Publisher};
 
@@ -97,7 +96,8 @@ impl MqttListenConfig {
 }
 
 /// Receive confirmations on `config.topic` and apply them to `store` in batches of up to 500,
-/// acknowledging after the commit, until `cancel`. Returns the totals.
+/// acknowledging after the commit, until `cancel`: the generic runner over an [`MqttSource`]
+/// with a [`ConfirmationHandler`](super::ConfirmationHandler). Returns the totals.
 ///
 /// # Errors
 /// [`ConfigError`] naming `url`, `client_id` or `password` when the session cannot be opened.
@@ -109,93 +109,15 @@ pub async fn listen(
 ) -> Result<ConfirmReport, ConfigError> {
     crate::transport::mqtt::validate_topic(&config.topic)
         .map_err(|r| ConfigError::new("topic", r))?;
-    let subscription = format!("$share/{}/{}", config.group, config.topic);
-    let (client, mut eventloop) = open_session(
-        &config.url,
-        &config.client_id,
-        config.username.as_deref(),
-        config.password.as_deref(),
-        Duration::from_secs(30),
-        Duration::from_secs(5),
-        config.session_expiry,
-        1000,
-        &subscription,
-    )
-    .await?;
-    let backoff = crate::Backoff {
-        base: Duration::from_millis(100),
-        max: Duration::from_secs(5),
-        ..Default::default()
+    let mut c = MqttConsumerConfig::new(config.url, config.client_id, config.topic);
+    c.username = config.username;
+    c.password = config.password;
+    c.group = Some(config.group);
+    c.session_expiry = config.session_expiry;
+    c.receive_maximum = 1000;
+    let options = RunOptions {
+        batch: 500,
+        ..RunOptions::default()
     };
-    let mut total = ConfirmReport::default();
-    let mut failures = 0u32;
-    let mut apply_failures = 0u32;
-    loop {
-        let Some(first) = next_publish(
-            &mut eventloop,
-            &client,
-            &subscription,
-            &mut failures,
-            &cancel,
-        )
-        .await
-        else {
-            return Ok(total);
-        };
-        let mut received: Vec<Publish> = vec![first];
-        // Take whatever else arrives at once, up to 500.
-        while received.len() < 500 {
-            let quick = tokio::time::timeout(
-                Duration::from_millis(2),
-                next_publish(
-                    &mut eventloop,
-                    &client,
-                    &subscription,
-                    &mut failures,
-                    &cancel,
-                ),
-            )
-            .await;
-            match quick {
-                Ok(Some(p)) => received.push(p),
-                _ => break,
-            }
-        }
-        let mut batch = Vec::with_capacity(received.len());
-        for p in &received {
-            match parse_confirmations(&p.payload) {
-                Ok(cs) => batch.extend(cs),
-                Err(e) => tracing::warn!(error = %e, "malformed confirmation ignored"),
-            }
-        }
-        loop {
-            let applied = if batch.is_empty() {
-                Ok(ConfirmReport::default())
-            } else {
-                apply_with_retry(&store, &batch, 5).await
-            };
-            match applied {
-                Ok(r) => {
-                    apply_failures = 0;
-                    super::record(&mut total, r);
-                    for p in &received {
-                        if let Err(e) = client.ack(p).await {
-                            tracing::warn!(error = %e, "acknowledging a confirmation failed");
-                        }
-                    }
-                    break;
-                }
-                Err(e) => {
-                    // Not acknowledged: try again after a backoff (the broker would only send
-                    // them again after a reconnect).
-                    apply_failures += 1;
-                    tracing::error!(error = %e, n = batch.len(), "confirmations not applied; retrying");
-                    tokio::select! {
-                        _ = cancel.cancelled() => return Ok(total),
-                        _ = tokio::time::sleep(backoff.delay(apply_failures)) => {}
-                    }
-                }
-            }
-        }
-    }
+    super::listen(MqttSource::new(c)?, store, &options, &cancel).await
 }

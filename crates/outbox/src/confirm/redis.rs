@@ -16,13 +16,12 @@ use async_trait::async_trait;
 use redis::aio::ConnectionManager;
 use tokio_util::sync::CancellationToken;
 
-use super::{
-    ConfirmReport, Confirmation, ConfirmationSender, apply_with_retry, parse_confirmations,
-};
+use super::{ConfirmReport, Confirmation, ConfirmationSender};
 use crate::Store;
-use crate::consumer::redis::{ack, ensure_group, read_group};
+use crate::consumer::redis::{RedisConsumerConfig, RedisSource};
+use crate::consumer::source::RunOptions;
 use crate::error::{ConfigError, TransportError};
-use crate::transport::redis::{classify, connect_manager};
+use crate::transport::redis::classify;
 
 /// Entry field holding a confirmation's JSON.
 pub const FIELD_CONFIRMATION: &str = "confirmation";
@@ -103,7 +102,9 @@ impl RedisListenConfig {
 }
 
 /// Read confirmations from `config.stream` and apply them to `store` in batches of up to 500,
-/// acknowledging after the commit, until `cancel`. Returns the totals.
+/// acknowledging after the commit, until `cancel`: the generic runner over a
+/// [`RedisSource`] reading the `confirmation` field, with a
+/// [`ConfirmationHandler`](super::ConfirmationHandler). Returns the totals.
 ///
 /// # Errors
 /// [`ConfigError`] naming `url` when Redis cannot be reached at start, or `stream` when the
@@ -113,109 +114,11 @@ pub async fn listen(
     store: Arc<dyn Store>,
     cancel: CancellationToken,
 ) -> Result<ConfirmReport, ConfigError> {
-    let mut conn = connect_manager(
-        &config.url,
-        config.password.as_deref(),
-        Duration::from_secs(5),
-        config.block + Duration::from_secs(5),
-    )
-    .await?;
-    ensure_group(&mut conn, &config.stream, &config.group, "0")
-        .await
-        .map_err(|e| {
-            ConfigError::new(
-                "stream",
-                format!(
-                    "cannot create group {} on {}: {e}",
-                    config.group, config.stream
-                ),
-            )
-        })?;
-    let backoff = crate::Backoff {
-        base: Duration::from_millis(100),
-        max: Duration::from_secs(5),
-        ..Default::default()
-    };
-    let mut total = ConfirmReport::default();
-    // Start with this consumer's own pending entries (an earlier run's, or a failed batch).
-    let mut from_history = true;
-    let mut failures = 0u32;
-    loop {
-        let id = if from_history { "0" } else { ">" };
-        let block = (!from_history).then_some(config.block);
-        let read = read_group(
-            &mut conn,
-            &config.stream,
-            &config.group,
-            &config.consumer,
-            500,
-            block,
-            id,
-        );
-        let entries = tokio::select! {
-            _ = cancel.cancelled() => return Ok(total),
-            r = read => r,
-        };
-        let entries = match entries {
-            Ok(e) => e,
-            Err(e) => {
-                failures += 1;
-                tracing::warn!(error = %e, "reading confirmations failed; retrying");
-                if e.code() == Some("NOGROUP") {
-                    let _ = ensure_group(&mut conn, &config.stream, &config.group, "0").await;
-                }
-                tokio::select! {
-                    _ = cancel.cancelled() => return Ok(total),
-                    _ = tokio::time::sleep(backoff.delay(failures)) => continue,
-                }
-            }
-        };
-        if entries.is_empty() {
-            from_history = false;
-            continue;
-        }
-        let mut batch = Vec::with_capacity(entries.len());
-        let mut ids = Vec::with_capacity(entries.len());
-        for e in entries {
-            ids.push(e.id.clone());
-            let body = e.fields.as_ref().and_then(|f| {
-                f.iter()
-                    .find(|(k, _)| k == FIELD_CONFIRMATION.as_bytes())
-                    .map(|(_, v)| v)
-            });
-            match body.map(|b| parse_confirmations(b)) {
-                Some(Ok(cs)) => batch.extend(cs),
-                Some(Err(err)) => {
-                    tracing::warn!(error = %err, entry_id = %e.id, "malformed confirmation ignored")
-                }
-                None => {
-                    tracing::warn!(entry_id = %e.id, "confirmation entry without a confirmation field (or trimmed) ignored")
-                }
-            }
-        }
-        let applied = if batch.is_empty() {
-            Ok(ConfirmReport::default())
-        } else {
-            apply_with_retry(&store, &batch, 5).await
-        };
-        match applied {
-            Ok(r) => {
-                super::record(&mut total, r);
-                if let Err(e) = ack(&mut conn, &config.stream, &config.group, &ids).await {
-                    // Applied; read again later and recognised as duplicates.
-                    tracing::warn!(error = %e, "acknowledging confirmations failed");
-                }
-                failures = 0;
-            }
-            Err(e) => {
-                failures += 1;
-                tracing::error!(error = %e, n = batch.len(), "confirmations not applied; reading them again later");
-                from_history = true;
-                tokio::select! {
-                    _ = cancel.cancelled() => return Ok(total),
-                    _ = tokio::time::sleep(backoff.delay(failures)) => {}
-                }
-            }
-        }
-    }
+    let mut c = RedisConsumerConfig::new(config.url, config.stream, config.group);
+    c.password = config.password;
+    c.consumer = config.consumer;
+    c.block = config.block;
+    c.batch = 500;
+    let source = RedisSource::new(c, Arc::default())?.with_payload_field(FIELD_CONFIRMATION);
+    super::listen(source, store, &RunOptions::default(), &cancel).await
 }

@@ -8,22 +8,21 @@
 //!   relay instances share the confirmations) on that topic, applies each batch with
 //!   [`Store::apply_confirmations`](crate::Store::apply_confirmations) (retrying transient
 //!   database errors) and consumes the batch only after the commit. When the database keeps
-//!   failing, the batch is left to the broker's retry (`RECONSUME_LATER`: redelivered after the
-//!   broker's delay levels, 10 s, 30 s, 1 min, …), unlike confirmations over core NATS, which are
-//!   lost then and recovered by the check-back.
+//!   failing, the batch is sent back for the broker's retry (delay level 1, 1 s), unlike
+//!   confirmations over core NATS, which are lost then and recovered by the check-back.
 //!
 //! A body that is not a confirmation is logged and consumed.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use async_trait::async_trait;
-use rocketmq_client_rust::{ClientRuntime, ConsumeConcurrentlyStatus};
+use rocketmq_client_rust::ClientRuntime;
 use tokio_util::sync::CancellationToken;
 
-use super::{ConfirmReport, Confirmation, ConfirmationSender, apply_counted, parse_confirmations};
+use super::{ConfirmReport, Confirmation, ConfirmationSender};
 use crate::Store;
-use crate::consumer::rocketmq::{Bridge, PushSettings, start_push_consumer};
+use crate::consumer::rocketmq::{RocketMqConsumerConfig, RocketMqSource};
+use crate::consumer::source::RunOptions;
 use crate::error::{ConfigError, TransportError};
 use crate::message::Headers;
 use crate::transport::rocketmq::{
@@ -148,7 +147,8 @@ impl ListenConfig {
 }
 
 /// Consume confirmations from `config.destination` in group `config.group` and apply them to
-/// `store`, until `cancel`. Returns the totals.
+/// `store`, until `cancel`: the generic runner over a [`RocketMqSource`] with a
+/// [`ConfirmationHandler`](super::ConfirmationHandler). Returns the totals.
 ///
 /// # Errors
 /// [`ConfigError`] naming the invalid field, or `name_server`, `topic` or `group` when the
@@ -161,63 +161,16 @@ pub async fn listen(
     config.validate()?;
     let dest =
         Destination::parse(&config.destination).map_err(|r| ConfigError::new("destination", r))?;
-    let tags = dest.tag.clone().unwrap_or_else(|| "*".into());
-    let (bridge, mut jobs) = Bridge::new();
-    let mut consumer = start_push_consumer(
-        PushSettings {
-            name_server: &config.name_server,
-            group: &config.group,
-            topic: &dest.topic,
-            tags: &tags,
-            batch: config.batch,
-            from_first_offset: true,
-            route_refresh: config.route_refresh,
-            credentials: config.credentials.as_ref(),
-            runtime: config.runtime.clone(),
-            role: "confirmations",
-        },
-        bridge,
-    )
-    .await?;
-    let malformed = AtomicU64::new(0);
-    let mut total = ConfirmReport::default();
-    loop {
-        let job = tokio::select! {
-            job = jobs.recv() => job,
-            _ = cancel.cancelled() => {
-                // Stop pulling; batches handed over meanwhile are answered below.
-                consumer.suspend().await;
-                break;
-            }
-        };
-        let Some(job) = job else { break };
-        let mut batch = Vec::new();
-        for m in &job.messages {
-            let body = m.body().unwrap_or_default();
-            match parse_confirmations(&body) {
-                Ok(cs) => batch.extend(cs),
-                Err(e) => {
-                    malformed.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(error = %e, msg_id = %m.msg_id(), "malformed confirmation consumed");
-                }
-            }
-        }
-        let status = if batch.is_empty() {
-            ConsumeConcurrentlyStatus::ConsumeSuccess
-        } else {
-            let then = "the broker redelivers them";
-            match apply_counted(&store, &batch, &mut total, then).await {
-                Ok(()) => ConsumeConcurrentlyStatus::ConsumeSuccess,
-                Err(_) => ConsumeConcurrentlyStatus::ReconsumeLater,
-            }
-        };
-        let _ = job.reply.send(status);
-    }
-    // Answer what is still queued as "later" (the broker redelivers it), then stop the consumer.
-    jobs.close();
-    while let Ok(job) = jobs.try_recv() {
-        let _ = job.reply.send(ConsumeConcurrentlyStatus::ReconsumeLater);
-    }
-    consumer.shutdown().await;
-    Ok(total)
+    let mut c = RocketMqConsumerConfig::new(config.name_server, config.group, dest.topic);
+    c.tags = dest.tag.unwrap_or_else(|| "*".into());
+    c.batch = config.batch;
+    c.route_refresh = config.route_refresh;
+    c.credentials = config.credentials;
+    c.runtime = config.runtime;
+    let options = RunOptions {
+        batch: c.batch,
+        ..RunOptions::default()
+    };
+    let source = RocketMqSource::unchecked(c, "confirmations");
+    super::listen(source, store, &options, &cancel).await
 }

@@ -7,7 +7,7 @@
 //!    `outbox-topic`, …). A record without them is **malformed**: logged with its topic,
 //!    partition and offset, counted in [`ConsumerMetrics::malformed`], and skipped (its offset is
 //!    committed like an acknowledged record, so it never blocks its partition).
-//! 3. Apply the batch with [`deliver_batch`] in `concurrency` lanes by partition key: different
+//! 3. Apply the batch with [`deliver_batch`](crate::consumer::deliver_batch) in `concurrency` lanes by partition key: different
 //!    keys in parallel, one key's records in offset order.
 //! 4. Commit offsets **only after** the inbox transactions committed. Kafka commits one offset per
 //!    partition ("everything below this is done"), so a partition's commit stops at its lowest
@@ -18,7 +18,7 @@
 //!
 //! # Redelivery with backoff, in order
 //! Kafka has no per-record negative acknowledgement. When a record's disposition is
-//! [`Disposition::Retry`] (transient handler failure, inbox database down), the runner **pauses
+//! [`Settle::Retry`] (transient handler failure, inbox database down), the runner **pauses
 //! its partition**, seeks it back to that record's offset, and resumes it when the record's
 //! backoff delay has passed ([`DeliveryPolicy::retry`] by delivery count); the record and
 //! everything after it in that partition are then fetched again. Other partitions keep flowing
@@ -40,12 +40,14 @@
 //! (eager) protocol; partitions revoked in the middle of a batch lose their commit, and their
 //! records are redelivered to the new owner (the inbox absorbs the copies).
 //!
-//! The runner also performs the consumer's [`maintenance`] (operator replays, inbox retention).
+//! The runner is the generic one ([`consume`]) over a [`KafkaSource`]; it also performs the
+//! consumer's [`maintenance`](crate::consumer::maintenance) (operator replays, inbox retention).
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use async_trait::async_trait;
 
 use rdkafka::consumer::{
     BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
@@ -56,10 +58,13 @@ use rdkafka::{ClientContext, Offset, TopicPartitionList};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::consumer::{ConsumerMetrics, DeliveryPolicy, Disposition, deliver_batch, maintenance};
+use crate::consumer::source::{
+    Delivery, Envelope, Settle, Source, SourceError, consume, consume_options,
+};
+use crate::consumer::{ConsumerMetrics, DeliveryPolicy};
 use crate::error::ConfigError;
 use crate::inbox::{Handler, Inbox, InboxBackend};
-use crate::message::{Headers, InboundMessage};
+use crate::message::Headers;
 use crate::retry::Backoff;
 use crate::transport::kafka::{KafkaConfig, config_error};
 use crate::verdict::ConfirmationSender;
@@ -82,7 +87,7 @@ pub struct KafkaConsumerConfig {
     /// Default 20 ms.
     pub batch_wait: Duration,
     /// Records of one batch applied concurrently, in lanes by partition key so each key's records
-    /// stay in order ([`deliver_batch`]). Default 1.
+    /// stay in order ([`deliver_batch`](crate::consumer::deliver_batch)). Default 1.
     pub concurrency: usize,
     /// Delay before redelivering a record whose handler failed, by delivery count (the partition
     /// is paused that long). Default 500 ms, ×2, ≤ 60 s.
@@ -204,7 +209,7 @@ impl KafkaConsumerConfig {
 }
 
 /// A topic partition: topic name and partition number.
-pub(crate) type Partition = (String, i32);
+pub type Partition = (String, i32);
 
 /// Per partition of a batch: its highest offset, and its lowest record to redeliver with the delay.
 type BatchEnd = (i64, Option<(i64, Duration)>);
@@ -577,7 +582,140 @@ impl PartitionState {
     }
 }
 
-/// Run the consumer until `cancel`.
+/// The Kafka [`Source`]: a consumer-group member with manual offset commits; a record to retry
+/// pauses its partition and seeks it back (see the module docs).
+pub struct KafkaSource {
+    config: KafkaConsumerConfig,
+    consumer: Option<Arc<RunnerConsumer>>,
+    state: PartitionState,
+    /// Never cancelled: [`run`](crate::consumer::source::run) stops fetches itself.
+    idle: CancellationToken,
+}
+
+impl KafkaSource {
+    /// A source for `config` (validated; nothing is contacted until [`Source::open`]).
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming the invalid field.
+    pub fn new(config: KafkaConsumerConfig) -> Result<Self, ConfigError> {
+        config.validate()?;
+        Ok(KafkaSource {
+            config,
+            consumer: None,
+            state: PartitionState::default(),
+            idle: CancellationToken::new(),
+        })
+    }
+}
+
+/// A record's place: its partition and offset.
+pub type KafkaToken = (Partition, i64);
+
+#[async_trait]
+impl Source for KafkaSource {
+    type Token = KafkaToken;
+
+    fn describe(&self) -> String {
+        format!(
+            "Kafka topics {:?}, group {}",
+            self.config.topics, self.config.group_id
+        )
+    }
+
+    /// Subscribe once: librdkafka reconnects by itself, and subscribing again would only cost a
+    /// rebalance.
+    async fn open(&mut self) -> Result<(), SourceError> {
+        if self.consumer.is_some() {
+            return Ok(());
+        }
+        let c = &self.config;
+        let consumer = subscribe(
+            &c.client,
+            &c.group_id,
+            &c.topics,
+            &c.auto_offset_reset,
+            c.session_timeout,
+            &c.properties,
+        )
+        .await?;
+        self.consumer = Some(consumer);
+        Ok(())
+    }
+
+    async fn fetch(&mut self, max: usize) -> Result<Vec<Delivery<KafkaToken>>, SourceError> {
+        let consumer = self
+            .consumer
+            .clone()
+            .ok_or_else(|| SourceError::Lost("not subscribed".into()))?;
+        let wake_at = self.state.resume_due(&consumer);
+        let max = max.min(self.config.batch);
+        let records =
+            match next_batch(&consumer, max, self.config.batch_wait, wake_at, &self.idle).await {
+                None => Vec::new(),
+                Some(Ok(r)) => r,
+                Some(Err(e)) => return Err(SourceError::Lost(format!("Kafka fetch failed: {e}"))),
+            };
+        self.state.forget(consumer.context().take_rebalanced());
+        let mut out = Vec::with_capacity(records.len());
+        for m in records {
+            if !self.state.admit(&consumer, &m) {
+                continue;
+            }
+            let key = (m.topic().to_owned(), m.partition());
+            let counts = self.state.deliveries.entry(key.clone()).or_default();
+            let count = counts.entry(m.offset()).or_insert(0);
+            *count += 1;
+            out.push(Delivery {
+                envelope: Envelope {
+                    headers: record_headers(&m),
+                    payload: m.payload().map(<[u8]>::to_vec).unwrap_or_default(),
+                    delivery_count: *count,
+                    origin: format!(
+                        "topic {}, partition {}, offset {}",
+                        m.topic(),
+                        m.partition(),
+                        m.offset()
+                    ),
+                },
+                token: (key, m.offset()),
+            });
+        }
+        Ok(out)
+    }
+
+    async fn settle(
+        &mut self,
+        batch: Vec<(Delivery<KafkaToken>, Settle)>,
+    ) -> Result<(), SourceError> {
+        let consumer = self
+            .consumer
+            .clone()
+            .ok_or_else(|| SourceError::Lost("not subscribed".into()))?;
+        let done = batch
+            .into_iter()
+            .map(|(d, s)| {
+                let (key, offset) = d.token;
+                let retry = match s {
+                    Settle::Retry(delay) => Some(delay),
+                    // A malformed record is skipped: committed like an acknowledged one.
+                    Settle::Ack | Settle::Reject(_) => None,
+                };
+                (key, offset, retry)
+            })
+            .collect();
+        self.state.settle(&consumer, done);
+        Ok(())
+    }
+
+    /// Commit the last offsets synchronously and leave the group.
+    async fn close(&mut self) {
+        if let Some(consumer) = self.consumer.take() {
+            close(consumer, std::mem::take(&mut self.state.committed)).await;
+        }
+    }
+}
+
+/// Run the consumer until `cancel`: [`consume`] over a [`KafkaSource`].
 ///
 /// # Errors
 /// [`ConfigError`] naming the field when the settings are invalid, a topic does not exist or the
@@ -597,135 +735,7 @@ where
     DB: InboxBackend,
     H: Handler<DB> + ?Sized,
 {
-    config.validate()?;
-    let consumer = subscribe(
-        &config.client,
-        &config.group_id,
-        &config.topics,
-        &config.auto_offset_reset,
-        config.session_timeout,
-        &config.properties,
-    )
-    .await?;
-    let policy = DeliveryPolicy {
-        max_deliveries: config.max_deliveries,
-        retry: config.retry,
-        confirmations: config.confirmations.clone(),
-    };
-    let background = cancel.child_token();
-    let _stop_maintenance = background.clone().drop_guard();
-    tokio::spawn(maintenance(
-        inbox.clone(),
-        handler.clone(),
-        policy.clone(),
-        config.dedup_window,
-        config.maintenance_interval,
-        metrics.clone(),
-        background,
-    ));
-    let mut state = PartitionState::default();
-    let mut failures = 0u32;
-    loop {
-        let wake_at = state.resume_due(&consumer);
-        let fetched =
-            next_batch(&consumer, config.batch, config.batch_wait, wake_at, &cancel).await;
-        let records = match fetched {
-            None => break,
-            Some(Ok(r)) => {
-                failures = 0;
-                r
-            }
-            Some(Err(e)) => {
-                failures += 1;
-                tracing::warn!(error = %e, "Kafka fetch failed; backing off");
-                tokio::select! {
-                    _ = cancel.cancelled() => break,
-                    _ = tokio::time::sleep(config.retry.delay(failures)) => continue,
-                }
-            }
-        };
-        state.forget(consumer.context().take_rebalanced());
-        let records: Vec<OwnedMessage> = records
-            .into_iter()
-            .filter(|m| state.admit(&consumer, m))
-            .collect();
-        if records.is_empty() {
-            continue;
-        }
-        apply(
-            &consumer,
-            &mut state,
-            records,
-            &inbox,
-            handler.as_ref(),
-            &config,
-            &policy,
-            &metrics,
-        )
-        .await;
-    }
-    close(consumer, state.committed).await;
-    Ok(())
-}
-
-/// Apply one batch, then hold the partitions with a record to retry and commit the others.
-#[allow(clippy::too_many_arguments)]
-async fn apply<DB, H>(
-    consumer: &RunnerConsumer,
-    state: &mut PartitionState,
-    records: Vec<OwnedMessage>,
-    inbox: &Inbox<DB>,
-    handler: &H,
-    config: &KafkaConsumerConfig,
-    policy: &DeliveryPolicy,
-    metrics: &ConsumerMetrics,
-) where
-    DB: InboxBackend,
-    H: Handler<DB> + ?Sized,
-{
-    // Decode; malformed records are done (skipped) at once.
-    let mut inbound = Vec::with_capacity(records.len());
-    let mut positions = Vec::with_capacity(records.len());
-    let mut done: Vec<(Partition, i64, Option<Duration>)> = Vec::with_capacity(records.len());
-    for m in &records {
-        let key = (m.topic().to_owned(), m.partition());
-        let counts = state.deliveries.entry(key.clone()).or_default();
-        let count = counts.entry(m.offset()).or_insert(0);
-        *count += 1;
-        let payload = m.payload().map(<[u8]>::to_vec).unwrap_or_default();
-        match InboundMessage::from_wire(record_headers(m), payload, *count) {
-            Ok(msg) => {
-                inbound.push(msg);
-                positions.push((key, m.offset()));
-            }
-            Err(reason) => {
-                metrics.malformed.fetch_add(1, Ordering::Relaxed);
-                tracing::error!(
-                    topic = m.topic(),
-                    partition = m.partition(),
-                    offset = m.offset(),
-                    reason,
-                    "record without outbox headers; skipping it"
-                );
-                done.push((key, m.offset(), None));
-            }
-        }
-    }
-    let dispositions = deliver_batch(
-        inbox,
-        handler,
-        &inbound,
-        config.concurrency,
-        policy,
-        metrics,
-    )
-    .await;
-    for ((key, offset), d) in positions.into_iter().zip(dispositions) {
-        let retry = match d {
-            Disposition::Ack(_) => None,
-            Disposition::Retry(delay) => Some(delay),
-        };
-        done.push((key, offset, retry));
-    }
-    state.settle(consumer, done);
+    let options = consume_options!(config, config.batch);
+    let source = KafkaSource::new(config)?;
+    consume(source, inbox, handler, options, metrics, cancel).await
 }

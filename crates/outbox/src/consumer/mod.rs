@@ -1,6 +1,17 @@
 //! Consumer runners: receive from a broker, apply through an [`Inbox`](crate::Inbox), acknowledge
 //! only after the inbox transaction committed, and confirm the verdict to the producer.
 //!
+//! # One runner, a source per broker
+//! Each broker module implements a [`Source`](source::Source) (open, fetch a batch, settle each
+//! delivery: ack, retry after a delay, reject) and its `run` is the one generic runner,
+//! [`source::consume`], over it: reconnection with backoff, decoding (malformed input rejected
+//! and counted), lanes by partition key, the inbox transaction, retries, dead letters,
+//! confirmations, and the maintenance task (operator replays, inbox retention), joined when the
+//! runner stops. The producer's confirmation listeners are the same runner over the same
+//! sources with [`ConfirmationHandler`](crate::confirm::ConfirmationHandler) as the batch
+//! handler. The webhook receiver is the one exception: HTTP is request/response, so each request
+//! goes through [`deliver`] and the answer is the settlement (`200`/`503`/`400`).
+//!
 //! Every runner treats a delivery the same way ([`deliver`]):
 //! - applied, rejected by the handler, or a duplicate → acknowledge, and send the recorded
 //!   verdict as a confirmation when the message names a reply destination (`outbox-reply-to`);
@@ -35,6 +46,7 @@ pub mod rabbitmq;
 pub mod redis;
 #[cfg(feature = "rocketmq")]
 pub mod rocketmq;
+pub mod source;
 #[cfg(feature = "webhook")]
 pub mod webhook;
 

@@ -10,16 +10,17 @@
 //! - **Acknowledgement**: manual; the PUBACK is sent only after the inbox transaction committed
 //!   (applied, rejected, duplicate or dead-lettered), so nothing is acknowledged that was not
 //!   stored (shared case C27).
-//! - **Concurrency**: `concurrency` lanes by partition key ([`lane_of`]): one key's messages are
-//!   applied one after the other in arrival order, different lanes in parallel.
+//! - **Concurrency**: `concurrency` lanes by partition key
+//!   ([`lane_of`](crate::consumer::lane_of)): one key's messages are applied one after the other
+//!   in arrival order, different lanes in parallel.
 //! - **Retry with backoff**: MQTT has no negative acknowledgement and no delayed redelivery. A
 //!   message whose handler failed transiently stays unacknowledged (the broker still holds it for
-//!   this session) and its lane applies it again after the [`Backoff`] delay for its delivery
-//!   count, counting deliveries itself (1, then 2, …; a copy the broker redelivered with the DUP
-//!   flag starts at 2), until [`DeliveryPolicy::max_deliveries`] dead-letters it. While it waits,
-//!   its lane waits too, so a later message of the same key never overtakes it. If the consumer
-//!   dies meanwhile, the broker redelivers the unacknowledged message when the session
-//!   reconnects.
+//!   this session) and the [`MqttSource`] delivers it again after the [`Backoff`] delay for its
+//!   delivery count, counting deliveries itself (1, then 2, …; a copy the broker redelivered
+//!   with the DUP flag starts at 2), until [`DeliveryPolicy::max_deliveries`] dead-letters it.
+//!   While it waits, later messages of its partition key wait behind it, so they never overtake
+//!   it. If the consumer dies meanwhile, the broker redelivers the unacknowledged message when
+//!   the session reconnects.
 //! - **Malformed** messages (no `outbox-message-id` user property, e.g. published by a plain
 //!   MQTT client or over MQTT 3.1.1) are logged, counted in [`ConsumerMetrics::malformed`] and
 //!   acknowledged.
@@ -30,22 +31,26 @@
 //! transport's [`NoSubscribers`](crate::transport::mqtt::NoSubscribers) default makes the relay
 //! retry it).
 
+use std::collections::VecDeque;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
+
+use async_trait::async_trait;
 
 use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::mqttbytes::v5::{Packet, Publish};
 use rumqttc::v5::{AsyncClient, Event, EventLoop};
 use tokio::sync::mpsc;
-use tokio_util::sync::CancellationToken;
+use tokio::time::Instant;
+use tokio_util::sync::{CancellationToken, DropGuard};
 
-use crate::consumer::{
-    ConsumerMetrics, DeliveryPolicy, Disposition, deliver, lane_of, maintenance,
+use crate::consumer::source::{
+    Delivery, Envelope, Settle, Source, SourceError, consume, consume_options,
 };
+use crate::consumer::{ConsumerMetrics, DeliveryPolicy};
 use crate::error::ConfigError;
 use crate::inbox::{Handler, Inbox, InboxBackend};
-use crate::message::InboundMessage;
+use crate::message::HEADER_PARTITION_KEY;
 use crate::retry::Backoff;
 use crate::transport::mqtt::{decode, explain, first_connack, options};
 use crate::verdict::ConfirmationSender;
@@ -284,7 +289,205 @@ pub(crate) async fn next_publish(
     }
 }
 
-/// Run the consumer until `cancel`.
+/// A message held by the [`MqttSource`] for a later delivery: a retry, or a later message of a
+/// key whose earlier message waits for its retry.
+struct Parked {
+    due: Instant,
+    publish: Publish,
+    delivery_count: u32,
+    key: Option<String>,
+}
+
+/// The MQTT 5 [`Source`]: a persistent session with manual acknowledgement (see the module docs).
+///
+/// A task polls the session's event loop all the time (keep-alives, reconnections, PUBACKs) and
+/// hands received publishes over; retries are kept here until due, in order, and a message of a
+/// key with a retry pending waits behind it.
+pub struct MqttSource {
+    config: MqttConsumerConfig,
+    client: Option<AsyncClient>,
+    received: Option<mpsc::Receiver<Publish>>,
+    /// Stops the event-loop task when the source is dropped or reopened.
+    pump: Option<DropGuard>,
+    parked: VecDeque<Parked>,
+}
+
+impl MqttSource {
+    /// A source for `config` (validated; nothing is contacted until [`Source::open`]).
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming the invalid field.
+    pub fn new(config: MqttConsumerConfig) -> Result<Self, ConfigError> {
+        config.validate()?;
+        Ok(MqttSource {
+            config,
+            client: None,
+            received: None,
+            pump: None,
+            parked: VecDeque::new(),
+        })
+    }
+
+    fn delivery(&self, publish: Publish, delivery_count: u32) -> Delivery<Publish> {
+        let (headers, payload) = decode(&publish);
+        Delivery {
+            envelope: Envelope {
+                headers,
+                payload,
+                delivery_count,
+                origin: format!("topic {}", String::from_utf8_lossy(&publish.topic)),
+            },
+            token: publish,
+        }
+    }
+
+    /// Park `publish` behind the last parked message of its key; `false` when its key has none.
+    fn hold(&mut self, publish: &Publish, count: u32) -> bool {
+        let (headers, _) = decode(publish);
+        let Some(key) = headers.get(HEADER_PARTITION_KEY).cloned() else {
+            return false;
+        };
+        let Some(due) = self
+            .parked
+            .iter()
+            .filter(|p| p.key.as_deref() == Some(key.as_str()))
+            .map(|p| p.due)
+            .max()
+        else {
+            return false;
+        };
+        self.park(Parked {
+            due,
+            publish: publish.clone(),
+            delivery_count: count,
+            key: Some(key),
+        });
+        true
+    }
+
+    /// Insert in due order, after those due at the same time (keeps a key's order).
+    fn park(&mut self, p: Parked) {
+        let at = self.parked.partition_point(|q| q.due <= p.due);
+        self.parked.insert(at, p);
+    }
+}
+
+#[async_trait]
+impl Source for MqttSource {
+    type Token = Publish;
+
+    fn describe(&self) -> String {
+        format!(
+            "MQTT subscription {} as {}",
+            self.config.subscription(),
+            self.config.client_id
+        )
+    }
+
+    async fn open(&mut self) -> Result<(), SourceError> {
+        self.pump = None;
+        let c = &self.config;
+        let subscription = c.subscription();
+        let (client, mut eventloop) = open_session(
+            &c.url,
+            &c.client_id,
+            c.username.as_deref(),
+            c.password.as_deref(),
+            c.keep_alive,
+            c.connect_timeout,
+            c.session_expiry,
+            c.receive_maximum,
+            &subscription,
+        )
+        .await?;
+        let (tx, rx) = mpsc::channel(usize::from(c.receive_maximum.max(1)));
+        let stop = CancellationToken::new();
+        let pump = {
+            let (client, stop) = (client.clone(), stop.clone());
+            async move {
+                let mut failures = 0u32;
+                while let Some(p) =
+                    next_publish(&mut eventloop, &client, &subscription, &mut failures, &stop).await
+                {
+                    if tx.send(p).await.is_err() {
+                        break;
+                    }
+                }
+            }
+        };
+        tokio::spawn(pump);
+        self.pump = Some(stop.drop_guard());
+        self.client = Some(client);
+        self.received = Some(rx);
+        Ok(())
+    }
+
+    async fn fetch(&mut self, max: usize) -> Result<Vec<Delivery<Publish>>, SourceError> {
+        let max = max.min(usize::from(self.config.receive_maximum)).max(1);
+        let now = Instant::now();
+        let mut out = Vec::new();
+        while out.len() < max && self.parked.front().is_some_and(|p| p.due <= now) {
+            let p = self.parked.pop_front().expect("front exists");
+            out.push(self.delivery(p.publish, p.delivery_count));
+        }
+        if !out.is_empty() {
+            return Ok(out);
+        }
+        let next_due = self.parked.front().map(|p| p.due);
+        let rx = self
+            .received
+            .as_mut()
+            .ok_or_else(|| SourceError::Lost("not open".into()))?;
+        let first = tokio::select! {
+            r = rx.recv() => r.ok_or_else(|| SourceError::Lost("the session's event loop ended".into()))?,
+            _ = tokio::time::sleep_until(next_due.unwrap_or(now + Duration::from_secs(3600))), if next_due.is_some() => {
+                return Ok(Vec::new());
+            }
+        };
+        let mut fresh = vec![first];
+        while fresh.len() < max {
+            match rx.try_recv() {
+                Ok(p) => fresh.push(p),
+                Err(_) => break,
+            }
+        }
+        for p in fresh {
+            let count = if p.dup { 2 } else { 1 };
+            if !self.hold(&p, count) {
+                out.push(self.delivery(p, count));
+            }
+        }
+        Ok(out)
+    }
+
+    async fn settle(&mut self, batch: Vec<(Delivery<Publish>, Settle)>) -> Result<(), SourceError> {
+        let client = self
+            .client
+            .clone()
+            .ok_or_else(|| SourceError::Lost("not open".into()))?;
+        let now = Instant::now();
+        for (d, s) in batch {
+            match s {
+                Settle::Ack | Settle::Reject(_) => {
+                    // Committed (or unusable); a lost PUBACK means a redelivery the inbox
+                    // recognises.
+                    if let Err(e) = client.ack(&d.token).await {
+                        tracing::warn!(error = %e, origin = %d.envelope.origin, "PUBACK failed");
+                    }
+                }
+                Settle::Retry(delay) => self.park(Parked {
+                    due: now + delay,
+                    key: d.envelope.headers.get(HEADER_PARTITION_KEY).cloned(),
+                    delivery_count: d.envelope.delivery_count.saturating_add(1),
+                    publish: d.token,
+                }),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Run the consumer until `cancel`: [`consume`] over an [`MqttSource`].
 ///
 /// # Errors
 /// [`ConfigError`] naming the field ([`MqttConsumerConfig::validate`]), `url` when the broker
@@ -301,126 +504,9 @@ where
     DB: InboxBackend,
     H: Handler<DB> + ?Sized,
 {
-    config.validate()?;
-    let subscription = config.subscription();
-    let (client, mut eventloop) = open_session(
-        &config.url,
-        &config.client_id,
-        config.username.as_deref(),
-        config.password.as_deref(),
-        config.keep_alive,
-        config.connect_timeout,
-        config.session_expiry,
-        config.receive_maximum,
-        &subscription,
-    )
-    .await?;
-    let policy = DeliveryPolicy {
-        max_deliveries: config.max_deliveries,
-        retry: config.retry,
-        confirmations: config.confirmations.clone(),
-    };
-    let background = cancel.child_token();
-    let _stop_background = background.clone().drop_guard();
-    tokio::spawn(maintenance(
-        inbox.clone(),
-        handler.clone(),
-        policy.clone(),
-        config.dedup_window,
-        config.maintenance_interval,
-        metrics.clone(),
-        background.clone(),
-    ));
-    let lanes = config.concurrency.max(1);
-    let mut senders = Vec::with_capacity(lanes);
-    let mut tasks = Vec::with_capacity(lanes);
-    for _ in 0..lanes {
-        let (tx, rx) = mpsc::unbounded_channel::<(Publish, InboundMessage)>();
-        senders.push(tx);
-        tasks.push(tokio::spawn(lane(
-            rx,
-            client.clone(),
-            inbox.clone(),
-            handler.clone(),
-            policy.clone(),
-            metrics.clone(),
-            background.clone(),
-        )));
-    }
-    let mut failures = 0u32;
-    while let Some(p) = next_publish(
-        &mut eventloop,
-        &client,
-        &subscription,
-        &mut failures,
-        &cancel,
-    )
-    .await
-    {
-        let (headers, payload) = decode(&p);
-        let first = if p.dup { 2 } else { 1 };
-        match InboundMessage::from_wire(headers, payload, first) {
-            Ok(m) => {
-                let i = lane_of(&m, lanes);
-                if senders[i].send((p, m)).is_err() {
-                    break;
-                }
-            }
-            Err(reason) => {
-                metrics.malformed.fetch_add(1, Ordering::Relaxed);
-                tracing::error!(topic = %String::from_utf8_lossy(&p.topic), reason, "MQTT message without outbox user properties; acknowledging it");
-                let _ = client.ack(&p).await;
-            }
-        }
-    }
-    background.cancel();
-    drop(senders);
-    for t in tasks {
-        let _ = t.await;
-    }
-    Ok(())
-}
-
-/// One lane: apply its messages in order, retrying a failed one in place after its backoff.
-async fn lane<DB, H>(
-    mut rx: mpsc::UnboundedReceiver<(Publish, InboundMessage)>,
-    client: AsyncClient,
-    inbox: Inbox<DB>,
-    handler: Arc<H>,
-    policy: DeliveryPolicy,
-    metrics: Arc<ConsumerMetrics>,
-    cancel: CancellationToken,
-) where
-    DB: InboxBackend,
-    H: Handler<DB> + ?Sized,
-{
-    loop {
-        let next = tokio::select! {
-            _ = cancel.cancelled() => return,
-            n = rx.recv() => n,
-        };
-        let Some((publish, mut msg)) = next else {
-            return;
-        };
-        loop {
-            match deliver(&inbox, handler.as_ref(), &msg, &policy, &metrics).await {
-                Disposition::Ack(_) => {
-                    // Committed; a lost PUBACK means a redelivery the inbox recognises.
-                    if let Err(e) = client.ack(&publish).await {
-                        tracing::warn!(error = %e, message_id = %msg.message_id, "PUBACK after commit failed");
-                    }
-                    break;
-                }
-                Disposition::Retry(delay) => {
-                    tokio::select! {
-                        _ = cancel.cancelled() => return,
-                        _ = tokio::time::sleep(delay) => {}
-                    }
-                    msg.delivery_count = msg.delivery_count.saturating_add(1);
-                }
-            }
-        }
-    }
+    let options = consume_options!(config, usize::from(config.receive_maximum));
+    let source = MqttSource::new(config)?;
+    consume(source, inbox, handler, options, metrics, cancel).await
 }
 
 #[cfg(test)]

@@ -11,21 +11,26 @@
 //! ([`deliver_batch`](crate::consumer::deliver_batch)): different keys in parallel, one key's
 //! messages in stream order.
 //!
-//! The runner also performs the consumer's [`maintenance`] (operator replays, inbox retention).
+//! The runner is the generic one ([`consume`]) over a [`NatsSource`]; it also performs the
+//! consumer's [`maintenance`](crate::consumer::maintenance) (operator replays, inbox retention).
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
+
+use async_trait::async_trait;
 
 use async_nats::jetstream::consumer::{AckPolicy, pull};
 use async_nats::jetstream::{self, AckKind};
 use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 
-use crate::consumer::{ConsumerMetrics, DeliveryPolicy, Disposition, deliver_batch, maintenance};
+use crate::consumer::source::{
+    Delivery, Envelope, Settle, Source, SourceError, consume, consume_options,
+};
+use crate::consumer::{ConsumerMetrics, DeliveryPolicy};
 use crate::error::ConfigError;
 use crate::inbox::{Handler, Inbox, InboxBackend};
-use crate::message::{Headers, InboundMessage};
+use crate::message::Headers;
 use crate::retry::Backoff;
 use crate::verdict::ConfirmationSender;
 
@@ -98,91 +103,77 @@ impl NatsConsumerConfig {
     }
 }
 
-/// Run the consumer until `cancel`.
-///
-/// # Errors
-/// [`ConfigError`] naming `stream` or `durable` when the consumer cannot be created. Later
-/// errors (fetch, ack) are logged and retried with backoff.
-pub async fn run<DB, H>(
+/// The JetStream [`Source`]: a durable pull consumer on `config.stream`.
+pub struct NatsSource {
     js: jetstream::Context,
     config: NatsConsumerConfig,
-    inbox: Inbox<DB>,
-    handler: Arc<H>,
-    metrics: Arc<ConsumerMetrics>,
-    cancel: CancellationToken,
-) -> Result<(), ConfigError>
-where
-    DB: InboxBackend,
-    H: Handler<DB> + ?Sized,
-{
-    let stream = js.get_stream(&config.stream).await.map_err(|e| {
-        ConfigError::new("stream", format!("stream {} not found: {e}", config.stream))
-    })?;
-    let consumer = stream
-        .get_or_create_consumer(
-            &config.durable,
-            pull::Config {
-                durable_name: Some(config.durable.clone()),
-                ack_policy: AckPolicy::Explicit,
-                ack_wait: config.ack_wait,
-                filter_subject: config.filter_subject.clone().unwrap_or_default(),
-                max_ack_pending: 10_000,
-                ..Default::default()
-            },
+    consumer: Option<jetstream::consumer::Consumer<pull::Config>>,
+}
+
+impl NatsSource {
+    /// A source for `config` over `js` (nothing is contacted until [`Source::open`]).
+    pub fn new(js: jetstream::Context, config: NatsConsumerConfig) -> Self {
+        NatsSource {
+            js,
+            config,
+            consumer: None,
+        }
+    }
+}
+
+#[async_trait]
+impl Source for NatsSource {
+    type Token = jetstream::Message;
+
+    fn describe(&self) -> String {
+        format!(
+            "JetStream stream {}, durable {}",
+            self.config.stream, self.config.durable
         )
-        .await
-        .map_err(|e| {
-            ConfigError::new(
-                "durable",
-                format!("cannot create consumer {}: {e}", config.durable),
-            )
+    }
+
+    async fn open(&mut self) -> Result<(), SourceError> {
+        let c = &self.config;
+        let stream = self.js.get_stream(&c.stream).await.map_err(|e| {
+            ConfigError::new("stream", format!("stream {} not found: {e}", c.stream))
         })?;
-    let policy = DeliveryPolicy {
-        max_deliveries: config.max_deliveries,
-        retry: config.retry,
-        confirmations: config.confirmations.clone(),
-    };
-    let background = cancel.child_token();
-    let _stop_maintenance = background.clone().drop_guard();
-    tokio::spawn(maintenance(
-        inbox.clone(),
-        handler.clone(),
-        policy.clone(),
-        config.dedup_window,
-        config.maintenance_interval,
-        metrics.clone(),
-        background,
-    ));
-    let mut failures = 0u32;
-    while !cancel.is_cancelled() {
-        let fetched = consumer
+        let consumer = stream
+            .get_or_create_consumer(
+                &c.durable,
+                pull::Config {
+                    durable_name: Some(c.durable.clone()),
+                    ack_policy: AckPolicy::Explicit,
+                    ack_wait: c.ack_wait,
+                    filter_subject: c.filter_subject.clone().unwrap_or_default(),
+                    max_ack_pending: 10_000,
+                    ..Default::default()
+                },
+            )
+            .await
+            .map_err(|e| {
+                ConfigError::new(
+                    "durable",
+                    format!("cannot create consumer {}: {e}", c.durable),
+                )
+            })?;
+        self.consumer = Some(consumer);
+        Ok(())
+    }
+
+    async fn fetch(&mut self, max: usize) -> Result<Vec<Delivery<Self::Token>>, SourceError> {
+        let consumer = self
+            .consumer
+            .as_ref()
+            .ok_or_else(|| SourceError::Lost("not open".into()))?;
+        let mut messages = consumer
             .fetch()
-            .max_messages(config.batch)
+            .max_messages(max)
             .expires(Duration::from_millis(500))
             .messages()
-            .await;
-        let mut messages = match fetched {
-            Ok(m) => {
-                failures = 0;
-                m
-            }
-            Err(e) => {
-                failures += 1;
-                tracing::warn!(error = %e, "JetStream fetch failed; backing off");
-                tokio::select! {
-                    _ = cancel.cancelled() => break,
-                    _ = tokio::time::sleep(config.retry.delay(failures)) => continue,
-                }
-            }
-        };
-        // Collect the fetched batch, then apply it in per-key lanes.
-        let mut received = Vec::with_capacity(config.batch);
-        loop {
-            let next = tokio::select! {
-                _ = cancel.cancelled() => return Ok(()),
-                n = messages.next() => n,
-            };
-            let Some(msg) = next else { break };
+            .await
+            .map_err(|e| SourceError::Lost(format!("JetStream fetch failed: {e}")))?;
+        let mut out = Vec::with_capacity(max);
+        while let Some(msg) = messages.next().await {
             let msg = match msg {
                 Ok(m) => m,
                 Err(e) => {
@@ -199,41 +190,70 @@ where
                     }
                 }
             }
-            match InboundMessage::from_wire(headers, msg.payload.to_vec(), delivered) {
-                Ok(m) => received.push((msg, m)),
-                Err(reason) => {
-                    metrics.malformed.fetch_add(1, Ordering::Relaxed);
-                    tracing::error!(subject = %msg.subject, reason, "message without outbox headers; terminating it");
+            let envelope = Envelope {
+                headers,
+                payload: msg.payload.to_vec(),
+                delivery_count: delivered,
+                origin: format!("subject {}", msg.subject),
+            };
+            out.push(Delivery {
+                token: msg,
+                envelope,
+            });
+        }
+        Ok(out)
+    }
+
+    async fn settle(
+        &mut self,
+        batch: Vec<(Delivery<Self::Token>, Settle)>,
+    ) -> Result<(), SourceError> {
+        for (d, s) in batch {
+            let msg = d.token;
+            match s {
+                Settle::Ack => {
+                    if let Err(e) = msg.double_ack().await {
+                        // The verdict is committed; a redelivery will be recognised as a duplicate.
+                        tracing::warn!(error = %e, origin = %d.envelope.origin, "ack failed after commit");
+                    }
+                }
+                Settle::Retry(delay) => {
+                    let _ = msg.ack_with(AckKind::Nak(Some(delay))).await;
+                }
+                Settle::Reject(_) => {
                     let _ = msg.ack_with(AckKind::Term).await;
                 }
             }
         }
-        if received.is_empty() {
-            continue;
-        }
-        let (acks, inbound): (Vec<_>, Vec<_>) = received.into_iter().unzip();
-        let dispositions = deliver_batch(
-            &inbox,
-            handler.as_ref(),
-            &inbound,
-            config.concurrency,
-            &policy,
-            &metrics,
-        )
-        .await;
-        for ((msg, inbound), d) in acks.iter().zip(&inbound).zip(dispositions) {
-            match d {
-                Disposition::Ack(_) => {
-                    if let Err(e) = msg.double_ack().await {
-                        // The verdict is committed; a redelivery will be recognised as a duplicate.
-                        tracing::warn!(error = %e, message_id = %inbound.message_id, "ack failed after commit");
-                    }
-                }
-                Disposition::Retry(delay) => {
-                    let _ = msg.ack_with(AckKind::Nak(Some(delay))).await;
-                }
-            }
-        }
+        Ok(())
     }
-    Ok(())
+}
+
+/// Run the consumer until `cancel`: [`consume`] over a [`NatsSource`].
+///
+/// # Errors
+/// [`ConfigError`] naming `stream` or `durable` when the consumer cannot be created. Later
+/// errors (fetch, ack) are logged and retried with backoff.
+pub async fn run<DB, H>(
+    js: jetstream::Context,
+    config: NatsConsumerConfig,
+    inbox: Inbox<DB>,
+    handler: Arc<H>,
+    metrics: Arc<ConsumerMetrics>,
+    cancel: CancellationToken,
+) -> Result<(), ConfigError>
+where
+    DB: InboxBackend,
+    H: Handler<DB> + ?Sized,
+{
+    let options = consume_options!(config, config.batch);
+    consume(
+        NatsSource::new(js, config),
+        inbox,
+        handler,
+        options,
+        metrics,
+        cancel,
+    )
+    .await
 }

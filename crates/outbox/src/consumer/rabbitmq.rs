@@ -41,16 +41,15 @@
 //! exchange, if it has one); it never blocks the queue.
 //!
 //! The runner reconnects with backoff when the connection or channel is lost (the broker
-//! redelivers what was not acknowledged), and performs the consumer's [`maintenance`] (operator
-//! replays, inbox retention).
+//! redelivers what was not acknowledged), and performs the consumer's
+//! [`maintenance`](crate::consumer::maintenance) (operator replays, inbox retention).
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use async_trait::async_trait;
 use futures::StreamExt;
-use lapin::message::Delivery;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicQosOptions, BasicRejectOptions, QueueBindOptions,
     QueueDeclareOptions,
@@ -59,10 +58,13 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel};
 use tokio_util::sync::CancellationToken;
 
-use crate::consumer::{ConsumerMetrics, DeliveryPolicy, Disposition, deliver_batch, maintenance};
+use crate::consumer::source::{
+    Delivery, Envelope, Settle, Source, SourceError, consume, consume_options,
+};
+use crate::consumer::{ConsumerMetrics, DeliveryPolicy};
 use crate::error::ConfigError;
 use crate::inbox::{Handler, Inbox, InboxBackend};
-use crate::message::{Headers, InboundMessage};
+use crate::message::Headers;
 use crate::retry::Backoff;
 use crate::transport::rabbitmq::{
     Link, Publication, RabbitMqConfig, Session, connection_lost, received_headers,
@@ -238,98 +240,64 @@ fn retry_properties(p: &BasicProperties, next: u32) -> BasicProperties {
     p.clone().with_headers(t)
 }
 
-/// Why a consuming session ended.
-enum Ended {
-    /// Cancelled: stop.
-    Cancelled,
-    /// A configuration problem found at set-up (missing queue, refused declaration).
-    Config(ConfigError),
-    /// A connection or channel problem: reconnect.
-    Lost(String),
+/// The open session of a [`RabbitMqSource`]: the connection, the consuming channel and its
+/// consumer.
+struct Open {
+    session: Arc<Session>,
+    consumer: lapin::Consumer,
+    /// Retry queues declared in this session, by TTL in ms.
+    tiers: HashSet<u128>,
 }
 
-/// Run the consumer until `cancel`.
-///
-/// # Errors
-/// [`ConfigError`] naming the field when the settings are invalid, or when the first connection
-/// fails (`connection.url`) or the queue is missing or cannot be declared (`queue`). Later errors
-/// (connection lost, channel closed) are logged and the runner reconnects with backoff.
-pub async fn run<DB, H>(
+/// The RabbitMQ [`Source`]: `basic.consume` on `config.queue` with manual acknowledgement;
+/// redelivery with backoff through retry queues (see the module docs).
+pub struct RabbitMqSource {
+    link: Link,
     config: RabbitMqConsumerConfig,
-    inbox: Inbox<DB>,
-    handler: Arc<H>,
-    metrics: Arc<ConsumerMetrics>,
-    cancel: CancellationToken,
-) -> Result<(), ConfigError>
-where
-    DB: InboxBackend,
-    H: Handler<DB> + ?Sized,
-{
-    config.validate()?;
-    let link = Link::new(config.connection.clone())
-        .map_err(|e| ConfigError::new(format!("connection.{}", e.field), e.reason))?;
-    let policy = DeliveryPolicy {
-        max_deliveries: config.max_deliveries,
-        retry: config.retry,
-        confirmations: config.confirmations.clone(),
-    };
-    // Stopped when this function returns (including with a set-up error).
-    let background = cancel.child_token();
-    let _stop_maintenance = background.clone().drop_guard();
-    tokio::spawn(maintenance(
-        inbox.clone(),
-        handler.clone(),
-        policy.clone(),
-        config.dedup_window,
-        config.maintenance_interval,
-        metrics.clone(),
-        background,
-    ));
-    let mut started = false;
-    let mut failures = 0u32;
-    loop {
-        let mut up = false;
-        let ended = consume(
-            &link, &config, &inbox, &handler, &policy, &metrics, &cancel, &mut up,
-        )
-        .await;
-        if up {
-            started = true;
-            failures = 0;
-        }
-        match ended {
-            Ended::Cancelled => return Ok(()),
-            Ended::Config(e) if !started => return Err(e),
-            Ended::Config(e) => {
-                tracing::error!(error = %e, queue = %config.queue, "RabbitMQ consumer set-up failed; retrying")
-            }
-            Ended::Lost(reason) => {
-                tracing::warn!(reason, queue = %config.queue, "RabbitMQ consumer lost its connection; reconnecting")
-            }
-        }
-        failures = failures.saturating_add(1);
-        tokio::select! {
-            _ = cancel.cancelled() => return Ok(()),
-            _ = tokio::time::sleep(config.retry.delay(failures.min(8))) => {}
-        }
+    open: Option<Open>,
+    /// Why the consumer ended while a batch was being gathered: returned by the next fetch.
+    lost: Option<String>,
+}
+
+/// What settling a RabbitMQ delivery needs: its acker and its properties (for a retry copy).
+pub struct RabbitMqToken {
+    acker: lapin::Acker,
+    properties: BasicProperties,
+}
+
+impl RabbitMqSource {
+    /// A source for `config` (validated; nothing is contacted until [`Source::open`]).
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming the invalid field.
+    pub fn new(config: RabbitMqConsumerConfig) -> Result<Self, ConfigError> {
+        config.validate()?;
+        let link = Link::new(config.connection.clone())
+            .map_err(|e| ConfigError::new(format!("connection.{}", e.field), e.reason))?;
+        Ok(RabbitMqSource {
+            link,
+            config,
+            open: None,
+            lost: None,
+        })
     }
 }
 
 /// Map a set-up error: a lost connection is reconnected, anything else is a configuration problem
 /// of `field`.
-fn refusal(e: &lapin::Error, field: &str, text: String) -> Ended {
+fn refusal(e: &lapin::Error, field: &str, text: String) -> SourceError {
     if connection_lost(e) {
-        Ended::Lost(format!("{text}: {e}"))
+        SourceError::Lost(format!("{text}: {e}"))
     } else {
-        Ended::Config(ConfigError::new(field, format!("{text}: {e}")))
+        SourceError::Config(ConfigError::new(field, format!("{text}: {e}")))
     }
 }
 
 /// Declare and bind the queue, or check that it exists.
-async fn set_up(ch: &Channel, config: &RabbitMqConsumerConfig) -> Result<(), Ended> {
+async fn set_up(ch: &Channel, config: &RabbitMqConsumerConfig) -> Result<(), SourceError> {
     let name = |s: &str, field: &str| {
         ShortString::try_new(s).map_err(|_| {
-            Ended::Config(ConfigError::new(
+            SourceError::Config(ConfigError::new(
                 field,
                 format!("{s:?} is longer than 255 bytes"),
             ))
@@ -387,208 +355,213 @@ async fn set_up(ch: &Channel, config: &RabbitMqConsumerConfig) -> Result<(), End
     Ok(())
 }
 
-/// One consuming session: connect, set up, consume and apply batches until the connection or
-/// channel is lost or `cancel`. Sets `up` once consuming started.
-#[allow(clippy::too_many_arguments)]
-async fn consume<DB, H>(
-    link: &Link,
-    config: &RabbitMqConsumerConfig,
-    inbox: &Inbox<DB>,
-    handler: &Arc<H>,
-    policy: &DeliveryPolicy,
-    metrics: &ConsumerMetrics,
-    cancel: &CancellationToken,
-    up: &mut bool,
-) -> Ended
-where
-    DB: InboxBackend,
-    H: Handler<DB> + ?Sized,
-{
-    let s = tokio::select! {
-        _ = cancel.cancelled() => return Ended::Cancelled,
-        s = link.session() => match s {
-            Ok(s) => s,
-            Err(e) => return Ended::Config(ConfigError::new("connection.url", e.report())),
-        },
-    };
-    let ch = match s.conn.create_channel().await {
-        Ok(ch) => ch,
-        Err(e) => return Ended::Lost(format!("cannot open a channel: {e}")),
-    };
-    if let Err(ended) = set_up(&ch, config).await {
-        return ended;
-    }
-    if let Err(e) = ch.basic_qos(config.batch, BasicQosOptions::default()).await {
-        return Ended::Lost(format!("basic.qos failed: {e}"));
-    }
-    let mut consumer = match ch
-        .basic_consume(
-            config.queue.as_str().into(),
-            "".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
+#[async_trait]
+impl Source for RabbitMqSource {
+    type Token = RabbitMqToken;
+
+    fn describe(&self) -> String {
+        format!(
+            "RabbitMQ queue {} at {}",
+            self.config.queue,
+            self.link.describe()
         )
-        .await
-    {
-        Ok(c) => c,
-        Err(e) => {
-            return refusal(
-                &e,
-                "queue",
-                format!("cannot consume queue {:?}", config.queue),
-            );
+    }
+
+    async fn open(&mut self) -> Result<(), SourceError> {
+        self.open = None;
+        self.lost = None;
+        let config = &self.config;
+        let session = self
+            .link
+            .session()
+            .await
+            .map_err(|e| ConfigError::new("connection.url", e.report()))?;
+        let ch = session
+            .conn
+            .create_channel()
+            .await
+            .map_err(|e| SourceError::Lost(format!("cannot open a channel: {e}")))?;
+        set_up(&ch, config).await?;
+        ch.basic_qos(config.batch, BasicQosOptions::default())
+            .await
+            .map_err(|e| SourceError::Lost(format!("basic.qos failed: {e}")))?;
+        let consumer = ch
+            .basic_consume(
+                config.queue.as_str().into(),
+                "".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| {
+                refusal(
+                    &e,
+                    "queue",
+                    format!("cannot consume queue {:?}", config.queue),
+                )
+            })?;
+        self.open = Some(Open {
+            session,
+            consumer,
+            tiers: HashSet::new(),
+        });
+        Ok(())
+    }
+
+    async fn fetch(&mut self, max: usize) -> Result<Vec<Delivery<Self::Token>>, SourceError> {
+        if let Some(reason) = self.lost.take() {
+            return Err(SourceError::Lost(reason));
         }
-    };
-    *up = true;
-    tracing::info!(queue = %config.queue, url = %link.describe(), "RabbitMQ consumer started");
-    let mut tiers = HashSet::new();
-    loop {
-        let first = tokio::select! {
-            _ = cancel.cancelled() => return Ended::Cancelled,
-            n = consumer.next() => n,
+        let open = self
+            .open
+            .as_mut()
+            .ok_or_else(|| SourceError::Lost("not open".into()))?;
+        let ended = |e: Option<lapin::Error>| match e {
+            Some(e) => format!("consumer failed: {e}"),
+            None => "the broker cancelled the consumer".to_owned(),
         };
-        let first = match first {
+        let first = match open.consumer.next().await {
             Some(Ok(d)) => d,
-            Some(Err(e)) => return Ended::Lost(format!("consumer failed: {e}")),
-            None => return Ended::Lost("the broker cancelled the consumer".into()),
+            Some(Err(e)) => return Err(SourceError::Lost(ended(Some(e)))),
+            None => return Err(SourceError::Lost(ended(None))),
         };
         let mut batch = vec![first];
-        let mut lost = None;
         // At most `batch_wait` after the first delivery, whatever the arrival pace.
-        let deadline = tokio::time::Instant::now() + config.batch_wait;
-        while batch.len() < usize::from(config.batch) {
-            match tokio::time::timeout_at(deadline, consumer.next()).await {
+        let deadline = tokio::time::Instant::now() + self.config.batch_wait;
+        let max = max.min(usize::from(self.config.batch));
+        while batch.len() < max {
+            match tokio::time::timeout_at(deadline, open.consumer.next()).await {
                 Ok(Some(Ok(d))) => batch.push(d),
                 Ok(Some(Err(e))) => {
-                    lost = Some(format!("consumer failed: {e}"));
+                    self.lost = Some(ended(Some(e)));
                     break;
                 }
                 Ok(None) => {
-                    lost = Some("the broker cancelled the consumer".into());
+                    self.lost = Some(ended(None));
                     break;
                 }
                 Err(_) => break,
             }
         }
-        apply(
-            link, &s, config, inbox, handler, policy, metrics, batch, &mut tiers,
-        )
-        .await;
-        if let Some(reason) = lost {
-            return Ended::Lost(reason);
+        let queue = &self.config.queue;
+        Ok(batch
+            .into_iter()
+            .map(|d| {
+                let headers = received_headers(d.properties.headers().as_ref());
+                let delivery_count = delivery_count(&headers, d.redelivered);
+                Delivery {
+                    envelope: Envelope {
+                        headers,
+                        payload: d.data,
+                        delivery_count,
+                        origin: format!(
+                            "queue {queue}, exchange {}, routing key {}",
+                            d.exchange, d.routing_key
+                        ),
+                    },
+                    token: RabbitMqToken {
+                        acker: d.acker,
+                        properties: d.properties,
+                    },
+                }
+            })
+            .collect())
+    }
+
+    async fn settle(
+        &mut self,
+        batch: Vec<(Delivery<Self::Token>, Settle)>,
+    ) -> Result<(), SourceError> {
+        let mut retries = Vec::new();
+        for (d, s) in batch {
+            match s {
+                Settle::Ack => {
+                    if let Err(e) = d.token.acker.ack(BasicAckOptions::default()).await {
+                        // The verdict is committed; a redelivery will be recognised as a duplicate.
+                        tracing::warn!(error = %e, origin = %d.envelope.origin, "ack failed after commit");
+                    }
+                }
+                Settle::Reject(_) => {
+                    let reject = BasicRejectOptions { requeue: false };
+                    if let Err(e) = d.token.acker.reject(reject).await {
+                        tracing::warn!(error = %e, "reject failed; the broker will redeliver it");
+                    }
+                }
+                Settle::Retry(delay) => retries.push((d, delay)),
+            }
         }
+        if retries.is_empty() {
+            return Ok(());
+        }
+        let open = self
+            .open
+            .as_mut()
+            .ok_or_else(|| SourceError::Lost("not open".into()))?;
+        // Move each failed message to the retry queue of its delay, then acknowledge the original.
+        let queue = &self.config.queue;
+        let mut destinations = Vec::with_capacity(retries.len());
+        let mut declared = Vec::with_capacity(retries.len());
+        for (_, delay) in &retries {
+            let tier = retry_tier(*delay);
+            declared.push(ensure_tier(&open.session, queue, tier, &mut open.tiers).await);
+            destinations.push(format!("/{}", retry_queue(queue, tier)));
+        }
+        let pubs: Vec<Publication<'_>> = retries
+            .iter()
+            .zip(&destinations)
+            .map(|((d, _), dest)| Publication {
+                destination: dest,
+                payload: &d.envelope.payload,
+                properties: retry_properties(&d.token.properties, d.envelope.delivery_count + 1),
+            })
+            .collect();
+        let published = self.link.publish(&pubs).await;
+        let mut paused = false;
+        for (((d, delay), r), declared) in retries.iter().zip(published).zip(declared) {
+            match declared.and(r.map_err(|e| e.report())) {
+                Ok(()) => {
+                    if let Err(e) = d.token.acker.ack(BasicAckOptions::default()).await {
+                        tracing::warn!(error = %e, origin = %d.envelope.origin, "ack of a message moved to its retry queue failed; it will be delivered again");
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, origin = %d.envelope.origin, "cannot move the message to its retry queue; requeueing it");
+                    if !paused {
+                        tokio::time::sleep((*delay).min(Duration::from_secs(5))).await;
+                        paused = true;
+                    }
+                    let _ = d
+                        .token
+                        .acker
+                        .reject(BasicRejectOptions { requeue: true })
+                        .await;
+                }
+            }
+        }
+        Ok(())
     }
 }
 
-/// Apply one batch and acknowledge, retry or reject each delivery.
-#[allow(clippy::too_many_arguments)]
-async fn apply<DB, H>(
-    link: &Link,
-    s: &Session,
-    config: &RabbitMqConsumerConfig,
-    inbox: &Inbox<DB>,
-    handler: &Arc<H>,
-    policy: &DeliveryPolicy,
-    metrics: &ConsumerMetrics,
-    batch: Vec<Delivery>,
-    tiers: &mut HashSet<u128>,
-) where
+/// Run the consumer until `cancel`: [`consume`] over a [`RabbitMqSource`].
+///
+/// # Errors
+/// [`ConfigError`] naming the field when the settings are invalid, or when the first connection
+/// fails (`connection.url`) or the queue is missing or cannot be declared (`queue`). Later errors
+/// (connection lost, channel closed) are logged and the runner reconnects with backoff.
+pub async fn run<DB, H>(
+    config: RabbitMqConsumerConfig,
+    inbox: Inbox<DB>,
+    handler: Arc<H>,
+    metrics: Arc<ConsumerMetrics>,
+    cancel: CancellationToken,
+) -> Result<(), ConfigError>
+where
     DB: InboxBackend,
     H: Handler<DB> + ?Sized,
 {
-    let mut ackers = Vec::with_capacity(batch.len());
-    let mut properties = Vec::with_capacity(batch.len());
-    let mut inbound = Vec::with_capacity(batch.len());
-    for d in batch {
-        let headers = received_headers(d.properties.headers().as_ref());
-        let count = delivery_count(&headers, d.redelivered);
-        match InboundMessage::from_wire(headers, d.data, count) {
-            Ok(m) => {
-                ackers.push(d.acker);
-                properties.push(d.properties);
-                inbound.push(m);
-            }
-            Err(reason) => {
-                metrics.malformed.fetch_add(1, Ordering::Relaxed);
-                tracing::error!(
-                    queue = %config.queue,
-                    exchange = %d.exchange,
-                    routing_key = %d.routing_key,
-                    reason,
-                    "message without outbox headers; rejecting it without requeue"
-                );
-                if let Err(e) = d.acker.reject(BasicRejectOptions { requeue: false }).await {
-                    tracing::warn!(error = %e, "reject failed; the broker will redeliver it");
-                }
-            }
-        }
-    }
-    if inbound.is_empty() {
-        return;
-    }
-    let dispositions = deliver_batch(
-        inbox,
-        handler.as_ref(),
-        &inbound,
-        config.concurrency,
-        policy,
-        metrics,
-    )
-    .await;
-    let mut retries = Vec::new();
-    for (i, d) in dispositions.into_iter().enumerate() {
-        match d {
-            Disposition::Ack(_) => {
-                if let Err(e) = ackers[i].ack(BasicAckOptions::default()).await {
-                    // The verdict is committed; a redelivery will be recognised as a duplicate.
-                    tracing::warn!(error = %e, message_id = %inbound[i].message_id, "ack failed after commit");
-                }
-            }
-            Disposition::Retry(delay) => retries.push((i, delay)),
-        }
-    }
-    if retries.is_empty() {
-        return;
-    }
-    // Move each failed message to the retry queue of its delay, then acknowledge the original.
-    let mut destinations = Vec::with_capacity(retries.len());
-    let mut declared = Vec::with_capacity(retries.len());
-    for (_, delay) in &retries {
-        let tier = retry_tier(*delay);
-        declared.push(ensure_tier(s, &config.queue, tier, tiers).await);
-        destinations.push(format!("/{}", retry_queue(&config.queue, tier)));
-    }
-    let pubs: Vec<Publication<'_>> = retries
-        .iter()
-        .zip(&destinations)
-        .map(|((i, _), dest)| Publication {
-            destination: dest,
-            payload: &inbound[*i].payload,
-            properties: retry_properties(&properties[*i], inbound[*i].delivery_count + 1),
-        })
-        .collect();
-    let published = link.publish(&pubs).await;
-    let mut paused = false;
-    for (((i, delay), r), declared) in retries.iter().zip(published).zip(declared) {
-        let r = declared.and(r.map_err(|e| e.report()));
-        match r {
-            Ok(()) => {
-                if let Err(e) = ackers[*i].ack(BasicAckOptions::default()).await {
-                    tracing::warn!(error = %e, message_id = %inbound[*i].message_id, "ack of a message moved to its retry queue failed; it will be delivered again");
-                }
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, message_id = %inbound[*i].message_id, "cannot move the message to its retry queue; requeueing it");
-                if !paused {
-                    tokio::time::sleep((*delay).min(Duration::from_secs(5))).await;
-                    paused = true;
-                }
-                let _ = ackers[*i]
-                    .reject(BasicRejectOptions { requeue: true })
-                    .await;
-            }
-        }
-    }
+    let options = consume_options!(config, usize::from(config.batch));
+    let source = RabbitMqSource::new(config)?;
+    consume(source, inbox, handler, options, metrics, cancel).await
 }
 
 /// Declare the retry queue of `queue` for `tier` once per session.

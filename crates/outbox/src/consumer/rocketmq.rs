@@ -9,7 +9,7 @@
 //! is consumed (`CONSUME_SUCCESS`, its offset committed) only after its inbox transaction
 //! committed (shared case C27).
 //!
-//! A message whose delivery ends in [`Disposition::Retry`] (a transient handler failure, the
+//! A message whose delivery ends in [`Settle::Retry`] (a transient handler failure, the
 //! inbox's own database failing, or a later message of a key whose earlier message failed) is
 //! sent back to the broker (`CONSUMER_SEND_MSG_BACK`, the broker's own retry): the broker stores
 //! it in the group's `%RETRY%<group>` topic with the delay level that is the smallest of
@@ -43,11 +43,13 @@
 //! A batch must be applied within [`LISTENER_TIMEOUT`] (RocketMQ's `consumeTimeout`, 15 min);
 //! past it the client sends the batch back for a retry.
 //!
-//! The runner also performs the consumer's [`maintenance`] (operator replays, inbox retention).
+//! The runner is the generic one ([`consume`]) over a [`RocketMqSource`]; it also performs the
+//! consumer's [`maintenance`](crate::consumer::maintenance) (operator replays, inbox retention).
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
+
+use async_trait::async_trait;
 
 use rocketmq_client_rust::{
     ClientResult, ClientRuntime, ConsumeConcurrentlyContext, ConsumeConcurrentlyStatus,
@@ -59,7 +61,10 @@ use rocketmq_model::common::message::message_ext::MessageExt;
 use tokio::sync::{Mutex, mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-use crate::consumer::{ConsumerMetrics, DeliveryPolicy, Disposition, deliver_batch, maintenance};
+use crate::consumer::source::{
+    Delivery, Envelope, Settle, Source, SourceError, consume, consume_options,
+};
+use crate::consumer::{ConsumerMetrics, DeliveryPolicy};
 use crate::error::ConfigError;
 use crate::inbox::{Handler, Inbox, InboxBackend};
 use crate::message::{Headers, InboundMessage};
@@ -385,7 +390,174 @@ pub(crate) async fn start_push_consumer(
     Ok(consumer)
 }
 
-/// Run the consumer until `cancel`.
+/// The RocketMQ [`Source`]: a push consumer whose listener hands each batch over and waits for
+/// the answer (see the module docs). One fetch returns one listener call's batch; settling it
+/// sends the failed messages back with their delay level and answers the listener.
+pub struct RocketMqSource {
+    settings: RocketMqConsumerConfig,
+    role: &'static str,
+    consumer: Option<Arc<Mutex<DefaultMQPushConsumer>>>,
+    jobs: Option<mpsc::Receiver<Job>>,
+    /// The answer of the batch fetched and not settled yet.
+    reply: Option<oneshot::Sender<ConsumeConcurrentlyStatus>>,
+}
+
+impl RocketMqSource {
+    /// A source for `config` (validated; nothing is contacted until [`Source::open`]).
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming the invalid field.
+    pub fn new(config: RocketMqConsumerConfig) -> Result<Self, ConfigError> {
+        config.validate()?;
+        Ok(Self::unchecked(config, "consumer"))
+    }
+
+    /// A source for settings validated by the caller; `role` names the client in logs.
+    pub(crate) fn unchecked(config: RocketMqConsumerConfig, role: &'static str) -> Self {
+        RocketMqSource {
+            settings: config,
+            role,
+            consumer: None,
+            jobs: None,
+            reply: None,
+        }
+    }
+}
+
+#[async_trait]
+impl Source for RocketMqSource {
+    type Token = MessageExt;
+
+    fn describe(&self) -> String {
+        format!(
+            "RocketMQ topic {} ({}), group {}",
+            self.settings.topic, self.settings.tags, self.settings.group
+        )
+    }
+
+    /// Start the push consumer once: the client reconnects and rebalances by itself.
+    async fn open(&mut self) -> Result<(), SourceError> {
+        if self.consumer.is_some() {
+            return Ok(());
+        }
+        let c = &self.settings;
+        let (bridge, jobs) = Bridge::new();
+        let consumer = start_push_consumer(
+            PushSettings {
+                name_server: &c.name_server,
+                group: &c.group,
+                topic: &c.topic,
+                tags: &c.tags,
+                batch: c.batch,
+                from_first_offset: c.from_first_offset,
+                route_refresh: c.route_refresh,
+                credentials: c.credentials.as_ref(),
+                runtime: c.runtime.clone(),
+                role: self.role,
+            },
+            bridge,
+        )
+        .await?;
+        self.consumer = Some(Arc::new(Mutex::new(consumer)));
+        self.jobs = Some(jobs);
+        Ok(())
+    }
+
+    async fn fetch(&mut self, _max: usize) -> Result<Vec<Delivery<MessageExt>>, SourceError> {
+        let jobs = self
+            .jobs
+            .as_mut()
+            .ok_or_else(|| SourceError::Lost("not started".into()))?;
+        let Some(job) = jobs.recv().await else {
+            return Err(SourceError::Lost("the push consumer stopped".into()));
+        };
+        if let Some(stale) = self.reply.replace(job.reply) {
+            let _ = stale.send(ConsumeConcurrentlyStatus::ReconsumeLater);
+        }
+        Ok(job
+            .messages
+            .into_iter()
+            .map(|m| {
+                let delivery_count = u32::try_from(m.reconsume_times().max(0))
+                    .unwrap_or(u32::MAX)
+                    .saturating_add(1);
+                Delivery {
+                    envelope: Envelope {
+                        headers: user_properties(&m),
+                        payload: m.body().map(|b| b.to_vec()).unwrap_or_default(),
+                        delivery_count,
+                        origin: format!("topic {}, msg id {}", m.topic(), m.msg_id()),
+                    },
+                    token: m,
+                }
+            })
+            .collect())
+    }
+
+    async fn settle(
+        &mut self,
+        batch: Vec<(Delivery<MessageExt>, Settle)>,
+    ) -> Result<(), SourceError> {
+        let mut status = ConsumeConcurrentlyStatus::ConsumeSuccess;
+        if let Some(consumer) = &self.consumer {
+            for (d, s) in batch {
+                let Settle::Retry(delay) = s else { continue };
+                let level = delay_level(delay, &self.settings.delay_levels);
+                let m = d.token;
+                let broker = m.broker_name().to_owned();
+                if let Err(e) = consumer
+                    .lock()
+                    .await
+                    .send_message_back(m, level, &broker)
+                    .await
+                {
+                    tracing::warn!(error = %e, origin = %d.envelope.origin, "send-back for a retry failed; the client retries the batch");
+                    status = ConsumeConcurrentlyStatus::ReconsumeLater;
+                }
+            }
+        }
+        if let Some(reply) = self.reply.take() {
+            let _ = reply.send(status);
+        }
+        Ok(())
+    }
+
+    /// Stop pulling, answer the batches handed over meanwhile with "later" (the broker delivers
+    /// them again), and shut the consumer down.
+    async fn close(&mut self) {
+        if let Some(reply) = self.reply.take() {
+            let _ = reply.send(ConsumeConcurrentlyStatus::ReconsumeLater);
+        }
+        let Some(consumer) = self.consumer.take() else {
+            return;
+        };
+        let mut shutdown = tokio::spawn(async move {
+            let mut c = consumer.lock().await;
+            c.suspend().await;
+            c.shutdown().await;
+        });
+        let Some(mut jobs) = self.jobs.take() else {
+            let _ = shutdown.await;
+            return;
+        };
+        loop {
+            tokio::select! {
+                job = jobs.recv() => match job {
+                    Some(job) => {
+                        let _ = job.reply.send(ConsumeConcurrentlyStatus::ReconsumeLater);
+                    }
+                    None => {
+                        let _ = (&mut shutdown).await;
+                        return;
+                    }
+                },
+                _ = &mut shutdown => return,
+            }
+        }
+    }
+}
+
+/// Run the consumer until `cancel`: [`consume`] over a [`RocketMqSource`].
 ///
 /// # Errors
 /// [`ConfigError`] naming the invalid field ([`RocketMqConsumerConfig::validate`]), or
@@ -402,116 +574,9 @@ where
     DB: InboxBackend,
     H: Handler<DB> + ?Sized,
 {
-    config.validate()?;
-    let (bridge, mut jobs) = Bridge::new();
-    let consumer = start_push_consumer(
-        PushSettings {
-            name_server: &config.name_server,
-            group: &config.group,
-            topic: &config.topic,
-            tags: &config.tags,
-            batch: config.batch,
-            from_first_offset: config.from_first_offset,
-            route_refresh: config.route_refresh,
-            credentials: config.credentials.as_ref(),
-            runtime: config.runtime.clone(),
-            role: "consumer",
-        },
-        bridge,
-    )
-    .await?;
-    let consumer = Arc::new(Mutex::new(consumer));
-    let policy = DeliveryPolicy {
-        max_deliveries: config.max_deliveries,
-        retry: config.retry,
-        confirmations: config.confirmations.clone(),
-    };
-    let background = cancel.child_token();
-    let _stop_maintenance = background.clone().drop_guard();
-    tokio::spawn(maintenance(
-        inbox.clone(),
-        handler.clone(),
-        policy.clone(),
-        config.dedup_window,
-        config.maintenance_interval,
-        metrics.clone(),
-        background,
-    ));
-    // Batches are served until the consumer has shut down, so a listener call in flight at
-    // cancellation is answered after its commit.
-    let mut stopping: Option<tokio::task::JoinHandle<()>> = None;
-    loop {
-        tokio::select! {
-            job = jobs.recv() => {
-                let Some(job) = job else { break };
-                let status = apply(&job.messages, &consumer, &config, &inbox, handler.as_ref(), &policy, &metrics).await;
-                let _ = job.reply.send(status);
-            }
-            _ = cancel.cancelled(), if stopping.is_none() => {
-                let c = consumer.clone();
-                stopping = Some(tokio::spawn(async move { c.lock().await.shutdown().await }));
-            }
-            _ = async { stopping.as_mut().expect("guarded").await }, if stopping.is_some() => break,
-        }
-    }
-    Ok(())
-}
-
-/// Apply one batch and decide the listener's answer (see the module docs).
-async fn apply<DB, H>(
-    messages: &[MessageExt],
-    consumer: &Mutex<DefaultMQPushConsumer>,
-    config: &RocketMqConsumerConfig,
-    inbox: &Inbox<DB>,
-    handler: &H,
-    policy: &DeliveryPolicy,
-    metrics: &ConsumerMetrics,
-) -> ConsumeConcurrentlyStatus
-where
-    DB: InboxBackend,
-    H: Handler<DB> + ?Sized,
-{
-    let mut received = Vec::with_capacity(messages.len());
-    for m in messages {
-        match inbound(m) {
-            Ok(i) => received.push((m, i)),
-            Err(reason) => {
-                metrics.malformed.fetch_add(1, Ordering::Relaxed);
-                tracing::error!(topic = %m.topic(), msg_id = %m.msg_id(), reason, "message without outbox properties; consuming it");
-            }
-        }
-    }
-    if received.is_empty() {
-        return ConsumeConcurrentlyStatus::ConsumeSuccess;
-    }
-    let (raw, inbound): (Vec<&MessageExt>, Vec<InboundMessage>) = received.into_iter().unzip();
-    let dispositions = deliver_batch(
-        inbox,
-        handler,
-        &inbound,
-        config.concurrency,
-        policy,
-        metrics,
-    )
-    .await;
-    let mut status = ConsumeConcurrentlyStatus::ConsumeSuccess;
-    for ((m, i), d) in raw.into_iter().zip(&inbound).zip(dispositions) {
-        let Disposition::Retry(delay) = d else {
-            continue;
-        };
-        let level = delay_level(delay, &config.delay_levels);
-        // Only the runner uses the consumer besides its shutdown; while it shuts down, let the
-        // client send the batch back itself.
-        let Ok(mut c) = consumer.try_lock() else {
-            return ConsumeConcurrentlyStatus::ReconsumeLater;
-        };
-        let broker = m.broker_name().to_owned();
-        if let Err(e) = c.send_message_back(m.clone(), level, &broker).await {
-            tracing::warn!(error = %e, message_id = %i.message_id, "send-back for a retry failed; the client retries the batch");
-            status = ConsumeConcurrentlyStatus::ReconsumeLater;
-        }
-    }
-    status
+    let options = consume_options!(config, config.batch);
+    let source = RocketMqSource::new(config)?;
+    consume(source, inbox, handler, options, metrics, cancel).await
 }
 
 #[cfg(test)]

@@ -382,10 +382,18 @@ pub fn entry_fields(m: &Message) -> Vec<(String, Vec<u8>)> {
 /// non-UTF-8 header value is replaced lossily), `payload` as the payload (empty when missing).
 /// Fields this layout does not know are ignored.
 pub fn decode_fields(fields: Vec<(Vec<u8>, Vec<u8>)>) -> (Headers, Vec<u8>) {
+    decode_fields_with(fields, FIELD_PAYLOAD)
+}
+
+/// [`decode_fields`] with the payload in `payload_field`.
+pub fn decode_fields_with(
+    fields: Vec<(Vec<u8>, Vec<u8>)>,
+    payload_field: &str,
+) -> (Headers, Vec<u8>) {
     let mut headers = Headers::new();
     let mut payload = Vec::new();
     for (k, v) in fields {
-        if k == FIELD_PAYLOAD.as_bytes() {
+        if k == payload_field.as_bytes() {
             payload = v;
         } else if let Some(name) = k.strip_prefix(HEADER_FIELD_PREFIX.as_bytes()) {
             headers.insert(

@@ -6,7 +6,7 @@
 //!   name (`XPENDING <stream> <group> - + n <consumer>`), are delivered again first;
 //! - `XREADGROUP GROUP <group> <consumer> COUNT <batch> BLOCK <block> STREAMS <stream> >` for new
 //!   entries (delivery count 1);
-//! - each fetched batch goes through [`deliver_batch`] in `concurrency` lanes by partition key;
+//! - each fetched batch goes through [`deliver_batch`](crate::consumer::deliver_batch) in `concurrency` lanes by partition key;
 //!   `XACK` follows only after the inbox transaction committed (applied, rejected, duplicate or
 //!   dead-lettered); nothing is acknowledged that was not stored (shared case C27);
 //! - **retry with backoff**: Redis has no negative acknowledgement or delayed redelivery, so a
@@ -31,25 +31,34 @@
 //! and for first deliveries; a retried message can be overtaken by later messages of its key that
 //! were fetched before its retry (as with any redelivery after a delay).
 //!
-//! The runner also performs the consumer's [`maintenance`] (operator replays, inbox retention).
+//! The runner is the generic one ([`consume`]) over this module's source; it also performs the
+//! consumer's [`maintenance`](crate::consumer::maintenance) (operator replays, inbox retention).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use async_trait::async_trait;
 use redis::aio::ConnectionManager;
 use redis::{RedisError, Value};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::consumer::{ConsumerMetrics, DeliveryPolicy, Disposition, deliver_batch, maintenance};
+use crate::consumer::source::{
+    Delivery, Envelope, Settle, Source, SourceError, consume, consume_options,
+};
+use crate::consumer::{ConsumerMetrics, DeliveryPolicy};
 use crate::error::ConfigError;
 use crate::inbox::{Handler, Inbox, InboxBackend};
-use crate::message::InboundMessage;
 use crate::retry::Backoff;
-use crate::transport::redis::{connect_manager, decode_fields};
+use crate::transport::redis::{FIELD_PAYLOAD, connect_manager, decode_fields_with};
 use crate::verdict::ConfirmationSender;
+
+mod streams;
+use streams::{
+    RawEntry, ack, ensure_group, parse_entries, parse_ids, parse_pending, read_group, text,
+};
 
 /// Settings of a Redis Streams consumer runner.
 #[derive(Clone)]
@@ -181,185 +190,6 @@ impl RedisConsumerConfig {
     }
 }
 
-/// One stream entry as read: its id and fields, `None` when the entry was trimmed away (a nil
-/// entry in a reply).
-#[derive(Debug, Clone)]
-pub(crate) struct RawEntry {
-    pub(crate) id: String,
-    pub(crate) fields: Option<Vec<(Vec<u8>, Vec<u8>)>>,
-}
-
-pub(crate) fn text(v: &Value) -> Option<String> {
-    match v {
-        Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
-        Value::SimpleString(s) => Some(s.clone()),
-        Value::Int(n) => Some(n.to_string()),
-        _ => None,
-    }
-}
-
-fn int(v: &Value) -> Option<i64> {
-    match v {
-        Value::Int(n) => Some(*n),
-        other => text(other)?.parse().ok(),
-    }
-}
-
-fn bytes(v: Value) -> Vec<u8> {
-    match v {
-        Value::BulkString(b) => b,
-        Value::SimpleString(s) => s.into_bytes(),
-        other => text(&other).unwrap_or_default().into_bytes(),
-    }
-}
-
-/// Parse one entry `[id, [field, value, …] | nil]`.
-fn parse_entry(v: Value) -> Option<RawEntry> {
-    let Value::Array(mut parts) = v else {
-        return None;
-    };
-    if parts.is_empty() {
-        return None;
-    }
-    let fields = if parts.len() > 1 {
-        parts.remove(1)
-    } else {
-        Value::Nil
-    };
-    let id = text(&parts[0])?;
-    let fields = match fields {
-        Value::Array(kv) => {
-            let mut out = Vec::with_capacity(kv.len() / 2);
-            let mut it = kv.into_iter();
-            while let (Some(k), Some(v)) = (it.next(), it.next()) {
-                out.push((bytes(k), bytes(v)));
-            }
-            Some(out)
-        }
-        Value::Map(kv) => Some(kv.into_iter().map(|(k, v)| (bytes(k), bytes(v))).collect()),
-        _ => None,
-    };
-    Some(RawEntry { id, fields })
-}
-
-/// Parse a list of entries (`XRANGE`, `XCLAIM`, the middle of `XAUTOCLAIM`).
-pub(crate) fn parse_entries(v: Value) -> Vec<RawEntry> {
-    match v {
-        Value::Array(items) => items.into_iter().filter_map(parse_entry).collect(),
-        _ => Vec::new(),
-    }
-}
-
-/// Parse an `XREADGROUP` reply for one stream (nil on timeout).
-pub(crate) fn parse_read(v: Value) -> Vec<RawEntry> {
-    let streams = match v {
-        Value::Array(s) => s,
-        Value::Map(m) => m
-            .into_iter()
-            .map(|(k, v)| Value::Array(vec![k, v]))
-            .collect(),
-        _ => return Vec::new(),
-    };
-    streams
-        .into_iter()
-        .flat_map(|s| match s {
-            Value::Array(mut kv) if kv.len() == 2 => parse_entries(kv.remove(1)),
-            _ => Vec::new(),
-        })
-        .collect()
-}
-
-/// `XREADGROUP GROUP group consumer COUNT count [BLOCK ms] STREAMS stream id`.
-pub(crate) async fn read_group(
-    conn: &mut ConnectionManager,
-    stream: &str,
-    group: &str,
-    consumer: &str,
-    count: usize,
-    block: Option<Duration>,
-    id: &str,
-) -> Result<Vec<RawEntry>, RedisError> {
-    let mut cmd = redis::cmd("XREADGROUP");
-    cmd.arg("GROUP")
-        .arg(group)
-        .arg(consumer)
-        .arg("COUNT")
-        .arg(count);
-    if let Some(b) = block {
-        cmd.arg("BLOCK").arg(b.as_millis().max(1) as u64);
-    }
-    cmd.arg("STREAMS").arg(stream).arg(id);
-    let v: Value = cmd.query_async(conn).await?;
-    Ok(parse_read(v))
-}
-
-/// `XGROUP CREATE stream group start MKSTREAM`; an existing group (`BUSYGROUP`) is fine.
-pub(crate) async fn ensure_group(
-    conn: &mut ConnectionManager,
-    stream: &str,
-    group: &str,
-    start: &str,
-) -> Result<(), RedisError> {
-    let r: Result<Value, RedisError> = redis::cmd("XGROUP")
-        .arg("CREATE")
-        .arg(stream)
-        .arg(group)
-        .arg(start)
-        .arg("MKSTREAM")
-        .query_async(conn)
-        .await;
-    match r {
-        Ok(_) => Ok(()),
-        Err(e) if e.code() == Some("BUSYGROUP") => Ok(()),
-        Err(e) => Err(e),
-    }
-}
-
-/// `XACK stream group ids…`.
-pub(crate) async fn ack(
-    conn: &mut ConnectionManager,
-    stream: &str,
-    group: &str,
-    ids: &[String],
-) -> Result<(), RedisError> {
-    if ids.is_empty() {
-        return Ok(());
-    }
-    redis::cmd("XACK")
-        .arg(stream)
-        .arg(group)
-        .arg(ids)
-        .query_async::<Value>(conn)
-        .await
-        .map(|_| ())
-}
-
-/// One pending entry as `XPENDING … - + n [consumer]` reports it.
-struct Pending {
-    id: String,
-    consumer: String,
-    deliveries: u32,
-}
-
-fn parse_pending(v: Value) -> Vec<Pending> {
-    let Value::Array(rows) = v else {
-        return Vec::new();
-    };
-    rows.into_iter()
-        .filter_map(|r| {
-            let Value::Array(f) = r else { return None };
-            if f.len() < 4 {
-                return None;
-            }
-            Some(Pending {
-                id: text(&f[0])?,
-                consumer: text(&f[1])?,
-                deliveries: u32::try_from(int(&f[3])?).unwrap_or(u32::MAX),
-            })
-        })
-        .collect()
-}
-
 /// A failed message waiting for its retry.
 #[derive(Debug)]
 struct RetryDue {
@@ -375,27 +205,64 @@ struct Fetched {
     deliveries: u32,
 }
 
-struct Runner<'a, DB: InboxBackend, H: Handler<DB> + ?Sized> {
-    conn: ConnectionManager,
-    config: &'a RedisConsumerConfig,
-    inbox: &'a Inbox<DB>,
-    handler: &'a H,
-    policy: DeliveryPolicy,
-    metrics: &'a ConsumerMetrics,
+/// The Redis Streams [`Source`]: a consumer group member with retries by `XCLAIM` and takeover
+/// of stuck entries by `XAUTOCLAIM` (see the module docs).
+pub struct RedisSource {
+    conn: Option<ConnectionManager>,
+    config: RedisConsumerConfig,
+    /// The field holding the payload; the others named `h:…` are headers.
+    payload_field: String,
+    metrics: Arc<ConsumerMetrics>,
     retries: Vec<RetryDue>,
     claim_cursor: String,
+    resumed: bool,
+    next_claim: Instant,
 }
 
-impl<'a, DB: InboxBackend, H: Handler<DB> + ?Sized> Runner<'a, DB, H> {
-    fn cfg(&self) -> (&'a str, &'a str, &'a str) {
-        let c: &'a RedisConsumerConfig = self.config;
-        (c.stream.as_str(), c.group.as_str(), c.consumer.as_str())
+impl RedisSource {
+    /// A source for `config` (validated; nothing is contacted until [`Source::open`]) counting
+    /// entries lost to trimming in `metrics`.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming the invalid field.
+    pub fn new(
+        config: RedisConsumerConfig,
+        metrics: Arc<ConsumerMetrics>,
+    ) -> Result<Self, ConfigError> {
+        config.validate()?;
+        Ok(RedisSource {
+            conn: None,
+            config,
+            payload_field: FIELD_PAYLOAD.to_owned(),
+            metrics,
+            retries: Vec::new(),
+            claim_cursor: "0-0".into(),
+            resumed: false,
+            next_claim: Instant::now(),
+        })
+    }
+
+    /// Read the payload from `field` instead of the transport's payload field (the producer's
+    /// confirmation listener reads confirmation entries this way).
+    pub fn with_payload_field(mut self, field: impl Into<String>) -> Self {
+        self.payload_field = field.into();
+        self
+    }
+
+    fn cfg(&self) -> (String, String, String) {
+        let c = &self.config;
+        (c.stream.clone(), c.group.clone(), c.consumer.clone())
+    }
+
+    fn conn(&mut self) -> Result<&mut ConnectionManager, RedisError> {
+        self.conn
+            .as_mut()
+            .ok_or_else(|| RedisError::from((redis::ErrorKind::Io, "not connected")))
     }
 
     /// Schedule this consumer's pending entries from an earlier run for delivery now.
     async fn resume_own_pending(&mut self) -> Result<(), RedisError> {
         let (stream, group, me) = self.cfg();
-        let (stream, group, me) = (stream.to_owned(), group.to_owned(), me.to_owned());
         let mut start = "-".to_owned();
         loop {
             let v: Value = redis::cmd("XPENDING")
@@ -405,7 +272,7 @@ impl<'a, DB: InboxBackend, H: Handler<DB> + ?Sized> Runner<'a, DB, H> {
                 .arg("+")
                 .arg(1000)
                 .arg(&me)
-                .query_async(&mut self.conn)
+                .query_async(self.conn()?)
                 .await?;
             let rows = parse_pending(v);
             let Some(last) = rows.last() else { break };
@@ -440,13 +307,13 @@ impl<'a, DB: InboxBackend, H: Handler<DB> + ?Sized> Runner<'a, DB, H> {
         let mut pipe = redis::pipe();
         for id in ids {
             pipe.cmd("XPENDING")
-                .arg(stream)
-                .arg(group)
+                .arg(&stream)
+                .arg(&group)
                 .arg(id)
                 .arg(id)
                 .arg(1);
         }
-        let replies: Vec<Value> = pipe.query_async(&mut self.conn).await?;
+        let replies: Vec<Value> = pipe.query_async(self.conn()?).await?;
         Ok(replies
             .into_iter()
             .map(|v| parse_pending(v).first().map_or(1, |p| p.deliveries.max(1)))
@@ -469,6 +336,7 @@ impl<'a, DB: InboxBackend, H: Handler<DB> + ?Sized> Runner<'a, DB, H> {
         }
         let due: Vec<RetryDue> = self.retries.drain(..n).collect();
         let (stream, group, me) = self.cfg();
+        let (stream, group) = (stream.as_str(), group.as_str());
         let mut tx = redis::pipe();
         tx.atomic();
         for r in &due {
@@ -482,12 +350,11 @@ impl<'a, DB: InboxBackend, H: Handler<DB> + ?Sized> Runner<'a, DB, H> {
             tx.cmd("XCLAIM")
                 .arg(stream)
                 .arg(group)
-                .arg(me)
+                .arg(&me)
                 .arg(r.min_idle_ms)
                 .arg(&r.id);
         }
-        let me = me.to_owned();
-        let replies: Vec<Value> = match tx.query_async(&mut self.conn).await {
+        let replies: Vec<Value> = match tx.query_async(self.conn()?).await {
             Ok(r) => r,
             Err(e) => {
                 // Put them back; they are still pending.
@@ -525,15 +392,20 @@ impl<'a, DB: InboxBackend, H: Handler<DB> + ?Sized> Runner<'a, DB, H> {
     /// `XAUTOCLAIM` entries idle for `claim_idle` (a crashed consumer's, or long retries).
     async fn claim_stuck(&mut self) -> Result<Vec<Fetched>, RedisError> {
         let (stream, group, me) = self.cfg();
+        let (idle, cursor, count) = (
+            self.config.claim_idle.as_millis() as u64,
+            self.claim_cursor.clone(),
+            self.config.batch,
+        );
         let v: Value = redis::cmd("XAUTOCLAIM")
             .arg(stream)
             .arg(group)
             .arg(me)
-            .arg(self.config.claim_idle.as_millis() as u64)
-            .arg(&self.claim_cursor)
+            .arg(idle)
+            .arg(cursor)
             .arg("COUNT")
-            .arg(self.config.batch)
-            .query_async(&mut self.conn)
+            .arg(count)
+            .query_async(self.conn()?)
             .await?;
         let Value::Array(mut parts) = v else {
             return Ok(Vec::new());
@@ -577,63 +449,13 @@ impl<'a, DB: InboxBackend, H: Handler<DB> + ?Sized> Runner<'a, DB, H> {
             .lost
             .fetch_add(ids.len() as u64, Ordering::Relaxed);
         let (stream, group, _) = self.cfg();
-        let (stream, group) = (stream.to_owned(), group.to_owned());
-        if let Err(e) = ack(&mut self.conn, &stream, &group, &ids).await {
+        let acked = match self.conn() {
+            Ok(conn) => ack(conn, &stream, &group, &ids).await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = acked {
             tracing::warn!(error = %e, "acknowledging lost entries failed");
         }
-    }
-
-    /// Apply fetched entries and acknowledge or schedule their retries.
-    async fn process(&mut self, fetched: Vec<Fetched>) -> Result<(), RedisError> {
-        let mut to_ack = Vec::new();
-        let mut lost = Vec::new();
-        let mut ids = Vec::with_capacity(fetched.len());
-        let mut inbound = Vec::with_capacity(fetched.len());
-        for f in fetched {
-            let Some(fields) = f.entry.fields else {
-                lost.push(f.entry.id);
-                continue;
-            };
-            let (headers, payload) = decode_fields(fields);
-            match InboundMessage::from_wire(headers, payload, f.deliveries) {
-                Ok(m) => {
-                    ids.push(f.entry.id);
-                    inbound.push(m);
-                }
-                Err(reason) => {
-                    self.metrics.malformed.fetch_add(1, Ordering::Relaxed);
-                    tracing::error!(entry_id = %f.entry.id, stream = %self.config.stream, reason, "entry without outbox fields; acknowledging it");
-                    to_ack.push(f.entry.id);
-                }
-            }
-        }
-        self.record_lost(lost, "a nil entry (trimmed while pending)")
-            .await;
-        let dispositions = deliver_batch(
-            self.inbox,
-            self.handler,
-            &inbound,
-            self.config.concurrency,
-            &self.policy,
-            self.metrics,
-        )
-        .await;
-        let now = Instant::now();
-        for (id, d) in ids.into_iter().zip(dispositions) {
-            match d {
-                Disposition::Ack(_) => to_ack.push(id),
-                Disposition::Retry(delay) => self.retries.push(RetryDue {
-                    due: now + delay,
-                    id,
-                    min_idle_ms: delay.min(self.config.claim_idle).as_millis() as u64,
-                }),
-            }
-        }
-        let (stream, group, _) = self.cfg();
-        let (stream, group) = (stream.to_owned(), group.to_owned());
-        // The verdicts are committed; an ack that fails leaves the entries pending, and their
-        // redelivery is recognised by the inbox.
-        ack(&mut self.conn, &stream, &group, &to_ack).await
     }
 
     /// How long the next read may block: until the next retry is due, at most `block`.
@@ -648,14 +470,132 @@ impl<'a, DB: InboxBackend, H: Handler<DB> + ?Sized> Runner<'a, DB, H> {
     }
 }
 
-fn parse_ids(v: Value) -> Vec<String> {
-    match v {
-        Value::Array(ids) => ids.iter().filter_map(text).collect(),
-        _ => Vec::new(),
+/// Map a Redis error of a running source: a deleted group is created again on the next open.
+fn lost(e: RedisError) -> SourceError {
+    if e.code() == Some("NOGROUP") {
+        SourceError::Lost(format!("consumer group missing ({e}); creating it again"))
+    } else {
+        SourceError::Lost(format!("Redis consumer step failed: {e}"))
     }
 }
 
-/// Run the consumer until `cancel`.
+#[async_trait]
+impl Source for RedisSource {
+    /// The entry id.
+    type Token = String;
+
+    fn describe(&self) -> String {
+        format!(
+            "Redis stream {}, group {}, consumer {}",
+            self.config.stream, self.config.group, self.config.consumer
+        )
+    }
+
+    async fn open(&mut self) -> Result<(), SourceError> {
+        let c = &self.config;
+        if self.conn.is_none() {
+            // The blocking read needs replies later than `block`.
+            self.conn = Some(
+                connect_manager(
+                    &c.url,
+                    c.password.as_deref(),
+                    c.connect_timeout,
+                    c.block + Duration::from_secs(5),
+                )
+                .await?,
+            );
+        }
+        let (stream, group, start) = (c.stream.clone(), c.group.clone(), c.start_id.clone());
+        ensure_group(self.conn().map_err(lost)?, &stream, &group, &start)
+            .await
+            .map_err(|e| {
+                ConfigError::new(
+                    "stream",
+                    format!("cannot create consumer group {group} on {stream}: {e}"),
+                )
+            })?;
+        Ok(())
+    }
+
+    async fn fetch(&mut self, max: usize) -> Result<Vec<Delivery<String>>, SourceError> {
+        if !self.resumed {
+            self.resume_own_pending().await.map_err(lost)?;
+            self.resumed = true;
+        }
+        let mut fetched = self.claim_due().await.map_err(lost)?;
+        if fetched.is_empty() && Instant::now() >= self.next_claim {
+            self.next_claim = Instant::now() + self.config.claim_interval;
+            fetched = self.claim_stuck().await.map_err(lost)?;
+        }
+        if fetched.is_empty() {
+            let block = self.block_for();
+            let (s, g, c) = self.cfg();
+            let count = max.min(self.config.batch);
+            let entries = read_group(
+                self.conn().map_err(lost)?,
+                &s,
+                &g,
+                &c,
+                count,
+                Some(block),
+                ">",
+            )
+            .await
+            .map_err(lost)?;
+            fetched = entries
+                .into_iter()
+                .map(|entry| Fetched {
+                    entry,
+                    deliveries: 1,
+                })
+                .collect();
+        }
+        let mut gone = Vec::new();
+        let mut out = Vec::with_capacity(fetched.len());
+        for f in fetched {
+            let Some(fields) = f.entry.fields else {
+                gone.push(f.entry.id);
+                continue;
+            };
+            let (headers, payload) = decode_fields_with(fields, &self.payload_field);
+            out.push(Delivery {
+                envelope: Envelope {
+                    headers,
+                    payload,
+                    delivery_count: f.deliveries,
+                    origin: format!("stream {}, entry {}", self.config.stream, f.entry.id),
+                },
+                token: f.entry.id,
+            });
+        }
+        self.record_lost(gone, "a nil entry (trimmed while pending)")
+            .await;
+        Ok(out)
+    }
+
+    async fn settle(&mut self, batch: Vec<(Delivery<String>, Settle)>) -> Result<(), SourceError> {
+        let now = Instant::now();
+        let mut to_ack = Vec::with_capacity(batch.len());
+        for (d, s) in batch {
+            match s {
+                Settle::Ack | Settle::Reject(_) => to_ack.push(d.token),
+                Settle::Retry(delay) => self.retries.push(RetryDue {
+                    due: now + delay,
+                    id: d.token,
+                    min_idle_ms: delay.min(self.config.claim_idle).as_millis() as u64,
+                }),
+            }
+        }
+        let (stream, group, _) = self.cfg();
+        // The verdicts are committed; an ack that fails leaves the entries pending, and their
+        // redelivery is recognised by the inbox.
+        ack(self.conn().map_err(lost)?, &stream, &group, &to_ack)
+            .await
+            .map_err(lost)
+    }
+}
+
+/// Run the consumer until `cancel`: [`consume`] over a [`RedisSource`].
 ///
 /// # Errors
 /// [`ConfigError`] naming the field ([`RedisConsumerConfig::validate`]), `url` when Redis cannot
@@ -673,110 +613,9 @@ where
     DB: InboxBackend,
     H: Handler<DB> + ?Sized,
 {
-    config.validate()?;
-    // The blocking read needs replies later than `block`: a connection of its own.
-    let mut conn = connect_manager(
-        &config.url,
-        config.password.as_deref(),
-        config.connect_timeout,
-        config.block + Duration::from_secs(5),
-    )
-    .await?;
-    ensure_group(&mut conn, &config.stream, &config.group, &config.start_id)
-        .await
-        .map_err(|e| {
-            ConfigError::new(
-                "stream",
-                format!(
-                    "cannot create consumer group {} on {}: {e}",
-                    config.group, config.stream
-                ),
-            )
-        })?;
-    let policy = DeliveryPolicy {
-        max_deliveries: config.max_deliveries,
-        retry: config.retry,
-        confirmations: config.confirmations.clone(),
-    };
-    let background = cancel.child_token();
-    let _stop_maintenance = background.clone().drop_guard();
-    tokio::spawn(maintenance(
-        inbox.clone(),
-        handler.clone(),
-        policy.clone(),
-        config.dedup_window,
-        config.maintenance_interval,
-        metrics.clone(),
-        background,
-    ));
-    let mut r = Runner {
-        conn,
-        config: &config,
-        inbox: &inbox,
-        handler: handler.as_ref(),
-        policy,
-        metrics: &metrics,
-        retries: Vec::new(),
-        claim_cursor: "0-0".into(),
-    };
-    let mut resumed = false;
-    let mut next_claim = Instant::now();
-    let mut failures = 0u32;
-    while !cancel.is_cancelled() {
-        let step: Result<(), RedisError> = async {
-            if !resumed {
-                r.resume_own_pending().await?;
-                resumed = true;
-            }
-            let mut fetched = r.claim_due().await?;
-            if fetched.is_empty() && Instant::now() >= next_claim {
-                next_claim = Instant::now() + config.claim_interval;
-                fetched = r.claim_stuck().await?;
-            }
-            if fetched.is_empty() {
-                let block = r.block_for();
-                let (s, g, c) = r.cfg();
-                let (s, g, c) = (s.to_owned(), g.to_owned(), c.to_owned());
-                let mut conn = r.conn.clone();
-                let read = read_group(&mut conn, &s, &g, &c, config.batch, Some(block), ">");
-                let entries = tokio::select! {
-                    _ = cancel.cancelled() => return Ok(()),
-                    e = read => e?,
-                };
-                fetched = entries
-                    .into_iter()
-                    .map(|entry| Fetched {
-                        entry,
-                        deliveries: 1,
-                    })
-                    .collect();
-            }
-            if fetched.is_empty() {
-                return Ok(());
-            }
-            r.process(fetched).await
-        }
-        .await;
-        match step {
-            Ok(()) => failures = 0,
-            Err(e) => {
-                failures += 1;
-                if e.code() == Some("NOGROUP") {
-                    tracing::warn!(error = %e, "consumer group missing; creating it again");
-                    let _ =
-                        ensure_group(&mut r.conn, &config.stream, &config.group, &config.start_id)
-                            .await;
-                } else {
-                    tracing::warn!(error = %e, "Redis consumer step failed; backing off");
-                }
-                tokio::select! {
-                    _ = cancel.cancelled() => break,
-                    _ = tokio::time::sleep(config.retry.delay(failures)) => {}
-                }
-            }
-        }
-    }
-    Ok(())
+    let options = consume_options!(config, config.batch);
+    let source = RedisSource::new(config, metrics.clone())?;
+    consume(source, inbox, handler, options, metrics, cancel).await
 }
 
 /// Group `fields` by name (for tests and tools): the last value of each field.
@@ -790,36 +629,6 @@ pub fn fields_map(fields: &[(Vec<u8>, Vec<u8>)]) -> BTreeMap<String, Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn b(s: &str) -> Value {
-        Value::BulkString(s.as_bytes().to_vec())
-    }
-
-    #[test]
-    fn replies_parse_with_nil_entries() {
-        let read = Value::Array(vec![Value::Array(vec![
-            b("s"),
-            Value::Array(vec![
-                Value::Array(vec![b("1-0"), Value::Nil]),
-                Value::Array(vec![b("2-0"), Value::Array(vec![b("id"), b("x")])]),
-            ]),
-        ])]);
-        let e = parse_read(read);
-        assert_eq!(e.len(), 2);
-        assert!(e[0].fields.is_none());
-        assert_eq!(
-            fields_map(e[1].fields.as_ref().unwrap())["id"],
-            b"x".to_vec()
-        );
-        assert!(parse_read(Value::Nil).is_empty());
-        let p = parse_pending(Value::Array(vec![Value::Array(vec![
-            b("1-0"),
-            b("c"),
-            Value::Int(5),
-            Value::Int(3),
-        ])]));
-        assert_eq!((p[0].id.as_str(), p[0].deliveries), ("1-0", 3));
-    }
 
     #[test]
     fn config_is_validated() {

@@ -1,0 +1,893 @@
+//! The consumer conformance suite: the same properties, run against every broker's production
+//! consumer runner (`outbox::consumer::<broker>::run`, the generic runner over that broker's
+//! `Source`) on the real broker, as the store suite runs on every database.
+//!
+//! Properties:
+//! - `applies_once_and_acks_after_commit`: every message is applied once; after a restart nothing
+//!   acknowledged comes back;
+//! - `redelivers_after_a_transient_error`: a handler failing twice sees the message a third time,
+//!   with a delivery count of 3, and applies it once;
+//! - `dead_letters_at_max_deliveries`: a message that keeps failing is in the consumer's
+//!   dead-letter table after `max_deliveries` deliveries, acknowledged (not delivered again after
+//!   a restart);
+//! - `confirms_the_verdict`: applied and rejected messages are confirmed to their reply
+//!   destination with their verdict;
+//! - `keeps_per_key_order`: with 4 lanes, each key's messages are applied in publication order;
+//! - `survives_a_crash_between_commit_and_ack`: the consumer dies (its task aborted and its
+//!   connections cut) after the inbox commit and before the ack; the broker delivers the message
+//!   again, the inbox recognises it, the effect stays single and the verdict is confirmed again;
+//! - `rejects_malformed_input`: a message without outbox headers is counted and taken out of the
+//!   way; the messages behind it are applied.
+//!
+//! The consumer's connections go through a [`FaultProxy`], so a "crash" cuts them as a dying
+//! process would.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use outbox::confirm::HEADER_REPLY_TO;
+use outbox::consumer::ConsumerMetrics;
+use outbox::error::TransportError;
+use outbox::{
+    ConfigError, Confirmation, ConfirmationSender, HandlerError, InboundMessage, Inbox, Message,
+    Transport, Verdict,
+};
+use outbox_testkit::{FaultProxy, SqliteFixture, claimed_message, publish_to, wait_until, within};
+use sqlx::SqliteConnection;
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use crate::confirm::fast_retry;
+
+type Runner = JoinHandle<Result<(), ConfigError>>;
+
+/// What one broker contributes to the suite.
+#[async_trait]
+trait Broker: Send + Sync + Sized + 'static {
+    /// Fresh broker resources (stream, queue, stream key) and a fault proxy for the consumer.
+    async fn new() -> Self;
+    /// The transport the relay would publish with, and the destination the runner consumes.
+    fn transport(&self) -> Arc<dyn Transport>;
+    fn destination(&self) -> String;
+    /// Put a message without outbox headers where the runner consumes.
+    async fn publish_garbage(&self);
+    /// Start the broker's production runner.
+    fn spawn(&self, c: Settings, inbox: Inbox<sqlx::Sqlite>, handler: Arc<Script>) -> Runner;
+    /// The proxy in front of the broker for the consumer's connections, where the consumer's
+    /// connections can go through one (a Kafka client connects to the brokers the cluster
+    /// advertises, not to the proxy).
+    fn proxy(&self) -> Option<&FaultProxy>;
+}
+
+/// The settings every runner takes.
+struct Settings {
+    max_deliveries: u32,
+    concurrency: usize,
+    confirmations: Option<Arc<dyn ConfirmationSender>>,
+    metrics: Arc<ConsumerMetrics>,
+    cancel: CancellationToken,
+}
+
+impl Settings {
+    fn new() -> Settings {
+        Settings {
+            max_deliveries: 5,
+            concurrency: 1,
+            confirmations: None,
+            metrics: Arc::default(),
+            cancel: CancellationToken::new(),
+        }
+    }
+}
+
+/// A handler recording each application (message id, partition key, payload, delivery count) in
+/// the consumer's transaction; scripted to fail transiently a number of times, or to reject.
+#[derive(Default)]
+struct Script {
+    fail_times: Mutex<HashMap<Uuid, u32>>,
+    reject: Mutex<Vec<Uuid>>,
+    seen: Mutex<HashMap<Uuid, Vec<u32>>>,
+}
+
+impl Script {
+    fn deliveries(&self, id: Uuid) -> Vec<u32> {
+        self.seen
+            .lock()
+            .unwrap()
+            .get(&id)
+            .cloned()
+            .unwrap_or_default()
+    }
+}
+
+#[async_trait]
+impl outbox::Handler<sqlx::Sqlite> for Script {
+    async fn handle(
+        &self,
+        conn: &mut SqliteConnection,
+        msg: &InboundMessage,
+    ) -> Result<(), HandlerError> {
+        self.seen
+            .lock()
+            .unwrap()
+            .entry(msg.message_id)
+            .or_default()
+            .push(msg.delivery_count);
+        if self.reject.lock().unwrap().contains(&msg.message_id) {
+            return Err(HandlerError::reject("out of stock"));
+        }
+        if let Some(n) = self.fail_times.lock().unwrap().get_mut(&msg.message_id)
+            && *n > 0
+        {
+            *n -= 1;
+            return Err(HandlerError::transient("scripted failure"));
+        }
+        sqlx::query("INSERT INTO effects (message_id, key, payload) VALUES (?1, ?2, ?3)")
+            .bind(msg.message_id.to_string())
+            .bind(msg.partition_key.clone())
+            .bind(&msg.payload)
+            .execute(&mut *conn)
+            .await
+            .map_err(HandlerError::transient)?;
+        Ok(())
+    }
+}
+
+/// Records confirmations; optionally hangs on the first one after telling the test (the moment
+/// between the inbox commit and the ack).
+#[derive(Default)]
+struct Recorder {
+    sent: Mutex<Vec<(String, Confirmation)>>,
+    hang_first: AtomicBool,
+    reached: Notify,
+}
+
+#[async_trait]
+impl ConfirmationSender for Recorder {
+    async fn send(&self, reply_to: &str, c: &Confirmation) -> Result<(), TransportError> {
+        if self.hang_first.swap(false, Ordering::SeqCst) {
+            self.reached.notify_one();
+            std::future::pending::<()>().await;
+        }
+        self.sent
+            .lock()
+            .unwrap()
+            .push((reply_to.to_owned(), c.clone()));
+        Ok(())
+    }
+}
+
+impl Recorder {
+    fn verdicts(&self, id: Uuid) -> Vec<Verdict> {
+        self.sent
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, c)| c.message_id == id)
+            .map(|(_, c)| c.verdict.clone())
+            .collect()
+    }
+}
+
+/// The consumer's database: an inbox and an `effects` table.
+struct Consumer {
+    db: SqliteFixture,
+    inbox: Inbox<sqlx::Sqlite>,
+}
+
+impl Consumer {
+    async fn new() -> Consumer {
+        let db = SqliteFixture::new().await;
+        sqlx::query("CREATE TABLE effects (n INTEGER PRIMARY KEY AUTOINCREMENT, message_id TEXT NOT NULL, key TEXT, payload BLOB)")
+            .execute(db.store.pool())
+            .await
+            .unwrap();
+        let inbox =
+            Inbox::<sqlx::Sqlite>::new(db.store.pool().clone(), "consumer_inbox", "conformance")
+                .unwrap();
+        inbox.migrate().await.unwrap();
+        Consumer { db, inbox }
+    }
+
+    /// Effects in the order applied: (message id, key, payload).
+    async fn effects(&self) -> Vec<(String, Option<String>, Vec<u8>)> {
+        sqlx::query_as("SELECT message_id, key, payload FROM effects ORDER BY n")
+            .fetch_all(self.db.store.pool())
+            .await
+            .unwrap()
+    }
+
+    async fn effects_of(&self, id: Uuid) -> usize {
+        let id = id.to_string();
+        self.effects().await.iter().filter(|e| e.0 == id).count()
+    }
+}
+
+fn message(key: Option<&str>, payload: &str) -> Message {
+    let mut m = claimed_message("orders", payload.as_bytes().to_vec());
+    m.partition_key = key.map(str::to_owned);
+    m
+}
+
+async fn publish<B: Broker>(b: &B, msgs: &[Message]) {
+    let dest = b.destination();
+    let results = publish_to(b.transport().as_ref(), msgs, |_| dest.as_str()).await;
+    for r in results {
+        r.expect("publish to the broker");
+    }
+}
+
+async fn stop(s: &Settings, runner: Runner) {
+    s.cancel.cancel();
+    within("the runner to stop", Duration::from_secs(15), runner)
+        .await
+        .expect("runner task")
+        .expect("runner result");
+}
+
+const WAIT: Duration = Duration::from_secs(30);
+
+async fn applies_once_and_acks_after_commit<B: Broker>() {
+    let b = B::new().await;
+    let c = Consumer::new().await;
+    let script = Arc::new(Script::default());
+    let msgs: Vec<Message> = (0..20).map(|i| message(None, &format!("m{i}"))).collect();
+    publish(&b, &msgs).await;
+    let s = Settings::new();
+    let runner = b.spawn(s.clone_settings(), c.inbox.clone(), script.clone());
+    wait_until("20 effects", WAIT, || async {
+        c.effects().await.len() == 20
+    })
+    .await;
+    stop(&s, runner).await;
+    // A restart delivers nothing already acknowledged: only the new marker arrives.
+    let s = Settings::new();
+    let marker = message(None, "marker");
+    publish(&b, std::slice::from_ref(&marker)).await;
+    let runner = b.spawn(s.clone_settings(), c.inbox.clone(), script.clone());
+    wait_until("the marker", WAIT, || async {
+        c.effects_of(marker.message_id).await == 1
+    })
+    .await;
+    stop(&s, runner).await;
+    assert_eq!(c.effects().await.len(), 21);
+    assert_eq!(
+        s.metrics.duplicates.load(Ordering::Relaxed),
+        0,
+        "an acknowledged message came back"
+    );
+    for m in &msgs {
+        assert_eq!(script.deliveries(m.message_id), vec![1], "{}", m.message_id);
+    }
+}
+
+async fn redelivers_after_a_transient_error<B: Broker>() {
+    let b = B::new().await;
+    let c = Consumer::new().await;
+    let script = Arc::new(Script::default());
+    let m = message(None, "flaky");
+    script.fail_times.lock().unwrap().insert(m.message_id, 2);
+    publish(&b, std::slice::from_ref(&m)).await;
+    let s = Settings::new();
+    let runner = b.spawn(s.clone_settings(), c.inbox.clone(), script.clone());
+    wait_until("the effect", WAIT, || async {
+        c.effects_of(m.message_id).await == 1
+    })
+    .await;
+    stop(&s, runner).await;
+    assert_eq!(script.deliveries(m.message_id), vec![1, 2, 3]);
+    assert_eq!(c.effects_of(m.message_id).await, 1);
+    assert_eq!(s.metrics.failures.load(Ordering::Relaxed), 2);
+}
+
+async fn dead_letters_at_max_deliveries<B: Broker>() {
+    let b = B::new().await;
+    let c = Consumer::new().await;
+    let script = Arc::new(Script::default());
+    let m = message(None, "poison");
+    script
+        .fail_times
+        .lock()
+        .unwrap()
+        .insert(m.message_id, u32::MAX);
+    publish(&b, std::slice::from_ref(&m)).await;
+    let mut s = Settings::new();
+    s.max_deliveries = 3;
+    let runner = b.spawn(s.clone_settings(), c.inbox.clone(), script.clone());
+    wait_until("the dead letter", WAIT, || async {
+        !c.inbox.dead_letters(10).await.unwrap().is_empty()
+    })
+    .await;
+    stop(&s, runner).await;
+    let dead = c.inbox.dead_letters(10).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].message.message_id, m.message_id);
+    assert_eq!(dead[0].deliveries, 3);
+    assert_eq!(script.deliveries(m.message_id), vec![1, 2, 3]);
+    // Acknowledged: a restart does not deliver it again.
+    let s = Settings::new();
+    let marker = message(None, "marker");
+    publish(&b, std::slice::from_ref(&marker)).await;
+    let runner = b.spawn(s.clone_settings(), c.inbox.clone(), script.clone());
+    wait_until("the marker", WAIT, || async {
+        c.effects_of(marker.message_id).await == 1
+    })
+    .await;
+    stop(&s, runner).await;
+    assert_eq!(
+        script.deliveries(m.message_id).len(),
+        3,
+        "the dead letter came back"
+    );
+}
+
+async fn confirms_the_verdict<B: Broker>() {
+    let b = B::new().await;
+    let c = Consumer::new().await;
+    let script = Arc::new(Script::default());
+    let mut ok = message(None, "ok");
+    let mut refused = message(None, "refused");
+    for m in [&mut ok, &mut refused] {
+        m.headers.insert(HEADER_REPLY_TO.into(), "replies".into());
+    }
+    script.reject.lock().unwrap().push(refused.message_id);
+    let silent = message(None, "no reply destination");
+    publish(&b, &[ok.clone(), refused.clone(), silent.clone()]).await;
+    let recorder = Arc::new(Recorder::default());
+    let mut s = Settings::new();
+    s.confirmations = Some(recorder.clone());
+    let runner = b.spawn(s.clone_settings(), c.inbox.clone(), script.clone());
+    wait_until("two confirmations", WAIT, || async {
+        recorder.sent.lock().unwrap().len() == 2
+    })
+    .await;
+    wait_until("the silent message", WAIT, || async {
+        c.effects_of(silent.message_id).await == 1
+    })
+    .await;
+    stop(&s, runner).await;
+    assert_eq!(recorder.verdicts(ok.message_id), vec![Verdict::Processed]);
+    assert_eq!(
+        recorder.verdicts(refused.message_id),
+        vec![Verdict::Rejected {
+            reason: "out of stock".into()
+        }]
+    );
+    assert!(
+        recorder
+            .sent
+            .lock()
+            .unwrap()
+            .iter()
+            .all(|(to, c)| to == "replies" && c.consumer == "conformance")
+    );
+    assert_eq!(
+        recorder.sent.lock().unwrap().len(),
+        2,
+        "a message without a reply destination was confirmed"
+    );
+}
+
+async fn keeps_per_key_order<B: Broker>() {
+    let b = B::new().await;
+    let c = Consumer::new().await;
+    let script = Arc::new(Script::default());
+    let keys = ["k0", "k1", "k2", "k3", "k4"];
+    let msgs: Vec<Message> = (0..100)
+        .map(|i| message(Some(keys[i % keys.len()]), &format!("{i:03}")))
+        .collect();
+    publish(&b, &msgs).await;
+    let mut s = Settings::new();
+    s.concurrency = 4;
+    let runner = b.spawn(s.clone_settings(), c.inbox.clone(), script.clone());
+    wait_until("100 effects", WAIT, || async {
+        c.effects().await.len() == 100
+    })
+    .await;
+    stop(&s, runner).await;
+    let mut by_key: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (_, key, payload) in c.effects().await {
+        by_key
+            .entry(key.expect("key"))
+            .or_default()
+            .push(String::from_utf8(payload).unwrap());
+    }
+    assert_eq!(by_key.len(), keys.len());
+    for (key, seq) in by_key {
+        let mut sorted = seq.clone();
+        sorted.sort();
+        assert_eq!(seq, sorted, "key {key} applied out of order");
+        assert_eq!(seq.len(), 20);
+    }
+}
+
+async fn survives_a_crash_between_commit_and_ack<B: Broker>() {
+    let b = B::new().await;
+    let c = Consumer::new().await;
+    let script = Arc::new(Script::default());
+    let mut m = message(None, "crash");
+    m.headers.insert(HEADER_REPLY_TO.into(), "replies".into());
+    publish(&b, std::slice::from_ref(&m)).await;
+    let recorder = Arc::new(Recorder::default());
+    recorder.hang_first.store(true, Ordering::SeqCst);
+    let mut s = Settings::new();
+    s.confirmations = Some(recorder.clone());
+    let reached = recorder.reached.notified();
+    let runner = b.spawn(s.clone_settings(), c.inbox.clone(), script.clone());
+    within("the commit", WAIT, reached).await;
+    // Committed, not acknowledged: the process dies.
+    assert_eq!(c.effects_of(m.message_id).await, 1);
+    runner.abort();
+    let _ = runner.await;
+    if let Some(proxy) = b.proxy() {
+        proxy.set_blocked(true);
+        proxy.set_blocked(false);
+    }
+    let mut s = Settings::new();
+    s.confirmations = Some(recorder.clone());
+    let runner = b.spawn(s.clone_settings(), c.inbox.clone(), script.clone());
+    wait_until(
+        "the confirmation after the restart",
+        Duration::from_secs(60),
+        || async { !recorder.verdicts(m.message_id).is_empty() },
+    )
+    .await;
+    stop(&s, runner).await;
+    assert_eq!(c.effects_of(m.message_id).await, 1, "applied twice");
+    assert_eq!(recorder.verdicts(m.message_id), vec![Verdict::Processed]);
+    assert_eq!(s.metrics.duplicates.load(Ordering::Relaxed), 1);
+    assert_eq!(
+        script.deliveries(m.message_id).len(),
+        1,
+        "the handler ran again"
+    );
+}
+
+async fn rejects_malformed_input<B: Broker>() {
+    let b = B::new().await;
+    let c = Consumer::new().await;
+    let script = Arc::new(Script::default());
+    b.publish_garbage().await;
+    let after = message(None, "after the garbage");
+    publish(&b, std::slice::from_ref(&after)).await;
+    let s = Settings::new();
+    let runner = b.spawn(s.clone_settings(), c.inbox.clone(), script.clone());
+    wait_until("the message behind the garbage", WAIT, || async {
+        c.effects_of(after.message_id).await == 1
+    })
+    .await;
+    stop(&s, runner).await;
+    assert_eq!(s.metrics.malformed.load(Ordering::Relaxed), 1);
+    // Taken out of the way: a restart does not see it again.
+    let s = Settings::new();
+    let marker = message(None, "marker");
+    publish(&b, std::slice::from_ref(&marker)).await;
+    let runner = b.spawn(s.clone_settings(), c.inbox.clone(), script.clone());
+    wait_until("the marker", WAIT, || async {
+        c.effects_of(marker.message_id).await == 1
+    })
+    .await;
+    stop(&s, runner).await;
+    assert_eq!(
+        s.metrics.malformed.load(Ordering::Relaxed),
+        0,
+        "the garbage came back"
+    );
+}
+
+impl Settings {
+    /// The same settings sharing the metrics, cancel token and confirmations.
+    fn clone_settings(&self) -> Settings {
+        Settings {
+            max_deliveries: self.max_deliveries,
+            concurrency: self.concurrency,
+            confirmations: self.confirmations.clone(),
+            metrics: self.metrics.clone(),
+            cancel: self.cancel.clone(),
+        }
+    }
+}
+
+/// One test per property for `$broker`.
+macro_rules! conformance {
+    ($module:ident, $broker:ty) => {
+        mod $module {
+            use super::*;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn applies_once_and_acks_after_commit() {
+                crate::init_tracing();
+                super::applies_once_and_acks_after_commit::<$broker>().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn redelivers_after_a_transient_error() {
+                crate::init_tracing();
+                super::redelivers_after_a_transient_error::<$broker>().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn dead_letters_at_max_deliveries() {
+                crate::init_tracing();
+                super::dead_letters_at_max_deliveries::<$broker>().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn confirms_the_verdict() {
+                crate::init_tracing();
+                super::confirms_the_verdict::<$broker>().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn keeps_per_key_order() {
+                crate::init_tracing();
+                super::keeps_per_key_order::<$broker>().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn survives_a_crash_between_commit_and_ack() {
+                crate::init_tracing();
+                super::survives_a_crash_between_commit_and_ack::<$broker>().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn rejects_malformed_input() {
+                crate::init_tracing();
+                super::rejects_malformed_input::<$broker>().await;
+            }
+        }
+    };
+}
+
+mod nats {
+    use outbox::consumer::nats::NatsConsumerConfig;
+    use outbox_testkit::{NatsFixture, host_port, nats_client_at, nats_url, unique};
+
+    use super::*;
+
+    pub(super) struct Nats {
+        fx: NatsFixture,
+        proxy: FaultProxy,
+        durable: String,
+    }
+
+    #[async_trait]
+    impl Broker for Nats {
+        async fn new() -> Self {
+            Nats {
+                fx: NatsFixture::new().await,
+                proxy: FaultProxy::start(host_port(&nats_url())).await,
+                durable: unique("conformance"),
+            }
+        }
+
+        fn transport(&self) -> Arc<dyn Transport> {
+            self.fx.transport.clone()
+        }
+
+        fn destination(&self) -> String {
+            format!("{}.orders", self.fx.prefix)
+        }
+
+        async fn publish_garbage(&self) {
+            let js = async_nats::jetstream::new(outbox_testkit::nats_client().await);
+            js.publish(self.destination(), "no headers".into())
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+        }
+
+        fn spawn(&self, c: Settings, inbox: Inbox<sqlx::Sqlite>, handler: Arc<Script>) -> Runner {
+            let mut config = NatsConsumerConfig::new(self.fx.stream.clone(), self.durable.clone());
+            config.ack_wait = Duration::from_secs(2);
+            config.retry = fast_retry();
+            config.max_deliveries = c.max_deliveries;
+            config.concurrency = c.concurrency;
+            config.confirmations = c.confirmations;
+            config.dedup_window = None;
+            let url = format!("nats://{}", self.proxy.addr);
+            tokio::spawn(async move {
+                let js = async_nats::jetstream::new(nats_client_at(&url).await);
+                outbox::consumer::nats::run(js, config, inbox, handler, c.metrics, c.cancel).await
+            })
+        }
+
+        fn proxy(&self) -> Option<&FaultProxy> {
+            Some(&self.proxy)
+        }
+    }
+}
+
+mod rabbitmq {
+    use outbox::consumer::rabbitmq::RabbitMqConsumerConfig;
+    use outbox_testkit::{RabbitMqFixture, rabbitmq_config, rabbitmq_host_port};
+
+    use super::*;
+
+    pub(super) struct Rabbit {
+        fx: RabbitMqFixture,
+        proxy: FaultProxy,
+    }
+
+    #[async_trait]
+    impl Broker for Rabbit {
+        async fn new() -> Self {
+            Rabbit {
+                fx: RabbitMqFixture::new().await,
+                proxy: FaultProxy::start(rabbitmq_host_port()).await,
+            }
+        }
+
+        fn transport(&self) -> Arc<dyn Transport> {
+            self.fx.transport.clone()
+        }
+
+        fn destination(&self) -> String {
+            format!("{}/orders", self.fx.exchange)
+        }
+
+        async fn publish_garbage(&self) {
+            self.fx.publish_raw(&self.fx.queue, b"no headers").await;
+        }
+
+        fn spawn(&self, c: Settings, inbox: Inbox<sqlx::Sqlite>, handler: Arc<Script>) -> Runner {
+            let url = format!("amqp://guest:guest@{}/%2f", self.proxy.addr);
+            let mut config =
+                RabbitMqConsumerConfig::new(rabbitmq_config(&url), self.fx.queue.clone());
+            config.retry = fast_retry();
+            config.max_deliveries = c.max_deliveries;
+            config.concurrency = c.concurrency;
+            config.confirmations = c.confirmations;
+            config.dedup_window = None;
+            let queue = self.fx.queue.clone();
+            for ms in [10u64, 20, 50, 100, 200, 500] {
+                self.fx.delete_at_cleanup(&format!("{queue}.retry.{ms}"));
+            }
+            tokio::spawn(outbox::consumer::rabbitmq::run(
+                config, inbox, handler, c.metrics, c.cancel,
+            ))
+        }
+
+        fn proxy(&self) -> Option<&FaultProxy> {
+            Some(&self.proxy)
+        }
+    }
+}
+
+mod redis {
+    use outbox::consumer::redis::RedisConsumerConfig;
+    use outbox_testkit::{RedisFixture, host_port, redis_url, unique};
+
+    use super::*;
+
+    pub(super) struct Redis {
+        fx: RedisFixture,
+        proxy: FaultProxy,
+        group: String,
+    }
+
+    #[async_trait]
+    impl Broker for Redis {
+        async fn new() -> Self {
+            Redis {
+                fx: RedisFixture::new().await,
+                proxy: FaultProxy::start(host_port(&redis_url())).await,
+                group: unique("conformance"),
+            }
+        }
+
+        fn transport(&self) -> Arc<dyn Transport> {
+            self.fx.transport.clone()
+        }
+
+        fn destination(&self) -> String {
+            self.fx.key("orders")
+        }
+
+        async fn publish_garbage(&self) {
+            let _: String = self
+                .fx
+                .query(
+                    ::redis::cmd("XADD")
+                        .arg(self.destination())
+                        .arg("*")
+                        .arg("junk")
+                        .arg("x"),
+                )
+                .await;
+        }
+
+        fn spawn(&self, c: Settings, inbox: Inbox<sqlx::Sqlite>, handler: Arc<Script>) -> Runner {
+            let url = format!("redis://{}", self.proxy.addr);
+            let mut config = RedisConsumerConfig::new(url, self.destination(), self.group.clone());
+            // A stable name: a restart resumes its own pending entries at once.
+            config.consumer = format!("{}-c", self.group);
+            config.block = Duration::from_millis(200);
+            config.retry = fast_retry();
+            config.max_deliveries = c.max_deliveries;
+            config.concurrency = c.concurrency;
+            config.confirmations = c.confirmations;
+            config.dedup_window = None;
+            tokio::spawn(outbox::consumer::redis::run(
+                config, inbox, handler, c.metrics, c.cancel,
+            ))
+        }
+
+        fn proxy(&self) -> Option<&FaultProxy> {
+            Some(&self.proxy)
+        }
+    }
+}
+
+mod mqtt {
+    use outbox::consumer::mqtt::MqttConsumerConfig;
+    use outbox_testkit::{MqttFixture, host_port, mqtt_url, unique};
+    use rumqttc::v5::mqttbytes::QoS;
+    use rumqttc::v5::mqttbytes::v5::Packet;
+    use rumqttc::v5::{AsyncClient, Event, MqttOptions};
+
+    use super::*;
+
+    pub(super) struct Mqtt {
+        fx: MqttFixture,
+        proxy: FaultProxy,
+        client_id: String,
+    }
+
+    impl Mqtt {
+        fn filter(&self) -> String {
+            format!("{}/orders", self.fx.prefix)
+        }
+    }
+
+    #[async_trait]
+    impl Broker for Mqtt {
+        /// MQTT keeps nothing for a topic nobody subscribes to: the consumer's persistent
+        /// session is created (and subscribed) here, before anything is published.
+        async fn new() -> Self {
+            let b = Mqtt {
+                fx: MqttFixture::new().await,
+                proxy: FaultProxy::start(host_port(&mqtt_url())).await,
+                client_id: unique("conformance"),
+            };
+            let addr = host_port(&mqtt_url());
+            let (host, port) = addr.rsplit_once(':').expect("host:port");
+            let mut o = MqttOptions::new(&b.client_id, host, port.parse().expect("port"));
+            o.set_clean_start(false);
+            o.set_session_expiry_interval(Some(600));
+            let (client, mut events) = AsyncClient::new(o, 10);
+            client
+                .subscribe(b.filter(), QoS::AtLeastOnce)
+                .await
+                .expect("subscribe");
+            within("the SUBACK", Duration::from_secs(10), async {
+                loop {
+                    match events.poll().await {
+                        Ok(Event::Incoming(Packet::SubAck(_))) => break,
+                        Ok(_) => {}
+                        Err(e) => panic!("the MQTT broker at {} failed: {e}", mqtt_url()),
+                    }
+                }
+            })
+            .await;
+            client.disconnect().await.expect("disconnect");
+            while events.poll().await.is_ok() {}
+            b
+        }
+
+        fn transport(&self) -> Arc<dyn Transport> {
+            self.fx.transport.clone()
+        }
+
+        fn destination(&self) -> String {
+            self.filter()
+        }
+
+        async fn publish_garbage(&self) {
+            self.fx
+                .subscriber
+                .publish(self.filter(), QoS::AtLeastOnce, false, "no properties")
+                .await
+                .expect("publish");
+        }
+
+        fn spawn(&self, c: Settings, inbox: Inbox<sqlx::Sqlite>, handler: Arc<Script>) -> Runner {
+            let url = format!("mqtt://{}", self.proxy.addr);
+            let mut config = MqttConsumerConfig::new(url, self.client_id.clone(), self.filter());
+            config.session_expiry = Duration::from_secs(600);
+            config.retry = fast_retry();
+            config.max_deliveries = c.max_deliveries;
+            config.concurrency = c.concurrency;
+            config.confirmations = c.confirmations;
+            config.dedup_window = None;
+            tokio::spawn(outbox::consumer::mqtt::run(
+                config, inbox, handler, c.metrics, c.cancel,
+            ))
+        }
+
+        fn proxy(&self) -> Option<&FaultProxy> {
+            Some(&self.proxy)
+        }
+    }
+}
+
+mod kafka {
+    use outbox::consumer::kafka::KafkaConsumerConfig;
+    use outbox_testkit::kafka::{KafkaFixture, kafka_config};
+    use outbox_testkit::unique;
+
+    use super::*;
+
+    pub(super) struct Kafka {
+        fx: KafkaFixture,
+        topic: String,
+        group: String,
+    }
+
+    #[async_trait]
+    impl Broker for Kafka {
+        async fn new() -> Self {
+            let fx = KafkaFixture::new().await;
+            let topic = fx.topic("orders", 2).await;
+            Kafka {
+                fx,
+                topic,
+                group: unique("conformance"),
+            }
+        }
+
+        fn transport(&self) -> Arc<dyn Transport> {
+            self.fx.transport.clone()
+        }
+
+        fn destination(&self) -> String {
+            self.topic.clone()
+        }
+
+        async fn publish_garbage(&self) {
+            use rdkafka::producer::{FutureProducer, FutureRecord};
+            let producer: FutureProducer = kafka_config()
+                .client_config()
+                .create()
+                .expect("a plain Kafka producer");
+            producer
+                .send(
+                    FutureRecord::<(), _>::to(&self.topic).payload("no headers"),
+                    Duration::from_secs(10),
+                )
+                .await
+                .expect("produce the garbage record");
+        }
+
+        fn spawn(&self, c: Settings, inbox: Inbox<sqlx::Sqlite>, handler: Arc<Script>) -> Runner {
+            let mut config =
+                KafkaConsumerConfig::new(kafka_config(), self.group.clone(), [self.topic.clone()]);
+            // The broker minimum: Tansu holds a new group's first join for about half of it.
+            config.session_timeout = Duration::from_secs(6);
+            config.retry = fast_retry();
+            config.max_deliveries = c.max_deliveries;
+            config.concurrency = c.concurrency;
+            config.confirmations = c.confirmations;
+            config.dedup_window = None;
+            tokio::spawn(outbox::consumer::kafka::run(
+                config, inbox, handler, c.metrics, c.cancel,
+            ))
+        }
+
+        fn proxy(&self) -> Option<&FaultProxy> {
+            None
+        }
+    }
+}
+
+conformance!(on_nats, nats::Nats);
+conformance!(on_mqtt, mqtt::Mqtt);
+conformance!(on_kafka, kafka::Kafka);
+conformance!(on_rabbitmq, rabbitmq::Rabbit);
+conformance!(on_redis, redis::Redis);

@@ -1,0 +1,430 @@
+//! The consuming seam: a [`Source`] per broker, one generic runner over it.
+//!
+//! A broker's part of consuming is small: connect and set up ([`Source::open`]), wait for a batch
+//! of deliveries ([`Source::fetch`]) and settle each one ([`Source::settle`]: acknowledge,
+//! redeliver after a delay, or reject a message that can never be applied). Everything else is
+//! the same on every broker and lives here once, in [`run`]:
+//! - reconnecting with backoff when the connection is lost (the broker redelivers what was not
+//!   settled), and failing fast when the very first set-up is refused (a missing stream or
+//!   queue is a configuration error, named by its field);
+//! - handing each fetched batch to a [`BatchHandler`] and settling what it decided, in one call;
+//! - stopping at `cancel` between batches (a batch being applied is finished and settled first).
+//!
+//! Two batch handlers exist: [`InboxHandler`] (decode, lanes by partition key, inbox
+//! transaction, retries, dead letters, confirmations; see [`deliver`](super::deliver)) for the
+//! consumer runners, and the producer's confirmation listeners, which apply a batch of
+//! confirmations with [`Store::apply_confirmations`](crate::Store::apply_confirmations)
+//! ([`crate::confirm`]). [`consume`] runs an [`InboxHandler`] with the consumer's maintenance
+//! (operator replays, inbox retention) in a task that is stopped and joined when it returns.
+//!
+//! The design follows River's driver seam (a small interface per backend, one executor above it)
+//! and vector's sources (a source yields events, acknowledgement flows back to it).
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::{ConsumerMetrics, DeliveryPolicy, Disposition, deliver_batch, maintenance};
+use crate::error::ConfigError;
+use crate::inbox::{Handler, Inbox, InboxBackend};
+use crate::message::{Headers, InboundMessage};
+use crate::retry::Backoff;
+
+/// One message as a broker delivered it, before it is decoded.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Envelope {
+    /// The message's headers (the broker's header map, or a Redis entry's fields but the
+    /// payload), values as UTF-8 text.
+    pub headers: Headers,
+    /// The payload bytes.
+    pub payload: Vec<u8>,
+    /// How many times the broker delivered this message to this consumer, 1 the first time
+    /// (the broker's count where it keeps one, else the runner's own).
+    pub delivery_count: u32,
+    /// Where it came from, for logs: subject, queue, stream and entry id, topic and offset.
+    pub origin: String,
+}
+
+/// A fetched message and the broker's handle to settle it.
+#[derive(Debug)]
+pub struct Delivery<T> {
+    /// What [`Source::settle`] needs to acknowledge or redeliver this message (an acker, an
+    /// entry id, an offset).
+    pub token: T,
+    /// The message.
+    pub envelope: Envelope,
+}
+
+/// What to do with the broker's copy of a message once its batch was handled.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Settle {
+    /// Acknowledge: the message is done (applied, recorded or dead-lettered).
+    Ack,
+    /// Do not acknowledge; have the broker deliver it again after this delay (by its own
+    /// mechanism where it has one: a NAK with delay, a retry queue, a delay level, a paused
+    /// partition, a pending entry claimed back).
+    Retry(Duration),
+    /// The message can never be applied (no readable outbox headers): take it out of the way
+    /// without requeueing (terminate, reject to the queue's dead-letter exchange, acknowledge
+    /// and log). The text says why.
+    Reject(String),
+}
+
+/// Why a [`Source`] call failed.
+#[derive(Debug)]
+pub enum SourceError {
+    /// The set-up was refused for a reason a retry does not fix by itself (a missing stream,
+    /// queue or topic; a refused declaration; bad credentials): returned by [`run`] when it
+    /// happens on the first [`Source::open`], logged and retried with backoff afterwards.
+    Config(ConfigError),
+    /// The connection or the consumer was lost; [`run`] reconnects with backoff.
+    Lost(String),
+}
+
+impl std::fmt::Display for SourceError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SourceError::Config(e) => write!(f, "{e}"),
+            SourceError::Lost(reason) => write!(f, "connection lost: {reason}"),
+        }
+    }
+}
+
+impl From<ConfigError> for SourceError {
+    fn from(e: ConfigError) -> Self {
+        SourceError::Config(e)
+    }
+}
+
+/// A broker's consuming side: what [`run`] needs from it.
+///
+/// Implemented per broker in [`crate::consumer`] (one module each). A source owns its connection;
+/// [`run`] calls [`open`](Source::open) before the first fetch and again after any
+/// [`SourceError::Lost`].
+#[async_trait]
+pub trait Source: Send {
+    /// What settling one delivery needs.
+    type Token: Send + Sync;
+
+    /// What this source consumes, for logs (`stream orders, durable inventory`).
+    fn describe(&self) -> String;
+
+    /// Connect (or reconnect) and set up: declare or check the stream, queue, group or
+    /// subscription.
+    ///
+    /// # Errors
+    /// [`SourceError::Config`] naming the field when the set-up is refused;
+    /// [`SourceError::Lost`] when the broker cannot be reached.
+    async fn open(&mut self) -> Result<(), SourceError>;
+
+    /// Wait for deliveries and return up to `max` of them; an empty batch after the source's
+    /// own wait (a fetch expiry, a block timeout) lets [`run`] check for cancellation.
+    ///
+    /// # Errors
+    /// [`SourceError::Lost`] when the connection or consumer is gone.
+    async fn fetch(&mut self, max: usize) -> Result<Vec<Delivery<Self::Token>>, SourceError>;
+
+    /// Settle a handled batch, each delivery with its decision, in the order fetched.
+    ///
+    /// # Errors
+    /// [`SourceError::Lost`] when the connection broke while settling: what was not settled
+    /// is delivered again by the broker (recognised by the inbox).
+    async fn settle(
+        &mut self,
+        batch: Vec<(Delivery<Self::Token>, Settle)>,
+    ) -> Result<(), SourceError>;
+
+    /// Called once when [`run`] stops: commit what is pending, leave the group, shut the
+    /// client down. Default: nothing (dropping the source closes its connection).
+    async fn close(&mut self) {}
+}
+
+/// Decides what becomes of each message of a fetched batch.
+#[async_trait]
+pub trait BatchHandler: Send + Sync {
+    /// Handle `batch` and return one [`Settle`] per message, in the same order.
+    async fn handle(&self, batch: &[&Envelope]) -> Vec<Settle>;
+}
+
+/// How [`run`] drives a source.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    /// Most messages per fetch. Default 100.
+    pub batch: usize,
+    /// Delay before reconnecting after a lost connection or a refused set-up, by consecutive
+    /// failures (capped at the 8th step). Default 200 ms, ×2, ≤ 10 s.
+    pub reconnect: Backoff,
+}
+
+impl Default for RunOptions {
+    fn default() -> Self {
+        RunOptions {
+            batch: 100,
+            reconnect: Backoff {
+                base: Duration::from_millis(200),
+                factor: 2.0,
+                max: Duration::from_secs(10),
+                jitter: 0.2,
+            },
+        }
+    }
+}
+
+/// Drive `source` until `cancel`: open, fetch a batch, have `handler` decide, settle; reconnect
+/// with backoff when the connection is lost.
+///
+/// # Errors
+/// The [`ConfigError`] of a [`SourceError::Config`] returned by the first
+/// [`Source::open`]. After the source was open once, every error is logged and retried.
+pub async fn run<S, B>(
+    mut source: S,
+    handler: &B,
+    options: &RunOptions,
+    cancel: &CancellationToken,
+) -> Result<(), ConfigError>
+where
+    S: Source,
+    B: BatchHandler + ?Sized,
+{
+    let mut started = false;
+    let mut open = false;
+    let mut failures = 0u32;
+    let what = source.describe();
+    while !cancel.is_cancelled() {
+        let step = async {
+            if !open {
+                source.open().await?;
+                open = true;
+                if !started {
+                    tracing::info!(source = %what, "consumer started");
+                }
+                started = true;
+            }
+            let batch = source.fetch(options.batch.max(1)).await?;
+            Ok::<_, SourceError>(batch)
+        };
+        let fetched = tokio::select! {
+            _ = cancel.cancelled() => break,
+            r = step => r,
+        };
+        let error = match fetched {
+            Ok(batch) if batch.is_empty() => continue,
+            Ok(batch) => {
+                failures = 0;
+                let envelopes: Vec<&Envelope> = batch.iter().map(|d| &d.envelope).collect();
+                let decisions = handler.handle(&envelopes).await;
+                debug_assert_eq!(decisions.len(), batch.len());
+                let settled = batch.into_iter().zip(decisions).collect();
+                match source.settle(settled).await {
+                    Ok(()) => continue,
+                    Err(e) => e,
+                }
+            }
+            Err(e) => e,
+        };
+        match error {
+            SourceError::Config(e) if !started => {
+                source.close().await;
+                return Err(e);
+            }
+            SourceError::Config(e) => {
+                tracing::error!(error = %e, source = %what, "consumer set-up refused; retrying")
+            }
+            SourceError::Lost(reason) => {
+                tracing::warn!(reason, source = %what, "consumer lost its connection; reconnecting")
+            }
+        }
+        open = false;
+        failures = failures.saturating_add(1);
+        tokio::select! {
+            _ = cancel.cancelled() => break,
+            _ = tokio::time::sleep(options.reconnect.delay(failures.min(8))) => {}
+        }
+    }
+    source.close().await;
+    Ok(())
+}
+
+/// The consumer runners' [`BatchHandler`]: decode each message (one without readable outbox
+/// headers is rejected and counted in [`ConsumerMetrics::malformed`]), apply the batch through
+/// the inbox in `lanes` by partition key ([`deliver_batch`]), and map each
+/// [`Disposition`] to a [`Settle`].
+pub struct InboxHandler<DB: InboxBackend, H: Handler<DB> + ?Sized> {
+    /// The consumer's inbox.
+    pub inbox: Inbox<DB>,
+    /// The application's handler.
+    pub handler: Arc<H>,
+    /// Concurrent lanes by partition key (1 = sequential).
+    pub lanes: usize,
+    /// Retries, dead letters and confirmations.
+    pub policy: DeliveryPolicy,
+    /// The runner's counters.
+    pub metrics: Arc<ConsumerMetrics>,
+}
+
+#[async_trait]
+impl<DB, H> BatchHandler for InboxHandler<DB, H>
+where
+    DB: InboxBackend,
+    H: Handler<DB> + ?Sized,
+{
+    async fn handle(&self, batch: &[&Envelope]) -> Vec<Settle> {
+        let mut out: Vec<Option<Settle>> = vec![None; batch.len()];
+        let mut inbound = Vec::with_capacity(batch.len());
+        let mut at = Vec::with_capacity(batch.len());
+        for (i, e) in batch.iter().enumerate() {
+            match InboundMessage::from_wire(
+                e.headers.clone(),
+                e.payload.clone(),
+                e.delivery_count.max(1),
+            ) {
+                Ok(m) => {
+                    inbound.push(m);
+                    at.push(i);
+                }
+                Err(reason) => {
+                    self.metrics.malformed.fetch_add(1, Ordering::Relaxed);
+                    tracing::error!(origin = %e.origin, reason, "message without outbox headers; rejecting it");
+                    out[i] = Some(Settle::Reject(reason));
+                }
+            }
+        }
+        if !inbound.is_empty() {
+            let decided = deliver_batch(
+                &self.inbox,
+                self.handler.as_ref(),
+                &inbound,
+                self.lanes,
+                &self.policy,
+                &self.metrics,
+            )
+            .await;
+            for (i, d) in at.into_iter().zip(decided) {
+                out[i] = Some(match d {
+                    Disposition::Ack(_) => Settle::Ack,
+                    Disposition::Retry(delay) => Settle::Retry(delay),
+                });
+            }
+        }
+        out.into_iter()
+            .map(|s| s.unwrap_or(Settle::Retry(Duration::ZERO)))
+            .collect()
+    }
+}
+
+/// What every consumer runner shares: lanes, retries, dead letters, retention, maintenance.
+///
+/// Each broker's consumer config carries these settings (as its own fields) and passes them to
+/// [`consume`].
+#[derive(Debug, Clone)]
+pub struct ConsumeOptions {
+    /// Driving the source: batch size and reconnect backoff.
+    pub run: RunOptions,
+    /// Messages of one batch applied concurrently, in lanes by partition key. Default 1.
+    pub concurrency: usize,
+    /// Retries, dead letters and confirmations.
+    pub policy: DeliveryPolicy,
+    /// Inbox records older than this are deleted. Default 7 days; `None` keeps them.
+    pub dedup_window: Option<Duration>,
+    /// Period of the maintenance (replays, retention). Default 2 s.
+    pub maintenance_interval: Duration,
+}
+
+impl Default for ConsumeOptions {
+    fn default() -> Self {
+        ConsumeOptions {
+            run: RunOptions::default(),
+            concurrency: 1,
+            policy: DeliveryPolicy::default(),
+            dedup_window: Some(Duration::from_secs(7 * 24 * 3600)),
+            maintenance_interval: Duration::from_secs(2),
+        }
+    }
+}
+
+/// The [`ConsumeOptions`] of a broker's consumer config: every config names these settings the
+/// same (`retry`, `concurrency`, `max_deliveries`, `confirmations`, `dedup_window`,
+/// `maintenance_interval`); `$batch` is its batch size as `usize`. The retry backoff also paces
+/// reconnections.
+#[cfg(any(
+    feature = "nats",
+    feature = "rabbitmq",
+    feature = "kafka",
+    feature = "redis",
+    feature = "mqtt",
+    feature = "rocketmq"
+))]
+macro_rules! consume_options {
+    ($c:expr, $batch:expr) => {
+        $crate::consumer::source::ConsumeOptions {
+            run: $crate::consumer::source::RunOptions {
+                batch: $batch,
+                reconnect: $c.retry,
+            },
+            concurrency: $c.concurrency,
+            policy: $crate::consumer::DeliveryPolicy {
+                max_deliveries: $c.max_deliveries,
+                retry: $c.retry,
+                confirmations: $c.confirmations.clone(),
+            },
+            dedup_window: $c.dedup_window,
+            maintenance_interval: $c.maintenance_interval,
+        }
+    };
+}
+#[cfg(any(
+    feature = "nats",
+    feature = "rabbitmq",
+    feature = "kafka",
+    feature = "redis",
+    feature = "mqtt",
+    feature = "rocketmq"
+))]
+pub(crate) use consume_options;
+
+/// The generic consumer runner: drive `source` with an [`InboxHandler`] until `cancel`, with
+/// the consumer's [`maintenance`] in a task that is stopped and joined before this returns.
+///
+/// # Errors
+/// As [`run`]: the first set-up's [`ConfigError`].
+pub async fn consume<S, DB, H>(
+    source: S,
+    inbox: Inbox<DB>,
+    handler: Arc<H>,
+    options: ConsumeOptions,
+    metrics: Arc<ConsumerMetrics>,
+    cancel: CancellationToken,
+) -> Result<(), ConfigError>
+where
+    S: Source,
+    DB: InboxBackend,
+    H: Handler<DB> + ?Sized,
+{
+    let tasks = TaskTracker::new();
+    let background = cancel.child_token();
+    tasks.spawn(maintenance(
+        inbox.clone(),
+        handler.clone(),
+        options.policy.clone(),
+        options.dedup_window,
+        options.maintenance_interval,
+        metrics.clone(),
+        background.clone(),
+    ));
+    tasks.close();
+    let handler = InboxHandler {
+        inbox,
+        handler,
+        lanes: options.concurrency,
+        policy: options.policy,
+        metrics,
+    };
+    let result = run(source, &handler, &options.run, &cancel).await;
+    background.cancel();
+    tasks.wait().await;
+    result
+}
