@@ -1,0 +1,239 @@
+//! The text tables `outbox bench` prints at the end.
+
+use super::*;
+
+/// The report as text tables (every figure with the 1-minute load beside it).
+pub(super) fn render(r: &Report) -> String {
+    let mut out = String::new();
+    let mut section = |title: &str, t: &Table| {
+        if !t.is_empty() {
+            out.push_str(&format!("\n{title}\n{}", t.render()));
+        }
+    };
+    let label = |d: &Drain| match d.name.as_str() {
+        "broker" => "broker publish, no database".to_owned(),
+        "raw-naive" => "raw SQL loop, index (status, available_at)".to_owned(),
+        "raw-tuned" => "raw SQL loop, partial index on pending".to_owned(),
+        _ => format!("outbox::Relay x{}", d.relays),
+    };
+    let mut drains: Vec<&Drain> = [&r.broker, &r.baseline_naive, &r.baseline_tuned, &r.drain]
+        .into_iter()
+        .flatten()
+        .collect();
+    drains.extend(
+        r.scaling
+            .iter()
+            .filter(|d| d.relays != 1 || r.drain.is_none()),
+    );
+
+    let mut t = Table::new([
+        "throughput",
+        "msg/s",
+        "x naive",
+        "x tuned",
+        "x broker",
+        "x 1 relay",
+        "last/first 10%",
+        "seconds",
+        "load",
+    ]);
+    for d in &drains {
+        t.row([
+            label(d),
+            fmt_count(d.rate),
+            fmt_ratio(d.vs_naive),
+            fmt_ratio(d.vs_tuned),
+            fmt_ratio(d.vs_broker),
+            fmt_ratio(d.vs_one_relay),
+            d.flatness.map_or("-".into(), |f| format!("{f:.2}")),
+            format!("{:.1}", d.seconds),
+            fmt_load(d.load),
+        ]);
+    }
+    section("Throughput (ratios against the baselines of this run)", &t);
+
+    let mut t = Table::new(
+        std::iter::once("rate per tenth (msg/s)".to_owned())
+            .chain((1..=10).map(|k| format!("{}%", k * 10))),
+    );
+    for d in drains.iter().filter(|d| !d.deciles.is_empty()) {
+        t.row(std::iter::once(label(d)).chain(d.deciles.iter().map(|v| fmt_count(*v))));
+    }
+    section("Rate in each tenth of the drain", &t);
+
+    let mut t = Table::new([
+        "database cost",
+        "stmts/msg",
+        "rows affected/msg",
+        "pg rows written/msg",
+        "ins/upd/del",
+        "dead tuples before -> after",
+        "index size before -> after",
+        "load",
+    ]);
+    for d in drains
+        .iter()
+        .filter(|d| d.cost.is_some() || d.table.is_some())
+    {
+        let c = d.cost.as_ref();
+        let pg = c.and_then(|c| c.pg.as_ref());
+        let stmts = c.filter(|c| c.statements > 0);
+        t.row([
+            label(d),
+            stmts.map_or("-".into(), |c| format!("{:.4}", c.statements_per_message)),
+            stmts.map_or("-".into(), |c| {
+                format!("{:.2}", c.rows_affected_per_message)
+            }),
+            pg.map_or("-".into(), |p| format!("{:.2}", p.rows_written_per_message)),
+            pg.map_or("-".into(), |p| {
+                format!("{}/{}/{}", p.inserted, p.updated, p.deleted)
+            }),
+            d.table.as_ref().map_or("-".into(), |g| {
+                format!(
+                    "{} -> {}",
+                    fmt_count(g.before.dead_tuples as f64),
+                    fmt_count(g.after.dead_tuples as f64)
+                )
+            }),
+            d.table.as_ref().map_or("-".into(), |g| {
+                format!(
+                    "{} -> {}",
+                    fmt_mib(g.before.index_bytes),
+                    fmt_mib(g.after.index_bytes)
+                )
+            }),
+            fmt_load(d.load),
+        ]);
+    }
+    section("Database cost of the drains", &t);
+
+    let mut t = Table::new([
+        "commit -> ack (ms)",
+        "offered/s",
+        "commits/s",
+        "p50",
+        "p90",
+        "p99",
+        "max",
+        "received p50",
+        "received p99",
+        "stmts/msg",
+        "load",
+    ]);
+    for l in &r.latency {
+        let p = l.commit_to_ack;
+        let q = l.commit_to_received;
+        t.row([
+            format!("wake-up {}", l.wakeup),
+            l.offered_rate.map_or("max".into(), fmt_count),
+            fmt_count(l.commit_rate),
+            fmt_ms(p.map(|p| p.p50_ms)),
+            fmt_ms(p.map(|p| p.p90_ms)),
+            fmt_ms(p.map(|p| p.p99_ms)),
+            fmt_ms(p.map(|p| p.max_ms)),
+            fmt_ms(q.map(|p| p.p50_ms)),
+            fmt_ms(q.map(|p| p.p99_ms)),
+            l.relay_statements_per_message
+                .map_or("-".into(), |s| format!("{s:.3}")),
+            fmt_load(l.load),
+        ]);
+    }
+    section(
+        "Steady state: database clock before COMMIT -> broker ack (relay) / received (subscriber)",
+        &t,
+    );
+
+    for e in [&r.enqueue_fixed_rate, &r.enqueue].into_iter().flatten() {
+        let mut t = Table::new([
+            "business transaction",
+            "tx/s",
+            "tx p50 ms",
+            "tx p99 ms",
+            "commit p50 ms",
+            "commit p99 ms",
+            "load",
+        ]);
+        let mut variants = vec![
+            ("without outbox", &e.without),
+            ("with outbox (store.begin/commit)", &e.with_outbox),
+        ];
+        if let Some(w) = &e.with_outbox_trigger {
+            variants.push(("with outbox (NOTIFY in the tx)", w));
+        }
+        for (name, v) in variants {
+            t.row([
+                name.to_owned(),
+                fmt_count(v.rate),
+                fmt_ms(v.transaction.map(|p| p.p50_ms)),
+                fmt_ms(v.transaction.map(|p| p.p99_ms)),
+                fmt_ms(v.commit.map(|p| p.p50_ms)),
+                fmt_ms(v.commit.map(|p| p.p99_ms)),
+                fmt_load(e.load),
+            ]);
+        }
+        let pct = |o: Option<f64>| o.map_or("-".into(), |o| format!("{:+.1}%", o * 100.0));
+        t.row([
+            "overhead (store.begin/commit)".to_owned(),
+            String::new(),
+            pct(e.overhead_p50),
+            pct(e.overhead_p99),
+        ]);
+        if e.with_outbox_trigger.is_some() {
+            t.row([
+                "overhead (NOTIFY in the tx)".to_owned(),
+                String::new(),
+                pct(e.overhead_trigger_p50),
+                pct(e.overhead_trigger_p99),
+            ]);
+        }
+        let title = match e.offered_rate {
+            Some(r) => format!("Enqueue overhead at {} transactions/s", fmt_count(r)),
+            None => "Enqueue overhead at the producers' maximum".to_owned(),
+        };
+        section(&title, &t);
+    }
+
+    if let Some(i) = &r.idle {
+        let mut t = Table::new([
+            "idle relay",
+            "stmts/s",
+            "stmts/poll interval",
+            "table scans/s",
+            "db commits/s (all clients)",
+            "load",
+        ]);
+        t.row([
+            format!(
+                "poll interval {} ms, {:.0} s",
+                i.poll_interval_ms, i.seconds
+            ),
+            format!("{:.2}", i.statements_per_second),
+            format!("{:.2}", i.statements_per_poll_interval),
+            i.table_scans_per_second
+                .map_or("-".into(), |v| format!("{v:.2}")),
+            i.db_commits_per_second_all_clients
+                .map_or("-".into(), |v| format!("{v:.2}")),
+            fmt_load(i.load),
+        ]);
+        section("Idle cost", &t);
+    }
+
+    let mut t = Table::new(["target (issue 6)", "goal", "measured", "met"]);
+    for g in &r.targets {
+        t.row([
+            g.name.clone(),
+            g.goal.clone(),
+            g.value.map_or("-".into(), |v| format!("{v:.2}")),
+            match g.met {
+                Some(true) => "yes".into(),
+                Some(false) => "NO".into(),
+                None => "not measured".into(),
+            },
+        ]);
+    }
+    section("Targets", &t);
+    for n in &r.notes {
+        out.push_str(&format!("note: {n}\n"));
+    }
+    out
+}

@@ -1,0 +1,569 @@
+//! The two services' databases: the order service's outbox store and orders table, the
+//! inventory service's inbox, stock and deduction log; on two SQLite files, or both on one
+//! PostgreSQL or MySQL/MariaDB database. Also the statements the clients and the report run on
+//! them.
+//!
+//! Each query is written once: [`each_db!`] runs the same code on whichever database the run
+//! uses, and [`Services::sql`] puts `?` placeholders into the database's syntax.
+
+use std::path::Path;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use outbox::{Inbox, MySqlStore, NewMessage, PgStore, SqliteStore, Store, StoreOptions};
+use sqlx::ConnectOptions;
+use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
+};
+
+use super::scenario::{CancelOrder, Order, initial_stock, numbered};
+use super::{CONSUMER, DemoArgs, PLACED, SKUS, TOPIC};
+
+/// Table names of both services.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Tables {
+    /// The order service's orders.
+    pub(super) orders: &'static str,
+    /// The order service's outbox.
+    pub(super) outbox: &'static str,
+    /// The inventory service's stock per SKU.
+    pub(super) stock: &'static str,
+    /// The inventory service's inbox.
+    pub(super) inbox: &'static str,
+    /// The inventory service's deduction log.
+    pub(super) deductions: &'static str,
+}
+
+/// SQLite: each service has its own file, so plain names.
+const SQLITE_TABLES: Tables = Tables {
+    orders: "orders",
+    outbox: "outbox",
+    stock: "stock",
+    inbox: "inbox",
+    deductions: "deductions",
+};
+
+/// PostgreSQL: both services share the database, so distinct prefixed names.
+const PG_TABLES: Tables = Tables {
+    orders: "demo_orders",
+    outbox: "demo_outbox",
+    stock: "demo_stock",
+    inbox: "demo_inbox",
+    deductions: "demo_deductions",
+};
+
+/// The two services' databases.
+#[derive(Clone)]
+pub(super) enum Services {
+    /// Two SQLite files.
+    Sqlite {
+        /// The order service's outbox (its pool holds the orders table too).
+        store: SqliteStore,
+        /// The inventory service's database.
+        inventory: SqlitePool,
+        /// The inventory service's inbox.
+        inbox: Inbox<sqlx::Sqlite>,
+    },
+    /// One PostgreSQL database.
+    Postgres {
+        /// The order service's outbox (its pool holds the orders table too).
+        store: PgStore,
+        /// The inventory service's pool.
+        inventory: PgPool,
+        /// The inventory service's inbox.
+        inbox: Inbox<sqlx::Postgres>,
+    },
+    /// One MySQL/MariaDB database.
+    MySql {
+        /// The order service's outbox (its pool holds the orders table too).
+        store: MySqlStore,
+        /// The inventory service's pool.
+        inventory: MySqlPool,
+        /// The inventory service's inbox.
+        inbox: Inbox<sqlx::MySql>,
+    },
+}
+
+/// `$body` with `$var` bound to the field `$field` (`store`, `inventory` or `inbox`) of
+/// `$services`, whatever the database: the same code, compiled for each driver.
+macro_rules! each_db {
+    ($services:expr, $field:ident, |$var:ident| $body:expr) => {
+        match $services {
+            Services::Sqlite { $field: $var, .. } => $body,
+            Services::Postgres { $field: $var, .. } => $body,
+            Services::MySql { $field: $var, .. } => $body,
+        }
+    };
+}
+pub(super) use each_db;
+
+/// The statements creating each service's own tables (beside the outbox and the inbox, which
+/// their migrations create).
+struct Ddl {
+    /// The orders table.
+    orders: String,
+    /// The stock and the deduction log (several statements).
+    inventory: String,
+}
+
+impl Services {
+    /// Create fresh databases for both services.
+    pub(super) async fn open(args: &DemoArgs) -> anyhow::Result<Services> {
+        match &args.database {
+            None => Services::open_sqlite(&args.data_dir, args.orders).await,
+            Some(url) if url.starts_with("postgres://") || url.starts_with("postgresql://") => {
+                Services::open_postgres(url, args.orders).await
+            }
+            Some(url) if url.starts_with("mysql://") || url.starts_with("mariadb://") => {
+                Services::open_mysql(&url.replacen("mariadb://", "mysql://", 1), args.orders).await
+            }
+            Some(url) => bail!("--database must be a postgres:// or mysql:// URL, not {url:?}"),
+        }
+    }
+
+    async fn open_sqlite(dir: &Path, orders: usize) -> anyhow::Result<Services> {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+        for db in ["orders.db", "inventory.db"] {
+            for suffix in ["", "-wal", "-shm"] {
+                let file = dir.join(format!("{db}{suffix}"));
+                match std::fs::remove_file(&file) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(e).context(format!("cannot delete {}", file.display())),
+                }
+            }
+        }
+        let t = SQLITE_TABLES;
+        let store = SqliteStore::from_pool(
+            sqlite_pool(&dir.join("orders.db"))
+                .await
+                .context("cannot open the order database")?,
+            StoreOptions::table(t.outbox),
+        )?;
+        let inventory = sqlite_pool(&dir.join("inventory.db"))
+            .await
+            .context("cannot open the inventory database")?;
+        let inbox = Inbox::new(inventory.clone(), t.inbox, CONSUMER)?;
+        let ddl = Ddl {
+            orders: format!(
+                "CREATE TABLE {} (id INTEGER PRIMARY KEY, sku TEXT NOT NULL, qty INTEGER NOT NULL, \
+                 status TEXT NOT NULL DEFAULT '{PLACED}', \
+                 created_at INTEGER NOT NULL DEFAULT (CAST(ROUND((julianday('now') - 2440587.5) * 86400000) AS INTEGER)))",
+                t.orders
+            ),
+            inventory: format!(
+                "CREATE TABLE {stock} (sku TEXT PRIMARY KEY, qty INTEGER NOT NULL);
+                 CREATE TABLE {log} (id INTEGER PRIMARY KEY AUTOINCREMENT, order_id INTEGER NOT NULL,
+                     sku TEXT NOT NULL, qty INTEGER NOT NULL, message_id TEXT NOT NULL);
+                 CREATE INDEX {log}_order_id ON {log} (order_id);",
+                stock = t.stock,
+                log = t.deductions
+            ),
+        };
+        Services::Sqlite {
+            store,
+            inventory,
+            inbox,
+        }
+        .prepare(orders, ddl)
+        .await
+    }
+
+    async fn open_postgres(url: &str, orders: usize) -> anyhow::Result<Services> {
+        let t = PG_TABLES;
+        let outbox_options = StoreOptions::table(t.outbox);
+        let store = PgStore::from_pool(
+            pg_pool(url)
+                .await
+                .context("cannot connect to PostgreSQL for the order service")?,
+            outbox_options.clone(),
+        )?;
+        let inventory = pg_pool(url)
+            .await
+            .context("cannot connect to PostgreSQL for the inventory service")?;
+
+        // Start from scratch: drop the demo tables (with the inboxes' dead-letter tables) and
+        // forget their migrations.
+        let (ours, all) = shared_tables(&outbox_options);
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DROP TABLE IF EXISTS {all} CASCADE"
+        )))
+        .execute(&inventory)
+        .await?;
+        let has_migrations: Option<String> =
+            sqlx::query_scalar("SELECT to_regclass('outbox_migrations')::text")
+                .fetch_one(&inventory)
+                .await?;
+        if has_migrations.is_some() {
+            sqlx::query("DELETE FROM outbox_migrations WHERE table_name = ANY($1)")
+                .bind(ours)
+                .execute(&inventory)
+                .await?;
+        }
+
+        let inbox = Inbox::new(inventory.clone(), t.inbox, CONSUMER)?;
+        let ddl = Ddl {
+            orders: format!(
+                "CREATE TABLE {} (id bigint PRIMARY KEY, sku text NOT NULL, qty bigint NOT NULL, \
+                 status text NOT NULL DEFAULT '{PLACED}', created_at timestamptz NOT NULL DEFAULT now())",
+                t.orders
+            ),
+            inventory: format!(
+                "CREATE TABLE {stock} (sku text PRIMARY KEY, qty bigint NOT NULL);
+                 CREATE TABLE {log} (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+                     order_id bigint NOT NULL, sku text NOT NULL, qty bigint NOT NULL,
+                     message_id uuid NOT NULL);
+                 CREATE INDEX {log}_order_id ON {log} (order_id);",
+                stock = t.stock,
+                log = t.deductions
+            ),
+        };
+        Services::Postgres {
+            store,
+            inventory,
+            inbox,
+        }
+        .prepare(orders, ddl)
+        .await
+    }
+
+    async fn open_mysql(url: &str, orders: usize) -> anyhow::Result<Services> {
+        let t = PG_TABLES;
+        let outbox_options = StoreOptions::table(t.outbox);
+        let store = MySqlStore::from_pool(
+            mysql_pool(url)
+                .await
+                .context("cannot connect to MySQL/MariaDB for the order service")?,
+            outbox_options.clone(),
+        )?;
+        let inventory = mysql_pool(url)
+            .await
+            .context("cannot connect to MySQL/MariaDB for the inventory service")?;
+        // Start from scratch: drop the demo tables (with the inboxes' dead-letter tables) and
+        // forget their migrations.
+        let (ours, all) = shared_tables(&outbox_options);
+        sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS {all}")))
+            .execute(&inventory)
+            .await?;
+        let has_migrations: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM information_schema.tables \
+             WHERE table_schema = DATABASE() AND table_name = 'outbox_migrations'",
+        )
+        .fetch_one(&inventory)
+        .await?;
+        if has_migrations > 0 {
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "DELETE FROM outbox_migrations WHERE table_name IN ({})",
+                ours.iter()
+                    .map(|t| format!("'{t}'"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )))
+            .execute(&inventory)
+            .await?;
+        }
+
+        let inbox = Inbox::new(inventory.clone(), t.inbox, CONSUMER)?;
+        let ddl = Ddl {
+            orders: format!(
+                "CREATE TABLE {} (id BIGINT PRIMARY KEY, sku VARCHAR(64) NOT NULL, qty BIGINT NOT NULL, \
+                 status VARCHAR(32) NOT NULL DEFAULT '{PLACED}', \
+                 created_at DATETIME(6) NOT NULL DEFAULT (UTC_TIMESTAMP(6))) ENGINE=InnoDB",
+                t.orders
+            ),
+            inventory: format!(
+                "CREATE TABLE {stock} (sku VARCHAR(64) PRIMARY KEY, qty BIGINT NOT NULL) ENGINE=InnoDB;
+                 CREATE TABLE {log} (id BIGINT AUTO_INCREMENT PRIMARY KEY,
+                     order_id BIGINT NOT NULL, sku VARCHAR(64) NOT NULL, qty BIGINT NOT NULL,
+                     message_id CHAR(36) NOT NULL, KEY {log}_order_id (order_id)) ENGINE=InnoDB;",
+                stock = t.stock,
+                log = t.deductions
+            ),
+        };
+        Services::MySql {
+            store,
+            inventory,
+            inbox,
+        }
+        .prepare(orders, ddl)
+        .await
+    }
+
+    /// Migrate the outbox and the inbox, create the services' own tables, give the store its
+    /// rejection hook and fill the stock: the part of opening every database shares.
+    async fn prepare(mut self, orders: usize, ddl: Ddl) -> anyhow::Result<Services> {
+        let t = self.tables();
+        each_db!(&mut self, store, |store| {
+            store.migrate().await?;
+            sqlx::query(sqlx::AssertSqlSafe(ddl.orders))
+                .execute(store.pool())
+                .await?;
+            // The compensation enqueues through a store without a hook of its own (enqueue
+            // needs only the table); the store the relay and the confirmation listener use
+            // runs it.
+            let hook = Arc::new(CancelOrder {
+                orders: t.orders,
+                outbox: store.clone(),
+            });
+            *store = store.clone().with_rejection_hook(hook);
+        });
+        each_db!(&self, inbox, |inbox| inbox.migrate().await?);
+        each_db!(&self, inventory, |pool| {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(ddl.inventory))
+                .execute(pool)
+                .await?;
+        });
+        let insert = self.sql(&format!("INSERT INTO {} (sku, qty) VALUES (?, ?)", t.stock));
+        for sku in SKUS {
+            each_db!(&self, inventory, |pool| {
+                sqlx::query(sqlx::AssertSqlSafe(insert.as_str()))
+                    .bind(sku)
+                    .bind(initial_stock(orders))
+                    .execute(pool)
+                    .await?;
+            });
+        }
+        Ok(self)
+    }
+
+    /// The databases, for the banner.
+    pub(super) fn describe(&self, args: &DemoArgs) -> String {
+        match self {
+            Services::Sqlite { .. } => format!(
+                "SQLite ({0}/orders.db, {0}/inventory.db)",
+                args.data_dir.display()
+            ),
+            Services::Postgres { .. } => {
+                "PostgreSQL (demo_orders + demo_outbox, demo_stock + demo_inbox + demo_deductions)"
+                    .into()
+            }
+            Services::MySql { .. } => "MySQL/MariaDB (demo_orders + demo_outbox, demo_stock + \
+                 demo_inbox + demo_deductions)"
+                .into(),
+        }
+    }
+
+    /// The tables' names on this database.
+    pub(super) fn tables(&self) -> Tables {
+        match self {
+            Services::Sqlite { .. } => SQLITE_TABLES,
+            Services::Postgres { .. } | Services::MySql { .. } => PG_TABLES,
+        }
+    }
+
+    /// `sql`, written with `?` placeholders, in this database's syntax.
+    fn sql(&self, sql: &str) -> String {
+        match self {
+            Services::Postgres { .. } => numbered(sql),
+            Services::Sqlite { .. } | Services::MySql { .. } => sql.to_owned(),
+        }
+    }
+
+    /// The order service's outbox store, for the relay.
+    pub(super) fn store(&self) -> Arc<dyn Store> {
+        each_db!(self, store, |store| Arc::new(store.clone()))
+    }
+
+    /// Place one order: the order row and its `order-created` message in one transaction.
+    pub(super) async fn place_order(&self, order: &Order) -> anyhow::Result<()> {
+        let message =
+            NewMessage::json(TOPIC, order)?.with_partition_key(order.order_id.to_string());
+        let insert = self.sql(&format!(
+            "INSERT INTO {} (id, sku, qty) VALUES (?, ?, ?)",
+            self.tables().orders
+        ));
+        each_db!(self, store, |store| {
+            let mut tx = store.begin().await?;
+            sqlx::query(sqlx::AssertSqlSafe(insert))
+                .bind(order.order_id)
+                .bind(&order.sku)
+                .bind(order.qty)
+                .execute(&mut *tx)
+                .await?;
+            store.enqueue(&mut tx, message).await?;
+            store.commit(tx).await?;
+        });
+        Ok(())
+    }
+
+    /// Every order row: (id, sku, qty, status).
+    pub(super) async fn orders(&self) -> anyhow::Result<Vec<(i64, String, i64, String)>> {
+        let sql = format!("SELECT id, sku, qty, status FROM {}", self.tables().orders);
+        Ok(each_db!(self, store, |store| {
+            sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                .fetch_all(store.pool())
+                .await?
+        }))
+    }
+
+    /// Every outbox row: (topic, partition key = order id, status number). Read from the table:
+    /// the store's API has counts by status ([`Store::stats`]), not rows by topic and key.
+    pub(super) async fn outbox_rows(&self) -> anyhow::Result<Vec<(String, Option<String>, i64)>> {
+        let sql = if matches!(self, Services::MySql { .. }) {
+            format!(
+                "SELECT topic, partition_key, CAST(status AS SIGNED) FROM {}",
+                self.tables().outbox
+            )
+        } else {
+            format!(
+                "SELECT CAST(topic AS TEXT), CAST(partition_key AS TEXT), CAST(status AS BIGINT) FROM {}",
+                self.tables().outbox
+            )
+        };
+        Ok(each_db!(self, store, |store| {
+            sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                .fetch_all(store.pool())
+                .await?
+        }))
+    }
+
+    /// Commit-to-verdict latency of every `order-created` message that got its verdict
+    /// (`confirmed_at - created_at`, database clock), in microseconds. Read from the outbox
+    /// table: the store's API has no per-message timestamps.
+    pub(super) async fn verdict_latencies(&self) -> anyhow::Result<Vec<i64>> {
+        let t = self.tables().outbox;
+        let sql = self.sql(&match self {
+            Services::Sqlite { .. } => format!(
+                "SELECT (confirmed_at - created_at) * 1000 FROM {t} \
+                 WHERE topic = ? AND confirmed_at IS NOT NULL"
+            ),
+            Services::Postgres { .. } => format!(
+                "SELECT CAST(EXTRACT(EPOCH FROM confirmed_at - created_at) * 1000000 AS BIGINT) \
+                 FROM {t} WHERE topic = ? AND confirmed_at IS NOT NULL"
+            ),
+            Services::MySql { .. } => format!(
+                "SELECT TIMESTAMPDIFF(MICROSECOND, created_at, confirmed_at) \
+                 FROM {t} WHERE topic = ? AND confirmed_at IS NOT NULL"
+            ),
+        });
+        Ok(each_db!(self, store, |store| {
+            sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+                .bind(TOPIC)
+                .fetch_all(store.pool())
+                .await?
+        }))
+    }
+
+    /// Every deduction log row: (order id, sku, qty).
+    pub(super) async fn deductions(&self) -> anyhow::Result<Vec<(i64, String, i64)>> {
+        let sql = format!(
+            "SELECT order_id, sku, qty FROM {}",
+            self.tables().deductions
+        );
+        Ok(each_db!(self, inventory, |pool| {
+            sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                .fetch_all(pool)
+                .await?
+        }))
+    }
+
+    /// Orders with at least one deduction.
+    pub(super) async fn orders_with_deduction(&self) -> anyhow::Result<u64> {
+        let sql = format!(
+            "SELECT COUNT(DISTINCT order_id) FROM {}",
+            self.tables().deductions
+        );
+        let n: i64 = each_db!(self, inventory, |pool| {
+            sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+                .fetch_one(pool)
+                .await?
+        });
+        Ok(n as u64)
+    }
+
+    /// Stock per SKU now.
+    pub(super) async fn stock(&self) -> anyhow::Result<Vec<(String, i64)>> {
+        let sql = format!("SELECT sku, qty FROM {}", self.tables().stock);
+        Ok(each_db!(self, inventory, |pool| {
+            sqlx::query_as(sqlx::AssertSqlSafe(sql))
+                .fetch_all(pool)
+                .await?
+        }))
+    }
+
+    /// Publish attempts recorded in the outbox (the sum of `attempts`). Read from the table:
+    /// the store's API does not sum them.
+    pub(super) async fn publish_attempts(&self) -> anyhow::Result<i64> {
+        let int = if matches!(self, Services::MySql { .. }) {
+            "SIGNED"
+        } else {
+            "BIGINT"
+        };
+        let sql = format!(
+            "SELECT CAST(COALESCE(SUM(attempts), 0) AS {int}) FROM {}",
+            self.tables().outbox
+        );
+        Ok(each_db!(self, store, |store| {
+            sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+                .fetch_one(store.pool())
+                .await?
+        }))
+    }
+}
+
+/// The demo's tables on a database both services share (PostgreSQL, MySQL): those whose
+/// migrations are recorded, and all of them with the inboxes' dead-letter tables, comma-separated
+/// (for `DROP TABLE`).
+fn shared_tables(outbox_options: &StoreOptions) -> (Vec<String>, String) {
+    let t = PG_TABLES;
+    let ours: Vec<String> = [
+        t.orders,
+        t.outbox,
+        outbox_options.inbox_table.as_str(),
+        t.stock,
+        t.inbox,
+        t.deductions,
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    let dead_letters = [
+        format!("{}_dlq", outbox_options.inbox_table),
+        format!("{}_dlq", t.inbox),
+    ];
+    let all = format!("{}, {}", ours.join(", "), dead_letters.join(", "));
+    (ours, all)
+}
+
+/// A pool on a fresh SQLite file: WAL, `synchronous = FULL`, a 10 s busy timeout. Statement
+/// logging is off: waiting for SQLite's single write lock under 16 concurrent clients is the
+/// expected contention here, not a slow query worth a warning.
+async fn sqlite_pool(file: &Path) -> Result<SqlitePool, sqlx::Error> {
+    SqlitePoolOptions::new()
+        .max_connections(8)
+        .connect_with(
+            SqliteConnectOptions::new()
+                .filename(file)
+                .create_if_missing(true)
+                .journal_mode(SqliteJournalMode::Wal)
+                .synchronous(SqliteSynchronous::Full)
+                .busy_timeout(Duration::from_secs(10))
+                .disable_statement_logging(),
+        )
+        .await
+}
+
+/// A pool of up to 10 PostgreSQL connections, statement logging off (row-lock waits on the hot
+/// stock rows are expected contention).
+async fn pg_pool(url: &str) -> Result<PgPool, sqlx::Error> {
+    let options = PgConnectOptions::from_str(url)?.disable_statement_logging();
+    PgPoolOptions::new()
+        .max_connections(10)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect_with(options)
+        .await
+}
+
+/// A pool of up to 10 MySQL/MariaDB connections, statement logging off (row-lock waits on the
+/// hot stock rows are expected contention).
+async fn mysql_pool(url: &str) -> Result<MySqlPool, sqlx::Error> {
+    let options = MySqlConnectOptions::from_str(url)?.disable_statement_logging();
+    MySqlPoolOptions::new()
+        .max_connections(10)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect_with(options)
+        .await
+}
