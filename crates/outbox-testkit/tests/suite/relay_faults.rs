@@ -55,6 +55,19 @@ fn batch_of(n: usize, tag: &str) -> Vec<NewMessage> {
         .collect()
 }
 
+/// The row of `id`, whose last error names `reason` (a poison message dead-lettered with the
+/// panic's message).
+async fn failed_with(fx: &dyn StoreFixture, id: Uuid, reason: &str) -> outbox_testkit::RowState {
+    let row = fx.row(id).await;
+    assert!(
+        row.last_error
+            .as_deref()
+            .is_some_and(|e| e.contains(reason)),
+        "poison dead-lettered with the panic message {reason:?}: {row:?}"
+    );
+    row
+}
+
 async fn wait_resolved(fx: &dyn StoreFixture, poison: &[Uuid], timeout: Duration) {
     wait_until(
         "every poison message FAILED and every other message SENT",
@@ -91,13 +104,7 @@ async fn defect_01_transport_panic_is_contained(fx: &dyn StoreFixture) {
     let r1 = relay1.spawn();
     let r2 = relay2.spawn();
     wait_resolved(fx, &[poison1], Duration::from_secs(30)).await;
-    let row = fx.row(poison1).await;
-    assert!(
-        row.last_error
-            .as_deref()
-            .is_some_and(|e| e.contains("transport panicked: poison pill")),
-        "poison dead-lettered with the panic message: {row:?}"
-    );
+    let row = failed_with(fx, poison1, "transport panicked: poison pill").await;
     assert_eq!(row.attempts, 1, "{row:?}");
     let counts = counts_by_id(&mem.delivered());
     assert_eq!(counts.len(), 39, "every other message delivered");
@@ -129,13 +136,7 @@ async fn defect_01_transport_panic_is_contained(fx: &dyn StoreFixture) {
     let poison2 = more[5].message_id();
     fx.enqueue_commit(more).await.expect("enqueue");
     wait_resolved(fx, &[poison1, poison2], Duration::from_secs(30)).await;
-    let row = fx.row(poison2).await;
-    assert!(
-        row.last_error
-            .as_deref()
-            .is_some_and(|e| e.contains("transport panicked: poison pill")),
-        "{row:?}"
-    );
+    failed_with(fx, poison2, "transport panicked: poison pill").await;
     assert!(r2.metrics().snapshot().takeovers > 0, "relay 2 took over");
     assert!(r2.stalled().is_none());
     r2.shutdown().await.expect("shutdown");
@@ -175,13 +176,7 @@ async fn defect_01_batch_panic_is_contained(fx: &dyn StoreFixture) {
         .expect("relay")
         .spawn();
     wait_resolved(fx, &[poison], Duration::from_secs(30)).await;
-    let row = fx.row(poison).await;
-    assert!(
-        row.last_error
-            .as_deref()
-            .is_some_and(|e| e.contains("batch panicked: hook poison")),
-        "{row:?}"
-    );
+    let row = failed_with(fx, poison, "batch panicked: hook poison").await;
     assert_eq!(row.attempts, 3, "{row:?}");
     for r in fx.rows().await {
         if r.message_id != poison {
@@ -245,39 +240,14 @@ async fn defect_01_a_stalled_relay_says_so(fx: &dyn StoreFixture) {
     relay.shutdown().await.expect("shutdown");
 }
 
-macro_rules! on_sqlite_and_postgres {
-    ($($name:ident),* $(,)?) => {
-        mod sqlite {
-            use super::*;
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    crate::init_tracing();
-                    let fx = SqliteFixture::new().await;
-                    super::$name(&fx).await;
-                    fx.cleanup().await;
-                }
-            )*
-        }
-        mod postgres {
-            use super::*;
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    crate::init_tracing();
-                    let fx = PgFixture::new().await;
-                    super::$name(&fx).await;
-                    fx.cleanup().await;
-                }
-            )*
-        }
-    };
-}
-
-on_sqlite_and_postgres!(
-    defect_01_transport_panic_is_contained,
-    defect_01_batch_panic_is_contained,
-    defect_01_a_stalled_relay_says_so,
+fixture_tests!(
+    [sqlite: SqliteFixture, postgres: PgFixture],
+    [super],
+    [
+        defect_01_transport_panic_is_contained,
+        defect_01_batch_panic_is_contained,
+        defect_01_a_stalled_relay_says_so,
+    ],
 );
 
 /// A webhook receiver on real HTTP: counts posts per `webhook-id` and answers by `mode`.
