@@ -46,15 +46,13 @@ mod faults;
 mod fixture;
 pub mod kafka;
 pub mod mqtt;
-mod mysql;
 mod nats;
-mod postgres;
 pub mod rabbitmq;
 pub mod redis;
 #[cfg(feature = "rocketmq")]
 pub mod rocketmq;
-mod sqlite;
 pub mod store_suite;
+mod stores;
 mod transport;
 pub mod transport_suite;
 
@@ -64,14 +62,14 @@ pub use fixture::{
 };
 pub use kafka::KafkaFixture;
 pub use mqtt::{MqttFixture, mqtt_url};
-pub use mysql::{DEFAULT_MYSQL_URL, MySqlFixture, mysql_pool, mysql_url};
 pub use nats::{NatsFixture, nats_client, nats_client_at};
-pub use postgres::{PgFixture, pg_pool};
 pub use rabbitmq::{RabbitMqFixture, rabbitmq_config, rabbitmq_host_port, rabbitmq_url};
 pub use redis::{RedisFixture, redis_url};
 #[cfg(feature = "rocketmq")]
 pub use rocketmq::RocketMqFixture;
-pub use sqlite::SqliteFixture;
+pub use stores::{
+    DEFAULT_MYSQL_URL, MySqlFixture, PgFixture, SqliteFixture, mysql_pool, mysql_url, pg_pool,
+};
 pub use transport::{
     RawDelivery, Received, TransportFixture, WebhookFixture, WebhookReceiver, claimed_message,
     header_message_id, publish_to,

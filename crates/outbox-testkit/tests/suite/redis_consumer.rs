@@ -293,36 +293,32 @@ async fn trim_delivered_keeps_pending_and_undelivered_entries() {
                 .await;
         }
     };
+    let ack = async |group: &str, ids: &[String]| {
+        let _: i64 = rx
+            .query(redis::cmd("XACK").arg(&stream).arg(group).arg(ids))
+            .await;
+    };
+    let entry_ids = async || -> Vec<String> {
+        rx.entries(&stream)
+            .await
+            .into_iter()
+            .map(|(id, _)| id)
+            .collect()
+    };
     // Group g: 6 delivered, the first 3 acknowledged (3 pending); group h: 2 delivered and
     // acknowledged (8 undelivered).
     read("g", 6, true).await;
-    let _: i64 = rx
-        .query(redis::cmd("XACK").arg(&stream).arg("g").arg(&ids[..3]))
-        .await;
+    ack("g", &ids[..3]).await;
     read("h", 2, true).await;
-    let _: i64 = rx
-        .query(redis::cmd("XACK").arg(&stream).arg("h").arg(&ids[..2]))
-        .await;
+    ack("h", &ids[..2]).await;
     assert_eq!(rx.transport.trim_delivered(&stream).await.unwrap(), 2);
-    let left: Vec<String> = rx
-        .entries(&stream)
-        .await
-        .into_iter()
-        .map(|(id, _)| id)
-        .collect();
+    let left = entry_ids().await;
     assert_eq!(left, ids[2..].to_vec(), "h's undelivered entries are kept");
     // h catches up: now g's oldest pending entry is the bound.
     read("h", 100, false).await;
-    let _: i64 = rx
-        .query(redis::cmd("XACK").arg(&stream).arg("h").arg(&ids[2..]))
-        .await;
+    ack("h", &ids[2..]).await;
     assert_eq!(rx.transport.trim_delivered(&stream).await.unwrap(), 1);
-    let left: Vec<String> = rx
-        .entries(&stream)
-        .await
-        .into_iter()
-        .map(|(id, _)| id)
-        .collect();
+    let left = entry_ids().await;
     assert_eq!(left, ids[3..].to_vec(), "g's pending entries are kept");
     rx.cleanup().await;
 }

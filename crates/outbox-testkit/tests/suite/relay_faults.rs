@@ -21,7 +21,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::relay::{counts_by_id, fast_config, relay_to};
+use crate::relay::{counts_by_id, fast_config, relay_to, wait_all_status};
 
 const POISON: &[u8] = b"poison";
 
@@ -368,13 +368,7 @@ async fn defect_02_acknowledged_messages_survive_a_publish_timeout() {
     // The per-request timeout is longer than the relay's publish timeout: the relay's cut
     // decides.
     let relay = relay_to_webhook(&fx, webhook(&url, Duration::from_secs(30), 64), config).spawn();
-    wait_until("every message SENT", Duration::from_secs(30), || async {
-        fx.rows()
-            .await
-            .iter()
-            .all(|r| r.status == Status::Sent.as_i16())
-    })
-    .await;
+    wait_all_status(&fx, Status::Sent, Duration::from_secs(30)).await;
     let posts = rx.posts.lock().unwrap().clone();
     for id in &ids {
         let n = posts.get(&id.to_string()).copied().unwrap_or(0);
@@ -430,13 +424,7 @@ async fn defect_02_a_slow_receiver_still_drains() {
         config,
     )
     .spawn();
-    wait_until("every message SENT", Duration::from_secs(60), || async {
-        fx.rows()
-            .await
-            .iter()
-            .all(|r| r.status == Status::Sent.as_i16())
-    })
-    .await;
+    wait_all_status(&fx, Status::Sent, Duration::from_secs(60)).await;
     let posts = rx.posts.lock().unwrap().clone();
     assert!(ids.iter().all(|id| posts.contains_key(&id.to_string())));
     let repeated = posts.values().filter(|n| **n > 1).count() as u64;
@@ -542,13 +530,7 @@ async fn defect_11_attempt_header_counts_from_one() {
         fast_config("attempts"),
     )
     .spawn();
-    wait_until("both SENT", Duration::from_secs(20), || async {
-        fx.rows()
-            .await
-            .iter()
-            .all(|r| r.status == Status::Sent.as_i16())
-    })
-    .await;
+    wait_all_status(&fx, Status::Sent, Duration::from_secs(20)).await;
     let seen = handler.seen.lock().unwrap().clone();
     let of = |p: &str| -> Vec<(String, u32)> {
         seen.iter()
