@@ -12,13 +12,14 @@ use outbox::store::{
     Bucket, BucketCompletion, BucketLease, BucketRow, LeaseToken, MembershipRequest, Outcome, Store,
 };
 use outbox::transport::memory::Delivered;
-use outbox::{MemoryTransport, NewMessage, Relay, RelayConfig, RelayHooks, Router, Status};
+use outbox::{MemoryTransport, NewMessage, RelayConfig, RelayHooks, Status};
 use outbox_testkit::{PgFixture, SqliteFixture, StoreFixture, wait_until, within};
 use sqlx::AssertSqlSafe;
 use tokio::sync::Notify;
 
 use crate::crash::apply_through_inbox;
-use crate::relay::{fast_config, relay_to, wait_all_status};
+use crate::inbox::pg_with_effects;
+use crate::relay::{fast_config, hooked_relay_to, relay_to, wait_all_status};
 
 /// Pauses the first batch after its publish and before its completion until told to resume.
 pub struct PauseFirstCompletion {
@@ -62,17 +63,12 @@ async fn c17_scenario(
         Arc::new(MemoryTransport::new()),
         Arc::new(MemoryTransport::new()),
     );
-    let r1 = Relay::builder(fx.store())
-        .router(Router::single(mem1.clone()))
-        // One batch in flight: while it stalls, R1 reads nothing else.
-        .config(RelayConfig {
-            in_flight_batches: 1,
-            ..fast_config("r1")
-        })
-        .hooks(hooks.clone())
-        .build()
-        .unwrap()
-        .spawn();
+    // One batch in flight: while it stalls, R1 reads nothing else.
+    let config = RelayConfig {
+        in_flight_batches: 1,
+        ..fast_config("r1")
+    };
+    let r1 = hooked_relay_to(fx, mem1.clone(), config, hooks.clone()).spawn();
     let id = fx
         .enqueue_commit(vec![NewMessage::new("t", "m1")])
         .await
@@ -127,13 +123,10 @@ async fn c17_scenario(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn c17_takeover_never_overwrites_a_completion() {
     crate::init_tracing();
-    let fx = PgFixture::new().await;
-    let pool = fx.store.pool().clone();
-    let effects = format!("{}.effects", fx.schema);
-    crate::inbox::pg_effects(&pool, &effects).await;
+    let (fx, pool, effects) = pg_with_effects().await;
     c17_scenario(&fx, async |all| {
         let (applied, _) = apply_through_inbox(&pool, &fx.inbox_table(), &effects, &all).await;
-        let n = crate::inbox::pg_count(&pool, &format!("SELECT COUNT(*) FROM {effects}")).await;
+        let n = fx.count(&effects).await;
         (applied, n)
     })
     .await;

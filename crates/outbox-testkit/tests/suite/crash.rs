@@ -21,8 +21,8 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::inbox::{EffectHandler, pg_count, pg_effects};
-use crate::relay::{counts_by_id, fast_config, relay_to, wait_all_status};
+use crate::inbox::{EffectHandler, pg_count, pg_effects, pg_with_effects};
+use crate::relay::{counts_by_id, fast_config, hooked_relay_to, relay_to, wait_all_status};
 
 /// Feed every delivery (duplicates included) through an inbox on `pool`, as a consumer would.
 /// Returns (applied, duplicates).
@@ -62,14 +62,7 @@ pub async fn crash_after_ack_scenario(
     let mem = Arc::new(MemoryTransport::new());
     let hang = Arc::new(AckThenHang::new(mem.clone(), 1));
     let r1 = relay_to(fx, hang.clone(), fast_config("r1")).spawn();
-    let ids = fx
-        .enqueue_commit(
-            (0..10)
-                .map(|i| NewMessage::new("t", format!("{i}")))
-                .collect(),
-        )
-        .await
-        .unwrap();
+    let ids = fx.enqueue_numbered(10).await;
     within(
         "the broker ack",
         Duration::from_secs(10),
@@ -103,18 +96,11 @@ pub async fn crash_after_ack_scenario(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crash_after_ack_before_completion_republishes_once_applied() {
     crate::init_tracing();
-    let fx = PgFixture::new().await;
-    let pool = fx.store.pool().clone();
-    let effects = format!("{}.effects", fx.schema);
-    pg_effects(&pool, &effects).await;
+    let (fx, pool, effects) = pg_with_effects().await;
     crash_after_ack_scenario(&fx, async |delivered| {
         let (applied, dup) =
             apply_through_inbox(&pool, &fx.inbox_table(), &effects, &delivered).await;
-        (
-            applied,
-            dup,
-            pg_count(&pool, &format!("SELECT COUNT(*) FROM {effects}")).await,
-        )
+        (applied, dup, fx.count(&effects).await)
     })
     .await;
     fx.cleanup().await;
@@ -138,13 +124,7 @@ async fn crash_after_ack_nats_duplicate_window_and_inbox() {
         .build()
         .unwrap()
         .spawn();
-    fx.enqueue_commit(
-        (0..10)
-            .map(|i| NewMessage::new("t", format!("{i}")))
-            .collect(),
-    )
-    .await
-    .unwrap();
+    fx.enqueue_numbered(10).await;
     within(
         "the broker ack",
         Duration::from_secs(10),
@@ -175,7 +155,7 @@ async fn crash_after_ack_nats_duplicate_window_and_inbox() {
         cancel.clone(),
     ));
     wait_until("10 effects", Duration::from_secs(10), || async {
-        pg_count(&pool, &format!("SELECT COUNT(*) FROM {effects}")).await >= 10
+        fx.count(&effects).await >= 10
     })
     .await;
     assert_eq!(
@@ -200,6 +180,17 @@ pub struct PauseFirstClaim {
     pub resume: Notify,
 }
 
+impl PauseFirstClaim {
+    /// Pausing the first claim.
+    pub fn new() -> Arc<Self> {
+        Arc::new(PauseFirstClaim {
+            first: AtomicBool::new(true),
+            entered: Notify::new(),
+            resume: Notify::new(),
+        })
+    }
+}
+
 #[async_trait]
 impl RelayHooks for PauseFirstClaim {
     async fn before_publish(&self, _messages: &[outbox::Message]) {
@@ -219,25 +210,16 @@ pub async fn c15_scenario(
     fx: &dyn StoreFixture,
     apply: impl AsyncFnOnce(Vec<Delivered>) -> (usize, i64),
 ) {
-    let hooks = Arc::new(PauseFirstClaim {
-        first: AtomicBool::new(true),
-        entered: Notify::new(),
-        resume: Notify::new(),
-    });
+    let hooks = PauseFirstClaim::new();
     let mem1 = Arc::new(MemoryTransport::new());
     let mem2 = Arc::new(MemoryTransport::new());
-    let r1 = Relay::builder(fx.store())
-        .router(Router::single(mem1.clone()))
-        // One batch in flight: while its batch is paused R1 claims nothing else, so the
-        // takeover is R2's.
-        .config(RelayConfig {
-            in_flight_batches: 1,
-            ..fast_config("r1")
-        })
-        .hooks(hooks.clone())
-        .build()
-        .unwrap()
-        .spawn();
+    // One batch in flight: while its batch is paused R1 claims nothing else, so the takeover is
+    // R2's.
+    let config = RelayConfig {
+        in_flight_batches: 1,
+        ..fast_config("r1")
+    };
+    let r1 = hooked_relay_to(fx, mem1.clone(), config, hooks.clone()).spawn();
     let ids = fx
         .enqueue_commit(vec![NewMessage::new("t", "m1")])
         .await
@@ -290,16 +272,10 @@ pub async fn c15_scenario(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn c15_paused_relay_past_its_lease() {
     crate::init_tracing();
-    let fx = PgFixture::new().await;
-    let pool = fx.store.pool().clone();
-    let effects = format!("{}.effects", fx.schema);
-    pg_effects(&pool, &effects).await;
+    let (fx, pool, effects) = pg_with_effects().await;
     c15_scenario(&fx, async |all| {
         let (applied, _) = apply_through_inbox(&pool, &fx.inbox_table(), &effects, &all).await;
-        (
-            applied,
-            pg_count(&pool, &format!("SELECT COUNT(*) FROM {effects}")).await,
-        )
+        (applied, fx.count(&effects).await)
     })
     .await;
     fx.cleanup().await;

@@ -439,23 +439,13 @@ async fn defect_05_enqueue_on_a_locked_table_times_out_with_a_typed_error() {
 
     // In a producer transaction.
     let mut tx = store.begin().await.unwrap();
-    let e = within(
+    gives_up_naming(
         "enqueue to give up on the locked table",
         Duration::from_secs(10),
+        (&fx.table(), timeout),
         store.enqueue(&mut tx, NewMessage::new("t", "x")),
     )
-    .await
-    .unwrap_err();
-    match &e {
-        EnqueueError::Timeout {
-            table, timeout: t, ..
-        } => {
-            assert_eq!(table, &fx.table());
-            assert_eq!(*t, timeout);
-        }
-        other => panic!("EnqueueError::Timeout, got {other:?}"),
-    }
-    assert!(e.to_string().contains(&fx.table()), "{e}");
+    .await;
     tx.rollback().await.unwrap();
 
     // Outside a transaction block: the session's lock_timeout is restored after the failure.
@@ -523,26 +513,13 @@ async fn defect_05_mysql_enqueue_on_a_locked_table_times_out_with_a_typed_error(
         .fetch_one(&mut *tx)
         .await
         .unwrap();
-    let started = std::time::Instant::now();
-    let e = within(
-        "enqueue to give up on the locked table",
+    let waited = gives_up_naming(
+        "enqueue to give up on the locked table (MySQL)",
         Duration::from_secs(15),
+        (&fx.table, timeout),
         store.enqueue(&mut tx, NewMessage::new("t", "x")),
     )
-    .await
-    .unwrap_err();
-    let waited = started.elapsed();
-    eprintln!("defect_05 mysql: enqueue gave up after {waited:?}: {e}");
-    match &e {
-        EnqueueError::Timeout {
-            table, timeout: t, ..
-        } => {
-            assert_eq!(table, &fx.table);
-            assert_eq!(*t, timeout);
-        }
-        other => panic!("EnqueueError::Timeout, got {other:?}"),
-    }
-    assert!(e.to_string().contains(&fx.table), "{e}");
+    .await;
     assert!(waited >= Duration::from_millis(900), "waited {waited:?}");
     // The caller's connection is usable, its own setting untouched.
     let after: u64 = sqlx::query_scalar("SELECT @@SESSION.lock_wait_timeout")
@@ -592,26 +569,13 @@ async fn defect_05_sqlite_enqueue_on_a_locked_table_times_out_with_a_typed_error
         .fetch_one(&mut *tx)
         .await
         .unwrap();
-    let started = std::time::Instant::now();
-    let e = within(
-        "enqueue to give up on the locked database",
+    let waited = gives_up_naming(
+        "enqueue to give up on the locked database (SQLite)",
         Duration::from_secs(5),
+        ("outbox", timeout),
         store.enqueue(&mut tx, NewMessage::new("t", "x")),
     )
-    .await
-    .unwrap_err();
-    let waited = started.elapsed();
-    eprintln!("defect_05 sqlite: enqueue gave up after {waited:?}: {e}");
-    match &e {
-        EnqueueError::Timeout {
-            table, timeout: t, ..
-        } => {
-            assert_eq!(table, "outbox");
-            assert_eq!(*t, timeout);
-        }
-        other => panic!("EnqueueError::Timeout, got {other:?}"),
-    }
-    assert!(e.to_string().contains("outbox"), "{e}");
+    .await;
     assert!(waited >= Duration::from_millis(900), "waited {waited:?}");
     let busy_after: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
         .fetch_one(&mut *tx)
@@ -636,6 +600,33 @@ async fn defect_05_sqlite_enqueue_on_a_locked_table_times_out_with_a_typed_error
         .await
         .unwrap();
     assert_eq!(n, 1);
+}
+
+/// Await `enqueue` on a locked table (at most `bound`) to its error: `EnqueueError::Timeout`
+/// naming `table` with `timeout`, its message naming the table. Returns how long it took.
+async fn gives_up_naming<T: std::fmt::Debug>(
+    what: &str,
+    bound: Duration,
+    (table, timeout): (&str, Duration),
+    enqueue: impl std::future::Future<Output = Result<T, EnqueueError>>,
+) -> Duration {
+    let started = std::time::Instant::now();
+    let e = within(what, bound, enqueue).await.unwrap_err();
+    let waited = started.elapsed();
+    eprintln!("{what}: gave up after {waited:?}: {e}");
+    match &e {
+        EnqueueError::Timeout {
+            table: t,
+            timeout: d,
+            ..
+        } => {
+            assert_eq!(t, table);
+            assert_eq!(*d, timeout);
+        }
+        other => panic!("EnqueueError::Timeout, got {other:?}"),
+    }
+    assert!(e.to_string().contains(table), "{e}");
+    waited
 }
 
 /// The version `migrate` recorded for `table` (the version this build needs).

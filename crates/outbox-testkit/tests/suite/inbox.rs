@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use outbox::message::{HEADER_MESSAGE_ID, HEADER_TOPIC};
 use outbox::{HandlerError, Headers, InboundMessage, Inbox, InboxError, Processed};
 use outbox_testkit::{MySqlFixture, PgFixture, StoreFixture as _};
-use sqlx::{AssertSqlSafe, MySqlConnection, MySqlPool, PgConnection, PgPool, SqliteConnection};
+use sqlx::{AssertSqlSafe, MySqlPool, PgConnection, PgPool};
 use uuid::Uuid;
 
 /// A handler that records its effect as a row of `effects` (no unique key, so a duplicate
@@ -30,26 +30,16 @@ impl EffectHandler {
             fail: false,
         }
     }
-}
 
-#[async_trait]
-impl outbox::Handler<sqlx::Postgres> for EffectHandler {
-    async fn handle(
-        &self,
-        conn: &mut PgConnection,
-        msg: &InboundMessage,
-    ) -> Result<(), HandlerError> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
-        sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO {} (message_id, payload) VALUES ($1, $2)",
-            self.effects
-        )))
-        .bind(msg.message_id)
-        .bind(&msg.payload)
-        .execute(&mut *conn)
-        .await
-        .map_err(HandlerError::transient)?;
+    /// After the effect: wait `delay` (holding the consumer transaction open), then
+    /// [`EffectHandler::verdict`].
+    async fn after_effect(&self) -> Result<(), HandlerError> {
         tokio::time::sleep(self.delay).await;
+        self.verdict()
+    }
+
+    /// Refuse (transiently) when `fail` is set.
+    fn verdict(&self) -> Result<(), HandlerError> {
         if self.fail {
             return Err(HandlerError::transient("handler refused"));
         }
@@ -57,54 +47,12 @@ impl outbox::Handler<sqlx::Postgres> for EffectHandler {
     }
 }
 
-#[async_trait]
-impl outbox::Handler<sqlx::Sqlite> for EffectHandler {
-    async fn handle(
-        &self,
-        conn: &mut SqliteConnection,
-        msg: &InboundMessage,
-    ) -> Result<(), HandlerError> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
-        sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO {} (message_id, payload) VALUES (?1, ?2)",
-            self.effects
-        )))
-        .bind(msg.message_id.to_string())
-        .bind(&msg.payload)
-        .execute(&mut *conn)
-        .await
-        .map_err(HandlerError::transient)?;
-        if self.fail {
-            return Err(HandlerError::transient("handler refused"));
-        }
-        Ok(())
-    }
-}
-
-#[async_trait]
-impl outbox::Handler<sqlx::MySql> for EffectHandler {
-    async fn handle(
-        &self,
-        conn: &mut MySqlConnection,
-        msg: &InboundMessage,
-    ) -> Result<(), HandlerError> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
-        sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO {} (message_id, payload) VALUES (?, ?)",
-            self.effects
-        )))
-        .bind(msg.message_id.to_string())
-        .bind(&msg.payload)
-        .execute(&mut *conn)
-        .await
-        .map_err(HandlerError::transient)?;
-        tokio::time::sleep(self.delay).await;
-        if self.fail {
-            return Err(HandlerError::transient("handler refused"));
-        }
-        Ok(())
-    }
-}
+effect_handler!(EffectHandler, sqlx::Postgres, sqlx::PgConnection, "($1, $2)",
+    |this, msg| id: msg.message_id, then: this.after_effect().await);
+effect_handler!(EffectHandler, sqlx::Sqlite, sqlx::SqliteConnection, "(?1, ?2)",
+    |this, msg| id: msg.message_id.to_string(), then: this.verdict());
+effect_handler!(EffectHandler, sqlx::MySql, sqlx::MySqlConnection, "(?, ?)",
+    |this, msg| id: msg.message_id.to_string(), then: this.after_effect().await);
 
 pub fn inbound(id: Uuid) -> InboundMessage {
     let mut h = Headers::new();
@@ -121,6 +69,16 @@ pub async fn pg_effects(pool: &PgPool, name: &str) {
     .execute(pool)
     .await
     .unwrap();
+}
+
+/// A fresh PostgreSQL fixture with an `effects` table ([`pg_effects`]) in its schema: the
+/// fixture, its pool and the table's name.
+pub async fn pg_with_effects() -> (PgFixture, PgPool, String) {
+    let fx = PgFixture::new().await;
+    let pool = fx.store.pool().clone();
+    let effects = format!("{}.effects", fx.schema);
+    pg_effects(&pool, &effects).await;
+    (fx, pool, effects)
 }
 
 pub async fn pg_count(pool: &PgPool, sql: &str) -> i64 {
@@ -216,10 +174,7 @@ pub async fn duplicate_and_failure_scenario<DB>(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_duplicate_skips_handler_and_error_rolls_back() {
-    let fx = PgFixture::new().await;
-    let pool = fx.store.pool().clone();
-    let effects = format!("{}.effects", fx.schema);
-    pg_effects(&pool, &effects).await;
+    let (fx, pool, effects) = pg_with_effects().await;
     let inbox = Inbox::<sqlx::Postgres>::new(pool.clone(), &fx.inbox_table(), "billing").unwrap();
     inbox.migrate().await.unwrap();
     duplicate_and_failure_scenario(&inbox, &effects, async |sql| pg_count(&pool, &sql).await).await;
@@ -227,13 +182,19 @@ async fn postgres_duplicate_skips_handler_and_error_rolls_back() {
 }
 
 /// C25, shared by PostgreSQL and MariaDB: two consumer instances (separate pools, same consumer
-/// name) process two copies of one message at the same time with a handler that waits: one is
-/// applied, the other is a duplicate. The caller checks one effect and one inbox row.
-pub async fn c25_scenario<DB>(inbox_a: Inbox<DB>, inbox_b: Inbox<DB>, effects: &str)
-where
+/// name, inbox `inbox_table`) process two copies of one message at the same time with a handler
+/// that waits: one is applied, the other is a duplicate. The caller checks one effect and one
+/// inbox row.
+pub async fn c25_scenario<DB>(
+    (pool_a, pool_b): (sqlx::Pool<DB>, sqlx::Pool<DB>),
+    inbox_table: &str,
+    effects: &str,
+) where
     DB: outbox::InboxBackend,
     EffectHandler: outbox::Handler<DB>,
 {
+    let inbox_a = Inbox::<DB>::new(pool_a, inbox_table, "billing").unwrap();
+    let inbox_b = Inbox::<DB>::new(pool_b, inbox_table, "billing").unwrap();
     let h = Arc::new(EffectHandler {
         delay: Duration::from_millis(1500),
         ..EffectHandler::new(effects)
@@ -256,26 +217,11 @@ where
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn c25_concurrent_copies_apply_once() {
-    let fx = PgFixture::new().await;
-    let pool = fx.store.pool().clone();
-    let effects = format!("{}.effects", fx.schema);
-    pg_effects(&pool, &effects).await;
-    let inbox_a = Inbox::<sqlx::Postgres>::new(pool.clone(), &fx.inbox_table(), "billing").unwrap();
-    let inbox_b = Inbox::<sqlx::Postgres>::new(
-        outbox_testkit::pg_pool(2).await,
-        &fx.inbox_table(),
-        "billing",
-    )
-    .unwrap();
-    c25_scenario(inbox_a, inbox_b, &effects).await;
-    assert_eq!(
-        pg_count(&pool, &format!("SELECT COUNT(*) FROM {effects}")).await,
-        1
-    );
-    assert_eq!(
-        pg_count(&pool, &format!("SELECT COUNT(*) FROM {}", fx.inbox_table())).await,
-        1
-    );
+    let (fx, pool, effects) = pg_with_effects().await;
+    let pools = (pool, outbox_testkit::pg_pool(2).await);
+    c25_scenario(pools, &fx.inbox_table(), &effects).await;
+    assert_eq!(fx.count(&effects).await, 1);
+    assert_eq!(fx.count(&fx.inbox_table()).await, 1);
     fx.cleanup().await;
 }
 
@@ -312,20 +258,14 @@ async fn c27_failing_inbox_write_is_an_error_not_an_ack() {
         0,
         "handler ran without its inbox row"
     );
-    assert_eq!(
-        pg_count(&pool, &format!("SELECT COUNT(*) FROM {effects}")).await,
-        0
-    );
+    assert_eq!(fx.count(&effects).await, 0);
     fx.exec(&format!("DROP TRIGGER refuse ON {}", fx.inbox_table()))
         .await;
     for m in &msgs {
         assert_eq!(inbox.process(m, &h).await.unwrap(), Processed::Applied);
         assert_eq!(inbox.process(m, &h).await.unwrap(), Processed::Duplicate);
     }
-    assert_eq!(
-        pg_count(&pool, &format!("SELECT COUNT(*) FROM {effects}")).await,
-        10
-    );
+    assert_eq!(fx.count(&effects).await, 10);
     assert_eq!(
         pg_count(
             &pool,
@@ -402,22 +342,10 @@ async fn mysql_c25_concurrent_copies_apply_once() {
     let pool = fx.store.pool().clone();
     let effects = format!("{}_effects", fx.table);
     mysql_effects(&pool, &effects).await;
-    let inbox_a = Inbox::<sqlx::MySql>::new(pool.clone(), &fx.inbox_table(), "billing").unwrap();
-    let inbox_b = Inbox::<sqlx::MySql>::new(
-        outbox_testkit::mysql_pool(2).await,
-        &fx.inbox_table(),
-        "billing",
-    )
-    .unwrap();
-    c25_scenario(inbox_a, inbox_b, &effects).await;
-    assert_eq!(
-        mysql_count(&pool, &format!("SELECT COUNT(*) FROM {effects}")).await,
-        1
-    );
-    assert_eq!(
-        mysql_count(&pool, &format!("SELECT COUNT(*) FROM {}", fx.inbox_table())).await,
-        1
-    );
+    let pools = (pool, outbox_testkit::mysql_pool(2).await);
+    c25_scenario(pools, &fx.inbox_table(), &effects).await;
+    assert_eq!(fx.count(&effects).await, 1);
+    assert_eq!(fx.count(&fx.inbox_table()).await, 1);
     mysql_drop(&fx, &effects).await;
 }
 

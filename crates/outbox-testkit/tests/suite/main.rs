@@ -11,10 +11,78 @@
 // The RocketMQ client's futures are deep types; proving them `Send` needs more than the default.
 #![cfg_attr(feature = "rocketmq", recursion_limit = "256")]
 
+/// One `#[tokio::test]` per fixture and case, in a module per fixture: `<module>::<name>` runs
+/// `<suite>::<function>(&fx)` on a fresh `<Fixture>::new()`, then `fx.cleanup()`. A case is
+/// `name = function`, or `name` alone when the function has the test's name.
+macro_rules! fixture_tests {
+    ([$($(#[$attr:meta])* $module:ident: $fixture:ty),+ $(,)?], $suite:tt, $cases:tt $(,)?) => {
+        $(fixture_tests!(@module $(#[$attr])* $module, $fixture, $suite, $cases);)+
+    };
+    (@module $(#[$attr:meta])* $module:ident, $fixture:ty, $suite:tt,
+     [$($name:ident $(= $func:ident)?),* $(,)?]) => {
+        $(#[$attr])*
+        mod $module {
+            #[allow(unused_imports)]
+            use super::*;
+            #[allow(unused_imports)]
+            use outbox_testkit::{StoreFixture as _, TransportFixture as _};
+            $(fixture_tests!(@case $fixture, $suite, $name $(= $func)?);)*
+        }
+    };
+    (@case $fixture:ty, $suite:tt, $name:ident) => {
+        fixture_tests!(@case $fixture, $suite, $name = $name);
+    };
+    (@case $fixture:ty, [$($suite:tt)+], $name:ident = $func:ident) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $name() {
+            crate::init_tracing();
+            let fx = <$fixture>::new().await;
+            $($suite)+::$func(&fx).await;
+            fx.cleanup().await;
+        }
+    };
+}
+
+/// `outbox::Handler<$db>` for a test handler with `effects: String` and `calls` fields: count
+/// the call, insert the message's `(message_id, payload)` into `effects` on the handler's
+/// connection (placeholders `$values`, the id bound as `$id`), then evaluate `$then`, with the
+/// handler as `$this` and the message as `$msg`.
+macro_rules! effect_handler {
+    ($handler:ty, $db:ty, $conn:ty, $values:literal,
+     |$this:ident, $msg:ident| id: $id:expr, then: $then:expr) => {
+        #[async_trait::async_trait]
+        impl outbox::Handler<$db> for $handler {
+            async fn handle(
+                &self,
+                conn: &mut $conn,
+                $msg: &outbox::InboundMessage,
+            ) -> Result<(), outbox::HandlerError> {
+                let $this = self;
+                $this
+                    .calls
+                    .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "INSERT INTO {} (message_id, payload) VALUES {}",
+                    $this.effects, $values
+                )))
+                .bind($id)
+                .bind(&$msg.payload)
+                .execute(&mut *conn)
+                .await
+                .map_err(outbox::HandlerError::transient)?;
+                $then
+            }
+        }
+    };
+}
+
 mod cases;
+mod cases_faults;
 mod cases_fencing;
 mod cases_mysql;
+mod cases_mysql_locks;
 mod confirm;
+mod confirm_upgrade;
 mod consumer_suite;
 mod crash;
 mod crash_mysql;
@@ -25,8 +93,10 @@ mod kafka;
 mod mqtt;
 mod ordering;
 mod rabbitmq;
+mod rabbitmq_consumer;
 mod readme;
 mod redis;
+mod redis_consumer;
 mod relay;
 mod relay_faults;
 mod resilience;

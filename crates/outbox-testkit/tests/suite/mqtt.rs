@@ -24,9 +24,9 @@ use outbox_testkit::{
 use tokio_util::sync::CancellationToken;
 
 use crate::confirm::{ScriptedHandler, confirm_config, fast_retry};
-use crate::redis::{
-    Recorder, check_retried_and_dead_lettered, inbox, orders_confirmed_and_rejected,
-    retry_messages, stop,
+use crate::redis::{Recorder, inbox, stop};
+use crate::redis_consumer::{
+    check_retried_and_dead_lettered, orders_confirmed_and_rejected, retry_messages,
 };
 
 fn consumer_config(client_id: &str, filter: &str) -> MqttConsumerConfig {

@@ -411,54 +411,17 @@ async fn relays_rebalance_buckets(fx: &dyn StoreFixture) {
     h3.shutdown().await.expect("shutdown");
 }
 
-macro_rules! on_every_store {
-    ($($name:ident),* $(,)?) => {
-        mod sqlite {
-            use super::*;
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    crate::init_tracing();
-                    let fx = SqliteFixture::new().await;
-                    super::$name(&fx).await;
-                    fx.cleanup().await;
-                }
-            )*
-        }
-        mod postgres {
-            use super::*;
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    crate::init_tracing();
-                    let fx = PgFixture::new().await;
-                    super::$name(&fx).await;
-                    fx.cleanup().await;
-                }
-            )*
-        }
-        mod mysql {
-            use super::*;
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    crate::init_tracing();
-                    let fx = MySqlFixture::new().await;
-                    super::$name(&fx).await;
-                    fx.cleanup().await;
-                }
-            )*
-        }
-    };
-}
-
-on_every_store!(
-    c11_order_survives_relay_crash,
-    c13_failed_head_holds_back_only_its_key,
-    dead_letter_skip_lets_the_key_go_on,
-    dead_letter_block_waits_for_requeue,
-    poison_that_kills_relays_is_dead_lettered,
-    relays_rebalance_buckets,
+fixture_tests!(
+    [sqlite: SqliteFixture, postgres: PgFixture, mysql: MySqlFixture],
+    [super],
+    [
+        c11_order_survives_relay_crash,
+        c13_failed_head_holds_back_only_its_key,
+        dead_letter_skip_lets_the_key_go_on,
+        dead_letter_block_waits_for_requeue,
+        poison_that_kills_relays_is_dead_lettered,
+        relays_rebalance_buckets,
+    ],
 );
 
 /// Pauses the first `before_complete` until `resume`, signalling `paused`.
@@ -587,7 +550,9 @@ async fn postgres_one_write_per_message() {
         .expect("relay");
     let handle = relay.spawn();
     wait_until("every row SENT", Duration::from_secs(60), || async {
-        fx.count(&format!("{t} WHERE status <> 2")).await == 0
+        fx.count(&format!("{t} WHERE status <> {}", Status::Sent.as_i16()))
+            .await
+            == 0
     })
     .await;
     handle.shutdown().await.expect("shutdown");
@@ -663,7 +628,9 @@ async fn postgres_four_relays_killed_at_random_keep_every_key_in_order() {
     let mut kills = 0;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
     loop {
-        let pending = fx.count(&format!("{t} WHERE status <> 2")).await;
+        let pending = fx
+            .count(&format!("{t} WHERE status <> {}", Status::Sent.as_i16()))
+            .await;
         if pending == 0 && produced.load(Ordering::Acquire) == total {
             break;
         }
@@ -686,7 +653,8 @@ async fn postgres_four_relays_killed_at_random_keep_every_key_in_order() {
         r.shutdown().await.expect("shutdown");
     }
     assert_eq!(
-        fx.count(&format!("{t} WHERE status = 4")).await,
+        fx.count(&format!("{t} WHERE status = {}", Status::Failed.as_i16()))
+            .await,
         0,
         "no dead letters"
     );

@@ -5,38 +5,30 @@
 //! runner end to end with confirmations over RabbitMQ, redelivery with backoff through the retry
 //! queues, dead letters, malformed messages, and per-key order with concurrency 4.
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use async_trait::async_trait;
-use outbox::confirm::rabbitmq::RabbitMqConfirmationSender;
 use outbox::consumer::ConsumerMetrics;
-use outbox::consumer::rabbitmq::{RabbitMqConsumerConfig, retry_queue, retry_tier};
+use outbox::consumer::rabbitmq::RabbitMqConsumerConfig;
 use outbox::transport::Transport;
 use outbox::{
-    HandlerError, InboundMessage, Inbox, Message, NewMessage, Relay, RelayConfig, Router, Status,
-    TransportErrorKind, Unroutable, Verdict,
+    Inbox, Message, NewMessage, Relay, RelayConfig, Router, Status, TransportErrorKind, Unroutable,
 };
 use outbox_testkit::{
-    FaultProxy, PgFixture, RabbitMqFixture, SqliteFixture, StoreFixture, TransportFixture as _,
+    FaultProxy, RabbitMqFixture, SqliteFixture, StoreFixture, TransportFixture as _,
     claimed_message, publish_to, rabbitmq_config, rabbitmq_host_port, rabbitmq_url, wait_until,
     within,
 };
-use sqlx::{AssertSqlSafe, PgConnection};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::confirm::{
-    FaultySender, PgProducer, ScriptedHandler, check_lost_confirmation_outcome, fast_retry,
-    lost_confirmation_messages, pg_count, wait_status,
-};
+use crate::confirm::{fast_retry, wait_status};
 use crate::inbox::EffectHandler;
 use crate::relay::fast_config;
 
 /// A consumer database (SQLite) with an inbox `consumer_inbox` and an `effects` table.
-async fn sqlite_consumer(name: &str) -> (SqliteFixture, Inbox<sqlx::Sqlite>) {
+pub(crate) async fn sqlite_consumer(name: &str) -> (SqliteFixture, Inbox<sqlx::Sqlite>) {
     let db = SqliteFixture::new().await;
     sqlx::query("CREATE TABLE effects (message_id TEXT NOT NULL, payload BLOB)")
         .execute(db.store.pool())
@@ -48,7 +40,7 @@ async fn sqlite_consumer(name: &str) -> (SqliteFixture, Inbox<sqlx::Sqlite>) {
     (db, inbox)
 }
 
-async fn sqlite_effects(db: &SqliteFixture, id: Uuid) -> i64 {
+pub(crate) async fn sqlite_effects(db: &SqliteFixture, id: Uuid) -> i64 {
     sqlx::query_scalar("SELECT COUNT(*) FROM effects WHERE message_id = ?1")
         .bind(id.to_string())
         .fetch_one(db.store.pool())
@@ -56,7 +48,7 @@ async fn sqlite_effects(db: &SqliteFixture, id: Uuid) -> i64 {
         .unwrap()
 }
 
-fn consumer_config(fx: &RabbitMqFixture) -> RabbitMqConsumerConfig {
+pub(crate) fn consumer_config(fx: &RabbitMqFixture) -> RabbitMqConsumerConfig {
     let mut c = RabbitMqConsumerConfig::new(rabbitmq_config(&rabbitmq_url()), fx.queue.clone());
     c.retry = fast_retry();
     c.maintenance_interval = Duration::from_millis(200);
@@ -64,7 +56,7 @@ fn consumer_config(fx: &RabbitMqFixture) -> RabbitMqConsumerConfig {
     c
 }
 
-fn spawn_runner<DB, H>(
+pub(crate) fn spawn_runner<DB, H>(
     config: RabbitMqConsumerConfig,
     inbox: Inbox<DB>,
     handler: Arc<H>,
@@ -80,7 +72,7 @@ where
     ))
 }
 
-async fn stop(
+pub(crate) async fn stop(
     cancel: CancellationToken,
     runner: tokio::task::JoinHandle<Result<(), outbox::ConfigError>>,
 ) {
@@ -541,442 +533,4 @@ async fn cut_connection_is_unavailable_then_reconnects() {
     .unwrap_err();
     assert_eq!(e.field, "url");
     fx.cleanup().await;
-}
-
-/// The RabbitMQ side of an end-to-end test: a [`PgProducer`] publishing to the fixture's
-/// exchange, and the producer's confirmation listener on a queue of its own.
-struct RabbitSetup {
-    producer: PgProducer,
-    mq: RabbitMqFixture,
-    stop_listener: CancellationToken,
-    listener: tokio::task::JoinHandle<Result<outbox::ConfirmReport, outbox::ConfigError>>,
-}
-
-impl std::ops::Deref for RabbitSetup {
-    type Target = PgProducer;
-
-    fn deref(&self) -> &PgProducer {
-        &self.producer
-    }
-}
-
-impl RabbitSetup {
-    async fn new() -> RabbitSetup {
-        let mq = RabbitMqFixture::new().await;
-        let reply = format!("{}.confirmations", mq.queue);
-        let producer = PgProducer::start(
-            mq.transport.clone(),
-            format!("{}/{{topic}}", mq.exchange),
-            reply.clone(),
-        )
-        .await;
-        let stop_listener = CancellationToken::new();
-        let listener = tokio::spawn(outbox::confirm::rabbitmq::listen(
-            rabbitmq_config(&rabbitmq_url()),
-            reply.clone(),
-            producer.store.clone(),
-            stop_listener.clone(),
-        ));
-        // The listener declares its queue; delete it at cleanup.
-        wait_until(
-            "the confirmation queue",
-            Duration::from_secs(10),
-            || async { mq.queue_exists(&reply).await },
-        )
-        .await;
-        mq.delete_at_cleanup(&reply);
-        RabbitSetup {
-            producer,
-            mq,
-            stop_listener,
-            listener,
-        }
-    }
-
-    async fn finish(self) {
-        self.stop_listener.cancel();
-        let report = within("listener to stop", Duration::from_secs(10), self.listener)
-            .await
-            .unwrap()
-            .unwrap();
-        assert!(report.confirmed + report.rejected > 0, "{report:?}");
-        self.mq.cleanup().await;
-        self.producer.finish().await;
-    }
-}
-
-/// Relay → RabbitMQ → consumer runner (4 lanes) → inbox → confirmation over RabbitMQ →
-/// producer, on PostgreSQL: processed messages end CONFIRMED with their effect once, rejected
-/// ones REJECTED with the compensation once and no effect, and a lost confirmation is recovered
-/// by the check-back (the redelivered copy is a duplicate at the inbox, its verdict is sent
-/// again).
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn consumer_end_to_end_with_confirmations() {
-    crate::init_tracing();
-    let s = RabbitSetup::new().await;
-    let sender = FaultySender::new(Arc::new(
-        RabbitMqConfirmationSender::new(rabbitmq_config(&rabbitmq_url())).unwrap(),
-    ));
-    let msgs: Vec<NewMessage> = lost_confirmation_messages(&sender)
-        .into_iter()
-        .enumerate()
-        .map(|(i, m)| m.with_partition_key(format!("k{}", i % 3)))
-        .collect();
-    let handler = ScriptedHandler::new(&s.effects);
-    let metrics = Arc::new(ConsumerMetrics::default());
-    let cancel = CancellationToken::new();
-    let mut config = consumer_config(&s.mq).with_confirmations(sender.clone());
-    config.concurrency = 4;
-    let runner = spawn_runner(
-        config,
-        s.inbox.clone(),
-        handler.clone(),
-        metrics.clone(),
-        cancel.clone(),
-    );
-    let ids = s.fx.enqueue_commit(msgs).await.unwrap();
-    check_lost_confirmation_outcome(&s, &ids, &sender, &metrics).await;
-    stop(cancel, runner).await;
-    s.finish().await;
-}
-
-/// A handler that fails transiently until the `fail_until`-th delivery and records the delivery
-/// counts it saw.
-struct Flaky {
-    fail_until: u32,
-    seen: Mutex<Vec<u32>>,
-}
-
-#[async_trait]
-impl outbox::Handler<sqlx::Sqlite> for Flaky {
-    async fn handle(
-        &self,
-        conn: &mut sqlx::SqliteConnection,
-        msg: &InboundMessage,
-    ) -> Result<(), HandlerError> {
-        self.seen.lock().unwrap().push(msg.delivery_count);
-        if msg.delivery_count < self.fail_until {
-            return Err(HandlerError::transient(format!(
-                "try {} timed out",
-                msg.delivery_count
-            )));
-        }
-        sqlx::query("INSERT INTO effects (message_id, payload) VALUES (?1, ?2)")
-            .bind(msg.message_id.to_string())
-            .bind(&msg.payload)
-            .execute(&mut *conn)
-            .await
-            .map_err(HandlerError::transient)?;
-        Ok(())
-    }
-}
-
-/// A transient handler failure is moved to the retry queue of its backoff step, dead-lettered
-/// back by RabbitMQ after the TTL, and delivered again with the next delivery count (1, 2, 3)
-/// until it applies; the other message is not held up.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn consumer_transient_failure_redelivered_with_backoff_then_applied() {
-    crate::init_tracing();
-    let fx = RabbitMqFixture::new().await;
-    let (db, inbox) = sqlite_consumer("flaky").await;
-    let handler = Arc::new(Flaky {
-        fail_until: 3,
-        seen: Mutex::new(Vec::new()),
-    });
-    let metrics = Arc::new(ConsumerMetrics::default());
-    let cancel = CancellationToken::new();
-    let runner = spawn_runner(
-        consumer_config(&fx),
-        inbox,
-        handler.clone(),
-        metrics.clone(),
-        cancel.clone(),
-    );
-    let m = claimed_message("orders", "flaky");
-    let good = fx.good_destination();
-    let r = publish_to(fx.transport.as_ref(), std::slice::from_ref(&m), |_| &good).await;
-    assert!(r[0].is_ok());
-    wait_until("the message to apply", Duration::from_secs(15), || async {
-        metrics.applied.load(Ordering::Relaxed) == 1
-    })
-    .await;
-    assert_eq!(*handler.seen.lock().unwrap(), vec![1, 2, 3]);
-    assert_eq!(metrics.failures.load(Ordering::Relaxed), 2);
-    assert_eq!(metrics.dead_lettered.load(Ordering::Relaxed), 0);
-    assert_eq!(sqlite_effects(&db, m.message_id).await, 1);
-    // It went through RabbitMQ's retry queues (TTL + dead-letter back), which are empty now.
-    let first = retry_queue(&fx.queue, retry_tier(fast_retry().delay_with(1, 0.0)));
-    assert!(fx.queue_exists(&first).await, "{first} was used");
-    assert_eq!(fx.ready(&first).await, 0);
-    stop(cancel, runner).await;
-    fx.cleanup().await;
-}
-
-/// A permanent failure is dead-lettered at once; a message that keeps failing transiently after
-/// `max_deliveries` deliveries (the count reaches the inbox through the retry copies); both are
-/// acknowledged, the other messages flow.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn consumer_poison_messages_dead_lettered() {
-    crate::init_tracing();
-    let fx = RabbitMqFixture::new().await;
-    let (_db, inbox) = sqlite_consumer("poison").await;
-    let handler = ScriptedHandler::new("effects");
-    let metrics = Arc::new(ConsumerMetrics::default());
-    let cancel = CancellationToken::new();
-    let mut config = consumer_config(&fx);
-    config.max_deliveries = 3;
-    let runner = spawn_runner(
-        config,
-        inbox.clone(),
-        handler.clone(),
-        metrics.clone(),
-        cancel.clone(),
-    );
-    let mut msgs = vec![
-        claimed_message("orders", "poison-1"),
-        claimed_message("orders", "flaky-1"),
-    ];
-    msgs.extend((0..5).map(|i| claimed_message("orders", format!("ok-{i}"))));
-    let good = fx.good_destination();
-    let r = publish_to(fx.transport.as_ref(), &msgs, |_| &good).await;
-    assert!(r.iter().all(Result::is_ok));
-    wait_until(
-        "two dead letters and five applied",
-        Duration::from_secs(15),
-        || async {
-            metrics.dead_lettered.load(Ordering::Relaxed) == 2
-                && metrics.applied.load(Ordering::Relaxed) == 5
-        },
-    )
-    .await;
-    let dlq = inbox.dead_letters(10).await.unwrap();
-    assert_eq!(dlq.len(), 2, "{dlq:?}");
-    let p = dlq
-        .iter()
-        .find(|d| d.message.message_id == msgs[0].message_id)
-        .unwrap();
-    assert_eq!(p.deliveries, 1, "permanent: dead-lettered at once");
-    assert!(p.error.contains("cannot parse poison-1"), "{}", p.error);
-    let f = dlq
-        .iter()
-        .find(|d| d.message.message_id == msgs[1].message_id)
-        .unwrap();
-    assert_eq!(f.deliveries, 3, "transient: after max_deliveries");
-    assert!(matches!(
-        inbox.verdict(msgs[1].message_id).await.unwrap(),
-        Some(Verdict::Rejected { .. })
-    ));
-    wait_until("the queue to drain", Duration::from_secs(10), || async {
-        fx.ready(&fx.queue).await == 0
-    })
-    .await;
-    stop(cancel, runner).await;
-    fx.cleanup().await;
-}
-
-/// A message without the outbox headers is logged, counted and rejected without requeue: it
-/// neither blocks the message behind it nor comes back.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn consumer_malformed_message_rejected_without_blocking() {
-    crate::init_tracing();
-    let fx = RabbitMqFixture::new().await;
-    let (db, inbox) = sqlite_consumer("malformed").await;
-    fx.publish_raw(&fx.queue, b"not an outbox message").await;
-    let m = claimed_message("orders", "fine");
-    let good = fx.good_destination();
-    let r = publish_to(fx.transport.as_ref(), std::slice::from_ref(&m), |_| &good).await;
-    assert!(r[0].is_ok());
-    let handler = Arc::new(EffectHandler::new("effects"));
-    let metrics = Arc::new(ConsumerMetrics::default());
-    let cancel = CancellationToken::new();
-    let runner = spawn_runner(
-        consumer_config(&fx),
-        inbox,
-        handler,
-        metrics.clone(),
-        cancel.clone(),
-    );
-    wait_until(
-        "the good message to apply",
-        Duration::from_secs(10),
-        || async { metrics.applied.load(Ordering::Relaxed) == 1 },
-    )
-    .await;
-    assert_eq!(metrics.malformed.load(Ordering::Relaxed), 1);
-    assert_eq!(sqlite_effects(&db, m.message_id).await, 1);
-    stop(cancel, runner).await;
-    // With the consumer gone, anything unacknowledged would be ready again: nothing is.
-    wait_until("the consumer to leave", Duration::from_secs(10), || async {
-        fx.consumers(&fx.queue).await == 0
-    })
-    .await;
-    assert_eq!(
-        fx.ready(&fx.queue).await,
-        0,
-        "the malformed message was rejected, not requeued"
-    );
-    assert_eq!(
-        metrics.malformed.load(Ordering::Relaxed),
-        1,
-        "and not delivered again"
-    );
-    fx.cleanup().await;
-}
-
-/// A PostgreSQL handler that records the order in which each key's messages were applied and how
-/// many ran at once.
-struct OrderHandler {
-    effects: String,
-    order: Mutex<HashMap<String, Vec<u32>>>,
-    running: AtomicUsize,
-    most: AtomicUsize,
-    calls: AtomicU64,
-}
-
-#[async_trait]
-impl outbox::Handler<sqlx::Postgres> for OrderHandler {
-    async fn handle(
-        &self,
-        conn: &mut PgConnection,
-        msg: &InboundMessage,
-    ) -> Result<(), HandlerError> {
-        let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
-        self.most.fetch_max(now, Ordering::SeqCst);
-        self.calls.fetch_add(1, Ordering::SeqCst);
-        let r = sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO {} (message_id, payload) VALUES ($1, $2)",
-            self.effects
-        )))
-        .bind(msg.message_id.to_string())
-        .bind(&msg.payload)
-        .execute(&mut *conn)
-        .await;
-        let seq: u32 = String::from_utf8_lossy(&msg.payload).parse().unwrap();
-        self.order
-            .lock()
-            .unwrap()
-            .entry(msg.partition_key.clone().unwrap())
-            .or_default()
-            .push(seq);
-        self.running.fetch_sub(1, Ordering::SeqCst);
-        r.map(|_| ()).map_err(HandlerError::transient)
-    }
-}
-
-/// Per-key order with concurrency 4: 20 keys × 25 messages, published in order; the runner
-/// applies different keys in parallel lanes and each key's messages in publish order.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn consumer_per_key_order_with_concurrency_4() {
-    crate::init_tracing();
-    let fx = RabbitMqFixture::new().await;
-    let db = PgFixture::new().await;
-    let effects = format!("{}.effects", db.schema);
-    db.exec(&format!(
-        "CREATE TABLE {effects} (message_id text NOT NULL, payload bytea)"
-    ))
-    .await;
-    let inbox = Inbox::<sqlx::Postgres>::new(db.store.pool().clone(), &db.inbox_table(), "ordered")
-        .unwrap();
-    inbox.migrate().await.unwrap();
-    let (keys, per_key) = (20u32, 25u32);
-    let mut msgs = Vec::new();
-    for seq in 0..per_key {
-        for k in 0..keys {
-            let mut m = claimed_message("orders", seq.to_string());
-            m.partition_key = Some(format!("key-{k}"));
-            msgs.push(m);
-        }
-    }
-    let good = fx.good_destination();
-    for chunk in msgs.chunks(100) {
-        let r = publish_to(fx.transport.as_ref(), chunk, |_| &good).await;
-        assert!(r.iter().all(Result::is_ok), "{r:?}");
-    }
-    let handler = Arc::new(OrderHandler {
-        effects: effects.clone(),
-        order: Mutex::new(HashMap::new()),
-        running: AtomicUsize::new(0),
-        most: AtomicUsize::new(0),
-        calls: AtomicU64::new(0),
-    });
-    let metrics = Arc::new(ConsumerMetrics::default());
-    let cancel = CancellationToken::new();
-    let mut config = consumer_config(&fx);
-    config.concurrency = 4;
-    config.batch = 50;
-    let runner = spawn_runner(
-        config,
-        inbox,
-        handler.clone(),
-        metrics.clone(),
-        cancel.clone(),
-    );
-    let total = u64::from(keys * per_key);
-    wait_until("every message applied", Duration::from_secs(30), || async {
-        metrics.applied.load(Ordering::Relaxed) == total
-    })
-    .await;
-    let order = handler.order.lock().unwrap().clone();
-    assert_eq!(order.len(), keys as usize);
-    let expected: Vec<u32> = (0..per_key).collect();
-    for (k, seqs) in &order {
-        assert_eq!(seqs, &expected, "key {k} out of order");
-    }
-    assert!(
-        handler.most.load(Ordering::SeqCst) >= 2,
-        "lanes ran concurrently"
-    );
-    assert_eq!(handler.calls.load(Ordering::SeqCst), total);
-    assert_eq!(
-        pg_count(
-            &db,
-            &format!("SELECT COUNT(DISTINCT message_id) FROM {effects}")
-        )
-        .await,
-        total as i64
-    );
-    stop(cancel, runner).await;
-    db.cleanup().await;
-    fx.cleanup().await;
-}
-
-/// The runner reports a missing queue as a configuration error naming `queue`, and a broker it
-/// cannot reach as `connection.url`.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn consumer_set_up_errors_name_the_field() {
-    crate::init_tracing();
-    // Fails naming OUTBOX_TEST_RABBITMQ_URL when the broker is not there.
-    drop(outbox_testkit::rabbitmq::rabbitmq_connection().await);
-    let (_db, inbox) = sqlite_consumer("setup").await;
-    let handler = Arc::new(EffectHandler::new("effects"));
-    let metrics = Arc::new(ConsumerMetrics::default());
-    let config = RabbitMqConsumerConfig::new(
-        rabbitmq_config(&rabbitmq_url()),
-        outbox_testkit::unique("obx_none"),
-    );
-    let e = outbox::consumer::rabbitmq::run(
-        config,
-        inbox.clone(),
-        handler.clone(),
-        metrics.clone(),
-        CancellationToken::new(),
-    )
-    .await
-    .unwrap_err();
-    assert_eq!(e.field, "queue", "{e}");
-    assert!(e.reason.contains("does not exist"), "{e}");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let config = RabbitMqConsumerConfig::new(
-        rabbitmq_config(&format!("amqp://guest:guest@127.0.0.1:{port}/%2f")),
-        "q",
-    );
-    let e =
-        outbox::consumer::rabbitmq::run(config, inbox, handler, metrics, CancellationToken::new())
-            .await
-            .unwrap_err();
-    assert_eq!(e.field, "connection.url", "{e}");
 }

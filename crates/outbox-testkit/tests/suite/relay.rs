@@ -37,6 +37,29 @@ pub fn relay_to(
         .expect("relay config")
 }
 
+/// A relay `r1` ([`fast_config`]) over `fx` publishing to a fresh [`MemoryTransport`],
+/// running: the transport and the relay's handle.
+pub fn memory_relay(fx: &dyn StoreFixture) -> (Arc<MemoryTransport>, outbox::RelayHandle) {
+    let mem = Arc::new(MemoryTransport::new());
+    let handle = relay_to(fx, mem.clone(), fast_config("r1")).spawn();
+    (mem, handle)
+}
+
+/// [`relay_to`] with `hooks` called at the relay's steps.
+pub fn hooked_relay_to(
+    fx: &dyn StoreFixture,
+    transport: Arc<dyn outbox::Transport>,
+    config: RelayConfig,
+    hooks: Arc<dyn outbox::RelayHooks>,
+) -> Relay {
+    Relay::builder(fx.store())
+        .router(Router::single(transport))
+        .config(config)
+        .hooks(hooks)
+        .build()
+        .expect("relay config")
+}
+
 /// Deliveries counted by message id.
 pub fn counts_by_id(delivered: &[Delivered]) -> HashMap<Uuid, usize> {
     let mut m = HashMap::new();
@@ -58,8 +81,7 @@ pub async fn wait_all_status(fx: &dyn StoreFixture, status: Status, timeout: Dur
 async fn sqlite_memory_end_to_end() {
     crate::init_tracing();
     let fx = SqliteFixture::new().await;
-    let mem = Arc::new(MemoryTransport::new());
-    let handle = relay_to(&fx, mem.clone(), fast_config("r1")).spawn();
+    let (mem, handle) = memory_relay(&fx);
     let mut msgs: Vec<NewMessage> = (0..50)
         .map(|i| NewMessage::new(format!("topic.{}", i % 3), format!("m{i}")))
         .collect();
@@ -125,7 +147,7 @@ async fn postgres_nats_consumer_inbox_end_to_end() {
     msgs.push(NewMessage::new("orders.bin", vec![0xFF, 0xFE, 0x00, 0x01]));
     fx.enqueue_commit(msgs).await.unwrap();
     wait_until("201 effects", Duration::from_secs(20), || async {
-        pg_count(&pool, &format!("SELECT COUNT(*) FROM {effects}")).await >= 201
+        fx.count(&effects).await >= 201
     })
     .await;
     wait_all_status(&fx, Status::Sent, Duration::from_secs(5)).await;
@@ -137,10 +159,7 @@ async fn postgres_nats_consumer_inbox_end_to_end() {
         .await,
         201
     );
-    assert_eq!(
-        pg_count(&pool, &format!("SELECT COUNT(*) FROM {effects}")).await,
-        201
-    );
+    assert_eq!(fx.count(&effects).await, 201);
     let bin: Vec<u8> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "SELECT payload FROM {effects} WHERE payload = '\\xfffe0001'::bytea"
     )))
@@ -297,7 +316,12 @@ async fn postgres_deferred_notify_is_sent_after_commit_only() {
     marker("after-rollback").await;
     assert_eq!(next_notification(&mut listener).await, "after-rollback");
     assert_eq!(
-        fx.count(&format!("{} WHERE status = 0", fx.table())).await,
+        fx.count(&format!(
+            "{} WHERE status = {}",
+            fx.table(),
+            Status::Pending.as_i16()
+        ))
+        .await,
         4
     );
     fx.cleanup().await;

@@ -21,7 +21,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::relay::{counts_by_id, fast_config, relay_to};
+use crate::relay::{counts_by_id, fast_config, relay_to, wait_all_status};
 
 const POISON: &[u8] = b"poison";
 
@@ -53,6 +53,19 @@ fn batch_of(n: usize, tag: &str) -> Vec<NewMessage> {
     (0..n)
         .map(|i| NewMessage::new("orders", format!("{tag}-{i}")))
         .collect()
+}
+
+/// The row of `id`, whose last error names `reason` (a poison message dead-lettered with the
+/// panic's message).
+async fn failed_with(fx: &dyn StoreFixture, id: Uuid, reason: &str) -> outbox_testkit::RowState {
+    let row = fx.row(id).await;
+    assert!(
+        row.last_error
+            .as_deref()
+            .is_some_and(|e| e.contains(reason)),
+        "poison dead-lettered with the panic message {reason:?}: {row:?}"
+    );
+    row
 }
 
 async fn wait_resolved(fx: &dyn StoreFixture, poison: &[Uuid], timeout: Duration) {
@@ -91,13 +104,7 @@ async fn defect_01_transport_panic_is_contained(fx: &dyn StoreFixture) {
     let r1 = relay1.spawn();
     let r2 = relay2.spawn();
     wait_resolved(fx, &[poison1], Duration::from_secs(30)).await;
-    let row = fx.row(poison1).await;
-    assert!(
-        row.last_error
-            .as_deref()
-            .is_some_and(|e| e.contains("transport panicked: poison pill")),
-        "poison dead-lettered with the panic message: {row:?}"
-    );
+    let row = failed_with(fx, poison1, "transport panicked: poison pill").await;
     assert_eq!(row.attempts, 1, "{row:?}");
     let counts = counts_by_id(&mem.delivered());
     assert_eq!(counts.len(), 39, "every other message delivered");
@@ -129,13 +136,7 @@ async fn defect_01_transport_panic_is_contained(fx: &dyn StoreFixture) {
     let poison2 = more[5].message_id();
     fx.enqueue_commit(more).await.expect("enqueue");
     wait_resolved(fx, &[poison1, poison2], Duration::from_secs(30)).await;
-    let row = fx.row(poison2).await;
-    assert!(
-        row.last_error
-            .as_deref()
-            .is_some_and(|e| e.contains("transport panicked: poison pill")),
-        "{row:?}"
-    );
+    failed_with(fx, poison2, "transport panicked: poison pill").await;
     assert!(r2.metrics().snapshot().takeovers > 0, "relay 2 took over");
     assert!(r2.stalled().is_none());
     r2.shutdown().await.expect("shutdown");
@@ -175,13 +176,7 @@ async fn defect_01_batch_panic_is_contained(fx: &dyn StoreFixture) {
         .expect("relay")
         .spawn();
     wait_resolved(fx, &[poison], Duration::from_secs(30)).await;
-    let row = fx.row(poison).await;
-    assert!(
-        row.last_error
-            .as_deref()
-            .is_some_and(|e| e.contains("batch panicked: hook poison")),
-        "{row:?}"
-    );
+    let row = failed_with(fx, poison, "batch panicked: hook poison").await;
     assert_eq!(row.attempts, 3, "{row:?}");
     for r in fx.rows().await {
         if r.message_id != poison {
@@ -245,39 +240,14 @@ async fn defect_01_a_stalled_relay_says_so(fx: &dyn StoreFixture) {
     relay.shutdown().await.expect("shutdown");
 }
 
-macro_rules! on_sqlite_and_postgres {
-    ($($name:ident),* $(,)?) => {
-        mod sqlite {
-            use super::*;
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    crate::init_tracing();
-                    let fx = SqliteFixture::new().await;
-                    super::$name(&fx).await;
-                    fx.cleanup().await;
-                }
-            )*
-        }
-        mod postgres {
-            use super::*;
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    crate::init_tracing();
-                    let fx = PgFixture::new().await;
-                    super::$name(&fx).await;
-                    fx.cleanup().await;
-                }
-            )*
-        }
-    };
-}
-
-on_sqlite_and_postgres!(
-    defect_01_transport_panic_is_contained,
-    defect_01_batch_panic_is_contained,
-    defect_01_a_stalled_relay_says_so,
+fixture_tests!(
+    [sqlite: SqliteFixture, postgres: PgFixture],
+    [super],
+    [
+        defect_01_transport_panic_is_contained,
+        defect_01_batch_panic_is_contained,
+        defect_01_a_stalled_relay_says_so,
+    ],
 );
 
 /// A webhook receiver on real HTTP: counts posts per `webhook-id` and answers by `mode`.
@@ -398,13 +368,7 @@ async fn defect_02_acknowledged_messages_survive_a_publish_timeout() {
     // The per-request timeout is longer than the relay's publish timeout: the relay's cut
     // decides.
     let relay = relay_to_webhook(&fx, webhook(&url, Duration::from_secs(30), 64), config).spawn();
-    wait_until("every message SENT", Duration::from_secs(30), || async {
-        fx.rows()
-            .await
-            .iter()
-            .all(|r| r.status == Status::Sent.as_i16())
-    })
-    .await;
+    wait_all_status(&fx, Status::Sent, Duration::from_secs(30)).await;
     let posts = rx.posts.lock().unwrap().clone();
     for id in &ids {
         let n = posts.get(&id.to_string()).copied().unwrap_or(0);
@@ -460,13 +424,7 @@ async fn defect_02_a_slow_receiver_still_drains() {
         config,
     )
     .spawn();
-    wait_until("every message SENT", Duration::from_secs(60), || async {
-        fx.rows()
-            .await
-            .iter()
-            .all(|r| r.status == Status::Sent.as_i16())
-    })
-    .await;
+    wait_all_status(&fx, Status::Sent, Duration::from_secs(60)).await;
     let posts = rx.posts.lock().unwrap().clone();
     assert!(ids.iter().all(|id| posts.contains_key(&id.to_string())));
     let repeated = posts.values().filter(|n| **n > 1).count() as u64;
@@ -572,13 +530,7 @@ async fn defect_11_attempt_header_counts_from_one() {
         fast_config("attempts"),
     )
     .spawn();
-    wait_until("both SENT", Duration::from_secs(20), || async {
-        fx.rows()
-            .await
-            .iter()
-            .all(|r| r.status == Status::Sent.as_i16())
-    })
-    .await;
+    wait_all_status(&fx, Status::Sent, Duration::from_secs(20)).await;
     let seen = handler.seen.lock().unwrap().clone();
     let of = |p: &str| -> Vec<(String, u32)> {
         seen.iter()

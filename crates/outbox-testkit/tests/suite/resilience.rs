@@ -136,6 +136,29 @@ impl Drop for ReadOnlyUser {
     }
 }
 
+/// Wait (at most 60 s) until the relay released `released` refused publishes (`what`), or
+/// dead-lettered one; then nothing is dead-lettered, no attempt was counted, and every row of
+/// `db` is PENDING with no attempt spent.
+async fn refusals_released_at_no_cost(
+    db: &SqliteFixture,
+    metrics: &Arc<outbox::RelayMetrics>,
+    what: &str,
+    released: u64,
+) {
+    wait_until(what, Duration::from_secs(60), || async {
+        let m = metrics.snapshot();
+        m.released >= released || m.failed > 0
+    })
+    .await;
+    let snap = metrics.snapshot();
+    assert_eq!(snap.failed, 0, "refusals dead-lettered rows: {snap:?}");
+    assert_eq!(snap.retried, 0, "refusals burned attempts: {snap:?}");
+    for r in db.rows().await {
+        assert_eq!(r.status, Status::Pending as i16, "{r:?}");
+        assert_eq!(r.attempts, 0, "an attempt was burned: {r:?}");
+    }
+}
+
 /// Issue 11 item 9: RabbitMQ `403 ACCESS_REFUSED` (a user without write permission) used to
 /// dead-letter every row after one attempt. Now the transport is paused: nothing is FAILED, no
 /// attempt is counted, the probe (which needs no permission) succeeds while publishes are still
@@ -167,22 +190,7 @@ async fn defect_09_rabbitmq_access_refused_pauses_without_dead_letters() {
         .map(|i| NewMessage::new("perm", format!("m{i}")))
         .collect();
     let ids = db.enqueue_commit(msgs).await.unwrap();
-    let metrics = relay.metrics().clone();
-    wait_until(
-        "the relay to be refused three times (300 releases)",
-        Duration::from_secs(60),
-        || {
-            let m = metrics.clone();
-            async move { m.snapshot().released >= 300 || m.snapshot().failed > 0 }
-        },
-    )
-    .await;
-    let snap = relay.metrics().snapshot();
-    assert_eq!(snap.failed, 0, "403 dead-lettered rows: {snap:?}");
-    for r in db.rows().await {
-        assert_eq!(r.status, Status::Pending as i16, "{r:?}");
-        assert_eq!(r.attempts, 0, "an attempt was burned: {r:?}");
-    }
+    refusals_released_at_no_cost(&db, relay.metrics(), "three refusals (300 releases)", 300).await;
     assert_eq!(
         logs.count("WARN", "transport unavailable"),
         1,
@@ -617,29 +625,13 @@ async fn defect_09_nats_permission_violation_pauses_without_dead_letters() {
         )
         .await
         .unwrap();
-    let metrics = relay.metrics().clone();
-    wait_until(
-        "the refused rows to be released three times (or dead-lettered)",
-        Duration::from_secs(60),
-        || {
-            let m = metrics.clone();
-            async move { m.snapshot().released >= 60 || m.snapshot().failed > 0 }
-        },
+    refusals_released_at_no_cost(
+        &db,
+        relay.metrics(),
+        "the refused rows released three times",
+        60,
     )
     .await;
-    let snap = relay.metrics().snapshot();
-    assert_eq!(
-        snap.failed, 0,
-        "a permission fault dead-lettered rows: {snap:?}"
-    );
-    assert_eq!(
-        snap.retried, 0,
-        "a permission fault burned attempts: {snap:?}"
-    );
-    for r in db.rows().await {
-        assert_eq!(r.status, Status::Pending as i16, "{r:?}");
-        assert_eq!(r.attempts, 0, "an attempt was burned: {r:?}");
-    }
     assert_eq!(
         logs.count("WARN", "transport unavailable"),
         1,

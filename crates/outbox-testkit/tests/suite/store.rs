@@ -1,103 +1,43 @@
 //! The store conformance suite, run against SQLite (temporary file), PostgreSQL (own schema) and
 //! MySQL/MariaDB (own tables).
 
-macro_rules! store_conformance {
-    ($backend:ident, $fixture:ty) => {
-        mod $backend {
-            use outbox_testkit::StoreFixture as _;
-            use outbox_testkit::store_suite;
-
-            macro_rules! case {
-                ($name:ident, $suite_fn:ident) => {
-                    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                    async fn $name() {
-                        crate::init_tracing();
-                        let fx = <$fixture>::new().await;
-                        store_suite::$suite_fn(&fx).await;
-                        fx.cleanup().await;
-                    }
-                };
-            }
-
-            case!(migrate_is_idempotent, migrate_is_idempotent);
-            case!(rollback_is_never_visible, rollback_is_never_visible);
-            case!(relays_never_share_a_bucket, relays_never_share_a_bucket);
-            case!(
-                lease_expiry_takeover_reads_again,
-                lease_expiry_takeover_reads_again
-            );
-            case!(
-                stale_completion_writes_nothing,
-                stale_completion_writes_nothing
-            );
-            case!(
-                retry_backs_off_on_the_database_clock,
-                retry_backs_off_on_the_database_clock
-            );
-            case!(dead_letter, dead_letter);
-            case!(
-                relay_dead_letters_at_max_attempts,
-                relay_dead_letters_at_max_attempts
-            );
-            case!(
-                release_gives_the_attempt_back,
-                release_gives_the_attempt_back
-            );
-            case!(
-                validation_errors_write_nothing,
-                validation_errors_write_nothing
-            );
-            case!(
-                c08_payload_round_trips_byte_exact,
-                payload_round_trips_byte_exact
-            );
-            case!(plain_sql_insert_is_delivered, plain_sql_insert_is_delivered);
-            case!(
-                migrate_releases_sending_rows_of_an_older_relay,
-                migrate_releases_sending_rows_of_an_older_relay
-            );
-            case!(
-                invalid_table_identifiers_are_rejected,
-                invalid_table_identifiers_are_rejected
-            );
-            case!(delayed_message_and_stats, delayed_message_and_stats);
-            case!(
-                confirmations_apply_in_batches,
-                confirmations_apply_in_batches
-            );
-            case!(rejection_runs_the_hook_once, rejection_runs_the_hook_once);
-            case!(check_back_then_unconfirmed, check_back_then_unconfirmed);
-            case!(purge_finished_only_old, purge_finished_only_old);
-            case!(
-                stats_show_awaiting_confirmation,
-                stats_show_awaiting_confirmation
-            );
-            case!(bucket_membership_fair_share, bucket_membership_fair_share);
-            case!(bucket_takeover_after_expiry, bucket_takeover_after_expiry);
-            case!(
-                bucket_hand_over_and_route_sets,
-                bucket_hand_over_and_route_sets
-            );
-            case!(
-                read_buckets_due_pending_in_order,
-                read_buckets_due_pending_in_order
-            );
-            case!(bucket_fenced_completion, bucket_fenced_completion);
-            case!(
-                key_heads_first_open_and_failed,
-                key_heads_first_open_and_failed
-            );
-            case!(
-                next_due_in_buckets_is_per_bucket,
-                next_due_in_buckets_is_per_bucket
-            );
-        }
-    };
-}
-
-store_conformance!(sqlite, outbox_testkit::SqliteFixture);
-store_conformance!(postgres, outbox_testkit::PgFixture);
-store_conformance!(mysql, outbox_testkit::MySqlFixture);
+fixture_tests!(
+    [
+        sqlite: outbox_testkit::SqliteFixture,
+        postgres: outbox_testkit::PgFixture,
+        mysql: outbox_testkit::MySqlFixture,
+    ],
+    [outbox_testkit::store_suite],
+    [
+        migrate_is_idempotent,
+        rollback_is_never_visible,
+        relays_never_share_a_bucket,
+        lease_expiry_takeover_reads_again,
+        stale_completion_writes_nothing,
+        retry_backs_off_on_the_database_clock,
+        dead_letter,
+        relay_dead_letters_at_max_attempts,
+        release_gives_the_attempt_back,
+        validation_errors_write_nothing,
+        c08_payload_round_trips_byte_exact = payload_round_trips_byte_exact,
+        plain_sql_insert_is_delivered,
+        migrate_releases_sending_rows_of_an_older_relay,
+        invalid_table_identifiers_are_rejected,
+        delayed_message_and_stats,
+        confirmations_apply_in_batches,
+        rejection_runs_the_hook_once,
+        check_back_then_unconfirmed,
+        purge_finished_only_old,
+        stats_show_awaiting_confirmation,
+        bucket_membership_fair_share,
+        bucket_takeover_after_expiry,
+        bucket_hand_over_and_route_sets,
+        read_buckets_due_pending_in_order,
+        bucket_fenced_completion,
+        key_heads_first_open_and_failed,
+        next_due_in_buckets_is_per_bucket,
+    ],
+);
 
 /// Concurrent `migrate` calls on PostgreSQL are serialised and all succeed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,45 +7,23 @@ use outbox::transport::{Outgoing, Transport};
 use outbox::{TransportErrorKind, WebhookConfig, WebhookTransport};
 use outbox_testkit::{NatsFixture, TransportFixture, WebhookFixture, claimed_message};
 
-macro_rules! transport_conformance {
-    ($backend:ident, $fixture:ty) => {
-        mod $backend {
-            use outbox_testkit::TransportFixture as _;
-            use outbox_testkit::transport_suite;
-
-            macro_rules! case {
-                ($name:ident, $suite_fn:ident) => {
-                    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                    async fn $name() {
-                        crate::init_tracing();
-                        let fx = <$fixture>::new().await;
-                        transport_suite::$suite_fn(&fx).await;
-                        fx.cleanup().await;
-                    }
-                };
-            }
-
-            case!(
-                publish_is_acked_and_carries_id_headers_payload,
-                publish_is_acked_and_carries_id_headers_payload
-            );
-            case!(
-                c08_binary_payload_is_byte_exact,
-                binary_payload_is_byte_exact
-            );
-            case!(results_are_in_input_order, results_are_in_input_order);
-        }
-    };
-}
-
-transport_conformance!(webhook, outbox_testkit::WebhookFixture);
-transport_conformance!(nats, outbox_testkit::NatsFixture);
-transport_conformance!(redis, outbox_testkit::RedisFixture);
-transport_conformance!(mqtt, outbox_testkit::MqttFixture);
-transport_conformance!(kafka, outbox_testkit::KafkaFixture);
-#[cfg(feature = "rocketmq")]
-transport_conformance!(rocketmq, outbox_testkit::RocketMqFixture);
-transport_conformance!(rabbitmq, outbox_testkit::RabbitMqFixture);
+fixture_tests!(
+    [
+        webhook: outbox_testkit::WebhookFixture,
+        nats: outbox_testkit::NatsFixture,
+        redis: outbox_testkit::RedisFixture,
+        mqtt: outbox_testkit::MqttFixture,
+        kafka: outbox_testkit::KafkaFixture,
+        #[cfg(feature = "rocketmq")] rocketmq: outbox_testkit::RocketMqFixture,
+        rabbitmq: outbox_testkit::RabbitMqFixture,
+    ],
+    [outbox_testkit::transport_suite],
+    [
+        publish_is_acked_and_carries_id_headers_payload,
+        c08_binary_payload_is_byte_exact = binary_payload_is_byte_exact,
+        results_are_in_input_order,
+    ],
+);
 
 async fn publish_one(t: &dyn Transport, dest: &str) -> Result<(), outbox::TransportError> {
     let m = claimed_message("t", "{}");

@@ -54,6 +54,14 @@ fn bad(row: Row, named: &'static str) -> Bad {
     Bad { row, named }
 }
 
+/// Rows with one header `name: value` each, bad with a reason that names `named`.
+fn bad_headers(headers: &[(&str, &str, &'static str)]) -> Vec<Bad> {
+    headers
+        .iter()
+        .map(|&(name, value, named)| bad(Row::new(TOPIC, None, json!({ name: value })), named))
+        .collect()
+}
+
 async fn insert(db: &PgFixture, row: &Row, payload: &[u8]) -> Uuid {
     sqlx::query_scalar(AssertSqlSafe(format!(
         "INSERT INTO {} (topic, partition_key, headers, payload) VALUES ($1, $2, $3::jsonb, $4) \
@@ -274,21 +282,24 @@ async fn defect_08_nats_reserved_headers_from_sql_are_dead_lettered_not_deduplic
     let dest = fx.good_destination();
     // Two distinct messages with the same user Nats-Msg-Id: before the fix JetStream kept one and
     // both rows were SENT.
-    let bad = vec![
-        bad(
-            Row::new(TOPIC, None, json!({"Nats-Msg-Id": "same"})),
+    let bad = bad_headers(&[
+        (
+            "Nats-Msg-Id",
+            "same",
             "\"Nats-Msg-Id\" is reserved by NATS JetStream",
         ),
-        bad(
-            Row::new(TOPIC, None, json!({"Nats-Msg-Id": "same"})),
+        (
+            "Nats-Msg-Id",
+            "same",
             "\"Nats-Msg-Id\" is reserved by NATS JetStream",
         ),
-        bad(
-            Row::new(TOPIC, None, json!({"nats-expected-last-sequence": "0"})),
+        (
+            "nats-expected-last-sequence",
+            "0",
             "nats-expected-last-sequence",
         ),
-        bad(Row::new(TOPIC, None, json!({"Nats-TTL": "1s"})), "Nats-TTL"),
-    ];
+        ("Nats-TTL", "1s", "Nats-TTL"),
+    ]);
     bad_rows_dead_lettered_rest_published(&fx, &dest, ordinary_rows(), bad).await;
 }
 
@@ -303,28 +314,13 @@ async fn defect_01_webhook_unsendable_header_or_key_is_dead_lettered() {
 async fn defect_08_webhook_connection_and_signature_headers_from_sql_are_dead_lettered() {
     let fx = WebhookFixture::new().await;
     let dest = fx.good_destination();
-    let bad = vec![
-        bad(
-            Row::new(TOPIC, None, json!({"Content-Length": "0"})),
-            "\"Content-Length\" is reserved",
-        ),
-        bad(
-            Row::new(TOPIC, None, json!({"Host": "evil.example"})),
-            "\"Host\" is reserved",
-        ),
-        bad(
-            Row::new(TOPIC, None, json!({"Transfer-Encoding": "chunked"})),
-            "Transfer-Encoding",
-        ),
-        bad(
-            Row::new(TOPIC, None, json!({"webhook-signature": "v1,forged"})),
-            "webhook-signature",
-        ),
-        bad(
-            Row::new(TOPIC, None, json!({"Connection": "close"})),
-            "\"Connection\"",
-        ),
-    ];
+    let bad = bad_headers(&[
+        ("Content-Length", "0", "\"Content-Length\" is reserved"),
+        ("Host", "evil.example", "\"Host\" is reserved"),
+        ("Transfer-Encoding", "chunked", "Transfer-Encoding"),
+        ("webhook-signature", "v1,forged", "webhook-signature"),
+        ("Connection", "close", "\"Connection\""),
+    ]);
     let received = bad_rows_dead_lettered_rest_published(&fx, &dest, ordinary_rows(), bad).await;
     // The signature of every delivery is the transport's own.
     for r in &received {
@@ -408,24 +404,12 @@ async fn defect_01_rabbitmq_unsendable_header_is_dead_lettered_and_what_amqp_car
 async fn defect_08_rabbitmq_headers_rabbitmq_interprets_are_dead_lettered() {
     let fx = outbox_testkit::RabbitMqFixture::new().await;
     let dest = fx.good_destination();
-    let bad = vec![
-        bad(
-            Row::new(TOPIC, None, json!({"CC": "elsewhere"})),
-            "\"CC\" is reserved by RabbitMQ",
-        ),
-        bad(
-            Row::new(TOPIC, None, json!({"BCC": "elsewhere"})),
-            "\"BCC\" is reserved by RabbitMQ",
-        ),
-        bad(
-            Row::new(TOPIC, None, json!({"x-death": "forged"})),
-            "\"x-death\" is reserved by RabbitMQ",
-        ),
-        bad(
-            Row::new(TOPIC, None, json!({"x-delay": "60000"})),
-            "\"x-delay\" is reserved by RabbitMQ",
-        ),
-    ];
+    let bad = bad_headers(&[
+        ("CC", "elsewhere", "\"CC\" is reserved by RabbitMQ"),
+        ("BCC", "elsewhere", "\"BCC\" is reserved by RabbitMQ"),
+        ("x-death", "forged", "\"x-death\" is reserved by RabbitMQ"),
+        ("x-delay", "60000", "\"x-delay\" is reserved by RabbitMQ"),
+    ]);
     let mut good = ordinary_rows();
     good.push(Row::new(
         TOPIC,
@@ -438,31 +422,31 @@ async fn defect_08_rabbitmq_headers_rabbitmq_interprets_are_dead_lettered() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn defect_01_kafka_every_header_and_key_travels_bad_topic_is_dead_lettered() {
     let fx = outbox_testkit::KafkaFixture::new().await;
-    let topic = fx.good_destination();
-    let mut good = ordinary_rows_on(&topic);
-    good.extend(crlf_and_space_rows_on(&topic));
-    good.extend(other_brokers_reserved_on(&topic));
-    let bad = vec![bad(
-        Row::new(&format!("{topic} bad"), None, json!({})),
-        "is 1 to 249 of A-Z a-z 0-9 . _ -",
-    )];
-    let received = bad_rows_dead_lettered_rest_published(&fx, "{topic}", good, bad).await;
-    assert_headers_intact(&received, &crlf_and_space_rows_on(&topic));
-    assert_headers_intact(&received, &other_brokers_reserved_on(&topic));
+    every_header_travels_bad_topic_dead_lettered(&fx, "is 1 to 249 of A-Z a-z 0-9 . _ -").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn defect_01_redis_every_header_and_key_travels_bad_stream_key_is_dead_lettered() {
     let fx = outbox_testkit::RedisFixture::new().await;
+    every_header_travels_bad_topic_dead_lettered(&fx, "invalid Redis stream key").await;
+}
+
+/// On a broker whose destination is the topic (Kafka, Redis) and which carries any header: the
+/// ordinary rows, the CR/LF and space rows and other brokers' reserved names all travel intact;
+/// a row whose topic is no valid destination is dead-lettered with a reason naming `invalid`.
+async fn every_header_travels_bad_topic_dead_lettered<F: TransportFixture>(
+    fx: &F,
+    invalid: &'static str,
+) {
     let topic = fx.good_destination();
     let mut good = ordinary_rows_on(&topic);
     good.extend(crlf_and_space_rows_on(&topic));
     good.extend(other_brokers_reserved_on(&topic));
     let bad = vec![bad(
         Row::new(&format!("{topic} bad"), None, json!({})),
-        "invalid Redis stream key",
+        invalid,
     )];
-    let received = bad_rows_dead_lettered_rest_published(&fx, "{topic}", good, bad).await;
+    let received = bad_rows_dead_lettered_rest_published(fx, "{topic}", good, bad).await;
     assert_headers_intact(&received, &crlf_and_space_rows_on(&topic));
     assert_headers_intact(&received, &other_brokers_reserved_on(&topic));
 }
@@ -505,21 +489,18 @@ async fn defect_01_mqtt_malformed_strings_are_dead_lettered_and_the_relay_goes_o
 async fn defect_01_and_08_rocketmq_separators_and_system_properties_are_dead_lettered() {
     let fx = outbox_testkit::rocketmq::RocketMqFixture::new().await;
     let dest = fx.good_destination();
-    let bad = vec![
-        bad(
-            Row::new(TOPIC, None, json!({"note": "x\u{1}y"})),
-            "header \"note\"",
-        ),
-        bad(Row::new(TOPIC, Some("k\u{2}1"), json!({})), "partition key"),
-        bad(
-            Row::new(TOPIC, None, json!({"DELAY": "3"})),
-            "\"DELAY\" is reserved by RocketMQ",
-        ),
-        bad(
-            Row::new(TOPIC, None, json!({"UNIQ_KEY": "forged"})),
-            "\"UNIQ_KEY\" is reserved by RocketMQ",
-        ),
-    ];
+    let mut bad = bad_headers(&[
+        ("note", "x\u{1}y", "header \"note\""),
+        ("DELAY", "3", "\"DELAY\" is reserved by RocketMQ"),
+        ("UNIQ_KEY", "forged", "\"UNIQ_KEY\" is reserved by RocketMQ"),
+    ]);
+    bad.insert(
+        1,
+        Bad {
+            row: Row::new(TOPIC, Some("k\u{2}1"), json!({})),
+            named: "partition key",
+        },
+    );
     let mut good = ordinary_rows();
     good.push(Row::new(
         TOPIC,

@@ -36,6 +36,27 @@ use tokio_util::sync::CancellationToken;
 use crate::error::{DbErrorClass, StoreError};
 use crate::message::{Message, Status};
 
+/// The message status numbers as the dialects' SQL writes them (`status = {PENDING}` in a
+/// `format!`), taken from [`Status`], the one definition of the numbers. Every message-status
+/// number in the dialects' statements and migrations is one of these; other small numbers in the
+/// SQL (bucket numbers, flags, counts, `LIMIT`s) are not statuses.
+pub(crate) mod status_sql {
+    use crate::message::Status;
+
+    /// [`Status::Pending`].
+    pub(crate) const PENDING: i16 = Status::Pending as i16;
+    /// [`Status::Sending`] (retired; only `migrate` still reads it).
+    pub(crate) const SENDING: i16 = Status::Sending as i16;
+    /// [`Status::Sent`].
+    pub(crate) const SENT: i16 = Status::Sent as i16;
+    /// [`Status::Confirmed`].
+    pub(crate) const CONFIRMED: i16 = Status::Confirmed as i16;
+    /// [`Status::Failed`].
+    pub(crate) const FAILED: i16 = Status::Failed as i16;
+    /// [`Status::Rejected`].
+    pub(crate) const REJECTED: i16 = Status::Rejected as i16;
+}
+
 #[cfg(feature = "mysql")]
 pub mod mysql;
 #[cfg(any(feature = "postgres", feature = "mysql"))]

@@ -21,7 +21,7 @@ pub(crate) fn migrations(table: &TableName, inbox: &TableName) -> Vec<Step> {
                     partition_key VARCHAR(255),
                     headers LONGTEXT NOT NULL DEFAULT ('{{}}'),
                     payload LONGBLOB NOT NULL,
-                    status SMALLINT NOT NULL DEFAULT 0 CHECK (status BETWEEN 0 AND 6),
+                    status SMALLINT NOT NULL DEFAULT {PENDING} CHECK (status BETWEEN {PENDING} AND {REJECTED}),
                     attempts INT NOT NULL DEFAULT 0,
                     max_attempts INT CHECK (max_attempts >= 1),
                     available_at DATETIME(6) NOT NULL DEFAULT (UTC_TIMESTAMP(6)),

@@ -61,6 +61,7 @@ use uuid::Uuid;
 
 use self::errors::{is_already_applied, is_lock_conflict, is_lock_wait_timeout};
 use self::migrations::{migrations, run_migrations};
+use super::status_sql::{CONFIRMED, FAILED, PENDING, REJECTED, SENDING, SENT};
 use super::{
     Bucket, BucketBatch, BucketCompletion, BucketLease, FailedMessage, KeyHead, LeaseToken,
     MembershipRequest, MembershipRound, RelayInfo, Stats, Store, StoreOptions, millis, new_token,
@@ -198,15 +199,15 @@ impl MySqlStore {
              STRAIGHT_JOIN {t} o FORCE INDEX (PRIMARY) ON o.id = j.id \
              STRAIGHT_JOIN {t}_buckets b ON b.bucket = o.bucket \
              SET o.attempts = CASE WHEN {pending} THEN j.a ELSE o.attempts END, \
-             o.available_at = CASE WHEN {pending} AND j.st = 0 \
+             o.available_at = CASE WHEN {pending} AND j.st = {PENDING} \
                THEN {NOW} + INTERVAL (j.d * 1000) MICROSECOND ELSE o.available_at END, \
-             o.sent_at = CASE WHEN j.st = 2 THEN {NOW} ELSE o.sent_at END, \
-             o.confirm_deadline = CASE WHEN {pending} AND j.st = 2 AND j.c IS NOT NULL \
+             o.sent_at = CASE WHEN j.st = {SENT} THEN {NOW} ELSE o.sent_at END, \
+             o.confirm_deadline = CASE WHEN {pending} AND j.st = {SENT} AND j.c IS NOT NULL \
                THEN {NOW} + INTERVAL (j.c * 1000) MICROSECOND ELSE NULL END, \
              o.last_error = CASE WHEN {pending} THEN COALESCE(j.e, o.last_error) ELSE o.last_error END, \
              o.status = CASE WHEN {pending} THEN j.st ELSE o.status END, \
              o.lease_owner = NULL, o.lease_token = NULL, o.lease_expires_at = NULL, o.updated_at = {NOW} \
-             WHERE o.status IN (0, 3, 6) AND b.owner = ? AND b.token = CAST(j.tk AS SIGNED) \
+             WHERE o.status IN ({PENDING}, {CONFIRMED}, {REJECTED}) AND b.owner = ? AND b.token = CAST(j.tk AS SIGNED) \
                AND b.expires_at > {NOW}"
         );
         self.exec_rc(
@@ -580,7 +581,7 @@ impl MySqlStore {
         // table) would lock, and wait on, every uncommitted producer insert.
         let mut q = sqlx::query_scalar(AssertSqlSafe(format!(
             "SELECT message_id FROM {t} FORCE INDEX ({f}_message_id_key) \
-             WHERE message_id IN ({list}) AND status IN (0, 1, 2, 4) FOR UPDATE"
+             WHERE message_id IN ({list}) AND status IN ({PENDING}, {SENDING}, {SENT}, {FAILED}) FOR UPDATE"
         )));
         for id in ids {
             q = q.bind(id);
@@ -588,9 +589,9 @@ impl MySqlStore {
         let moved: Vec<String> = q.fetch_all(&mut *tx).await?;
         if !moved.is_empty() {
             let mut q = sqlx::query(AssertSqlSafe(format!(
-                "UPDATE {t} FORCE INDEX ({f}_message_id_key) SET status = 3, confirmed_at = {NOW}, \
+                "UPDATE {t} FORCE INDEX ({f}_message_id_key) SET status = {CONFIRMED}, confirmed_at = {NOW}, \
                  confirm_deadline = NULL, updated_at = {NOW} \
-                 WHERE message_id IN ({}) AND status IN (0, 1, 2, 4)",
+                 WHERE message_id IN ({}) AND status IN ({PENDING}, {SENDING}, {SENT}, {FAILED})",
                 placeholders(moved.len())
             )));
             for id in &moved {
@@ -819,7 +820,7 @@ impl MySqlStore {
         };
         let part = format!(
             "(SELECT id, message_id, topic, partition_key, headers, payload, attempts, max_attempts, \
-             redelivery, bucket FROM {t} WHERE status = 0 AND bucket = ? AND id > ? \
+             redelivery, bucket FROM {t} WHERE status = {PENDING} AND bucket = ? AND id > ? \
              AND available_at <= {NOW}{skip} ORDER BY id LIMIT ?)"
         );
         let sql = format!(
@@ -869,9 +870,9 @@ impl Store for MySqlStore {
             .exec_rc(
                 "migrate",
                 &format!(
-                    "UPDATE {t} FORCE INDEX ({f}_leased) SET status = 0, available_at = {NOW}, \
+                    "UPDATE {t} FORCE INDEX ({f}_leased) SET status = {PENDING}, available_at = {NOW}, \
                      lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL, updated_at = {NOW} \
-                     WHERE status = 1"
+                     WHERE status = {SENDING}"
                 ),
                 &[],
             )
@@ -1031,9 +1032,9 @@ impl Store for MySqlStore {
         // One statement per 10,000 keys (far under the 65,535 placeholders of a statement).
         for chunk in keys.chunks(10_000) {
             let mut q = sqlx::query_as(AssertSqlSafe(format!(
-                "SELECT partition_key, MIN(CASE WHEN status IN (0, 1) THEN id END), \
-                 MIN(CASE WHEN status = 4 THEN id END) FROM {t} \
-                 WHERE partition_key IN ({}) AND status IN (0, 1, 4) GROUP BY partition_key",
+                "SELECT partition_key, MIN(CASE WHEN status IN ({PENDING}, {SENDING}) THEN id END), \
+                 MIN(CASE WHEN status = {FAILED} THEN id END) FROM {t} \
+                 WHERE partition_key IN ({}) AND status IN ({PENDING}, {SENDING}, {FAILED}) GROUP BY partition_key",
                 placeholders(chunk.len())
             )));
             for k in chunk {
@@ -1080,7 +1081,7 @@ impl Store for MySqlStore {
         let t = self.table.as_str();
         let mut q = sqlx::query_scalar(AssertSqlSafe(format!(
             "SELECT CAST(GREATEST(CEIL(TIMESTAMPDIFF(MICROSECOND, {NOW}, available_at) / 1000), 0) AS SIGNED) \
-             FROM {t} WHERE status = 0 AND bucket IN ({}) ORDER BY available_at LIMIT 1",
+             FROM {t} WHERE status = {PENDING} AND bucket IN ({}) ORDER BY available_at LIMIT 1",
             placeholders(buckets.len())
         )));
         for b in buckets {
@@ -1098,7 +1099,7 @@ impl Store for MySqlStore {
         // GREATEST is NULL when any argument is NULL: an empty table answers NULL.
         let ms: Option<i64> = sqlx::query_scalar(AssertSqlSafe(format!(
             "SELECT CAST(GREATEST(CEIL(TIMESTAMPDIFF(MICROSECOND, {NOW}, MIN(available_at)) / 1000), 0) AS SIGNED) \
-             FROM {t} WHERE status = 0"
+             FROM {t} WHERE status = {PENDING}"
         )))
         .fetch_one(&self.pool)
         .await
@@ -1127,10 +1128,10 @@ impl Store for MySqlStore {
         .map_err(self.err("stats"))?;
         let ages: (Option<i64>, i64, Option<i64>) = sqlx::query_as(AssertSqlSafe(format!(
             "SELECT (SELECT TIMESTAMPDIFF(MICROSECOND, MIN(created_at), {NOW}) DIV 1000 FROM {t} \
-                     WHERE status = 0 AND available_at <= {NOW}), \
-                    (SELECT COUNT(*) FROM {t} WHERE status = 2 AND confirm_deadline IS NOT NULL), \
+                     WHERE status = {PENDING} AND available_at <= {NOW}), \
+                    (SELECT COUNT(*) FROM {t} WHERE status = {SENT} AND confirm_deadline IS NOT NULL), \
                     (SELECT TIMESTAMPDIFF(MICROSECOND, MIN(sent_at), {NOW}) DIV 1000 FROM {t} \
-                     WHERE status = 2 AND confirm_deadline IS NOT NULL)"
+                     WHERE status = {SENT} AND confirm_deadline IS NOT NULL)"
         )))
         .fetch_one(&mut *tx)
         .await
@@ -1178,7 +1179,7 @@ impl Store for MySqlStore {
             let mut tx = self.begin_rc().await.map_err(self.err("confirm"))?;
             let row: Option<super::RejectedRow> = sqlx::query_as(AssertSqlSafe(format!(
                 "SELECT id, topic, partition_key, headers, payload FROM {t} \
-                 WHERE message_id = ? AND status IN (0, 1, 2, 4) FOR UPDATE"
+                 WHERE message_id = ? AND status IN ({PENDING}, {SENDING}, {SENT}, {FAILED}) FOR UPDATE"
             )))
             .bind(&message_id)
             .fetch_optional(&mut *tx)
@@ -1190,7 +1191,7 @@ impl Store for MySqlStore {
                 continue;
             };
             sqlx::query(AssertSqlSafe(format!(
-                "UPDATE {t} SET status = 6, confirmed_at = {NOW}, confirm_deadline = NULL, \
+                "UPDATE {t} SET status = {REJECTED}, confirmed_at = {NOW}, confirm_deadline = NULL, \
                  updated_at = {NOW}, last_error = ? WHERE id = ?"
             )))
             .bind(format!("rejected by {}: {reason}", c.consumer))
@@ -1233,7 +1234,7 @@ impl Store for MySqlStore {
     async fn check_back(&self, limit: u32, max_check_backs: u32) -> Result<u64, StoreError> {
         let t = self.table.as_str();
         let select = format!(
-            "SELECT id FROM {t} WHERE status = 2 AND confirm_deadline < {NOW} \
+            "SELECT id FROM {t} WHERE status = {SENT} AND confirm_deadline < {NOW} \
              ORDER BY confirm_deadline LIMIT ? FOR UPDATE SKIP LOCKED"
         );
         // Single-table UPDATE assignments run left to right: check_backs is written last.
@@ -1243,10 +1244,10 @@ impl Store for MySqlStore {
                THEN CONCAT('unconfirmed: no confirmation after ', check_backs, ' check-backs') \
                ELSE 'check-back: no confirmation by the deadline' END, \
              redelivery = redelivery + CASE WHEN check_backs >= ? THEN 0 ELSE 1 END, \
-             status = CASE WHEN check_backs >= ? THEN 4 ELSE 0 END, \
+             status = CASE WHEN check_backs >= ? THEN {FAILED} ELSE {PENDING} END, \
              check_backs = check_backs + CASE WHEN check_backs >= ? THEN 0 ELSE 1 END, \
              available_at = {NOW}, confirm_deadline = NULL, updated_at = {NOW} \
-             WHERE status = 2 AND id IN "
+             WHERE status = {SENT} AND id IN "
         );
         let max = i64::from(max_check_backs);
         self.write_selected(
@@ -1269,8 +1270,8 @@ impl Store for MySqlStore {
         let ms = millis(older_than);
         let select = format!(
             "SELECT id FROM {t} WHERE \
-               (status IN (3, 6) AND confirmed_at < {NOW} - INTERVAL ({ms} * 1000) MICROSECOND) \
-               OR (status = 2 AND confirm_deadline IS NULL \
+               (status IN ({CONFIRMED}, {REJECTED}) AND confirmed_at < {NOW} - INTERVAL ({ms} * 1000) MICROSECOND) \
+               OR (status = {SENT} AND confirm_deadline IS NULL \
                    AND sent_at < {NOW} - INTERVAL ({ms} * 1000) MICROSECOND) \
              LIMIT ? FOR UPDATE SKIP LOCKED"
         );
@@ -1287,8 +1288,8 @@ impl Store for MySqlStore {
             Some(ids) => format!(" AND id IN ({})", placeholders(ids.len())),
         };
         let sql = format!(
-            "UPDATE {t} SET status = 0, attempts = 0, check_backs = 0, redelivery = redelivery + 1, \
-             available_at = {NOW}, updated_at = {NOW} WHERE status = 4{filter}"
+            "UPDATE {t} SET status = {PENDING}, attempts = 0, check_backs = 0, redelivery = redelivery + 1, \
+             available_at = {NOW}, updated_at = {NOW} WHERE status = {FAILED}{filter}"
         );
         let binds: Vec<Bind<'_>> = ids
             .unwrap_or_default()
@@ -1302,7 +1303,7 @@ impl Store for MySqlStore {
         let t = self.table.as_str();
         let rows: Vec<(i64, String, String, i64, Option<String>)> =
             sqlx::query_as(AssertSqlSafe(format!(
-                "SELECT id, message_id, topic, attempts, last_error FROM {t} WHERE status = 4 \
+                "SELECT id, message_id, topic, attempts, last_error FROM {t} WHERE status = {FAILED} \
                  ORDER BY updated_at DESC, id DESC LIMIT ?"
             )))
             .bind(i64::from(limit))

@@ -32,7 +32,7 @@ pub(crate) fn migrations(
                     partition_key text,
                     headers jsonb NOT NULL DEFAULT '{{}}',
                     payload bytea NOT NULL,
-                    status smallint NOT NULL DEFAULT 0 CHECK (status BETWEEN 0 AND 6),
+                    status smallint NOT NULL DEFAULT {PENDING} CHECK (status BETWEEN {PENDING} AND {REJECTED}),
                     attempts int NOT NULL DEFAULT 0,
                     max_attempts int CHECK (max_attempts >= 1),
                     available_at timestamptz NOT NULL DEFAULT now(),
@@ -46,10 +46,10 @@ pub(crate) fn migrations(
                     last_error text,
                     CONSTRAINT {f}_message_id_key UNIQUE (message_id)
                 );
-                CREATE INDEX IF NOT EXISTS {f}_claimable ON {t} (available_at, id) WHERE status = 0;
-                CREATE INDEX IF NOT EXISTS {f}_leased ON {t} (lease_expires_at) WHERE status = 1;
-                CREATE INDEX IF NOT EXISTS {f}_sent ON {t} (sent_at) WHERE status = 2;
-                CREATE INDEX IF NOT EXISTS {f}_failed ON {t} (updated_at) WHERE status = 4;
+                CREATE INDEX IF NOT EXISTS {f}_claimable ON {t} (available_at, id) WHERE status = {PENDING};
+                CREATE INDEX IF NOT EXISTS {f}_leased ON {t} (lease_expires_at) WHERE status = {SENDING};
+                CREATE INDEX IF NOT EXISTS {f}_sent ON {t} (sent_at) WHERE status = {SENT};
+                CREATE INDEX IF NOT EXISTS {f}_failed ON {t} (updated_at) WHERE status = {FAILED};
                 CREATE INDEX IF NOT EXISTS {f}_partition_key ON {t} (partition_key) WHERE partition_key IS NOT NULL;
                 CREATE OR REPLACE FUNCTION {fn_name}() RETURNS trigger LANGUAGE plpgsql AS $fn$
                 BEGIN PERFORM pg_notify('{channel}', ''); RETURN NULL; END $fn$;
@@ -64,8 +64,8 @@ pub(crate) fn migrations(
             format!(
                 "ALTER TABLE {t} ADD COLUMN IF NOT EXISTS confirm_deadline timestamptz;
                 ALTER TABLE {t} ADD COLUMN IF NOT EXISTS check_backs int NOT NULL DEFAULT 0;
-                CREATE INDEX IF NOT EXISTS {f}_unconfirmed ON {t} (confirm_deadline) WHERE status = 2 AND confirm_deadline IS NOT NULL;
-                CREATE INDEX IF NOT EXISTS {f}_finished ON {t} (confirmed_at) WHERE status IN (3, 6);"
+                CREATE INDEX IF NOT EXISTS {f}_unconfirmed ON {t} (confirm_deadline) WHERE status = {SENT} AND confirm_deadline IS NOT NULL;
+                CREATE INDEX IF NOT EXISTS {f}_finished ON {t} (confirmed_at) WHERE status IN ({CONFIRMED}, {REJECTED});"
             ),
         ),
         (
@@ -81,9 +81,9 @@ pub(crate) fn migrations(
             format!(
                 "ALTER TABLE {t} ADD COLUMN IF NOT EXISTS bucket smallint GENERATED ALWAYS AS \
                    (((hashtextextended(COALESCE(partition_key, message_id::text), 0) & 2147483647) % {buckets})::smallint) STORED;
-                CREATE INDEX IF NOT EXISTS {f}_bucket_pending ON {t} (bucket, id) WHERE status = 0;
+                CREATE INDEX IF NOT EXISTS {f}_bucket_pending ON {t} (bucket, id) WHERE status = {PENDING};
                 CREATE INDEX IF NOT EXISTS {f}_key_open ON {t} (partition_key, id) \
-                  WHERE status IN (0, 1, 4) AND partition_key IS NOT NULL;
+                  WHERE status IN ({PENDING}, {SENDING}, {FAILED}) AND partition_key IS NOT NULL;
                 DROP INDEX IF EXISTS {schema_dot}{f}_partition_key;
                 CREATE TABLE IF NOT EXISTS {t}_buckets (
                     bucket smallint PRIMARY KEY,

@@ -44,6 +44,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use super::status_sql::{CONFIRMED, FAILED, PENDING, REJECTED, SENDING, SENT};
 use super::{
     Bucket, BucketBatch, BucketCompletion, BucketLease, FailedMessage, KeyHead, LeaseToken,
     MembershipRequest, MembershipRound, RelayInfo, Stats, Store, StoreOptions, millis, new_token,
@@ -205,28 +206,28 @@ impl PgStore {
             )
             .into(),
             release_sending: format!(
-                "UPDATE {t} SET status = 0, available_at = now(), lease_owner = NULL, lease_token = NULL, \
-                 lease_expires_at = NULL, updated_at = now() WHERE status = 1"
+                "UPDATE {t} SET status = {PENDING}, available_at = now(), lease_owner = NULL, lease_token = NULL, \
+                 lease_expires_at = NULL, updated_at = now() WHERE status = {SENDING}"
             )
             .into(),
             next_due: format!(
                 // GREATEST ignores NULLs, so an empty table needs the CASE to answer NULL (no row).
                 "SELECT CASE WHEN MIN(available_at) IS NULL THEN NULL ELSE \
                  GREATEST(CEIL(EXTRACT(EPOCH FROM (MIN(available_at) - now())) * 1000), 0)::bigint END \
-                 FROM {t} WHERE status = 0"
+                 FROM {t} WHERE status = {PENDING}"
             )
             .into(),
             counts: format!("SELECT status, COUNT(*) FROM {t} GROUP BY status").into(),
             ages: format!(
                 "SELECT (SELECT (EXTRACT(EPOCH FROM now() - MIN(created_at)) * 1000)::bigint FROM {t} \
-                         WHERE status = 0 AND available_at <= now()), \
-                        (SELECT COUNT(*) FROM {t} WHERE status = 2 AND confirm_deadline IS NOT NULL), \
+                         WHERE status = {PENDING} AND available_at <= now()), \
+                        (SELECT COUNT(*) FROM {t} WHERE status = {SENT} AND confirm_deadline IS NOT NULL), \
                         (SELECT (EXTRACT(EPOCH FROM now() - MIN(sent_at)) * 1000)::bigint FROM {t} \
-                         WHERE status = 2 AND confirm_deadline IS NOT NULL)"
+                         WHERE status = {SENT} AND confirm_deadline IS NOT NULL)"
             )
             .into(),
             failed: format!(
-                "SELECT id, message_id::text, topic, attempts, last_error FROM {t} WHERE status = 4 \
+                "SELECT id, message_id::text, topic, attempts, last_error FROM {t} WHERE status = {FAILED} \
                  ORDER BY updated_at DESC, id DESC LIMIT $1"
             )
             .into(),
@@ -292,38 +293,38 @@ impl PgStore {
             read_buckets: format!(
                 "SELECT r.* FROM UNNEST($1::smallint[]) AS b(bucket) \
                  CROSS JOIN LATERAL (SELECT {cols}, o.bucket FROM {t} o \
-                   WHERE o.bucket = b.bucket AND o.status = 0 AND o.available_at <= now() \
+                   WHERE o.bucket = b.bucket AND o.status = {PENDING} AND o.available_at <= now() \
                    AND (o.partition_key IS NULL OR NOT (o.partition_key = ANY($2::text[]))) \
                    ORDER BY o.id LIMIT $3) r \
                  LIMIT $3"
             )
             .into(),
             key_heads: format!(
-                "SELECT partition_key, MIN(id) FILTER (WHERE status IN (0, 1)), \
-                 MIN(id) FILTER (WHERE status = 4) FROM {t} \
-                 WHERE partition_key = ANY($1::text[]) AND status IN (0, 1, 4) GROUP BY partition_key"
+                "SELECT partition_key, MIN(id) FILTER (WHERE status IN ({PENDING}, {SENDING})), \
+                 MIN(id) FILTER (WHERE status = {FAILED}) FROM {t} \
+                 WHERE partition_key = ANY($1::text[]) AND status IN ({PENDING}, {SENDING}, {FAILED}) GROUP BY partition_key"
             )
             .into(),
             complete_in_buckets: format!(
-                "UPDATE {t} o SET status = CASE WHEN o.status = 0 THEN u.st ELSE o.status END, \
-                 attempts = CASE WHEN o.status = 0 THEN u.att ELSE o.attempts END, \
-                 available_at = CASE WHEN o.status = 0 AND u.st = 0 \
+                "UPDATE {t} o SET status = CASE WHEN o.status = {PENDING} THEN u.st ELSE o.status END, \
+                 attempts = CASE WHEN o.status = {PENDING} THEN u.att ELSE o.attempts END, \
+                 available_at = CASE WHEN o.status = {PENDING} AND u.st = {PENDING} \
                    THEN now() + make_interval(secs => u.delay_ms::float8 / 1000) ELSE o.available_at END, \
-                 sent_at = CASE WHEN u.st = 2 THEN now() ELSE o.sent_at END, \
-                 confirm_deadline = CASE WHEN o.status = 0 AND u.st = 2 AND u.confirm_ms IS NOT NULL \
+                 sent_at = CASE WHEN u.st = {SENT} THEN now() ELSE o.sent_at END, \
+                 confirm_deadline = CASE WHEN o.status = {PENDING} AND u.st = {SENT} AND u.confirm_ms IS NOT NULL \
                    THEN now() + make_interval(secs => u.confirm_ms::float8 / 1000) ELSE NULL END, \
-                 last_error = CASE WHEN o.status = 0 THEN COALESCE(u.err, o.last_error) ELSE o.last_error END, \
+                 last_error = CASE WHEN o.status = {PENDING} THEN COALESCE(u.err, o.last_error) ELSE o.last_error END, \
                  lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL, updated_at = now() \
                  FROM UNNEST($1::bigint[], $2::smallint[], $3::bigint[], $4::text[], $5::int[], $6::bigint[], $7::bigint[], $9::smallint[]) \
                    AS u(id, st, delay_ms, err, att, confirm_ms, token, bucket) \
                    JOIN {t}_buckets b ON b.bucket = u.bucket \
-                 WHERE o.id = u.id AND o.bucket = u.bucket AND o.status IN (0, 3, 6) \
+                 WHERE o.id = u.id AND o.bucket = u.bucket AND o.status IN ({PENDING}, {CONFIRMED}, {REJECTED}) \
                    AND b.owner = $8 AND b.token = u.token AND b.expires_at > now()"
             )
             .into(),
             next_due_in_buckets: format!(
                 "SELECT GREATEST(CEIL(EXTRACT(EPOCH FROM (available_at - now())) * 1000), 0)::bigint \
-                 FROM {t} WHERE status = 0 AND bucket = ANY($1::smallint[]) ORDER BY available_at LIMIT 1"
+                 FROM {t} WHERE status = {PENDING} AND bucket = ANY($1::smallint[]) ORDER BY available_at LIMIT 1"
             )
             .into(),
             // The channel is built from a validated table name: letters, digits and `_` only.
@@ -968,8 +969,8 @@ impl Store for PgStore {
         let mut unmatched: Vec<Uuid> = Vec::new();
         if !processed.is_empty() {
             let moved: Vec<Uuid> = sqlx::query_scalar(AssertSqlSafe(format!(
-                "UPDATE {t} SET status = 3, confirmed_at = now(), confirm_deadline = NULL, updated_at = now() \
-                 WHERE message_id = ANY($1) AND status IN (0, 1, 2, 4) RETURNING message_id"
+                "UPDATE {t} SET status = {CONFIRMED}, confirmed_at = now(), confirm_deadline = NULL, updated_at = now() \
+                 WHERE message_id = ANY($1) AND status IN ({PENDING}, {SENDING}, {SENT}, {FAILED}) RETURNING message_id"
             )))
             .bind(&processed)
             .fetch_all(&self.pool)
@@ -992,8 +993,8 @@ impl Store for PgStore {
             let mut tx = self.pool.begin().await.map_err(self.err("confirm"))?;
             let row: Option<super::RejectedRow> =
                 sqlx::query_as(AssertSqlSafe(format!(
-                    "UPDATE {t} SET status = 6, confirmed_at = now(), confirm_deadline = NULL, updated_at = now(), \
-                     last_error = $2 WHERE message_id = $1 AND status IN (0, 1, 2, 4) \
+                    "UPDATE {t} SET status = {REJECTED}, confirmed_at = now(), confirm_deadline = NULL, updated_at = now(), \
+                     last_error = $2 WHERE message_id = $1 AND status IN ({PENDING}, {SENDING}, {SENT}, {FAILED}) \
                      RETURNING id, topic, partition_key, headers::text, payload"
                 )))
                 .bind(c.message_id)
@@ -1038,16 +1039,16 @@ impl Store for PgStore {
         let t = self.table.as_str();
         let done = sqlx::query(AssertSqlSafe(format!(
             "UPDATE {t} o SET \
-             status = CASE WHEN o.check_backs >= $2 THEN 4 ELSE 0 END, \
+             status = CASE WHEN o.check_backs >= $2 THEN {FAILED} ELSE {PENDING} END, \
              last_error = CASE WHEN o.check_backs >= $2 \
                THEN 'unconfirmed: no confirmation after ' || o.check_backs || ' check-backs' \
                ELSE 'check-back: no confirmation by the deadline' END, \
              check_backs = o.check_backs + CASE WHEN o.check_backs >= $2 THEN 0 ELSE 1 END, \
              redelivery = o.redelivery + CASE WHEN o.check_backs >= $2 THEN 0 ELSE 1 END, \
              available_at = now(), confirm_deadline = NULL, updated_at = now() \
-             FROM (SELECT id FROM {t} WHERE status = 2 AND confirm_deadline < now() \
+             FROM (SELECT id FROM {t} WHERE status = {SENT} AND confirm_deadline < now() \
                    ORDER BY confirm_deadline LIMIT $1 FOR UPDATE SKIP LOCKED) c \
-             WHERE o.id = c.id AND o.status = 2 AND o.confirm_deadline < now()"
+             WHERE o.id = c.id AND o.status = {SENT} AND o.confirm_deadline < now()"
         )))
         .bind(i64::from(limit))
         .bind(i32::try_from(max_check_backs).unwrap_or(i32::MAX))
@@ -1062,8 +1063,8 @@ impl Store for PgStore {
         let done = sqlx::query(AssertSqlSafe(format!(
             // One SELECT: PostgreSQL refuses FOR UPDATE under UNION.
             "DELETE FROM {t} WHERE id IN (SELECT id FROM {t} WHERE \
-               (status IN (3, 6) AND confirmed_at < now() - make_interval(secs => $1::float8 / 1000)) \
-               OR (status = 2 AND confirm_deadline IS NULL \
+               (status IN ({CONFIRMED}, {REJECTED}) AND confirmed_at < now() - make_interval(secs => $1::float8 / 1000)) \
+               OR (status = {SENT} AND confirm_deadline IS NULL \
                    AND sent_at < now() - make_interval(secs => $1::float8 / 1000)) \
                LIMIT $2 FOR UPDATE SKIP LOCKED)"
         )))
@@ -1078,9 +1079,9 @@ impl Store for PgStore {
     async fn requeue_failed(&self, ids: Option<&[i64]>) -> Result<u64, StoreError> {
         let t = self.table.as_str();
         let sql = format!(
-            "UPDATE {t} SET status = 0, attempts = 0, check_backs = 0, redelivery = redelivery + 1, \
+            "UPDATE {t} SET status = {PENDING}, attempts = 0, check_backs = 0, redelivery = redelivery + 1, \
              available_at = now(), updated_at = now() \
-             WHERE status = 4 AND ($1::bigint[] IS NULL OR id = ANY($1))"
+             WHERE status = {FAILED} AND ($1::bigint[] IS NULL OR id = ANY($1))"
         );
         let done = sqlx::query(AssertSqlSafe(sql))
             .bind(ids.map(<[i64]>::to_vec))

@@ -15,7 +15,7 @@ pub(crate) fn migrations(t: &str, inbox: &str) -> Vec<(String, i64, String)> {
                     partition_key TEXT,
                     headers TEXT NOT NULL DEFAULT '{{}}',
                     payload BLOB NOT NULL,
-                    status INTEGER NOT NULL DEFAULT 0 CHECK (status BETWEEN 0 AND 6),
+                    status INTEGER NOT NULL DEFAULT {PENDING} CHECK (status BETWEEN {PENDING} AND {REJECTED}),
                     attempts INTEGER NOT NULL DEFAULT 0,
                     max_attempts INTEGER CHECK (max_attempts >= 1),
                     available_at INTEGER NOT NULL DEFAULT ({NOW_MS}),
@@ -28,10 +28,10 @@ pub(crate) fn migrations(t: &str, inbox: &str) -> Vec<(String, i64, String)> {
                     updated_at INTEGER NOT NULL DEFAULT ({NOW_MS}),
                     last_error TEXT
                 );
-                CREATE INDEX IF NOT EXISTS {t}_claimable ON {t} (available_at, id) WHERE status = 0;
-                CREATE INDEX IF NOT EXISTS {t}_leased ON {t} (lease_expires_at) WHERE status = 1;
-                CREATE INDEX IF NOT EXISTS {t}_sent ON {t} (sent_at) WHERE status = 2;
-                CREATE INDEX IF NOT EXISTS {t}_failed ON {t} (updated_at) WHERE status = 4;
+                CREATE INDEX IF NOT EXISTS {t}_claimable ON {t} (available_at, id) WHERE status = {PENDING};
+                CREATE INDEX IF NOT EXISTS {t}_leased ON {t} (lease_expires_at) WHERE status = {SENDING};
+                CREATE INDEX IF NOT EXISTS {t}_sent ON {t} (sent_at) WHERE status = {SENT};
+                CREATE INDEX IF NOT EXISTS {t}_failed ON {t} (updated_at) WHERE status = {FAILED};
                 CREATE INDEX IF NOT EXISTS {t}_partition_key ON {t} (partition_key) WHERE partition_key IS NOT NULL;"
             ),
         ),
@@ -41,8 +41,8 @@ pub(crate) fn migrations(t: &str, inbox: &str) -> Vec<(String, i64, String)> {
             format!(
                 "ALTER TABLE {t} ADD COLUMN confirm_deadline INTEGER;
                 ALTER TABLE {t} ADD COLUMN check_backs INTEGER NOT NULL DEFAULT 0;
-                CREATE INDEX IF NOT EXISTS {t}_unconfirmed ON {t} (confirm_deadline) WHERE status = 2 AND confirm_deadline IS NOT NULL;
-                CREATE INDEX IF NOT EXISTS {t}_finished ON {t} (confirmed_at) WHERE status IN (3, 6);"
+                CREATE INDEX IF NOT EXISTS {t}_unconfirmed ON {t} (confirm_deadline) WHERE status = {SENT} AND confirm_deadline IS NOT NULL;
+                CREATE INDEX IF NOT EXISTS {t}_finished ON {t} (confirmed_at) WHERE status IN ({CONFIRMED}, {REJECTED});"
             ),
         ),
         (
@@ -59,9 +59,9 @@ pub(crate) fn migrations(t: &str, inbox: &str) -> Vec<(String, i64, String)> {
             // nobody holds expired at 0.
             format!(
                 "ALTER TABLE {t} ADD COLUMN bucket INTEGER GENERATED ALWAYS AS {bucket} VIRTUAL;
-                CREATE INDEX IF NOT EXISTS {t}_bucket_pending ON {t} (bucket, id) WHERE status = 0;
+                CREATE INDEX IF NOT EXISTS {t}_bucket_pending ON {t} (bucket, id) WHERE status = {PENDING};
                 CREATE INDEX IF NOT EXISTS {t}_key_open ON {t} (partition_key, id) \
-                  WHERE status IN (0, 1, 4) AND partition_key IS NOT NULL;
+                  WHERE status IN ({PENDING}, {SENDING}, {FAILED}) AND partition_key IS NOT NULL;
                 DROP INDEX IF EXISTS {t}_partition_key;
                 CREATE TABLE IF NOT EXISTS {t}_buckets (
                     bucket INTEGER PRIMARY KEY,

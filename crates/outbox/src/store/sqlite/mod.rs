@@ -29,6 +29,7 @@ use uuid::Uuid;
 
 use self::errors::is_busy;
 use self::migrations::{migrations, run_migrations};
+use super::status_sql::{CONFIRMED, FAILED, PENDING, REJECTED, SENDING, SENT};
 use super::{
     Bucket, BucketBatch, BucketCompletion, BucketLease, FailedMessage, KeyHead, LeaseToken,
     MembershipRequest, MembershipRound, RelayInfo, Stats, Store, millis, new_token, parse_headers,
@@ -206,18 +207,18 @@ impl SqliteStore {
         let t = table.as_str();
         let sql = Sql {
             complete_in_buckets: format!(
-                "UPDATE {t} SET status = CASE WHEN {t}.status = 0 THEN j.st ELSE {t}.status END, \
-                 attempts = CASE WHEN {t}.status = 0 THEN j.att ELSE {t}.attempts END, \
-                 available_at = CASE WHEN {t}.status = 0 AND j.st = 0 THEN {NOW_MS} + j.delay ELSE {t}.available_at END, \
-                 sent_at = CASE WHEN j.st = 2 THEN {NOW_MS} ELSE {t}.sent_at END, \
-                 confirm_deadline = CASE WHEN {t}.status = 0 AND j.st = 2 AND j.confirm IS NOT NULL \
+                "UPDATE {t} SET status = CASE WHEN {t}.status = {PENDING} THEN j.st ELSE {t}.status END, \
+                 attempts = CASE WHEN {t}.status = {PENDING} THEN j.att ELSE {t}.attempts END, \
+                 available_at = CASE WHEN {t}.status = {PENDING} AND j.st = {PENDING} THEN {NOW_MS} + j.delay ELSE {t}.available_at END, \
+                 sent_at = CASE WHEN j.st = {SENT} THEN {NOW_MS} ELSE {t}.sent_at END, \
+                 confirm_deadline = CASE WHEN {t}.status = {PENDING} AND j.st = {SENT} AND j.confirm IS NOT NULL \
                    THEN {NOW_MS} + j.confirm ELSE NULL END, \
-                 last_error = CASE WHEN {t}.status = 0 THEN COALESCE(j.err, {t}.last_error) ELSE {t}.last_error END, \
+                 last_error = CASE WHEN {t}.status = {PENDING} THEN COALESCE(j.err, {t}.last_error) ELSE {t}.last_error END, \
                  lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL, updated_at = {NOW_MS} \
                  FROM (SELECT value ->> '$[0]' AS id, value ->> '$[1]' AS st, value ->> '$[2]' AS delay, \
                        value ->> '$[3]' AS err, value ->> '$[4]' AS att, value ->> '$[5]' AS confirm, \
                        value ->> '$[6]' AS token FROM json_each(?1)) AS j, {t}_buckets AS b \
-                 WHERE {t}.id = j.id AND {t}.status IN (0, 3, 6) AND b.bucket = {t}.bucket \
+                 WHERE {t}.id = j.id AND {t}.status IN ({PENDING}, {CONFIRMED}, {REJECTED}) AND b.bucket = {t}.bucket \
                    AND b.owner = ?2 AND b.token = j.token AND b.expires_at > {NOW_MS}"
             )
             .into(),
@@ -227,20 +228,20 @@ impl SqliteStore {
             )
             .into(),
             release_sending: format!(
-                "UPDATE {t} SET status = 0, available_at = {NOW_MS}, lease_owner = NULL, lease_token = NULL, \
-                 lease_expires_at = NULL, updated_at = {NOW_MS} WHERE status = 1"
+                "UPDATE {t} SET status = {PENDING}, available_at = {NOW_MS}, lease_owner = NULL, lease_token = NULL, \
+                 lease_expires_at = NULL, updated_at = {NOW_MS} WHERE status = {SENDING}"
             )
             .into(),
-            next_due: format!("SELECT MAX(MIN(available_at) - {NOW_MS}, 0) FROM {t} WHERE status = 0").into(),
+            next_due: format!("SELECT MAX(MIN(available_at) - {NOW_MS}, 0) FROM {t} WHERE status = {PENDING}").into(),
             counts: format!("SELECT status, COUNT(*) FROM {t} GROUP BY status").into(),
             ages: format!(
-                "SELECT (SELECT {NOW_MS} - MIN(created_at) FROM {t} WHERE status = 0 AND available_at <= {NOW_MS}), \
-                 (SELECT COUNT(*) FROM {t} WHERE status = 2 AND confirm_deadline IS NOT NULL), \
-                 (SELECT {NOW_MS} - MIN(sent_at) FROM {t} WHERE status = 2 AND confirm_deadline IS NOT NULL)"
+                "SELECT (SELECT {NOW_MS} - MIN(created_at) FROM {t} WHERE status = {PENDING} AND available_at <= {NOW_MS}), \
+                 (SELECT COUNT(*) FROM {t} WHERE status = {SENT} AND confirm_deadline IS NOT NULL), \
+                 (SELECT {NOW_MS} - MIN(sent_at) FROM {t} WHERE status = {SENT} AND confirm_deadline IS NOT NULL)"
             )
             .into(),
             failed: format!(
-                "SELECT id, CAST(message_id AS TEXT), CAST(topic AS TEXT), attempts, last_error FROM {t} WHERE status = 4 \
+                "SELECT id, CAST(message_id AS TEXT), CAST(topic AS TEXT), attempts, last_error FROM {t} WHERE status = {FAILED} \
                  ORDER BY updated_at DESC, id DESC LIMIT ?1"
             )
             .into(),
@@ -560,7 +561,7 @@ impl SqliteStore {
             .map(|i| {
                 let (b, a) = (first + 2 * i, first + 2 * i + 1);
                 format!(
-                    "SELECT * FROM (SELECT {READ_COLS} FROM {t} WHERE status = 0 AND bucket = ?{b} \
+                    "SELECT * FROM (SELECT {READ_COLS} FROM {t} WHERE status = {PENDING} AND bucket = ?{b} \
                      AND id > ?{a} AND available_at <= {NOW_MS}{skip} ORDER BY id LIMIT ?2)"
                 )
             })
@@ -775,9 +776,9 @@ impl Store for SqliteStore {
         }
         let t = self.table.as_str();
         let rows: Vec<(String, Option<i64>, Option<i64>)> = sqlx::query_as(AssertSqlSafe(format!(
-            "SELECT partition_key, MIN(CASE WHEN status IN (0, 1) THEN id END), \
-             MIN(CASE WHEN status = 4 THEN id END) FROM {t} \
-             WHERE partition_key IN (SELECT value FROM json_each(?1)) AND status IN (0, 1, 4) \
+            "SELECT partition_key, MIN(CASE WHEN status IN ({PENDING}, {SENDING}) THEN id END), \
+             MIN(CASE WHEN status = {FAILED} THEN id END) FROM {t} \
+             WHERE partition_key IN (SELECT value FROM json_each(?1)) AND status IN ({PENDING}, {SENDING}, {FAILED}) \
                AND partition_key IS NOT NULL GROUP BY partition_key"
         )))
         .bind(serde_json::to_string(keys).expect("keys serialize"))
@@ -835,7 +836,7 @@ impl Store for SqliteStore {
         let t = self.table.as_str();
         let ms: Option<i64> = sqlx::query_scalar(AssertSqlSafe(format!(
             "SELECT MAX(available_at - {NOW_MS}, 0) FROM {t} \
-             WHERE status = 0 AND bucket IN (SELECT value FROM json_each(?1)) \
+             WHERE status = {PENDING} AND bucket IN (SELECT value FROM json_each(?1)) \
              ORDER BY available_at LIMIT 1"
         )))
         .bind(serde_json::to_string(buckets).expect("buckets serialize"))
@@ -883,8 +884,8 @@ impl Store for SqliteStore {
         let mut unmatched: Vec<String> = Vec::new();
         if !processed.is_empty() {
             let moved: Vec<String> = sqlx::query_scalar(AssertSqlSafe(format!(
-                "UPDATE {t} SET status = 3, confirmed_at = {NOW_MS}, confirm_deadline = NULL, updated_at = {NOW_MS} \
-                 WHERE message_id IN (SELECT value FROM json_each(?1)) AND status IN (0, 1, 2, 4) \
+                "UPDATE {t} SET status = {CONFIRMED}, confirmed_at = {NOW_MS}, confirm_deadline = NULL, updated_at = {NOW_MS} \
+                 WHERE message_id IN (SELECT value FROM json_each(?1)) AND status IN ({PENDING}, {SENDING}, {SENT}, {FAILED}) \
                  RETURNING message_id"
             )))
             .bind(serde_json::to_string(&processed).expect("ids serialize"))
@@ -911,8 +912,8 @@ impl Store for SqliteStore {
                 .map_err(self.err("confirm"))?;
             let row: Option<super::RejectedRow> =
                 sqlx::query_as(AssertSqlSafe(format!(
-                    "UPDATE {t} SET status = 6, confirmed_at = {NOW_MS}, confirm_deadline = NULL, \
-                     updated_at = {NOW_MS}, last_error = ?2 WHERE message_id = ?1 AND status IN (0, 1, 2, 4) \
+                    "UPDATE {t} SET status = {REJECTED}, confirmed_at = {NOW_MS}, confirm_deadline = NULL, \
+                     updated_at = {NOW_MS}, last_error = ?2 WHERE message_id = ?1 AND status IN ({PENDING}, {SENDING}, {SENT}, {FAILED}) \
                      RETURNING id, topic, partition_key, headers, CAST(payload AS BLOB)"
                 )))
                 .bind(c.message_id.to_string())
@@ -959,16 +960,16 @@ impl Store for SqliteStore {
         let t = self.table.as_str();
         let done = sqlx::query(AssertSqlSafe(format!(
             "UPDATE {t} SET \
-             status = CASE WHEN check_backs >= ?2 THEN 4 ELSE 0 END, \
+             status = CASE WHEN check_backs >= ?2 THEN {FAILED} ELSE {PENDING} END, \
              last_error = CASE WHEN check_backs >= ?2 \
                THEN 'unconfirmed: no confirmation after ' || check_backs || ' check-backs' \
                ELSE 'check-back: no confirmation by the deadline' END, \
              check_backs = check_backs + CASE WHEN check_backs >= ?2 THEN 0 ELSE 1 END, \
              redelivery = redelivery + CASE WHEN check_backs >= ?2 THEN 0 ELSE 1 END, \
              available_at = {NOW_MS}, confirm_deadline = NULL, updated_at = {NOW_MS} \
-             WHERE id IN (SELECT id FROM {t} WHERE status = 2 AND confirm_deadline < {NOW_MS} \
+             WHERE id IN (SELECT id FROM {t} WHERE status = {SENT} AND confirm_deadline < {NOW_MS} \
                           ORDER BY confirm_deadline LIMIT ?1) \
-               AND status = 2 AND confirm_deadline < {NOW_MS}"
+               AND status = {SENT} AND confirm_deadline < {NOW_MS}"
         )))
         .bind(i64::from(limit))
         .bind(i64::from(max_check_backs))
@@ -982,8 +983,8 @@ impl Store for SqliteStore {
         let t = self.table.as_str();
         let done = sqlx::query(AssertSqlSafe(format!(
             "DELETE FROM {t} WHERE id IN (SELECT id FROM {t} WHERE \
-               (status IN (3, 6) AND confirmed_at < {NOW_MS} - ?1) \
-               OR (status = 2 AND confirm_deadline IS NULL AND sent_at < {NOW_MS} - ?1) LIMIT ?2)"
+               (status IN ({CONFIRMED}, {REJECTED}) AND confirmed_at < {NOW_MS} - ?1) \
+               OR (status = {SENT} AND confirm_deadline IS NULL AND sent_at < {NOW_MS} - ?1) LIMIT ?2)"
         )))
         .bind(millis(older_than))
         .bind(i64::from(limit))
@@ -996,9 +997,9 @@ impl Store for SqliteStore {
     async fn requeue_failed(&self, ids: Option<&[i64]>) -> Result<u64, StoreError> {
         let t = self.table.as_str();
         let sql = format!(
-            "UPDATE {t} SET status = 0, attempts = 0, check_backs = 0, redelivery = redelivery + 1, \
+            "UPDATE {t} SET status = {PENDING}, attempts = 0, check_backs = 0, redelivery = redelivery + 1, \
              available_at = {NOW_MS}, updated_at = {NOW_MS} \
-             WHERE status = 4 AND (?1 IS NULL OR id IN (SELECT value FROM json_each(?1)))"
+             WHERE status = {FAILED} AND (?1 IS NULL OR id IN (SELECT value FROM json_each(?1)))"
         );
         let ids = ids.map(|ids| serde_json::to_string(ids).expect("ids serialize"));
         let done = sqlx::query(AssertSqlSafe(sql))
