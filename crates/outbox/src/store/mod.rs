@@ -36,6 +36,7 @@ use tokio_util::sync::CancellationToken;
 use crate::error::{DbErrorClass, StoreError};
 use crate::message::{Message, Status};
 
+mod connect;
 #[cfg(feature = "mysql")]
 pub mod mysql;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
@@ -44,6 +45,8 @@ pub mod nodelay;
 pub mod postgres;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
+
+pub use connect::{Dialect, connect, connect_existing};
 
 /// The class of a driver error, by the dialect that raised it (`store::<dialect>::errors`):
 /// shared driver errors first ([`DbErrorClass::of_driver`]), then the database error's own type
