@@ -119,7 +119,20 @@ pub struct MqttConfig {
     /// Default 1,000.
     pub max_inflight: u16,
     /// What a PUBACK *No matching subscribers* means. Default [`NoSubscribers::Retry`].
+    #[serde(deserialize_with = "de_no_subscribers")]
     pub no_subscribers: NoSubscribers,
+}
+
+/// `no_subscribers`, with an error that names the key (an internally tagged
+/// [`TransportConfig`](super::config::TransportConfig) loses the key's path).
+fn de_no_subscribers<'de, D: serde::Deserializer<'de>>(d: D) -> Result<NoSubscribers, D::Error> {
+    match <String as serde::Deserialize>::deserialize(d)?.as_str() {
+        "retry" => Ok(NoSubscribers::Retry),
+        "accept" => Ok(NoSubscribers::Accept),
+        other => Err(serde::de::Error::custom(format!(
+            "no_subscribers: {other:?} is neither \"retry\" nor \"accept\""
+        ))),
+    }
 }
 
 impl Default for MqttConfig {
