@@ -502,6 +502,23 @@ pub fn env_secret(field: &str, var: Option<&str>) -> Result<Option<String>, Conf
     }
 }
 
+/// Fill `secret`, when it is none, from the environment variable named `var` ([`env_secret`]):
+/// the `resolve_secrets` of the transport configs.
+///
+/// # Errors
+/// [`ConfigError`] naming `field` when the variable is not set.
+#[allow(dead_code)] // Unused in a build without webhook, Redis, MQTT and RabbitMQ.
+pub(crate) fn fill_secret(
+    secret: &mut Option<String>,
+    field: &str,
+    var: Option<&str>,
+) -> Result<(), ConfigError> {
+    if secret.is_none() {
+        *secret = env_secret(field, var)?;
+    }
+    Ok(())
+}
+
 /// Check that `url` is `<scheme>://<something>` with one of `schemes`.
 ///
 /// # Errors

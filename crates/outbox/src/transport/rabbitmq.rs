@@ -255,9 +255,7 @@ impl RabbitMqConfig {
     /// the file cannot be read or holds no PEM certificate.
     pub fn resolve_secrets(&self) -> Result<Self, ConfigError> {
         let mut c = self.clone();
-        if c.password.is_none() {
-            c.password = super::config::env_secret("password_env", c.password_env.as_deref())?;
-        }
+        super::config::fill_secret(&mut c.password, "password_env", c.password_env.as_deref())?;
         if let (None, Some(path)) = (&c.tls_ca_pem, &c.tls_ca_file) {
             let pem = std::fs::read_to_string(path).map_err(|e| {
                 ConfigError::new(

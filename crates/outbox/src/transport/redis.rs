@@ -188,9 +188,7 @@ impl RedisConfig {
     /// [`ConfigError`] naming `password_env` when the variable is not set.
     pub fn resolve_secrets(&self) -> Result<Self, ConfigError> {
         let mut c = self.clone();
-        if c.password.is_none() {
-            c.password = super::config::env_secret("password_env", c.password_env.as_deref())?;
-        }
+        super::config::fill_secret(&mut c.password, "password_env", c.password_env.as_deref())?;
         Ok(c)
     }
 }

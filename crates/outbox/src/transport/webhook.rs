@@ -136,9 +136,7 @@ impl WebhookConfig {
     /// [`ConfigError`] naming `secret_env` when the variable is not set.
     pub fn resolve_secrets(&self) -> Result<Self, ConfigError> {
         let mut c = self.clone();
-        if c.secret.is_none() {
-            c.secret = super::config::env_secret("secret_env", c.secret_env.as_deref())?;
-        }
+        super::config::fill_secret(&mut c.secret, "secret_env", c.secret_env.as_deref())?;
         Ok(c)
     }
 
