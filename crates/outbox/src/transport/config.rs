@@ -131,34 +131,37 @@ impl TransportConfig {
                 ));
             }
         };
-        let c = match kind {
+        match kind {
             #[cfg(feature = "webhook")]
-            "webhook" => TransportConfig::Webhook(super::webhook::WebhookConfig::new(url)),
+            "webhook" => Ok(TransportConfig::Webhook(
+                super::webhook::WebhookConfig::new(url),
+            )),
             #[cfg(feature = "nats")]
-            "nats" => TransportConfig::Nats(super::nats::NatsConfig::new(url)),
+            "nats" => Ok(TransportConfig::Nats(super::nats::NatsConfig::new(url))),
             #[cfg(feature = "redis")]
-            "redis" => TransportConfig::Redis(super::redis::RedisConfig::new(url)),
+            "redis" => Ok(TransportConfig::Redis(super::redis::RedisConfig::new(url))),
             #[cfg(feature = "mqtt")]
-            "mqtt" => TransportConfig::Mqtt(super::mqtt::MqttConfig::new(url)),
+            "mqtt" => Ok(TransportConfig::Mqtt(super::mqtt::MqttConfig::new(url))),
             #[cfg(feature = "rabbitmq")]
-            "rabbitmq" => TransportConfig::Rabbitmq(super::rabbitmq::RabbitMqConfig::new(url)),
+            "rabbitmq" => Ok(TransportConfig::Rabbitmq(
+                super::rabbitmq::RabbitMqConfig::new(url),
+            )),
             #[cfg(feature = "kafka")]
-            "kafka" => TransportConfig::Kafka(Box::new(super::kafka::KafkaConfig::new(url))),
+            "kafka" => Ok(TransportConfig::Kafka(Box::new(
+                super::kafka::KafkaConfig::new(url),
+            ))),
             #[cfg(feature = "rocketmq")]
-            "rocketmq" => {
-                TransportConfig::Rocketmq(Box::new(super::rocketmq::RocketMqConfig::from_url(url)?))
-            }
-            _ => {
-                return Err(ConfigError::new(
-                    "url",
-                    format!(
-                        "URL scheme {scheme:?} needs the {kind} transport, which is not compiled \
-                         in: build with --features {kind}"
-                    ),
-                ));
-            }
-        };
-        Ok(c)
+            "rocketmq" => Ok(TransportConfig::Rocketmq(Box::new(
+                super::rocketmq::RocketMqConfig::from_url(url)?,
+            ))),
+            _ => Err(ConfigError::new(
+                "url",
+                format!(
+                    "URL scheme {scheme:?} needs the {kind} transport, which is not compiled \
+                     in: build with --features {kind}"
+                ),
+            )),
+        }
     }
 
     /// Check the settings without connecting: the transport's own `validate`, which also checks
