@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
-use outbox::{PgStore, SqliteStore, Status, Store, StoreOptions};
+use outbox::store::Dialect;
+use outbox::{Status, Store, StoreOptions};
 use tokio_util::sync::CancellationToken;
 use tracing_subscriber::Layer;
 use tracing_subscriber::layer::SubscriberExt;
@@ -125,39 +126,23 @@ async fn inbox_command(cmd: InboxCommand) -> anyhow::Result<()> {
         InboxCommand::Replay { inbox, message_id } => (inbox, 0, Some(message_id)),
     };
     let url = args.database.as_str();
-    let (dead, found) = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-        let pool = sqlx::PgPool::connect(url)
-            .await
-            .with_context(|| format!("cannot open {}", redact(url)))?;
-        let inbox = outbox::Inbox::<sqlx::Postgres>::new(pool, &args.inbox_table, &args.consumer)?;
-        match replay {
-            Some(id) => (Vec::new(), inbox.request_replay(id).await?),
-            None => (inbox.dead_letters(limit).await?, true),
-        }
-    } else if url.starts_with("mysql://") || url.starts_with("mariadb://") {
-        let url = url.replacen("mariadb://", "mysql://", 1);
-        let pool = sqlx::MySqlPool::connect(&url)
-            .await
-            .with_context(|| format!("cannot open {}", redact(&url)))?;
-        let inbox = outbox::Inbox::<sqlx::MySql>::new(pool, &args.inbox_table, &args.consumer)?;
-        match replay {
-            Some(id) => (Vec::new(), inbox.request_replay(id).await?),
-            None => (inbox.dead_letters(limit).await?, true),
-        }
-    } else if url.starts_with("sqlite:") {
-        let pool = sqlx::SqlitePool::connect(url)
-            .await
-            .with_context(|| format!("cannot open {}", redact(url)))?;
-        let inbox = outbox::Inbox::<sqlx::Sqlite>::new(pool, &args.inbox_table, &args.consumer)?;
-        match replay {
-            Some(id) => (Vec::new(), inbox.request_replay(id).await?),
-            None => (inbox.dead_letters(limit).await?, true),
-        }
-    } else {
-        bail!(
-            "unsupported database URL {:?}: expected postgres://…, mysql://…, mariadb://… or sqlite://…",
-            redact(url)
-        );
+    let cannot_open = || format!("cannot open {}", redact(url));
+    macro_rules! inbox {
+        ($db:ty, $url:expr) => {{
+            let pool = sqlx::Pool::<$db>::connect($url)
+                .await
+                .with_context(cannot_open)?;
+            let inbox = outbox::Inbox::<$db>::new(pool, &args.inbox_table, &args.consumer)?;
+            match replay {
+                Some(id) => (Vec::new(), inbox.request_replay(id).await?),
+                None => (inbox.dead_letters(limit).await?, true),
+            }
+        }};
+    }
+    let (dead, found) = match Dialect::of_url(url)? {
+        Dialect::Postgres => inbox!(sqlx::Postgres, url),
+        Dialect::MySql => inbox!(sqlx::MySql, &url.replacen("mariadb://", "mysql://", 1)),
+        Dialect::Sqlite => inbox!(sqlx::Sqlite, url),
     };
     if let Some(id) = replay {
         if !found {
@@ -222,29 +207,11 @@ pub async fn open_store(
         inbox_table: inbox_table.into(),
         ..StoreOptions::default()
     };
-    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-        let store = PgStore::connect(url, options)
-            .await
-            .with_context(|| format!("cannot open {}", redact(url)))?;
-        Ok(Arc::new(store))
-    } else if url.starts_with("mysql://") || url.starts_with("mariadb://") {
-        let store = outbox::MySqlStore::connect(url, options)
-            .await
-            .with_context(|| format!("cannot open {}", redact(url)))?;
-        Ok(Arc::new(store))
-    } else if url.starts_with("sqlite:") {
-        let store = match create {
-            Create::IfMissing => SqliteStore::connect(url, options).await,
-            Create::Never => SqliteStore::connect_existing(url, options).await,
-        }
-        .with_context(|| format!("cannot open {}", redact(url)))?;
-        Ok(Arc::new(store))
-    } else {
-        bail!(
-            "unsupported database URL {:?}: expected postgres://…, mysql://…, mariadb://… or sqlite://…",
-            redact(url)
-        )
+    match create {
+        Create::IfMissing => outbox::store::connect(url, options).await,
+        Create::Never => outbox::store::connect_existing(url, options).await,
     }
+    .with_context(|| format!("cannot open {}", redact(url)))
 }
 
 /// The URL with any password replaced by `***`.
@@ -387,7 +354,7 @@ async fn relay(config: PathBuf, database: Option<String>) -> anyhow::Result<()> 
         Create::Never,
     )
     .await?;
-    let router = file.router().await?;
+    let router = file.router()?;
     // Connect the transports now, so their state is logged at start; a broker that is down does
     // not stop the daemon: the relay pauses its transport and probes it with backoff.
     for t in router.transports() {
@@ -516,7 +483,10 @@ async fn spawn_confirmations(
             consumer,
         } => {
             let mut lc = outbox::confirm::redis::RedisListenConfig::new(url, stream.clone());
-            lc.password = config::env_secret("confirmations.password_env", password_env.as_ref())?;
+            lc.password = outbox::transport::config::env_secret(
+                "confirmations.password_env",
+                password_env.as_deref(),
+            )?;
             lc.group = group;
             if let Some(c) = consumer {
                 lc.consumer = c;
@@ -537,7 +507,10 @@ async fn spawn_confirmations(
             password_env,
         } => {
             let mut lc = outbox::confirm::mqtt::MqttListenConfig::new(url, topic.clone());
-            lc.password = config::env_secret("confirmations.password_env", password_env.as_ref())?;
+            lc.password = outbox::transport::config::env_secret(
+                "confirmations.password_env",
+                password_env.as_deref(),
+            )?;
             lc.username = username;
             lc.group = group;
             if let Some(c) = client_id {
@@ -550,20 +523,13 @@ async fn spawn_confirmations(
             })
         }
         #[cfg(feature = "rocketmq")]
-        config::ConfirmationsSection::Rocketmq {
-            url,
-            destination,
-            group,
-            access_key,
-            secret_key_env,
+        ref section @ config::ConfirmationsSection::Rocketmq {
+            ref destination,
+            ref group,
+            ..
         } => {
-            let listen = config::rocketmq::listen_config(
-                &url,
-                &destination,
-                &group,
-                access_key.as_deref(),
-                secret_key_env.as_deref(),
-            )?;
+            let listen = section.rocketmq()?.context("confirmations: not rocketmq")?;
+            let (destination, group) = (destination.clone(), group.clone());
             tracing::info!(
                 destination,
                 group,

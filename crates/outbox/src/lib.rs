@@ -77,8 +77,8 @@ pub use transport::rocketmq::{RocketMqConfig, RocketMqTransport};
 #[cfg(feature = "webhook")]
 pub use transport::webhook::{WebhookConfig, WebhookSigner, WebhookTransport};
 pub use transport::{
-    AckState, Acks, DeadLetterPolicy, MemoryTransport, Outgoing, Route, Router, TopicPattern,
-    Transport,
+    AckState, Acks, DeadLetterPolicy, MemoryTransport, Outgoing, Route, RouteConfig, Router,
+    TopicPattern, Transport, TransportConfig,
 };
 
 /// The README's examples, compiled as doc tests so they stay true.

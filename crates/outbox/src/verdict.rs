@@ -111,13 +111,20 @@ pub trait RejectionHook<DB: sqlx::Database>: Send + Sync + 'static {
     ) -> Result<(), BoxError>;
 }
 
-/// Confirmation policy of a route: where confirmations go and how long to wait for one.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Confirmation policy of a route: where confirmations go and how long to wait for one. In a
+/// configuration file, a route's `confirm = { reply_to = "…", timeout = "5m" }`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
 pub struct ConfirmPolicy {
     /// Reply destination put in `outbox-reply-to` (a NATS subject or a URL the producer serves).
     pub reply_to: String,
     /// Deadline after SENT; past it the message is checked back. Default 5 min (the seeds').
+    #[serde(default = "default_confirm_timeout", with = "humantime_serde")]
     pub timeout: Duration,
+}
+
+fn default_confirm_timeout() -> Duration {
+    ConfirmPolicy::new("").timeout
 }
 
 impl ConfirmPolicy {

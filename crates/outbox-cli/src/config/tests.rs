@@ -1,3 +1,5 @@
+use std::time::Duration;
+
 use super::*;
 
 fn parse(s: &str) -> Result<FileConfig, Box<figment::Error>> {
@@ -51,7 +53,7 @@ fn confirmations_and_retention_parse() {
     assert_eq!(r.max_check_backs, 7);
     assert_eq!(
         c.routes[0].confirm.as_ref().unwrap().timeout,
-        Some(Duration::from_secs(120))
+        Duration::from_secs(120)
     );
     assert!(
         matches!(c.confirmations, Some(ConfirmationsSection::Nats { ref queue, .. }) if queue == "outbox-confirmations")
@@ -91,10 +93,10 @@ fn rabbitmq_sections_validate_and_name_the_field() {
     c.validate().unwrap();
     let t = &c.transports["mq"];
     assert_eq!(t.default_destination(), "orders/{topic}");
-    let TransportSection::Rabbitmq(m) = t else {
+    let TransportConfig::Rabbitmq(m) = t else {
         panic!("not rabbitmq")
     };
-    let cfg = m.config("mq").unwrap();
+    let cfg = m.resolve_secrets().unwrap();
     assert_eq!(cfg.confirm_timeout, Duration::from_secs(3));
     assert_eq!(cfg.unroutable, outbox::Unroutable::Fail);
     assert_eq!(cfg.url, "amqp://127.0.0.1:5672/%2f");
@@ -111,10 +113,10 @@ fn rabbitmq_sections_validate_and_name_the_field() {
         "transports.mq.password_env"
     );
     let c = parse(&with("password_env = \"PATH\"\nusername = \"app\"")).unwrap();
-    let TransportSection::Rabbitmq(m) = &c.transports["mq"] else {
+    let TransportConfig::Rabbitmq(m) = &c.transports["mq"] else {
         panic!("not rabbitmq")
     };
-    let cfg = m.config("mq").unwrap();
+    let cfg = m.resolve_secrets().unwrap();
     assert_eq!(cfg.password, std::env::var("PATH").ok());
     assert_eq!(cfg.username.as_deref(), Some("app"));
     assert_eq!(
@@ -194,10 +196,10 @@ fn kafka_section_parses_and_names_bad_fields() {
     let good = format!("{GOOD}{KAFKA}");
     let c = parse(&good).unwrap();
     c.validate().unwrap();
-    let TransportSection::Kafka(k) = &c.transports["k"] else {
+    let TransportConfig::Kafka(k) = &c.transports["k"] else {
         panic!("kafka section");
     };
-    let kc = k.kafka_config("k", Duration::from_secs(10)).unwrap();
+    let kc = k.resolve_secrets().unwrap();
     assert_eq!(kc.bootstrap_servers, "127.0.0.1:19092");
     assert_eq!(kc.delivery_timeout, Duration::from_secs(3));
     assert_eq!(kc.max_message_bytes, 1048576);
@@ -298,17 +300,17 @@ fn redis_section_is_validated() {
     );
     let c = parse(&base).unwrap();
     c.validate().unwrap();
-    assert!(matches!(c.transports["bus"], TransportSection::Redis(_)));
+    assert!(matches!(c.transports["bus"], TransportConfig::Redis(_)));
     let capped = base.replace(
             "url = \"redis://127.0.0.1:6379\"",
             "url = \"rediss://127.0.0.1:6380\"\nmax_len = 1000\nwait_replicas = 1\nwait_timeout = \"200ms\"",
         );
     let c = parse(&capped).unwrap();
     c.validate().unwrap();
-    let TransportSection::Redis(r) = &c.transports["bus"] else {
+    let TransportConfig::Redis(r) = &c.transports["bus"] else {
         panic!()
     };
-    let rc = redis_config("bus", r).unwrap();
+    let rc = r.resolve_secrets().unwrap();
     assert_eq!(rc.max_len, Some(1000));
     assert_eq!(rc.warnings().len(), 1, "a cap is warned about");
     for (bad, field) in [
@@ -322,14 +324,18 @@ fn redis_section_is_validated() {
             "url = \"redis://x\"\nwait_replicas = 1\nwait_timeout = \"10s\"",
             "transports.bus.wait_replicas",
         ),
-        (
-            "url = \"redis://x\"\nwait_timeout = \"1s\"",
-            "transports.bus.wait_timeout",
-        ),
     ] {
         let c = parse(&base.replace("url = \"redis://127.0.0.1:6379\"", bad)).unwrap();
         assert_eq!(c.validate().unwrap_err().field, field, "{bad}");
     }
+    // A wait timeout without replicas is refused as the file is read, naming the key.
+    let e = parse(&base.replace(
+        "url = \"redis://127.0.0.1:6379\"",
+        "url = \"redis://x\"\nwait_timeout = \"1s\"",
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("wait_timeout"), "{e}");
     let e = parse(&base.replace(
         "url = \"redis://127.0.0.1:6379\"",
         "url = \"redis://x\"\nmaxlen = 3",
@@ -357,20 +363,13 @@ fn mqtt_section_is_validated() {
     );
     let c = parse(&base).unwrap();
     c.validate().unwrap();
-    let TransportSection::Mqtt(m) = &c.transports["bus"] else {
+    let TransportConfig::Mqtt(m) = &c.transports["bus"] else {
         panic!()
     };
-    assert_eq!(
-        mqtt_config("bus", m).unwrap().no_subscribers,
-        outbox::NoSubscribers::Retry
-    );
+    assert_eq!(m.no_subscribers, outbox::NoSubscribers::Retry);
     for (bad, field) in [
         ("url = \"nats://127.0.0.1:1883\"", "transports.bus.url"),
         ("url = \"mqtt://h:port\"", "transports.bus.url"),
-        (
-            "url = \"mqtt://h\"\nno_subscribers = \"drop\"",
-            "transports.bus.no_subscribers",
-        ),
         (
             "url = \"mqtt://h\"\nmax_inflight = 0",
             "transports.bus.max_inflight",
@@ -393,6 +392,14 @@ fn mqtt_section_is_validated() {
     c.validate().unwrap();
     let c = parse(&with.replace("topic = \"orders/confirm\"", "topic = \"orders/#\"")).unwrap();
     assert_eq!(c.validate().unwrap_err().field, "confirmations.topic");
+    // `no_subscribers` is an enum: another value is refused as the file is read.
+    let e = parse(&base.replace(
+        "url = \"mqtt://127.0.0.1:1883\"",
+        "url = \"mqtt://h\"\nno_subscribers = \"drop\"",
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("drop") && e.contains("no_subscribers"), "{e}");
 }
 
 const RMQ: &str = r#"
@@ -423,10 +430,10 @@ const RMQ: &str = r#"
 fn rocketmq_section_parses_and_validates() {
     let c = parse(RMQ).unwrap();
     c.validate().unwrap();
-    let TransportSection::Rocketmq(s) = &c.transports["mq"] else {
+    let TransportConfig::Rocketmq(s) = &c.transports["mq"] else {
         panic!("not a rocketmq section")
     };
-    let t = rocketmq::transport_config("mq", s).unwrap();
+    let t = s.resolve_secrets().unwrap();
     assert_eq!(t.name_server, "127.0.0.1:19876");
     assert_eq!(t.producer_group, "orders-relay");
     assert_eq!(t.send_timeout, Duration::from_secs(5));
@@ -434,14 +441,13 @@ fn rocketmq_section_parses_and_validates() {
     assert!(
         matches!(c.confirmations, Some(ConfirmationsSection::Rocketmq { ref group, .. }) if group == "outbox-confirmations")
     );
-    let l = rocketmq::listen_config(
-        "rocketmq://127.0.0.1:19876",
-        "OrdersConfirm:relay",
-        "outbox-confirmations",
-        None,
-        None,
-    )
-    .unwrap();
+    let l = c
+        .confirmations
+        .as_ref()
+        .unwrap()
+        .rocketmq()
+        .unwrap()
+        .unwrap();
     assert_eq!(l.name_server, "127.0.0.1:19876");
 }
 

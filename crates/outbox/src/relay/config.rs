@@ -4,7 +4,17 @@ use super::*;
 
 /// Relay settings. Every field has a default ([`RelayConfig::default`]); [`RelayConfig::validate`]
 /// names the first bad field.
-#[derive(Debug, Clone)]
+///
+/// Also the `[relay]` table of a configuration file, every key optional: `name`, `batch_size`,
+/// `lease`, `publish_timeout`, `poll_interval`, `max_attempts`, `backoff_base` and
+/// `backoff_max` (the [`backoff`](Self::backoff)'s `base` and `max`), `maintenance_interval`
+/// (or its name before 0.2, `reap_interval`), `in_flight_batches`, `shutdown_timeout`,
+/// `max_check_backs`, `retention` (a duration or `"forever"`, which is `None`),
+/// `missing_destination_grace`. Durations are written `"30s"`, `"500ms"`, `"7d"`; unknown keys
+/// are errors. The backoff's factor and jitter and the [`probe_backoff`](Self::probe_backoff)
+/// are not read from a file (they keep their defaults) and not written to one.
+#[derive(Debug, Clone, serde::Deserialize, serde::Serialize)]
+#[serde(from = "RelayFile", into = "RelayFile")]
 pub struct RelayConfig {
     /// The relay's name: its membership row and the owner of its buckets. Default
     /// `relay-<pid>-<random>`. A stable name lets a restarted relay find its own expired
@@ -78,6 +88,115 @@ impl Default for RelayConfig {
     }
 }
 
+/// The file form of [`RelayConfig`]: every key optional, the backoff flat.
+#[derive(serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+struct RelayFile {
+    name: Option<String>,
+    batch_size: Option<u32>,
+    #[serde(default, with = "humantime_serde")]
+    lease: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    publish_timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    poll_interval: Option<Duration>,
+    max_attempts: Option<u32>,
+    #[serde(default, with = "humantime_serde")]
+    backoff_base: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    backoff_max: Option<Duration>,
+    #[serde(default, with = "humantime_serde", alias = "reap_interval")]
+    maintenance_interval: Option<Duration>,
+    in_flight_batches: Option<usize>,
+    #[serde(default, with = "humantime_serde")]
+    shutdown_timeout: Option<Duration>,
+    max_check_backs: Option<u32>,
+    #[serde(default, with = "retention")]
+    retention: Option<Option<Duration>>,
+    #[serde(default, with = "humantime_serde")]
+    missing_destination_grace: Option<Duration>,
+}
+
+impl From<RelayFile> for RelayConfig {
+    fn from(f: RelayFile) -> Self {
+        let mut c = RelayConfig::default();
+        macro_rules! set {
+            ($($f:ident),*) => { $( if let Some(v) = f.$f { c.$f = v; } )* };
+        }
+        set!(
+            name,
+            batch_size,
+            lease,
+            publish_timeout,
+            poll_interval,
+            max_attempts,
+            maintenance_interval,
+            in_flight_batches,
+            shutdown_timeout,
+            max_check_backs,
+            retention,
+            missing_destination_grace
+        );
+        c.backoff.base = f.backoff_base.unwrap_or(c.backoff.base);
+        c.backoff.max = f.backoff_max.unwrap_or(c.backoff.max);
+        c
+    }
+}
+
+impl From<RelayConfig> for RelayFile {
+    fn from(c: RelayConfig) -> Self {
+        RelayFile {
+            name: Some(c.name),
+            batch_size: Some(c.batch_size),
+            lease: Some(c.lease),
+            publish_timeout: Some(c.publish_timeout),
+            poll_interval: Some(c.poll_interval),
+            max_attempts: Some(c.max_attempts),
+            backoff_base: Some(c.backoff.base),
+            backoff_max: Some(c.backoff.max),
+            maintenance_interval: Some(c.maintenance_interval),
+            in_flight_batches: Some(c.in_flight_batches),
+            shutdown_timeout: Some(c.shutdown_timeout),
+            max_check_backs: Some(c.max_check_backs),
+            retention: Some(c.retention),
+            missing_destination_grace: Some(c.missing_destination_grace),
+        }
+    }
+}
+
+/// `retention`: a duration, or `"forever"` for `None`.
+mod retention {
+    use std::time::Duration;
+
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<Option<Duration>>, D::Error> {
+        let s = <String as serde::Deserialize>::deserialize(d)?;
+        if s == "forever" {
+            return Ok(Some(None));
+        }
+        humantime_serde::re::humantime::parse_duration(&s)
+            .map(|d| Some(Some(d)))
+            .map_err(|e| {
+                serde::de::Error::custom(format!(
+                    "{s:?} is neither a duration nor \"forever\": {e}"
+                ))
+            })
+    }
+
+    pub fn serialize<S: serde::Serializer>(
+        v: &Option<Option<Duration>>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        match v {
+            Some(Some(d)) => {
+                s.serialize_str(&humantime_serde::re::humantime::format_duration(*d).to_string())
+            }
+            _ => s.serialize_str("forever"),
+        }
+    }
+}
+
 impl RelayConfig {
     /// Check every field; the error names the first bad one as `relay.<field>`.
     ///
@@ -106,6 +225,15 @@ impl RelayConfig {
         if self.max_attempts == 0 {
             return f("max_attempts", "must be at least 1");
         }
+        if self.backoff.base.is_zero() {
+            return f("backoff_base", "must be greater than zero");
+        }
+        if self.backoff.max < self.backoff.base {
+            return f("backoff_max", "must not be less than relay.backoff_base");
+        }
+        if self.retention.is_some_and(|r| r.is_zero()) {
+            return f("retention", "must be greater than zero, or \"forever\"");
+        }
         if self.backoff.factor < 1.0 || !(0.0..=1.0).contains(&self.backoff.jitter) {
             return f("backoff", "factor must be >= 1 and jitter within 0..=1");
         }
@@ -116,5 +244,56 @@ impl RelayConfig {
             return f("in_flight_batches", "must be at least 1");
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod file_tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn relay_config_reads_the_file_form_and_writes_it_back() {
+        let c: RelayConfig = serde_json::from_value(json!({
+            "name": "r1", "batch_size": 100, "lease": "45s", "reap_interval": "2s",
+            "backoff_base": "500ms", "backoff_max": "1m", "retention": "forever"
+        }))
+        .unwrap();
+        assert_eq!(c.name, "r1");
+        assert_eq!(c.batch_size, 100);
+        assert_eq!(c.lease, Duration::from_secs(45));
+        assert_eq!(c.maintenance_interval, Duration::from_secs(2));
+        assert_eq!(c.backoff.base, Duration::from_millis(500));
+        assert_eq!(c.backoff.max, Duration::from_secs(60));
+        assert_eq!(c.retention, None);
+        assert_eq!(c.publish_timeout, RelayConfig::default().publish_timeout);
+        let again: RelayConfig = serde_json::from_value(serde_json::to_value(&c).unwrap()).unwrap();
+        assert_eq!(format!("{c:?}"), format!("{again:?}"));
+        let e = serde_json::from_value::<RelayConfig>(json!({"retention": "soon"}))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("forever"), "{e}");
+        let e = serde_json::from_value::<RelayConfig>(json!({"batch_sise": 1}))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("batch_sise"), "{e}");
+    }
+
+    #[test]
+    fn validate_names_the_backoff_and_retention_fields() {
+        let field = |v: serde_json::Value| {
+            serde_json::from_value::<RelayConfig>(v)
+                .unwrap()
+                .validate()
+                .unwrap_err()
+                .field
+        };
+        assert_eq!(field(json!({"backoff_base": "0s"})), "relay.backoff_base");
+        assert_eq!(
+            field(json!({"backoff_base": "2s", "backoff_max": "1s"})),
+            "relay.backoff_max"
+        );
+        assert_eq!(field(json!({"retention": "0s"})), "relay.retention");
+        assert_eq!(field(json!({"lease": "1s"})), "relay.lease");
     }
 }

@@ -57,6 +57,7 @@ pub(crate) mod status_sql {
     pub(crate) const REJECTED: i16 = Status::Rejected as i16;
 }
 
+mod connect;
 #[cfg(feature = "mysql")]
 pub mod mysql;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
@@ -65,6 +66,8 @@ pub mod nodelay;
 pub mod postgres;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
+
+pub use connect::{Dialect, connect, connect_existing};
 
 /// The class of a driver error, by the dialect that raised it (`store::<dialect>::errors`):
 /// shared driver errors first ([`DbErrorClass::of_driver`]), then the database error's own type

@@ -98,11 +98,18 @@ use crate::error::{ConfigError, TransportError, TransportErrorKind};
 /// The connection part (bootstrap servers, client id, SASL, TLS, [`properties`](Self::properties))
 /// is shared by the producer, the consumer runner ([`crate::consumer::kafka`]) and the
 /// confirmation listener ([`crate::confirm::kafka`]).
-#[derive(Clone)]
+///
+/// Also the `[transports.<name>] kind = "kafka"` table of the configuration file (see
+/// [`TransportConfig`](super::config::TransportConfig)): durations written `"5s"`, `sasl` and
+/// `tls` as inline tables, `properties` as a table of strings; every field but
+/// `bootstrap_servers` may be left out.
+#[derive(Clone, serde::Deserialize, serde::Serialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct KafkaConfig {
     /// `bootstrap.servers`: comma-separated `host:port` list, e.g. `127.0.0.1:9092` or
-    /// `b1:9092,b2:9092`. A leading `kafka://` is accepted and removed by [`KafkaConfig::new`].
-    /// Required.
+    /// `b1:9092,b2:9092`. A leading `kafka://` is accepted and removed by [`KafkaConfig::new`]
+    /// (and when read from a file). Required.
+    #[serde(deserialize_with = "de_bootstrap")]
     pub bootstrap_servers: String,
     /// `client.id`, shown in broker logs and quotas. Default `outbox`.
     pub client_id: String,
@@ -114,8 +121,10 @@ pub struct KafkaConfig {
     /// `message.timeout.ms`: how long librdkafka may keep retrying one record before it reports
     /// `MessageTimedOut`. Must stay below the relay's `publish_timeout` (see the module docs).
     /// Default 5 s.
+    #[serde(with = "humantime_serde")]
     pub delivery_timeout: Duration,
     /// `linger.ms`: how long librdkafka waits to fill a batch. Default 5 ms (librdkafka's).
+    #[serde(with = "humantime_serde")]
     pub linger: Duration,
     /// `message.max.bytes`: largest record librdkafka accepts; larger ones are refused as
     /// permanent errors at produce time. Set it to the topics' `max.message.bytes`.
@@ -123,12 +132,38 @@ pub struct KafkaConfig {
     pub max_message_bytes: usize,
     /// How long [`KafkaTransport::connect`] and [`Transport::probe`] wait for the cluster's
     /// metadata. Default 5 s.
+    #[serde(with = "humantime_serde")]
     pub connect_timeout: Duration,
     /// Extra librdkafka properties (<https://github.com/confluentinc/librdkafka/blob/master/CONFIGURATION.md>),
     /// applied last to every client built from this config (producer, consumer, admin).
     /// `acks` other than `all`/`-1` and `enable.idempotence=false` are refused: they would break
     /// "SENT only after a durable acknowledgement". Default empty.
     pub properties: BTreeMap<String, String>,
+    /// Topics the transport built by
+    /// [`TransportConfig::build`](super::config::TransportConfig::build) creates when missing
+    /// (Kafka topics are not auto-created everywhere), with `partitions` partitions and
+    /// `replication` replicas: see [`KafkaConfig::topics`]. Default none.
+    pub create_topics: Vec<String>,
+    /// Partitions of the topics created from `create_topics`, at least 1. Default 1.
+    pub partitions: i32,
+    /// Replication factor of the topics created from `create_topics`, at least 1. Default 1.
+    pub replication: i32,
+}
+
+impl Default for KafkaConfig {
+    /// [`KafkaConfig::new`] with no bootstrap server.
+    fn default() -> Self {
+        KafkaConfig::new("")
+    }
+}
+
+fn de_bootstrap<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    let s = <String as serde::Deserialize>::deserialize(d)?;
+    Ok(KafkaConfig::new(s).bootstrap_servers)
+}
+
+fn plain() -> String {
+    "PLAIN".into()
 }
 
 impl std::fmt::Debug for KafkaConfig {
@@ -142,6 +177,9 @@ impl std::fmt::Debug for KafkaConfig {
             .field("linger", &self.linger)
             .field("max_message_bytes", &self.max_message_bytes)
             .field("connect_timeout", &self.connect_timeout)
+            .field("create_topics", &self.create_topics)
+            .field("partitions", &self.partitions)
+            .field("replication", &self.replication)
             .field(
                 "properties",
                 &self
@@ -155,15 +193,30 @@ impl std::fmt::Debug for KafkaConfig {
 }
 
 /// SASL authentication (`security.protocol=sasl_plaintext`, or `sasl_ssl` with [`KafkaTls`]).
-#[derive(Clone)]
+///
+/// In a configuration file: `sasl = { mechanism = "PLAIN", username_env = "…", password_env =
+/// "…" }`, the credentials read from the named environment variables by
+/// [`KafkaConfig::resolve_secrets`].
+#[derive(Clone, Default, serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
 pub struct KafkaSasl {
     /// `sasl.mechanism`: `PLAIN`, `SCRAM-SHA-256` or `SCRAM-SHA-512`. SCRAM needs librdkafka built
     /// with SSL. Default `PLAIN`.
+    #[serde(default = "plain")]
     pub mechanism: String,
-    /// `sasl.username`.
+    /// `sasl.username`. Never read from nor written to a file: see `username_env`.
+    #[serde(skip)]
     pub username: String,
-    /// `sasl.password` (never printed).
+    /// `sasl.password` (never printed). Never read from nor written to a file: see
+    /// `password_env`.
+    #[serde(skip)]
     pub password: String,
+    /// Name of the environment variable holding the user name, read when `username` is empty.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub username_env: Option<String>,
+    /// Name of the environment variable holding the password, read when `password` is empty.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub password_env: Option<String>,
 }
 
 impl std::fmt::Debug for KafkaSasl {
@@ -172,18 +225,28 @@ impl std::fmt::Debug for KafkaSasl {
             .field("mechanism", &self.mechanism)
             .field("username", &self.username)
             .field("password", &"<redacted>")
+            .field("username_env", &self.username_env)
+            .field("password_env", &self.password_env)
             .finish()
     }
 }
 
-/// TLS settings (`security.protocol=ssl`, or `sasl_ssl` with [`KafkaSasl`]).
-#[derive(Debug, Clone, Default)]
+/// TLS settings (`security.protocol=ssl`, or `sasl_ssl` with [`KafkaSasl`]). In a
+/// configuration file: `tls = { ca_file = "…", cert_file = "…", key_file = "…" }`, every field
+/// optional.
+#[derive(Debug, Clone, Default, serde::Deserialize, serde::Serialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct KafkaTls {
-    /// `ssl.ca.location`: CA certificate file. Default: the system's store.
+    /// `ssl.ca.location` (`ca_file` in a file): CA certificate file. Default: the system's store.
+    #[serde(rename = "ca_file")]
     pub ca_location: Option<String>,
-    /// `ssl.certificate.location`: client certificate for mutual TLS. Default none.
+    /// `ssl.certificate.location` (`cert_file` in a file): client certificate for mutual TLS.
+    /// Default none.
+    #[serde(rename = "cert_file")]
     pub certificate_location: Option<String>,
-    /// `ssl.key.location`: client private key for mutual TLS. Default none.
+    /// `ssl.key.location` (`key_file` in a file): client private key for mutual TLS. Default
+    /// none.
+    #[serde(rename = "key_file")]
     pub key_location: Option<String>,
 }
 
@@ -212,15 +275,73 @@ impl KafkaConfig {
             max_message_bytes: 1_000_000,
             connect_timeout: Duration::from_secs(5),
             properties: BTreeMap::new(),
+            create_topics: Vec::new(),
+            partitions: 1,
+            replication: 1,
         }
     }
 
-    /// Check the fields without connecting; the error names the field as spelled here
-    /// (`bootstrap_servers`, `delivery_timeout`, `properties.acks`, …).
+    /// A copy with the SASL user name and password read from the variables named by
+    /// `sasl.username_env` and `sasl.password_env` (each when its value is empty).
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming `sasl.username_env` or `sasl.password_env` when the variable is not
+    /// set.
+    pub fn resolve_secrets(&self) -> Result<Self, ConfigError> {
+        let mut c = self.clone();
+        if let Some(s) = &mut c.sasl {
+            if s.username.is_empty() {
+                let var = s.username_env.as_deref();
+                s.username =
+                    super::config::env_secret("sasl.username_env", var)?.unwrap_or_default();
+            }
+            if s.password.is_empty() {
+                let var = s.password_env.as_deref();
+                s.password =
+                    super::config::env_secret("sasl.password_env", var)?.unwrap_or_default();
+            }
+        }
+        Ok(c)
+    }
+
+    /// The topics [`create_topics`](Self::create_topics) names, with `partitions` and
+    /// `replication`, for [`create_topics`](fn@create_topics).
+    pub fn topics(&self) -> Vec<KafkaTopic> {
+        self.create_topics
+            .iter()
+            .map(|t| {
+                let mut topic = KafkaTopic::new(t).partitions(self.partitions);
+                topic.replication = self.replication;
+                topic
+            })
+            .collect()
+    }
+
+    /// Check the fields without connecting, the SASL variables included; the error names the
+    /// field as spelled here (`bootstrap_servers`, `delivery_timeout`, `properties.acks`,
+    /// `sasl.username_env`, `create_topics`, …).
     ///
     /// # Errors
     /// [`ConfigError`] naming the first bad field.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.resolve_secrets()?.check()?;
+        if let Some(t) = self.create_topics.iter().find(|t| !valid_topic(t)) {
+            return Err(ConfigError::new(
+                "create_topics",
+                format!("{t:?} is not a Kafka topic name (1 to 249 of A-Z a-z 0-9 . _ -)"),
+            ));
+        }
+        if self.partitions < 1 {
+            return Err(ConfigError::new("partitions", "must be at least 1"));
+        }
+        if self.replication < 1 {
+            return Err(ConfigError::new("replication", "must be at least 1"));
+        }
+        Ok(())
+    }
+
+    /// [`KafkaConfig::validate`] of the settings themselves, secrets as they are.
+    fn check(&self) -> Result<(), ConfigError> {
         if self.bootstrap_servers.is_empty() {
             return Err(ConfigError::new("bootstrap_servers", "must not be empty"));
         }

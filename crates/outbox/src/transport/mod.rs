@@ -14,6 +14,7 @@ use async_trait::async_trait;
 use crate::error::TransportError;
 use crate::message::Message;
 
+pub mod config;
 #[cfg(feature = "kafka")]
 pub mod kafka;
 pub mod lazy;
@@ -32,6 +33,7 @@ pub mod rocketmq;
 pub mod webhook;
 pub mod wire;
 
+pub use config::{RouteConfig, TransportConfig};
 pub use memory::MemoryTransport;
 
 /// One message to publish and where to: the destination is the route's (a NATS subject, a
@@ -324,7 +326,9 @@ pub struct Route {
 /// What a dead-lettered (FAILED) message does to the later messages of its partition key on an
 /// ordered route ([`Route::ordered`]). Follows docs/design/DESIGN.md §6 (poison isolation): either way only
 /// that key is affected.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// In a configuration file: `on_dead_letter = "skip"` or `"block"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum DeadLetterPolicy {
     /// The next message of the key is published once the head is dead-lettered (a warning is
     /// logged). Default: one poison message does not stop its key for good.

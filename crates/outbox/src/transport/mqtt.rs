@@ -72,8 +72,10 @@ use super::{Acks, Outgoing, Transport};
 use crate::error::{ConfigError, TransportError, TransportErrorKind};
 use crate::message::{Headers, Message};
 
-/// What a PUBACK with reason 0x10 (*No matching subscribers*) means.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// What a PUBACK with reason 0x10 (*No matching subscribers*) means; `"retry"` or `"accept"`
+/// in a configuration file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum NoSubscribers {
     /// A retryable error: the broker discarded the message. Default.
     #[default]
@@ -82,8 +84,11 @@ pub enum NoSubscribers {
     Accept,
 }
 
-/// MQTT transport settings.
-#[derive(Debug, Clone)]
+/// MQTT transport settings; the `[transports.<name>] kind = "mqtt"` table of the configuration
+/// file (see [`TransportConfig`](super::config::TransportConfig)). Durations are written
+/// `"5s"`; every field but `url` may be left out.
+#[derive(Debug, Clone, serde::Deserialize, serde::Serialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct MqttConfig {
     /// Broker URL: `mqtt://[user[:password]@]host[:port]` (TCP, default port 1883) or
     /// `mqtts://…` (TLS with rustls and the platform's root certificates, default port 8883).
@@ -94,18 +99,47 @@ pub struct MqttConfig {
     pub client_id: String,
     /// User name, overriding one in the URL. Default none.
     pub username: Option<String>,
-    /// Password, overriding one in the URL. Default none.
+    /// Password, overriding one in the URL. Default none. Never read from nor written to a
+    /// file: see `password_env`.
+    #[serde(skip)]
     pub password: Option<String>,
+    /// Name of the environment variable holding the password, read by
+    /// [`MqttConfig::resolve_secrets`] when `password` is none. Default none.
+    pub password_env: Option<String>,
     /// How long to wait for the PUBACKs of a batch. Default 5 s.
+    #[serde(with = "humantime_serde")]
     pub ack_timeout: Duration,
     /// How long to wait for the broker's CONNACK. Default 5 s.
+    #[serde(with = "humantime_serde")]
     pub connect_timeout: Duration,
     /// Keep-alive interval. Default 30 s.
+    #[serde(with = "humantime_serde")]
     pub keep_alive: Duration,
-    /// Publishes in flight at most (the broker's Receive Maximum lowers it). Default 1,000.
+    /// Publishes in flight at most (the broker's Receive Maximum lowers it), at least 1.
+    /// Default 1,000.
     pub max_inflight: u16,
     /// What a PUBACK *No matching subscribers* means. Default [`NoSubscribers::Retry`].
+    #[serde(deserialize_with = "de_no_subscribers")]
     pub no_subscribers: NoSubscribers,
+}
+
+/// `no_subscribers`, with an error that names the key (an internally tagged
+/// [`TransportConfig`](super::config::TransportConfig) loses the key's path).
+fn de_no_subscribers<'de, D: serde::Deserializer<'de>>(d: D) -> Result<NoSubscribers, D::Error> {
+    match <String as serde::Deserialize>::deserialize(d)?.as_str() {
+        "retry" => Ok(NoSubscribers::Retry),
+        "accept" => Ok(NoSubscribers::Accept),
+        other => Err(serde::de::Error::custom(format!(
+            "no_subscribers: {other:?} is neither \"retry\" nor \"accept\""
+        ))),
+    }
+}
+
+impl Default for MqttConfig {
+    /// [`MqttConfig::new`] with an empty URL.
+    fn default() -> Self {
+        MqttConfig::new("")
+    }
 }
 
 impl MqttConfig {
@@ -116,12 +150,49 @@ impl MqttConfig {
             client_id: format!("outbox-relay-{:016x}", rand::random::<u64>()),
             username: None,
             password: None,
+            password_env: None,
             ack_timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(5),
             keep_alive: Duration::from_secs(30),
             max_inflight: 1000,
             no_subscribers: NoSubscribers::Retry,
         }
+    }
+
+    /// Check the settings without connecting, the variable named by `password_env` included.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming `url`, `client_id`, `password_env`, `max_inflight`, `ack_timeout`
+    /// or `connect_timeout`.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        parse_url(&self.url)?;
+        if self.client_id.is_empty() {
+            return Err(ConfigError::new("client_id", "must not be empty"));
+        }
+        self.resolve_secrets()?;
+        if self.max_inflight == 0 {
+            return Err(ConfigError::new("max_inflight", "must be at least 1"));
+        }
+        for (field, d) in [
+            ("ack_timeout", self.ack_timeout),
+            ("connect_timeout", self.connect_timeout),
+        ] {
+            if d.is_zero() {
+                return Err(ConfigError::new(field, "must be greater than zero"));
+            }
+        }
+        Ok(())
+    }
+
+    /// A copy with `password` read from the variable named by `password_env` (when `password`
+    /// is none).
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming `password_env` when the variable is not set.
+    pub fn resolve_secrets(&self) -> Result<Self, ConfigError> {
+        let mut c = self.clone();
+        super::config::fill_secret(&mut c.password, "password_env", c.password_env.as_deref())?;
+        Ok(c)
     }
 }
 

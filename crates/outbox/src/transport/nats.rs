@@ -77,8 +77,12 @@ pub fn connect_options(url: &str) -> async_nats::ConnectOptions {
     }
 }
 
-/// NATS transport settings.
-#[derive(Debug, Clone)]
+/// NATS transport settings; the `[transports.<name>] kind = "nats"` table of the configuration
+/// file (see [`TransportConfig`](super::config::TransportConfig)), where the stream is written
+/// flat: `url`, `stream` (its name), `subjects` (default `["<stream lower-cased>.>"]`),
+/// `create_stream` (default true), `ack_timeout` (`"5s"`).
+#[derive(Debug, Clone, serde::Deserialize, serde::Serialize)]
+#[serde(from = "NatsFile", into = "NatsFile")]
 pub struct NatsConfig {
     /// Server URL, e.g. `nats://127.0.0.1:4222`; credentials may be given in it
     /// (`nats://user:password@host:4222`, `nats://token@host:4222`, see [`connect_options`]).
@@ -98,6 +102,88 @@ impl NatsConfig {
             url: url.into(),
             stream: None,
             ack_timeout: Duration::from_secs(5),
+        }
+    }
+
+    /// Check the settings without connecting.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming `url` (not `nats://` or `tls://`), `stream` (an empty name or
+    /// subject list, or a subject that is not valid) or `ack_timeout` (zero).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        super::config::check_url(&self.url, &["nats", "tls"])?;
+        if let Some(s) = &self.stream {
+            if s.name.is_empty() || s.name.contains(['.', '*', '>', ' ']) {
+                return Err(ConfigError::new(
+                    "stream",
+                    format!(
+                        "{:?} is not a stream name (non-empty, no . * > or space)",
+                        s.name
+                    ),
+                ));
+            }
+            if s.subjects.is_empty() {
+                return Err(ConfigError::new("subjects", "must not be empty"));
+            }
+        }
+        if self.ack_timeout.is_zero() {
+            return Err(ConfigError::new("ack_timeout", "must be greater than zero"));
+        }
+        Ok(())
+    }
+}
+
+/// The file form of [`NatsConfig`]: the stream written flat.
+#[derive(serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+struct NatsFile {
+    #[serde(default)]
+    url: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    stream: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    subjects: Vec<String>,
+    #[serde(default = "yes")]
+    create_stream: bool,
+    #[serde(default, with = "humantime_serde")]
+    ack_timeout: Option<Duration>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl From<NatsFile> for NatsConfig {
+    fn from(f: NatsFile) -> Self {
+        let mut c = NatsConfig::new(f.url);
+        c.stream = f.stream.map(|name| StreamSetup {
+            subjects: if f.subjects.is_empty() {
+                vec![format!("{}.>", name.to_lowercase())]
+            } else {
+                f.subjects
+            },
+            name,
+            create: f.create_stream,
+        });
+        if let Some(t) = f.ack_timeout {
+            c.ack_timeout = t;
+        }
+        c
+    }
+}
+
+impl From<NatsConfig> for NatsFile {
+    fn from(c: NatsConfig) -> Self {
+        NatsFile {
+            url: c.url,
+            create_stream: c.stream.as_ref().is_none_or(|s| s.create),
+            subjects: c
+                .stream
+                .as_ref()
+                .map(|s| s.subjects.clone())
+                .unwrap_or_default(),
+            stream: c.stream.map(|s| s.name),
+            ack_timeout: Some(c.ack_timeout),
         }
     }
 }

@@ -130,8 +130,10 @@ pub(crate) fn check_message(out: &Outgoing<'_>) -> Result<(), TransportError> {
 }
 
 /// What a message returned as unroutable (`basic.return` with `312 NO_ROUTE`: the exchange exists
-/// but no queue is bound for the routing key) counts as.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// but no queue is bound for the routing key) counts as; `"retry"` or `"fail"` in a
+/// configuration file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Unroutable {
     /// `Retryable` (default): retried with backoff, FAILED after `max_attempts` with the reason.
     #[default]
@@ -142,8 +144,11 @@ pub enum Unroutable {
 
 /// RabbitMQ connection and publishing settings, shared by the transport, the consumer runner
 /// ([`crate::consumer::rabbitmq`]) and the confirmation sender and listener
-/// ([`crate::confirm::rabbitmq`]).
-#[derive(Clone)]
+/// ([`crate::confirm::rabbitmq`]); the `[transports.<name>] kind = "rabbitmq"` table of the
+/// configuration file (see [`TransportConfig`](super::config::TransportConfig)). Durations are
+/// written `"10s"`; every field but `url` may be left out.
+#[derive(Clone, serde::Deserialize, serde::Serialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct RabbitMqConfig {
     /// `amqp://user:password@host:5672/vhost` or `amqps://…` (TLS); the vhost is percent-encoded
     /// (`%2f` is `/`). Query parameters of the AMQP URI spec (`heartbeat`, `frame_max`,
@@ -152,20 +157,33 @@ pub struct RabbitMqConfig {
     /// User name, overriding the one in the URL. Default: the URL's (`guest` without one).
     pub username: Option<String>,
     /// Password, overriding the one in the URL (read it from the environment, never a file).
-    /// Default: the URL's.
+    /// Default: the URL's. Never read from nor written to a file: see `password_env`.
+    #[serde(skip)]
     pub password: Option<String>,
+    /// Name of the environment variable holding the password, read by
+    /// [`RabbitMqConfig::resolve_secrets`] when `password` is none. Default: none.
+    pub password_env: Option<String>,
     /// PEM certificates of the certificate authorities trusted for `amqps://` (the client has no
-    /// built-in roots). Default: none.
+    /// built-in roots). Default: none (or read from `tls_ca_file`).
+    #[serde(skip)]
     pub tls_ca_pem: Option<String>,
+    /// PEM file of the certificate authorities trusted for `amqps://`, read into `tls_ca_pem` by
+    /// [`RabbitMqConfig::resolve_secrets`]. Set only with an `amqps://` URL. Default: none.
+    /// (Boxed, as `exchange`, to keep the config small: it is moved around by value.)
+    pub tls_ca_file: Option<Box<std::path::Path>>,
     /// How long to wait for the publisher confirms of a batch once it is written. Default 10 s.
+    #[serde(with = "humantime_serde")]
     pub confirm_timeout: Duration,
     /// How long to wait for the connection (TCP, TLS and AMQP handshake) and for a probe.
     /// Default 5 s.
+    #[serde(with = "humantime_serde")]
     pub connect_timeout: Duration,
     /// Heartbeat interval asked for when the URL does not set `heartbeat`; a dead peer is noticed
     /// after about two intervals. Default 10 s.
+    #[serde(with = "humantime_serde")]
     pub heartbeat: Duration,
     /// How long a positive exchange check is trusted. Default 60 s.
+    #[serde(with = "humantime_serde")]
     pub exchange_check_ttl: Duration,
     /// What an unroutable message counts as. Default [`Unroutable::Retry`].
     pub unroutable: Unroutable,
@@ -174,6 +192,17 @@ pub struct RabbitMqConfig {
     pub max_message_bytes: usize,
     /// Connection name shown in the management UI. Default `outbox`.
     pub connection_name: String,
+    /// Exchange of the routes that name no destination: they publish to `<exchange>/{topic}`
+    /// ([`TransportConfig::default_destination`](super::config::TransportConfig::default_destination)).
+    /// Default: none (`{topic}`, the queue named after the topic, through the default exchange).
+    pub exchange: Option<Box<str>>,
+}
+
+impl Default for RabbitMqConfig {
+    /// [`RabbitMqConfig::new`] with an empty URL.
+    fn default() -> Self {
+        RabbitMqConfig::new("")
+    }
 }
 
 impl std::fmt::Debug for RabbitMqConfig {
@@ -182,7 +211,9 @@ impl std::fmt::Debug for RabbitMqConfig {
             .field("url", &redact(&self.url))
             .field("username", &self.username)
             .field("password", &self.password.as_ref().map(|_| "***"))
+            .field("password_env", &self.password_env)
             .field("tls_ca_pem", &self.tls_ca_pem.is_some())
+            .field("tls_ca_file", &self.tls_ca_file)
             .field("confirm_timeout", &self.confirm_timeout)
             .field("connect_timeout", &self.connect_timeout)
             .field("heartbeat", &self.heartbeat)
@@ -190,6 +221,7 @@ impl std::fmt::Debug for RabbitMqConfig {
             .field("unroutable", &self.unroutable)
             .field("max_message_bytes", &self.max_message_bytes)
             .field("connection_name", &self.connection_name)
+            .field("exchange", &self.exchange)
             .finish()
     }
 }
@@ -201,7 +233,9 @@ impl RabbitMqConfig {
             url: url.into(),
             username: None,
             password: None,
+            password_env: None,
             tls_ca_pem: None,
+            tls_ca_file: None,
             confirm_timeout: Duration::from_secs(10),
             connect_timeout: Duration::from_secs(5),
             heartbeat: Duration::from_secs(10),
@@ -209,16 +243,73 @@ impl RabbitMqConfig {
             unroutable: Unroutable::Retry,
             max_message_bytes: 128 * 1024 * 1024,
             connection_name: "outbox".into(),
+            exchange: None,
         }
+    }
+
+    /// A copy with `password` read from the variable named by `password_env` (when `password`
+    /// is none) and `tls_ca_pem` from `tls_ca_file` (when `tls_ca_pem` is none).
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming `password_env` when the variable is not set, or `tls_ca_file` when
+    /// the file cannot be read or holds no PEM certificate.
+    pub fn resolve_secrets(&self) -> Result<Self, ConfigError> {
+        let mut c = self.clone();
+        super::config::fill_secret(&mut c.password, "password_env", c.password_env.as_deref())?;
+        if let (None, Some(path)) = (&c.tls_ca_pem, &c.tls_ca_file) {
+            let pem = std::fs::read_to_string(path).map_err(|e| {
+                ConfigError::new(
+                    "tls_ca_file",
+                    format!("cannot read {}: {e}", path.display()),
+                )
+            })?;
+            if !pem.contains("-----BEGIN CERTIFICATE-----") {
+                return Err(ConfigError::new(
+                    "tls_ca_file",
+                    format!("{} holds no PEM certificate", path.display()),
+                ));
+            }
+            c.tls_ca_pem = Some(pem);
+        }
+        Ok(c)
     }
 
     /// Check the settings without connecting.
     ///
     /// # Errors
-    /// [`ConfigError`] naming `url` (not an `amqp://` or `amqps://` URI), `confirm_timeout`,
-    /// `connect_timeout` or `max_message_bytes` (zero).
+    /// [`ConfigError`] naming `url` (not an `amqp://` or `amqps://` URI), `password_env` (not
+    /// set), `tls_ca_file` (missing for `amqps://`, set for `amqp://`, or unreadable),
+    /// `confirm_timeout`, `connect_timeout`, `max_message_bytes` (zero) or `exchange` (not an
+    /// exchange name).
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.uri().map(|_| ())?;
+        let resolved = self.resolve_secrets()?;
+        match (
+            self.url.starts_with("amqps://"),
+            resolved.tls_ca_pem.is_some(),
+        ) {
+            (true, false) => {
+                return Err(ConfigError::new(
+                    "tls_ca_file",
+                    "amqps:// needs the PEM file of the trusted certificate authorities",
+                ));
+            }
+            (false, _) if self.tls_ca_file.is_some() => {
+                return Err(ConfigError::new(
+                    "tls_ca_file",
+                    "set only with an amqps:// url",
+                ));
+            }
+            _ => {}
+        }
+        if let Some(e) = &self.exchange
+            && (e.is_empty() || e.len() > 255 || e.contains('/') || e.chars().any(char::is_control))
+        {
+            return Err(ConfigError::new(
+                "exchange",
+                format!("{e:?} is not an exchange name (1 to 255 bytes, no '/')"),
+            ));
+        }
         if self.confirm_timeout.is_zero() {
             return Err(ConfigError::new(
                 "confirm_timeout",
@@ -423,6 +514,7 @@ impl Link {
     /// A link for `config`, not connected yet.
     pub(crate) fn new(config: RabbitMqConfig) -> Result<Link, ConfigError> {
         config.validate()?;
+        let config = config.resolve_secrets()?;
         let uri = config.uri()?;
         Ok(Link {
             config,

@@ -70,14 +70,23 @@ pub const FIELD_PAYLOAD: &str = "payload";
 /// Prefix of the entry fields holding headers: header `traceparent` is field `h:traceparent`.
 pub const HEADER_FIELD_PREFIX: &str = "h:";
 
-/// Redis Streams transport settings.
-#[derive(Debug, Clone)]
+/// Redis Streams transport settings; the `[transports.<name>] kind = "redis"` table of the
+/// configuration file (see [`TransportConfig`](super::config::TransportConfig)), where the
+/// replica wait is written flat: `url`, `password_env`, `max_len`, `wait_replicas` (a count),
+/// `wait_timeout` (default `"1s"`, only with `wait_replicas`), `response_timeout`,
+/// `connect_timeout`.
+#[derive(Debug, Clone, serde::Deserialize, serde::Serialize)]
+#[serde(try_from = "RedisFile", into = "RedisFile")]
 pub struct RedisConfig {
     /// Server URL: `redis://[user[:password]@]host[:port][/db]`, or `rediss://…` for TLS
     /// (rustls with the platform's root certificates). Required.
     pub url: String,
     /// Password (ACL or `requirepass`), overriding one in the URL. Default: none (the URL's).
+    /// Never read from nor written to a file: see `password_env`.
     pub password: Option<String>,
+    /// Name of the environment variable holding the password, read by
+    /// [`RedisConfig::resolve_secrets`] when `password` is none. Default none.
+    pub password_env: Option<String>,
     /// Approximate length cap: `XADD key MAXLEN ~ n *`. Default `None` (no trimming). Trimming
     /// drops entries whatever the consumer groups have read (shared case C38): see
     /// [`RedisConfig::warnings`].
@@ -107,6 +116,7 @@ impl RedisConfig {
         RedisConfig {
             url: url.into(),
             password: None,
+            password_env: None,
             max_len: None,
             wait_replicas: None,
             response_timeout: Duration::from_secs(5),
@@ -135,9 +145,11 @@ impl RedisConfig {
     /// Check the settings without connecting.
     ///
     /// # Errors
-    /// [`ConfigError`] naming `url`, `max_len`, `wait_replicas` or `response_timeout`.
+    /// [`ConfigError`] naming `url`, `password_env`, `max_len`, `wait_replicas` or
+    /// `response_timeout`.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        connection_info(&self.url, self.password.as_deref())?;
+        let resolved = self.resolve_secrets()?;
+        connection_info(&self.url, resolved.password.as_deref())?;
         if self.max_len == Some(0) {
             return Err(ConfigError::new(
                 "max_len",
@@ -165,6 +177,78 @@ impl RedisConfig {
             ));
         }
         Ok(())
+    }
+}
+
+impl RedisConfig {
+    /// A copy with `password` read from the variable named by `password_env` (when `password`
+    /// is none).
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming `password_env` when the variable is not set.
+    pub fn resolve_secrets(&self) -> Result<Self, ConfigError> {
+        let mut c = self.clone();
+        super::config::fill_secret(&mut c.password, "password_env", c.password_env.as_deref())?;
+        Ok(c)
+    }
+}
+
+/// The file form of [`RedisConfig`]: the replica wait written flat.
+#[derive(serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+struct RedisFile {
+    #[serde(default)]
+    url: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    password_env: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    max_len: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    wait_replicas: Option<u32>,
+    #[serde(
+        default,
+        with = "humantime_serde",
+        skip_serializing_if = "Option::is_none"
+    )]
+    wait_timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    response_timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    connect_timeout: Option<Duration>,
+}
+
+impl TryFrom<RedisFile> for RedisConfig {
+    type Error = String;
+
+    fn try_from(f: RedisFile) -> Result<Self, String> {
+        let mut c = RedisConfig::new(f.url);
+        c.password_env = f.password_env;
+        c.max_len = f.max_len;
+        c.wait_replicas = match (f.wait_replicas, f.wait_timeout) {
+            (Some(replicas), timeout) => Some(WaitReplicas {
+                replicas,
+                timeout: timeout.unwrap_or(Duration::from_secs(1)),
+            }),
+            (None, Some(_)) => return Err("wait_timeout is set only with wait_replicas".into()),
+            (None, None) => None,
+        };
+        c.response_timeout = f.response_timeout.unwrap_or(c.response_timeout);
+        c.connect_timeout = f.connect_timeout.unwrap_or(c.connect_timeout);
+        Ok(c)
+    }
+}
+
+impl From<RedisConfig> for RedisFile {
+    fn from(c: RedisConfig) -> Self {
+        RedisFile {
+            url: c.url,
+            password_env: c.password_env,
+            max_len: c.max_len,
+            wait_replicas: c.wait_replicas.map(|w| w.replicas),
+            wait_timeout: c.wait_replicas.map(|w| w.timeout),
+            response_timeout: Some(c.response_timeout),
+            connect_timeout: Some(c.connect_timeout),
+        }
     }
 }
 

@@ -141,12 +141,43 @@ pub const DEFAULT_MAX_MESSAGE_SIZE: usize = 4 * 1024 * 1024;
 
 /// ACL credentials (RocketMQ ACL 1.0 `AccessKey`/`SecretKey`, signed on every request by the
 /// client's `AclClientRPCHook`).
-#[derive(Clone)]
+#[derive(Clone, Default)]
 pub struct Credentials {
     /// The access key.
     pub access_key: String,
-    /// The secret key (never logged).
+    /// The secret key (never logged, never read from nor written to a file).
     pub secret_key: String,
+    /// Name of the environment variable holding the secret key, read by
+    /// [`RocketMqConfig::resolve_secrets`] when `secret_key` is empty. Default none.
+    pub secret_key_env: Option<String>,
+}
+
+impl Credentials {
+    /// A copy with `secret_key` read from the variable named by `secret_key_env` (when
+    /// `secret_key` is empty), checked.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming `access_key` (empty) or `secret_key_env` (the variable is not
+    /// set, or no secret key is given at all).
+    pub fn resolved(&self) -> Result<Credentials, ConfigError> {
+        let mut k = self.clone();
+        if k.secret_key.is_empty()
+            && let Some(v) =
+                super::config::env_secret("secret_key_env", k.secret_key_env.as_deref())?
+        {
+            k.secret_key = v;
+        }
+        if k.access_key.is_empty() {
+            return Err(ConfigError::new("access_key", "must not be empty"));
+        }
+        if k.secret_key.is_empty() {
+            return Err(ConfigError::new(
+                "secret_key_env",
+                "the secret key is empty: name the environment variable holding it",
+            ));
+        }
+        Ok(k)
+    }
 }
 
 impl std::fmt::Debug for Credentials {
@@ -154,12 +185,18 @@ impl std::fmt::Debug for Credentials {
         f.debug_struct("Credentials")
             .field("access_key", &self.access_key)
             .field("secret_key", &"<redacted>")
+            .field("secret_key_env", &self.secret_key_env)
             .finish()
     }
 }
 
-/// RocketMQ transport settings.
-#[derive(Clone)]
+/// RocketMQ transport settings; the `[transports.<name>] kind = "rocketmq"` table of the
+/// configuration file (see [`TransportConfig`](super::config::TransportConfig)), written
+/// `url = "rocketmq://host:port[;host:port…]"`, `producer_group`, `default_topic`, `access_key`,
+/// `secret_key_env`, `send_timeout` (`"3s"`), `retries`, `max_message_size`, `max_in_flight`,
+/// `order_by_partition_key`, `create_topic_key`; every field but `url` may be left out.
+#[derive(Clone, serde::Deserialize, serde::Serialize)]
+#[serde(from = "RocketMqFile", into = "RocketMqFile")]
 pub struct RocketMqConfig {
     /// Name server address list, `host:port` separated by `;` (RocketMQ's `namesrvAddr`), e.g.
     /// `127.0.0.1:9876`. Required; [`RocketMqConfig::from_url`] reads it from
@@ -191,6 +228,86 @@ pub struct RocketMqConfig {
     pub create_topic_key: Option<String>,
     /// The client runtime to run on. Default none: the process-wide [`client_runtime`].
     pub runtime: Option<Arc<ClientRuntime>>,
+    /// RocketMQ topic of the routes that name no destination: they send to
+    /// `<default_topic>:{topic}`, the outbox topic as the tag
+    /// ([`TransportConfig::default_destination`](super::config::TransportConfig::default_destination)).
+    /// Default: none, the destination is `{topic}` itself (then outbox topics must be valid
+    /// RocketMQ topic names).
+    pub default_topic: Option<String>,
+}
+
+/// The file form of [`RocketMqConfig`]: the name servers as a URL, the credentials flat.
+#[derive(serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+struct RocketMqFile {
+    #[serde(default)]
+    url: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    producer_group: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    default_topic: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    access_key: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    secret_key_env: Option<String>,
+    #[serde(default, with = "humantime_serde")]
+    send_timeout: Option<Duration>,
+    #[serde(default)]
+    retries: Option<u32>,
+    #[serde(default)]
+    max_message_size: Option<usize>,
+    #[serde(default)]
+    max_in_flight: Option<usize>,
+    #[serde(default)]
+    order_by_partition_key: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    create_topic_key: Option<String>,
+}
+
+impl From<RocketMqFile> for RocketMqConfig {
+    fn from(f: RocketMqFile) -> Self {
+        // A URL of another scheme is kept whole, for `validate` to refuse.
+        let ns = f.url.strip_prefix("rocketmq://").unwrap_or(&f.url);
+        let mut c = RocketMqConfig::new(ns.trim_end_matches('/'));
+        c.producer_group = f.producer_group.unwrap_or(c.producer_group);
+        c.default_topic = f.default_topic;
+        if f.access_key.is_some() || f.secret_key_env.is_some() {
+            c.credentials = Some(Credentials {
+                access_key: f.access_key.unwrap_or_default(),
+                secret_key: String::new(),
+                secret_key_env: f.secret_key_env,
+            });
+        }
+        c.send_timeout = f.send_timeout.unwrap_or(c.send_timeout);
+        c.retries = f.retries.unwrap_or(c.retries);
+        c.max_message_size = f.max_message_size.unwrap_or(c.max_message_size);
+        c.max_in_flight = f.max_in_flight.unwrap_or(c.max_in_flight);
+        c.order_by_partition_key = f.order_by_partition_key.unwrap_or(c.order_by_partition_key);
+        c.create_topic_key = f.create_topic_key;
+        c
+    }
+}
+
+impl From<RocketMqConfig> for RocketMqFile {
+    fn from(c: RocketMqConfig) -> Self {
+        let (access_key, secret_key_env) = match c.credentials {
+            Some(k) => (Some(k.access_key), k.secret_key_env),
+            None => (None, None),
+        };
+        RocketMqFile {
+            url: format!("rocketmq://{}", c.name_server),
+            producer_group: Some(c.producer_group),
+            default_topic: c.default_topic,
+            access_key,
+            secret_key_env,
+            send_timeout: Some(c.send_timeout),
+            retries: Some(c.retries),
+            max_message_size: Some(c.max_message_size),
+            max_in_flight: Some(c.max_in_flight),
+            order_by_partition_key: Some(c.order_by_partition_key),
+            create_topic_key: c.create_topic_key,
+        }
+    }
 }
 
 impl std::fmt::Debug for RocketMqConfig {
@@ -206,6 +323,7 @@ impl std::fmt::Debug for RocketMqConfig {
             .field("credentials", &self.credentials)
             .field("create_topic_key", &self.create_topic_key)
             .field("runtime", &self.runtime.is_some())
+            .field("default_topic", &self.default_topic)
             .finish()
     }
 }
@@ -225,7 +343,23 @@ impl RocketMqConfig {
             credentials: None,
             create_topic_key: None,
             runtime: None,
+            default_topic: None,
         }
+    }
+
+    /// A copy with the credentials' secret key read from the variable named by
+    /// `secret_key_env` (when the secret key is empty): [`Credentials::resolved`].
+    ///
+    /// # Errors
+    /// As [`Credentials::resolved`].
+    pub fn resolve_secrets(&self) -> Result<Self, ConfigError> {
+        let mut c = self.clone();
+        c.credentials = c
+            .credentials
+            .as_ref()
+            .map(Credentials::resolved)
+            .transpose()?;
+        Ok(c)
     }
 
     /// Settings from a `rocketmq://host:port[;host:port…]` URL with the defaults.
@@ -239,9 +373,19 @@ impl RocketMqConfig {
     /// Check the settings without connecting.
     ///
     /// # Errors
-    /// [`ConfigError`] naming the field: `name_server`, `producer_group`, `send_timeout`,
-    /// `max_message_size`, `max_in_flight`, `credentials`, `create_topic_key`.
+    /// [`ConfigError`] naming the field: `name_server` (`url` in a file), `producer_group`,
+    /// `default_topic`, `send_timeout`, `max_message_size`, `max_in_flight`, `access_key`,
+    /// `secret_key_env`, `create_topic_key`.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.name_server.contains("://") {
+            return Err(ConfigError::new(
+                "name_server",
+                format!(
+                    "{:?} is not a rocketmq://host:port[;host:port…] URL",
+                    self.name_server
+                ),
+            ));
+        }
         parse_name_servers(&self.name_server).map_err(|r| ConfigError::new("name_server", r))?;
         validate_group(&self.producer_group).map_err(|r| ConfigError::new("producer_group", r))?;
         if !(Duration::from_millis(100)..=Duration::from_secs(60)).contains(&self.send_timeout) {
@@ -259,14 +403,10 @@ impl RocketMqConfig {
         if self.max_in_flight == 0 {
             return Err(ConfigError::new("max_in_flight", "must be at least 1"));
         }
-        if let Some(c) = &self.credentials
-            && (c.access_key.is_empty() || c.secret_key.is_empty())
-        {
-            return Err(ConfigError::new(
-                "credentials",
-                "access key and secret key must both be non-empty",
-            ));
+        if let Some(t) = &self.default_topic {
+            validate_topic(t).map_err(|r| ConfigError::new("default_topic", r))?;
         }
+        self.resolve_secrets()?;
         if let Some(t) = &self.create_topic_key {
             validate_topic(t).map_err(|r| ConfigError::new("create_topic_key", r))?;
         }

@@ -68,17 +68,34 @@ const HTTP_HEADERS: HeaderRules = HeaderRules {
     },
 };
 
-/// Webhook transport settings.
-#[derive(Debug, Clone)]
+/// Webhook transport settings; the `[transports.<name>] kind = "webhook"` table of the
+/// configuration file (see [`TransportConfig`](super::config::TransportConfig)): `url`,
+/// `secret_env`, `timeout` (`"10s"`), `concurrency`. Every field but `url` may be left out.
+#[derive(Debug, Clone, serde::Deserialize, serde::Serialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct WebhookConfig {
-    /// Default target URL, used when a route's destination is empty. Required.
+    /// Default target URL (`http://` or `https://`), used when a route's destination is empty.
+    /// Required.
     pub url: String,
-    /// Signing secret, `whsec_` + base64 (Standard Webhooks). Default: none (unsigned).
+    /// Signing secret, `whsec_` + base64 (Standard Webhooks). Default: none (unsigned). Never
+    /// read from nor written to a file: see `secret_env`.
+    #[serde(skip)]
     pub secret: Option<String>,
+    /// Name of the environment variable holding the signing secret, read by
+    /// [`WebhookConfig::resolve_secrets`] when `secret` is none. Default: none.
+    pub secret_env: Option<String>,
     /// Timeout of one request, connect included. Default 10 s.
+    #[serde(with = "humantime_serde")]
     pub timeout: Duration,
     /// Requests in flight at once per batch. Default 64.
     pub concurrency: usize,
+}
+
+impl Default for WebhookConfig {
+    /// [`WebhookConfig::new`] with an empty URL.
+    fn default() -> Self {
+        WebhookConfig::new("")
+    }
 }
 
 impl WebhookConfig {
@@ -87,9 +104,49 @@ impl WebhookConfig {
         WebhookConfig {
             url: url.into(),
             secret: None,
+            secret_env: None,
             timeout: Duration::from_secs(10),
             concurrency: 64,
         }
+    }
+
+    /// Check the settings without connecting, the secret named by `secret_env` included.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming `url`, `secret_env`, `secret`, `timeout` or `concurrency`.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        super::config::check_url(&self.url, &["http", "https"])?;
+        let c = self.resolve_secrets()?;
+        if c.timeout.is_zero() {
+            return Err(ConfigError::new("timeout", "must be greater than zero"));
+        }
+        if c.concurrency == 0 {
+            return Err(ConfigError::new("concurrency", "must be at least 1"));
+        }
+        if let Some(s) = &c.secret {
+            WebhookSigner::new(s)?;
+        }
+        Ok(())
+    }
+
+    /// A copy with `secret` read from the variable named by `secret_env` (when `secret` is
+    /// none).
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming `secret_env` when the variable is not set.
+    pub fn resolve_secrets(&self) -> Result<Self, ConfigError> {
+        let mut c = self.clone();
+        super::config::fill_secret(&mut c.secret, "secret_env", c.secret_env.as_deref())?;
+        Ok(c)
+    }
+
+    /// The transport, secrets read from the environment ([`WebhookTransport::new`]).
+    ///
+    /// # Errors
+    /// As [`WebhookConfig::validate`].
+    pub fn build(&self) -> Result<WebhookTransport, ConfigError> {
+        self.validate()?;
+        WebhookTransport::new(self.resolve_secrets()?)
     }
 }
 

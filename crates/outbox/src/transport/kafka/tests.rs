@@ -72,6 +72,7 @@ fn config_validation_names_the_field() {
                 mechanism: "GSSAPI".into(),
                 username: "u".into(),
                 password: "p".into(),
+                ..KafkaSasl::default()
             })
         }),
         "sasl.mechanism"

@@ -60,8 +60,9 @@ fn urls_and_config_validate() {
     c.credentials = Some(Credentials {
         access_key: "ak".into(),
         secret_key: String::new(),
+        secret_key_env: None,
     });
-    assert_eq!(c.validate().unwrap_err().field, "credentials");
+    assert_eq!(c.validate().unwrap_err().field, "secret_key_env");
 }
 
 #[test]
