@@ -19,6 +19,8 @@
 //!   (the broker's own mechanism where it has one), until `max_deliveries`;
 //! - permanent handler failure, or a transient one at `max_deliveries` → the consumer's
 //!   dead-letter table, a `Rejected` confirmation, acknowledge, move on;
+//! - a handler that panics → contained, counted as a transient failure (so it is dead-lettered at
+//!   `max_deliveries`), the runner goes on;
 //! - the inbox's own database failing → do not acknowledge, redeliver later; a database outage
 //!   never dead-letters a message (shared case C27).
 
@@ -28,7 +30,9 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::error::InboxError;
+use futures::FutureExt;
+
+use crate::error::{HandlerError, InboxError};
 use crate::inbox::{Handler, Inbox, InboxBackend, Processed};
 use crate::message::InboundMessage;
 use crate::retry::Backoff;
@@ -139,7 +143,24 @@ where
         c.fetch_add(1, Ordering::Relaxed);
     };
     let deliveries = msg.delivery_count.max(1);
-    let verdict = match inbox.process(msg, handler).await {
+    // A panicking handler (or a client it calls) is contained: its transaction is rolled back
+    // as the future unwinds, and the panic counts as a transient failure of this message, so it
+    // is redelivered and dead-lettered at `max_deliveries` while the runner and the other
+    // messages go on.
+    let processed = std::panic::AssertUnwindSafe(inbox.process(msg, handler))
+        .catch_unwind()
+        .await
+        .unwrap_or_else(|panic| {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic".to_owned());
+            Err(InboxError::Handler(HandlerError::transient(format!(
+                "the handler panicked: {what}"
+            ))))
+        });
+    let verdict = match processed {
         Ok(Processed::Applied) => {
             count(&metrics.applied);
             Verdict::Processed

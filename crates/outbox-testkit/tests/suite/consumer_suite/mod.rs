@@ -16,6 +16,9 @@
 //! - `survives_a_crash_between_commit_and_ack`: the consumer dies (its task aborted and its
 //!   connections cut) after the inbox commit and before the ack; the broker delivers the message
 //!   again, the inbox recognises it, the effect stays single and the verdict is confirmed again;
+//! - `contains_a_panicking_handler`: a handler that panics on one message is contained: that
+//!   message is dead-lettered at `max_deliveries` with the panic as its error, the runner goes on,
+//!   and the messages behind it (its own key's included) are applied;
 //! - `rejects_malformed_input`: a message without outbox headers is counted and taken out of the
 //!   way; the messages behind it are applied.
 //!
@@ -91,6 +94,7 @@ impl Settings {
 struct Script {
     fail_times: Mutex<HashMap<Uuid, u32>>,
     reject: Mutex<Vec<Uuid>>,
+    panic: Mutex<Vec<Uuid>>,
     seen: Mutex<HashMap<Uuid, Vec<u32>>>,
 }
 
@@ -118,6 +122,9 @@ impl outbox::Handler<sqlx::Sqlite> for Script {
             .entry(msg.message_id)
             .or_default()
             .push(msg.delivery_count);
+        if self.panic.lock().unwrap().contains(&msg.message_id) {
+            panic!("scripted panic in the handler");
+        }
         if self.reject.lock().unwrap().contains(&msg.message_id) {
             return Err(HandlerError::reject("out of stock"));
         }
@@ -373,6 +380,33 @@ async fn confirms_the_verdict<B: Broker>() {
     );
 }
 
+async fn contains_a_panicking_handler<B: Broker>() {
+    let b = B::new().await;
+    let c = Consumer::new().await;
+    let script = Arc::new(Script::default());
+    let bad = message(Some("k"), "panics");
+    let after = message(Some("k"), "after the panic, same key");
+    let other = message(Some("other"), "another key");
+    script.panic.lock().unwrap().push(bad.message_id);
+    publish(&b, &[bad.clone(), after.clone(), other.clone()]).await;
+    let mut s = Settings::new();
+    s.max_deliveries = 3;
+    let runner = b.spawn(s.clone_settings(), c.inbox.clone(), script.clone());
+    wait_until("the dead letter and both other effects", WAIT, || async {
+        !c.inbox.dead_letters(10).await.unwrap().is_empty()
+            && c.effects_of(after.message_id).await == 1
+            && c.effects_of(other.message_id).await == 1
+    })
+    .await;
+    stop(&s, runner).await;
+    let dead = c.inbox.dead_letters(10).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].message.message_id, bad.message_id);
+    assert_eq!(dead[0].deliveries, 3);
+    assert!(dead[0].error.contains("panicked"), "{}", dead[0].error);
+    assert_eq!(c.effects_of(bad.message_id).await, 0);
+}
+
 async fn keeps_per_key_order<B: Broker>() {
     let b = B::new().await;
     let c = Consumer::new().await;
@@ -524,6 +558,12 @@ macro_rules! property_tests {
         async fn keeps_per_key_order() {
             crate::init_tracing();
             super::keeps_per_key_order::<$broker>().await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn contains_a_panicking_handler() {
+            crate::init_tracing();
+            super::contains_a_panicking_handler::<$broker>().await;
         }
 
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
