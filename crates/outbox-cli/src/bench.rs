@@ -220,7 +220,7 @@ impl BenchArgs {
             }
         }
         broker::Kind::parse(&self.transport).map_err(|e| format!("--transport: {e}"))?;
-        Dialect::of_url(&self.database).map_err(|e| e.to_string())?;
+        db::dialect_of(&self.database).map_err(|e| e.to_string())?;
         Ok(())
     }
 

@@ -22,8 +22,8 @@ use anyhow::{Context, bail};
 use futures::StreamExt;
 use indicatif::ProgressBar;
 use outbox::{MySqlStore, NewMessage, PgStore, SqliteStore, Store, StoreOptions};
-use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::mysql::{MySqlConnectOptions, MySqlPool};
+use sqlx::postgres::{PgConnectOptions, PgPool};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions};
 use sqlx::{AssertSqlSafe, ConnectOptions, Row};
 use tokio::time::Instant;
@@ -32,51 +32,23 @@ use uuid::Uuid;
 use super::now_us;
 use super::report::{PgWrites, TableStats};
 
-/// The database family of a URL.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Dialect {
-    /// `postgres://` or `postgresql://`.
-    Postgres,
-    /// `mysql://` or `mariadb://`.
-    MySql,
-    /// `sqlite://FILE` (a file: an in-memory database cannot be shared by the bench's pools).
-    Sqlite,
-}
+pub use outbox::store::Dialect;
 
-impl Dialect {
-    /// The dialect of `url`.
-    ///
-    /// # Errors
-    /// An unsupported scheme or an in-memory SQLite URL, named.
-    pub fn of_url(url: &str) -> anyhow::Result<Dialect> {
-        if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-            Ok(Dialect::Postgres)
-        } else if url.starts_with("mysql://") || url.starts_with("mariadb://") {
-            Ok(Dialect::MySql)
-        } else if url.starts_with("sqlite:") {
-            if url.contains(":memory:") || url.contains("mode=memory") {
-                bail!(
-                    "--database {url:?}: the bench needs a SQLite file (sqlite://bench.db); an \
-                     in-memory database is private to one connection"
-                );
-            }
-            Ok(Dialect::Sqlite)
-        } else {
-            bail!(
-                "--database {:?}: expected postgres://…, mysql://…, mariadb://… or sqlite://FILE",
-                crate::redact(url)
-            )
-        }
+/// The dialect of the bench's `--database` URL ([`Dialect::of_url`]), refusing an in-memory
+/// SQLite database: the bench's pools could not share it.
+///
+/// # Errors
+/// An unsupported scheme (named, the URL redacted) or an in-memory SQLite URL.
+pub fn dialect_of(url: &str) -> anyhow::Result<Dialect> {
+    let dialect = Dialect::of_url(url)
+        .map_err(|e| anyhow::anyhow!("--database {:?}: {e}", crate::redact(url)))?;
+    if dialect == Dialect::Sqlite && (url.contains(":memory:") || url.contains("mode=memory")) {
+        bail!(
+            "--database {url:?}: the bench needs a SQLite file (sqlite://bench.db); an \
+             in-memory database is private to one connection"
+        );
     }
-
-    /// `postgres`, `mysql` or `sqlite`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Dialect::Postgres => "postgres",
-            Dialect::MySql => "mysql",
-            Dialect::Sqlite => "sqlite",
-        }
-    }
+    Ok(dialect)
 }
 
 /// A pool of one of the three databases.
@@ -256,51 +228,22 @@ async fn connect(
     nodelay: bool,
 ) -> anyhow::Result<Pool> {
     let acquire = Duration::from_secs(30);
-    let peers = |host: &str, port: u16| {
-        let host = host.to_owned();
-        async move {
-            match nodelay {
-                true => outbox::store::nodelay::resolve(&host, port).await,
-                false => Vec::new(),
-            }
-        }
-    };
     Ok(match dialect {
         Dialect::Postgres => {
             let mut o = PgConnectOptions::from_str(url)?.application_name(app);
             if !log {
                 o = o.disable_statement_logging();
             }
-            let peers = peers(o.get_host(), o.get_port()).await;
-            Pool::Pg(
-                PgPoolOptions::new()
-                    .max_connections(max)
-                    .acquire_timeout(acquire)
-                    .after_connect(move |_, _| {
-                        outbox::store::nodelay::set_nodelay_towards(&peers);
-                        Box::pin(async { Ok(()) })
-                    })
-                    .connect_with(o)
-                    .await?,
-            )
+            let peers = peers(nodelay, o.get_host(), o.get_port()).await;
+            Pool::Pg(server_pool(o, max, acquire, peers).await?)
         }
         Dialect::MySql => {
             let mut o = MySqlConnectOptions::from_str(&url.replacen("mariadb://", "mysql://", 1))?;
             if !log {
                 o = o.disable_statement_logging();
             }
-            let peers = peers(o.get_host(), o.get_port()).await;
-            Pool::My(
-                MySqlPoolOptions::new()
-                    .max_connections(max)
-                    .acquire_timeout(acquire)
-                    .after_connect(move |_, _| {
-                        outbox::store::nodelay::set_nodelay_towards(&peers);
-                        Box::pin(async { Ok(()) })
-                    })
-                    .connect_with(o)
-                    .await?,
-            )
+            let peers = peers(nodelay, o.get_host(), o.get_port()).await;
+            Pool::My(server_pool(o, max, acquire, peers).await?)
         }
         Dialect::Sqlite => {
             // As SqliteStore::connect opens a file: WAL, synchronous FULL, 10 s busy timeout.
@@ -323,13 +266,40 @@ async fn connect(
     })
 }
 
+/// The addresses of `host:port` to set `TCP_NODELAY` towards (none without `nodelay`).
+async fn peers(nodelay: bool, host: &str, port: u16) -> Vec<std::net::SocketAddr> {
+    match nodelay {
+        true => outbox::store::nodelay::resolve(host, port).await,
+        false => Vec::new(),
+    }
+}
+
+/// A pool of a database server (PostgreSQL, MySQL) whose connections set `TCP_NODELAY`
+/// towards `peers`.
+async fn server_pool<DB: sqlx::Database>(
+    options: <DB::Connection as sqlx::Connection>::Options,
+    max: u32,
+    acquire: Duration,
+    peers: Vec<std::net::SocketAddr>,
+) -> Result<sqlx::Pool<DB>, sqlx::Error> {
+    sqlx::pool::PoolOptions::<DB>::new()
+        .max_connections(max)
+        .acquire_timeout(acquire)
+        .after_connect(move |_, _| {
+            outbox::store::nodelay::set_nodelay_towards(&peers);
+            Box::pin(async { Ok(()) })
+        })
+        .connect_with(options)
+        .await
+}
+
 impl Db {
     /// Connect the control pool and create the run's schema (PostgreSQL).
     ///
     /// # Errors
     /// An unreachable server or a failing `CREATE SCHEMA`, with the URL (password redacted).
     pub async fn open(url: &str, run_id: &str, nodelay: bool) -> anyhow::Result<Db> {
-        let dialect = Dialect::of_url(url)?;
+        let dialect = dialect_of(url)?;
         let app = format!("outbox-bench-{run_id}-control");
         let control = connect(dialect, url, &app, false, 16, nodelay)
             .await

@@ -6,6 +6,17 @@ fn parse(s: &str) -> Result<FileConfig, Box<figment::Error>> {
     Figment::from(Toml::string(s)).extract().map_err(Box::new)
 }
 
+/// The field `validate` names when it refuses `toml`, a file that reads.
+fn invalid_field(toml: &str) -> String {
+    parse(toml).unwrap().validate().unwrap_err().field
+}
+
+/// Assert that `toml` is refused as the file is read, by an error naming `name`.
+fn assert_unreadable(toml: &str, name: &str) {
+    let e = parse(toml).unwrap_err().to_string();
+    assert!(e.contains(name), "{e}");
+}
+
 const GOOD: &str = r#"
         [database]
         url = "sqlite://x.db"
@@ -58,22 +69,15 @@ fn confirmations_and_retention_parse() {
     assert!(
         matches!(c.confirmations, Some(ConfirmationsSection::Nats { ref queue, .. }) if queue == "outbox-confirmations")
     );
-    let e = parse(&with.replace("retention = \"forever\"", "retention = \"soon\""))
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("retention"), "{e}");
-    let e = parse(&with.replace("subject = \"orders.confirm\"", "subject = \"x\"\nbogus = 1"))
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("bogus"), "{e}");
-    let c = parse(&with.replace("subject = \"orders.confirm\"", "subject = \"r c\"")).unwrap();
-    assert_eq!(c.validate().unwrap_err().field, "confirmations.subject");
+    assert_unreadable(&with.replace("retention = \"forever\"", "retention = \"soon\""), "retention");
+    assert_unreadable(&with.replace("subject = \"orders.confirm\"", "subject = \"x\"\nbogus = 1"), "bogus");
+    assert_eq!(invalid_field(&with.replace("subject = \"orders.confirm\"", "subject = \"r c\"")), "confirmations.subject");
     let http = with.replace(
         "kind = \"nats\"\nurl = \"nats://127.0.0.1:4222\"\nsubject = \"orders.confirm\"",
         "kind = \"http\"\nlisten = \"127.0.0.1:8081\"\npath = \"confirm\"",
     );
     assert_eq!(
-        parse(&http).unwrap().validate().unwrap_err().field,
+        invalid_field(&http),
         "confirmations.path"
     );
     let c = parse(&with.replace("retention = \"forever\"", "retention = \"3d\"")).unwrap();
@@ -100,7 +104,7 @@ fn rabbitmq_sections_validate_and_name_the_field() {
     assert_eq!(cfg.confirm_timeout, Duration::from_secs(3));
     assert_eq!(cfg.unroutable, outbox::Unroutable::Fail);
     assert_eq!(cfg.url, "amqp://127.0.0.1:5672/%2f");
-    let field = |toml: &str| parse(toml).unwrap().validate().unwrap_err().field;
+    let field = invalid_field;
     let with = |extra: &str| base.replace("exchange = \"orders\"", extra);
     assert_eq!(
         field(&base.replace("amqp://127.0.0.1:5672/%2f", "http://x")),
@@ -136,12 +140,8 @@ fn rabbitmq_sections_validate_and_name_the_field() {
         field(&with("max_message_bytes = 0")),
         "transports.mq.max_message_bytes"
     );
-    let e = parse(&with("exchang = \"x\"")).unwrap_err().to_string();
-    assert!(e.contains("exchang"), "{e}");
-    let e = parse(&base.replace("\"fail\"", "\"maybe\""))
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("maybe"), "{e}");
+    assert_unreadable(&with("exchang = \"x\""), "exchang");
+    assert_unreadable(&base.replace("\"fail\"", "\"maybe\""), "maybe");
     // [confirmations] kind = "rabbitmq".
     let confirm = format!(
         "{base}\n[confirmations]\nkind = \"rabbitmq\"\nurl = \"amqp://127.0.0.1/%2f\"\nqueue = \"orders.confirmations\"\n"
@@ -168,10 +168,7 @@ fn rabbitmq_sections_validate_and_name_the_field() {
 
 #[test]
 fn unknown_field_is_named() {
-    let e = parse(&GOOD.replace("batch_size = 100", "batch_sise = 100"))
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("batch_sise"), "{e}");
+    assert_unreadable(&GOOD.replace("batch_size = 100", "batch_sise = 100"), "batch_sise");
 }
 
 #[cfg(feature = "kafka")]
@@ -205,10 +202,7 @@ fn kafka_section_parses_and_names_bad_fields() {
     assert_eq!(kc.max_message_bytes, 1048576);
     assert_eq!(kc.properties["compression.type"], "lz4");
     assert_eq!(k.topics()[0].partitions, 3);
-    let field = |from: &str, to: &str| {
-        let c = parse(&good.replace(from, to)).unwrap();
-        c.validate().unwrap_err().field
-    };
+    let field = |from: &str, to: &str| invalid_field(&good.replace(from, to));
     assert_eq!(
         field("kafka://127.0.0.1:19092", "nohostport"),
         "transports.k.bootstrap_servers"
@@ -246,10 +240,7 @@ fn kafka_section_parses_and_names_bad_fields() {
             "transports.k.tls"
         );
     }
-    let e = parse(&good.replace("partitions = 3", "partitons = 3"))
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("partitons"), "{e}");
+    assert_unreadable(&good.replace("partitions = 3", "partitons = 3"), "partitons");
 }
 
 #[cfg(feature = "kafka")]
@@ -264,31 +255,17 @@ fn kafka_confirmations_parse_and_validate() {
         panic!("kafka confirmations");
     };
     assert_eq!(k.group, "outbox-confirmations");
-    let c = parse(&with.replace("orders.confirm", "orders confirm")).unwrap();
-    assert_eq!(c.validate().unwrap_err().field, "confirmations.topic");
-    let c = parse(&with.replace("127.0.0.1:19092", "")).unwrap();
-    assert_eq!(
-        c.validate().unwrap_err().field,
-        "confirmations.bootstrap_servers"
-    );
-    let e = parse(&format!("{with}bogus = 1\n"))
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("bogus"), "{e}");
+    assert_eq!(invalid_field(&with.replace("orders.confirm", "orders confirm")), "confirmations.topic");
+    assert_eq!(invalid_field(&with.replace("127.0.0.1:19092", "")), "confirmations.bootstrap_servers");
+    assert_unreadable(&format!("{with}bogus = 1\n"), "bogus");
 }
 
 #[test]
 fn bad_values_name_the_field() {
-    let c = parse(&GOOD.replace("lease = \"30s\"", "lease = \"1s\"")).unwrap();
-    assert_eq!(c.validate().unwrap_err().field, "relay.lease");
-    let c = parse(&GOOD.replace("transport = \"bus\"", "transport = \"nope\"")).unwrap();
-    assert_eq!(c.validate().unwrap_err().field, "routes[0].transport");
-    let c = parse(&GOOD.replace("http://127.0.0.1:9/", "ftp://x")).unwrap();
-    assert_eq!(c.validate().unwrap_err().field, "transports.hooks.url");
-    let e = parse(&GOOD.replace("batch_size = 100", "batch_size = \"many\""))
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("batch_size"), "{e}");
+    assert_eq!(invalid_field(&GOOD.replace("lease = \"30s\"", "lease = \"1s\"")), "relay.lease");
+    assert_eq!(invalid_field(&GOOD.replace("transport = \"bus\"", "transport = \"nope\"")), "routes[0].transport");
+    assert_eq!(invalid_field(&GOOD.replace("http://127.0.0.1:9/", "ftp://x")), "transports.hooks.url");
+    assert_unreadable(&GOOD.replace("batch_size = 100", "batch_size = \"many\""), "batch_size");
 }
 
 #[cfg(feature = "redis")]
@@ -325,24 +302,18 @@ fn redis_section_is_validated() {
             "transports.bus.wait_replicas",
         ),
     ] {
-        let c = parse(&base.replace("url = \"redis://127.0.0.1:6379\"", bad)).unwrap();
-        assert_eq!(c.validate().unwrap_err().field, field, "{bad}");
+        let toml = base.replace("url = \"redis://127.0.0.1:6379\"", bad);
+        assert_eq!(invalid_field(&toml), field, "{bad}");
     }
     // A wait timeout without replicas is refused as the file is read, naming the key.
-    let e = parse(&base.replace(
+    assert_unreadable(&base.replace(
         "url = \"redis://127.0.0.1:6379\"",
         "url = \"redis://x\"\nwait_timeout = \"1s\"",
-    ))
-    .unwrap_err()
-    .to_string();
-    assert!(e.contains("wait_timeout"), "{e}");
-    let e = parse(&base.replace(
+    ), "wait_timeout");
+    assert_unreadable(&base.replace(
         "url = \"redis://127.0.0.1:6379\"",
         "url = \"redis://x\"\nmaxlen = 3",
-    ))
-    .unwrap_err()
-    .to_string();
-    assert!(e.contains("maxlen"), "{e}");
+    ), "maxlen");
     let with = base.clone()
         + "\n[confirmations]\nkind = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\nstream = \"orders:confirm\"\n";
     let c = parse(&with).unwrap();
@@ -350,8 +321,7 @@ fn redis_section_is_validated() {
     assert!(
         matches!(c.confirmations, Some(ConfirmationsSection::Redis { ref group, .. }) if group == "outbox-confirmations")
     );
-    let c = parse(&with.replace("stream = \"orders:confirm\"", "stream = \"a b\"")).unwrap();
-    assert_eq!(c.validate().unwrap_err().field, "confirmations.stream");
+    assert_eq!(invalid_field(&with.replace("stream = \"orders:confirm\"", "stream = \"a b\"")), "confirmations.stream");
 }
 
 #[cfg(feature = "mqtt")]
@@ -383,15 +353,14 @@ fn mqtt_section_is_validated() {
             "transports.bus.password_env",
         ),
     ] {
-        let c = parse(&base.replace("url = \"mqtt://127.0.0.1:1883\"", bad)).unwrap();
-        assert_eq!(c.validate().unwrap_err().field, field, "{bad}");
+        let toml = base.replace("url = \"mqtt://127.0.0.1:1883\"", bad);
+        assert_eq!(invalid_field(&toml), field, "{bad}");
     }
     let with = base.clone()
         + "\n[confirmations]\nkind = \"mqtt\"\nurl = \"mqtt://127.0.0.1:1883\"\ntopic = \"orders/confirm\"\n";
     let c = parse(&with).unwrap();
     c.validate().unwrap();
-    let c = parse(&with.replace("topic = \"orders/confirm\"", "topic = \"orders/#\"")).unwrap();
-    assert_eq!(c.validate().unwrap_err().field, "confirmations.topic");
+    assert_eq!(invalid_field(&with.replace("topic = \"orders/confirm\"", "topic = \"orders/#\"")), "confirmations.topic");
     // `no_subscribers` is an enum: another value is refused as the file is read.
     let e = parse(&base.replace(
         "url = \"mqtt://127.0.0.1:1883\"",
@@ -454,7 +423,6 @@ fn rocketmq_section_parses_and_validates() {
 #[cfg(feature = "rocketmq")]
 #[test]
 fn rocketmq_bad_values_name_the_field() {
-    let field = |toml: String| parse(&toml).unwrap().validate().unwrap_err().field;
     let cases = [
         (
             "url = \"rocketmq://127.0.0.1:19876\"\n        producer_group",
@@ -514,12 +482,9 @@ fn rocketmq_bad_values_name_the_field() {
     ];
     for (from, to, expected) in cases {
         assert!(RMQ.contains(from), "{from}");
-        assert_eq!(field(RMQ.replacen(from, to, 1)), expected, "{to}");
+        assert_eq!(invalid_field(&RMQ.replacen(from, to, 1)), expected, "{to}");
     }
-    let e = parse(&RMQ.replace("default_topic", "default_topik"))
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("default_topik"), "{e}");
+    assert_unreadable(&RMQ.replace("default_topic", "default_topik"), "default_topik");
 }
 
 #[cfg(not(feature = "rocketmq"))]

@@ -14,8 +14,9 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use outbox::{Inbox, MySqlStore, NewMessage, PgStore, SqliteStore, Store, StoreOptions};
 use sqlx::ConnectOptions;
-use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use outbox::store::Dialect;
+use sqlx::mysql::MySqlPool;
+use sqlx::postgres::PgPool;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
@@ -111,21 +112,26 @@ struct Ddl {
 }
 
 impl Services {
-    /// Create fresh databases for both services.
+    /// Create fresh databases for both services: two SQLite files in `--data-dir`, or the
+    /// `--database` server both share.
     pub(super) async fn open(args: &DemoArgs) -> anyhow::Result<Services> {
-        match &args.database {
-            None => Services::open_sqlite(&args.data_dir, args.orders).await,
-            Some(url) if url.starts_with("postgres://") || url.starts_with("postgresql://") => {
-                Services::open_postgres(url, args.orders).await
-            }
-            Some(url) if url.starts_with("mysql://") || url.starts_with("mariadb://") => {
-                Services::open_mysql(&url.replacen("mariadb://", "mysql://", 1), args.orders).await
-            }
-            Some(url) => bail!("--database must be a postgres:// or mysql:// URL, not {url:?}"),
-        }
+        let services = match &args.database {
+            None => Services::open_sqlite(&args.data_dir).await?,
+            Some(url) => match Dialect::of_url(url)? {
+                Dialect::Postgres => Services::open_postgres(url).await?,
+                Dialect::MySql => {
+                    Services::open_mysql(&url.replacen("mariadb://", "mysql://", 1)).await?
+                }
+                Dialect::Sqlite => bail!(
+                    "--database takes a PostgreSQL or MySQL/MariaDB URL; without it the demo \
+                     uses two SQLite files in --data-dir"
+                ),
+            },
+        };
+        services.prepare(args.orders).await
     }
 
-    async fn open_sqlite(dir: &Path, orders: usize) -> anyhow::Result<Services> {
+    async fn open_sqlite(dir: &Path) -> anyhow::Result<Services> {
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
         for db in ["orders.db", "inventory.db"] {
             for suffix in ["", "-wal", "-shm"] {
@@ -137,58 +143,25 @@ impl Services {
                 }
             }
         }
-        let t = SQLITE_TABLES;
-        let store = SqliteStore::from_pool(
-            sqlite_pool(&dir.join("orders.db"))
-                .await
-                .context("cannot open the order database")?,
-            StoreOptions::table(t.outbox),
-        )?;
+        let orders = sqlite_pool(&dir.join("orders.db"))
+            .await
+            .context("cannot open the order database")?;
         let inventory = sqlite_pool(&dir.join("inventory.db"))
             .await
             .context("cannot open the inventory database")?;
-        let inbox = Inbox::new(inventory.clone(), t.inbox, CONSUMER)?;
-        let ddl = Ddl {
-            orders: format!(
-                "CREATE TABLE {} (id INTEGER PRIMARY KEY, sku TEXT NOT NULL, qty INTEGER NOT NULL, \
-                 status TEXT NOT NULL DEFAULT '{PLACED}', \
-                 created_at INTEGER NOT NULL DEFAULT (CAST(ROUND((julianday('now') - 2440587.5) * 86400000) AS INTEGER)))",
-                t.orders
-            ),
-            inventory: format!(
-                "CREATE TABLE {stock} (sku TEXT PRIMARY KEY, qty INTEGER NOT NULL);
-                 CREATE TABLE {log} (id INTEGER PRIMARY KEY AUTOINCREMENT, order_id INTEGER NOT NULL,
-                     sku TEXT NOT NULL, qty INTEGER NOT NULL, message_id TEXT NOT NULL);
-                 CREATE INDEX {log}_order_id ON {log} (order_id);",
-                stock = t.stock,
-                log = t.deductions
-            ),
-        };
-        Services::Sqlite {
-            store,
+        Ok(Services::Sqlite {
+            store: SqliteStore::from_pool(orders, StoreOptions::table(SQLITE_TABLES.outbox))?,
+            inbox: Inbox::new(inventory.clone(), SQLITE_TABLES.inbox, CONSUMER)?,
             inventory,
-            inbox,
-        }
-        .prepare(orders, ddl)
-        .await
+        })
     }
 
-    async fn open_postgres(url: &str, orders: usize) -> anyhow::Result<Services> {
-        let t = PG_TABLES;
-        let outbox_options = StoreOptions::table(t.outbox);
-        let store = PgStore::from_pool(
-            pg_pool(url)
-                .await
-                .context("cannot connect to PostgreSQL for the order service")?,
-            outbox_options.clone(),
-        )?;
-        let inventory = pg_pool(url)
-            .await
-            .context("cannot connect to PostgreSQL for the inventory service")?;
-
+    async fn open_postgres(url: &str) -> anyhow::Result<Services> {
+        let (orders, inventory) = server_pools(url, "PostgreSQL").await?;
+        let options = StoreOptions::table(PG_TABLES.outbox);
         // Start from scratch: drop the demo tables (with the inboxes' dead-letter tables) and
         // forget their migrations.
-        let (ours, all) = shared_tables(&outbox_options);
+        let (ours, all) = shared_tables(&options);
         sqlx::query(sqlx::AssertSqlSafe(format!(
             "DROP TABLE IF EXISTS {all} CASCADE"
         )))
@@ -204,48 +177,18 @@ impl Services {
                 .execute(&inventory)
                 .await?;
         }
-
-        let inbox = Inbox::new(inventory.clone(), t.inbox, CONSUMER)?;
-        let ddl = Ddl {
-            orders: format!(
-                "CREATE TABLE {} (id bigint PRIMARY KEY, sku text NOT NULL, qty bigint NOT NULL, \
-                 status text NOT NULL DEFAULT '{PLACED}', created_at timestamptz NOT NULL DEFAULT now())",
-                t.orders
-            ),
-            inventory: format!(
-                "CREATE TABLE {stock} (sku text PRIMARY KEY, qty bigint NOT NULL);
-                 CREATE TABLE {log} (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-                     order_id bigint NOT NULL, sku text NOT NULL, qty bigint NOT NULL,
-                     message_id uuid NOT NULL);
-                 CREATE INDEX {log}_order_id ON {log} (order_id);",
-                stock = t.stock,
-                log = t.deductions
-            ),
-        };
-        Services::Postgres {
-            store,
+        Ok(Services::Postgres {
+            store: PgStore::from_pool(orders, options)?,
+            inbox: Inbox::new(inventory.clone(), PG_TABLES.inbox, CONSUMER)?,
             inventory,
-            inbox,
-        }
-        .prepare(orders, ddl)
-        .await
+        })
     }
 
-    async fn open_mysql(url: &str, orders: usize) -> anyhow::Result<Services> {
-        let t = PG_TABLES;
-        let outbox_options = StoreOptions::table(t.outbox);
-        let store = MySqlStore::from_pool(
-            mysql_pool(url)
-                .await
-                .context("cannot connect to MySQL/MariaDB for the order service")?,
-            outbox_options.clone(),
-        )?;
-        let inventory = mysql_pool(url)
-            .await
-            .context("cannot connect to MySQL/MariaDB for the inventory service")?;
-        // Start from scratch: drop the demo tables (with the inboxes' dead-letter tables) and
-        // forget their migrations.
-        let (ours, all) = shared_tables(&outbox_options);
+    async fn open_mysql(url: &str) -> anyhow::Result<Services> {
+        let (orders, inventory) = server_pools(url, "MySQL/MariaDB").await?;
+        let options = StoreOptions::table(PG_TABLES.outbox);
+        // As on PostgreSQL; the migrations are forgotten by a list of quoted names.
+        let (ours, all) = shared_tables(&options);
         sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE IF EXISTS {all}")))
             .execute(&inventory)
             .await?;
@@ -256,47 +199,76 @@ impl Services {
         .fetch_one(&inventory)
         .await?;
         if has_migrations > 0 {
+            let quoted: Vec<String> = ours.iter().map(|t| format!("'{t}'")).collect();
             sqlx::query(sqlx::AssertSqlSafe(format!(
                 "DELETE FROM outbox_migrations WHERE table_name IN ({})",
-                ours.iter()
-                    .map(|t| format!("'{t}'"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                quoted.join(", ")
             )))
             .execute(&inventory)
             .await?;
         }
-
-        let inbox = Inbox::new(inventory.clone(), t.inbox, CONSUMER)?;
-        let ddl = Ddl {
-            orders: format!(
-                "CREATE TABLE {} (id BIGINT PRIMARY KEY, sku VARCHAR(64) NOT NULL, qty BIGINT NOT NULL, \
-                 status VARCHAR(32) NOT NULL DEFAULT '{PLACED}', \
-                 created_at DATETIME(6) NOT NULL DEFAULT (UTC_TIMESTAMP(6))) ENGINE=InnoDB",
-                t.orders
-            ),
-            inventory: format!(
-                "CREATE TABLE {stock} (sku VARCHAR(64) PRIMARY KEY, qty BIGINT NOT NULL) ENGINE=InnoDB;
-                 CREATE TABLE {log} (id BIGINT AUTO_INCREMENT PRIMARY KEY,
-                     order_id BIGINT NOT NULL, sku VARCHAR(64) NOT NULL, qty BIGINT NOT NULL,
-                     message_id CHAR(36) NOT NULL, KEY {log}_order_id (order_id)) ENGINE=InnoDB;",
-                stock = t.stock,
-                log = t.deductions
-            ),
-        };
-        Services::MySql {
-            store,
+        Ok(Services::MySql {
+            store: MySqlStore::from_pool(orders, options)?,
+            inbox: Inbox::new(inventory.clone(), PG_TABLES.inbox, CONSUMER)?,
             inventory,
-            inbox,
+        })
+    }
+
+    /// The services' own tables on this database.
+    fn ddl(&self) -> Ddl {
+        let t = self.tables();
+        let (stock, log) = (t.stock, t.deductions);
+        match self {
+            Services::Sqlite { .. } => Ddl {
+                orders: format!(
+                    "CREATE TABLE {} (id INTEGER PRIMARY KEY, sku TEXT NOT NULL, qty INTEGER NOT NULL, \
+                     status TEXT NOT NULL DEFAULT '{PLACED}', \
+                     created_at INTEGER NOT NULL DEFAULT (CAST(ROUND((julianday('now') - 2440587.5) * 86400000) AS INTEGER)))",
+                    t.orders
+                ),
+                inventory: format!(
+                    "CREATE TABLE {stock} (sku TEXT PRIMARY KEY, qty INTEGER NOT NULL);
+                     CREATE TABLE {log} (id INTEGER PRIMARY KEY AUTOINCREMENT, order_id INTEGER NOT NULL,
+                         sku TEXT NOT NULL, qty INTEGER NOT NULL, message_id TEXT NOT NULL);
+                     CREATE INDEX {log}_order_id ON {log} (order_id);"
+                ),
+            },
+            Services::Postgres { .. } => Ddl {
+                orders: format!(
+                    "CREATE TABLE {} (id bigint PRIMARY KEY, sku text NOT NULL, qty bigint NOT NULL, \
+                     status text NOT NULL DEFAULT '{PLACED}', created_at timestamptz NOT NULL DEFAULT now())",
+                    t.orders
+                ),
+                inventory: format!(
+                    "CREATE TABLE {stock} (sku text PRIMARY KEY, qty bigint NOT NULL);
+                     CREATE TABLE {log} (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+                         order_id bigint NOT NULL, sku text NOT NULL, qty bigint NOT NULL,
+                         message_id uuid NOT NULL);
+                     CREATE INDEX {log}_order_id ON {log} (order_id);"
+                ),
+            },
+            Services::MySql { .. } => Ddl {
+                orders: format!(
+                    "CREATE TABLE {} (id BIGINT PRIMARY KEY, sku VARCHAR(64) NOT NULL, qty BIGINT NOT NULL, \
+                     status VARCHAR(32) NOT NULL DEFAULT '{PLACED}', \
+                     created_at DATETIME(6) NOT NULL DEFAULT (UTC_TIMESTAMP(6))) ENGINE=InnoDB",
+                    t.orders
+                ),
+                inventory: format!(
+                    "CREATE TABLE {stock} (sku VARCHAR(64) PRIMARY KEY, qty BIGINT NOT NULL) ENGINE=InnoDB;
+                     CREATE TABLE {log} (id BIGINT AUTO_INCREMENT PRIMARY KEY,
+                         order_id BIGINT NOT NULL, sku VARCHAR(64) NOT NULL, qty BIGINT NOT NULL,
+                         message_id CHAR(36) NOT NULL, KEY {log}_order_id (order_id)) ENGINE=InnoDB;"
+                ),
+            },
         }
-        .prepare(orders, ddl)
-        .await
     }
 
     /// Migrate the outbox and the inbox, create the services' own tables, give the store its
     /// rejection hook and fill the stock: the part of opening every database shares.
-    async fn prepare(mut self, orders: usize, ddl: Ddl) -> anyhow::Result<Services> {
+    async fn prepare(mut self, orders: usize) -> anyhow::Result<Services> {
         let t = self.tables();
+        let ddl = self.ddl();
         each_db!(&mut self, store, |store| {
             store.migrate().await?;
             sqlx::query(sqlx::AssertSqlSafe(ddl.orders))
@@ -546,24 +518,29 @@ async fn sqlite_pool(file: &Path) -> Result<SqlitePool, sqlx::Error> {
         .await
 }
 
-/// A pool of up to 10 PostgreSQL connections, statement logging off (row-lock waits on the hot
-/// stock rows are expected contention).
-async fn pg_pool(url: &str) -> Result<PgPool, sqlx::Error> {
-    let options = PgConnectOptions::from_str(url)?.disable_statement_logging();
-    PgPoolOptions::new()
-        .max_connections(10)
-        .acquire_timeout(Duration::from_secs(10))
-        .connect_with(options)
+/// The order service's and the inventory service's pools on the `server` (named in errors) at
+/// `url`: up to 10 connections each, statement logging off (row-lock waits on the hot stock rows
+/// are expected contention).
+async fn server_pools<DB: sqlx::Database>(
+    url: &str,
+    server: &str,
+) -> anyhow::Result<(sqlx::Pool<DB>, sqlx::Pool<DB>)>
+where
+    <DB::Connection as sqlx::Connection>::Options: FromStr<Err = sqlx::Error>,
+{
+    let options = <DB::Connection as sqlx::Connection>::Options::from_str(url)?
+        .disable_statement_logging();
+    let pool = || {
+        sqlx::pool::PoolOptions::<DB>::new()
+            .max_connections(10)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect_with(options.clone())
+    };
+    let orders = pool()
         .await
-}
-
-/// A pool of up to 10 MySQL/MariaDB connections, statement logging off (row-lock waits on the
-/// hot stock rows are expected contention).
-async fn mysql_pool(url: &str) -> Result<MySqlPool, sqlx::Error> {
-    let options = MySqlConnectOptions::from_str(url)?.disable_statement_logging();
-    MySqlPoolOptions::new()
-        .max_connections(10)
-        .acquire_timeout(Duration::from_secs(10))
-        .connect_with(options)
+        .with_context(|| format!("cannot connect to {server} for the order service"))?;
+    let inventory = pool()
         .await
+        .with_context(|| format!("cannot connect to {server} for the inventory service"))?;
+    Ok((orders, inventory))
 }

@@ -33,7 +33,6 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
-use futures::future::BoxFuture;
 use sqlx::Pool;
 use uuid::Uuid;
 
@@ -97,99 +96,13 @@ pub struct Replayed {
     pub result: Result<Verdict, String>,
 }
 
-type Row = (
-    String,
-    String,
-    Option<String>,
-    String,
-    Vec<u8>,
-    String,
-    i64,
-    bool,
-);
-#[cfg(feature = "postgres")]
-type PgRow = (
-    String,
-    String,
-    Option<String>,
-    String,
-    Vec<u8>,
-    String,
-    i32,
-    bool,
-);
-/// A recorded verdict: outcome (0 processed, 1 rejected) and reason.
-type VerdictRow = (i64, Option<String>);
-
-/// The SQL a database needs for the inbox. Implemented for `sqlx::Postgres`, `sqlx::Sqlite` and `sqlx::MySql`;
-/// each method is one statement on `conn` or `pool`.
-pub trait InboxBackend: sqlx::Database {
-    /// Insert `(consumer, message_id, topic, outcome, reason)` unless present; `true` when new.
-    /// `outcome` 0 = processed, 1 = rejected.
-    fn insert<'c>(
-        conn: &'c mut Self::Connection,
-        table: &'c str,
-        consumer: &'c str,
-        msg: &'c InboundMessage,
-        rejected: Option<&'c str>,
-    ) -> BoxFuture<'c, Result<bool, sqlx::Error>>;
-    /// The recorded `(outcome, reason)`.
-    fn verdict<'c>(
-        pool: &'c Pool<Self>,
-        table: &'c str,
-        consumer: &'c str,
-        id: Uuid,
-    ) -> BoxFuture<'c, Result<Option<VerdictRow>, sqlx::Error>>;
-    /// Upsert a dead letter (and clear any replay request).
-    fn insert_dead_letter<'c>(
-        conn: &'c mut Self::Connection,
-        table: &'c str,
-        consumer: &'c str,
-        msg: &'c InboundMessage,
-        error: &'c str,
-        deliveries: u32,
-    ) -> BoxFuture<'c, Result<(), sqlx::Error>>;
-    /// Dead letters of `consumer`, newest first; only those with a replay requested when
-    /// `replay_only`.
-    fn dead_letters<'c>(
-        pool: &'c Pool<Self>,
-        table: &'c str,
-        consumer: &'c str,
-        replay_only: bool,
-        limit: u32,
-    ) -> BoxFuture<'c, Result<Vec<Row>, sqlx::Error>>;
-    /// Set or clear the replay request; rows matched.
-    fn set_replay<'c>(
-        pool: &'c Pool<Self>,
-        table: &'c str,
-        consumer: &'c str,
-        id: Uuid,
-        requested: bool,
-    ) -> BoxFuture<'c, Result<u64, sqlx::Error>>;
-    /// Delete the inbox row and the dead letter of `id` (the start of a replay).
-    fn forget<'c>(
-        conn: &'c mut Self::Connection,
-        table: &'c str,
-        consumer: &'c str,
-        id: Uuid,
-    ) -> BoxFuture<'c, Result<(), sqlx::Error>>;
-    /// Delete up to `limit` inbox rows received more than `older_than_ms` ago; rows deleted.
-    fn purge<'c>(
-        pool: &'c Pool<Self>,
-        table: &'c str,
-        older_than_ms: i64,
-        limit: u32,
-    ) -> BoxFuture<'c, Result<u64, sqlx::Error>>;
-    /// Create the inbox tables if missing.
-    fn migrate<'a>(
-        pool: &'a Pool<Self>,
-        table: &'a TableName,
-    ) -> BoxFuture<'a, Result<(), StoreError>>;
-}
-
-fn headers_json(h: &Headers) -> String {
+pub(crate) fn headers_json(h: &Headers) -> String {
     serde_json::to_string(h).expect("headers serialize")
 }
+
+mod backend;
+pub use backend::{InboxBackend, InboxSql};
+pub(crate) use backend::{DeadLetterRow, VerdictRow};
 
 #[cfg(feature = "mysql")]
 mod mysql;
@@ -202,6 +115,7 @@ mod sqlite;
 pub struct Inbox<DB: InboxBackend> {
     pool: Pool<DB>,
     table: TableName,
+    sql: std::sync::Arc<InboxSql>,
     consumer: String,
 }
 
@@ -210,6 +124,7 @@ impl<DB: InboxBackend> Clone for Inbox<DB> {
         Inbox {
             pool: self.pool.clone(),
             table: self.table.clone(),
+            sql: self.sql.clone(),
             consumer: self.consumer.clone(),
         }
     }
@@ -254,6 +169,7 @@ impl<DB: InboxBackend> Inbox<DB> {
         }
         Ok(Inbox {
             pool,
+            sql: std::sync::Arc::new(DB::sql(&table)),
             table,
             consumer,
         })
@@ -295,7 +211,7 @@ impl<DB: InboxBackend> Inbox<DB> {
         msg: &InboundMessage,
         handler: &H,
     ) -> Result<Processed, InboxError> {
-        let t = self.table.as_str();
+        let t = &*self.sql;
         let mut tx = self.pool.begin().await.map_err(self.err("inbox begin"))?;
         let fresh = DB::insert(&mut tx, t, &self.consumer, msg, None)
             .await
@@ -334,7 +250,7 @@ impl<DB: InboxBackend> Inbox<DB> {
     /// # Errors
     /// The database error.
     pub async fn verdict(&self, message_id: Uuid) -> Result<Option<Verdict>, StoreError> {
-        let r = DB::verdict(&self.pool, self.table.as_str(), &self.consumer, message_id)
+        let r = DB::verdict(&self.pool, &self.sql, &self.consumer, message_id)
             .await
             .map_err(self.err("inbox verdict"))?;
         Ok(r.map(|(o, reason)| verdict_of(o, reason)))
@@ -351,13 +267,13 @@ impl<DB: InboxBackend> Inbox<DB> {
         error: &str,
         deliveries: u32,
     ) -> Result<Verdict, StoreError> {
-        let t = self.table.as_str();
+        let t = &*self.sql;
         let reason = format!(
             "dead-lettered by {} after {deliveries} deliveries: {error}",
             self.consumer
         );
         let mut tx = self.pool.begin().await.map_err(self.err("dead letter"))?;
-        DB::insert_dead_letter(&mut tx, t, &self.consumer, msg, error, deliveries)
+        DB::insert_dead_letter(&mut tx, t, &self.consumer, (msg, error, deliveries))
             .await
             .map_err(self.err("dead letter"))?;
         DB::insert(&mut tx, t, &self.consumer, msg, Some(&reason))
@@ -382,7 +298,7 @@ impl<DB: InboxBackend> Inbox<DB> {
     ) -> Result<Vec<DeadLetter>, StoreError> {
         let rows = DB::dead_letters(
             &self.pool,
-            self.table.as_str(),
+            &self.sql,
             &self.consumer,
             replay_only,
             limit,
@@ -396,6 +312,7 @@ impl<DB: InboxBackend> Inbox<DB> {
                         id: 0,
                         reason: format!("dead letter id {id:?}: {e}"),
                     })?;
+                    let replay = replay != 0;
                     let headers = crate::store::parse_headers(0, &headers)?;
                     Ok(DeadLetter {
                         message: InboundMessage {
@@ -422,7 +339,7 @@ impl<DB: InboxBackend> Inbox<DB> {
     pub async fn request_replay(&self, message_id: Uuid) -> Result<bool, StoreError> {
         let n = DB::set_replay(
             &self.pool,
-            self.table.as_str(),
+            &self.sql,
             &self.consumer,
             message_id,
             true,
@@ -444,7 +361,7 @@ impl<DB: InboxBackend> Inbox<DB> {
         handler: &H,
         limit: u32,
     ) -> Result<Vec<Replayed>, StoreError> {
-        let t = self.table.as_str();
+        let t = &*self.sql;
         let mut done = Vec::new();
         for dl in self.load_dead_letters(true, limit).await? {
             let msg = dl.message;
@@ -476,17 +393,16 @@ impl<DB: InboxBackend> Inbox<DB> {
                         })
                     } else {
                         let mut conn = self.pool.acquire().await.map_err(self.err("replay"))?;
+                        let error = e.to_string();
                         DB::insert_dead_letter(
                             &mut conn,
                             t,
                             &self.consumer,
-                            &msg,
-                            &e.to_string(),
-                            dl.deliveries + 1,
+                            (&msg, &error, dl.deliveries + 1),
                         )
                         .await
                         .map_err(self.err("replay"))?;
-                        Err(e.to_string())
+                        Err(error)
                     }
                 }
             };
@@ -506,7 +422,7 @@ impl<DB: InboxBackend> Inbox<DB> {
     pub async fn purge(&self, older_than: Duration, limit: u32) -> Result<u64, StoreError> {
         DB::purge(
             &self.pool,
-            self.table.as_str(),
+            &self.sql,
             crate::store::millis(older_than),
             limit,
         )

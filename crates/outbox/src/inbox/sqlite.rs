@@ -1,175 +1,53 @@
 //! The inbox's SQL on SQLite.
 
-use futures::future::BoxFuture;
-use sqlx::{AssertSqlSafe, Pool};
 use uuid::Uuid;
 
-use super::{InboxBackend, Row, VerdictRow, headers_json};
-use crate::error::StoreError;
+use super::InboxSql;
 use crate::ident::TableName;
-use crate::message::InboundMessage;
 
-const SQLITE_NOW_MS: &str = "CAST(ROUND((julianday('now') - 2440587.5) * 86400000) AS INTEGER)";
+super::backend::inbox_backend!(sqlx::Sqlite, sqlx::SqliteConnection, sqlite);
 
-impl InboxBackend for sqlx::Sqlite {
-    fn insert<'c>(
-        conn: &'c mut sqlx::SqliteConnection,
-        table: &'c str,
-        consumer: &'c str,
-        msg: &'c InboundMessage,
-        rejected: Option<&'c str>,
-    ) -> BoxFuture<'c, Result<bool, sqlx::Error>> {
-        Box::pin(async move {
-            let r = sqlx::query(AssertSqlSafe(format!(
-                "INSERT INTO {table} (consumer, message_id, topic, outcome, reason) VALUES (?1, ?2, ?3, ?4, ?5) \
-                 ON CONFLICT DO NOTHING"
-            )))
-            .bind(consumer)
-            .bind(msg.message_id.to_string())
-            .bind(&msg.topic)
-            .bind(i64::from(rejected.is_some()))
-            .bind(rejected)
-            .execute(conn)
-            .await?;
-            Ok(r.rows_affected() == 1)
-        })
-    }
+/// SQLite stores message ids as text.
+fn message_id(id: Uuid) -> String {
+    id.to_string()
+}
 
-    fn verdict<'c>(
-        pool: &'c Pool<Self>,
-        table: &'c str,
-        consumer: &'c str,
-        id: Uuid,
-    ) -> BoxFuture<'c, Result<Option<VerdictRow>, sqlx::Error>> {
-        Box::pin(async move {
-            sqlx::query_as(AssertSqlSafe(format!(
-                "SELECT outcome, reason FROM {table} WHERE consumer = ?1 AND message_id = ?2"
-            )))
-            .bind(consumer)
-            .bind(id.to_string())
-            .fetch_optional(pool)
-            .await
-        })
-    }
+/// The database's clock in Unix milliseconds.
+const NOW_MS: &str = "CAST(ROUND((julianday('now') - 2440587.5) * 86400000) AS INTEGER)";
 
-    fn insert_dead_letter<'c>(
-        conn: &'c mut sqlx::SqliteConnection,
-        table: &'c str,
-        consumer: &'c str,
-        msg: &'c InboundMessage,
-        error: &'c str,
-        deliveries: u32,
-    ) -> BoxFuture<'c, Result<(), sqlx::Error>> {
-        Box::pin(async move {
-            sqlx::query(AssertSqlSafe(format!(
-                "INSERT INTO {table}_dlq (consumer, message_id, topic, partition_key, headers, payload, error, deliveries) \
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8) \
-                 ON CONFLICT (consumer, message_id) DO UPDATE SET error = excluded.error, \
-                 deliveries = excluded.deliveries, failed_at = {SQLITE_NOW_MS}, replay_requested_at = NULL"
-            )))
-            .bind(consumer)
-            .bind(msg.message_id.to_string())
-            .bind(&msg.topic)
-            .bind(&msg.partition_key)
-            .bind(headers_json(&msg.headers))
-            .bind(&msg.payload)
-            .bind(error)
-            .bind(i64::from(deliveries))
-            .execute(conn)
-            .await?;
-            Ok(())
-        })
-    }
-
-    fn dead_letters<'c>(
-        pool: &'c Pool<Self>,
-        table: &'c str,
-        consumer: &'c str,
-        replay_only: bool,
-        limit: u32,
-    ) -> BoxFuture<'c, Result<Vec<Row>, sqlx::Error>> {
-        Box::pin(async move {
-            sqlx::query_as(AssertSqlSafe(format!(
-                "SELECT message_id, topic, partition_key, headers, CAST(payload AS BLOB), error, deliveries, \
-                 replay_requested_at IS NOT NULL FROM {table}_dlq \
-                 WHERE consumer = ?1 AND (NOT ?2 OR replay_requested_at IS NOT NULL) \
-                 ORDER BY failed_at DESC LIMIT ?3"
-            )))
-            .bind(consumer)
-            .bind(replay_only)
-            .bind(i64::from(limit))
-            .fetch_all(pool)
-            .await
-        })
-    }
-
-    fn set_replay<'c>(
-        pool: &'c Pool<Self>,
-        table: &'c str,
-        consumer: &'c str,
-        id: Uuid,
-        requested: bool,
-    ) -> BoxFuture<'c, Result<u64, sqlx::Error>> {
-        Box::pin(async move {
-            let r = sqlx::query(AssertSqlSafe(format!(
-                "UPDATE {table}_dlq SET replay_requested_at = CASE WHEN ?3 THEN {SQLITE_NOW_MS} ELSE NULL END \
-                 WHERE consumer = ?1 AND message_id = ?2"
-            )))
-            .bind(consumer)
-            .bind(id.to_string())
-            .bind(requested)
-            .execute(pool)
-            .await?;
-            Ok(r.rows_affected())
-        })
-    }
-
-    fn forget<'c>(
-        conn: &'c mut sqlx::SqliteConnection,
-        table: &'c str,
-        consumer: &'c str,
-        id: Uuid,
-    ) -> BoxFuture<'c, Result<(), sqlx::Error>> {
-        Box::pin(async move {
-            for t in [format!("{table}_dlq"), table.to_owned()] {
-                sqlx::query(AssertSqlSafe(format!(
-                    "DELETE FROM {t} WHERE consumer = ?1 AND message_id = ?2"
-                )))
-                .bind(consumer)
-                .bind(id.to_string())
-                .execute(&mut *conn)
-                .await?;
-            }
-            Ok(())
-        })
-    }
-
-    fn purge<'c>(
-        pool: &'c Pool<Self>,
-        table: &'c str,
-        older_than_ms: i64,
-        limit: u32,
-    ) -> BoxFuture<'c, Result<u64, sqlx::Error>> {
-        Box::pin(async move {
-            let r = sqlx::query(AssertSqlSafe(format!(
-                "DELETE FROM {table} WHERE rowid IN (SELECT rowid FROM {table} \
-                 WHERE received_at < {SQLITE_NOW_MS} - ?1 LIMIT ?2)"
-            )))
-            .bind(older_than_ms)
-            .bind(i64::from(limit))
-            .execute(pool)
-            .await?;
-            Ok(r.rows_affected())
-        })
-    }
-
-    fn migrate<'a>(
-        pool: &'a Pool<Self>,
-        table: &'a TableName,
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
-        Box::pin(crate::store::sqlite::migrations::run_migrations(
-            pool,
-            crate::store::sqlite::migrations::inbox_migrations(table.as_str()),
-        ))
+fn sql(table: &TableName) -> InboxSql {
+    let t = table.as_str();
+    let by_key = "WHERE consumer = ?1 AND message_id = ?2";
+    InboxSql {
+        insert: format!(
+            "INSERT INTO {t} (consumer, message_id, topic, outcome, reason) VALUES (?1, ?2, ?3, ?4, ?5) \
+             ON CONFLICT DO NOTHING"
+        )
+        .into(),
+        verdict: format!("SELECT outcome, reason FROM {t} {by_key}").into(),
+        insert_dead_letter: format!(
+            "INSERT INTO {t}_dlq (consumer, message_id, topic, partition_key, headers, payload, error, deliveries) \
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8) \
+             ON CONFLICT (consumer, message_id) DO UPDATE SET error = excluded.error, \
+             deliveries = excluded.deliveries, failed_at = {NOW_MS}, replay_requested_at = NULL"
+        )
+        .into(),
+        dead_letters: format!(
+            "SELECT message_id, topic, partition_key, headers, CAST(payload AS BLOB), error, deliveries, \
+             replay_requested_at IS NOT NULL FROM {t}_dlq \
+             WHERE consumer = ?1 AND (NOT ?2 OR replay_requested_at IS NOT NULL) \
+             ORDER BY failed_at DESC LIMIT ?3"
+        )
+        .into(),
+        request_replay: format!("UPDATE {t}_dlq SET replay_requested_at = {NOW_MS} {by_key}").into(),
+        clear_replay: format!("UPDATE {t}_dlq SET replay_requested_at = NULL {by_key}").into(),
+        forget: [
+            format!("DELETE FROM {t}_dlq {by_key}").into(),
+            format!("DELETE FROM {t} {by_key}").into(),
+        ],
+        purge: format!(
+            "DELETE FROM {t} WHERE rowid IN (SELECT rowid FROM {t} WHERE received_at < {NOW_MS} - ?1 LIMIT ?2)"
+        )
+        .into(),
     }
 }

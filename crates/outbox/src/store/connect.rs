@@ -48,6 +48,15 @@ impl Dialect {
         }
         Ok(dialect)
     }
+
+    /// The dialect's name as the cargo feature spells it: `postgres`, `mysql` or `sqlite`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Dialect::Postgres => "postgres",
+            Dialect::MySql => "mysql",
+            Dialect::Sqlite => "sqlite",
+        }
+    }
 }
 
 /// Open the store `url` names ([`Dialect::of_url`]): [`PgStore::connect`](crate::PgStore::connect),
@@ -143,5 +152,76 @@ mod tests {
             panic!("accepted");
         };
         assert!(e.to_string().contains("unsupported"), "{e}");
+    }
+}
+
+/// A store's pool of up to 10 connections to the database server at `url` (PostgreSQL, MySQL):
+/// one direct connection first, so an unreachable server or a bad URL is reported with its cause
+/// instead of as a pool timeout; each connection sets `TCP_NODELAY` towards the server
+/// ([`nodelay`](super::nodelay)) and is dropped when the returned guard says so (a server that
+/// turned read-only, see `store::upgrade`).
+///
+/// # Errors
+/// [`StoreError::Database`] (`op` "connect") with the driver's error.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) async fn server_pool<DB: sqlx::Database>(
+    url: &str,
+) -> Result<(sqlx::Pool<DB>, std::sync::Arc<super::ReadOnlyGuard>), StoreError>
+where
+    <DB::Connection as sqlx::Connection>::Options: ServerAddress,
+{
+    let connect_error = |e| super::database_error("connect", e);
+    let conn = <DB::Connection as sqlx::Connection>::connect(url)
+        .await
+        .map_err(connect_error)?;
+    let _ = sqlx::Connection::close(conn).await;
+    let peers = match url.parse::<<DB::Connection as sqlx::Connection>::Options>() {
+        Ok(o) => {
+            let (host, port) = o.address();
+            super::nodelay::resolve(host, port).await
+        }
+        Err(_) => Vec::new(),
+    };
+    let read_only = super::ReadOnlyGuard::new();
+    let (on_acquire, on_release) = (read_only.clone(), read_only.clone());
+    let pool = sqlx::pool::PoolOptions::<DB>::new()
+        .max_connections(10)
+        .acquire_timeout(std::time::Duration::from_secs(10))
+        .after_connect(move |_, _| {
+            super::nodelay::set_nodelay_towards(&peers);
+            Box::pin(async { Ok(()) })
+        })
+        .before_acquire(move |_, meta| {
+            let keep = on_acquire.keep(meta.age);
+            Box::pin(async move { Ok(keep) })
+        })
+        .after_release(move |_, meta| {
+            let keep = on_release.keep(meta.age);
+            Box::pin(async move { Ok(keep) })
+        })
+        .connect(url)
+        .await
+        .map_err(connect_error)?;
+    Ok((pool, read_only))
+}
+
+/// The host and port a database server's connect options name.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) trait ServerAddress: std::str::FromStr {
+    /// `(host, port)`.
+    fn address(&self) -> (&str, u16);
+}
+
+#[cfg(feature = "postgres")]
+impl ServerAddress for sqlx::postgres::PgConnectOptions {
+    fn address(&self) -> (&str, u16) {
+        (self.get_host(), self.get_port())
+    }
+}
+
+#[cfg(feature = "mysql")]
+impl ServerAddress for sqlx::mysql::MySqlConnectOptions {
+    fn address(&self) -> (&str, u16) {
+        (self.get_host(), self.get_port())
     }
 }

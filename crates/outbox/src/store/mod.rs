@@ -58,6 +58,7 @@ pub(crate) mod status_sql {
 }
 
 mod connect;
+mod rows;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 mod upgrade;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
@@ -72,6 +73,8 @@ pub mod postgres;
 pub mod sqlite;
 
 pub use connect::{Dialect, connect, connect_existing};
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) use connect::server_pool;
 
 /// The class of a driver error, by the dialect that raised it (`store::<dialect>::errors`):
 /// shared driver errors first ([`DbErrorClass::of_driver`]), then the database error's own type
@@ -108,6 +111,16 @@ pub fn classify(e: &sqlx::Error) -> DbErrorClass {
 pub fn db_error(op: &'static str, table: &str, source: sqlx::Error) -> StoreError {
     let class = classify(&source);
     StoreError::classified(op, table, source, class)
+}
+
+/// A [`StoreError::Database`] for a driver error raised outside a table's operations
+/// (connecting, migrating), transient as its dialect classifies it ([`classify`]).
+pub(crate) fn database_error(op: &'static str, source: sqlx::Error) -> StoreError {
+    StoreError::Database {
+        op,
+        transient: classify(&source) == DbErrorClass::Transient,
+        source,
+    }
 }
 
 /// The first quoted name in a server message (`relation "s.t" does not exist`, `Table 'db.t'

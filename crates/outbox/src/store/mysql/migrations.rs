@@ -174,7 +174,7 @@ pub(crate) fn inbox_migrations(inbox: &TableName) -> Vec<Step> {
 /// Apply migrations once each, recorded in `outbox_migrations`, serialised by the named lock
 /// `outbox_migrate` (`GET_LOCK`) so concurrent `migrate` calls are safe.
 pub(crate) async fn run_migrations(pool: &MySqlPool, steps: Vec<Step>) -> Result<(), StoreError> {
-    let e = |op| move |e| super::errors::database(op, e);
+    let e = |op| move |e| crate::store::database_error(op, e);
     let mut conn = pool.acquire().await.map_err(e("migrate"))?;
     let locked: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK('outbox_migrate', 60)")
         .fetch_one(&mut *conn)

@@ -54,7 +54,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use sqlx::mysql::{MySqlConnection, MySqlPool, MySqlPoolOptions, MySqlRow};
+use sqlx::mysql::{MySqlConnection, MySqlPool, MySqlRow};
 use sqlx::{AssertSqlSafe, Row};
 use tokio::sync::Notify;
 use uuid::Uuid;
@@ -65,11 +65,11 @@ use super::status_sql::{CONFIRMED, FAILED, PENDING, REJECTED, SENDING, SENT};
 use super::{
     Bucket, BucketBatch, BucketCompletion, BucketLease, FailedMessage, KeyHead, LeaseToken,
     MembershipRequest, MembershipRound, RelayInfo, Stats, Store, StoreOptions, millis, new_token,
-    parse_headers, stats_from,
+    stats_from,
 };
 use crate::error::{EnqueueError, StoreError};
 use crate::ident::TableName;
-use crate::message::{Limits, Message, NewMessage};
+use crate::message::{Limits, NewMessage};
 use crate::verdict::{ConfirmReport, Confirmation, RejectionHook, Verdict};
 
 mod leases;
@@ -242,7 +242,7 @@ impl Store for MySqlStore {
 
     async fn relays(&self, lease: Duration) -> Result<Vec<RelayInfo>, StoreError> {
         let t = self.table.as_str();
-        let rows: Vec<(String, Option<String>, Option<String>)> =
+        let rows: Vec<super::rows::RelayRow> =
             sqlx::query_as(AssertSqlSafe(format!(
                 "SELECT name, routes, routes_hash FROM {t}_relays \
                  WHERE heartbeat_at > {NOW} - INTERVAL (? * 1000) MICROSECOND ORDER BY name"
@@ -251,10 +251,7 @@ impl Store for MySqlStore {
             .fetch_all(&self.pool)
             .await
             .map_err(self.err("relays"))?;
-        Ok(rows
-            .into_iter()
-            .map(|(n, r, h)| super::relay_info(n, r, h))
-            .collect())
+        Ok(super::rows::relays(rows))
     }
 
     async fn hand_off_buckets(
@@ -340,7 +337,7 @@ impl Store for MySqlStore {
         .await?;
         let mut batch = BucketBatch::default();
         for (bucket, id, row) in &rows {
-            batch.push(*bucket, *id, decode_row(*id, row));
+            batch.push(*bucket, *id, super::rows::decode_message(*id, row));
         }
         Ok(batch)
     }
@@ -359,18 +356,11 @@ impl Store for MySqlStore {
             for k in chunk {
                 q = q.bind(k);
             }
-            let rows: Vec<(String, Option<i64>, Option<i64>)> = q
+            let rows: Vec<super::rows::KeyHeadRow> = q
                 .fetch_all(&self.pool)
                 .await
                 .map_err(self.err("key_heads"))?;
-            heads.extend(
-                rows.into_iter()
-                    .map(|(key, first_open, first_failed)| KeyHead {
-                        key,
-                        first_open,
-                        first_failed,
-                    }),
-            );
+            heads.extend(super::rows::key_heads(rows));
         }
         Ok(heads)
     }
@@ -620,7 +610,7 @@ impl Store for MySqlStore {
 
     async fn failed(&self, limit: u32) -> Result<Vec<FailedMessage>, StoreError> {
         let t = self.table.as_str();
-        let rows: Vec<(i64, String, String, i64, Option<String>)> =
+        let rows: Vec<super::rows::FailedRow> =
             sqlx::query_as(AssertSqlSafe(format!(
                 "SELECT id, message_id, topic, attempts, last_error FROM {t} WHERE status = {FAILED} \
                  ORDER BY updated_at DESC, id DESC LIMIT ?"
@@ -629,46 +619,10 @@ impl Store for MySqlStore {
             .fetch_all(&self.pool)
             .await
             .map_err(self.err("failed"))?;
-        Ok(rows
-            .into_iter()
-            .map(
-                |(id, message_id, topic, attempts, last_error)| FailedMessage {
-                    id,
-                    message_id,
-                    topic,
-                    attempts: attempts.max(0) as u32,
-                    last_error,
-                },
-            )
-            .collect())
+        Ok(super::rows::failed_messages(rows))
     }
 
     fn waker(&self) -> Arc<Notify> {
         self.waker.clone()
     }
-}
-
-/// Decode one read row; the error says what a foreign producer got wrong.
-fn decode_row(id: i64, row: &MySqlRow) -> Result<Message, String> {
-    let get_err = |col: &str, e: sqlx::Error| format!("column {col}: {e}");
-    let message_id: String = row.try_get(1).map_err(|e| get_err("message_id", e))?;
-    let message_id = Uuid::parse_str(&message_id)
-        .map_err(|e| format!("message_id {message_id:?} is not a UUID: {e}"))?;
-    let headers: String = row.try_get(4).map_err(|e| get_err("headers", e))?;
-    let attempts: i64 = row.try_get(6).map_err(|e| get_err("attempts", e))?;
-    let max_attempts: Option<i64> = row.try_get(7).map_err(|e| get_err("max_attempts", e))?;
-    let redelivery: i64 = row.try_get(8).map_err(|e| get_err("redelivery", e))?;
-    Ok(Message {
-        redelivery: u32::try_from(redelivery).unwrap_or(0),
-        id,
-        message_id,
-        topic: row.try_get(2).map_err(|e| get_err("topic", e))?,
-        partition_key: row.try_get(3).map_err(|e| get_err("partition_key", e))?,
-        headers: parse_headers(id, &headers).map_err(|e| e.to_string())?,
-        payload: row.try_get(5).map_err(|e| get_err("payload", e))?,
-        attempts: u32::try_from(attempts).unwrap_or(u32::MAX),
-        max_attempts: max_attempts
-            .and_then(|m| u32::try_from(m).ok())
-            .unwrap_or(0),
-    })
 }

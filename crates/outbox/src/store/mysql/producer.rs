@@ -4,16 +4,13 @@
 use super::*;
 
 impl MySqlStore {
-    /// One chunk of [`Store::complete_in_buckets`]: one statement.
+    /// One non-empty chunk of [`Store::complete_in_buckets`]: one statement.
     pub(super) async fn complete_chunk(
         &self,
         relay: &str,
-        completions: &[BucketCompletion],
+        chunk: &[BucketCompletion],
     ) -> Result<u64, StoreError> {
-        if completions.is_empty() {
-            return Ok(0);
-        }
-        let c = crate::store::BucketColumns::from(completions);
+        let c = crate::store::BucketColumns::from(chunk);
         // Tokens travel as strings: a JSON number that large may pass through a double.
         let rows: Vec<serde_json::Value> = (0..c.ids.len())
             .map(|i| {
@@ -88,34 +85,7 @@ impl MySqlStore {
             Some(rest) => format!("mysql://{rest}"),
             None => url.to_owned(),
         };
-        let conn = <MySqlConnection as sqlx::Connection>::connect(&url)
-            .await
-            .map_err(|e| errors::database("connect", e))?;
-        let _ = sqlx::Connection::close(conn).await;
-        let peers = match url.parse::<sqlx::mysql::MySqlConnectOptions>() {
-            Ok(o) => crate::store::nodelay::resolve(o.get_host(), o.get_port()).await,
-            Err(_) => Vec::new(),
-        };
-        let read_only = crate::store::ReadOnlyGuard::new();
-        let (on_acquire, on_release) = (read_only.clone(), read_only.clone());
-        let pool = MySqlPoolOptions::new()
-            .max_connections(10)
-            .acquire_timeout(Duration::from_secs(10))
-            .after_connect(move |_, _| {
-                crate::store::nodelay::set_nodelay_towards(&peers);
-                Box::pin(async { Ok(()) })
-            })
-            .before_acquire(move |_, meta| {
-                let keep = on_acquire.keep(meta.age);
-                Box::pin(async move { Ok(keep) })
-            })
-            .after_release(move |_, meta| {
-                let keep = on_release.keep(meta.age);
-                Box::pin(async move { Ok(keep) })
-            })
-            .connect(&url)
-            .await
-            .map_err(|e| errors::database("connect", e))?;
+        let (pool, read_only) = crate::store::server_pool(&url).await?;
         let mut store = MySqlStore::from_pool(pool, options)?;
         store.read_only = read_only;
         Ok(store)
@@ -313,7 +283,7 @@ impl MySqlStore {
     pub(super) fn err(&self, op: &'static str) -> impl Fn(sqlx::Error) -> StoreError + '_ {
         move |e| {
             self.read_only
-                .check(errors::store_error(op, self.table.as_str(), e))
+                .check(crate::store::db_error(op, self.table.as_str(), e))
         }
     }
 

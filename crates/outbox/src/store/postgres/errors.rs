@@ -41,19 +41,3 @@ pub(crate) fn classify(e: &sqlx::Error) -> DbErrorClass {
 pub(crate) fn is_lock_timeout(e: &sqlx::Error) -> bool {
     matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some(LOCK_NOT_AVAILABLE))
 }
-
-/// Wrap an error raised during `op` on `table`, classified here.
-pub(crate) fn store_error(op: &'static str, table: &str, e: sqlx::Error) -> crate::StoreError {
-    let class = classify(&e);
-    crate::StoreError::classified(op, table, e, class)
-}
-
-/// A [`StoreError::Database`](crate::StoreError::Database) for an error raised outside a table's
-/// operations (connecting, migrating), transient as classified here.
-pub(crate) fn database(op: &'static str, e: sqlx::Error) -> crate::StoreError {
-    crate::StoreError::Database {
-        op,
-        transient: classify(&e) == DbErrorClass::Transient,
-        source: e,
-    }
-}

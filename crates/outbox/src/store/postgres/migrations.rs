@@ -233,7 +233,7 @@ pub(crate) async fn run_migrations(
 }
 
 async fn migrate_once(pool: &PgPool, steps: Vec<(String, i64, String)>) -> Result<(), StoreError> {
-    let e = |op| move |e| super::errors::database(op, e);
+    let e = |op| move |e| crate::store::database_error(op, e);
     let mut tx = pool.begin().await.map_err(e("migrate"))?;
     sqlx::query("SELECT pg_advisory_xact_lock(7263541029384756)")
         .execute(&mut *tx)

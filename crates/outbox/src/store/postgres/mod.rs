@@ -52,7 +52,7 @@ use super::{
 };
 use crate::error::{EnqueueError, StoreError};
 use crate::ident::TableName;
-use crate::message::{Limits, Message, NewMessage};
+use crate::message::{Limits, NewMessage};
 use crate::verdict::{ConfirmReport, Confirmation, RejectionHook, Verdict};
 
 mod producer;
@@ -276,16 +276,13 @@ impl Store for PgStore {
     }
 
     async fn relays(&self, lease: Duration) -> Result<Vec<RelayInfo>, StoreError> {
-        let rows: Vec<(String, Option<String>, Option<String>)> =
+        let rows: Vec<super::rows::RelayRow> =
             sqlx::query_as(AssertSqlSafe(self.sql.relays.clone()))
                 .bind(millis(lease))
                 .fetch_all(&self.pool)
                 .await
                 .map_err(self.err("relays"))?;
-        Ok(rows
-            .into_iter()
-            .map(|(n, r, h)| super::relay_info(n, r, h))
-            .collect())
+        Ok(super::rows::relays(rows))
     }
 
     async fn hand_off_buckets(
@@ -372,7 +369,7 @@ impl Store for PgStore {
         for row in &rows {
             let id: i64 = row.try_get(0).map_err(&err)?;
             let bucket: Bucket = row.try_get(9).map_err(&err)?;
-            batch.push(bucket, id, decode_row(id, row));
+            batch.push(bucket, id, super::rows::decode_message(id, row));
         }
         Ok(batch)
     }
@@ -381,20 +378,13 @@ impl Store for PgStore {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
-        let rows: Vec<(String, Option<i64>, Option<i64>)> =
+        let rows: Vec<super::rows::KeyHeadRow> =
             sqlx::query_as(AssertSqlSafe(self.sql.key_heads.clone()))
                 .bind(keys)
                 .fetch_all(&self.pool)
                 .await
                 .map_err(self.err("key_heads"))?;
-        Ok(rows
-            .into_iter()
-            .map(|(key, first_open, first_failed)| KeyHead {
-                key,
-                first_open,
-                first_failed,
-            })
-            .collect())
+        Ok(super::rows::key_heads(rows))
     }
 
     async fn complete_in_buckets(
@@ -620,24 +610,13 @@ impl Store for PgStore {
     }
 
     async fn failed(&self, limit: u32) -> Result<Vec<FailedMessage>, StoreError> {
-        let rows: Vec<(i64, String, String, i32, Option<String>)> =
+        let rows: Vec<super::rows::FailedRow> =
             sqlx::query_as(AssertSqlSafe(self.sql.failed.clone()))
                 .bind(i64::from(limit))
                 .fetch_all(&self.pool)
                 .await
                 .map_err(self.err("failed"))?;
-        Ok(rows
-            .into_iter()
-            .map(
-                |(id, message_id, topic, attempts, last_error)| FailedMessage {
-                    id,
-                    message_id,
-                    topic,
-                    attempts: attempts.max(0) as u32,
-                    last_error,
-                },
-            )
-            .collect())
+        Ok(super::rows::failed_messages(rows))
     }
 
     fn waker(&self) -> Arc<Notify> {
@@ -689,26 +668,4 @@ impl Store for PgStore {
             needed,
         })
     }
-}
-
-/// Decode one read row; the error says what a foreign producer got wrong.
-fn decode_row(id: i64, row: &sqlx::postgres::PgRow) -> Result<Message, String> {
-    let get_err = |col: &str, e: sqlx::Error| format!("column {col}: {e}");
-    let headers: String = row.try_get(4).map_err(|e| get_err("headers", e))?;
-    let attempts: i32 = row.try_get(6).map_err(|e| get_err("attempts", e))?;
-    let max_attempts: Option<i32> = row.try_get(7).map_err(|e| get_err("max_attempts", e))?;
-    let redelivery: i32 = row.try_get(8).map_err(|e| get_err("redelivery", e))?;
-    Ok(Message {
-        redelivery: u32::try_from(redelivery).unwrap_or(0),
-        id,
-        message_id: row.try_get(1).map_err(|e| get_err("message_id", e))?,
-        topic: row.try_get(2).map_err(|e| get_err("topic", e))?,
-        partition_key: row.try_get(3).map_err(|e| get_err("partition_key", e))?,
-        headers: super::parse_headers(id, &headers).map_err(|e| e.to_string())?,
-        payload: row.try_get(5).map_err(|e| get_err("payload", e))?,
-        attempts: u32::try_from(attempts).unwrap_or(0),
-        max_attempts: max_attempts
-            .and_then(|m| u32::try_from(m).ok())
-            .unwrap_or(0),
-    })
 }

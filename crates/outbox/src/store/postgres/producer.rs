@@ -18,36 +18,7 @@ impl PgStore {
     /// [`StoreError::Config`] for an invalid table name, [`StoreError::Database`] when the server
     /// cannot be reached (the error names the cause).
     pub async fn connect(url: &str, options: StoreOptions) -> Result<PgStore, StoreError> {
-        // One direct connection first, so an unreachable server or a bad URL is reported with
-        // its cause instead of as a pool timeout.
-        let conn = <PgConnection as sqlx::Connection>::connect(url)
-            .await
-            .map_err(|e| errors::database("connect", e))?;
-        let _ = sqlx::Connection::close(conn).await;
-        let peers = match url.parse::<sqlx::postgres::PgConnectOptions>() {
-            Ok(o) => crate::store::nodelay::resolve(o.get_host(), o.get_port()).await,
-            Err(_) => Vec::new(),
-        };
-        let read_only = crate::store::ReadOnlyGuard::new();
-        let (on_acquire, on_release) = (read_only.clone(), read_only.clone());
-        let pool = PgPoolOptions::new()
-            .max_connections(10)
-            .acquire_timeout(Duration::from_secs(10))
-            .after_connect(move |_, _| {
-                crate::store::nodelay::set_nodelay_towards(&peers);
-                Box::pin(async { Ok(()) })
-            })
-            .before_acquire(move |_, meta| {
-                let keep = on_acquire.keep(meta.age);
-                Box::pin(async move { Ok(keep) })
-            })
-            .after_release(move |_, meta| {
-                let keep = on_release.keep(meta.age);
-                Box::pin(async move { Ok(keep) })
-            })
-            .connect(url)
-            .await
-            .map_err(|e| errors::database("connect", e))?;
+        let (pool, read_only) = crate::store::server_pool(url).await?;
         let mut store = PgStore::from_pool(pool, options)?;
         store.read_only = read_only;
         Ok(store)
@@ -66,7 +37,9 @@ impl PgStore {
             .chars()
             .take(63)
             .collect();
-        let cols = "o.id, o.message_id, o.topic, o.partition_key, o.headers::text, o.payload, o.attempts, o.max_attempts, o.redelivery";
+        // The columns `rows::decode_message` reads, in its order and types.
+        let cols = "o.id, o.message_id::text, o.topic, o.partition_key, o.headers::text, o.payload, \
+                    o.attempts::int8, o.max_attempts::int8, o.redelivery::int8";
         let sql = Sql {
             insert: format!(
                 "INSERT INTO {t} (message_id, topic, partition_key, headers, payload, max_attempts, available_at) \
@@ -107,7 +80,7 @@ impl PgStore {
             )
             .into(),
             failed: format!(
-                "SELECT id, message_id::text, topic, attempts, last_error FROM {t} WHERE status = {FAILED} \
+                "SELECT id, message_id::text, topic, attempts::int8, last_error FROM {t} WHERE status = {FAILED} \
                  ORDER BY updated_at DESC, id DESC LIMIT $1"
             )
             .into(),
@@ -472,7 +445,7 @@ impl PgStore {
     pub(super) fn err(&self, op: &'static str) -> impl Fn(sqlx::Error) -> StoreError + '_ {
         move |e| {
             self.read_only
-                .check(errors::store_error(op, self.table.as_str(), e))
+                .check(crate::store::db_error(op, self.table.as_str(), e))
         }
     }
 }

@@ -43,19 +43,3 @@ pub(crate) fn is_busy(e: &sqlx::Error) -> bool {
 pub(crate) fn is_missing_table(e: &sqlx::Error) -> bool {
     matches!(classify(e), DbErrorClass::MissingTable(_))
 }
-
-/// Wrap an error raised during `op` on `table`, classified here.
-pub(crate) fn store_error(op: &'static str, table: &str, e: sqlx::Error) -> crate::StoreError {
-    let class = classify(&e);
-    crate::StoreError::classified(op, table, e, class)
-}
-
-/// A [`StoreError::Database`](crate::StoreError::Database) for an error raised outside a table's
-/// operations (connecting, migrating), transient as classified here.
-pub(crate) fn database(op: &'static str, e: sqlx::Error) -> crate::StoreError {
-    crate::StoreError::Database {
-        op,
-        transient: classify(&e) == DbErrorClass::Transient,
-        source: e,
-    }
-}

@@ -142,7 +142,7 @@ pub(crate) async fn run_migrations(
     pool: &SqlitePool,
     steps: Vec<(String, i64, String)>,
 ) -> Result<(), StoreError> {
-    let e = |op| move |e| super::errors::database(op, e);
+    let e = |op| move |e| crate::store::database_error(op, e);
     sqlx::query(
         "CREATE TABLE IF NOT EXISTS outbox_migrations (table_name TEXT NOT NULL, version INTEGER NOT NULL, \
          applied_at INTEGER NOT NULL DEFAULT (CAST(ROUND((julianday('now') - 2440587.5) * 86400000) AS INTEGER)), \
@@ -199,6 +199,6 @@ pub(crate) async fn run_migrations(
     Ok(())
 }
 
-pub(crate) fn inbox_migrations(inbox: &str) -> Vec<(String, i64, String)> {
-    inbox_steps(inbox)
+pub(crate) fn inbox_migrations(inbox: &crate::ident::TableName) -> Vec<(String, i64, String)> {
+    inbox_steps(inbox.as_str())
 }

@@ -32,12 +32,12 @@ use self::migrations::{migrations, run_migrations};
 use super::status_sql::{CONFIRMED, FAILED, PENDING, REJECTED, SENDING, SENT};
 use super::{
     Bucket, BucketBatch, BucketCompletion, BucketLease, FailedMessage, KeyHead, LeaseToken,
-    MembershipRequest, MembershipRound, RelayInfo, Stats, Store, millis, new_token, parse_headers,
+    MembershipRequest, MembershipRound, RelayInfo, Stats, Store, millis, new_token,
     stats_from,
 };
 use crate::error::{EnqueueError, StoreError};
 use crate::ident::TableName;
-use crate::message::{Limits, Message, NewMessage};
+use crate::message::{Limits, NewMessage};
 use crate::store::StoreOptions;
 use crate::verdict::{ConfirmReport, Confirmation, RejectionHook, Verdict};
 
@@ -172,7 +172,7 @@ impl Store for SqliteStore {
 
     async fn relays(&self, lease: Duration) -> Result<Vec<RelayInfo>, StoreError> {
         let t = self.table.as_str();
-        let rows: Vec<(String, Option<String>, Option<String>)> =
+        let rows: Vec<super::rows::RelayRow> =
             sqlx::query_as(AssertSqlSafe(format!(
                 "SELECT name, routes, routes_hash FROM {t}_relays \
                  WHERE heartbeat_at > {NOW_MS} - ?1 ORDER BY name"
@@ -181,10 +181,7 @@ impl Store for SqliteStore {
             .fetch_all(&self.pool)
             .await
             .map_err(self.err("relays"))?;
-        Ok(rows
-            .into_iter()
-            .map(|(n, r, h)| super::relay_info(n, r, h))
-            .collect())
+        Ok(super::rows::relays(rows))
     }
 
     async fn hand_off_buckets(
@@ -281,7 +278,7 @@ impl Store for SqliteStore {
         .await?;
         let mut batch = BucketBatch::default();
         for (bucket, id, row) in &rows {
-            batch.push(*bucket, *id, decode_row(*id, row));
+            batch.push(*bucket, *id, super::rows::decode_message(*id, row));
         }
         Ok(batch)
     }
@@ -291,7 +288,7 @@ impl Store for SqliteStore {
             return Ok(Vec::new());
         }
         let t = self.table.as_str();
-        let rows: Vec<(String, Option<i64>, Option<i64>)> = sqlx::query_as(AssertSqlSafe(format!(
+        let rows: Vec<super::rows::KeyHeadRow> = sqlx::query_as(AssertSqlSafe(format!(
             "SELECT partition_key, MIN(CASE WHEN status IN ({PENDING}, {SENDING}) THEN id END), \
              MIN(CASE WHEN status = {FAILED} THEN id END) FROM {t} \
              WHERE partition_key IN (SELECT value FROM json_each(?1)) AND status IN ({PENDING}, {SENDING}, {FAILED}) \
@@ -301,14 +298,7 @@ impl Store for SqliteStore {
         .fetch_all(&self.pool)
         .await
         .map_err(self.err("key_heads"))?;
-        Ok(rows
-            .into_iter()
-            .map(|(key, first_open, first_failed)| KeyHead {
-                key,
-                first_open,
-                first_failed,
-            })
-            .collect())
+        Ok(super::rows::key_heads(rows))
     }
 
     async fn complete_in_buckets(
@@ -527,52 +517,16 @@ impl Store for SqliteStore {
     }
 
     async fn failed(&self, limit: u32) -> Result<Vec<FailedMessage>, StoreError> {
-        let rows: Vec<(i64, String, String, i64, Option<String>)> =
+        let rows: Vec<super::rows::FailedRow> =
             sqlx::query_as(AssertSqlSafe(self.sql.failed.clone()))
                 .bind(i64::from(limit))
                 .fetch_all(&self.pool)
                 .await
                 .map_err(self.err("failed"))?;
-        Ok(rows
-            .into_iter()
-            .map(
-                |(id, message_id, topic, attempts, last_error)| FailedMessage {
-                    id,
-                    message_id,
-                    topic,
-                    attempts: attempts.max(0) as u32,
-                    last_error,
-                },
-            )
-            .collect())
+        Ok(super::rows::failed_messages(rows))
     }
 
     fn waker(&self) -> Arc<Notify> {
         self.waker.clone()
     }
-}
-
-/// Decode one read row; the error says what a foreign producer got wrong.
-fn decode_row(id: i64, row: &sqlx::sqlite::SqliteRow) -> Result<Message, String> {
-    let get_err = |col: &str, e: sqlx::Error| format!("column {col}: {e}");
-    let message_id: String = row.try_get(1).map_err(|e| get_err("message_id", e))?;
-    let message_id = Uuid::parse_str(&message_id)
-        .map_err(|e| format!("message_id {message_id:?} is not a UUID: {e}"))?;
-    let headers: String = row.try_get(4).map_err(|e| get_err("headers", e))?;
-    let attempts: i64 = row.try_get(6).map_err(|e| get_err("attempts", e))?;
-    let max_attempts: Option<i64> = row.try_get(7).map_err(|e| get_err("max_attempts", e))?;
-    let redelivery: i64 = row.try_get(8).map_err(|e| get_err("redelivery", e))?;
-    Ok(Message {
-        redelivery: u32::try_from(redelivery).unwrap_or(0),
-        id,
-        message_id,
-        topic: row.try_get(2).map_err(|e| get_err("topic", e))?,
-        partition_key: row.try_get(3).map_err(|e| get_err("partition_key", e))?,
-        headers: parse_headers(id, &headers).map_err(|e| e.to_string())?,
-        payload: row.try_get(5).map_err(|e| get_err("payload", e))?,
-        attempts: u32::try_from(attempts).unwrap_or(u32::MAX),
-        max_attempts: max_attempts
-            .and_then(|m| u32::try_from(m).ok())
-            .unwrap_or(0),
-    })
 }

@@ -66,7 +66,7 @@ impl SqliteStore {
                 )
                 .await
         }
-        .map_err(|e| errors::database("connect", e))?;
+        .map_err(|e| crate::store::database_error("connect", e))?;
         SqliteStore::from_pool(pool, options)
     }
 
@@ -326,7 +326,7 @@ impl SqliteStore {
     }
 
     pub(super) fn err(&self, op: &'static str) -> impl Fn(sqlx::Error) -> StoreError + '_ {
-        move |e| errors::store_error(op, self.table.as_str(), e)
+        move |e| crate::store::db_error(op, self.table.as_str(), e)
     }
 
     /// One membership round in one `BEGIN IMMEDIATE` transaction (see [`Store::membership`]).
