@@ -31,7 +31,7 @@ fn sql(table: &TableName) -> InboxSql {
         .into(),
         dead_letters: format!(
             "SELECT message_id::text, topic, partition_key, headers::text, payload, error, deliveries::int8, \
-             (replay_requested_at IS NOT NULL)::int8 FROM {t}_dlq \
+             (CASE WHEN replay_requested_at IS NULL THEN 0 ELSE 1 END)::int8 FROM {t}_dlq \
              WHERE consumer = $1 AND (NOT $2 OR replay_requested_at IS NOT NULL) \
              ORDER BY failed_at DESC LIMIT $3"
         )
