@@ -48,43 +48,41 @@ LIVE_P="-a -f -m2000000 -w24"
 # name | expect (pass, or fail:<regex the error line must match>) | spin -D flags | gcc flags |
 # pan flags | narrative (replay the counterexample's printf lines)
 checks=(
-  # --- must pass: the code as written (PostgreSQL), property 2 as it holds there
-  "pg-safety-2msg|pass|-DP2_SNAPSHOT $ONE_BUCKET_CORE|$SAFETY_C|$SAFETY_P|"
-  "pg-safety-allfaults|pass|-DP2_SNAPSHOT $ONE_BUCKET_ALL|$SAFETY_C|$SAFETY_P|"
-  # --- must pass: bucket row share-locked by the completion (MySQL/MariaDB; proposed PG fix)
-  "locked-safety-2msg|pass|-DFENCE=2 $ONE_BUCKET_CORE|$SAFETY_C|$SAFETY_P|"
-  "locked-safety-allfaults|pass|-DFENCE=2 $ONE_BUCKET_ALL|$SAFETY_C|$SAFETY_P|"
-  # --- must pass: check-back, with the bound it actually has
-  "checkback-bound|pass|-DP2_SNAPSHOT -DCHECK_BACK -DCB_BOUND -DNB=1 -DNM=1 -DLEASE=1 -DMAXATT=1|$SAFETY_C|$SAFETY_P|"
+  # --- must pass: the code as written (the completion share-locks the bucket rows it fences
+  #     on until it commits, on PostgreSQL and MySQL/MariaDB)
+  "safety-2msg|pass|$ONE_BUCKET_CORE|$SAFETY_C|$SAFETY_P|"
+  "safety-allfaults|pass|$ONE_BUCKET_ALL|$SAFETY_C|$SAFETY_P|"
+  # --- must pass: check-back (attempts start again at 0) within attempts <= max_attempts + 1
+  "checkback|pass|-DCHECK_BACK -DNB=1 -DNM=1 -DLEASE=1 -DMAXATT=1|$SAFETY_C|$SAFETY_P|"
+  # --- must pass: take_batch separate from the read, no completion lowers attempts
+  "take-gap-monotonic|pass|-DMONO -DTAKE_GAP -DNB=1 -DNM=1 -DLEASE=1 -DMAXATT=1 -DNO_LOST_ANSWER|$SAFETY_C|$SAFETY_P|"
   # --- must pass: liveness under weak fairness (assertions are checked on the way too)
-  "pg-liveness|pass|-DP2_SNAPSHOT $TWO_BUCKETS_LIVE|$LIVE_C|$LIVE_P|"
-  "pg-liveness-retries|pass|-DP2_SNAPSHOT ${TWO_BUCKETS_LIVE/-DNM=2 -DLEASE=2 -DMAXATT=1/-DNM=1 -DLEASE=2 -DMAXATT=2}|$LIVE_C|$LIVE_P|"
-  "locked-liveness|pass|-DFENCE=2 $TWO_BUCKETS_LIVE|$LIVE_C|$LIVE_P|"
-  # --- known defects of the code: must fail (docs/lease-model.md, "Findings")
-  "D1-pg-stale-commit|fail:assertion violated.*ph\[\(own|-DP2_OTHER_OWNER $ONE_BUCKET_CORE|-O0 -DSAFETY -DREACH|-i -m40 -w20|narrative"
-  "D1-pg-strict-fence|fail:assertion violated.*bt\[r\]==2\)\) \(at depth|$ONE_BUCKET_CORE|-O0 -DSAFETY|-m100000 -w20|"
-  "D2-checkback-attempts|fail:assertion violated.*att\[br\[r\]\]<=|-DP2_SNAPSHOT -DCHECK_BACK -DNB=1 -DNM=1 -DLEASE=1 -DMAXATT=1 -DNO_HANDOFF -DNO_LOST_ANSWER|-O0 -DSAFETY -DREACH|-m60 -w20|narrative"
-  "D3-take-batch-token|fail:assertion violated.*x>=att|-DFENCE=2 -DMONO -DTAKE_GAP -DNB=1 -DNM=2 -DLEASE=1 -DMAXATT=1 -DNO_LOST_ANSWER -DNO_HANDOFF|-O0 -DSAFETY -DREACH|-m60 -w20|narrative"
-  "D4-pg-cut-off-session|fail:acceptance cycle|-DP2_SNAPSHOT -DZOMBIE $TWO_BUCKETS_LIVE|-O0 -DNOBOUNDCHECK -DNFAIR=3|$LIVE_P|narrative"
-  "pg-liveness-idle-timeout|pass|-DP2_SNAPSHOT -DZOMBIE -DIDLE_TIMEOUT $TWO_BUCKETS_LIVE|-O1 -DNOBOUNDCHECK -DNFAIR=4|$LIVE_P|"
-  "N1-exclusive-publish-claim|fail:assertion violated.*&&\(rem\[|-DFENCE=2 -DCLAIM_EXCLUSIVE_PUBLISH $ONE_BUCKET_CORE|-O0 -DSAFETY -DREACH|-i -m60 -w20|narrative"
+  "liveness|pass|$TWO_BUCKETS_LIVE|$LIVE_C|$LIVE_P|"
+  "liveness-retries|pass|${TWO_BUCKETS_LIVE/-DNM=2 -DLEASE=2 -DMAXATT=1/-DNM=1 -DLEASE=2 -DMAXATT=2}|$LIVE_C|$LIVE_P|"
+  # --- fixed defects: the code before each fix must still fail (docs/lease-model.md, "Findings")
+  "D1-pg-stale-commit|fail:assertion violated.*ph\[\(own|-DFENCE=1 -DP2_OTHER_OWNER $ONE_BUCKET_CORE|-O0 -DSAFETY -DREACH|-i -m40 -w20|narrative"
+  "D1-pg-strict-fence|fail:assertion violated.*bt\[r\]==2\)\) \(at depth|-DFENCE=1 $ONE_BUCKET_CORE|-O0 -DSAFETY|-m100000 -w20|"
+  "D2-checkback-attempts|fail:assertion violated.*att\[br\[r\]\]<=|-DCB_KEEP -DFENCE=1 -DP2_SNAPSHOT -DCHECK_BACK -DNB=1 -DNM=1 -DLEASE=1 -DMAXATT=1 -DNO_HANDOFF -DNO_LOST_ANSWER|-O0 -DSAFETY -DREACH|-m60 -w20|narrative"
+  "D3-take-batch-token|fail:assertion violated.*x>=att|-DTAKE_NOW -DMONO -DTAKE_GAP -DNB=1 -DNM=2 -DLEASE=1 -DMAXATT=1 -DNO_LOST_ANSWER -DNO_HANDOFF|-O0 -DSAFETY -DREACH|-m60 -w20|narrative"
+  "D4-pg-cut-off-session|fail:acceptance cycle|-DFENCE=1 -DP2_SNAPSHOT -DZOMBIE $TWO_BUCKETS_LIVE|-O0 -DNOBOUNDCHECK -DNFAIR=3|$LIVE_P|narrative"
+  "N1-exclusive-publish-claim|fail:assertion violated.*&&\(rem\[|-DCLAIM_EXCLUSIVE_PUBLISH $ONE_BUCKET_CORE|-O0 -DSAFETY -DREACH|-i -m60 -w20|narrative"
   # --- mutants: each property can fail
-  "M1-no-token-check|fail:assertion violated.*&&\(rem\[|-DFENCE=2 -DBUG_NO_TOKEN $ONE_BUCKET_CORE|-O0 -DSAFETY -DREACH|-i -m60 -w20|narrative"
-  "M2-no-expiry-check|fail:assertion violated.*own\[j\]==0|-DFENCE=2 -DBUG_NO_EXPIRY $ONE_BUCKET_CORE|-O0 -DSAFETY|-m100000 -w20|"
-  "M3-precount-uncapped|fail:assertion violated.*att\[br\[r\]\]<=|-DFENCE=2 -DBUG_PRECOUNT_UNCAPPED $ONE_BUCKET_CORE|-O0 -DSAFETY|-m100000 -w20|"
-  "M4-no-takeover|fail:acceptance cycle|-DFENCE=2 -DBUG_NO_TAKEOVER $TWO_BUCKETS_LIVE|-O0 -DNOBOUNDCHECK -DNFAIR=3|$LIVE_P|"
+  "M1-no-token-check|fail:assertion violated.*&&\(rem\[|-DBUG_NO_TOKEN $ONE_BUCKET_CORE|-O0 -DSAFETY -DREACH|-i -m60 -w20|narrative"
+  "M2-no-expiry-check|fail:assertion violated.*own\[j\]==0|-DBUG_NO_EXPIRY $ONE_BUCKET_CORE|-O0 -DSAFETY|-m100000 -w20|"
+  "M3-precount-uncapped|fail:assertion violated.*att\[br\[r\]\]<=|-DBUG_PRECOUNT_UNCAPPED $ONE_BUCKET_CORE|-O0 -DSAFETY|-m100000 -w20|"
+  "M4-no-takeover|fail:acceptance cycle|-DBUG_NO_TAKEOVER $TWO_BUCKETS_LIVE|-O0 -DNOBOUNDCHECK -DNFAIR=3|$LIVE_P|"
+
 )
 if [ "$extended" = 1 ]; then
   checks+=(
-    "x-pg-safety-2msg-maxatt2|pass|-DP2_SNAPSHOT ${ONE_BUCKET_CORE/-DMAXATT=1/-DMAXATT=2}|$SAFETY_C|$SAFETY_P|"
-    "x-locked-safety-2msg-maxatt2|pass|-DFENCE=2 ${ONE_BUCKET_CORE/-DMAXATT=1/-DMAXATT=2}|$SAFETY_C|$SAFETY_P|"
-    "x-pg-safety-3relays|pass|-DP2_SNAPSHOT -DNR=3 -DNB=1 -DNM=1 -DLEASE=1 -DNO_UNAVAILABLE -DNO_LOST_ANSWER -DNO_HANDOFF -DNO_DB_ERRORS|$SAFETY_C|$SAFETY_P|"
-    "x-pg-safety-2buckets|pass|-DP2_SNAPSHOT -DNB=2 -DNM=2 -DLEASE=1 -DMAXATT=1 -DNO_UNAVAILABLE -DNO_DB_ERRORS -DNO_LOST_ANSWER -DNO_HANDOFF|$SAFETY_C|-m4000000 -w25|"
-    "x-pg-liveness-maxatt2|pass|-DP2_SNAPSHOT ${TWO_BUCKETS_LIVE/-DMAXATT=1/-DMAXATT=2}|$LIVE_C|$LIVE_P|"
-    "x-pg-liveness-chaos2|pass|-DP2_SNAPSHOT ${TWO_BUCKETS_LIVE/-DCHAOS=1/-DCHAOS=2}|$LIVE_C|$LIVE_P|"
-    "x-D4-locked-cut-off-session|fail:acceptance cycle|-DFENCE=2 -DZOMBIE $TWO_BUCKETS_LIVE|-O0 -DNOBOUNDCHECK -DNFAIR=3|$LIVE_P|"
-    "x-locked-liveness-idle-timeout|pass|-DFENCE=2 -DZOMBIE -DIDLE_TIMEOUT $TWO_BUCKETS_LIVE|-O1 -DNOBOUNDCHECK -DNFAIR=4|$LIVE_P|"
-    "x-pg-liveness-3relays|pass|-DP2_SNAPSHOT -DLIVE -DNR=3 -DNB=2 -DNM=2 -DLEASE=2 -DMAXATT=1 -DCHAOS=1|-O1 -DNOBOUNDCHECK -DNFAIR=5|$LIVE_P|"
+    "x-safety-2msg-maxatt2|pass|${ONE_BUCKET_CORE/-DMAXATT=1/-DMAXATT=2}|$SAFETY_C|$SAFETY_P|"
+    "x-take-gap-2msg|pass|-DMONO -DTAKE_GAP $ONE_BUCKET_CORE|$SAFETY_C|$SAFETY_P|"
+    "x-checkback-maxatt2|pass|-DCHECK_BACK -DNB=1 -DNM=1 -DLEASE=1 -DMAXATT=2|$SAFETY_C|$SAFETY_P|"
+    "x-liveness-maxatt2|pass|${TWO_BUCKETS_LIVE/-DMAXATT=1/-DMAXATT=2}|$LIVE_C|$LIVE_P|"
+    "x-liveness-chaos2|pass|${TWO_BUCKETS_LIVE/-DCHAOS=1/-DCHAOS=2}|$LIVE_C|$LIVE_P|"
+    "x-D4-locked-cut-off-session|fail:acceptance cycle|-DZOMBIE $TWO_BUCKETS_LIVE|-O0 -DNOBOUNDCHECK -DNFAIR=3|$LIVE_P|"
+    "x-liveness-idle-timeout|pass|-DZOMBIE -DIDLE_TIMEOUT $TWO_BUCKETS_LIVE|-O1 -DNOBOUNDCHECK -DNFAIR=4|$LIVE_P|"
+    "x-liveness-3relays|pass|-DLIVE -DNR=3 -DNB=2 -DNM=2 -DLEASE=2 -DMAXATT=1 -DCHAOS=1|-O1 -DNOBOUNDCHECK -DNFAIR=5|$LIVE_P|"
   )
 fi
 

@@ -23,18 +23,23 @@
  *   NB=1         one bucket: the relay's acquire / give-back decisions for it are free choices
  *                (they depend on the other 63 buckets and the live relays); NB=2: two buckets
  *                and the fair share (safety: any of its values; LIVE: from the heartbeats).
- *   FENCE=1      PostgreSQL as written (default): complete_in_buckets is one UPDATE ... FROM
- *                UNNEST(...) JOIN <table>_buckets; the bucket row is read, not locked.
- *   FENCE=2      the completion share-locks the bucket row it checks (MySQL/MariaDB
- *                complete_chunk; the proposed PostgreSQL fix).
+ *   FENCE=2      the code as written (default): the completion share-locks the bucket row it
+ *                checks until it commits (PostgreSQL: the fence CTE's FOR SHARE; MySQL/MariaDB:
+ *                the multi-table UPDATE's read of the bucket row).
+ *   FENCE=1      PostgreSQL before the fix of finding D1: one UPDATE ... FROM UNNEST(...) JOIN
+ *                <table>_buckets in a transaction; the bucket row is read, not locked.
  *   P2_SNAPSHOT  check property 2 only as FENCE=1 guarantees it (at the UPDATE), not at COMMIT.
  *   P2_OTHER_OWNER  check at COMMIT only that no other relay holds the current lease with the
  *                row in its batch (the harmful case of finding D1).
  *   LIVE         liveness: ltl `live`, CHAOS faults, then timely relays; run with weak fairness.
- *   CHECK_BACK   Store::check_back moves SENT rows back to PENDING (max_check_backs MAXCB);
+ *   CHECK_BACK   Store::check_back moves SENT rows back to PENDING (max_check_backs MAXCB),
+ *                attempts reset to 0 (a new round of attempts);
+ *   CB_KEEP      check-back before the fix of finding D2: attempts kept;
  *   CB_BOUND     with it, check attempts <= MAXATT + 1 + MAXCB instead of MAXATT + 1.
  *   MONO         also check that no completion lowers a row's attempts (no lost update).
- *   TAKE_GAP     read_buckets and take_batch are separate steps (finding D3).
+ *   TAKE_GAP     read_buckets and take_batch are separate steps (finding D3); take_batch drops
+ *                a row whose bucket is no longer held with the token of the read;
+ *   TAKE_NOW     take_batch before the fix of D3: it takes the token held at take time.
  *   ZOMBIE       a fault: a relay cut off from the database between UPDATE and COMMIT; its
  *                session and locks stay (finding D4); IDLE_TIMEOUT: the server ends it.
  *   CLAIM_EXCLUSIVE_PUBLISH  assert what the code does not promise: publishing only under a
@@ -67,7 +72,7 @@
 #define MAXCB 1         /* max_check_backs */
 #endif
 #ifndef FENCE
-#define FENCE 1
+#define FENCE 2
 #endif
 #ifndef CHAOS
 #define CHAOS 2         /* liveness: faults before the relays are timely */
@@ -152,6 +157,7 @@ byte bt[NR];            /* Work::token: 1 superseded, 2 current */
 byte bs[NR];            /* Work::stored_attempts: as read, + 1 once pre-counted */
 byte bo[NR];            /* Work::outcome */
 bit  bk[NR];            /* Work::counted: a takeover batch */
+byte rt[NR];            /* the token the bucket was held with when the read started */
 bit  ck[NR];            /* the next / open statement is the takeover pre-count */
 
 #ifdef LIVE
@@ -180,6 +186,7 @@ inline end_epoch(b) {
   for (i : 0 .. NR - 1) {
     if :: HL(i, b) == 2 -> HL(i, b) = 1 :: else fi;
     if :: ph[i] >= READY && bt[i] == 2 && BK(br[i]) == b -> bt[i] = 1 :: else fi;
+    if :: ph[i] == READ && rt[i] == 2 && BK(br[i]) == b -> rt[i] = 1 :: else fi;
     if
     :: PO(i, b) == REL_CUR -> PO(i, b) = REL_OLD
     :: PO(i, b) == HOF_CUR -> PO(i, b) = HOF_OLD
@@ -190,7 +197,7 @@ inline end_epoch(b) {
 }
 
 inline clear_batch(r) {
-  ph[r] = IDLE; br[r] = 0; bt[r] = 0; bs[r] = 0; bo[r] = O_NONE; bk[r] = 0; ck[r] = 0
+  ph[r] = IDLE; br[r] = 0; bt[r] = 0; bs[r] = 0; bo[r] = O_NONE; bk[r] = 0; ck[r] = 0; rt[r] = 0
 }
 
 /* ------------------------------------------------------------------ membership */
@@ -395,12 +402,17 @@ inline unlock_bucket(r) {
   skip
 }
 
-/* take_batch: a row of a bucket no longer held is dropped; otherwise it takes the token held
- * now and is counted if the bucket is suspect; then process_inner's takeover step: record an
+/* take_batch: a row of a bucket no longer held with the token of the read is dropped (TAKE_NOW:
+ * no longer held at all); otherwise it takes the token and is counted if the bucket is suspect; then process_inner's takeover step: record an
  * attempt first, or dead-letter the row when attempts are exhausted */
+#ifdef TAKE_NOW
+#define SAME_LEASE(r) true
+#else
+#define SAME_LEASE(r) (rt[r] == HL(r, BUCKET(r)))
+#endif
 inline take_batch(r) {
   if
-  :: HL(r, BUCKET(r)) != 0 ->
+  :: HL(r, BUCKET(r)) != 0 && SAME_LEASE(r) ->
      bt[r] = HL(r, BUCKET(r)); bk[r] = SU(r, BUCKET(r)); SU(r, BUCKET(r)) = 0;
      printf("R%d: reads m%d (attempts %d) of bucket %d (token current: %d, takeover batch: %d)\n", r, br[r], bs[r], BUCKET(r), bt[r] == 2, bk[r]);
      if
@@ -431,12 +443,12 @@ end_batcher:
   /* read_buckets: a due PENDING row of a held bucket that is not in flight (which one is for
    * batch_size, available_at and the keys held back to decide); nothing is written. With
    * TAKE_GAP, take_batch is a later step (the membership task may run in between). */
-  :: d_step { DUE(r, 0) -> br[r] = 0; bs[r] = att[0]; ph[r] = READ; TAKE(r) }
+  :: d_step { DUE(r, 0) -> br[r] = 0; bs[r] = att[0]; rt[r] = HL(r, BK(0)); ph[r] = READ; TAKE(r) }
 #if NM > 1
-  :: d_step { DUE(r, 1) -> br[r] = 1; bs[r] = att[1]; ph[r] = READ; TAKE(r) }
+  :: d_step { DUE(r, 1) -> br[r] = 1; bs[r] = att[1]; rt[r] = HL(r, BK(1)); ph[r] = READ; TAKE(r) }
 #endif
 #if NM > 2
-  :: d_step { DUE(r, 2) -> br[r] = 2; bs[r] = att[2]; ph[r] = READ; TAKE(r) }
+  :: d_step { DUE(r, 2) -> br[r] = 2; bs[r] = att[2]; rt[r] = HL(r, BK(2)); ph[r] = READ; TAKE(r) }
 #endif
 #ifdef TAKE_GAP
   :: d_step { ph[r] == READ -> take_batch(r) }
@@ -582,9 +594,14 @@ inline tick_timely() {
 #endif
 #define RESTART(r) :: atomic { nm[r] == 0 -> nm[r] = r + 1; printf("R%d: restarts\n", r) }
 #ifdef CHECK_BACK
+#ifdef CB_KEEP
+#define CB_ATTEMPTS(m) skip
+#else
+#define CB_ATTEMPTS(m) att[m] = 0
+#endif
 #define CHECKBACK(m) :: atomic { st[m] == SENT && lk[m] == 0 -> \
                                if :: cb[m] >= MAXCB -> st[m] = FAILED \
-                                  :: else -> st[m] = PENDING; cb[m]++ fi; \
+                                  :: else -> st[m] = PENDING; cb[m]++; CB_ATTEMPTS(m) fi; \
                                printf("check-back: m%d unconfirmed by its deadline: status %d, attempts %d\n", m, st[m], att[m]) }
 #endif
 

@@ -30,9 +30,13 @@
 pub mod confirm;
 pub mod consumer;
 pub mod error;
+#[cfg(any(fuzzing, test))]
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod ident;
 pub mod inbox;
 pub mod message;
+mod redact;
 pub mod relay;
 pub mod reserved;
 pub mod retry;

@@ -603,8 +603,10 @@ async fn run(seed: u64, steps: usize) {
                         if row.check_backs >= MAX_CHECK_BACKS {
                             row.status = Status::Failed;
                         } else {
+                            // A new round of attempts (docs/lease-model.md, D2).
                             row.status = Status::Pending;
                             row.check_backs += 1;
+                            row.attempts = 0;
                         }
                     }
                 }

@@ -69,17 +69,23 @@ fn confirmations_and_retention_parse() {
     assert!(
         matches!(c.confirmations, Some(ConfirmationsSection::Nats { ref queue, .. }) if queue == "outbox-confirmations")
     );
-    assert_unreadable(&with.replace("retention = \"forever\"", "retention = \"soon\""), "retention");
-    assert_unreadable(&with.replace("subject = \"orders.confirm\"", "subject = \"x\"\nbogus = 1"), "bogus");
-    assert_eq!(invalid_field(&with.replace("subject = \"orders.confirm\"", "subject = \"r c\"")), "confirmations.subject");
+    assert_unreadable(
+        &with.replace("retention = \"forever\"", "retention = \"soon\""),
+        "retention",
+    );
+    assert_unreadable(
+        &with.replace("subject = \"orders.confirm\"", "subject = \"x\"\nbogus = 1"),
+        "bogus",
+    );
+    assert_eq!(
+        invalid_field(&with.replace("subject = \"orders.confirm\"", "subject = \"r c\"")),
+        "confirmations.subject"
+    );
     let http = with.replace(
         "kind = \"nats\"\nurl = \"nats://127.0.0.1:4222\"\nsubject = \"orders.confirm\"",
         "kind = \"http\"\nlisten = \"127.0.0.1:8081\"\npath = \"confirm\"",
     );
-    assert_eq!(
-        invalid_field(&http),
-        "confirmations.path"
-    );
+    assert_eq!(invalid_field(&http), "confirmations.path");
     let c = parse(&with.replace("retention = \"forever\"", "retention = \"3d\"")).unwrap();
     assert_eq!(
         c.relay_config().unwrap().retention,
@@ -168,7 +174,10 @@ fn rabbitmq_sections_validate_and_name_the_field() {
 
 #[test]
 fn unknown_field_is_named() {
-    assert_unreadable(&GOOD.replace("batch_size = 100", "batch_sise = 100"), "batch_sise");
+    assert_unreadable(
+        &GOOD.replace("batch_size = 100", "batch_sise = 100"),
+        "batch_sise",
+    );
 }
 
 #[cfg(feature = "kafka")]
@@ -240,7 +249,10 @@ fn kafka_section_parses_and_names_bad_fields() {
             "transports.k.tls"
         );
     }
-    assert_unreadable(&good.replace("partitions = 3", "partitons = 3"), "partitons");
+    assert_unreadable(
+        &good.replace("partitions = 3", "partitons = 3"),
+        "partitons",
+    );
 }
 
 #[cfg(feature = "kafka")]
@@ -255,17 +267,35 @@ fn kafka_confirmations_parse_and_validate() {
         panic!("kafka confirmations");
     };
     assert_eq!(k.group, "outbox-confirmations");
-    assert_eq!(invalid_field(&with.replace("orders.confirm", "orders confirm")), "confirmations.topic");
-    assert_eq!(invalid_field(&with.replace("127.0.0.1:19092", "")), "confirmations.bootstrap_servers");
+    assert_eq!(
+        invalid_field(&with.replace("orders.confirm", "orders confirm")),
+        "confirmations.topic"
+    );
+    assert_eq!(
+        invalid_field(&with.replace("127.0.0.1:19092", "")),
+        "confirmations.bootstrap_servers"
+    );
     assert_unreadable(&format!("{with}bogus = 1\n"), "bogus");
 }
 
 #[test]
 fn bad_values_name_the_field() {
-    assert_eq!(invalid_field(&GOOD.replace("lease = \"30s\"", "lease = \"1s\"")), "relay.lease");
-    assert_eq!(invalid_field(&GOOD.replace("transport = \"bus\"", "transport = \"nope\"")), "routes[0].transport");
-    assert_eq!(invalid_field(&GOOD.replace("http://127.0.0.1:9/", "ftp://x")), "transports.hooks.url");
-    assert_unreadable(&GOOD.replace("batch_size = 100", "batch_size = \"many\""), "batch_size");
+    assert_eq!(
+        invalid_field(&GOOD.replace("lease = \"30s\"", "lease = \"1s\"")),
+        "relay.lease"
+    );
+    assert_eq!(
+        invalid_field(&GOOD.replace("transport = \"bus\"", "transport = \"nope\"")),
+        "routes[0].transport"
+    );
+    assert_eq!(
+        invalid_field(&GOOD.replace("http://127.0.0.1:9/", "ftp://x")),
+        "transports.hooks.url"
+    );
+    assert_unreadable(
+        &GOOD.replace("batch_size = 100", "batch_size = \"many\""),
+        "batch_size",
+    );
 }
 
 #[cfg(feature = "redis")]
@@ -306,14 +336,20 @@ fn redis_section_is_validated() {
         assert_eq!(invalid_field(&toml), field, "{bad}");
     }
     // A wait timeout without replicas is refused as the file is read, naming the key.
-    assert_unreadable(&base.replace(
-        "url = \"redis://127.0.0.1:6379\"",
-        "url = \"redis://x\"\nwait_timeout = \"1s\"",
-    ), "wait_timeout");
-    assert_unreadable(&base.replace(
-        "url = \"redis://127.0.0.1:6379\"",
-        "url = \"redis://x\"\nmaxlen = 3",
-    ), "maxlen");
+    assert_unreadable(
+        &base.replace(
+            "url = \"redis://127.0.0.1:6379\"",
+            "url = \"redis://x\"\nwait_timeout = \"1s\"",
+        ),
+        "wait_timeout",
+    );
+    assert_unreadable(
+        &base.replace(
+            "url = \"redis://127.0.0.1:6379\"",
+            "url = \"redis://x\"\nmaxlen = 3",
+        ),
+        "maxlen",
+    );
     let with = base.clone()
         + "\n[confirmations]\nkind = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\nstream = \"orders:confirm\"\n";
     let c = parse(&with).unwrap();
@@ -321,7 +357,10 @@ fn redis_section_is_validated() {
     assert!(
         matches!(c.confirmations, Some(ConfirmationsSection::Redis { ref group, .. }) if group == "outbox-confirmations")
     );
-    assert_eq!(invalid_field(&with.replace("stream = \"orders:confirm\"", "stream = \"a b\"")), "confirmations.stream");
+    assert_eq!(
+        invalid_field(&with.replace("stream = \"orders:confirm\"", "stream = \"a b\"")),
+        "confirmations.stream"
+    );
 }
 
 #[cfg(feature = "mqtt")]
@@ -360,7 +399,10 @@ fn mqtt_section_is_validated() {
         + "\n[confirmations]\nkind = \"mqtt\"\nurl = \"mqtt://127.0.0.1:1883\"\ntopic = \"orders/confirm\"\n";
     let c = parse(&with).unwrap();
     c.validate().unwrap();
-    assert_eq!(invalid_field(&with.replace("topic = \"orders/confirm\"", "topic = \"orders/#\"")), "confirmations.topic");
+    assert_eq!(
+        invalid_field(&with.replace("topic = \"orders/confirm\"", "topic = \"orders/#\"")),
+        "confirmations.topic"
+    );
     // `no_subscribers` is an enum: another value is refused as the file is read.
     let e = parse(&base.replace(
         "url = \"mqtt://127.0.0.1:1883\"",
@@ -484,7 +526,10 @@ fn rocketmq_bad_values_name_the_field() {
         assert!(RMQ.contains(from), "{from}");
         assert_eq!(invalid_field(&RMQ.replacen(from, to, 1)), expected, "{to}");
     }
-    assert_unreadable(&RMQ.replace("default_topic", "default_topik"), "default_topik");
+    assert_unreadable(
+        &RMQ.replace("default_topic", "default_topik"),
+        "default_topik",
+    );
 }
 
 #[cfg(not(feature = "rocketmq"))]

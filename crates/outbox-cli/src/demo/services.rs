@@ -12,9 +12,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
+use outbox::store::Dialect;
 use outbox::{Inbox, MySqlStore, NewMessage, PgStore, SqliteStore, Store, StoreOptions};
 use sqlx::ConnectOptions;
-use outbox::store::Dialect;
 use sqlx::mysql::MySqlPool;
 use sqlx::postgres::PgPool;
 use sqlx::sqlite::{
@@ -528,8 +528,8 @@ async fn server_pools<DB: sqlx::Database>(
 where
     <DB::Connection as sqlx::Connection>::Options: FromStr<Err = sqlx::Error>,
 {
-    let options = <DB::Connection as sqlx::Connection>::Options::from_str(url)?
-        .disable_statement_logging();
+    let options =
+        <DB::Connection as sqlx::Connection>::Options::from_str(url)?.disable_statement_logging();
     let pool = || {
         sqlx::pool::PoolOptions::<DB>::new()
             .max_connections(10)

@@ -149,7 +149,7 @@ pub async fn rejection_runs_the_hook_once<F: ConfirmFixture>(fx: &F) {
     assert_eq!(ctl.calls.load(Ordering::SeqCst), calls + 2);
 }
 
-/// SENT past its deadline is checked back: PENDING, due now, `check_backs + 1`; after
+/// SENT past its deadline is checked back: PENDING, due now, `check_backs + 1`, `attempts` 0; after
 /// `max_check_backs` check-backs it goes to FAILED "unconfirmed…". SENT without a deadline, and
 /// SENT before its deadline, are never checked back. A late confirmation of a checked-back
 /// message still confirms it.
@@ -193,6 +193,7 @@ pub async fn check_back_then_unconfirmed<F: ConfirmFixture>(fx: &F) {
         assert_eq!(r.status, Status::Pending.as_i16(), "round {round}");
         assert!(r.due_in_ms <= 0, "checked back rows are due now");
         assert!(r.last_error.is_some());
+        assert_eq!(r.attempts, 0, "a check-back starts a new round of attempts");
         let st = fx.confirm_state(ids[0]).await;
         assert_eq!(st.check_backs, i64::from(round));
         assert!(st.deadline_in_ms.is_none());

@@ -1,7 +1,7 @@
 //! Shared case C17 (a recovery must never overwrite a completion) on the bucket-lease protocol
 //! the relay runs: through two relays on PostgreSQL and SQLite, and at the store seam on
-//! PostgreSQL with the race the case describes (a completion and a takeover waiting on one row
-//! lock).
+//! PostgreSQL with the race the case describes (a completion waiting on a row lock while its
+//! lease runs out: no takeover until it commits; docs/lease-model.md, D1).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -224,11 +224,24 @@ fn completion(
     }
 }
 
+/// Wait until the lease of `bucket` expired (by the database clock).
+async fn lease_expired(fx: &PgFixture, bucket: Bucket) {
+    let table = fx.table();
+    wait_until("R1's lease to expire", Duration::from_secs(5), || async {
+        fx.count(&format!(
+            "{table}_buckets WHERE bucket = {bucket} AND expires_at <= now()"
+        ))
+        .await
+            == 1
+    })
+    .await;
+}
+
 /// Wait until `n` statements on `fx`'s outbox table wait for a lock.
 async fn lock_waiters(fx: &PgFixture, n: i64) {
     let sql = format!(
         "SELECT COUNT(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
-         AND query LIKE 'UPDATE {} o SET%'",
+         AND query LIKE '%UPDATE {} o SET%'",
         fx.table()
     );
     wait_until(
@@ -243,13 +256,14 @@ async fn lock_waiters(fx: &PgFixture, n: i64) {
 /// (membership, read_buckets, complete_in_buckets). Every write is conditional on the row being
 /// PENDING and on the bucket lease it was read under.
 /// (a) R1's completion issued after its lease expired is refused even before anyone took the
-/// bucket over. (b) The race of the case: R1's completion waits on a row lock held by a third
-/// session; meanwhile R1's lease expires, R2 takes the bucket over and reads M1 as PENDING (a
-/// stale snapshot) and its takeover write (the attempt it records before publishing) waits too.
-/// When the lock goes, R1's SENT lands and R2's write, conditional on PENDING, matches nothing:
-/// M1 stays SENT with R1's attempt count, and R2 has nothing left to read. (c) The other order:
-/// R2's takeover write lands first; R1's late completion is refused; R2 publishes and records
-/// SENT, which a further late completion of R1 does not change.
+/// bucket over. (b) The race of the case and of finding D1 (docs/lease-model.md): R1's
+/// completion passed its fence and waits on a row lock held by a third session; meanwhile R1's
+/// lease expires. R2's membership rounds cannot take the bucket over while the completion is
+/// open (the fence share-locks the bucket row until the completion commits; before the fix
+/// R2 took it over, read M1 as PENDING and R1's write landed under R2's lease). When the lock
+/// goes, R1's SENT lands; R2 then takes the bucket over and has nothing to read. (c) The other
+/// order: R2's takeover write lands first; R1's late completion is refused; R2 publishes and
+/// records SENT, which a further late completion of R1 does not change.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn c17_store_late_completion_and_takeover_are_fenced() {
     crate::init_tracing();
@@ -267,14 +281,7 @@ async fn c17_store_late_completion_and_takeover_are_fenced() {
     let l1 = acquire_bucket(&store, "r1", lease, b).await;
     let batch = store.read_buckets(&[b], &[], 100).await.unwrap();
     assert_eq!(batch.rows.len(), 1);
-    wait_until("R1's lease to expire", Duration::from_secs(5), || async {
-        fx.count(&format!(
-            "{table}_buckets WHERE bucket = {b} AND expires_at <= now()"
-        ))
-        .await
-            == 1
-    })
-    .await;
+    lease_expired(&fx, b).await;
     let late = store
         .complete_in_buckets("r1", &[completion(&batch.rows[0], &l1, 1, Outcome::Sent)])
         .await
@@ -318,33 +325,21 @@ async fn c17_store_late_completion_and_takeover_are_fenced() {
         tokio::spawn(async move { store.complete_in_buckets("r3", &[c]).await })
     };
     lock_waiters(&fx, 1).await;
-    let l2 = acquire_bucket(&store, "r4", lease, b).await;
-    assert!(
-        l2.takeover,
-        "R1's lease expired while its completion waited"
-    );
-    let stale = store.read_buckets(&[b], &[], 100).await.unwrap();
-    assert_eq!(stale.rows.len(), 1, "R2 reads M1 as PENDING");
-    let takeover = {
-        let c = completion(
-            &stale.rows[0],
-            &l2,
-            1,
-            Outcome::Release {
-                delay: Duration::ZERO,
-            },
+    lease_expired(&fx, b).await;
+    for _ in 0..3 {
+        let round = store
+            .membership(&round("r4", lease, Vec::new()))
+            .await
+            .unwrap();
+        assert!(
+            round.acquired.iter().all(|l| l.bucket != b),
+            "R2 took the bucket over while R1's completion was open (D1)"
         );
-        let store = store.clone();
-        tokio::spawn(async move { store.complete_in_buckets("r4", &[c]).await })
-    };
-    lock_waiters(&fx, 2).await;
+    }
     x.commit().await.unwrap();
     assert_eq!(r1_completion.await.unwrap().unwrap(), 1, "R1's SENT");
-    assert_eq!(
-        takeover.await.unwrap().unwrap(),
-        0,
-        "the takeover overwrote a completion"
-    );
+    let l2 = acquire_bucket(&store, "r4", lease, b).await;
+    assert!(l2.takeover, "R1's lease expired");
     let row = fx.row(m).await;
     assert_eq!(row.status, Status::Sent.as_i16());
     assert_eq!((row.attempts, row.last_error.as_deref()), (1, None));

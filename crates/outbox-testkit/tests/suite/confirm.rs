@@ -711,3 +711,73 @@ async fn webhook_sqlite_confirmed_rejected_and_lost_confirmation() {
     relay.shutdown().await.unwrap();
     shutdown.cancel();
 }
+
+/// Finding D2 (docs/lease-model.md) through the relay: a message acknowledged at its last
+/// attempt and then checked back gets a new round of attempts. With `max_attempts = 2`: the
+/// first publication is acknowledged (SENT, attempts 1); no confirmation comes, the check-back
+/// makes it PENDING with attempts 0; the copy's first publication fails retryably and is retried
+/// (before the fix the count was kept, so this failure was attempt 2 and dead-lettered it); the
+/// retry is acknowledged (SENT, attempts 2); after `max_check_backs` it is FAILED "unconfirmed".
+async fn check_back_starts_a_new_round_of_attempts<F: StoreFixture + ConfirmFixture>(fx: &F) {
+    let mem = Arc::new(outbox::MemoryTransport::new());
+    let policy = ConfirmPolicy {
+        reply_to: "nobody.answers".into(),
+        timeout: Duration::from_secs(1),
+    };
+    let router = Router::new().route_confirmed("*", mem.clone(), "{topic}", policy);
+    let config = RelayConfig {
+        max_attempts: 2,
+        max_check_backs: 1,
+        ..fast_config("r1")
+    };
+    let relay = Relay::builder(fx.store())
+        .router(router)
+        .config(config)
+        .build()
+        .expect("relay config")
+        .spawn();
+    let id = fx
+        .enqueue_commit(vec![NewMessage::new("t", "m")])
+        .await
+        .unwrap()[0];
+    let copies = || {
+        mem.delivered()
+            .iter()
+            .filter(|d| d.message.message_id == id)
+            .count()
+    };
+    // SENT is recorded after the broker's ack; the check-back comes a second later at the
+    // earliest, so the failure below is armed before the copy is published.
+    wait_status(fx, &[id], Status::Sent, Duration::from_secs(10)).await;
+    assert_eq!(copies(), 1);
+    assert_eq!(fx.row(id).await.attempts, 1);
+    mem.fail_next(id, vec![outbox::TransportErrorKind::Retryable]);
+    wait_status(fx, &[id], Status::Failed, Duration::from_secs(20)).await;
+    relay.shutdown().await.expect("relay shutdown");
+    let row = fx.row(id).await;
+    let error = row.last_error.unwrap_or_default();
+    assert!(error.starts_with("unconfirmed"), "dead-lettered: {error}");
+    assert_eq!(
+        row.attempts, 2,
+        "the check-back's round: a retry, then acknowledged"
+    );
+    assert_eq!(
+        copies(),
+        2,
+        "published, then published again after the check-back"
+    );
+    assert_eq!(fx.confirm_state(id).await.check_backs, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_check_back_starts_a_new_round_of_attempts() {
+    let fx = SqliteFixture::new().await;
+    check_back_starts_a_new_round_of_attempts(&fx).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pg_check_back_starts_a_new_round_of_attempts() {
+    let fx = PgFixture::new().await;
+    check_back_starts_a_new_round_of_attempts(&fx).await;
+    fx.cleanup().await;
+}

@@ -61,7 +61,7 @@ impl ConfirmationSender for MqttConfirmationSender {
 }
 
 /// Where [`listen`] receives confirmations.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct MqttListenConfig {
     /// Broker URL, `mqtt://…` or `mqtts://…`. Required.
     pub url: String,
@@ -79,6 +79,16 @@ pub struct MqttListenConfig {
     /// How long the broker keeps the session after a disconnect. Default 1 day.
     pub session_expiry: Duration,
 }
+
+crate::redact::redacted_debug!(MqttListenConfig {
+    url: url,
+    client_id: plain,
+    username: plain,
+    password: secret,
+    topic: plain,
+    group: plain,
+    session_expiry: plain
+});
 
 impl MqttListenConfig {
     /// Settings for `topic` at `url` with the defaults.

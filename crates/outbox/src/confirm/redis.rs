@@ -70,7 +70,7 @@ impl ConfirmationSender for RedisConfirmationSender {
 }
 
 /// Where [`listen`] reads confirmations.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct RedisListenConfig {
     /// Server URL, `redis://…` or `rediss://…`. Required.
     pub url: String,
@@ -86,6 +86,15 @@ pub struct RedisListenConfig {
     /// How long one read waits for confirmations. Default 1 s.
     pub block: Duration,
 }
+
+crate::redact::redacted_debug!(RedisListenConfig {
+    url: url,
+    password: secret,
+    stream: plain,
+    group: plain,
+    consumer: plain,
+    block: plain
+});
 
 impl RedisListenConfig {
     /// Settings for `stream` at `url` with the defaults.

@@ -99,7 +99,7 @@ pub struct MqttConsumerConfig {
 impl std::fmt::Debug for MqttConsumerConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MqttConsumerConfig")
-            .field("url", &self.url)
+            .field("url", &crate::redact::url(&self.url))
             .field("client_id", &self.client_id)
             .field("filter", &self.filter)
             .field("group", &self.group)

@@ -100,56 +100,14 @@ where
     DB: InboxBackend,
     H: Handler<DB> + ?Sized,
 {
-    let get = |k: &str| {
-        headers
-            .get(k)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned)
-    };
-    if let Some(signer) = &state.signer {
-        let (Some(id), Some(ts), Some(sig)) = (
-            get("webhook-id"),
-            get("webhook-timestamp"),
-            get("webhook-signature"),
-        ) else {
-            return (
-                StatusCode::UNAUTHORIZED,
-                "missing webhook-id, webhook-timestamp or webhook-signature".into(),
-            );
-        };
-        let Ok(ts) = ts.parse::<i64>() else {
-            return (
-                StatusCode::UNAUTHORIZED,
-                "webhook-timestamp is not an integer".into(),
-            );
-        };
-        let now = chrono::Utc::now().timestamp();
-        if let Err(e) = signer.verify(&id, ts, &body, &sig, now, Duration::from_secs(300)) {
-            return (StatusCode::UNAUTHORIZED, e);
-        }
-    }
-    let mut map = Headers::new();
-    for (k, v) in &headers {
-        if let Ok(v) = v.to_str() {
-            map.insert(k.as_str().to_owned(), v.to_owned());
-        }
-    }
-    if !map.contains_key(HEADER_MESSAGE_ID)
-        && let Some(id) = map.get("webhook-id").cloned()
-    {
-        map.insert(HEADER_MESSAGE_ID.into(), id);
-    }
-    map.entry(HEADER_TOPIC.into())
-        .or_insert_with(|| "webhook".into());
-    let attempt = map
-        .get("outbox-attempt")
-        .and_then(|a| a.parse().ok())
-        .unwrap_or(1);
-    let msg = match InboundMessage::from_wire(map, body.to_vec(), attempt) {
+    let now = chrono::Utc::now().timestamp();
+    let msg = match inbound(state.signer.as_ref(), &headers, &body, now) {
         Ok(m) => m,
-        Err(reason) => {
-            state.metrics.malformed.fetch_add(1, Ordering::Relaxed);
-            return (StatusCode::BAD_REQUEST, reason);
+        Err((status, reason)) => {
+            if status == StatusCode::BAD_REQUEST {
+                state.metrics.malformed.fetch_add(1, Ordering::Relaxed);
+            }
+            return (status, reason);
         }
     };
     // Processed on its own task: a client that hangs up mid-request (a relay crash, a timeout)
@@ -180,4 +138,66 @@ where
             format!("handler task failed: {e}"),
         )
     })
+}
+
+/// The message of a delivery request, before the inbox: the signature checked when `signer` is
+/// set (against `now`, Unix seconds, with 5 minutes of tolerance), every header readable as
+/// text, the message id from `outbox-message-id` or else `webhook-id`, the topic `webhook` when
+/// none came, the delivery count from `outbox-attempt` (1 when missing).
+///
+/// # Errors
+/// `401` with the reason for a missing or bad signature, `400` with the reason for a request
+/// that is not a message ([`InboundMessage::from_wire`]).
+pub(crate) fn inbound(
+    signer: Option<&WebhookSigner>,
+    headers: &HeaderMap,
+    body: &Bytes,
+    now: i64,
+) -> Result<InboundMessage, (StatusCode, String)> {
+    let get = |k: &str| {
+        headers
+            .get(k)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
+    if let Some(signer) = signer {
+        let (Some(id), Some(ts), Some(sig)) = (
+            get("webhook-id"),
+            get("webhook-timestamp"),
+            get("webhook-signature"),
+        ) else {
+            return Err((
+                StatusCode::UNAUTHORIZED,
+                "missing webhook-id, webhook-timestamp or webhook-signature".into(),
+            ));
+        };
+        let Ok(ts) = ts.parse::<i64>() else {
+            return Err((
+                StatusCode::UNAUTHORIZED,
+                "webhook-timestamp is not an integer".into(),
+            ));
+        };
+        if let Err(e) = signer.verify(&id, ts, body, &sig, now, Duration::from_secs(300)) {
+            return Err((StatusCode::UNAUTHORIZED, e));
+        }
+    }
+    let mut map = Headers::new();
+    for (k, v) in headers {
+        if let Ok(v) = v.to_str() {
+            map.insert(k.as_str().to_owned(), v.to_owned());
+        }
+    }
+    if !map.contains_key(HEADER_MESSAGE_ID)
+        && let Some(id) = map.get("webhook-id").cloned()
+    {
+        map.insert(HEADER_MESSAGE_ID.into(), id);
+    }
+    map.entry(HEADER_TOPIC.into())
+        .or_insert_with(|| "webhook".into());
+    let attempt = map
+        .get("outbox-attempt")
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(1);
+    InboundMessage::from_wire(map, body.to_vec(), attempt)
+        .map_err(|reason| (StatusCode::BAD_REQUEST, reason))
 }

@@ -101,8 +101,8 @@ pub(crate) fn headers_json(h: &Headers) -> String {
 }
 
 mod backend;
-pub use backend::{InboxBackend, InboxSql};
 pub(crate) use backend::{DeadLetterRow, VerdictRow};
+pub use backend::{InboxBackend, InboxSql};
 
 #[cfg(feature = "mysql")]
 mod mysql;
@@ -296,15 +296,9 @@ impl<DB: InboxBackend> Inbox<DB> {
         replay_only: bool,
         limit: u32,
     ) -> Result<Vec<DeadLetter>, StoreError> {
-        let rows = DB::dead_letters(
-            &self.pool,
-            &self.sql,
-            &self.consumer,
-            replay_only,
-            limit,
-        )
-        .await
-        .map_err(self.err("dead letters"))?;
+        let rows = DB::dead_letters(&self.pool, &self.sql, &self.consumer, replay_only, limit)
+            .await
+            .map_err(self.err("dead letters"))?;
         rows.into_iter()
             .map(
                 |(id, topic, partition_key, headers, payload, error, deliveries, replay)| {
@@ -337,15 +331,9 @@ impl<DB: InboxBackend> Inbox<DB> {
     /// # Errors
     /// The database error.
     pub async fn request_replay(&self, message_id: Uuid) -> Result<bool, StoreError> {
-        let n = DB::set_replay(
-            &self.pool,
-            &self.sql,
-            &self.consumer,
-            message_id,
-            true,
-        )
-        .await
-        .map_err(self.err("replay"))?;
+        let n = DB::set_replay(&self.pool, &self.sql, &self.consumer, message_id, true)
+            .await
+            .map_err(self.err("replay"))?;
         Ok(n > 0)
     }
 

@@ -413,6 +413,7 @@ impl Relay {
             } else {
                 Vec::new()
             };
+            let buckets: Vec<Bucket> = free.iter().map(|&(b, _)| b).collect();
             if free.is_empty() {
                 // Every lane busy or no bucket held: wait for a batch to finish or buckets.
                 tokio::select! {
@@ -427,7 +428,7 @@ impl Relay {
             }
             let mut sleep_for = cfg.poll_interval;
             if !read_first {
-                match inner.store.next_due_in_buckets(&free).await {
+                match inner.store.next_due_in_buckets(&buckets).await {
                     Ok(Some(d)) if d.is_zero() && !last_read_empty => {
                         // Due now (a producer without a wake-up, or a backoff that ended).
                         read_first = true;
@@ -451,14 +452,18 @@ impl Relay {
             } else {
                 let skip = self.held_back_keys();
                 let read_at = Instant::now();
-                match inner.store.read_buckets(&free, &skip, cfg.batch_size).await {
+                match inner
+                    .store
+                    .read_buckets(&buckets, &skip, cfg.batch_size)
+                    .await
+                {
                     Ok(batch) => {
                         read_failures = 0;
                         let n = batch.rows.len() + batch.malformed.len();
                         last_read_empty = n == 0;
                         if n > 0 {
                             add(&inner.metrics.claimed, n as u64);
-                            if let Some(work) = self.take_batch(batch, read_at) {
+                            if let Some(work) = self.take_batch(batch, &free, read_at) {
                                 let relay = self.clone();
                                 let background = background.clone();
                                 batches.spawn(async move {

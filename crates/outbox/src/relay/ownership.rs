@@ -178,25 +178,53 @@ impl Ownership {
 
 impl Relay {
     /// Held buckets not in flight whose lease outlasts a publish, in rotated order.
-    pub(super) fn free_buckets(&self) -> Vec<Bucket> {
+    pub(super) fn free_buckets(&self) -> Vec<(Bucket, LeaseToken)> {
         let mut own = self.inner.ownership.lock().expect("ownership lock");
         let horizon = Instant::now() + self.inner.config.publish_timeout;
         // A bucket about to be handed over to another relay is not read again.
         let handoffs = self.inner.handoffs.lock().expect("handoffs lock");
-        own.free(horizon, &handoffs)
+        let free = own.free(horizon, &handoffs);
+        free.into_iter().map(|b| (b, own.held[&b].token)).collect()
     }
 
-    /// Mark the buckets of a read batch in flight and turn it into work; `None` when every
-    /// bucket of it was lost meanwhile.
-    pub(super) fn take_batch(&self, batch: BucketBatch, read_at: Instant) -> Option<Vec<Work>> {
-        let max_attempts = self.inner.config.max_attempts;
+    /// Mark the buckets of a read batch in flight and turn it into work ([`Ownership::take`]);
+    /// `None` when every bucket of it was lost meanwhile.
+    pub(super) fn take_batch(
+        &self,
+        batch: BucketBatch,
+        read: &[(Bucket, LeaseToken)],
+        read_at: Instant,
+    ) -> Option<Vec<Work>> {
         let mut own = self.inner.ownership.lock().expect("ownership lock");
+        let work = own.take(batch, read, read_at, self.inner.config.max_attempts);
+        if work.is_empty() { None } else { Some(work) }
+    }
+}
+
+impl Ownership {
+    /// Mark the buckets of a read batch in flight and turn it into work. `read` holds the
+    /// buckets read with the token each was held with when the read started: a row of a bucket no longer held with that token is
+    /// dropped (the membership task runs while the read is in flight; a bucket lost and
+    /// acquired again has a new token, and rows read under the old lease must not pass the new
+    /// lease's fence: docs/lease-model.md, D3). A dropped row stays PENDING and is read again.
+    pub(super) fn take(
+        &mut self,
+        batch: BucketBatch,
+        read: &[(Bucket, LeaseToken)],
+        read_at: Instant,
+        max_attempts: u32,
+    ) -> Vec<Work> {
+        let own = self;
         let mut work = Vec::with_capacity(batch.rows.len() + batch.malformed.len());
         let mut suspects = BTreeSet::new();
+        let read: BTreeMap<Bucket, LeaseToken> = read.iter().copied().collect();
         let mut push = |own: &mut Ownership, bucket: Bucket, message: Message, outcome| {
             let Some(h) = own.held.get(&bucket).copied() else {
                 return;
             };
+            if read.get(&bucket) != Some(&h.token) {
+                return;
+            }
             own.in_flight.insert(bucket, read_at);
             if h.suspect {
                 suspects.insert(bucket);
@@ -217,7 +245,7 @@ impl Relay {
             if m.max_attempts == 0 {
                 m.max_attempts = max_attempts;
             }
-            push(&mut own, row.bucket, m, None);
+            push(own, row.bucket, m, None);
         }
         for (bucket, id, reason) in batch.malformed {
             let m = Message {
@@ -234,7 +262,7 @@ impl Relay {
             let outcome = Outcome::Failed {
                 reason: format!("malformed row: {reason}"),
             };
-            push(&mut own, bucket, m, Some(outcome));
+            push(own, bucket, m, Some(outcome));
         }
         // The first batch of a taken-over bucket is the one that records its attempt.
         for b in &suspects {
@@ -245,7 +273,7 @@ impl Relay {
         for w in &mut work {
             w.counted = suspects.contains(&w.bucket) && w.outcome.is_none();
         }
-        if work.is_empty() { None } else { Some(work) }
+        work
     }
 }
 
@@ -348,6 +376,42 @@ mod tests {
         );
         assert!(c.lost.is_empty());
         assert_eq!(held(&own), vec![3]);
+    }
+
+    /// docs/lease-model.md, D3: rows read under a lease that was lost and acquired again while
+    /// the read was in flight must not be completed under the new token.
+    #[tokio::test(start_paused = true)]
+    async fn rows_read_under_a_lease_lost_and_reacquired_meanwhile_are_dropped() {
+        let mut own = Ownership::default();
+        let t0 = Instant::now();
+        let first = round(4, &[], &[(3, 1, false)], &[]);
+        own.apply_round(&[], &first, t0, t0, LEASE, PUBLISH);
+        let read = [(3, token(1))];
+        let batch = || BucketBatch {
+            rows: Vec::new(),
+            malformed: vec![(3, 42, "garbage".to_owned())],
+        };
+        // While the read is in flight: the lease is lost (not renewed), then acquired again.
+        let lost = own.apply_round(&read, &round(4, &[], &[], &[]), t0, t0, LEASE, PUBLISH);
+        assert_eq!(lost.lost, vec![3]);
+        let again = round(4, &[], &[(3, 9, true)], &[]);
+        own.apply_round(&[], &again, t0, t0, LEASE, PUBLISH);
+        assert_eq!(own.held[&3].token, token(9));
+
+        assert!(
+            own.take(batch(), &read, t0, 3).is_empty(),
+            "read under token 1"
+        );
+        assert!(
+            !own.in_flight.contains_key(&3),
+            "nothing of it is in flight"
+        );
+        assert!(own.held[&3].suspect, "the takeover batch is still to come");
+
+        let work = own.take(batch(), &[(3, token(9))], t0, 3);
+        assert_eq!(work.len(), 1);
+        assert_eq!(work[0].token, token(9));
+        assert!(own.in_flight.contains_key(&3));
     }
 
     #[tokio::test(start_paused = true)]

@@ -72,9 +72,9 @@ pub mod postgres;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 
-pub use connect::{Dialect, connect, connect_existing};
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) use connect::server_pool;
+pub use connect::{Dialect, connect, connect_existing};
 
 /// The class of a driver error, by the dialect that raised it (`store::<dialect>::errors`):
 /// shared driver errors first ([`DbErrorClass::of_driver`]), then the database error's own type
@@ -475,8 +475,10 @@ pub trait Store: Send + Sync + 'static {
     ) -> Result<crate::verdict::ConfirmReport, StoreError>;
 
     /// Check back up to `limit` SENT rows whose confirmation deadline passed: back to PENDING (due
-    /// now, `check_backs + 1`) so they are published again and the consumer's inbox answers the
-    /// copy, or FAILED with reason `unconfirmed` once `check_backs` reached `max_check_backs`.
+    /// now, `check_backs + 1`, `attempts = 0`: each check-back starts a new round of at most
+    /// `max_attempts` publish attempts) so they are published again and the consumer's inbox
+    /// answers the copy, or FAILED with reason `unconfirmed` once `check_backs` reached
+    /// `max_check_backs` (attempts kept).
     /// One conditional statement, safe to run on every relay. Returns the rows moved.
     async fn check_back(&self, limit: u32, max_check_backs: u32) -> Result<u64, StoreError>;
 

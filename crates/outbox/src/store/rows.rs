@@ -15,13 +15,15 @@ pub(crate) type FailedRow = (i64, String, String, i64, Option<String>);
 /// reads as 0.
 pub(crate) fn failed_messages(rows: Vec<FailedRow>) -> Vec<FailedMessage> {
     rows.into_iter()
-        .map(|(id, message_id, topic, attempts, last_error)| FailedMessage {
-            id,
-            message_id,
-            topic,
-            attempts: attempt_count(attempts),
-            last_error,
-        })
+        .map(
+            |(id, message_id, topic, attempts, last_error)| FailedMessage {
+                id,
+                message_id,
+                topic,
+                attempts: attempt_count(attempts),
+                last_error,
+            },
+        )
         .collect()
 }
 

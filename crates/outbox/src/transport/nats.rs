@@ -81,7 +81,7 @@ pub fn connect_options(url: &str) -> async_nats::ConnectOptions {
 /// file (see [`TransportConfig`](super::config::TransportConfig)), where the stream is written
 /// flat: `url`, `stream` (its name), `subjects` (default `["<stream lower-cased>.>"]`),
 /// `create_stream` (default true), `ack_timeout` (`"5s"`).
-#[derive(Debug, Clone, serde::Deserialize, serde::Serialize)]
+#[derive(Clone, serde::Deserialize, serde::Serialize)]
 #[serde(from = "NatsFile", into = "NatsFile")]
 pub struct NatsConfig {
     /// Server URL, e.g. `nats://127.0.0.1:4222`; credentials may be given in it
@@ -94,6 +94,12 @@ pub struct NatsConfig {
     /// How long to wait for one PubAck. Default 5 s.
     pub ack_timeout: Duration,
 }
+
+crate::redact::redacted_debug!(NatsConfig {
+    url: url,
+    stream: plain,
+    ack_timeout: plain
+});
 
 impl NatsConfig {
     /// Settings for `url` with the defaults.
@@ -478,6 +484,18 @@ pub(crate) fn check_message(out: &Outgoing<'_>) -> Result<(), TransportError> {
     Ok(())
 }
 
+/// The JetStream publish of `m`: payload, `Nats-Msg-Id` and every wire header. async-nats
+/// panics on a header it cannot carry: call it only for a message [`check_message`] accepted.
+pub(crate) fn publish_message(m: &crate::Message) -> PublishMessage {
+    let mut publish = PublishMessage::build()
+        .payload(m.payload.clone().into())
+        .message_id(dedup_id(m));
+    for (k, v) in m.wire_headers() {
+        publish = publish.header(k.as_str(), v.as_str());
+    }
+    publish
+}
+
 /// JetStream API error codes that refuse this message as it is: publishing it again fails the
 /// same way. `Nats-Expected-*` conditions (10060 expected stream, 10063 expected sequence, 10070
 /// wrong last message id, 10071 / 10164 wrong last sequence, 10193 expected last subject sequence
@@ -538,16 +556,9 @@ impl Transport for NatsTransport {
                 pending.push(Err(refused));
                 continue;
             }
-            let m = o.message;
-            let mut publish = PublishMessage::build()
-                .payload(m.payload.clone().into())
-                .message_id(dedup_id(m));
-            for (k, v) in m.wire_headers() {
-                publish = publish.header(k.as_str(), v.as_str());
-            }
             pending.push(Ok(self
                 .js
-                .send_publish(o.destination.to_owned(), publish)
+                .send_publish(o.destination.to_owned(), publish_message(o.message))
                 .await));
         }
         // The acks are awaited together (each ack's timeout runs from its first poll, so awaiting

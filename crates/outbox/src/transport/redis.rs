@@ -75,7 +75,7 @@ pub const HEADER_FIELD_PREFIX: &str = "h:";
 /// replica wait is written flat: `url`, `password_env`, `max_len`, `wait_replicas` (a count),
 /// `wait_timeout` (default `"1s"`, only with `wait_replicas`), `response_timeout`,
 /// `connect_timeout`.
-#[derive(Debug, Clone, serde::Deserialize, serde::Serialize)]
+#[derive(Clone, serde::Deserialize, serde::Serialize)]
 #[serde(try_from = "RedisFile", into = "RedisFile")]
 pub struct RedisConfig {
     /// Server URL: `redis://[user[:password]@]host[:port][/db]`, or `rediss://…` for TLS
@@ -99,6 +99,16 @@ pub struct RedisConfig {
     /// How long to wait for a connection. Default 5 s.
     pub connect_timeout: Duration,
 }
+
+crate::redact::redacted_debug!(RedisConfig {
+    url: url,
+    password: secret,
+    password_env: plain,
+    max_len: plain,
+    wait_replicas: plain,
+    response_timeout: plain,
+    connect_timeout: plain
+});
 
 /// `WAIT numreplicas timeout` after each batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -325,7 +335,7 @@ pub struct RedisTransport {
 impl std::fmt::Debug for RedisTransport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisTransport")
-            .field("url", &self.config.url)
+            .field("url", &crate::redact::url(&self.config.url))
             .field("max_len", &self.config.max_len)
             .field("wait_replicas", &self.config.wait_replicas)
             .finish_non_exhaustive()
@@ -491,7 +501,7 @@ pub fn decode_fields_with(
 
 /// Check a destination stream key: 1 to 1,024 bytes, no whitespace or control characters (Redis
 /// accepts any binary key; these rules keep a mistyped route template from creating odd keys).
-fn validate_key(key: &str) -> Result<(), String> {
+pub(crate) fn validate_key(key: &str) -> Result<(), String> {
     if key.is_empty()
         || key.len() > 1024
         || key.chars().any(|c| c.is_whitespace() || c.is_control())

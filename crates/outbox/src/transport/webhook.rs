@@ -71,7 +71,7 @@ const HTTP_HEADERS: HeaderRules = HeaderRules {
 /// Webhook transport settings; the `[transports.<name>] kind = "webhook"` table of the
 /// configuration file (see [`TransportConfig`](super::config::TransportConfig)): `url`,
 /// `secret_env`, `timeout` (`"10s"`), `concurrency`. Every field but `url` may be left out.
-#[derive(Debug, Clone, serde::Deserialize, serde::Serialize)]
+#[derive(Clone, serde::Deserialize, serde::Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct WebhookConfig {
     /// Default target URL (`http://` or `https://`), used when a route's destination is empty.
@@ -90,6 +90,14 @@ pub struct WebhookConfig {
     /// Requests in flight at once per batch. Default 64.
     pub concurrency: usize,
 }
+
+crate::redact::redacted_debug!(WebhookConfig {
+    url: url,
+    secret: secret,
+    secret_env: plain,
+    timeout: plain,
+    concurrency: plain
+});
 
 impl Default for WebhookConfig {
     /// [`WebhookConfig::new`] with an empty URL.
@@ -206,7 +214,9 @@ impl WebhookSigner {
         now: i64,
         tolerance: Duration,
     ) -> Result<(), String> {
-        if (now - timestamp).unsigned_abs() > tolerance.as_secs() {
+        // `abs_diff`: a timestamp far from now (a client may send `i64::MIN`) overflowed the
+        // subtraction (a panic in a debug build; a seed of the `inbound` fuzz corpus).
+        if now.abs_diff(timestamp) > tolerance.as_secs() {
             return Err(format!(
                 "timestamp {timestamp} is outside the tolerance of {tolerance:?}"
             ));
@@ -241,7 +251,7 @@ pub struct WebhookTransport {
 impl std::fmt::Debug for WebhookTransport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("WebhookTransport")
-            .field("url", &self.config.url)
+            .field("url", &crate::redact::url(&self.config.url))
             .finish_non_exhaustive()
     }
 }
@@ -303,16 +313,18 @@ impl WebhookTransport {
         })
     }
 
-    async fn post(&self, out: Outgoing<'_>) -> Result<(), TransportError> {
-        self.check(&out)?;
-        let m = out.message;
-        let url = match self.target(out.destination) {
-            Ok(u) => u,
-            Err(e) => return Err(e),
-        };
-        let url = url.as_str();
+    /// The request headers for `m` sent at `ts` (Unix seconds): every wire header, a
+    /// content type, and the Standard Webhooks `webhook-id`, `webhook-timestamp` and, with a
+    /// secret, `webhook-signature`.
+    ///
+    /// # Errors
+    /// A permanent error naming a header HTTP cannot carry.
+    pub(crate) fn request_headers(
+        &self,
+        m: &crate::Message,
+        ts: i64,
+    ) -> Result<HeaderMap, TransportError> {
         let id = m.message_id.to_string();
-        let ts = chrono::Utc::now().timestamp();
         let mut headers = HeaderMap::new();
         for (k, v) in m.wire_headers() {
             let (Ok(name), Ok(value)) = (
@@ -343,6 +355,18 @@ impl WebhookTransport {
                 HeaderValue::try_from(sig).expect("base64 is ascii"),
             );
         }
+        Ok(headers)
+    }
+
+    async fn post(&self, out: Outgoing<'_>) -> Result<(), TransportError> {
+        self.check(&out)?;
+        let m = out.message;
+        let url = match self.target(out.destination) {
+            Ok(u) => u,
+            Err(e) => return Err(e),
+        };
+        let url = url.as_str();
+        let headers = self.request_headers(m, chrono::Utc::now().timestamp())?;
         let resp = self
             .client
             .post(url)

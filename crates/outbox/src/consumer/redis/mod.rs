@@ -109,7 +109,7 @@ pub struct RedisConsumerConfig {
 impl std::fmt::Debug for RedisConsumerConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisConsumerConfig")
-            .field("url", &self.url)
+            .field("url", &crate::redact::url(&self.url))
             .field("stream", &self.stream)
             .field("group", &self.group)
             .field("consumer", &self.consumer)

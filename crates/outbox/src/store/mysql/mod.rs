@@ -242,15 +242,14 @@ impl Store for MySqlStore {
 
     async fn relays(&self, lease: Duration) -> Result<Vec<RelayInfo>, StoreError> {
         let t = self.table.as_str();
-        let rows: Vec<super::rows::RelayRow> =
-            sqlx::query_as(AssertSqlSafe(format!(
-                "SELECT name, routes, routes_hash FROM {t}_relays \
+        let rows: Vec<super::rows::RelayRow> = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT name, routes, routes_hash FROM {t}_relays \
                  WHERE heartbeat_at > {NOW} - INTERVAL (? * 1000) MICROSECOND ORDER BY name"
-            )))
-            .bind(millis(lease))
-            .fetch_all(&self.pool)
-            .await
-            .map_err(self.err("relays"))?;
+        )))
+        .bind(millis(lease))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(self.err("relays"))?;
         Ok(super::rows::relays(rows))
     }
 
@@ -553,6 +552,7 @@ impl Store for MySqlStore {
                THEN CONCAT('unconfirmed: no confirmation after ', check_backs, ' check-backs') \
                ELSE 'check-back: no confirmation by the deadline' END, \
              redelivery = redelivery + CASE WHEN check_backs >= ? THEN 0 ELSE 1 END, \
+             attempts = CASE WHEN check_backs >= ? THEN attempts ELSE 0 END, \
              status = CASE WHEN check_backs >= ? THEN {FAILED} ELSE {PENDING} END, \
              check_backs = check_backs + CASE WHEN check_backs >= ? THEN 0 ELSE 1 END, \
              available_at = {NOW}, confirm_deadline = NULL, updated_at = {NOW} \
@@ -565,6 +565,7 @@ impl Store for MySqlStore {
             limit,
             &write,
             &[
+                Bind::I64(max),
                 Bind::I64(max),
                 Bind::I64(max),
                 Bind::I64(max),
@@ -610,15 +611,14 @@ impl Store for MySqlStore {
 
     async fn failed(&self, limit: u32) -> Result<Vec<FailedMessage>, StoreError> {
         let t = self.table.as_str();
-        let rows: Vec<super::rows::FailedRow> =
-            sqlx::query_as(AssertSqlSafe(format!(
-                "SELECT id, message_id, topic, attempts, last_error FROM {t} WHERE status = {FAILED} \
+        let rows: Vec<super::rows::FailedRow> = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT id, message_id, topic, attempts, last_error FROM {t} WHERE status = {FAILED} \
                  ORDER BY updated_at DESC, id DESC LIMIT ?"
-            )))
-            .bind(i64::from(limit))
-            .fetch_all(&self.pool)
-            .await
-            .map_err(self.err("failed"))?;
+        )))
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(self.err("failed"))?;
         Ok(super::rows::failed_messages(rows))
     }
 

@@ -2,7 +2,8 @@
 //!
 //! - Read: one statement per batch over the owned buckets (`UNNEST` of buckets, `LATERAL` index
 //!   range scan on `(bucket, id) WHERE status = 0`); completion: one `UPDATE … FROM UNNEST`
-//!   fenced by the bucket leases.
+//!   per chunk of 125 rows, fenced by the bucket leases, whose bucket rows it share-locks until
+//!   it commits (docs/lease-model.md).
 //! - Wake-up: a statement-level `AFTER INSERT` trigger calls `pg_notify('<table>_outbox', '')`,
 //!   delivered at commit and merged per transaction, so rows inserted by any producer (this crate,
 //!   or plain SQL from another language) wake a listening relay at once. The listener reconnects
@@ -57,7 +58,7 @@ use crate::verdict::{ConfirmReport, Confirmation, RejectionHook, Verdict};
 
 mod producer;
 
-/// Rows per completion statement (one transaction per batch; see `complete_in_buckets`).
+/// Rows per completion statement (each statement commits on its own; see `complete_in_buckets`).
 const COMPLETION_CHUNK: usize = 125;
 
 struct Sql {
@@ -80,7 +81,6 @@ struct Sql {
     hand_off: Arc<str>,
     relays: Arc<str>,
     release: Arc<str>,
-    leave: Arc<str>,
     read_buckets: Arc<str>,
     key_heads: Arc<str>,
     complete_in_buckets: Arc<str>,
@@ -208,7 +208,17 @@ impl Store for PgStore {
     async fn membership(&self, req: &MembershipRequest) -> Result<MembershipRound, StoreError> {
         let err = self.err("membership");
         let lease = millis(req.lease);
-        let mut tx = self.pool.begin().await.map_err(&err)?;
+        // A session cut off while this transaction is open would keep the bucket rows it
+        // renewed or acquired locked, and `acquire` skips locked rows: the server ends such a
+        // session once it is idle in the transaction for half a lease (docs/lease-model.md, D4).
+        let mut tx = self
+            .pool
+            .begin_with(AssertSqlSafe(format!(
+                "BEGIN; SET LOCAL idle_in_transaction_session_timeout = {}",
+                (lease / 2).max(1)
+            )))
+            .await
+            .map_err(&err)?;
         sqlx::query(AssertSqlSafe(self.sql.heartbeat.clone()))
             .bind(&req.relay)
             .bind(super::routes_json(&req.routes))
@@ -326,26 +336,16 @@ impl Store for PgStore {
         buckets: &[(Bucket, LeaseToken)],
         leave: bool,
     ) -> Result<(), StoreError> {
-        let err = self.err("release_buckets");
         let (b, t): (Vec<Bucket>, Vec<LeaseToken>) = buckets.iter().copied().unzip();
-        let mut tx = self.pool.begin().await.map_err(&err)?;
-        if !b.is_empty() {
-            sqlx::query(AssertSqlSafe(self.sql.release.clone()))
-                .bind(relay)
-                .bind(&b)
-                .bind(&t)
-                .execute(&mut *tx)
-                .await
-                .map_err(&err)?;
-        }
-        if leave {
-            sqlx::query(AssertSqlSafe(self.sql.leave.clone()))
-                .bind(relay)
-                .execute(&mut *tx)
-                .await
-                .map_err(&err)?;
-        }
-        tx.commit().await.map_err(&err)
+        sqlx::query(AssertSqlSafe(self.sql.release.clone()))
+            .bind(relay)
+            .bind(&b)
+            .bind(&t)
+            .bind(leave)
+            .execute(&self.pool)
+            .await
+            .map_err(self.err("release_buckets"))?;
+        Ok(())
     }
 
     async fn read_buckets(
@@ -396,17 +396,14 @@ impl Store for PgStore {
             return Ok(0);
         }
         let err = self.err("complete_in_buckets");
-        // The completion commits without waiting for the WAL flush (see the module docs): a
-        // completion lost in a database crash leaves its rows PENDING, so they are published
-        // again and the consumer's inbox absorbs the copies. Nothing else is asynchronous.
-        let mut tx = self.pool.begin().await.map_err(&err)?;
-        sqlx::query("SET LOCAL synchronous_commit = off")
-            .execute(&mut *tx)
-            .await
-            .map_err(&err)?;
-        // Chunks keep each Bind message small: sqlx does not set TCP_NODELAY, and a Bind of
-        // several tens of KiB stalled ~40 ms on Nagle / delayed ACK over TCP (measured with
-        // the server's statement log: the gap was between Parse and Bind).
+        // Each chunk is one statement that commits on its own, without waiting for the WAL
+        // flush (see the module docs and the statement's comment): a completion lost in a
+        // database crash leaves its rows PENDING, so they are published again and the
+        // consumer's inbox absorbs the copies. Chunks keep each Bind message small: a Bind of
+        // several tens of KiB stalled ~40 ms on Nagle / delayed ACK over TCP (measured with the
+        // server's statement log: the gap was between Parse and Bind). A chunk that fails
+        // leaves the chunks before it recorded; the relay's retry finds those rows no longer
+        // PENDING.
         let mut matched = 0;
         for chunk in completions.chunks(COMPLETION_CHUNK) {
             let c = super::BucketColumns::from(chunk);
@@ -420,12 +417,11 @@ impl Store for PgStore {
                 .bind(c.tokens)
                 .bind(relay)
                 .bind(c.buckets)
-                .execute(&mut *tx)
+                .execute(&self.pool)
                 .await
                 .map_err(&err)?;
             matched += done.rows_affected();
         }
-        tx.commit().await.map_err(&err)?;
         Ok(matched)
     }
 
@@ -563,6 +559,7 @@ impl Store for PgStore {
                ELSE 'check-back: no confirmation by the deadline' END, \
              check_backs = o.check_backs + CASE WHEN o.check_backs >= $2 THEN 0 ELSE 1 END, \
              redelivery = o.redelivery + CASE WHEN o.check_backs >= $2 THEN 0 ELSE 1 END, \
+             attempts = CASE WHEN o.check_backs >= $2 THEN o.attempts ELSE 0 END, \
              available_at = now(), confirm_deadline = NULL, updated_at = now() \
              FROM (SELECT id FROM {t} WHERE status = {SENT} AND confirm_deadline < now() \
                    ORDER BY confirm_deadline LIMIT $1 FOR UPDATE SKIP LOCKED) c \

@@ -98,11 +98,15 @@ impl PgStore {
                  WHERE heartbeat_at > now() - make_interval(secs => $1::float8 / 1000)"
             )
             .into(),
+            // Locks the bucket rows in bucket order, as the completion's fence does: a renewal
+            // waiting for a completion's share lock never holds one the completion waits for.
             renew: format!(
                 "UPDATE {t}_buckets b SET expires_at = now() + make_interval(secs => $4::float8 / 1000) \
-                 FROM UNNEST($2::smallint[], $3::bigint[]) AS h(bucket, token) \
-                 WHERE b.bucket = h.bucket AND b.owner = $1 AND b.token = h.token AND b.expires_at > now() \
-                 RETURNING b.bucket"
+                 FROM (SELECT x.bucket FROM {t}_buckets x \
+                       JOIN UNNEST($2::smallint[], $3::bigint[]) AS h(bucket, token) \
+                         ON x.bucket = h.bucket AND x.token = h.token \
+                       WHERE x.owner = $1 AND x.expires_at > now() ORDER BY x.bucket FOR UPDATE OF x) c \
+                 WHERE b.bucket = c.bucket RETURNING b.bucket"
             )
             .into(),
             acquire: format!(
@@ -133,13 +137,15 @@ impl PgStore {
                  WHERE heartbeat_at > now() - make_interval(secs => $1::float8 / 1000) ORDER BY name"
             )
             .into(),
+            // One statement (no transaction block to be cut off in, D4): with `$4`, the
+            // relay's membership row goes too (on shutdown).
             release: format!(
-                "UPDATE {t}_buckets b SET owner = NULL, token = NULL, expires_at = '-infinity' \
+                "WITH gone AS (DELETE FROM {t}_relays WHERE name = $1 AND $4) \
+                 UPDATE {t}_buckets b SET owner = NULL, token = NULL, expires_at = '-infinity' \
                  FROM UNNEST($2::smallint[], $3::bigint[]) AS h(bucket, token) \
                  WHERE b.bucket = h.bucket AND b.owner = $1 AND b.token = h.token"
             )
             .into(),
-            leave: format!("DELETE FROM {t}_relays WHERE name = $1").into(),
             // One index range scan per bucket on (bucket, id) WHERE status = 0; the outer LIMIT
             // stops the nested loop as soon as enough rows came, so a deep backlog in the first
             // bucket costs no more than the rows returned.
@@ -158,8 +164,21 @@ impl PgStore {
                  WHERE partition_key = ANY($1::text[]) AND status IN ({PENDING}, {SENDING}, {FAILED}) GROUP BY partition_key"
             )
             .into(),
+            // One statement per chunk, committed on its own (no transaction block): no window
+            // between the fence and the commit in which the relay could be cut off holding
+            // row locks (docs/lease-model.md, D4). The fence share-locks the bucket rows it
+            // checks, in bucket order, until the commit: a takeover (`acquire`, `FOR UPDATE SKIP
+            // LOCKED`) skips a bucket while one of its completions is running, and a renewal
+            // waits for it, so a completion that passed the fence cannot commit after another
+            // relay took the bucket over and read its rows (D1). The expiry is tested against
+            // the statement's clock. `set_config(…, true)` makes this commit asynchronous (see
+            // the module docs); the CTE is materialized so it is evaluated once.
             complete_in_buckets: format!(
-                "UPDATE {t} o SET status = CASE WHEN o.status = {PENDING} THEN u.st ELSE o.status END, \
+                "WITH durability AS MATERIALIZED (SELECT set_config('synchronous_commit', 'off', true) AS v), \
+                 fence AS MATERIALIZED (SELECT b.bucket, b.token FROM {t}_buckets b \
+                   WHERE b.bucket = ANY($9::smallint[]) AND b.owner = $8 AND b.expires_at > statement_timestamp() \
+                   ORDER BY b.bucket FOR SHARE) \
+                 UPDATE {t} o SET status = CASE WHEN o.status = {PENDING} THEN u.st ELSE o.status END, \
                  attempts = CASE WHEN o.status = {PENDING} THEN u.att ELSE o.attempts END, \
                  available_at = CASE WHEN o.status = {PENDING} AND u.st = {PENDING} \
                    THEN now() + make_interval(secs => u.delay_ms::float8 / 1000) ELSE o.available_at END, \
@@ -170,9 +189,9 @@ impl PgStore {
                  lease_owner = NULL, lease_token = NULL, lease_expires_at = NULL, updated_at = now() \
                  FROM UNNEST($1::bigint[], $2::smallint[], $3::bigint[], $4::text[], $5::int[], $6::bigint[], $7::bigint[], $9::smallint[]) \
                    AS u(id, st, delay_ms, err, att, confirm_ms, token, bucket) \
-                   JOIN {t}_buckets b ON b.bucket = u.bucket \
-                 WHERE o.id = u.id AND o.bucket = u.bucket AND o.status IN ({PENDING}, {CONFIRMED}, {REJECTED}) \
-                   AND b.owner = $8 AND b.token = u.token AND b.expires_at > now()"
+                   JOIN fence f ON f.bucket = u.bucket AND f.token = u.token \
+                   CROSS JOIN durability \
+                 WHERE o.id = u.id AND o.bucket = u.bucket AND o.status IN ({PENDING}, {CONFIRMED}, {REJECTED})"
             )
             .into(),
             next_due_in_buckets: format!(

@@ -32,8 +32,7 @@ use self::migrations::{migrations, run_migrations};
 use super::status_sql::{CONFIRMED, FAILED, PENDING, REJECTED, SENDING, SENT};
 use super::{
     Bucket, BucketBatch, BucketCompletion, BucketLease, FailedMessage, KeyHead, LeaseToken,
-    MembershipRequest, MembershipRound, RelayInfo, Stats, Store, millis, new_token,
-    stats_from,
+    MembershipRequest, MembershipRound, RelayInfo, Stats, Store, millis, new_token, stats_from,
 };
 use crate::error::{EnqueueError, StoreError};
 use crate::ident::TableName;
@@ -172,15 +171,14 @@ impl Store for SqliteStore {
 
     async fn relays(&self, lease: Duration) -> Result<Vec<RelayInfo>, StoreError> {
         let t = self.table.as_str();
-        let rows: Vec<super::rows::RelayRow> =
-            sqlx::query_as(AssertSqlSafe(format!(
-                "SELECT name, routes, routes_hash FROM {t}_relays \
+        let rows: Vec<super::rows::RelayRow> = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT name, routes, routes_hash FROM {t}_relays \
                  WHERE heartbeat_at > {NOW_MS} - ?1 ORDER BY name"
-            )))
-            .bind(millis(lease))
-            .fetch_all(&self.pool)
-            .await
-            .map_err(self.err("relays"))?;
+        )))
+        .bind(millis(lease))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(self.err("relays"))?;
         Ok(super::rows::relays(rows))
     }
 
@@ -472,6 +470,7 @@ impl Store for SqliteStore {
                ELSE 'check-back: no confirmation by the deadline' END, \
              check_backs = check_backs + CASE WHEN check_backs >= ?2 THEN 0 ELSE 1 END, \
              redelivery = redelivery + CASE WHEN check_backs >= ?2 THEN 0 ELSE 1 END, \
+             attempts = CASE WHEN check_backs >= ?2 THEN attempts ELSE 0 END, \
              available_at = {NOW_MS}, confirm_deadline = NULL, updated_at = {NOW_MS} \
              WHERE id IN (SELECT id FROM {t} WHERE status = {SENT} AND confirm_deadline < {NOW_MS} \
                           ORDER BY confirm_deadline LIMIT ?1) \

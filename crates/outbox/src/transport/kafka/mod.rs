@@ -321,6 +321,18 @@ fn report(e: &KafkaError, destination: &str) -> String {
     }
 }
 
+/// The record headers of `m`: every wire header.
+pub(crate) fn record_headers(m: &crate::Message) -> OwnedHeaders {
+    let wire = m.wire_headers();
+    wire.iter()
+        .fold(OwnedHeaders::new_with_capacity(wire.len()), |h, (k, v)| {
+            h.insert(Header {
+                key: k,
+                value: Some(v.as_str()),
+            })
+        })
+}
+
 #[async_trait]
 impl Transport for KafkaTransport {
     fn name(&self) -> &str {
@@ -352,19 +364,10 @@ impl Transport for KafkaTransport {
             let m = o.message;
             let id = m.message_id.to_string();
             let key = m.partition_key.as_deref().unwrap_or(&id);
-            let wire = m.wire_headers();
-            let headers =
-                wire.iter()
-                    .fold(OwnedHeaders::new_with_capacity(wire.len()), |h, (k, v)| {
-                        h.insert(Header {
-                            key: k,
-                            value: Some(v.as_str()),
-                        })
-                    });
             let record = FutureRecord::to(o.destination)
                 .key(key)
                 .payload(&m.payload)
-                .headers(headers);
+                .headers(record_headers(m));
             pending.push(match producer.send_result(record) {
                 Ok(delivery) => Ok(delivery),
                 Err((e, _)) => Err(produce_error(e, self.state.brokers_down(), o.destination)),

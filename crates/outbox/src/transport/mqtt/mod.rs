@@ -87,7 +87,7 @@ pub enum NoSubscribers {
 /// MQTT transport settings; the `[transports.<name>] kind = "mqtt"` table of the configuration
 /// file (see [`TransportConfig`](super::config::TransportConfig)). Durations are written
 /// `"5s"`; every field but `url` may be left out.
-#[derive(Debug, Clone, serde::Deserialize, serde::Serialize)]
+#[derive(Clone, serde::Deserialize, serde::Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct MqttConfig {
     /// Broker URL: `mqtt://[user[:password]@]host[:port]` (TCP, default port 1883) or
@@ -122,6 +122,19 @@ pub struct MqttConfig {
     #[serde(deserialize_with = "de_no_subscribers")]
     pub no_subscribers: NoSubscribers,
 }
+
+crate::redact::redacted_debug!(MqttConfig {
+    url: url,
+    client_id: plain,
+    username: plain,
+    password: secret,
+    password_env: plain,
+    ack_timeout: plain,
+    connect_timeout: plain,
+    keep_alive: plain,
+    max_inflight: plain,
+    no_subscribers: plain
+});
 
 /// `no_subscribers`, with an error that names the key (an internally tagged
 /// [`TransportConfig`](super::config::TransportConfig) loses the key's path).
@@ -197,7 +210,7 @@ impl MqttConfig {
 }
 
 /// A parsed `mqtt://` / `mqtts://` URL.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct BrokerAddress {
     /// Host name or address.
     pub host: String,
@@ -210,6 +223,14 @@ pub struct BrokerAddress {
     /// Password from the URL.
     pub password: Option<String>,
 }
+
+crate::redact::redacted_debug!(BrokerAddress {
+    host: plain,
+    port: plain,
+    tls: plain,
+    username: plain,
+    password: secret
+});
 
 /// Parse a broker URL (see [`MqttConfig::url`]).
 ///
@@ -691,7 +712,7 @@ pub struct MqttTransport {
 impl std::fmt::Debug for MqttTransport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MqttTransport")
-            .field("url", &self.publisher.url)
+            .field("url", &crate::redact::url(&self.publisher.url))
             .finish_non_exhaustive()
     }
 }

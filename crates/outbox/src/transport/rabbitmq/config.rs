@@ -239,16 +239,7 @@ impl RabbitMqConfig {
     }
 }
 
-/// The URL with any password replaced by `***`.
-pub(crate) fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => match url[s + 3..at].split_once(':') {
-            Some((user, _)) => format!("{}{user}:***{}", &url[..s + 3], &url[at..]),
-            None => url.to_owned(),
-        },
-        _ => url.to_owned(),
-    }
-}
+pub(crate) use crate::redact::url as redact;
 
 /// A parsed destination: exchange (empty for the default exchange) and routing key.
 #[derive(Debug, Clone, PartialEq, Eq)]

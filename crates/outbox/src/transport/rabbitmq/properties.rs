@@ -98,7 +98,7 @@ pub(crate) fn now_secs() -> u64 {
 }
 
 /// The AMQP properties of an outbox message (see the module docs).
-pub(super) fn message_properties(m: &Message) -> Result<BasicProperties, String> {
+pub(crate) fn message_properties(m: &Message) -> Result<BasicProperties, String> {
     let mut p = BasicProperties::default()
         .with_delivery_mode(2)
         .with_message_id(dedup_id(m).into())

@@ -1,0 +1,103 @@
+//! Keeping secrets out of `Debug` output, and so out of logs: passwords and signing secrets
+//! print as `***`, a URL's password as `user:***@`. Configurations that hold a secret implement
+//! `Debug` with `redacted_debug!` instead of deriving it.
+
+/// A field printed as it is.
+pub(crate) fn plain<T>(value: &T) -> &T {
+    value
+}
+
+/// A URL with any password replaced by `***` (`scheme://user:***@host…`); a URL without one
+/// unchanged.
+pub(crate) fn url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => match url[s + 3..at].split_once(':') {
+            Some((user, _)) => format!("{}{user}:***{}", &url[..s + 3], &url[at..]),
+            None => url.to_owned(),
+        },
+        _ => url.to_owned(),
+    }
+}
+
+/// A secret: `Some("***")` when set, `None` when not.
+pub(crate) fn secret(value: &Option<String>) -> Option<&'static str> {
+    value.as_ref().map(|_| "***")
+}
+
+/// `impl Debug` for a struct, each field printed through one of [`plain`], [`url`] or
+/// [`secret`]: `redacted_debug!(Config { url: url, password: secret, timeout: plain });`.
+/// Every field must be listed (the output says nothing of fields left out).
+macro_rules! redacted_debug {
+    ($ty:ident { $($field:ident: $how:ident),* $(,)? }) => {
+        impl ::std::fmt::Debug for $ty {
+            fn fmt(&self, f: &mut ::std::fmt::Formatter<'_>) -> ::std::fmt::Result {
+                f.debug_struct(stringify!($ty))
+                    $(.field(stringify!($field), &$crate::redact::$how(&self.$field)))*
+                    .finish()
+            }
+        }
+    };
+}
+pub(crate) use redacted_debug;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_lose_their_password_only() {
+        assert_eq!(
+            url("amqp://guest:hunter2@h:5672/%2f"),
+            "amqp://guest:***@h:5672/%2f"
+        );
+        assert_eq!(url("redis://:hunter2@h/0"), "redis://:***@h/0");
+        assert_eq!(url("mqtt://user@h"), "mqtt://user@h");
+        assert_eq!(url("nats://h:4222"), "nats://h:4222");
+        assert_eq!(url("garbage"), "garbage");
+    }
+
+    /// Every configuration that can hold a secret prints none of it.
+    #[test]
+    fn no_configuration_prints_a_secret() {
+        const S: &str = "hunter2";
+        let with_password = |scheme: &str| format!("{scheme}://user:{S}@127.0.0.1:1");
+        let mut printed: Vec<String> = Vec::new();
+        #[cfg(feature = "nats")]
+        printed.push(format!(
+            "{:?}",
+            crate::transport::nats::NatsConfig::new(with_password("nats"))
+        ));
+        #[cfg(feature = "webhook")]
+        {
+            let mut c = crate::transport::webhook::WebhookConfig::new(with_password("http"));
+            c.secret = Some(S.into());
+            printed.push(format!("{c:?}"));
+        }
+        #[cfg(feature = "mqtt")]
+        {
+            let mut c = crate::transport::mqtt::MqttConfig::new(with_password("mqtt"));
+            c.password = Some(S.into());
+            printed.push(format!("{c:?}"));
+            printed.push(format!(
+                "{:?}",
+                crate::transport::mqtt::parse_url(&with_password("mqtt")).expect("parses")
+            ));
+            let mut l = crate::confirm::mqtt::MqttListenConfig::new(with_password("mqtt"), "t");
+            l.password = Some(S.into());
+            printed.push(format!("{l:?}"));
+        }
+        #[cfg(feature = "redis")]
+        {
+            let mut c = crate::transport::redis::RedisConfig::new(with_password("redis"));
+            c.password = Some(S.into());
+            printed.push(format!("{c:?}"));
+            let mut l = crate::confirm::redis::RedisListenConfig::new(with_password("redis"), "s");
+            l.password = Some(S.into());
+            printed.push(format!("{l:?}"));
+        }
+        for p in &printed {
+            assert!(!p.contains(S), "a secret in {p}");
+            assert!(p.contains("***"), "{p}");
+        }
+    }
+}
