@@ -113,48 +113,6 @@ async fn open(
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn schemes_choose_the_dialect() {
-        for (url, d) in [
-            ("postgres://u@h/db", Dialect::Postgres),
-            ("postgresql://u@h/db", Dialect::Postgres),
-            ("mysql://root@h/db", Dialect::MySql),
-            ("mariadb://root@h/db", Dialect::MySql),
-            ("sqlite://x.db", Dialect::Sqlite),
-            ("sqlite::memory:", Dialect::Sqlite),
-        ] {
-            let on = match d {
-                Dialect::Postgres => cfg!(feature = "postgres"),
-                Dialect::MySql => cfg!(feature = "mysql"),
-                Dialect::Sqlite => cfg!(feature = "sqlite"),
-            };
-            match Dialect::of_url(url) {
-                Ok(found) => assert_eq!(found, d, "{url}"),
-                Err(e) => assert!(!on && e.to_string().contains("cargo feature"), "{url}: {e}"),
-            }
-        }
-    }
-
-    #[tokio::test]
-    async fn unknown_scheme_is_named_and_the_url_not_echoed() {
-        let Err(e) = connect("oracle://u:secret@h/db", StoreOptions::default()).await else {
-            panic!("oracle:// accepted");
-        };
-        let text = e.to_string();
-        assert!(text.contains("\"oracle\""), "{text}");
-        assert!(!text.contains("secret"), "{text}");
-        assert!(matches!(e, StoreError::Config(_)));
-        let Err(e) = connect("no scheme", StoreOptions::default()).await else {
-            panic!("accepted");
-        };
-        assert!(e.to_string().contains("unsupported"), "{e}");
-    }
-}
-
 /// A store's pool of up to 10 connections to the database server at `url` (PostgreSQL, MySQL):
 /// one direct connection first, so an unreachable server or a bad URL is reported with its cause
 /// instead of as a pool timeout; each connection sets `TCP_NODELAY` towards the server
@@ -223,5 +181,47 @@ impl ServerAddress for sqlx::postgres::PgConnectOptions {
 impl ServerAddress for sqlx::mysql::MySqlConnectOptions {
     fn address(&self) -> (&str, u16) {
         (self.get_host(), self.get_port())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schemes_choose_the_dialect() {
+        for (url, d) in [
+            ("postgres://u@h/db", Dialect::Postgres),
+            ("postgresql://u@h/db", Dialect::Postgres),
+            ("mysql://root@h/db", Dialect::MySql),
+            ("mariadb://root@h/db", Dialect::MySql),
+            ("sqlite://x.db", Dialect::Sqlite),
+            ("sqlite::memory:", Dialect::Sqlite),
+        ] {
+            let on = match d {
+                Dialect::Postgres => cfg!(feature = "postgres"),
+                Dialect::MySql => cfg!(feature = "mysql"),
+                Dialect::Sqlite => cfg!(feature = "sqlite"),
+            };
+            match Dialect::of_url(url) {
+                Ok(found) => assert_eq!(found, d, "{url}"),
+                Err(e) => assert!(!on && e.to_string().contains("cargo feature"), "{url}: {e}"),
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn unknown_scheme_is_named_and_the_url_not_echoed() {
+        let Err(e) = connect("oracle://u:secret@h/db", StoreOptions::default()).await else {
+            panic!("oracle:// accepted");
+        };
+        let text = e.to_string();
+        assert!(text.contains("\"oracle\""), "{text}");
+        assert!(!text.contains("secret"), "{text}");
+        assert!(matches!(e, StoreError::Config(_)));
+        let Err(e) = connect("no scheme", StoreOptions::default()).await else {
+            panic!("accepted");
+        };
+        assert!(e.to_string().contains("unsupported"), "{e}");
     }
 }
