@@ -32,7 +32,7 @@ fi
 export CARGO_TARGET_DIR="${OUTBOX_FUZZ_TARGET_DIR:-${CARGO_TARGET_DIR:-target}-fuzz}"
 # No sanitizer: the code is safe Rust; what is looked for is a panic (an assertion of a
 # dependency, an overflow: the build has debug assertions) or a broken property.
-cargo +nightly fuzz build -s none $targets
+cargo +nightly fuzz build -s none
 mkdir -p "$CARGO_TARGET_DIR"
 for t in $targets; do
   echo "==> fuzz $t ($limit)"
