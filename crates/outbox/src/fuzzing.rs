@@ -43,6 +43,7 @@ pub fn row_to_wire(
         message: &message,
         destination,
     };
+    // Used by every broker block below; a build with none of them has nothing to drive.
     let _ = &out;
     #[cfg(feature = "nats")]
     if crate::transport::nats::check_message(&out).is_ok() {
@@ -100,18 +101,14 @@ pub fn row_to_wire(
         drop(crate::transport::redis::entry_fields(&message));
     }
     #[cfg(feature = "rocketmq")]
-    if crate::transport::rocketmq::check_message(&out, 4 * 1024 * 1024).is_ok() {
-        let dest = crate::transport::rocketmq::Destination::parse(destination)
-            .expect("the check parsed it");
-        let keys = vec![message.message_id.to_string()];
-        if let Err(e) = crate::transport::rocketmq::build_raw(
-            &dest,
-            bytes::Bytes::from(message.payload.clone()),
-            Some(&message.message_id.to_string()),
-            keys,
-            message.wire_headers(),
-        ) {
-            panic!("rocketmq: checked, then refused: {e}");
+    {
+        use crate::transport::rocketmq::{Destination, RocketMqConfig, build_message};
+        let max = RocketMqConfig::new("127.0.0.1:9876").max_message_size;
+        if crate::transport::rocketmq::check_message(&out, max).is_ok() {
+            let dest = Destination::parse(destination).expect("the check parsed it");
+            if let Err(e) = build_message(&message, &dest, max) {
+                panic!("rocketmq: checked, then refused: {e}");
+            }
         }
     }
 }

@@ -337,37 +337,13 @@ impl RocketMqTransport {
         self.producer.clone().shutdown().await;
     }
 
-    /// Build the RocketMQ message for `m` to `dest`: id in `UNIQ_KEY` and `KEYS`, tag, headers as
-    /// user properties.
+    /// [`build_message`] with this transport's `max_message_size`.
     pub(crate) fn build_message(
         &self,
         m: &Message,
         dest: &Destination,
     ) -> Result<MqMessage, String> {
-        if m.payload.is_empty() {
-            return Err(
-                "RocketMQ refuses an empty message body (MESSAGE_ILLEGAL: the message body length is zero)"
-                    .into(),
-            );
-        }
-        if m.payload.len() > self.config.max_message_size {
-            return Err(format!(
-                "payload of {} bytes exceeds the RocketMQ max_message_size of {} bytes",
-                m.payload.len(),
-                self.config.max_message_size
-            ));
-        }
-        let mut keys = vec![m.message_id.to_string()];
-        if let Some(k) = &m.partition_key {
-            keys.push(k.clone());
-        }
-        build_raw(
-            dest,
-            bytes::Bytes::from(m.payload.clone()),
-            Some(&m.message_id.to_string()),
-            keys,
-            m.wire_headers(),
-        )
+        build_message(m, dest, self.config.max_message_size)
     }
 
     /// Send one built message and map the outcome.
@@ -510,6 +486,42 @@ pub(crate) fn check_message(
         )));
     }
     Ok(())
+}
+
+/// Build the RocketMQ message for `m` to `dest`: id in `UNIQ_KEY` and `KEYS` (with the partition
+/// key), tag, headers as user properties.
+///
+/// # Errors
+/// An empty payload, one over `max_message_size` bytes, or a header named like a system property.
+pub(crate) fn build_message(
+    m: &Message,
+    dest: &Destination,
+    max_message_size: usize,
+) -> Result<MqMessage, String> {
+    if m.payload.is_empty() {
+        return Err(
+            "RocketMQ refuses an empty message body (MESSAGE_ILLEGAL: the message body length is zero)"
+                .into(),
+        );
+    }
+    if m.payload.len() > max_message_size {
+        return Err(format!(
+            "payload of {} bytes exceeds the RocketMQ max_message_size of {} bytes",
+            m.payload.len(),
+            max_message_size
+        ));
+    }
+    let mut keys = vec![m.message_id.to_string()];
+    if let Some(k) = &m.partition_key {
+        keys.push(k.clone());
+    }
+    build_raw(
+        dest,
+        bytes::Bytes::from(m.payload.clone()),
+        Some(&m.message_id.to_string()),
+        keys,
+        m.wire_headers(),
+    )
 }
 
 /// Build a RocketMQ message: `UNIQ_KEY` = `uniq_key` (when given; otherwise the client
