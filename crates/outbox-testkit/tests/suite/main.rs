@@ -90,6 +90,7 @@ mod db_roles;
 mod dead_client;
 mod inbox;
 mod kafka;
+mod model;
 mod mqtt;
 mod ordering;
 mod rabbitmq;
