@@ -2,7 +2,7 @@
 //! stalls or drops replies on command.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
@@ -69,6 +69,7 @@ async fn pump(
     blocked: &AtomicBool,
     discard: Option<&AtomicBool>,
     stalled: &AtomicBool,
+    delay_ms: &AtomicU64,
 ) -> std::io::Result<()> {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let mut buf = vec![0u8; 16 * 1024];
@@ -76,6 +77,10 @@ async fn pump(
         let n = from.read(&mut buf).await?;
         if n == 0 || blocked.load(Ordering::SeqCst) {
             return Ok(());
+        }
+        let delay = delay_ms.load(Ordering::SeqCst);
+        if delay > 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
         }
         if !discard.is_some_and(|d| d.load(Ordering::SeqCst)) && !stalled.load(Ordering::SeqCst) {
             to.write_all(&buf[..n]).await?;
@@ -94,6 +99,7 @@ pub struct FaultProxy {
     pub addr: SocketAddr,
     blocked: Arc<AtomicBool>,
     replies_dropped: Arc<AtomicBool>,
+    delay_ms: Arc<AtomicU64>,
     cut: Arc<tokio::sync::watch::Sender<u64>>,
     shutdown: tokio_util::sync::CancellationToken,
     /// Per open connection: the local port of its upstream socket and its stall flag.
@@ -112,11 +118,13 @@ impl FaultProxy {
         let addr = listener.local_addr().expect("local addr");
         let blocked = Arc::new(AtomicBool::new(false));
         let replies_dropped = Arc::new(AtomicBool::new(false));
+        let delay_ms = Arc::new(AtomicU64::new(0));
         let (cut, _) = tokio::sync::watch::channel(0u64);
         let cut = Arc::new(cut);
         let shutdown = tokio_util::sync::CancellationToken::new();
         let (b, c, s) = (blocked.clone(), cut.clone(), shutdown.clone());
         let dropped = replies_dropped.clone();
+        let delay = delay_ms.clone();
         let stalls: Stalls = Arc::default();
         let all_stalls = stalls.clone();
         tokio::spawn(async move {
@@ -133,6 +141,7 @@ impl FaultProxy {
                 let upstream = upstream.clone();
                 let s = s.clone();
                 let dropped = dropped.clone();
+                let delay = delay.clone();
                 let blocked = b.clone();
                 let all_stalls = all_stalls.clone();
                 tokio::spawn(async move {
@@ -150,7 +159,14 @@ impl FaultProxy {
                     // Both directions check the flag on every chunk, so that nothing passes
                     // once `set_blocked(true)` has returned, even before this task has seen
                     // the cut (a test that publishes right after blocking must not race it).
-                    let up = pump(&mut client_rx, &mut server_tx, &blocked, None, &stalled);
+                    let up = pump(
+                        &mut client_rx,
+                        &mut server_tx,
+                        &blocked,
+                        None,
+                        &stalled,
+                        &delay,
+                    );
                     // Server to client, discarding while replies are dropped.
                     let down = pump(
                         &mut server_rx,
@@ -158,6 +174,7 @@ impl FaultProxy {
                         &blocked,
                         Some(&dropped),
                         &stalled,
+                        &delay,
                     );
                     tokio::select! {
                         _ = s.cancelled() => {}
@@ -172,6 +189,7 @@ impl FaultProxy {
             addr,
             blocked,
             replies_dropped,
+            delay_ms,
             cut,
             shutdown,
             stalls,
@@ -193,6 +211,33 @@ impl FaultProxy {
             }
         }
         found
+    }
+
+    /// Make the `n`-th open connection (modulo how many are open) half-open, as
+    /// [`FaultProxy::stall_connection`] does; returns the upstream local port of the connection
+    /// stalled, or `None` when none is open.
+    pub fn stall_nth(&self, n: usize) -> Option<u16> {
+        let mut all = self.stalls.lock().expect("stalls");
+        all.retain(|(_, s)| Arc::strong_count(s) > 1);
+        let open: Vec<&(u16, Arc<AtomicBool>)> = all
+            .iter()
+            .filter(|(_, s)| !s.load(Ordering::SeqCst))
+            .collect();
+        if open.is_empty() {
+            return None;
+        }
+        let (port, stalled) = open[n % open.len()];
+        stalled.store(true, Ordering::SeqCst);
+        Some(*port)
+    }
+
+    /// Delay every chunk forwarded, in both directions, by `delay` (zero: none), as a slow
+    /// network or an overloaded server would.
+    pub fn set_delay(&self, delay: std::time::Duration) {
+        self.delay_ms.store(
+            u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
+            Ordering::SeqCst,
+        );
     }
 
     /// While set, forward client → server but discard everything the server sends back (the
