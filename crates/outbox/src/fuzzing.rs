@@ -168,7 +168,8 @@ pub const SECRET: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
 /// A delivery as a consumer receives it: `headers` (name, value pairs as the broker carries
 /// them) and `body`, through each consumer's decoding into an [`InboundMessage`]: the webhook
 /// receiver (signature checked with [`SECRET`] against `now`), Redis Streams entry fields,
-/// RabbitMQ header tables, and MQTT (the PUBLISH packet written, read back as the consumer's
+/// RabbitMQ header tables, JetStream header maps, Kafka record headers (some without a value),
+/// RocketMQ user properties (any `reconsumeTimes`), and MQTT (the PUBLISH packet written, read back as the consumer's
 /// client reads it, then decoded). Returns nothing; decoding errors are answers, not failures.
 ///
 /// # Panics
@@ -214,6 +215,56 @@ pub fn inbound(headers: &[(String, String)], body: &[u8], now: i64) {
         }
         let h = crate::transport::rabbitmq::received_headers(Some(&t));
         let _ = InboundMessage::from_wire(h, body.to_vec(), 1);
+    }
+    #[cfg(feature = "nats")]
+    {
+        use std::str::FromStr as _;
+        let mut map = async_nats::HeaderMap::new();
+        for (k, v) in headers {
+            if let (Ok(k), Ok(v)) = (
+                async_nats::header::HeaderName::from_str(k),
+                async_nats::header::HeaderValue::from_str(v),
+            ) {
+                map.append(k, v);
+            }
+        }
+        let h = crate::consumer::nats::received_headers(Some(&map));
+        let _ = InboundMessage::from_wire(h, body.to_vec(), 1);
+    }
+    #[cfg(feature = "kafka")]
+    {
+        use rdkafka::message::{Header, OwnedHeaders, OwnedMessage, Timestamp};
+        let mut h = OwnedHeaders::new();
+        for (i, (k, v)) in headers.iter().enumerate() {
+            // A record header may come without a value.
+            let value = (i % 5 != 4).then_some(v.as_bytes());
+            h = h.insert(Header { key: k, value });
+        }
+        let m = OwnedMessage::new(
+            Some(body.to_vec()),
+            None,
+            "t".into(),
+            Timestamp::NotAvailable,
+            0,
+            0,
+            Some(h),
+        );
+        let h = crate::consumer::kafka::record_headers(&m);
+        let _ = InboundMessage::from_wire(h, body.to_vec(), 1);
+    }
+    #[cfg(feature = "rocketmq")]
+    {
+        use rocketmq_model::common::message::MessageTrait as _;
+        use rocketmq_model::common::message::message_ext::MessageExt;
+        let mut ext = MessageExt::default();
+        let mut msg = rocketmq_model::common::message::message_single::Message::default();
+        for (k, v) in headers {
+            msg.put_property(k.as_str().into(), v.as_str().into());
+        }
+        msg.set_body(Some(bytes::Bytes::copy_from_slice(body)));
+        ext.set_message_inner(msg);
+        ext.set_reconsume_times(i32::from(body.first().copied().unwrap_or(0)) - 1);
+        let _ = crate::consumer::rocketmq::inbound(&ext);
     }
     #[cfg(feature = "mqtt")]
     {

@@ -182,16 +182,8 @@ impl Source for NatsSource {
                 }
             };
             let delivered = msg.info().map(|i| i.delivered).unwrap_or(1).max(1) as u32;
-            let mut headers = Headers::new();
-            if let Some(h) = &msg.headers {
-                for (k, vs) in h.iter() {
-                    if let Some(v) = vs.first() {
-                        headers.insert(k.to_string(), v.to_string());
-                    }
-                }
-            }
             let envelope = Envelope {
-                headers,
+                headers: received_headers(msg.headers.as_ref()),
                 payload: msg.payload.to_vec(),
                 delivery_count: delivered,
                 origin: format!("subject {}", msg.subject),
@@ -227,6 +219,20 @@ impl Source for NatsSource {
         }
         Ok(())
     }
+}
+
+/// The headers of a received JetStream message: each name with its first value (a name the
+/// server delivered several times keeps the first, as the relay writes each once).
+pub(crate) fn received_headers(h: Option<&async_nats::HeaderMap>) -> Headers {
+    let mut headers = Headers::new();
+    if let Some(h) = h {
+        for (k, vs) in h.iter() {
+            if let Some(v) = vs.first() {
+                headers.insert(k.to_string(), v.to_string());
+            }
+        }
+    }
+    headers
 }
 
 /// Run the consumer until `cancel`: [`consume`] over a [`NatsSource`].

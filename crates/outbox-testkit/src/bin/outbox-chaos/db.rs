@@ -31,7 +31,8 @@ pub enum Poison {
     BadHeaderName,
     /// Headers that are not a JSON object.
     HeadersNotAnObject,
-    /// A payload over the broker's limit (2 MiB; NATS' default `max_payload` is 1 MiB).
+    /// A payload over the broker's limit (2 MiB; NATS' default `max_payload` is 1 MiB, the
+    /// RabbitMQ transport is given `max_message_bytes` 1 MiB).
     Oversized,
     /// A topic no route matches.
     Unroutable,
@@ -47,15 +48,25 @@ impl Poison {
         Poison::Unroutable,
     ];
 
-    /// (topic, headers JSON, payload size).
-    fn row(self) -> (&'static str, &'static str, usize) {
-        match self {
+    /// (topic, headers JSON, payload size) for NATS, or for RabbitMQ when `rabbitmq`.
+    fn row(self, rabbitmq: bool) -> (&'static str, String, usize) {
+        let (topic, headers, size) = match self {
+            Poison::ReservedHeader if rabbitmq => ("chaos-plain", r#"{"BCC":"x"}"#, 8),
             Poison::ReservedHeader => ("chaos-plain", r#"{"Nats-Msg-Id":"x"}"#, 8),
+            // An AMQP short string holds at most 255 bytes.
+            Poison::BadHeaderName if rabbitmq => {
+                return (
+                    "chaos-plain",
+                    format!(r#"{{"{}":"v"}}"#, "n".repeat(300)),
+                    8,
+                );
+            }
             Poison::BadHeaderName => ("chaos-plain", r#"{"bad\nname":"v"}"#, 8),
             Poison::HeadersNotAnObject => ("chaos-plain", "[1,2,3]", 8),
             Poison::Oversized => ("chaos-plain", "{}", 2 << 20),
             Poison::Unroutable => ("chaos-nowhere", "{}", 8),
-        }
+        };
+        (topic, headers.to_owned(), size)
     }
 }
 
@@ -168,8 +179,8 @@ impl Db {
     }
 
     /// Insert one poison row with plain SQL, as a foreign producer could; its message id.
-    pub async fn poison(&self, table: &str, kind: Poison) -> anyhow::Result<Uuid> {
-        let (topic, headers, size) = kind.row();
+    pub async fn poison(&self, table: &str, kind: Poison, rabbitmq: bool) -> anyhow::Result<Uuid> {
+        let (topic, headers, size) = kind.row(rabbitmq);
         let id = Uuid::now_v7();
         let payload = vec![b'x'; size];
         match self {

@@ -1,9 +1,9 @@
 //! `outbox-chaos`: the chaos run (issue 13, item 1; docs/reliability.md "Chaos run").
 //!
 //! Several `outbox relay` processes share one outbox table on PostgreSQL or MySQL/MariaDB and
-//! publish to NATS JetStream through TCP fault proxies, while producers commit messages over many
+//! publish to NATS JetStream or RabbitMQ through TCP fault proxies, while producers commit messages over many
 //! keys (an ordered and an unordered route), roll some transactions back, hold some open, and
-//! insert poison rows; an inbox consumer (the library's NATS runner) applies every message. A
+//! insert poison rows; an inbox consumer (the library's runner for the broker) applies every message. A
 //! seeded schedule SIGKILLs and restarts relays, pauses one past its lease (SIGSTOP/SIGCONT),
 //! cuts, slows and half-opens the database and broker connections and drops the broker's acks.
 //! When the faults stop, the run waits for the backlog to drain and checks, from the database
@@ -16,6 +16,7 @@
 //! outbox-chaos --database postgres://postgres@127.0.0.1:5432/test            # small (CI)
 //! outbox-chaos --database mysql://root@127.0.0.1:3306/test --messages 100000 --keys 1000 \
 //!     --kills 24 --duration 120s                                              # full size
+//! outbox-chaos --database … --broker amqp://guest:guest@127.0.0.1:5672/%2f     # RabbitMQ
 //! outbox-chaos --database … --seed 42                                         # replay a seed
 //! ```
 
@@ -31,8 +32,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::Parser;
+use outbox::RabbitMqConfig;
 use outbox::consumer::ConsumerMetrics;
 use outbox::consumer::nats::NatsConsumerConfig;
+use outbox::consumer::rabbitmq::{QueueSetup, RabbitMqConsumerConfig};
 use outbox::{Inbox, InboxBackend, NewMessage, Status};
 use outbox_testkit::FaultProxy;
 use rand::rngs::StdRng;
@@ -54,13 +57,9 @@ struct Args {
     /// `postgres://…` or `mysql://…` (`mariadb://…`).
     #[arg(long, env = "OUTBOX_CHAOS_DATABASE")]
     database: String,
-    /// NATS server.
-    #[arg(
-        long,
-        env = "OUTBOX_TEST_NATS_URL",
-        default_value = "nats://127.0.0.1:4222"
-    )]
-    nats: String,
+    /// The broker: `nats://…` (JetStream) or `amqp://…` (RabbitMQ).
+    #[arg(long, default_value = "nats://127.0.0.1:4222")]
+    broker: String,
     /// Committed messages to publish (poison rows and rolled-back ones come on top).
     #[arg(long, default_value_t = 3000)]
     messages: u64,
@@ -120,11 +119,32 @@ fn relay_toml(
     args: &Args,
     name: &str,
     db_url: &str,
-    nats_url: &str,
+    broker_url: &str,
     table: &str,
     stream: &str,
 ) -> String {
     let lease = args.lease.as_millis();
+    let pt = lease / 3;
+    let subj = stream.to_lowercase();
+    let (transport, ordered, plain) = if rabbitmq(args) {
+        (
+            format!(
+                "kind = \"rabbitmq\"\nurl = \"{broker_url}\"\nconfirm_timeout = \"{pt}ms\"\n\
+                 connect_timeout = \"{pt}ms\"\nmax_message_bytes = 1048576\n"
+            ),
+            subj.clone(),
+            subj.clone(),
+        )
+    } else {
+        (
+            format!(
+                "kind = \"nats\"\nurl = \"{broker_url}\"\nstream = \"{stream}\"\n\
+                 subjects = [\"{subj}.>\"]\ncreate_stream = false\nack_timeout = \"{pt}ms\"\n"
+            ),
+            format!("{subj}.ordered"),
+            format!("{subj}.plain"),
+        )
+    };
     format!(
         r#"[database]
 url = "{db_url}"
@@ -144,27 +164,23 @@ maintenance_interval = "1s"
 shutdown_timeout = "2s"
 
 [transports.bus]
-kind = "nats"
-url = "{nats_url}"
-stream = "{stream}"
-subjects = ["{subj}.>"]
-create_stream = false
-ack_timeout = "{pt}ms"
-
+{transport}
 [[routes]]
 topics = "chaos-ordered"
 transport = "bus"
-destination = "{subj}.ordered"
+destination = "{ordered}"
 ordered = true
 
 [[routes]]
 topics = "chaos-plain"
 transport = "bus"
-destination = "{subj}.plain"
+destination = "{plain}"
 "#,
-        pt = lease / 3,
-        subj = stream.to_lowercase(),
     )
+}
+
+fn rabbitmq(args: &Args) -> bool {
+    args.broker.starts_with("amqp")
 }
 
 #[tokio::main]
@@ -216,35 +232,43 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     );
 
     let db = Db::open(&args.database, &table).await?;
-    let nats = async_nats::connect(&args.nats).await.with_context(|| {
-        format!(
-            "NATS at {} does not answer (OUTBOX_TEST_NATS_URL)",
-            args.nats
-        )
-    })?;
-    let js = async_nats::jetstream::new(nats);
-    js.create_stream(async_nats::jetstream::stream::Config {
-        name: stream.clone(),
-        subjects: vec![format!("{subj}.>")],
-        ..Default::default()
-    })
-    .await
-    .context("create the stream")?;
+    let broker = if rabbitmq(&args) {
+        Broker::RabbitMq {
+            url: args.broker.clone(),
+            queue: subj.clone(),
+        }
+    } else {
+        let nats = async_nats::connect(&args.broker)
+            .await
+            .with_context(|| format!("NATS at {} does not answer", args.broker))?;
+        let js = async_nats::jetstream::new(nats);
+        js.create_stream(async_nats::jetstream::stream::Config {
+            name: stream.clone(),
+            subjects: vec![format!("{subj}.>")],
+            ..Default::default()
+        })
+        .await
+        .context("create the stream")?;
+        Broker::Nats {
+            js,
+            stream: stream.clone(),
+        }
+    };
 
     // Proxies in front of the database and the broker, for the relays only.
     let (db_host, _) = via(&args.database, "127.0.0.1:1".parse()?)?;
     let db_proxy = FaultProxy::start(db_host).await;
-    let (nats_host, _) = via(&args.nats, "127.0.0.1:1".parse()?)?;
-    let nats_proxy = FaultProxy::start(nats_host).await;
+    let (broker_host, _) = via(&args.broker, "127.0.0.1:1".parse()?)?;
+    let broker_proxy = FaultProxy::start(broker_host).await;
     let (_, db_via) = via(
         &args.database.replacen("mariadb://", "mysql://", 1),
         db_proxy.addr,
     )?;
-    let (_, nats_via) = via(&args.nats, nats_proxy.addr)?;
+    let (_, broker_via) = via(&args.broker, broker_proxy.addr)?;
     let mut slots = Vec::new();
     for i in 0..args.relays {
         let name = format!("chaos-relay-{i}");
-        let toml = relay_toml(&args, &name, &db_via, &nats_via, &table, &stream);
+        let toml = relay_toml(&args, &name, &db_via, &broker_via, &table, &stream);
         let mut slot = RelaySlot::new(&dir, name, &toml)?;
         slot.start(&outbox_bin)?;
         slots.push(slot);
@@ -257,25 +281,16 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         table: format!("{table}_effects"),
         applied: AtomicU64::new(0),
     });
-    let consumer_config = NatsConsumerConfig {
-        concurrency: 16,
-        batch: 200,
-        ack_wait: Duration::from_secs(5),
-        max_deliveries: 1000,
-        ..NatsConsumerConfig::new(stream.clone(), format!("chaos-{id}"))
-    };
     let consumer = match &db {
         Db::Pg(pool, _) => spawn_consumer(
             Inbox::<sqlx::Postgres>::new(pool.clone(), &format!("{table}_inbox"), "chaos")?,
-            js.clone(),
-            consumer_config,
+            broker.clone(),
             effects.clone(),
             cancel.clone(),
         ),
         Db::My(pool, _) => spawn_consumer(
             Inbox::<sqlx::MySql>::new(pool.clone(), &format!("{table}_inbox"), "chaos")?,
-            js.clone(),
-            consumer_config,
+            broker.clone(),
             effects.clone(),
             cancel.clone(),
         ),
@@ -316,13 +331,13 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     };
     let schedule = faults::schedule(seed, args.duration, args.relays, args.kills, args.lease);
     let fault_log = Arc::new(Mutex::new(Vec::<String>::new()));
-    let producer = produce(&args, &db, &table, seed, produced.clone());
+    let producer = produce(&args, &db, &table, seed, produced.clone(), rabbitmq(&args));
     let driver = drive_faults(
         &schedule,
         started,
         slots.clone(),
         &db_proxy,
-        &nats_proxy,
+        &broker_proxy,
         &outbox_bin,
         fault_log.clone(),
         faults_done.clone(),
@@ -334,9 +349,9 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     // The faults stop: everything back, every relay running.
     db_proxy.set_blocked(false);
     db_proxy.set_delay(Duration::ZERO);
-    nats_proxy.set_blocked(false);
-    nats_proxy.set_replies_dropped(false);
-    nats_proxy.set_delay(Duration::ZERO);
+    broker_proxy.set_blocked(false);
+    broker_proxy.set_replies_dropped(false);
+    broker_proxy.set_delay(Duration::ZERO);
     {
         let mut slots = slots.lock().await;
         for s in slots.iter_mut() {
@@ -530,7 +545,7 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     }
     if !args.keep && failures.is_empty() {
         db.drop_tables(&table).await;
-        let _ = js.delete_stream(&stream).await;
+        broker.delete().await;
         let _ = std::fs::remove_dir_all(&dir);
     }
     Ok(failures.is_empty())
@@ -538,8 +553,7 @@ async fn run(args: Args) -> anyhow::Result<bool> {
 
 fn spawn_consumer<DB: InboxBackend>(
     inbox: Inbox<DB>,
-    js: async_nats::jetstream::Context,
-    config: NatsConsumerConfig,
+    broker: Broker,
     effects: Arc<Effects>,
     cancel: CancellationToken,
 ) -> tokio::task::JoinHandle<()>
@@ -552,12 +566,64 @@ where
             return;
         }
         let metrics = Arc::new(ConsumerMetrics::default());
-        if let Err(e) =
-            outbox::consumer::nats::run(js, config, inbox, effects, metrics, cancel).await
-        {
+        let result = match broker {
+            Broker::Nats { js, stream } => {
+                let config = NatsConsumerConfig {
+                    concurrency: 16,
+                    batch: 200,
+                    ack_wait: Duration::from_secs(5),
+                    max_deliveries: 1000,
+                    ..NatsConsumerConfig::new(stream.clone(), format!("{stream}-consumer"))
+                };
+                outbox::consumer::nats::run(js, config, inbox, effects, metrics, cancel).await
+            }
+            Broker::RabbitMq { url, queue } => {
+                let mut config = RabbitMqConsumerConfig::new(RabbitMqConfig::new(url), queue);
+                config.declare = Some(QueueSetup::default());
+                config.concurrency = 16;
+                config.batch = 200;
+                config.max_deliveries = 1000;
+                outbox::consumer::rabbitmq::run(config, inbox, effects, metrics, cancel).await
+            }
+        };
+        if let Err(e) = result {
             eprintln!("consumer failed: {e}");
         }
     })
+}
+
+/// The broker under test, as the consumer reaches it (directly, not through the proxy).
+#[derive(Clone)]
+enum Broker {
+    Nats {
+        js: async_nats::jetstream::Context,
+        stream: String,
+    },
+    RabbitMq {
+        url: String,
+        queue: String,
+    },
+}
+
+impl Broker {
+    /// Delete the stream or queue of the run.
+    async fn delete(&self) {
+        match self {
+            Broker::Nats { js, stream } => {
+                let _ = js.delete_stream(stream).await;
+            }
+            Broker::RabbitMq { url, queue } => {
+                let props = lapin::ConnectionProperties::default();
+                if let Ok(c) = lapin::Connection::connect(url, props).await
+                    && let Ok(ch) = c.create_channel().await
+                {
+                    let _ = ch
+                        .queue_delete(queue.as_str().into(), Default::default())
+                        .await;
+                }
+            }
+        }
+    }
 }
 
 /// Every row not SENT: message id → (status, has a last error).
@@ -588,6 +654,7 @@ async fn produce(
     table: &str,
     seed: u64,
     out: Arc<Mutex<Produced>>,
+    rabbitmq: bool,
 ) -> anyhow::Result<()> {
     const TASKS: u64 = 4;
     let per_task = args.messages / TASKS;
@@ -673,14 +740,14 @@ async fn produce(
                 done += size;
                 if poisoned < poison && done * poison >= poisoned * n {
                     let kind = Poison::ALL[(poisoned % Poison::ALL.len() as u64) as usize];
-                    let id = db.poison(&table, kind).await?;
+                    let id = db.poison(&table, kind, rabbitmq).await?;
                     out.lock().await.poison.push((id, kind));
                     poisoned += 1;
                 }
             }
             while poisoned < poison {
                 let kind = Poison::ALL[(poisoned % Poison::ALL.len() as u64) as usize];
-                let id = db.poison(&table, kind).await?;
+                let id = db.poison(&table, kind, rabbitmq).await?;
                 out.lock().await.poison.push((id, kind));
                 poisoned += 1;
             }
@@ -700,7 +767,7 @@ async fn drive_faults(
     started: Instant,
     slots: Arc<Mutex<Vec<RelaySlot>>>,
     db_proxy: &FaultProxy,
-    nats_proxy: &FaultProxy,
+    broker_proxy: &FaultProxy,
     outbox_bin: &std::path::Path,
     log: Arc<Mutex<Vec<String>>>,
     done: Arc<AtomicU64>,
@@ -716,7 +783,7 @@ async fn drive_faults(
                     Some((t, _)) if *t <= until => {
                         let (t, f) = ends.remove(0);
                         tokio::time::sleep_until(t.into()).await;
-                        end(f, &slots, db_proxy, nats_proxy, outbox_bin).await?;
+                        end(f, &slots, db_proxy, broker_proxy, outbox_bin).await?;
                     }
                     _ => break,
                 }
@@ -744,7 +811,7 @@ async fn drive_faults(
                 format!("database cut for {} ms", cut.as_millis())
             }
             Fault::CutBroker { cut } => {
-                nats_proxy.set_blocked(true);
+                broker_proxy.set_blocked(true);
                 ends.push((now + cut, *fault));
                 format!("broker cut for {} ms", cut.as_millis())
             }
@@ -758,7 +825,7 @@ async fn drive_faults(
                 )
             }
             Fault::SlowBroker { delay, during } => {
-                nats_proxy.set_delay(delay);
+                broker_proxy.set_delay(delay);
                 ends.push((now + during, *fault));
                 format!(
                     "broker +{} ms per chunk for {} ms",
@@ -771,7 +838,7 @@ async fn drive_faults(
                 None => "database half-open: no connection open".to_owned(),
             },
             Fault::DropBrokerReplies { during } => {
-                nats_proxy.set_replies_dropped(true);
+                broker_proxy.set_replies_dropped(true);
                 ends.push((now + during, *fault));
                 format!(
                     "broker acks dropped for {} ms, then cut",
@@ -787,7 +854,7 @@ async fn drive_faults(
     ends.sort_by_key(|(t, _)| *t);
     for (t, f) in ends {
         tokio::time::sleep_until(t.into()).await;
-        end(f, &slots, db_proxy, nats_proxy, outbox_bin).await?;
+        end(f, &slots, db_proxy, broker_proxy, outbox_bin).await?;
     }
     Ok(())
 }
@@ -796,7 +863,7 @@ async fn end(
     fault: Fault,
     slots: &Mutex<Vec<RelaySlot>>,
     db_proxy: &FaultProxy,
-    nats_proxy: &FaultProxy,
+    broker_proxy: &FaultProxy,
     outbox_bin: &std::path::Path,
 ) -> anyhow::Result<()> {
     match fault {
@@ -808,14 +875,14 @@ async fn end(
         }
         Fault::Pause { slot, .. } => slots.lock().await[slot].signal_pause(false),
         Fault::CutDatabase { .. } => db_proxy.set_blocked(false),
-        Fault::CutBroker { .. } => nats_proxy.set_blocked(false),
+        Fault::CutBroker { .. } => broker_proxy.set_blocked(false),
         Fault::SlowDatabase { .. } => db_proxy.set_delay(Duration::ZERO),
-        Fault::SlowBroker { .. } => nats_proxy.set_delay(Duration::ZERO),
+        Fault::SlowBroker { .. } => broker_proxy.set_delay(Duration::ZERO),
         Fault::HalfOpenDatabase { .. } => {}
         Fault::DropBrokerReplies { .. } => {
-            nats_proxy.set_replies_dropped(false);
-            nats_proxy.set_blocked(true);
-            nats_proxy.set_blocked(false);
+            broker_proxy.set_replies_dropped(false);
+            broker_proxy.set_blocked(true);
+            broker_proxy.set_blocked(false);
         }
     }
     Ok(())
