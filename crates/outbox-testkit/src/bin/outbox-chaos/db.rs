@@ -252,50 +252,35 @@ impl Effects {
     }
 }
 
-#[async_trait::async_trait]
-impl outbox::Handler<sqlx::Postgres> for Effects {
-    async fn handle(
-        &self,
-        conn: &mut sqlx::PgConnection,
-        msg: &InboundMessage,
-    ) -> Result<(), HandlerError> {
-        let p = Self::row(msg)?;
-        sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO {} (message_id, pkey, seq, rb) VALUES ($1, $2, $3, $4)",
-            self.table
-        )))
-        .bind(msg.message_id.to_string())
-        .bind(p.k)
-        .bind(i64::try_from(p.s).unwrap_or(i64::MAX))
-        .bind(p.rb)
-        .execute(&mut *conn)
-        .await
-        .map_err(HandlerError::transient)?;
-        self.applied.fetch_add(1, Ordering::Relaxed);
-        Ok(())
-    }
+/// `outbox::Handler<$db>` for [`Effects`]: one effect row inserted with the dialect's
+/// placeholders `$values` on the inbox transaction's connection.
+macro_rules! effects_handler {
+    ($db:ty, $conn:ty, $values:literal) => {
+        #[async_trait::async_trait]
+        impl outbox::Handler<$db> for Effects {
+            async fn handle(
+                &self,
+                conn: &mut $conn,
+                msg: &InboundMessage,
+            ) -> Result<(), HandlerError> {
+                let p = Self::row(msg)?;
+                sqlx::query(AssertSqlSafe(format!(
+                    "INSERT INTO {} (message_id, pkey, seq, rb) VALUES {}",
+                    self.table, $values
+                )))
+                .bind(msg.message_id.to_string())
+                .bind(p.k)
+                .bind(i64::try_from(p.s).unwrap_or(i64::MAX))
+                .bind(p.rb)
+                .execute(&mut *conn)
+                .await
+                .map_err(HandlerError::transient)?;
+                self.applied.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }
+        }
+    };
 }
 
-#[async_trait::async_trait]
-impl outbox::Handler<sqlx::MySql> for Effects {
-    async fn handle(
-        &self,
-        conn: &mut sqlx::MySqlConnection,
-        msg: &InboundMessage,
-    ) -> Result<(), HandlerError> {
-        let p = Self::row(msg)?;
-        sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO {} (message_id, pkey, seq, rb) VALUES (?, ?, ?, ?)",
-            self.table
-        )))
-        .bind(msg.message_id.to_string())
-        .bind(p.k)
-        .bind(i64::try_from(p.s).unwrap_or(i64::MAX))
-        .bind(p.rb)
-        .execute(&mut *conn)
-        .await
-        .map_err(HandlerError::transient)?;
-        self.applied.fetch_add(1, Ordering::Relaxed);
-        Ok(())
-    }
-}
+effects_handler!(sqlx::Postgres, sqlx::PgConnection, "($1, $2, $3, $4)");
+effects_handler!(sqlx::MySql, sqlx::MySqlConnection, "(?, ?, ?, ?)");

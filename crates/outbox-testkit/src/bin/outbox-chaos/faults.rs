@@ -1,6 +1,13 @@
 //! The fault schedule: seeded, so a failing seed replays the same faults at the same offsets.
 
-use std::time::Duration;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use outbox_testkit::FaultProxy;
+use tokio::sync::Mutex;
+
+use crate::relays::RelaySlot;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -88,4 +95,132 @@ pub fn schedule(
     }
     out.sort_by_key(|(t, _)| *t);
     out
+}
+
+/// Run the fault schedule; each fault's end (restart, SIGCONT, unblock) is scheduled on its own.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn drive_faults(
+    schedule: &[(Duration, Fault)],
+    started: Instant,
+    slots: Arc<Mutex<Vec<RelaySlot>>>,
+    db_proxy: &FaultProxy,
+    broker_proxy: &FaultProxy,
+    outbox_bin: &std::path::Path,
+    log: Arc<Mutex<Vec<String>>>,
+    done: Arc<AtomicU64>,
+) -> anyhow::Result<()> {
+    let mut ends: Vec<(Instant, Fault)> = Vec::new();
+    for (at, fault) in schedule {
+        if let Some(wait) = at.checked_sub(started.elapsed()) {
+            // Finish what ends before this fault starts.
+            let until = Instant::now() + wait;
+            loop {
+                ends.sort_by_key(|(t, _)| *t);
+                match ends.first() {
+                    Some((t, _)) if *t <= until => {
+                        let (t, f) = ends.remove(0);
+                        tokio::time::sleep_until(t.into()).await;
+                        end(f, &slots, db_proxy, broker_proxy, outbox_bin).await?;
+                    }
+                    _ => break,
+                }
+            }
+            tokio::time::sleep_until(until.into()).await;
+        }
+        let now = Instant::now();
+        let what = match *fault {
+            Fault::Kill { slot, down } => {
+                slots.lock().await[slot].kill().await;
+                ends.push((now + down, *fault));
+                format!(
+                    "SIGKILL relay {slot}, restart after {} ms",
+                    down.as_millis()
+                )
+            }
+            Fault::Pause { slot, pause } => {
+                slots.lock().await[slot].signal_pause(true);
+                ends.push((now + pause, *fault));
+                format!("SIGSTOP relay {slot} for {} ms", pause.as_millis())
+            }
+            Fault::CutDatabase { cut } => {
+                db_proxy.set_blocked(true);
+                ends.push((now + cut, *fault));
+                format!("database cut for {} ms", cut.as_millis())
+            }
+            Fault::CutBroker { cut } => {
+                broker_proxy.set_blocked(true);
+                ends.push((now + cut, *fault));
+                format!("broker cut for {} ms", cut.as_millis())
+            }
+            Fault::SlowDatabase { delay, during } => {
+                db_proxy.set_delay(delay);
+                ends.push((now + during, *fault));
+                format!(
+                    "database +{} ms per chunk for {} ms",
+                    delay.as_millis(),
+                    during.as_millis()
+                )
+            }
+            Fault::SlowBroker { delay, during } => {
+                broker_proxy.set_delay(delay);
+                ends.push((now + during, *fault));
+                format!(
+                    "broker +{} ms per chunk for {} ms",
+                    delay.as_millis(),
+                    during.as_millis()
+                )
+            }
+            Fault::HalfOpenDatabase { n } => match db_proxy.stall_nth(n) {
+                Some(port) => format!("database connection from port {port} half-open"),
+                None => "database half-open: no connection open".to_owned(),
+            },
+            Fault::DropBrokerReplies { during } => {
+                broker_proxy.set_replies_dropped(true);
+                ends.push((now + during, *fault));
+                format!(
+                    "broker acks dropped for {} ms, then cut",
+                    during.as_millis()
+                )
+            }
+        };
+        log.lock()
+            .await
+            .push(format!("{:>7.2} s  {what}", at.as_secs_f64()));
+        done.fetch_add(1, Ordering::Relaxed);
+    }
+    ends.sort_by_key(|(t, _)| *t);
+    for (t, f) in ends {
+        tokio::time::sleep_until(t.into()).await;
+        end(f, &slots, db_proxy, broker_proxy, outbox_bin).await?;
+    }
+    Ok(())
+}
+
+pub(crate) async fn end(
+    fault: Fault,
+    slots: &Mutex<Vec<RelaySlot>>,
+    db_proxy: &FaultProxy,
+    broker_proxy: &FaultProxy,
+    outbox_bin: &std::path::Path,
+) -> anyhow::Result<()> {
+    match fault {
+        Fault::Kill { slot, .. } => {
+            let mut slots = slots.lock().await;
+            if !slots[slot].running() {
+                slots[slot].start(outbox_bin)?;
+            }
+        }
+        Fault::Pause { slot, .. } => slots.lock().await[slot].signal_pause(false),
+        Fault::CutDatabase { .. } => db_proxy.set_blocked(false),
+        Fault::CutBroker { .. } => broker_proxy.set_blocked(false),
+        Fault::SlowDatabase { .. } => db_proxy.set_delay(Duration::ZERO),
+        Fault::SlowBroker { .. } => broker_proxy.set_delay(Duration::ZERO),
+        Fault::HalfOpenDatabase { .. } => {}
+        Fault::DropBrokerReplies { .. } => {
+            broker_proxy.set_replies_dropped(false);
+            broker_proxy.set_blocked(true);
+            broker_proxy.set_blocked(false);
+        }
+    }
+    Ok(())
 }

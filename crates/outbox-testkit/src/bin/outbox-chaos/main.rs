@@ -23,6 +23,7 @@
 mod db;
 mod faults;
 mod relays;
+mod workload;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -32,70 +33,56 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::Parser;
-use outbox::RabbitMqConfig;
-use outbox::consumer::ConsumerMetrics;
-use outbox::consumer::nats::NatsConsumerConfig;
-use outbox::consumer::rabbitmq::{QueueSetup, RabbitMqConsumerConfig};
-use outbox::{Inbox, InboxBackend, NewMessage, Status};
+use outbox::{Inbox, Status};
 use outbox_testkit::FaultProxy;
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use db::{Db, Effects, Payload, Poison};
-use faults::Fault;
+use db::{Db, Effects};
+use faults::drive_faults;
 use relays::RelaySlot;
+use workload::{Broker, Produced, produce, spawn_consumer};
 
 #[derive(Debug, Parser)]
 #[command(
     name = "outbox-chaos",
     about = "Chaos run of the outbox relay (docs/reliability.md)"
 )]
-struct Args {
+pub(crate) struct Args {
     /// `postgres://…` or `mysql://…` (`mariadb://…`).
     #[arg(long, env = "OUTBOX_CHAOS_DATABASE")]
-    database: String,
+    pub(crate) database: String,
     /// The broker: `nats://…` (JetStream) or `amqp://…` (RabbitMQ).
     #[arg(long, default_value = "nats://127.0.0.1:4222")]
-    broker: String,
+    pub(crate) broker: String,
     /// Committed messages to publish (poison rows and rolled-back ones come on top).
     #[arg(long, default_value_t = 3000)]
-    messages: u64,
+    pub(crate) messages: u64,
     /// Partition keys of the ordered route.
     #[arg(long, default_value_t = 100)]
-    keys: u64,
+    pub(crate) keys: u64,
     /// Relay processes.
     #[arg(long, default_value_t = 4)]
-    relays: usize,
+    pub(crate) relays: usize,
     /// SIGKILLs (each followed by a restart).
     #[arg(long, default_value_t = 8)]
-    kills: usize,
+    pub(crate) kills: usize,
     /// How long the producers and the faults run.
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
-    duration: Duration,
+    pub(crate) duration: Duration,
     /// Bucket lease of the relays.
     #[arg(long, default_value = "3s", value_parser = humantime::parse_duration)]
-    lease: Duration,
+    pub(crate) lease: Duration,
     /// Seed of the fault schedule and the workload (default: random, printed).
     #[arg(long)]
-    seed: Option<u64>,
+    pub(crate) seed: Option<u64>,
     /// The `outbox` binary (default: beside this one).
     #[arg(long)]
-    outbox: Option<PathBuf>,
+    pub(crate) outbox: Option<PathBuf>,
     /// Keep the tables, stream and logs afterwards.
     #[arg(long)]
-    keep: bool,
-}
-
-/// What the producers committed.
-#[derive(Default)]
-struct Produced {
-    good: Vec<Uuid>,
-    poison: Vec<(Uuid, Poison)>,
-    rolled_back: u64,
-    long_transactions: u64,
+    pub(crate) keep: bool,
 }
 
 /// `scheme://user@host:port/db` with `host:port` replaced by `addr`.
@@ -369,7 +356,11 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     progress.set_length(good.len() as u64);
 
     // Wait for the backlog to drain: every committed message applied, every poison row FAILED.
-    let limit = args.lease * 4 + Duration::from_secs(60);
+    // The backlog left when the faults stop drains at the relays' pace: allow four leases (a
+    // relay killed last is taken over after one) and a minute, plus 200 messages a second of
+    // backlog (far below what four relays publish; a wedged relay stops the drain outright).
+    let backlog = (good.len() as u64).saturating_sub(effects.applied.load(Ordering::Relaxed));
+    let limit = args.lease * 4 + Duration::from_secs(60 + backlog / 200);
     let store = db.store();
     let drained = loop {
         let applied = db
@@ -520,8 +511,9 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         produced.poison.len()
     );
     println!(
-        "  drained {} after the faults stopped; relays alive {alive}/{}, members {}",
+        "  drained {} after the faults stopped (backlog then about {backlog}, limit {:.0} s); relays alive {alive}/{}, members {}",
         drained.map_or("never".to_owned(), |d| format!("{:.1} s", d.as_secs_f64())),
+        limit.as_secs_f64(),
         args.relays,
         members.len()
     );
@@ -551,81 +543,6 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     Ok(failures.is_empty())
 }
 
-fn spawn_consumer<DB: InboxBackend>(
-    inbox: Inbox<DB>,
-    broker: Broker,
-    effects: Arc<Effects>,
-    cancel: CancellationToken,
-) -> tokio::task::JoinHandle<()>
-where
-    Effects: outbox::Handler<DB>,
-{
-    tokio::spawn(async move {
-        if let Err(e) = inbox.migrate().await {
-            eprintln!("inbox migration failed: {e}");
-            return;
-        }
-        let metrics = Arc::new(ConsumerMetrics::default());
-        let result = match broker {
-            Broker::Nats { js, stream } => {
-                let config = NatsConsumerConfig {
-                    concurrency: 16,
-                    batch: 200,
-                    ack_wait: Duration::from_secs(5),
-                    max_deliveries: 1000,
-                    ..NatsConsumerConfig::new(stream.clone(), format!("{stream}-consumer"))
-                };
-                outbox::consumer::nats::run(js, config, inbox, effects, metrics, cancel).await
-            }
-            Broker::RabbitMq { url, queue } => {
-                let mut config = RabbitMqConsumerConfig::new(RabbitMqConfig::new(url), queue);
-                config.declare = Some(QueueSetup::default());
-                config.concurrency = 16;
-                config.batch = 200;
-                config.max_deliveries = 1000;
-                outbox::consumer::rabbitmq::run(config, inbox, effects, metrics, cancel).await
-            }
-        };
-        if let Err(e) = result {
-            eprintln!("consumer failed: {e}");
-        }
-    })
-}
-
-/// The broker under test, as the consumer reaches it (directly, not through the proxy).
-#[derive(Clone)]
-enum Broker {
-    Nats {
-        js: async_nats::jetstream::Context,
-        stream: String,
-    },
-    RabbitMq {
-        url: String,
-        queue: String,
-    },
-}
-
-impl Broker {
-    /// Delete the stream or queue of the run.
-    async fn delete(&self) {
-        match self {
-            Broker::Nats { js, stream } => {
-                let _ = js.delete_stream(stream).await;
-            }
-            Broker::RabbitMq { url, queue } => {
-                let props = lapin::ConnectionProperties::default();
-                if let Ok(c) = lapin::Connection::connect(url, props).await
-                    && let Ok(ch) = c.create_channel().await
-                {
-                    let _ = ch
-                        .queue_delete(queue.as_str().into(), Default::default())
-                        .await;
-                }
-            }
-        }
-    }
-}
-
 /// Every row not SENT: message id → (status, has a last error).
 async fn row_states(db: &Db, table: &str) -> anyhow::Result<BTreeMap<String, (i64, bool)>> {
     let sent = Status::Sent.as_i16();
@@ -643,247 +560,4 @@ async fn row_states(db: &Db, table: &str) -> anyhow::Result<BTreeMap<String, (i6
         .into_iter()
         .filter_map(|(m, v)| m.map(|m| (m, (v / 2, v % 2 == 1))))
         .collect())
-}
-
-/// The producers: paced over the run, 4 tasks, each owning a share of the keys (so a key's
-/// sequence numbers are committed in order); 3 % of transactions rolled back, a long
-/// transaction every 5 s, poison rows spread over the run.
-async fn produce(
-    args: &Args,
-    db: &Db,
-    table: &str,
-    seed: u64,
-    out: Arc<Mutex<Produced>>,
-    rabbitmq: bool,
-) -> anyhow::Result<()> {
-    const TASKS: u64 = 4;
-    let per_task = args.messages / TASKS;
-    let poison_total = (args.messages / 500).max(Poison::ALL.len() as u64);
-    let mut tasks = Vec::new();
-    for t in 0..TASKS {
-        let n = if t == TASKS - 1 {
-            args.messages - per_task * (TASKS - 1)
-        } else {
-            per_task
-        };
-        let (db, out, table) = (db.clone(), out.clone(), table.to_owned());
-        let keys: Vec<u64> = (0..args.keys).filter(|k| k % TASKS == t).collect();
-        let duration = args.duration;
-        let poison = if t == 0 { poison_total } else { 0 };
-        tasks.push(tokio::spawn(async move {
-            let mut rng = StdRng::seed_from_u64(seed ^ (t + 1));
-            let mut seq: BTreeMap<u64, u64> = BTreeMap::new();
-            let started = Instant::now();
-            let mut done = 0u64;
-            let mut poisoned = 0u64;
-            let mut last_long = Instant::now();
-            while done < n {
-                // Pace: `done` messages are due after `done / n` of the run.
-                let due = duration.mul_f64(done as f64 / n as f64);
-                if let Some(wait) = due.checked_sub(started.elapsed()) {
-                    tokio::time::sleep(wait).await;
-                }
-                let size = rng.random_range(1..=8).min(n - done);
-                let rollback = rng.random_bool(0.03);
-                let mut msgs = Vec::new();
-                let mut ordered = Vec::new();
-                for _ in 0..size {
-                    if rollback {
-                        let p = Payload {
-                            k: None,
-                            s: 0,
-                            rb: true,
-                        };
-                        msgs.push(NewMessage::new("chaos-plain", serde_json::to_vec(&p)?));
-                    } else if !keys.is_empty() && rng.random_bool(0.5) {
-                        let k = keys[rng.random_range(0..keys.len())];
-                        let s = seq.entry(k).or_default();
-                        let p = Payload {
-                            k: Some(format!("k{k}")),
-                            s: *s,
-                            rb: false,
-                        };
-                        *s += 1;
-                        ordered.push(k);
-                        msgs.push(
-                            NewMessage::new("chaos-ordered", serde_json::to_vec(&p)?)
-                                .with_partition_key(format!("k{k}")),
-                        );
-                    } else {
-                        let p = Payload {
-                            k: None,
-                            s: done,
-                            rb: false,
-                        };
-                        msgs.push(NewMessage::new("chaos-plain", serde_json::to_vec(&p)?));
-                    }
-                }
-                let hold = if t == 1 && last_long.elapsed() > Duration::from_secs(5) {
-                    last_long = Instant::now();
-                    Duration::from_millis(rng.random_range(2000..4000))
-                } else {
-                    Duration::ZERO
-                };
-                let ids = db.produce(msgs, !rollback, hold).await?;
-                let mut o = out.lock().await;
-                if !hold.is_zero() {
-                    o.long_transactions += 1;
-                }
-                if rollback {
-                    o.rolled_back += 1;
-                    // The sequence numbers were not used: nothing to undo (rolled-back
-                    // transactions carry no ordered messages).
-                    continue;
-                }
-                o.good.extend(ids);
-                drop(o);
-                done += size;
-                if poisoned < poison && done * poison >= poisoned * n {
-                    let kind = Poison::ALL[(poisoned % Poison::ALL.len() as u64) as usize];
-                    let id = db.poison(&table, kind, rabbitmq).await?;
-                    out.lock().await.poison.push((id, kind));
-                    poisoned += 1;
-                }
-            }
-            while poisoned < poison {
-                let kind = Poison::ALL[(poisoned % Poison::ALL.len() as u64) as usize];
-                let id = db.poison(&table, kind, rabbitmq).await?;
-                out.lock().await.poison.push((id, kind));
-                poisoned += 1;
-            }
-            anyhow::Ok(())
-        }));
-    }
-    for t in tasks {
-        t.await??;
-    }
-    Ok(())
-}
-
-/// Run the fault schedule; each fault's end (restart, SIGCONT, unblock) is scheduled on its own.
-#[allow(clippy::too_many_arguments)]
-async fn drive_faults(
-    schedule: &[(Duration, Fault)],
-    started: Instant,
-    slots: Arc<Mutex<Vec<RelaySlot>>>,
-    db_proxy: &FaultProxy,
-    broker_proxy: &FaultProxy,
-    outbox_bin: &std::path::Path,
-    log: Arc<Mutex<Vec<String>>>,
-    done: Arc<AtomicU64>,
-) -> anyhow::Result<()> {
-    let mut ends: Vec<(Instant, Fault)> = Vec::new();
-    for (at, fault) in schedule {
-        if let Some(wait) = at.checked_sub(started.elapsed()) {
-            // Finish what ends before this fault starts.
-            let until = Instant::now() + wait;
-            loop {
-                ends.sort_by_key(|(t, _)| *t);
-                match ends.first() {
-                    Some((t, _)) if *t <= until => {
-                        let (t, f) = ends.remove(0);
-                        tokio::time::sleep_until(t.into()).await;
-                        end(f, &slots, db_proxy, broker_proxy, outbox_bin).await?;
-                    }
-                    _ => break,
-                }
-            }
-            tokio::time::sleep_until(until.into()).await;
-        }
-        let now = Instant::now();
-        let what = match *fault {
-            Fault::Kill { slot, down } => {
-                slots.lock().await[slot].kill().await;
-                ends.push((now + down, *fault));
-                format!(
-                    "SIGKILL relay {slot}, restart after {} ms",
-                    down.as_millis()
-                )
-            }
-            Fault::Pause { slot, pause } => {
-                slots.lock().await[slot].signal_pause(true);
-                ends.push((now + pause, *fault));
-                format!("SIGSTOP relay {slot} for {} ms", pause.as_millis())
-            }
-            Fault::CutDatabase { cut } => {
-                db_proxy.set_blocked(true);
-                ends.push((now + cut, *fault));
-                format!("database cut for {} ms", cut.as_millis())
-            }
-            Fault::CutBroker { cut } => {
-                broker_proxy.set_blocked(true);
-                ends.push((now + cut, *fault));
-                format!("broker cut for {} ms", cut.as_millis())
-            }
-            Fault::SlowDatabase { delay, during } => {
-                db_proxy.set_delay(delay);
-                ends.push((now + during, *fault));
-                format!(
-                    "database +{} ms per chunk for {} ms",
-                    delay.as_millis(),
-                    during.as_millis()
-                )
-            }
-            Fault::SlowBroker { delay, during } => {
-                broker_proxy.set_delay(delay);
-                ends.push((now + during, *fault));
-                format!(
-                    "broker +{} ms per chunk for {} ms",
-                    delay.as_millis(),
-                    during.as_millis()
-                )
-            }
-            Fault::HalfOpenDatabase { n } => match db_proxy.stall_nth(n) {
-                Some(port) => format!("database connection from port {port} half-open"),
-                None => "database half-open: no connection open".to_owned(),
-            },
-            Fault::DropBrokerReplies { during } => {
-                broker_proxy.set_replies_dropped(true);
-                ends.push((now + during, *fault));
-                format!(
-                    "broker acks dropped for {} ms, then cut",
-                    during.as_millis()
-                )
-            }
-        };
-        log.lock()
-            .await
-            .push(format!("{:>7.2} s  {what}", at.as_secs_f64()));
-        done.fetch_add(1, Ordering::Relaxed);
-    }
-    ends.sort_by_key(|(t, _)| *t);
-    for (t, f) in ends {
-        tokio::time::sleep_until(t.into()).await;
-        end(f, &slots, db_proxy, broker_proxy, outbox_bin).await?;
-    }
-    Ok(())
-}
-
-async fn end(
-    fault: Fault,
-    slots: &Mutex<Vec<RelaySlot>>,
-    db_proxy: &FaultProxy,
-    broker_proxy: &FaultProxy,
-    outbox_bin: &std::path::Path,
-) -> anyhow::Result<()> {
-    match fault {
-        Fault::Kill { slot, .. } => {
-            let mut slots = slots.lock().await;
-            if !slots[slot].running() {
-                slots[slot].start(outbox_bin)?;
-            }
-        }
-        Fault::Pause { slot, .. } => slots.lock().await[slot].signal_pause(false),
-        Fault::CutDatabase { .. } => db_proxy.set_blocked(false),
-        Fault::CutBroker { .. } => broker_proxy.set_blocked(false),
-        Fault::SlowDatabase { .. } => db_proxy.set_delay(Duration::ZERO),
-        Fault::SlowBroker { .. } => broker_proxy.set_delay(Duration::ZERO),
-        Fault::HalfOpenDatabase { .. } => {}
-        Fault::DropBrokerReplies { .. } => {
-            broker_proxy.set_replies_dropped(false);
-            broker_proxy.set_blocked(true);
-            broker_proxy.set_blocked(false);
-        }
-    }
-    Ok(())
 }
