@@ -39,6 +39,26 @@ pub struct FileConfig {
     pub routes: Vec<RouteConfig>,
     /// `[confirmations]`: where consumer confirmations are received. Default: none.
     pub confirmations: Option<ConfirmationsSection>,
+    /// `[admin]`: the HTTP listener for `/metrics`. Default: none (no listener).
+    pub admin: Option<AdminSection>,
+}
+
+/// `[admin]`: where the daemon serves its Prometheus metrics (`GET /metrics`,
+/// docs/operations.md).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdminSection {
+    /// Socket address, e.g. `127.0.0.1:9464` (Prometheus' default exporter port range); port 0
+    /// picks a free port (logged). Required.
+    pub listen: std::net::SocketAddr,
+    /// How often the backlog gauges are sampled from the database (one `outbox status` query).
+    /// Default 15 s.
+    #[serde(default = "default_backlog_sample", with = "humantime_serde")]
+    pub backlog_sample_interval: std::time::Duration,
+}
+
+fn default_backlog_sample() -> std::time::Duration {
+    std::time::Duration::from_secs(15)
 }
 
 /// `[database]`: the store's URL ([`outbox::store::connect`]) and its [`StoreOptions`] tables.

@@ -24,6 +24,18 @@ use tracing_subscriber::util::SubscriberInitExt;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Log lines on standard error: `text` (colours only when standard error is a terminal and
+    /// `NO_COLOR` is unset) or `json` (one object per line). Filters: `RUST_LOG`, e.g.
+    /// `RUST_LOG=outbox=debug,sqlx=warn`.
+    #[arg(long, global = true, env = "OUTBOX_LOG_FORMAT", default_value = "text")]
+    log_format: LogFormat,
+}
+
+/// `--log-format`.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Debug, clap::Args)]
@@ -387,6 +399,9 @@ async fn relay(config: PathBuf, database: Option<String>) -> anyhow::Result<()> 
         None => None,
         Some(c) => Some(spawn_confirmations(c, store.clone(), cancel.clone()).await?),
     };
+    if let Some(admin) = &file.admin {
+        serve_admin(admin, &relay, store.clone(), cancel.clone()).await?;
+    }
     let mut relay_task = {
         let relay = relay.clone();
         let cancel = cancel.clone();
@@ -426,6 +441,63 @@ async fn relay(config: PathBuf, database: Option<String>) -> anyhow::Result<()> 
         "relay stopped: sent={} retried={} failed={} lost_leases={}",
         m.sent, m.retried, m.failed, m.lost_leases
     );
+    Ok(())
+}
+
+/// Serve `GET /metrics` (Prometheus text format: the relay's counters and the sampled backlog)
+/// on `[admin] listen` until `cancel`.
+async fn serve_admin(
+    admin: &config::AdminSection,
+    relay: &outbox::Relay,
+    store: Arc<dyn outbox::Store>,
+    cancel: CancellationToken,
+) -> anyhow::Result<()> {
+    let mut registry = prometheus_client::registry::Registry::default();
+    outbox::prometheus::register(
+        &mut registry,
+        relay,
+        store,
+        admin.backlog_sample_interval,
+        cancel.clone(),
+    );
+    let registry = Arc::new(registry);
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let registry = registry.clone();
+            async move {
+                let mut body = String::new();
+                match prometheus_client::encoding::text::encode(&mut body, &registry) {
+                    Ok(()) => (
+                        axum::http::StatusCode::OK,
+                        [(
+                            axum::http::header::CONTENT_TYPE,
+                            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                        )],
+                        body,
+                    ),
+                    Err(_) => (
+                        axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+                        [(axum::http::header::CONTENT_TYPE, "text/plain")],
+                        "metrics encoding failed".to_owned(),
+                    ),
+                }
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind(admin.listen)
+        .await
+        .with_context(|| format!("admin.listen: cannot listen on {}", admin.listen))?;
+    let addr = listener.local_addr()?;
+    tracing::info!(%addr, "serving metrics on http://{addr}/metrics");
+    tokio::spawn(async move {
+        let served = axum::serve(listener, app)
+            .with_graceful_shutdown(async move { cancel.cancelled().await })
+            .await;
+        if let Err(e) = served {
+            tracing::error!(error = %e, "admin listener failed");
+        }
+    });
     Ok(())
 }
 
@@ -612,12 +684,22 @@ async fn main() -> std::process::ExitCode {
         Command::Bench(_) => "warn,sqlx::query=off",
         _ => "info,sqlx=warn",
     };
-    let fmt = tracing_subscriber::fmt::layer()
-        .with_writer(std::io::stderr)
-        .with_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| default_filter.into()),
-        );
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| default_filter.into());
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+    let fmt = match cli.log_format {
+        LogFormat::Text => tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
+            .with_ansi(ansi)
+            .with_filter(filter)
+            .boxed(),
+        LogFormat::Json => tracing_subscriber::fmt::layer()
+            .json()
+            .with_writer(std::io::stderr)
+            .with_filter(filter)
+            .boxed(),
+    };
     let registry = tracing_subscriber::registry().with(fmt);
     match cli.command {
         Command::Bench(_) => registry.with(bench::StatementCounter::layer()).init(),

@@ -36,6 +36,8 @@ pub mod fuzzing;
 pub mod ident;
 pub mod inbox;
 pub mod message;
+#[cfg(feature = "prometheus")]
+pub mod prometheus;
 mod redact;
 pub mod relay;
 pub mod reserved;

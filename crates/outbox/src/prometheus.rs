@@ -1,0 +1,274 @@
+//! Prometheus metrics of a relay (feature `prometheus`; issue 14, docs/operations.md): the
+//! relay's counters read at scrape time, and the outbox backlog sampled from the store.
+//!
+//! ```no_run
+//! # async fn f(relay: outbox::Relay, store: std::sync::Arc<dyn outbox::Store>) {
+//! let mut registry = prometheus_client::registry::Registry::default();
+//! let cancel = tokio_util::sync::CancellationToken::new();
+//! outbox::prometheus::register(&mut registry, &relay, store, std::time::Duration::from_secs(15), cancel);
+//! let mut text = String::new();
+//! prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+//! # }
+//! ```
+//!
+//! Names follow the Prometheus conventions (<https://prometheus.io/docs/practices/naming/>):
+//! `outbox_` prefix, base units (`_seconds`), `_total` on counters (added by the encoder).
+//! Labels are bounded: `relay` (the relay's membership name) on the relay's counters, none on
+//! the backlog (it is the table's, whichever relay samples it).
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::registry::Registry;
+use tokio_util::sync::CancellationToken;
+
+use crate::message::Status;
+use crate::relay::{Relay, RelayMetrics};
+use crate::store::{Stats, Store};
+
+/// The relay's counters ([`RelayMetrics`]), read at each scrape: `(name, help, counter)`.
+const COUNTERS: &[(&str, &str, fn(&RelayMetrics) -> u64)] = &[
+    (
+        "outbox_relay_messages_read",
+        "Rows read from held buckets to publish.",
+        |m| m.claimed.load(Ordering::Relaxed),
+    ),
+    (
+        "outbox_relay_messages_published",
+        "Messages the broker acknowledged, recorded SENT.",
+        |m| m.sent.load(Ordering::Relaxed),
+    ),
+    (
+        "outbox_relay_messages_retried",
+        "Messages rescheduled with backoff after a retryable error.",
+        |m| m.retried.load(Ordering::Relaxed),
+    ),
+    (
+        "outbox_relay_messages_dead_lettered",
+        "Messages moved to FAILED (dead letter).",
+        |m| m.failed.load(Ordering::Relaxed),
+    ),
+    (
+        "outbox_relay_messages_released",
+        "Messages given back unpublished (transport paused, shutdown).",
+        |m| m.released.load(Ordering::Relaxed),
+    ),
+    (
+        "outbox_relay_messages_held_back",
+        "Messages held back behind an earlier message of their key (ordered routes).",
+        |m| m.held_back.load(Ordering::Relaxed),
+    ),
+    (
+        "outbox_relay_checked_back",
+        "Unconfirmed messages checked back (to PENDING or FAILED).",
+        |m| m.checked_back.load(Ordering::Relaxed),
+    ),
+    (
+        "outbox_relay_purged",
+        "Finished rows deleted by retention.",
+        |m| m.purged.load(Ordering::Relaxed),
+    ),
+    (
+        "outbox_relay_buckets_acquired",
+        "Bucket leases acquired.",
+        |m| m.buckets_acquired.load(Ordering::Relaxed),
+    ),
+    (
+        "outbox_relay_bucket_takeovers",
+        "Buckets taken over from a relay whose lease expired.",
+        |m| m.takeovers.load(Ordering::Relaxed),
+    ),
+    (
+        "outbox_relay_buckets_lost",
+        "Bucket leases lost (not renewed in time).",
+        |m| m.buckets_lost.load(Ordering::Relaxed),
+    ),
+    (
+        "outbox_relay_buckets_released",
+        "Bucket leases given back.",
+        |m| m.buckets_released.load(Ordering::Relaxed),
+    ),
+    (
+        "outbox_relay_lost_leases",
+        "Completions refused by the lease fence.",
+        |m| m.lost_leases.load(Ordering::Relaxed),
+    ),
+    (
+        "outbox_relay_stale_batches",
+        "Batches dropped because their lease changed while they were read.",
+        |m| m.stale_batches.load(Ordering::Relaxed),
+    ),
+    (
+        "outbox_relay_completion_writes",
+        "Completion statements written.",
+        |m| m.completion_writes.load(Ordering::Relaxed),
+    ),
+    (
+        "outbox_relay_store_errors",
+        "Database errors of the relay's statements.",
+        |m| m.store_errors.load(Ordering::Relaxed),
+    ),
+    (
+        "outbox_relay_transport_outages",
+        "Transport outages (paused, then probed).",
+        |m| m.outages.load(Ordering::Relaxed),
+    ),
+    (
+        "outbox_relay_publish_timeouts",
+        "Batches whose publish exceeded publish_timeout.",
+        |m| m.publish_timeouts.load(Ordering::Relaxed),
+    ),
+    (
+        "outbox_relay_panics",
+        "Panics contained (in a transport or a hook).",
+        |m| m.panics.load(Ordering::Relaxed),
+    ),
+];
+
+/// A relay's counters as a Prometheus [`Collector`], labelled `relay="<name>"` by [`register`].
+#[derive(Debug)]
+pub struct RelayCollector {
+    metrics: Arc<RelayMetrics>,
+}
+
+impl RelayCollector {
+    /// The counters of `metrics`.
+    pub fn new(metrics: Arc<RelayMetrics>) -> Self {
+        RelayCollector { metrics }
+    }
+}
+
+impl Collector for RelayCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        for (name, help, read) in COUNTERS {
+            let c = ConstCounter::new(read(&self.metrics));
+            c.encode(encoder.encode_descriptor(name, help, None, c.metric_type())?)?;
+        }
+        Ok(())
+    }
+}
+
+/// The outbox backlog, sampled from [`Store::stats`] every `interval` by a task, so a scrape
+/// costs no query (the sample's age is exported too): pending rows, oldest pending age, SENT
+/// rows awaiting confirmation, oldest unconfirmed age, FAILED rows.
+#[derive(Debug, Default)]
+pub struct BacklogCollector {
+    sample: Mutex<Option<(std::time::SystemTime, Stats)>>,
+}
+
+impl BacklogCollector {
+    /// Sample `store` now and then every `interval` until `cancel`; a failed sample keeps the
+    /// previous one (its age grows, which is what to alert on).
+    pub fn spawn(
+        store: Arc<dyn Store>,
+        interval: Duration,
+        cancel: CancellationToken,
+    ) -> Arc<BacklogCollector> {
+        let this = Arc::new(BacklogCollector::default());
+        let me = this.clone();
+        tokio::spawn(async move {
+            loop {
+                match store.stats().await {
+                    Ok(s) => {
+                        *me.sample.lock().unwrap_or_else(|e| e.into_inner()) =
+                            Some((std::time::SystemTime::now(), s));
+                    }
+                    Err(e) => tracing::warn!(error = %e, "backlog sample failed"),
+                }
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    _ = tokio::time::sleep(interval) => {}
+                }
+            }
+        });
+        this
+    }
+}
+
+fn gauge(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    value: f64,
+) -> Result<(), std::fmt::Error> {
+    let g = ConstGauge::new(value);
+    g.encode(encoder.encode_descriptor(name, help, None, g.metric_type())?)
+}
+
+impl Collector for BacklogCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let sample = self
+            .sample
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let Some((at, s)) = sample else {
+            return Ok(());
+        };
+        let count = |st: Status| s.counts.get(&st).copied().unwrap_or(0) as f64;
+        let age = |d: Option<Duration>| d.map_or(0.0, |d| d.as_secs_f64());
+        let e = &mut encoder;
+        gauge(
+            e,
+            "outbox_backlog_pending_messages",
+            "PENDING rows (due or delayed).",
+            count(Status::Pending),
+        )?;
+        gauge(
+            e,
+            "outbox_backlog_oldest_pending_age_seconds",
+            "Age of the oldest PENDING row (0 when none).",
+            age(s.oldest_pending_age),
+        )?;
+        gauge(
+            e,
+            "outbox_backlog_awaiting_confirmation_messages",
+            "SENT rows awaiting a consumer confirmation.",
+            s.awaiting_confirmation as f64,
+        )?;
+        gauge(
+            e,
+            "outbox_backlog_oldest_unconfirmed_age_seconds",
+            "Age of the oldest SENT row awaiting confirmation (0 when none).",
+            age(s.oldest_unconfirmed_age),
+        )?;
+        gauge(
+            e,
+            "outbox_backlog_failed_messages",
+            "FAILED rows (dead letters).",
+            count(Status::Failed),
+        )?;
+        let sampled = at.elapsed().unwrap_or_default();
+        gauge(
+            e,
+            "outbox_backlog_sample_age_seconds",
+            "Time since the backlog figures were sampled.",
+            sampled.as_secs_f64(),
+        )?;
+        Ok(())
+    }
+}
+
+/// Register `relay`'s counters (labelled `relay="<name>"`) and the backlog of `store`, sampled
+/// every `sample_interval` until `cancel`, on `registry`.
+pub fn register(
+    registry: &mut Registry,
+    relay: &Relay,
+    store: Arc<dyn Store>,
+    sample_interval: Duration,
+    cancel: CancellationToken,
+) {
+    registry
+        .sub_registry_with_label(("relay".into(), relay.config().name.clone().into()))
+        .register_collector(Box::new(RelayCollector::new(relay.metrics().clone())));
+    registry.register_collector(Box::new(BacklogCollector::spawn(
+        store,
+        sample_interval,
+        cancel,
+    )));
+}
