@@ -31,8 +31,11 @@ use crate::message::Status;
 use crate::relay::{Relay, RelayMetrics};
 use crate::store::{Stats, Store};
 
-/// The relay's counters ([`RelayMetrics`]), read at each scrape: `(name, help, counter)`.
-const COUNTERS: &[(&str, &str, fn(&RelayMetrics) -> u64)] = &[
+/// One exported counter: name (without `_total`), help, and how to read it.
+type CounterSpec = (&'static str, &'static str, fn(&RelayMetrics) -> u64);
+
+/// The relay's counters ([`RelayMetrics`]), read at each scrape.
+const COUNTERS: &[CounterSpec] = &[
     (
         "outbox_relay_messages_read",
         "Rows read from held buckets to publish.",
