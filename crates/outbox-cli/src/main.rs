@@ -444,8 +444,9 @@ async fn relay(config: PathBuf, database: Option<String>) -> anyhow::Result<()> 
     Ok(())
 }
 
-/// Serve `GET /metrics` (Prometheus text format: the relay's counters and the sampled backlog)
-/// on `[admin] listen` until `cancel`.
+/// Serve on `[admin] listen` until `cancel`: `GET /metrics` (Prometheus text format: the relay's
+/// counters and the sampled backlog), `GET /healthz` ([`outbox::Relay::health`]) and
+/// `GET /readyz` ([`outbox::Relay::readiness`]): 200 `ok`, or 503 with one problem per line.
 async fn serve_admin(
     admin: &config::AdminSection,
     relay: &outbox::Relay,
@@ -461,30 +462,52 @@ async fn serve_admin(
         cancel.clone(),
     );
     let registry = Arc::new(registry);
-    let app = axum::Router::new().route(
-        "/metrics",
-        axum::routing::get(move || {
-            let registry = registry.clone();
+    let check = |ready: bool| {
+        let relay = relay.clone();
+        move || {
+            let h = if ready {
+                relay.readiness()
+            } else {
+                relay.health()
+            };
             async move {
-                let mut body = String::new();
-                match prometheus_client::encoding::text::encode(&mut body, &registry) {
-                    Ok(()) => (
-                        axum::http::StatusCode::OK,
-                        [(
-                            axum::http::header::CONTENT_TYPE,
-                            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                        )],
-                        body,
-                    ),
-                    Err(_) => (
-                        axum::http::StatusCode::INTERNAL_SERVER_ERROR,
-                        [(axum::http::header::CONTENT_TYPE, "text/plain")],
-                        "metrics encoding failed".to_owned(),
-                    ),
+                if h.is_ok() {
+                    (axum::http::StatusCode::OK, "ok\n".to_owned())
+                } else {
+                    let mut body = h.problems.join("\n");
+                    body.push('\n');
+                    (axum::http::StatusCode::SERVICE_UNAVAILABLE, body)
                 }
             }
-        }),
-    );
+        }
+    };
+    let app = axum::Router::new()
+        .route("/healthz", axum::routing::get(check(false)))
+        .route("/readyz", axum::routing::get(check(true)))
+        .route(
+            "/metrics",
+            axum::routing::get(move || {
+                let registry = registry.clone();
+                async move {
+                    let mut body = String::new();
+                    match prometheus_client::encoding::text::encode(&mut body, &registry) {
+                        Ok(()) => (
+                            axum::http::StatusCode::OK,
+                            [(
+                                axum::http::header::CONTENT_TYPE,
+                                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                            )],
+                            body,
+                        ),
+                        Err(_) => (
+                            axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+                            [(axum::http::header::CONTENT_TYPE, "text/plain")],
+                            "metrics encoding failed".to_owned(),
+                        ),
+                    }
+                }
+            }),
+        );
     let listener = tokio::net::TcpListener::bind(admin.listen)
         .await
         .with_context(|| format!("admin.listen: cannot listen on {}", admin.listen))?;

@@ -102,3 +102,96 @@ async fn metrics_endpoint_serves_relay_counters_and_backlog() {
     assert!(m["outbox_backlog_sample_age_seconds{}"] < 5.0);
     js.delete_stream(&f.stream).await.unwrap();
 }
+
+/// `GET http://<addr><path>`: status code and body.
+async fn get(addr: &str, path: &str) -> Option<(u16, String)> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").as_bytes())
+        .await
+        .ok()?;
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).await.ok()?;
+    let (head, body) = raw.split_once("\r\n\r\n")?;
+    let code = head.split_whitespace().nth(1)?.parse().ok()?;
+    Some((code, body.to_owned()))
+}
+
+/// Poll `path` until its status is `code` (within 20 s): the body.
+async fn wait_status(addr: &str, path: &str, code: u16, dir: &Path) -> String {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some((c, body)) = get(addr, path).await
+            && c == code
+        {
+            return body;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{path} never answered {code}; relay log in {}",
+            dir.display()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A batch wedged on the database (its completion waits on bucket rows a stranger holds
+/// locked): `/healthz` turns 503 naming the stuck batch, and 200 again once the lock goes.
+#[tokio::test]
+async fn healthz_reports_a_wedged_batch_and_recovers() {
+    let (f, pool, js) = Fixture::started("health").await;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let relay = "name = \"health-relay\"\npoll_interval = \"200ms\"\nlease = \"3s\"\n\
+                 publish_timeout = \"1s\"\n";
+    let mut toml = f.toml(relay, &f.route("order-*"));
+    toml.push_str(&format!("\n[admin]\nlisten = \"{addr}\"\n"));
+    let config = f.write("health.toml", &toml);
+    let _relays = Relays(vec![f.spawn_relay_logged(&config, "health")]);
+    wait_status(&addr, "/readyz", 200, &f.dir).await;
+    assert_eq!(get(&addr, "/healthz").await.map(|(c, _)| c), Some(200));
+
+    // A stranger locks every bucket row: completions and renewals wait on it.
+    let mut stranger = pool.begin().await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT bucket FROM {}_buckets FOR UPDATE",
+        f.table
+    )))
+    .fetch_all(&mut *stranger)
+    .await
+    .unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {} (topic, payload) VALUES ('order-created', 'x')",
+        f.table
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let body = wait_status(&addr, "/healthz", 503, &f.dir).await;
+    let ready = get(&addr, "/readyz").await.expect("/readyz answers");
+    assert_eq!(ready.0, 503, "/readyz: {}", ready.1);
+    // Held until the batch is reported stuck, not only the membership.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let mut body = body;
+    while !body.contains("in flight") {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "/healthz never named the stuck batch: {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        body = get(&addr, "/healthz")
+            .await
+            .map(|(_, b)| b)
+            .unwrap_or_default();
+    }
+    eprintln!("healthz while wedged: {body}");
+    stranger.rollback().await.unwrap();
+    wait_status(&addr, "/healthz", 200, &f.dir).await;
+    wait_status(&addr, "/readyz", 200, &f.dir).await;
+    wait_until_sent(&pool, &f.table, 1, Duration::from_secs(20)).await;
+    js.delete_stream(&f.stream).await.unwrap();
+}

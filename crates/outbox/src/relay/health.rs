@@ -20,7 +20,87 @@ pub(super) struct Health {
     pub(super) epoch: AtomicU64,
 }
 
+/// What [`Relay::health`] and [`Relay::readiness`] found: nothing when all is well, else one
+/// sentence per problem, naming it and how long it has lasted.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RelayHealth {
+    /// The problems; empty when healthy (ready).
+    pub problems: Vec<String>,
+}
+
+impl RelayHealth {
+    /// No problem.
+    pub fn is_ok(&self) -> bool {
+        self.problems.is_empty()
+    }
+}
+
 impl Relay {
+    /// Whether the relay's loops are making progress (the daemon's `/healthz`,
+    /// docs/operations.md): a batch stuck past `lease - publish_timeout` ([`Relay::stalled`]),
+    /// or no successful membership round for longer than a lease (the database does not answer
+    /// the relay, or its membership loop stopped: its buckets are then taken over). A relay
+    /// that just started has one lease of grace.
+    pub fn health(&self) -> RelayHealth {
+        let inner = &self.inner;
+        let cfg = &inner.config;
+        let mut problems = Vec::new();
+        if let Some(age) = self.stalled() {
+            problems.push(format!(
+                "a batch has been in flight for {:.1} s, past lease - publish_timeout ({:.1} s): the relay makes no progress and renews no bucket",
+                age.as_secs_f64(),
+                cfg.lease.saturating_sub(cfg.publish_timeout).as_secs_f64()
+            ));
+        }
+        let last = *inner
+            .last_membership
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let since = last.unwrap_or(inner.created).elapsed();
+        if since > cfg.lease {
+            problems.push(match last {
+                Some(_) => format!(
+                    "no membership round succeeded for {:.1} s (lease {:.1} s): its buckets expire and are taken over",
+                    since.as_secs_f64(),
+                    cfg.lease.as_secs_f64()
+                ),
+                None => format!(
+                    "no membership round has succeeded in the {:.1} s since the start (lease {:.1} s)",
+                    since.as_secs_f64(),
+                    cfg.lease.as_secs_f64()
+                ),
+            });
+        }
+        RelayHealth { problems }
+    }
+
+    /// Whether the relay can publish now (the daemon's `/readyz`): [`Relay::health`], a first
+    /// membership round done (the database answered), and every transport up (a transport that
+    /// is down is being probed: named with its reason in the logs).
+    pub fn readiness(&self) -> RelayHealth {
+        let inner = &self.inner;
+        let mut h = self.health();
+        if inner
+            .last_membership
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .is_none()
+            && h.is_ok()
+        {
+            h.problems
+                .push("no membership round has succeeded yet".to_owned());
+        }
+        for (t, health) in inner.transports.iter().zip(&inner.health) {
+            if health.down.load(Ordering::Acquire) {
+                h.problems.push(format!(
+                    "transport {} is down (probed with backoff)",
+                    t.name()
+                ));
+            }
+        }
+        h
+    }
+
     /// Pause transport `ti` after an `Unavailable` error and probe it with backoff.
     ///
     /// One outage logs one warning when it begins and one info line when it truly ends (a

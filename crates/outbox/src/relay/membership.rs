@@ -57,6 +57,10 @@ pub(super) async fn membership_loop(relay: Relay, cancel: CancellationToken) {
         match inner.store.membership(&req).await {
             Ok(round) => {
                 failures = 0;
+                *inner
+                    .last_membership
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Instant::now());
                 let change = {
                     let mut own = inner.ownership.lock().expect("ownership lock");
                     own.apply_round(

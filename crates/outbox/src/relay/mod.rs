@@ -98,6 +98,7 @@ mod ownership;
 mod publish;
 
 pub use config::RelayConfig;
+pub use health::RelayHealth;
 pub use metrics::{MetricsSnapshot, RelayHooks, RelayMetrics};
 
 use batch::Work;
@@ -152,6 +153,9 @@ struct Inner {
     /// Held buckets with messages only another live relay routes, and that relay: handed over
     /// to it at the next membership round ([`Store::hand_off_buckets`]).
     handoffs: Mutex<BTreeMap<Bucket, String>>,
+    /// When the relay was built, and when its last membership round succeeded.
+    created: Instant,
+    last_membership: Mutex<Option<Instant>>,
 }
 
 /// The relay (see the module docs). Build with [`Relay::builder`], run with [`Relay::run`] or
@@ -238,6 +242,8 @@ impl RelayBuilder {
                 renew_now: Notify::new(),
                 routes,
                 handoffs: Mutex::new(BTreeMap::new()),
+                created: Instant::now(),
+                last_membership: Mutex::new(None),
             }),
         })
     }

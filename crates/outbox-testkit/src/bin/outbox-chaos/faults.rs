@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use outbox_testkit::FaultProxy;
 use tokio::sync::Mutex;
 
+use crate::broker::BrokerProcess;
 use crate::relays::RelaySlot;
 
 use rand::rngs::StdRng;
@@ -32,6 +33,8 @@ pub enum Fault {
     HalfOpenDatabase { n: usize },
     /// Drop the broker's answers (publishes arrive, acks are lost) for `during`, then cut.
     DropBrokerReplies { during: Duration },
+    /// Stop the broker itself (`--restart-broker`) and start it again after `down`.
+    RestartBroker { down: Duration },
 }
 
 /// The faults of a run of `duration` with `relays` relays, `kills` of them SIGKILLs, from
@@ -42,6 +45,7 @@ pub fn schedule(
     relays: usize,
     kills: usize,
     lease: Duration,
+    restart_broker: bool,
 ) -> Vec<(Duration, Fault)> {
     let mut rng = StdRng::seed_from_u64(seed);
     let span = duration.as_millis() as u64;
@@ -93,6 +97,14 @@ pub fn schedule(
             out.push((t, f));
         }
     }
+    // Broker restarts last in the generator, so a seed without them keeps its schedule.
+    if restart_broker {
+        for _ in 0..(duration.as_secs() / 60).max(1) {
+            let t = at(&mut rng);
+            let down = Duration::from_millis(rng.random_range(500..3000));
+            out.push((t, Fault::RestartBroker { down }));
+        }
+    }
     out.sort_by_key(|(t, _)| *t);
     out
 }
@@ -106,6 +118,7 @@ pub(crate) async fn drive_faults(
     db_proxy: &FaultProxy,
     broker_proxy: &FaultProxy,
     outbox_bin: &std::path::Path,
+    broker: Option<&BrokerProcess>,
     log: Arc<Mutex<Vec<String>>>,
     done: Arc<AtomicU64>,
 ) -> anyhow::Result<()> {
@@ -120,7 +133,7 @@ pub(crate) async fn drive_faults(
                     Some((t, _)) if *t <= until => {
                         let (t, f) = ends.remove(0);
                         tokio::time::sleep_until(t.into()).await;
-                        end(f, &slots, db_proxy, broker_proxy, outbox_bin).await?;
+                        end(f, &slots, db_proxy, broker_proxy, outbox_bin, broker).await?;
                     }
                     _ => break,
                 }
@@ -174,6 +187,17 @@ pub(crate) async fn drive_faults(
                 Some(port) => format!("database connection from port {port} half-open"),
                 None => "database half-open: no connection open".to_owned(),
             },
+            Fault::RestartBroker { down } => match broker {
+                Some(b) => {
+                    b.stop().await?;
+                    ends.push((Instant::now() + down, *fault));
+                    format!(
+                        "broker stopped (the server itself), started again after {} ms",
+                        down.as_millis()
+                    )
+                }
+                None => "broker restart skipped (no --restart-broker)".to_owned(),
+            },
             Fault::DropBrokerReplies { during } => {
                 broker_proxy.set_replies_dropped(true);
                 ends.push((now + during, *fault));
@@ -191,7 +215,7 @@ pub(crate) async fn drive_faults(
     ends.sort_by_key(|(t, _)| *t);
     for (t, f) in ends {
         tokio::time::sleep_until(t.into()).await;
-        end(f, &slots, db_proxy, broker_proxy, outbox_bin).await?;
+        end(f, &slots, db_proxy, broker_proxy, outbox_bin, broker).await?;
     }
     Ok(())
 }
@@ -202,8 +226,14 @@ pub(crate) async fn end(
     db_proxy: &FaultProxy,
     broker_proxy: &FaultProxy,
     outbox_bin: &std::path::Path,
+    broker: Option<&BrokerProcess>,
 ) -> anyhow::Result<()> {
     match fault {
+        Fault::RestartBroker { .. } => {
+            if let Some(b) = broker {
+                b.start().await?;
+            }
+        }
         Fault::Kill { slot, .. } => {
             let mut slots = slots.lock().await;
             if !slots[slot].running() {

@@ -20,6 +20,7 @@
 //! outbox-chaos --database … --seed 42                                         # replay a seed
 //! ```
 
+mod broker;
 mod db;
 mod faults;
 mod relays;
@@ -83,6 +84,11 @@ pub(crate) struct Args {
     /// Keep the tables, stream and logs afterwards.
     #[arg(long)]
     pub(crate) keep: bool,
+    /// Also stop and start the broker itself (the NATS server process, or the RabbitMQ
+    /// application with `rabbitmqctl`), once per minute of run. Off by default: it restarts a
+    /// service the whole machine shares.
+    #[arg(long)]
+    pub(crate) restart_broker: bool,
 }
 
 /// `scheme://user@host:port/db` with `host:port` replaced by `addr`.
@@ -246,6 +252,11 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     let (db_host, _) = via(&args.database, "127.0.0.1:1".parse()?)?;
     let db_proxy = FaultProxy::start(db_host).await;
     let (broker_host, _) = via(&args.broker, "127.0.0.1:1".parse()?)?;
+    let broker_process = if args.restart_broker {
+        Some(broker::BrokerProcess::find(&args.broker, broker_host.clone()).await?)
+    } else {
+        None
+    };
     let broker_proxy = FaultProxy::start(broker_host).await;
     let (_, db_via) = via(
         &args.database.replacen("mariadb://", "mysql://", 1),
@@ -316,7 +327,14 @@ async fn run(args: Args) -> anyhow::Result<bool> {
             }
         })
     };
-    let schedule = faults::schedule(seed, args.duration, args.relays, args.kills, args.lease);
+    let schedule = faults::schedule(
+        seed,
+        args.duration,
+        args.relays,
+        args.kills,
+        args.lease,
+        args.restart_broker,
+    );
     let fault_log = Arc::new(Mutex::new(Vec::<String>::new()));
     let producer = produce(&args, &db, &table, seed, produced.clone(), rabbitmq(&args));
     let driver = drive_faults(
@@ -326,10 +344,15 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         &db_proxy,
         &broker_proxy,
         &outbox_bin,
+        broker_process.as_ref(),
         fault_log.clone(),
         faults_done.clone(),
     );
     let (p, d) = tokio::join!(producer, driver);
+    // Whatever happened, the broker runs again.
+    if let Some(b) = &broker_process {
+        b.start().await?;
+    }
     p?;
     d?;
 
