@@ -41,6 +41,32 @@ pub struct FileConfig {
     pub confirmations: Option<ConfirmationsSection>,
     /// `[admin]`: the HTTP listener for `/metrics`. Default: none (no listener).
     pub admin: Option<AdminSection>,
+    /// `[logging]`: the periodic summary line.
+    #[serde(default)]
+    pub logging: LoggingSection,
+}
+
+/// `[logging]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoggingSection {
+    /// Every this long the daemon logs one summary line at INFO: published, retried and
+    /// dead-lettered since the last one, pending rows, oldest pending age, dead letters (one
+    /// `outbox status` query). `"0s"` turns it off. Default `"60s"`.
+    #[serde(default = "default_summary", with = "humantime_serde")]
+    pub summary_interval: std::time::Duration,
+}
+
+impl Default for LoggingSection {
+    fn default() -> Self {
+        LoggingSection {
+            summary_interval: default_summary(),
+        }
+    }
+}
+
+fn default_summary() -> std::time::Duration {
+    std::time::Duration::from_secs(60)
 }
 
 /// `[admin]`: where the daemon serves its Prometheus metrics (`GET /metrics`,

@@ -402,6 +402,14 @@ async fn relay(config: PathBuf, database: Option<String>) -> anyhow::Result<()> 
     if let Some(admin) = &file.admin {
         serve_admin(admin, &relay, store.clone(), cancel.clone()).await?;
     }
+    if !file.logging.summary_interval.is_zero() {
+        tokio::spawn(log_summaries(
+            relay.clone(),
+            store.clone(),
+            file.logging.summary_interval,
+            cancel.clone(),
+        ));
+    }
     let mut relay_task = {
         let relay = relay.clone();
         let cancel = cancel.clone();
@@ -522,6 +530,48 @@ async fn serve_admin(
         }
     });
     Ok(())
+}
+
+/// Every `every`, one INFO line: what the relay did since the last line and where the table
+/// stands (`[logging] summary_interval`), so a plain log shows progress or its absence.
+async fn log_summaries(
+    relay: outbox::Relay,
+    store: Arc<dyn outbox::Store>,
+    every: Duration,
+    cancel: CancellationToken,
+) {
+    let mut last = relay.metrics().snapshot();
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(every) => {}
+        }
+        let now = relay.metrics().snapshot();
+        let backlog = match store.stats().await {
+            Ok(s) => format!(
+                "pending={} oldest_pending_age={:.1}s failed={}",
+                s.counts.get(&Status::Pending).copied().unwrap_or(0),
+                s.oldest_pending_age.unwrap_or_default().as_secs_f64(),
+                s.counts.get(&Status::Failed).copied().unwrap_or(0)
+            ),
+            Err(e) => format!("backlog unknown ({e})"),
+        };
+        let problems = relay.health().problems;
+        tracing::info!(
+            "summary of the last {:.0}s: published={} retried={} dead_lettered={} buckets={} {backlog}{}",
+            every.as_secs_f64(),
+            now.sent - last.sent,
+            now.retried - last.retried,
+            now.failed - last.failed,
+            relay.held_buckets().len(),
+            if problems.is_empty() {
+                String::new()
+            } else {
+                format!(" unhealthy: {}", problems.join("; "))
+            }
+        );
+        last = now;
+    }
 }
 
 /// Start the confirmation listener of `[confirmations]`.

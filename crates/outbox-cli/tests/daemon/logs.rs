@@ -41,3 +41,46 @@ fn logs_carry_no_colour_codes_off_a_terminal_and_json_on_request() {
         }
     }
 }
+
+/// `[logging] summary_interval`: with nothing scraping, the log shows the relay's progress.
+#[tokio::test]
+async fn the_daemon_logs_a_periodic_summary() {
+    let (f, pool, js) = Fixture::started("summary").await;
+    let relay = "poll_interval = \"200ms\"\nlease = \"3s\"\npublish_timeout = \"1s\"\n";
+    let mut toml = f.toml(relay, &f.route("order-*"));
+    toml.push_str("\n[logging]\nsummary_interval = \"300ms\"\n");
+    let config = f.write("summary.toml", &toml);
+    let _relays = Relays(vec![f.spawn_relay_logged(&config, "summary")]);
+    for i in 0..5 {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO {} (topic, payload) VALUES ('order-created', $1)",
+            f.table
+        )))
+        .bind(format!("{i}").into_bytes())
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    wait_until_sent(&pool, &f.table, 5, Duration::from_secs(20)).await;
+    let log = f.dir.join("summary.log");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        // The five may be spread over several lines: sum them.
+        let published: u64 = text
+            .lines()
+            .filter(|l| l.contains("summary of the last"))
+            .filter_map(|l| l.split("published=").nth(1))
+            .filter_map(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+            .sum();
+        if published == 5 && text.contains("pending=0") {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no summary lines adding up to 5 published: {text}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    js.delete_stream(&f.stream).await.unwrap();
+}
