@@ -1,5 +1,6 @@
 //! The `outbox` command: migrate, relay daemon, status, demo, bench.
 
+mod admin;
 mod bench;
 mod config;
 mod demo;
@@ -469,66 +470,13 @@ async fn serve_admin(
         admin.backlog_sample_interval,
         cancel.clone(),
     );
-    let registry = Arc::new(registry);
-    let check = |ready: bool| {
-        let relay = relay.clone();
-        move || {
-            let h = if ready {
-                relay.readiness()
-            } else {
-                relay.health()
-            };
-            async move {
-                if h.is_ok() {
-                    (axum::http::StatusCode::OK, "ok\n".to_owned())
-                } else {
-                    let mut body = h.problems.join("\n");
-                    body.push('\n');
-                    (axum::http::StatusCode::SERVICE_UNAVAILABLE, body)
-                }
-            }
-        }
-    };
-    let app = axum::Router::new()
-        .route("/healthz", axum::routing::get(check(false)))
-        .route("/readyz", axum::routing::get(check(true)))
-        .route(
-            "/metrics",
-            axum::routing::get(move || {
-                let registry = registry.clone();
-                async move {
-                    let mut body = String::new();
-                    match prometheus_client::encoding::text::encode(&mut body, &registry) {
-                        Ok(()) => (
-                            axum::http::StatusCode::OK,
-                            [(
-                                axum::http::header::CONTENT_TYPE,
-                                "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                            )],
-                            body,
-                        ),
-                        Err(_) => (
-                            axum::http::StatusCode::INTERNAL_SERVER_ERROR,
-                            [(axum::http::header::CONTENT_TYPE, "text/plain")],
-                            "metrics encoding failed".to_owned(),
-                        ),
-                    }
-                }
-            }),
-        );
+    let app = admin::metrics_router(Arc::new(std::sync::Mutex::new(registry)))
+        .merge(admin::health_router(relay.clone()));
     let listener = tokio::net::TcpListener::bind(admin.listen)
         .await
         .with_context(|| format!("admin.listen: cannot listen on {}", admin.listen))?;
-    let addr = listener.local_addr()?;
+    let addr = admin::serve(listener, app, cancel)?;
     tracing::info!(%addr, "serving metrics on http://{addr}/metrics");
-    tokio::spawn(async move {
-        let served = axum::serve(listener, app)
-            .with_graceful_shutdown(async move { cancel.cancelled().await })
-            .await;
-        if let Err(e) = served {
-            tracing::error!(error = %e, "admin listener failed");
-        }
-    });
     Ok(())
 }
 

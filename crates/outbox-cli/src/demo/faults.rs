@@ -200,6 +200,9 @@ pub(super) struct RelaySupervisor<'a> {
     pub(super) current: Option<RelayHandle>,
     /// The metrics of every incarnation so far.
     pub(super) metrics: Vec<Arc<RelayMetrics>>,
+    /// The registry the demo serves at `/metrics`: each incarnation's counters are added to it,
+    /// labelled with its name.
+    pub(super) registry: Arc<std::sync::Mutex<prometheus_client::registry::Registry>>,
 }
 
 impl RelaySupervisor<'_> {
@@ -246,6 +249,13 @@ impl RelaySupervisor<'_> {
             .config(config)
             .build()?;
         self.metrics.push(relay.metrics().clone());
+        self.registry
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .sub_registry_with_label(("relay".into(), relay.config().name.clone().into()))
+            .register_collector(Box::new(outbox::prometheus::RelayCollector::new(
+                relay.metrics().clone(),
+            )));
         self.current = Some(relay.spawn());
         Ok(())
     }

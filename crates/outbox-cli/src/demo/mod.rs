@@ -229,6 +229,21 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     };
     let mut confirm = ConfirmPolicy::new(reply_to);
     confirm.timeout = args.confirm_timeout;
+    // The relays' counters and the outbox backlog, served while the demo runs.
+    let mut registry = prometheus_client::registry::Registry::default();
+    registry.register_collector(Box::new(outbox::prometheus::BacklogCollector::spawn(
+        services.store(),
+        Duration::from_secs(1),
+        cancel.clone(),
+    )));
+    let registry = Arc::new(std::sync::Mutex::new(registry));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let metrics_addr = crate::admin::serve(
+        listener,
+        crate::admin::metrics_router(registry.clone()),
+        cancel.clone(),
+    )?;
+    println!("metrics while it runs: http://{metrics_addr}/metrics");
     let mut relays = RelaySupervisor {
         store: services.store(),
         delivery: &delivery,
@@ -239,6 +254,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         max_check_backs: args.max_check_backs,
         current: None,
         metrics: Vec::new(),
+        registry,
     };
     relays.start().await?;
 
