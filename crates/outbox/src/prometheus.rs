@@ -156,6 +156,51 @@ impl Collector for RelayCollector {
     }
 }
 
+/// Per transport of a relay: `outbox_relay_transport_up{transport="…"}` 1 when up, 0 while it
+/// is paused after an `Unavailable` error and probed; and `outbox_relay_healthy` 1 or 0 as
+/// [`Relay::health`] says.
+pub struct RelayStateCollector {
+    relay: Relay,
+}
+
+impl std::fmt::Debug for RelayStateCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RelayStateCollector")
+            .field("relay", &self.relay.config().name)
+            .finish()
+    }
+}
+
+impl RelayStateCollector {
+    /// The state of `relay`.
+    pub fn new(relay: Relay) -> Self {
+        RelayStateCollector { relay }
+    }
+}
+
+impl Collector for RelayStateCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let up = ConstGauge::new(0i64);
+        let mut family = encoder.encode_descriptor(
+            "outbox_relay_transport_up",
+            "Whether the transport is up (0 while paused after an Unavailable error and probed).",
+            None,
+            up.metric_type(),
+        )?;
+        for (name, is_up) in self.relay.transports_up() {
+            let labels = [("transport".to_owned(), name)];
+            ConstGauge::new(i64::from(is_up)).encode(family.encode_family(&labels)?)?;
+        }
+        let healthy = ConstGauge::new(i64::from(self.relay.health().is_ok()));
+        healthy.encode(encoder.encode_descriptor(
+            "outbox_relay_healthy",
+            "Whether the relay makes progress (1) or /healthz fails (0).",
+            None,
+            healthy.metric_type(),
+        )?)
+    }
+}
+
 /// The outbox backlog, sampled from [`Store::stats`] every `interval` by a task, so a scrape
 /// costs no query (the sample's age is exported too): pending rows, oldest pending age, SENT
 /// rows awaiting confirmation, oldest unconfirmed age, FAILED rows.
@@ -266,9 +311,10 @@ pub fn register(
     sample_interval: Duration,
     cancel: CancellationToken,
 ) {
-    registry
-        .sub_registry_with_label(("relay".into(), relay.config().name.clone().into()))
-        .register_collector(Box::new(RelayCollector::new(relay.metrics().clone())));
+    let labelled =
+        registry.sub_registry_with_label(("relay".into(), relay.config().name.clone().into()));
+    labelled.register_collector(Box::new(RelayCollector::new(relay.metrics().clone())));
+    labelled.register_collector(Box::new(RelayStateCollector::new(relay.clone())));
     registry.register_collector(Box::new(BacklogCollector::spawn(
         store,
         sample_interval,

@@ -99,6 +99,11 @@ async fn metrics_endpoint_serves_relay_counters_and_backlog() {
     assert_eq!(m["outbox_backlog_pending_messages{}"], 0.0);
     assert_eq!(m["outbox_backlog_oldest_pending_age_seconds{}"], 0.0);
     assert!(m["outbox_relay_buckets_acquired_total{relay=metrics-relay}"] >= 1.0);
+    assert_eq!(
+        m["outbox_relay_transport_up{relay=metrics-relay,transport=nats}"], 1.0,
+        "{m:?}"
+    );
+    assert_eq!(m["outbox_relay_healthy{relay=metrics-relay}"], 1.0);
     assert!(m["outbox_backlog_sample_age_seconds{}"] < 5.0);
     js.delete_stream(&f.stream).await.unwrap();
 }

@@ -74,6 +74,18 @@ impl Relay {
         RelayHealth { problems }
     }
 
+    /// Each transport's name and whether it is up (not paused after an `Unavailable` error), in
+    /// the router's order.
+    pub fn transports_up(&self) -> Vec<(String, bool)> {
+        let inner = &self.inner;
+        inner
+            .transports
+            .iter()
+            .zip(&inner.health)
+            .map(|(t, h)| (t.name().to_owned(), !h.down.load(Ordering::Acquire)))
+            .collect()
+    }
+
     /// Whether the relay can publish now (the daemon's `/readyz`): [`Relay::health`], a first
     /// membership round done (the database answered), and every transport up (a transport that
     /// is down is being probed: named with its reason in the logs).
