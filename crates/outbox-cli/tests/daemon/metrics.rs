@@ -3,19 +3,14 @@
 
 use super::*;
 
-/// `GET http://<addr>/metrics`: status line and body.
-async fn scrape(addr: &str) -> std::io::Result<(String, String)> {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let mut s = tokio::net::TcpStream::connect(addr).await?;
-    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
-        .await?;
-    let mut raw = String::new();
-    s.read_to_string(&mut raw).await?;
-    let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
-    Ok((
-        head.lines().next().unwrap_or_default().to_owned(),
-        body.to_owned(),
-    ))
+/// A free loopback address for the admin listener.
+fn free_addr() -> String {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    format!("127.0.0.1:{port}")
 }
 
 /// The samples of `body` as `name{labels}` → value.
@@ -43,12 +38,7 @@ fn samples(body: &str) -> BTreeMap<String, f64> {
 #[tokio::test]
 async fn metrics_endpoint_serves_relay_counters_and_backlog() {
     let (f, pool, js) = Fixture::started("metrics").await;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr = format!("127.0.0.1:{port}");
+    let addr = free_addr();
     let relay = "name = \"metrics-relay\"\npoll_interval = \"300ms\"\nlease = \"3s\"\n\
                  publish_timeout = \"1s\"\n";
     let mut toml = f.toml(relay, &f.route("order-*"));
@@ -74,8 +64,8 @@ async fn metrics_endpoint_serves_relay_counters_and_backlog() {
     wait_until_sent(&pool, &f.table, 30, Duration::from_secs(20)).await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     let m = loop {
-        if let Ok((status, body)) = scrape(&addr).await {
-            assert!(status.contains(" 200 "), "GET /metrics: {status}");
+        if let Some((status, body)) = get(&addr, "/metrics").await {
+            assert_eq!(status, 200, "GET /metrics: {body}");
             let m = samples(&body);
             let published = m
                 .get("outbox_relay_messages_published_total{relay=metrics-relay}")
@@ -145,12 +135,7 @@ async fn wait_status(addr: &str, path: &str, code: u16, dir: &Path) -> String {
 #[tokio::test]
 async fn healthz_reports_a_wedged_batch_and_recovers() {
     let (f, pool, js) = Fixture::started("health").await;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr = format!("127.0.0.1:{port}");
+    let addr = free_addr();
     let relay = "name = \"health-relay\"\npoll_interval = \"200ms\"\nlease = \"3s\"\n\
                  publish_timeout = \"1s\"\n";
     let mut toml = f.toml(relay, &f.route("order-*"));
