@@ -58,7 +58,8 @@ pub use ident::TableName;
 pub use inbox::{DeadLetter, Handler, Inbox, InboxBackend, Processed, Replayed};
 pub use message::{Headers, InboundMessage, Limits, Message, NewMessage, Status};
 pub use relay::{
-    MetricsSnapshot, Relay, RelayBuilder, RelayConfig, RelayHandle, RelayHooks, RelayMetrics,
+    MetricsSnapshot, Relay, RelayBuilder, RelayConfig, RelayHandle, RelayHealth, RelayHooks,
+    RelayMetrics,
 };
 pub use retry::Backoff;
 #[cfg(feature = "mysql")]

@@ -13,8 +13,13 @@
 //!
 //! Names follow the Prometheus conventions (<https://prometheus.io/docs/practices/naming/>):
 //! `outbox_` prefix, base units (`_seconds`), `_total` on counters (added by the encoder).
-//! Labels are bounded: `relay` (the relay's membership name) on the relay's counters, none on
-//! the backlog (it is the table's, whichever relay samples it).
+//! Labels are bounded: `relay` (the relay's membership name, added by [`register`]) on the
+//! relay's counters and gauges, plus `transport` (the transport's [`Transport::name`], its
+//! kind: `nats`, `webhook`, …) on `outbox_relay_transport_up`; none on the backlog (it is the
+//! table's, whichever relay samples it). Two relays registered under one name would give
+//! duplicate series. Every metric is listed in docs/operations.md.
+//!
+//! [`Transport::name`]: crate::transport::Transport::name
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -98,12 +103,12 @@ const COUNTERS: &[CounterSpec] = &[
     ),
     (
         "outbox_relay_lost_leases",
-        "Completions refused by the lease fence.",
+        "Completion rows refused by the lease fence (their bucket was taken over).",
         |m| m.lost_leases.load(Ordering::Relaxed),
     ),
     (
         "outbox_relay_stale_batches",
-        "Batches dropped because their lease changed while they were read.",
+        "Batches not published because a bucket lease was lost or about to expire; their rows are left to the next owner.",
         |m| m.stale_batches.load(Ordering::Relaxed),
     ),
     (
@@ -127,13 +132,20 @@ const COUNTERS: &[CounterSpec] = &[
         |m| m.publish_timeouts.load(Ordering::Relaxed),
     ),
     (
+        "outbox_relay_stalled_batches",
+        "Times a batch was found in flight past lease - publish_timeout (the relay stops renewing its buckets).",
+        |m| m.stalled_batches.load(Ordering::Relaxed),
+    ),
+    (
         "outbox_relay_panics",
         "Panics contained (in a transport or a hook).",
         |m| m.panics.load(Ordering::Relaxed),
     ),
 ];
 
-/// A relay's counters as a Prometheus [`Collector`], labelled `relay="<name>"` by [`register`].
+/// A relay's counters ([`RelayMetrics`]) as a Prometheus [`Collector`]: 20 monotonic `u64`
+/// counters named `outbox_relay_…` (the encoder appends `_total`), read at each scrape. It
+/// adds no label itself: [`register`] puts it in a sub-registry labelled `relay="<name>"`.
 #[derive(Debug)]
 pub struct RelayCollector {
     metrics: Arc<RelayMetrics>,
@@ -156,9 +168,10 @@ impl Collector for RelayCollector {
     }
 }
 
-/// Per transport of a relay: `outbox_relay_transport_up{transport="…"}` 1 when up, 0 while it
-/// is paused after an `Unavailable` error and probed; and `outbox_relay_healthy` 1 or 0 as
-/// [`Relay::health`] says.
+/// Gauges of a relay's state: `outbox_relay_transport_up{transport="<kind>"}` 1 when up, 0
+/// while it is paused after an `Unavailable` error and probed (one series per transport of the
+/// router; the label is [`Relay::transports_up`]'s name, the transport's kind), and
+/// `outbox_relay_healthy` 1 or 0 as [`Relay::health`] says.
 pub struct RelayStateCollector {
     relay: Relay,
 }
@@ -202,16 +215,21 @@ impl Collector for RelayStateCollector {
 }
 
 /// The outbox backlog, sampled from [`Store::stats`] every `interval` by a task, so a scrape
-/// costs no query (the sample's age is exported too): pending rows, oldest pending age, SENT
-/// rows awaiting confirmation, oldest unconfirmed age, FAILED rows.
+/// costs no query: gauges `outbox_backlog_pending_messages`, `…_failed_messages`,
+/// `…_awaiting_confirmation_messages` (rows), `…_oldest_pending_age_seconds`,
+/// `…_oldest_unconfirmed_age_seconds` (0 when none) and `outbox_backlog_sample_age_seconds`.
+/// Nothing is exported before the first successful sample (alert on the series' absence too).
 #[derive(Debug, Default)]
 pub struct BacklogCollector {
     sample: Mutex<Option<(std::time::SystemTime, Stats)>>,
 }
 
 impl BacklogCollector {
-    /// Sample `store` now and then every `interval` until `cancel`; a failed sample keeps the
-    /// previous one (its age grows, which is what to alert on).
+    /// Sample `store` now and then every `interval` (at least 100 ms) until `cancel`; a failed
+    /// sample keeps the previous one (its age grows, which is what to alert on).
+    ///
+    /// # Panics
+    /// Outside a Tokio runtime (it spawns the sampling task).
     pub fn spawn(
         store: Arc<dyn Store>,
         interval: Duration,
@@ -230,7 +248,7 @@ impl BacklogCollector {
                 }
                 tokio::select! {
                     _ = cancel.cancelled() => return,
-                    _ = tokio::time::sleep(interval) => {}
+                    _ = tokio::time::sleep(interval.max(Duration::from_millis(100))) => {}
                 }
             }
         });
@@ -302,8 +320,13 @@ impl Collector for BacklogCollector {
     }
 }
 
-/// Register `relay`'s counters (labelled `relay="<name>"`) and the backlog of `store`, sampled
-/// every `sample_interval` until `cancel`, on `registry`.
+/// Register on `registry`: `relay`'s counters ([`RelayCollector`]) and state gauges
+/// ([`RelayStateCollector`]), labelled `relay="<name>"`, and the backlog of `store`
+/// ([`BacklogCollector`]) sampled every `sample_interval` until `cancel` (the daemon's default:
+/// 15 s, `[admin] backlog_sample_interval`).
+///
+/// # Panics
+/// Outside a Tokio runtime (the backlog sampler is a task).
 pub fn register(
     registry: &mut Registry,
     relay: &Relay,

@@ -1,5 +1,6 @@
 //! Availability of each transport: pause on `Unavailable`, probe with backoff, one log line
-//! per state change; missing destinations and their grace period.
+//! per state change; missing destinations and their grace period. And the relay's health and
+//! readiness ([`Relay::health`], [`Relay::readiness`]: the daemon's `/healthz`, `/readyz`).
 
 use super::*;
 
@@ -74,7 +75,8 @@ impl Relay {
         RelayHealth { problems }
     }
 
-    /// Each transport's name and whether it is up (not paused after an `Unavailable` error), in
+    /// Each transport's [`Transport::name`] (its kind: `nats`, `webhook`, …, not the
+    /// configuration's key) and whether it is up (not paused after an `Unavailable` error), in
     /// the router's order.
     pub fn transports_up(&self) -> Vec<(String, bool)> {
         let inner = &self.inner;
