@@ -13,6 +13,20 @@ fn free_addr() -> String {
     format!("127.0.0.1:{port}")
 }
 
+/// Start `outbox relay` named `<name>-relay` (lease 3 s, routes `order-*`) with `[admin]` on a
+/// free loopback port plus `admin` lines: the admin address and the running relay.
+fn admin_relay(f: &Fixture, name: &str, admin: &str) -> (String, Relays) {
+    let addr = free_addr();
+    let relay = format!(
+        "name = \"{name}-relay\"\npoll_interval = \"200ms\"\nlease = \"3s\"\npublish_timeout = \"1s\"\n"
+    );
+    let mut toml = f.toml(&relay, &f.route("order-*"));
+    toml.push_str(&format!("\n[admin]\nlisten = \"{addr}\"\n{admin}"));
+    let config = f.write(&format!("{name}.toml"), &toml);
+    let relays = Relays(vec![f.spawn_relay_logged(&config, name)]);
+    (addr, relays)
+}
+
 /// The samples of `body` as `name{labels}` → value.
 fn samples(body: &str) -> BTreeMap<String, f64> {
     let scrape = prometheus_parse::Scrape::parse(body.lines().map(|l| Ok(l.to_owned())))
@@ -38,15 +52,7 @@ fn samples(body: &str) -> BTreeMap<String, f64> {
 #[tokio::test]
 async fn metrics_endpoint_serves_relay_counters_and_backlog() {
     let (f, pool, js) = Fixture::started("metrics").await;
-    let addr = free_addr();
-    let relay = "name = \"metrics-relay\"\npoll_interval = \"300ms\"\nlease = \"3s\"\n\
-                 publish_timeout = \"1s\"\n";
-    let mut toml = f.toml(relay, &f.route("order-*"));
-    toml.push_str(&format!(
-        "\n[admin]\nlisten = \"{addr}\"\nbacklog_sample_interval = \"200ms\"\n"
-    ));
-    let config = f.write("metrics.toml", &toml);
-    let _relays = Relays(vec![f.spawn_relay_logged(&config, "metrics")]);
+    let (addr, _relays) = admin_relay(&f, "metrics", "backlog_sample_interval = \"200ms\"\n");
     // 30 routed messages, 2 on a topic no relay routes (dead-lettered).
     for (topic, n) in [("order-created", 30), ("unrouted", 2)] {
         for i in 0..n {
@@ -135,13 +141,7 @@ async fn wait_status(addr: &str, path: &str, code: u16, dir: &Path) -> String {
 #[tokio::test]
 async fn healthz_reports_a_wedged_batch_and_recovers() {
     let (f, pool, js) = Fixture::started("health").await;
-    let addr = free_addr();
-    let relay = "name = \"health-relay\"\npoll_interval = \"200ms\"\nlease = \"3s\"\n\
-                 publish_timeout = \"1s\"\n";
-    let mut toml = f.toml(relay, &f.route("order-*"));
-    toml.push_str(&format!("\n[admin]\nlisten = \"{addr}\"\n"));
-    let config = f.write("health.toml", &toml);
-    let _relays = Relays(vec![f.spawn_relay_logged(&config, "health")]);
+    let (addr, _relays) = admin_relay(&f, "health", "");
     wait_status(&addr, "/readyz", 200, &f.dir).await;
     assert_eq!(get(&addr, "/healthz").await.map(|(c, _)| c), Some(200));
 

@@ -82,25 +82,31 @@ pub enum Db {
 impl Db {
     /// Connect to `url` and create the outbox `table` (with its inbox) and an effects table.
     pub async fn open(url: &str, table: &str) -> anyhow::Result<Db> {
-        let db = if url.starts_with("postgres") {
-            let pool = sqlx::postgres::PgPoolOptions::new()
-                .max_connections(16)
-                .connect(url)
-                .await
-                .with_context(|| format!("PostgreSQL at {url} does not answer"))?;
-            let store = PgStore::from_pool(pool.clone(), StoreOptions::table(table))?;
-            Db::Pg(pool, store)
-        } else if url.starts_with("mysql") || url.starts_with("mariadb") {
-            let url = url.replacen("mariadb://", "mysql://", 1);
-            let pool = sqlx::mysql::MySqlPoolOptions::new()
-                .max_connections(16)
-                .connect(&url)
-                .await
-                .with_context(|| format!("MySQL/MariaDB at {url} does not answer"))?;
-            let store = MySqlStore::from_pool(pool.clone(), StoreOptions::table(table))?;
-            Db::My(pool, store)
-        } else {
-            bail!("--database must be a postgres:// or mysql:// URL, not {url}");
+        let db = match outbox::store::Dialect::of_url(url)? {
+            outbox::store::Dialect::Postgres => {
+                let pool = sqlx::postgres::PgPoolOptions::new()
+                    .max_connections(16)
+                    .connect(url)
+                    .await
+                    .with_context(|| format!("PostgreSQL at {url} does not answer"))?;
+                let store = PgStore::from_pool(pool.clone(), StoreOptions::table(table))?;
+                Db::Pg(pool, store)
+            }
+            outbox::store::Dialect::MySql => {
+                let url = url.replacen("mariadb://", "mysql://", 1);
+                let pool = sqlx::mysql::MySqlPoolOptions::new()
+                    .max_connections(16)
+                    .connect(&url)
+                    .await
+                    .with_context(|| format!("MySQL/MariaDB at {url} does not answer"))?;
+                let store = MySqlStore::from_pool(pool.clone(), StoreOptions::table(table))?;
+                Db::My(pool, store)
+            }
+            outbox::store::Dialect::Sqlite => {
+                bail!(
+                    "--database: the chaos run needs a server database (postgres:// or mysql://), not {url}"
+                )
+            }
         };
         let (store, effects) = match &db {
             Db::Pg(_, s) => (

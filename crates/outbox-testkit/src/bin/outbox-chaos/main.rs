@@ -217,11 +217,7 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         args.kills,
         args.duration,
         args.lease,
-        if args.database.starts_with("postgres") {
-            "PostgreSQL"
-        } else {
-            "MySQL/MariaDB"
-        }
+        outbox::store::Dialect::of_url(&args.database)?.name()
     );
 
     let db = Db::open(&args.database, &table).await?;
