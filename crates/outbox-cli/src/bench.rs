@@ -15,7 +15,10 @@
 //!   `--rate` and at their maximum while one relay publishes: commit → ack percentiles, with the
 //!   in-process wake-up (`embedded`) and without it (`external`: NOTIFY on PostgreSQL);
 //! - `enqueue`: the business transaction's latency with and without the outbox insert;
-//! - `idle`: statements per second of a relay with nothing to do.
+//! - `idle`: statements per second of a relay with nothing to do;
+//! - `metrics`: the cost of the Prometheus metrics: one relay drains `--messages` four times,
+//!   without and with its metrics exported ([`outbox::prometheus::register`], the backlog
+//!   sampled every second, `/metrics` encoded every 100 ms), in the order off, on, on, off.
 //!
 //! Brokers (`--transport`, see [`broker`]): NATS JetStream, Redis Streams, RabbitMQ, Kafka (any
 //! Kafka-protocol broker) or an in-process sink, each through the library's own transport.
@@ -55,8 +58,8 @@ use broker::{Broker, Receipts, Stamped};
 use db::{Db, Dialect, Outbox, TxMode, TxTimes};
 use render::render;
 use report::{
-    ClockOffset, Cost, Drain, Enqueue, EnqueueVariant, Idle, LatencyRun, Percentiles, Report,
-    Table, TableGrowth, fmt_count, fmt_load, fmt_mib, fmt_ms, fmt_ratio, loadavg,
+    ClockOffset, Cost, Drain, Enqueue, EnqueueVariant, Idle, LatencyRun, MetricsCost, Percentiles,
+    Report, Table, TableGrowth, fmt_count, fmt_load, fmt_mib, fmt_ms, fmt_ratio, loadavg,
 };
 
 /// Topic of every message the bench enqueues.
@@ -85,6 +88,9 @@ pub enum Scenario {
     Enqueue,
     /// Statements of an idle relay.
     Idle,
+    /// One relay drains with its Prometheus metrics exported and scraped, against one without
+    /// (in the order off, on, on, off).
+    Metrics,
 }
 
 /// Options of `outbox bench`.
@@ -527,6 +533,9 @@ impl Bench {
         }
         if self.args.runs(Scenario::Idle) {
             self.report.idle = Some(self.idle_run().await?);
+        }
+        if self.args.runs(Scenario::Metrics) {
+            self.report.metrics_cost = Some(self.metrics_cost().await?);
         }
         Ok(())
     }

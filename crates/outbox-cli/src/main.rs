@@ -401,7 +401,8 @@ async fn relay(config: PathBuf, database: Option<String>) -> anyhow::Result<()> 
         Some(c) => Some(spawn_confirmations(c, store.clone(), cancel.clone()).await?),
     };
     if let Some(admin) = &file.admin {
-        serve_admin(admin, &relay, store.clone(), cancel.clone()).await?;
+        let confirmations = file.confirmations.is_some();
+        serve_admin(admin, &relay, store.clone(), confirmations, cancel.clone()).await?;
     }
     if !file.logging.summary_interval.is_zero() {
         tokio::spawn(log_summaries(
@@ -454,12 +455,14 @@ async fn relay(config: PathBuf, database: Option<String>) -> anyhow::Result<()> 
 }
 
 /// Serve on `[admin] listen` until `cancel`: `GET /metrics` (Prometheus text format: the relay's
-/// counters and the sampled backlog), `GET /healthz` ([`outbox::Relay::health`]) and
+/// counters and histograms, the sampled backlog and, with a `[confirmations]` listener
+/// (`confirmations`), the confirmations applied), `GET /healthz` ([`outbox::Relay::health`]) and
 /// `GET /readyz` ([`outbox::Relay::readiness`]): 200 `ok`, or 503 with one problem per line.
 async fn serve_admin(
     admin: &config::AdminSection,
     relay: &outbox::Relay,
     store: Arc<dyn outbox::Store>,
+    confirmations: bool,
     cancel: CancellationToken,
 ) -> anyhow::Result<()> {
     let mut registry = prometheus_client::registry::Registry::default();
@@ -470,6 +473,9 @@ async fn serve_admin(
         admin.backlog_sample_interval,
         cancel.clone(),
     );
+    if confirmations {
+        registry.register_collector(Box::new(outbox::prometheus::ConfirmationCollector));
+    }
     let app = admin::metrics_router(Arc::new(std::sync::Mutex::new(registry)))
         .merge(admin::health_router(relay.clone()));
     let listener = tokio::net::TcpListener::bind(admin.listen)

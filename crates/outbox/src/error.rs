@@ -120,6 +120,42 @@ pub enum StoreErrorKind {
     Other,
 }
 
+impl StoreErrorKind {
+    /// Every kind, in declaration order (the index of a kind is its position here).
+    pub const ALL: [StoreErrorKind; 7] = [
+        StoreErrorKind::Transient,
+        StoreErrorKind::MissingTable,
+        StoreErrorKind::Config,
+        StoreErrorKind::Corrupt,
+        StoreErrorKind::Unavailable,
+        StoreErrorKind::SchemaVersion,
+        StoreErrorKind::Other,
+    ];
+
+    /// The kind's name as a metric label (`kind` of `outbox_relay_store_errors_total`):
+    /// `transient`, `missing_table`, `config`, `corrupt`, `unavailable`, `schema_version`,
+    /// `other`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StoreErrorKind::Transient => "transient",
+            StoreErrorKind::MissingTable => "missing_table",
+            StoreErrorKind::Config => "config",
+            StoreErrorKind::Corrupt => "corrupt",
+            StoreErrorKind::Unavailable => "unavailable",
+            StoreErrorKind::SchemaVersion => "schema_version",
+            StoreErrorKind::Other => "other",
+        }
+    }
+
+    /// The kind's position in [`StoreErrorKind::ALL`].
+    pub fn index(self) -> usize {
+        StoreErrorKind::ALL
+            .iter()
+            .position(|k| *k == self)
+            .expect("every kind is listed")
+    }
+}
+
 /// An error from a store (PostgreSQL, SQLite).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

@@ -33,6 +33,7 @@ pub mod error;
 #[cfg(any(fuzzing, test))]
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod histogram;
 pub mod ident;
 pub mod inbox;
 pub mod message;

@@ -1,5 +1,7 @@
-//! Prometheus metrics of a relay (feature `prometheus`; issue 14, docs/operations.md): the
-//! relay's counters read at scrape time, and the outbox backlog sampled from the store.
+//! Prometheus metrics (feature `prometheus`; issue 14, docs/operations.md): a relay's counters,
+//! histograms and state read at scrape time ([`register`]), the outbox backlog sampled from the
+//! store, a consumer runner's counters ([`register_consumer`]) and the confirmations applied by
+//! the listeners of the process ([`ConfirmationCollector`]).
 //!
 //! ```no_run
 //! # async fn f(relay: outbox::Relay, store: std::sync::Arc<dyn outbox::Store>) {
@@ -14,24 +16,29 @@
 //! Names follow the Prometheus conventions (<https://prometheus.io/docs/practices/naming/>):
 //! `outbox_` prefix, base units (`_seconds`), `_total` on counters (added by the encoder).
 //! Labels are bounded: `relay` (the relay's membership name, added by [`register`]) on the
-//! relay's counters and gauges, plus `transport` (the transport's [`Transport::name`], its
-//! kind: `nats`, `webhook`, …) on `outbox_relay_transport_up`; none on the backlog (it is the
-//! table's, whichever relay samples it). Two relays registered under one name would give
-//! duplicate series. Every metric is listed in docs/operations.md.
+//! relay's metrics, plus `transport` (the transport's [`Transport::name`], its kind: `nats`,
+//! `webhook`, …) on `outbox_relay_transport_up` and `kind` (7 values) on
+//! `outbox_relay_store_errors_total`; `consumer` (the inbox's consumer name) on a consumer's;
+//! none on the backlog (it is the table's, whichever relay samples it) or the confirmations.
+//! Two relays or consumers registered under one name would give duplicate series. Every metric
+//! is listed in docs/operations.md.
 //!
 //! [`Transport::name`]: crate::transport::Transport::name
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, NoLabelSet};
+use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
+use crate::consumer::ConsumerMetrics;
+use crate::histogram::HistogramSnapshot;
 use crate::message::Status;
 use crate::relay::{Relay, RelayMetrics};
 use crate::store::{Stats, Store};
@@ -117,11 +124,6 @@ const COUNTERS: &[CounterSpec] = &[
         |m| m.completion_writes.load(Ordering::Relaxed),
     ),
     (
-        "outbox_relay_store_errors",
-        "Database errors of the relay's statements.",
-        |m| m.store_errors.load(Ordering::Relaxed),
-    ),
-    (
         "outbox_relay_transport_outages",
         "Transport outages (paused, then probed).",
         |m| m.outages.load(Ordering::Relaxed),
@@ -143,9 +145,13 @@ const COUNTERS: &[CounterSpec] = &[
     ),
 ];
 
-/// A relay's counters ([`RelayMetrics`]) as a Prometheus [`Collector`]: 20 monotonic `u64`
-/// counters named `outbox_relay_…` (the encoder appends `_total`), read at each scrape. It
-/// adds no label itself: [`register`] puts it in a sub-registry labelled `relay="<name>"`.
+/// A relay's counters and histograms ([`RelayMetrics`]) as a Prometheus [`Collector`], read at
+/// each scrape: 19 monotonic counters named `outbox_relay_…` (the encoder appends `_total`),
+/// `outbox_relay_store_errors_total{kind}` (one series per [`StoreErrorKind`](crate::StoreErrorKind)
+/// label, [`StoreErrorKind::as_str`](crate::StoreErrorKind::as_str)), and the histograms
+/// `outbox_relay_publish_duration_seconds`, `outbox_relay_publish_batch_messages` and
+/// `outbox_relay_enqueue_to_ack_seconds`. It adds no label itself: [`register`] puts it in a
+/// sub-registry labelled `relay="<name>"`.
 #[derive(Debug)]
 pub struct RelayCollector {
     metrics: Arc<RelayMetrics>,
@@ -160,12 +166,194 @@ impl RelayCollector {
 
 impl Collector for RelayCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let m = &self.metrics;
         for (name, help, read) in COUNTERS {
-            let c = ConstCounter::new(read(&self.metrics));
+            let c = ConstCounter::new(read(m));
+            c.encode(encoder.encode_descriptor(name, help, None, c.metric_type())?)?;
+        }
+        let mut family = encoder.encode_descriptor(
+            "outbox_relay_store_errors",
+            "Database errors of the relay's statements (all retried), by kind.",
+            None,
+            MetricType::Counter,
+        )?;
+        for (kind, n) in m.store_errors_by_kind() {
+            let labels = [("kind", kind.as_str())];
+            ConstCounter::new(n).encode(family.encode_family(&labels)?)?;
+        }
+        histogram(
+            &mut encoder,
+            "outbox_relay_publish_duration_seconds",
+            "Time one transport's share of a batch took to publish: handed over to last acknowledgement (or publish_timeout).",
+            m.publish_duration.snapshot(),
+        )?;
+        histogram(
+            &mut encoder,
+            "outbox_relay_publish_batch_messages",
+            "Messages per publish (one transport's share of a batch).",
+            m.publish_batch.snapshot(),
+        )?;
+        histogram(
+            &mut encoder,
+            "outbox_relay_enqueue_to_ack_seconds",
+            "From a message becoming due (its row's creation, database clock, or the end of its delay) to the broker's acknowledgement; first attempts only.",
+            m.enqueue_to_ack.snapshot(),
+        )
+    }
+}
+
+/// Encode one histogram without labels of its own.
+fn histogram(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    s: HistogramSnapshot,
+) -> Result<(), std::fmt::Error> {
+    encoder
+        .encode_descriptor(name, help, None, MetricType::Histogram)?
+        .encode_histogram::<NoLabelSet>(s.sum, s.count, &s.buckets, None)
+}
+
+/// The counters of a consumer runner ([`ConsumerMetrics`], shared with the runner) as
+/// `outbox_consumer_…` counters and the `outbox_consumer_handler_duration_seconds` histogram.
+/// [`register_consumer`] labels them `consumer="<name>"` (the inbox's consumer name).
+#[derive(Debug)]
+pub struct ConsumerCollector {
+    metrics: Arc<ConsumerMetrics>,
+}
+
+impl ConsumerCollector {
+    /// The counters of `metrics`.
+    pub fn new(metrics: Arc<ConsumerMetrics>) -> Self {
+        ConsumerCollector { metrics }
+    }
+}
+
+/// One exported consumer counter: name (without `_total`), help, and how to read it.
+type ConsumerCounterSpec = (
+    &'static str,
+    &'static str,
+    fn(&ConsumerMetrics) -> &AtomicU64,
+);
+
+const CONSUMER_COUNTERS: &[ConsumerCounterSpec] = &[
+    (
+        "outbox_consumer_messages_applied",
+        "Messages applied by the handler in the inbox transaction.",
+        |m| &m.applied,
+    ),
+    (
+        "outbox_consumer_messages_rejected",
+        "Messages the handler rejected (business refusal), recorded and confirmed as rejected.",
+        |m| &m.rejected,
+    ),
+    (
+        "outbox_consumer_messages_duplicate",
+        "Copies recognised by the inbox and acknowledged without running the handler.",
+        |m| &m.duplicates,
+    ),
+    (
+        "outbox_consumer_messages_failed",
+        "Handler or inbox failures: not acknowledged, redelivered after a backoff.",
+        |m| &m.failures,
+    ),
+    (
+        "outbox_consumer_messages_dead_lettered",
+        "Messages moved to the consumer's dead-letter table.",
+        |m| &m.dead_lettered,
+    ),
+    (
+        "outbox_consumer_messages_malformed",
+        "Messages without readable outbox headers, rejected.",
+        |m| &m.malformed,
+    ),
+    (
+        "outbox_consumer_messages_replayed",
+        "Dead letters replayed on an operator's request.",
+        |m| &m.replayed,
+    ),
+    (
+        "outbox_consumer_messages_lost",
+        "Deliveries whose message was gone from the broker (acknowledged and logged).",
+        |m| &m.lost,
+    ),
+    (
+        "outbox_consumer_confirmations_sent",
+        "Confirmations sent to the producer.",
+        |m| &m.confirmations_sent,
+    ),
+    (
+        "outbox_consumer_confirmations_failed",
+        "Confirmations that could not be sent (the producer's check-back asks again).",
+        |m| &m.confirmation_failures,
+    ),
+];
+
+impl Collector for ConsumerCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        for (name, help, read) in CONSUMER_COUNTERS {
+            let c = ConstCounter::new(read(&self.metrics).load(Ordering::Relaxed));
+            c.encode(encoder.encode_descriptor(name, help, None, c.metric_type())?)?;
+        }
+        histogram(
+            &mut encoder,
+            "outbox_consumer_handler_duration_seconds",
+            "Time each delivery spent in the inbox: duplicate check, handler and commit.",
+            self.metrics.handler_duration.snapshot(),
+        )
+    }
+}
+
+/// The confirmations applied by every listener of this process
+/// ([`confirm::process_totals`]) as `outbox_confirmations_{confirmed,rejected,duplicate,
+/// unknown,failed_hooks}_total`. No label: register it once per registry.
+#[derive(Debug, Default)]
+pub struct ConfirmationCollector;
+
+impl Collector for ConfirmationCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let t = crate::confirm::process_totals();
+        let counters = [
+            (
+                "outbox_confirmations_confirmed",
+                "Messages moved to CONFIRMED by a consumer's confirmation.",
+                t.confirmed,
+            ),
+            (
+                "outbox_confirmations_rejected",
+                "Messages moved to REJECTED (their rejection hook ran).",
+                t.rejected,
+            ),
+            (
+                "outbox_confirmations_duplicate",
+                "Confirmations for messages already CONFIRMED or REJECTED.",
+                t.duplicates,
+            ),
+            (
+                "outbox_confirmations_unknown",
+                "Confirmations for message ids this outbox does not have.",
+                t.unknown,
+            ),
+            (
+                "outbox_confirmations_failed_hooks",
+                "Rejections whose hook failed (rolled back; applied when the rejection comes again).",
+                t.failed_hooks,
+            ),
+        ];
+        for (name, help, n) in counters {
+            let c = ConstCounter::new(n);
             c.encode(encoder.encode_descriptor(name, help, None, c.metric_type())?)?;
         }
         Ok(())
     }
+}
+
+/// Register a consumer runner's counters ([`ConsumerCollector`]) on `registry`, labelled
+/// `consumer="<consumer>"` (use the inbox's consumer name; one registration per runner).
+pub fn register_consumer(registry: &mut Registry, consumer: &str, metrics: Arc<ConsumerMetrics>) {
+    registry
+        .sub_registry_with_label(("consumer".into(), consumer.to_owned().into()))
+        .register_collector(Box::new(ConsumerCollector::new(metrics)));
 }
 
 /// Gauges of a relay's state: `outbox_relay_transport_up{transport="<kind>"}` 1 when up, 0

@@ -292,8 +292,39 @@ impl Bench {
         })
     }
 
+    /// The `metrics` scenario: one relay drains a fresh backlog four times, its Prometheus
+    /// metrics exported in the second and third (off, on, on, off: a drift in the machine's
+    /// speed over the four weighs on both sides alike).
+    pub(super) async fn metrics_cost(&self) -> anyhow::Result<MetricsCost> {
+        let mut off = Vec::new();
+        let mut on = Vec::new();
+        let mut scrapes = 0;
+        for export in [false, true, true, false] {
+            let table = self
+                .db
+                .table(if export { "metrics_on" } else { "metrics_off" });
+            self.backlog(&table).await?;
+            let (d, n) = self.relay_drain_with(&table, 1, export).await?;
+            self.db.drop_outbox(&table).await?;
+            scrapes += n;
+            if export { on.push(d) } else { off.push(d) }
+        }
+        Ok(MetricsCost::new(off, on, scrapes))
+    }
+
     /// `relays` relay instances drain `table` (already loaded).
     pub(super) async fn relay_drain(&self, table: &str, relays: usize) -> anyhow::Result<Drain> {
+        Ok(self.relay_drain_with(table, relays, false).await?.0)
+    }
+
+    /// [`Bench::relay_drain`]; with `export`, the relays' Prometheus metrics are registered
+    /// and scraped meanwhile (the `metrics` scenario): the drain and the number of scrapes.
+    async fn relay_drain_with(
+        &self,
+        table: &str,
+        relays: usize,
+        export: bool,
+    ) -> anyhow::Result<(Drain, u64)> {
         let n = self.args.messages;
         self.db.settle(table).await?;
         self.broker.reset().await?;
@@ -302,9 +333,11 @@ impl Bench {
         let load_start = loadavg();
         let mut pools = Vec::new();
         let mut instances = Vec::new();
+        let mut stores = Vec::new();
         for i in 0..relays {
             let pool = self.db.pool(&format!("relay{i}"), true, 10).await?;
             let store = Outbox::open(&pool.pool, table)?.store();
+            stores.push(store.clone());
             let relay = Relay::builder(store)
                 .router(self.router(self.broker.transport()))
                 .config(self.relay_config(format!("bench-{}-r{i}", self.run_id)))
@@ -314,6 +347,37 @@ impl Bench {
         }
         let metrics: Vec<Arc<RelayMetrics>> =
             instances.iter().map(|r| r.metrics().clone()).collect();
+        // The export: every relay on one registry, the backlog sampled every second and the
+        // text format encoded every 100 ms (a scrape far more frequent than Prometheus makes).
+        let scraping = CancellationToken::new();
+        let scraper = export.then(|| {
+            let mut registry = prometheus_client::registry::Registry::default();
+            for (r, store) in instances.iter().zip(&stores) {
+                outbox::prometheus::register(
+                    &mut registry,
+                    r,
+                    store.clone(),
+                    Duration::from_secs(1),
+                    scraping.clone(),
+                );
+            }
+            let stop = scraping.clone();
+            tokio::spawn(async move {
+                let mut scrapes = 0u64;
+                let mut tick = tokio::time::interval(Duration::from_millis(100));
+                loop {
+                    tokio::select! {
+                        _ = stop.cancelled() => return scrapes,
+                        _ = tick.tick() => {
+                            let mut text = String::new();
+                            if prometheus_client::encoding::text::encode(&mut text, &registry).is_ok() {
+                                scrapes += 1;
+                            }
+                        }
+                    }
+                }
+            })
+        });
         let finished = |m: &[Arc<RelayMetrics>]| -> u64 {
             m.iter()
                 .map(|m| {
@@ -352,7 +416,13 @@ impl Bench {
         let bar = self.bar(n, &format!("relay drain x{relays}"));
         let w = self
             .watch(&bar, n, Some(table), || finished(&metrics), work)
-            .await?;
+            .await;
+        scraping.cancel();
+        let scrapes = match scraper {
+            Some(t) => t.await.context("the scraper panicked")?,
+            None => 0,
+        };
+        let w = w?;
         let s1 = StatementCounter::read();
         for p in pools {
             self.db.retire(p).await?;
@@ -362,6 +432,7 @@ impl Bench {
             .pg_cost(table, counters, Some((s1.0 - s0.0, s1.1 - s0.1)))
             .await?;
         let growth = self.growth(table, before, &w).await?;
-        Ok(self.drain_result("relay", relays, &w, load_start, stored, cost, growth))
+        let d = self.drain_result("relay", relays, &w, load_start, stored, cost, growth);
+        Ok((d, scrapes))
     }
 }

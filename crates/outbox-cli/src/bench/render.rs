@@ -218,6 +218,40 @@ pub(super) fn render(r: &Report) -> String {
         section("Idle cost", &t);
     }
 
+    if let Some(m) = &r.metrics_cost {
+        let mut t = Table::new(["metrics export", "msg/s", "seconds", "load"]);
+        let mut row = |what: &str, d: &Drain| {
+            t.row([
+                what.to_owned(),
+                fmt_count(d.rate),
+                format!("{:.1}", d.seconds),
+                fmt_load(d.load),
+            ])
+        };
+        let (off, on) = (&m.off, &m.on);
+        let order = [
+            (off.first(), "off"),
+            (on.first(), "on"),
+            (on.get(1), "on"),
+            (off.get(1), "off"),
+        ];
+        for (d, what) in order {
+            if let Some(d) = d {
+                row(what, d);
+            }
+        }
+        t.row([
+            format!("on / off ({} scrapes)", m.scrapes),
+            fmt_ratio(m.ratio),
+            String::new(),
+            String::new(),
+        ]);
+        section(
+            "Cost of the Prometheus metrics (drain without / with the export)",
+            &t,
+        );
+    }
+
     let mut t = Table::new(["target (issue 6)", "goal", "measured", "met"]);
     for g in &r.targets {
         t.row([

@@ -51,6 +51,8 @@ pub struct Report {
     pub enqueue_fixed_rate: Option<Enqueue>,
     /// Statements of a relay with nothing to do.
     pub idle: Option<Idle>,
+    /// The cost of exporting the Prometheus metrics (`metrics` scenario).
+    pub metrics_cost: Option<MetricsCost>,
     /// The issue's targets, met or not, from the figures above.
     pub targets: Vec<Target>,
     /// What a reader must know to interpret the figures (skipped scenarios, caveats).
@@ -346,6 +348,36 @@ pub struct Idle {
     pub load: Option<[f64; 3]>,
 }
 
+/// The `metrics` scenario: the same drain without and with the Prometheus metrics exported.
+#[derive(Debug, Clone, Serialize, Default)]
+pub struct MetricsCost {
+    /// The drains without the export (first and last).
+    pub off: Vec<Drain>,
+    /// The drains with the export (second and third).
+    pub on: Vec<Drain>,
+    /// `/metrics` encodings made during the `on` drains.
+    pub scrapes: u64,
+    /// The `on` drains' rate over the `off` drains' (all their messages over all their time).
+    pub ratio: Option<f64>,
+}
+
+impl MetricsCost {
+    /// The figures of `off` and `on` drains.
+    pub fn new(off: Vec<Drain>, on: Vec<Drain>, scrapes: u64) -> Self {
+        let rate = |ds: &[Drain]| {
+            let secs: f64 = ds.iter().map(|d| d.seconds).sum();
+            (secs > 0.0).then(|| ds.iter().map(|d| d.messages).sum::<u64>() as f64 / secs)
+        };
+        let ratio = ratio(rate(&on), rate(&off));
+        MetricsCost {
+            off,
+            on,
+            scrapes,
+            ratio,
+        }
+    }
+}
+
 /// One of the issue's targets.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct Target {
@@ -487,6 +519,12 @@ pub fn targets(report: &Report) -> Vec<Target> {
             ">= 0.8x where the broker is the bound",
             drain.and_then(|d| d.vs_broker),
             |v| v >= 0.8,
+        ),
+        t(
+            "drain with Prometheus metrics exported vs without (issue 14)",
+            ">= 0.97x",
+            report.metrics_cost.as_ref().and_then(|m| m.ratio),
+            |v| v >= 0.97,
         ),
         t(
             "drain flatness (last 10% / first 10%)",

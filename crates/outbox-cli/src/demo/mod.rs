@@ -229,13 +229,16 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     };
     let mut confirm = ConfirmPolicy::new(reply_to);
     confirm.timeout = args.confirm_timeout;
-    // The relays' counters and the outbox backlog, served while the demo runs.
+    // The relays' counters, the outbox backlog, the inventory consumer's counters and the
+    // confirmations applied, served while the demo runs.
     let mut registry = prometheus_client::registry::Registry::default();
     registry.register_collector(Box::new(outbox::prometheus::BacklogCollector::spawn(
         services.store(),
         Duration::from_secs(1),
         cancel.clone(),
     )));
+    outbox::prometheus::register_consumer(&mut registry, "inventory", consumer_metrics.clone());
+    registry.register_collector(Box::new(outbox::prometheus::ConfirmationCollector));
     let registry = Arc::new(std::sync::Mutex::new(registry));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let metrics_addr = crate::admin::serve(

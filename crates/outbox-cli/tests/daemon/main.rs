@@ -3,7 +3,7 @@
 //! Needs the PostgreSQL and NATS JetStream servers (`OUTBOX_TEST_POSTGRES_URL`,
 //! `OUTBOX_TEST_NATS_URL`) and, with the `redis` feature, Redis (`OUTBOX_TEST_REDIS_URL`).
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;

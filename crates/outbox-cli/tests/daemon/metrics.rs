@@ -27,7 +27,8 @@ fn admin_relay(f: &Fixture, name: &str, admin: &str) -> (String, Relays) {
     (addr, relays)
 }
 
-/// The samples of `body` as `name{labels}` → value.
+/// The samples of `body` as `name{labels}` → value; a histogram's value is its observation
+/// count (its `+Inf` bucket), its `_sum` and `_count` are samples of their own.
 fn samples(body: &str) -> BTreeMap<String, f64> {
     let scrape = prometheus_parse::Scrape::parse(body.lines().map(|l| Ok(l.to_owned())))
         .expect("a Prometheus text exposition");
@@ -39,6 +40,11 @@ fn samples(body: &str) -> BTreeMap<String, f64> {
                 prometheus_parse::Value::Counter(v)
                 | prometheus_parse::Value::Gauge(v)
                 | prometheus_parse::Value::Untyped(v) => v,
+                prometheus_parse::Value::Histogram(buckets) => {
+                    let inf = buckets.iter().find(|b| b.less_than == f64::INFINITY);
+                    inf.unwrap_or_else(|| panic!("{}: no +Inf bucket", s.metric))
+                        .count
+                }
                 other => panic!("{}: unexpected {other:?}", s.metric),
             };
             let mut labels: Vec<String> =
@@ -49,10 +55,25 @@ fn samples(body: &str) -> BTreeMap<String, f64> {
         .collect()
 }
 
+/// The metric families of `body`: each name once (a histogram by its family name, its `_sum`
+/// and `_count` too).
+fn families(body: &str) -> BTreeSet<String> {
+    samples(body)
+        .keys()
+        .map(|k| k.split('{').next().unwrap().to_owned())
+        .collect()
+}
+
 #[tokio::test]
 async fn metrics_endpoint_serves_relay_counters_and_backlog() {
     let (f, pool, js) = Fixture::started("metrics").await;
-    let (addr, _relays) = admin_relay(&f, "metrics", "backlog_sample_interval = \"200ms\"\n");
+    // With a confirmation listener, so its counters are served too.
+    let listener = format!(
+        "backlog_sample_interval = \"200ms\"\n\n[confirmations]\nkind = \"nats\"\nurl = \"{}\"\nsubject = \"replies.{}\"\n",
+        nats_url(),
+        f.table
+    );
+    let (addr, _relays) = admin_relay(&f, "metrics", &listener);
     // 30 routed messages, 2 on a topic no relay routes (dead-lettered).
     for (topic, n) in [("order-created", 30), ("unrouted", 2)] {
         for i in 0..n {
@@ -101,6 +122,62 @@ async fn metrics_endpoint_serves_relay_counters_and_backlog() {
     );
     assert_eq!(m["outbox_relay_healthy{relay=metrics-relay}"], 1.0);
     assert!(m["outbox_backlog_sample_age_seconds{}"] < 5.0);
+    // The histograms: every routed message acknowledged on its first attempt is one
+    // enqueue → ack observation, each within the test's time; the batches published add up to
+    // at least the 30 messages (the 2 unrouted ones never reach a transport).
+    let r = "{relay=metrics-relay}";
+    assert_eq!(m[&format!("outbox_relay_enqueue_to_ack_seconds{r}")], 30.0);
+    assert_eq!(
+        m[&format!("outbox_relay_enqueue_to_ack_seconds_count{r}")],
+        30.0
+    );
+    let latency = m[&format!("outbox_relay_enqueue_to_ack_seconds_sum{r}")];
+    assert!(latency > 0.0 && latency < 30.0 * 20.0, "sum {latency}");
+    assert!(m[&format!("outbox_relay_publish_batch_messages_sum{r}")] >= 30.0);
+    let publishes = m[&format!("outbox_relay_publish_duration_seconds_count{r}")];
+    assert!(publishes >= 1.0);
+    assert_eq!(
+        m[&format!("outbox_relay_publish_batch_messages_count{r}")],
+        publishes
+    );
+    // Database errors by kind: a series per kind, none in a healthy run.
+    for kind in [
+        "transient",
+        "missing_table",
+        "config",
+        "corrupt",
+        "unavailable",
+        "schema_version",
+        "other",
+    ] {
+        let key = format!("outbox_relay_store_errors_total{{kind={kind},relay=metrics-relay}}");
+        assert_eq!(m.get(&key), Some(&0.0), "{key}");
+    }
+    assert_eq!(m["outbox_confirmations_unknown_total{}"], 0.0);
+
+    // The alert rules and the Grafana dashboard of deploy/ use only metrics that exist: those
+    // this daemon serves plus a consumer runner's (served by an application or the demo).
+    let body = get(&addr, "/metrics").await.expect("/metrics").1;
+    let mut names = families(&body);
+    let mut registry = prometheus_client::registry::Registry::default();
+    outbox::prometheus::register_consumer(&mut registry, "inventory", Default::default());
+    let mut consumer = String::new();
+    prometheus_client::encoding::text::encode(&mut consumer, &registry).unwrap();
+    names.extend(families(&consumer));
+    let file = f.dir.join("metric-names.txt");
+    std::fs::write(&file, names.into_iter().collect::<Vec<_>>().join("\n")).unwrap();
+    let check = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/check.sh");
+    let out = std::process::Command::new("bash")
+        .arg(&check)
+        .arg(&file)
+        .output()
+        .expect("run bash deploy/check.sh");
+    assert!(
+        out.status.success(),
+        "deploy/check.sh failed (it needs promtool, from Debian's prometheus package):\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     js.delete_stream(&f.stream).await.unwrap();
 }
 

@@ -48,6 +48,23 @@ pub(crate) async fn apply_with_retry(
     }
 }
 
+/// What every [`ConfirmationHandler`] of this process applied.
+static PROCESS_TOTAL: std::sync::Mutex<ConfirmReport> = std::sync::Mutex::new(ConfirmReport {
+    confirmed: 0,
+    rejected: 0,
+    duplicates: 0,
+    unknown: 0,
+    failed_hooks: 0,
+});
+
+/// The confirmations applied by every listener of this process since it started (each
+/// listener's own totals are its [`ConfirmationHandler::total`], or what [`listen`] returns):
+/// what `outbox_confirmations_…_total` exports (docs/operations.md). Process-wide because the
+/// brokers' `listen` functions build their handler themselves.
+pub fn process_totals() -> ConfirmReport {
+    *PROCESS_TOTAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// The confirmation listeners' [`BatchHandler`](crate::consumer::source::BatchHandler): parse each message as confirmations (one that
 /// is not is rejected and logged), apply the batch to the store in one transaction
 /// ([`apply_with_retry`], 5 tries) and acknowledge it after the commit; when the database fails
@@ -110,6 +127,10 @@ impl crate::consumer::source::BatchHandler for ConfirmationHandler {
                 if let Ok(mut t) = self.total.lock() {
                     t.add(r);
                 }
+                PROCESS_TOTAL
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .add(r);
                 out
             }
             Err(e) if !e.is_retryable() => {

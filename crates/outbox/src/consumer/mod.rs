@@ -33,6 +33,7 @@ use tokio_util::sync::CancellationToken;
 use futures::FutureExt;
 
 use crate::error::{HandlerError, InboxError};
+use crate::histogram::{Histogram, Seconds};
 use crate::inbox::{Handler, Inbox, InboxBackend, Processed};
 use crate::message::InboundMessage;
 use crate::retry::Backoff;
@@ -78,6 +79,9 @@ pub struct ConsumerMetrics {
     /// Deliveries whose message was gone from the broker (e.g. a Redis stream entry trimmed
     /// while pending, shared case C38): logged, acknowledged and counted here.
     pub lost: AtomicU64,
+    /// Seconds each delivery spent in the inbox: the duplicate check, the handler and the
+    /// commit of the inbox transaction (a panicking handler included).
+    pub handler_duration: Histogram<Seconds>,
 }
 
 /// Settings shared by the runners.
@@ -147,6 +151,7 @@ where
     // as the future unwinds, and the panic counts as a transient failure of this message, so it
     // is redelivered and dead-lettered at `max_deliveries` while the runner and the other
     // messages go on.
+    let started = std::time::Instant::now();
     let processed = std::panic::AssertUnwindSafe(inbox.process(msg, handler))
         .catch_unwind()
         .await
@@ -160,6 +165,7 @@ where
                 "the handler panicked: {what}"
             ))))
         });
+    metrics.handler_duration.observe_duration(started.elapsed());
     let verdict = match processed {
         Ok(Processed::Applied) => {
             count(&metrics.applied);

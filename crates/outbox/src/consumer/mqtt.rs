@@ -242,7 +242,8 @@ pub(crate) async fn open_session(
 }
 
 /// Poll `eventloop` for the next received publish until `cancel`, re-subscribing after a
-/// reconnection without the session, logging errors and backing off; `None` once cancelled.
+/// reconnection without the session, logging errors and backing off; `None` once cancelled or
+/// once the client's DISCONNECT was written.
 pub(crate) async fn next_publish(
     eventloop: &mut EventLoop,
     client: &AsyncClient,
@@ -275,6 +276,8 @@ pub(crate) async fn next_publish(
             Ok(Event::Incoming(Packet::SubAck(ack))) => {
                 tracing::debug!(codes = ?ack.return_codes, "subscribed");
             }
+            // Our own DISCONNECT is written (after every request queued before it): the end.
+            Ok(Event::Outgoing(rumqttc::Outgoing::Disconnect)) => return None,
             Ok(_) => {}
             Err(e) => {
                 *failures += 1;
@@ -309,6 +312,8 @@ pub struct MqttSource {
     received: Option<mpsc::Receiver<Publish>>,
     /// Stops the event-loop task when the source is dropped or reopened.
     pump: Option<DropGuard>,
+    /// The event-loop task, awaited by [`Source::close`] until its DISCONNECT is written.
+    pump_task: Option<tokio::task::JoinHandle<()>>,
     parked: VecDeque<Parked>,
 }
 
@@ -324,6 +329,7 @@ impl MqttSource {
             client: None,
             received: None,
             pump: None,
+            pump_task: None,
             parked: VecDeque::new(),
         })
     }
@@ -386,6 +392,7 @@ impl Source for MqttSource {
 
     async fn open(&mut self) -> Result<(), SourceError> {
         self.pump = None;
+        self.pump_task = None;
         let c = &self.config;
         let subscription = c.subscription();
         let (client, mut eventloop) = open_session(
@@ -406,16 +413,20 @@ impl Source for MqttSource {
             let (client, stop) = (client.clone(), stop.clone());
             async move {
                 let mut failures = 0u32;
+                let mut forwarding = true;
                 while let Some(p) =
                     next_publish(&mut eventloop, &client, &subscription, &mut failures, &stop).await
                 {
-                    if tx.send(p).await.is_err() {
-                        break;
+                    if forwarding && tx.send(p).await.is_err() {
+                        // The source is closing: keep polling so that the PUBACKs queued
+                        // before its DISCONNECT are written; what arrives now is not
+                        // acknowledged and comes again.
+                        forwarding = false;
                     }
                 }
             }
         };
-        tokio::spawn(pump);
+        self.pump_task = Some(tokio::spawn(pump));
         self.pump = Some(stop.drop_guard());
         self.client = Some(client);
         self.received = Some(rx);
@@ -458,6 +469,28 @@ impl Source for MqttSource {
             }
         }
         Ok(out)
+    }
+
+    /// Flush before leaving: `settle` only queues each PUBACK for the event loop, so stopping
+    /// the loop at once could drop the last batch's acknowledgements and have the broker deliver
+    /// it again to the next session (the inbox would recognise the copies, but the work is
+    /// wasted). Queue a DISCONNECT behind them and keep the loop running until it is written,
+    /// at most 2 s.
+    async fn close(&mut self) {
+        self.received = None;
+        if let Some(client) = self.client.take() {
+            let _ = client.try_disconnect();
+            if let Some(task) = self.pump_task.take()
+                && tokio::time::timeout(Duration::from_secs(2), task)
+                    .await
+                    .is_err()
+            {
+                tracing::warn!(
+                    "MQTT consumer: the DISCONNECT was not written within 2 s; unacknowledged messages come again"
+                );
+            }
+        }
+        self.pump = None;
     }
 
     async fn settle(&mut self, batch: Vec<(Delivery<Publish>, Settle)>) -> Result<(), SourceError> {

@@ -14,6 +14,9 @@ pub(super) struct Work {
     pub(super) stored_attempts: u32,
     /// This attempt was recorded before publishing (takeover batch).
     pub(super) counted: bool,
+    /// How long the row had been due when read (database clock;
+    /// [`BucketRow::due_age`](crate::store::BucketRow::due_age)).
+    pub(super) due_age: Option<Duration>,
     pub(super) outcome: Option<Outcome>,
 }
 
@@ -266,7 +269,7 @@ impl Relay {
                 Ok(h) => h,
                 Err(e) => {
                     // The ordered rows of this batch are not published (no write); read again.
-                    add(&inner.metrics.store_errors, 1);
+                    inner.metrics.store_error(&e);
                     tracing::warn!(error = %e.report(), "key_heads failed; ordered rows of this batch wait");
                     keys.clear();
                     Vec::new()
@@ -398,7 +401,7 @@ impl Relay {
                 })
                 .collect(),
             Err(e) => {
-                add(&inner.metrics.store_errors, 1);
+                inner.metrics.store_error(&e);
                 tracing::warn!(error = %e.report(), rows = idx.len(), "no local route and the membership could not be read; releasing the rows");
                 for &i in idx {
                     work[i].outcome = Some(release.clone());
@@ -515,6 +518,12 @@ impl Relay {
                 };
                 let w = &work[i];
                 let attempt = w.attempt();
+                if let (Ok(()), 1, Some(age)) = (&r, attempt, w.due_age) {
+                    inner
+                        .metrics
+                        .enqueue_to_ack
+                        .observe_duration(age + read_at.elapsed());
+                }
                 let max = w.message.max_attempts;
                 let confirm = inner.router.routes()[w.route.as_ref().expect("routed").0]
                     .confirm
@@ -593,7 +602,7 @@ impl Relay {
                 }
                 Err(e) => {
                     failures += 1;
-                    add(&inner.metrics.store_errors, 1);
+                    inner.metrics.store_error(&e);
                     let wait = inner.config.probe_backoff.delay(failures);
                     if read_at.elapsed() + wait >= inner.config.lease {
                         tracing::error!(error = %e.report(), "completion failed until the lease ran out; the rows are published again");

@@ -50,7 +50,7 @@ pub(super) async fn maintenance_loop(relay: Relay, cancel: CancellationToken) {
             }
             Err(e) => {
                 failures += 1;
-                add(&inner.metrics.store_errors, 1);
+                inner.metrics.store_error(&e);
                 tracing::warn!(error = %e.report(), "relay maintenance failed");
             }
         }

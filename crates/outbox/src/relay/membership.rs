@@ -114,7 +114,7 @@ pub(super) async fn membership_loop(relay: Relay, cancel: CancellationToken) {
                             tracing::debug!(relay = %cfg.name, released = n, live = round.live_relays, "buckets above the fair share given back");
                         }
                         Err(e) => {
-                            add(&inner.metrics.store_errors, 1);
+                            inner.metrics.store_error(&e);
                             tracing::warn!(error = %e.report(), "could not give buckets back; they return by lease expiry");
                         }
                     }
@@ -124,7 +124,7 @@ pub(super) async fn membership_loop(relay: Relay, cancel: CancellationToken) {
             }
             Err(e) => {
                 failures += 1;
-                add(&inner.metrics.store_errors, 1);
+                inner.metrics.store_error(&e);
                 tracing::warn!(error = %e.report(), failures, "membership round failed; retrying");
             }
         }
@@ -179,7 +179,7 @@ async fn hand_off(relay: &Relay) {
                 );
             }
             Err(e) => {
-                add(&inner.metrics.store_errors, 1);
+                inner.metrics.store_error(&e);
                 tracing::warn!(error = %e.report(), peer, "could not hand buckets over; they return by lease expiry");
             }
         }

@@ -1,6 +1,7 @@
 //! The relay's counters ([`RelayMetrics`]) and instrumentation hooks ([`RelayHooks`]).
 
 use super::*;
+use crate::histogram::{Histogram, Messages, Seconds};
 
 /// Counters of one relay, readable while it runs ([`Relay::metrics`]).
 #[derive(Debug, Default)]
@@ -25,6 +26,9 @@ pub struct RelayMetrics {
     pub purged: AtomicU64,
     /// Failed database calls (read, completion, membership, maintenance), all retried.
     pub store_errors: AtomicU64,
+    /// [`RelayMetrics::store_errors`] by [`StoreErrorKind`], indexed by
+    /// [`StoreErrorKind::index`]; they add up to it.
+    pub store_errors_by_kind: [AtomicU64; StoreErrorKind::ALL.len()],
     /// Times a transport was found unavailable.
     pub outages: AtomicU64,
     /// Messages of ordered routes held back because an earlier message of their key is unfinished.
@@ -47,6 +51,18 @@ pub struct RelayMetrics {
     /// Times a batch was found in flight past `lease - publish_timeout`: the relay stops renewing
     /// its buckets until it returns and logs an error every lease meanwhile.
     pub stalled_batches: AtomicU64,
+    /// Seconds one transport's share of a batch took to publish: from handing it to the
+    /// transport to its last acknowledgement (or `publish_timeout`).
+    pub publish_duration: Histogram<Seconds>,
+    /// Messages per publish (one transport's share of a batch).
+    pub publish_batch: Histogram<Messages>,
+    /// Seconds from a message becoming due to the broker's acknowledgement, for messages
+    /// acknowledged on their first attempt: the row's due age when read (database clock:
+    /// [`BucketRow::due_age`](crate::store::BucketRow::due_age), from its creation in the
+    /// producer's transaction, or the end of its delay) plus the time from the read to the ack
+    /// (the relay's monotonic clock). What `outbox bench` reports as commit → ack, except that
+    /// it starts at the row's creation: a producer's long transaction adds to it.
+    pub enqueue_to_ack: Histogram<Seconds>,
 }
 
 /// A point-in-time copy of [`RelayMetrics`].
@@ -95,6 +111,25 @@ pub struct MetricsSnapshot {
 }
 
 impl RelayMetrics {
+    /// Count a failed database call: [`RelayMetrics::store_errors`] and its kind.
+    pub fn store_error(&self, e: &StoreError) {
+        add(&self.store_errors, 1);
+        add(&self.store_errors_by_kind[e.kind().index()], 1);
+    }
+
+    /// [`RelayMetrics::store_errors_by_kind`] with each kind.
+    pub fn store_errors_by_kind(&self) -> Vec<(StoreErrorKind, u64)> {
+        StoreErrorKind::ALL
+            .iter()
+            .map(|k| {
+                (
+                    *k,
+                    self.store_errors_by_kind[k.index()].load(Ordering::Relaxed),
+                )
+            })
+            .collect()
+    }
+
     /// Read every counter.
     pub fn snapshot(&self) -> MetricsSnapshot {
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);

@@ -451,7 +451,7 @@ impl Relay {
                     Ok(Some(d)) => sleep_for = d.min(sleep_for),
                     Ok(None) => {}
                     Err(e) => {
-                        add(&inner.metrics.store_errors, 1);
+                        inner.metrics.store_error(&e);
                         tracing::debug!(error = %e.report(), "next_due_in failed");
                     }
                 }
@@ -483,7 +483,7 @@ impl Relay {
                     }
                     Err(e) => {
                         read_failures += 1;
-                        add(&inner.metrics.store_errors, 1);
+                        inner.metrics.store_error(&e);
                         tracing::warn!(error = %e.report(), failures = read_failures, "read failed; backing off");
                         sleep_for = cfg.probe_backoff.delay(read_failures);
                     }

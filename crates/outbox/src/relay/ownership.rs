@@ -218,7 +218,11 @@ impl Ownership {
         let mut work = Vec::with_capacity(batch.rows.len() + batch.malformed.len());
         let mut suspects = BTreeSet::new();
         let read: BTreeMap<Bucket, LeaseToken> = read.iter().copied().collect();
-        let mut push = |own: &mut Ownership, bucket: Bucket, message: Message, outcome| {
+        let mut push = |own: &mut Ownership,
+                        bucket: Bucket,
+                        message: Message,
+                        due_age: Option<Duration>,
+                        outcome| {
             let Some(h) = own.held.get(&bucket).copied() else {
                 return;
             };
@@ -237,6 +241,7 @@ impl Ownership {
                 route: None,
                 stored_attempts,
                 counted: false,
+                due_age,
                 outcome,
             });
         };
@@ -245,7 +250,7 @@ impl Ownership {
             if m.max_attempts == 0 {
                 m.max_attempts = max_attempts;
             }
-            push(own, row.bucket, m, None);
+            push(own, row.bucket, m, row.due_age, None);
         }
         for (bucket, id, reason) in batch.malformed {
             let m = Message {
@@ -262,7 +267,7 @@ impl Ownership {
             let outcome = Outcome::Failed {
                 reason: format!("malformed row: {reason}"),
             };
-            push(own, bucket, m, Some(outcome));
+            push(own, bucket, m, None, Some(outcome));
         }
         // The first batch of a taken-over bucket is the one that records its attempt.
         for b in &suspects {

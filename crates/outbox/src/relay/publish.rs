@@ -43,8 +43,14 @@ impl Relay {
         let inner = &self.inner;
         let transport = &inner.transports[ti];
         let acks = Acks::new(batch.len());
+        let started = Instant::now();
         let run = AssertUnwindSafe(transport.publish_each(batch, &acks)).catch_unwind();
         let ran = tokio::time::timeout(inner.config.publish_timeout, run).await;
+        inner
+            .metrics
+            .publish_duration
+            .observe_duration(started.elapsed());
+        inner.metrics.publish_batch.observe(batch.len() as f64);
         let states = acks.take();
         match ran {
             Ok(Ok(())) => states

@@ -319,6 +319,12 @@ pub struct BucketRow {
     pub bucket: Bucket,
     /// The message; `attempts` counts the attempts made so far (not this one).
     pub message: Message,
+    /// How long the row had been due when it was read, by the database clock: the read's
+    /// `now()` minus the later of its creation and its `available_at` (a delay or a retry
+    /// backoff), 0 at the least. `None` when the timestamps could not be read (a row written by
+    /// plain SQL with garbage in them). The relay's `outbox_relay_enqueue_to_ack_seconds`
+    /// histogram adds the time from the read to the broker's ack.
+    pub due_age: Option<Duration>,
 }
 
 /// The due rows of some buckets, read without writing anything.
@@ -622,11 +628,21 @@ pub(crate) fn membership_round(live: i64, renewed: Vec<Bucket>) -> MembershipRou
 }
 
 impl BucketBatch {
-    /// Add one read row: decoded into [`BucketBatch::rows`], or into
+    /// Add one read row: decoded into [`BucketBatch::rows`] with its due age, or into
     /// [`BucketBatch::malformed`] with the reason it could not be decoded.
-    pub(crate) fn push(&mut self, bucket: Bucket, id: i64, decoded: Result<Message, String>) {
+    pub(crate) fn push(
+        &mut self,
+        bucket: Bucket,
+        id: i64,
+        decoded: Result<Message, String>,
+        due_age: Option<Duration>,
+    ) {
         match decoded {
-            Ok(message) => self.rows.push(BucketRow { bucket, message }),
+            Ok(message) => self.rows.push(BucketRow {
+                bucket,
+                message,
+                due_age,
+            }),
             Err(reason) => self.malformed.push((bucket, id, reason)),
         }
     }

@@ -89,6 +89,22 @@ where
     })
 }
 
+/// The due age of a row the relay read (column 10 of `Store::read_buckets`'s statements, in
+/// microseconds): the database clock at the read minus the later of `created_at` and
+/// `available_at`, so the time since the row could first be published (its creation, or the end
+/// of its delay or retry backoff). Read leniently: a row whose timestamps hold garbage (written
+/// by plain SQL) has no due age, and that alone never makes it malformed; a negative age (a
+/// clock step) reads as zero.
+pub(crate) fn due_age<R>(row: &R) -> Option<std::time::Duration>
+where
+    R: Row,
+    usize: ColumnIndex<R>,
+    for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
+{
+    let us: Option<i64> = row.try_get(10).ok().flatten();
+    us.map(|us| std::time::Duration::from_micros(u64::try_from(us).unwrap_or(0)))
+}
+
 /// Name the column a decoding error is about.
 fn column(name: &'static str) -> impl Fn(sqlx::Error) -> String {
     move |e| format!("column {name}: {e}")

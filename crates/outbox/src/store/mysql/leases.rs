@@ -205,7 +205,8 @@ impl MySqlStore {
         };
         let part = format!(
             "(SELECT id, message_id, topic, partition_key, headers, payload, attempts, max_attempts, \
-             redelivery, bucket FROM {t} WHERE status = {PENDING} AND bucket = ? AND id > ? \
+             redelivery, bucket, TIMESTAMPDIFF(MICROSECOND, GREATEST(created_at, available_at), {NOW}) \
+             FROM {t} WHERE status = {PENDING} AND bucket = ? AND id > ? \
              AND available_at <= {NOW}{skip} ORDER BY id LIMIT ?)"
         );
         let sql = format!(

@@ -336,7 +336,12 @@ impl Store for MySqlStore {
         .await?;
         let mut batch = BucketBatch::default();
         for (bucket, id, row) in &rows {
-            batch.push(*bucket, *id, super::rows::decode_message(*id, row));
+            batch.push(
+                *bucket,
+                *id,
+                super::rows::decode_message(*id, row),
+                super::rows::due_age(row),
+            );
         }
         Ok(batch)
     }

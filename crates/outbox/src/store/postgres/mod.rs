@@ -369,7 +369,12 @@ impl Store for PgStore {
         for row in &rows {
             let id: i64 = row.try_get(0).map_err(&err)?;
             let bucket: Bucket = row.try_get(9).map_err(&err)?;
-            batch.push(bucket, id, super::rows::decode_message(id, row));
+            batch.push(
+                bucket,
+                id,
+                super::rows::decode_message(id, row),
+                super::rows::due_age(row),
+            );
         }
         Ok(batch)
     }

@@ -151,7 +151,9 @@ impl PgStore {
             // bucket costs no more than the rows returned.
             read_buckets: format!(
                 "SELECT r.* FROM UNNEST($1::smallint[]) AS b(bucket) \
-                 CROSS JOIN LATERAL (SELECT {cols}, o.bucket FROM {t} o \
+                 CROSS JOIN LATERAL (SELECT {cols}, o.bucket, \
+                   (EXTRACT(EPOCH FROM now() - GREATEST(o.created_at, o.available_at)) * 1000000)::int8 \
+                   FROM {t} o \
                    WHERE o.bucket = b.bucket AND o.status = {PENDING} AND o.available_at <= now() \
                    AND (o.partition_key IS NULL OR NOT (o.partition_key = ANY($2::text[]))) \
                    ORDER BY o.id LIMIT $3) r \

@@ -62,7 +62,8 @@ fn bucket_expr() -> String {
     )
 }
 
-/// The decoded columns of a row, then its bucket (index 9).
+/// The decoded columns of a row, then its bucket (index 9); the read adds the row's due age
+/// (index 10, [`crate::store::rows::due_age`]).
 const READ_COLS: &str = "id, message_id, topic, partition_key, headers, CAST(payload AS BLOB) AS payload, \
      attempts, max_attempts, redelivery, bucket";
 
@@ -276,7 +277,12 @@ impl Store for SqliteStore {
         .await?;
         let mut batch = BucketBatch::default();
         for (bucket, id, row) in &rows {
-            batch.push(*bucket, *id, super::rows::decode_message(*id, row));
+            batch.push(
+                *bucket,
+                *id,
+                super::rows::decode_message(*id, row),
+                super::rows::due_age(row),
+            );
         }
         Ok(batch)
     }

@@ -466,7 +466,7 @@ impl SqliteStore {
             .map(|i| {
                 let (b, a) = (first + 2 * i, first + 2 * i + 1);
                 format!(
-                    "SELECT * FROM (SELECT {READ_COLS} FROM {t} WHERE status = {PENDING} AND bucket = ?{b} \
+                    "SELECT * FROM (SELECT {READ_COLS}, ({NOW_MS} - MAX(created_at, available_at)) * 1000 FROM {t} WHERE status = {PENDING} AND bucket = ?{b} \
                      AND id > ?{a} AND available_at <= {NOW_MS}{skip} ORDER BY id LIMIT ?2)"
                 )
             })
