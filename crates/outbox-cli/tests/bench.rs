@@ -41,6 +41,10 @@ async fn bench_runs_every_scenario_and_reports_each_section() {
         .args(["--messages", &messages.to_string(), "--relays", "1,4"])
         .args(["--rate", "200", "--producers", "2"])
         .args(["--latency-duration", "2s", "--enqueue-duration", "2s"])
+        .args([
+            "--only",
+            "broker,baseline,drain,scaling,latency,enqueue,idle,metrics",
+        ])
         .args(["--idle-duration", "2s", "--no-progress", "--json"])
         .arg(&json)
         .output()
@@ -55,6 +59,7 @@ async fn bench_runs_every_scenario_and_reports_each_section() {
         "Steady state",
         "Enqueue overhead",
         "Idle cost",
+        "Cost of the Prometheus metrics",
         "Targets",
     ] {
         assert!(stdout.contains(section), "no {section} table:\n{stdout}");
@@ -132,9 +137,24 @@ async fn bench_runs_every_scenario_and_reports_each_section() {
     assert_eq!(num(&r, "enqueue_fixed_rate.offered_rate"), 200.0);
     positive(&r, "idle.statements");
     positive(&r, "idle.statements_per_poll_interval");
+    // The metrics export: two drains without, two with, each of every message; the registry
+    // was encoded during the drains with the export.
+    for side in ["off", "on"] {
+        let drains = r["metrics_cost"][side].as_array().unwrap();
+        assert_eq!(drains.len(), 2, "{side}");
+        for i in 0..2 {
+            assert_eq!(
+                num(&r, &format!("metrics_cost.{side}.{i}.messages")),
+                messages as f64
+            );
+            positive(&r, &format!("metrics_cost.{side}.{i}.rate"));
+        }
+    }
+    positive(&r, "metrics_cost.scrapes");
+    positive(&r, "metrics_cost.ratio");
     // Every target was measured.
     let targets = r["targets"].as_array().unwrap();
-    assert_eq!(targets.len(), 9);
+    assert_eq!(targets.len(), 10);
     assert!(targets.iter().all(|t| t["met"].is_boolean()), "{targets:?}");
 
     // Nothing left behind: the schema, the migration records, the stream.

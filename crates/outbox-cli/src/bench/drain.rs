@@ -299,10 +299,9 @@ impl Bench {
         let mut off = Vec::new();
         let mut on = Vec::new();
         let mut scrapes = 0;
-        for export in [false, true, true, false] {
-            let table = self
-                .db
-                .table(if export { "metrics_on" } else { "metrics_off" });
+        // A table per round: a dropped table's name is not reused within a run.
+        for (round, export) in [false, true, true, false].into_iter().enumerate() {
+            let table = self.db.table(&format!("metrics{round}"));
             self.backlog(&table).await?;
             let (d, n) = self.relay_drain_with(&table, 1, export).await?;
             self.db.drop_outbox(&table).await?;
