@@ -147,12 +147,9 @@ impl StoreErrorKind {
         }
     }
 
-    /// The kind's position in [`StoreErrorKind::ALL`].
+    /// The kind's position in [`StoreErrorKind::ALL`] (its declaration order).
     pub fn index(self) -> usize {
-        StoreErrorKind::ALL
-            .iter()
-            .position(|k| *k == self)
-            .expect("every kind is listed")
+        self as usize
     }
 }
 
@@ -564,6 +561,13 @@ fn with_sources(mut first: String, source: Option<&(dyn std::error::Error + 'sta
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn store_error_kinds_are_listed_in_declaration_order() {
+        for (i, k) in StoreErrorKind::ALL.iter().enumerate() {
+            assert_eq!(k.index(), i, "{k:?}");
+        }
+    }
 
     /// `report` gives the whole chain, `Display` only the store's own part.
     #[test]

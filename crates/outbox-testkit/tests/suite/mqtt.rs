@@ -361,6 +361,78 @@ async fn persistent_session_keeps_messages_for_an_offline_consumer() {
     fx.cleanup().await;
 }
 
+/// The source the runners use, closed right after settling a batch (as a runner does when it
+/// is stopped): the PUBACKs it queued are written before it leaves, so the next session of the
+/// same client gets nothing of that batch again. (They used to be dropped with the event loop,
+/// and the broker delivered the whole batch again; a current-thread runtime gives the loop no
+/// turn between the settle and the close, so this fails every time without the flush.)
+#[tokio::test]
+async fn closing_right_after_settling_writes_the_acknowledgements() {
+    use outbox::consumer::mqtt::MqttSource;
+    use outbox::consumer::source::{Settle, Source};
+    let prefix = unique("obx");
+    let topic = format!("{prefix}/orders");
+    let config = consumer_config(&format!("{prefix}-c"), &topic);
+    let t = mqtt_transport(MqttConfig::new(mqtt_url())).await;
+    let mut source = MqttSource::new(config.clone()).expect("config");
+    source
+        .open()
+        .await
+        .expect("the MQTT broker accepts the session");
+    let msgs: Vec<_> = (0..20)
+        .map(|i| claimed_message("t", format!("batch-{i}")))
+        .collect();
+    publish_when_subscribed(&t, &topic, &msgs).await;
+    let mut batch = Vec::new();
+    within("the 20 messages", Duration::from_secs(10), async {
+        while batch
+            .iter()
+            .filter(|d: &&outbox::consumer::source::Delivery<_>| {
+                d.envelope.payload.starts_with(b"batch-")
+            })
+            .count()
+            < 20
+        {
+            batch.extend(source.fetch(100).await.expect("fetch"));
+        }
+    })
+    .await;
+    source
+        .settle(batch.into_iter().map(|d| (d, Settle::Ack)).collect())
+        .await
+        .expect("settle");
+    source.close().await;
+    drop(source);
+
+    let mut again = MqttSource::new(config).expect("config");
+    again.open().await.expect("the session resumes");
+    let marker = claimed_message("t", "marker");
+    publish(&t, &topic, std::slice::from_ref(&marker)).await[0]
+        .as_ref()
+        .expect("published");
+    let mut redelivered = Vec::new();
+    within("the marker", Duration::from_secs(10), async {
+        loop {
+            let got = again.fetch(100).await.expect("fetch");
+            let done = got.iter().any(|d| d.envelope.payload == b"marker");
+            redelivered.extend(
+                got.iter()
+                    .filter(|d| d.envelope.payload.starts_with(b"batch-"))
+                    .map(|d| String::from_utf8_lossy(&d.envelope.payload).into_owned()),
+            );
+            if done {
+                break;
+            }
+        }
+    })
+    .await;
+    again.close().await;
+    assert!(
+        redelivered.is_empty(),
+        "acknowledged before the close, delivered again: {redelivered:?}"
+    );
+}
+
 /// A broker that does not speak MQTT 5: `connect` fails naming `url`, saying that outbox needs
 /// MQTT 5. Two fakes answer the CONNECT: one with MQTT 5's *Unsupported Protocol Version*
 /// (0x84), one as an MQTT 3.1.1 broker does (CONNACK return code 0x01).

@@ -478,13 +478,12 @@ impl Source for MqttSource {
     /// at most 2 s.
     async fn close(&mut self) {
         self.received = None;
-        if let Some(client) = self.client.take() {
-            let _ = client.try_disconnect();
-            if let Some(task) = self.pump_task.take()
-                && tokio::time::timeout(Duration::from_secs(2), task)
-                    .await
-                    .is_err()
-            {
+        if let (Some(client), Some(task)) = (self.client.take(), self.pump_task.take()) {
+            let flushed = tokio::time::timeout(Duration::from_secs(2), async move {
+                let _ = client.disconnect().await;
+                let _ = task.await;
+            });
+            if flushed.await.is_err() {
                 tracing::warn!(
                     "MQTT consumer: the DISCONNECT was not written within 2 s; unacknowledged messages come again"
                 );

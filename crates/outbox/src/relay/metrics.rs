@@ -24,10 +24,9 @@ pub struct RelayMetrics {
     pub checked_back: AtomicU64,
     /// Finished rows deleted by retention.
     pub purged: AtomicU64,
-    /// Failed database calls (read, completion, membership, maintenance), all retried.
-    pub store_errors: AtomicU64,
-    /// [`RelayMetrics::store_errors`] by [`StoreErrorKind`], indexed by
-    /// [`StoreErrorKind::index`]; they add up to it.
+    /// Failed database calls (read, completion, membership, maintenance), all retried, by
+    /// [`StoreErrorKind`], indexed by [`StoreErrorKind::index`]; their sum is
+    /// [`MetricsSnapshot::store_errors`].
     pub store_errors_by_kind: [AtomicU64; StoreErrorKind::ALL.len()],
     /// Times a transport was found unavailable.
     pub outages: AtomicU64,
@@ -86,7 +85,7 @@ pub struct MetricsSnapshot {
     pub checked_back: u64,
     /// See [`RelayMetrics::purged`].
     pub purged: u64,
-    /// See [`RelayMetrics::store_errors`].
+    /// Failed database calls, all kinds ([`RelayMetrics::store_errors_by_kind`] summed).
     pub store_errors: u64,
     /// See [`RelayMetrics::outages`].
     pub outages: u64,
@@ -111,9 +110,8 @@ pub struct MetricsSnapshot {
 }
 
 impl RelayMetrics {
-    /// Count a failed database call: [`RelayMetrics::store_errors`] and its kind.
+    /// Count a failed database call under its kind.
     pub fn store_error(&self, e: &StoreError) {
-        add(&self.store_errors, 1);
         add(&self.store_errors_by_kind[e.kind().index()], 1);
     }
 
@@ -143,7 +141,7 @@ impl RelayMetrics {
             stale_batches: g(&self.stale_batches),
             checked_back: g(&self.checked_back),
             purged: g(&self.purged),
-            store_errors: g(&self.store_errors),
+            store_errors: self.store_errors_by_kind.iter().map(g).sum(),
             outages: g(&self.outages),
             held_back: g(&self.held_back),
             buckets_acquired: g(&self.buckets_acquired),
