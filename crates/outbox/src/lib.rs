@@ -37,6 +37,7 @@ pub mod histogram;
 pub mod ident;
 pub mod inbox;
 pub mod message;
+pub mod otel;
 #[cfg(feature = "prometheus")]
 pub mod prometheus;
 mod redact;

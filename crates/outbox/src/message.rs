@@ -280,6 +280,20 @@ impl Limits {
     }
 }
 
+impl Limits {
+    /// Validate every message of an enqueue ([`Limits::validate`]) and record the current trace
+    /// context in their headers (feature `otel`, [`crate::otel`]).
+    pub(crate) fn prepare(&self, msgs: &mut [NewMessage]) -> Result<(), EnqueueError> {
+        for m in msgs.iter() {
+            self.validate(m)?;
+        }
+        for m in msgs.iter_mut() {
+            crate::otel::inject_current(&mut m.headers, self);
+        }
+        Ok(())
+    }
+}
+
 /// Check a topic name: 1 to 255 characters, none of them whitespace or control characters.
 ///
 /// # Errors

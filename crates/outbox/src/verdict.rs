@@ -40,6 +40,37 @@ pub struct Confirmation {
     /// The verdict.
     #[serde(flatten)]
     pub verdict: Verdict,
+    /// W3C `traceparent` of the consumer's span that sent it (feature `otel`, see
+    /// [`crate::otel`]): the producer's confirmation span continues it. Absent when the consumer
+    /// was not traced; ignored by producers without the feature.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traceparent: Option<String>,
+    /// W3C `tracestate` going with [`Confirmation::traceparent`], when not empty.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tracestate: Option<String>,
+}
+
+impl Confirmation {
+    /// A confirmation of `message_id` by `consumer`, without a trace context.
+    pub fn new(message_id: Uuid, consumer: impl Into<String>, verdict: Verdict) -> Self {
+        Confirmation {
+            message_id,
+            consumer: consumer.into(),
+            verdict,
+            traceparent: None,
+            tracestate: None,
+        }
+    }
+}
+
+impl Verdict {
+    /// The verdict's `outcome` as it travels: `processed` or `rejected`.
+    pub fn outcome(&self) -> &'static str {
+        match self {
+            Verdict::Processed => "processed",
+            Verdict::Rejected { .. } => "rejected",
+        }
+    }
 }
 
 /// What [`Store::apply_confirmations`](crate::Store::apply_confirmations) did with a batch.

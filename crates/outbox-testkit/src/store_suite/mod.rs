@@ -324,21 +324,17 @@ async fn wait_status<F: StoreFixture>(fx: &F, id: Uuid, status: Status) {
 // Confirmations (used by [`confirm`]).
 
 fn processed(id: Uuid) -> Confirmation {
-    Confirmation {
-        message_id: id,
-        consumer: "suite".into(),
-        verdict: Verdict::Processed,
-    }
+    Confirmation::new(id, "suite", Verdict::Processed)
 }
 
 fn rejected(id: Uuid, reason: &str) -> Confirmation {
-    Confirmation {
-        message_id: id,
-        consumer: "suite".into(),
-        verdict: Verdict::Rejected {
+    Confirmation::new(
+        id,
+        "suite",
+        Verdict::Rejected {
             reason: reason.into(),
         },
-    }
+    )
 }
 
 fn report(confirmed: u64, rejected: u64, duplicates: u64, unknown: u64) -> ConfirmReport {

@@ -296,9 +296,9 @@ pub(crate) async fn check_lost_confirmation_outcome(
 
 /// The NATS side of a test: a [`PgProducer`] publishing to a stream of its own, and the
 /// producer's confirmation listener.
-struct NatsSetup {
+pub(crate) struct NatsSetup {
     producer: PgProducer,
-    nats: NatsFixture,
+    pub(crate) nats: NatsFixture,
     stop_listener: CancellationToken,
     listener: tokio::task::JoinHandle<Result<outbox::ConfirmReport, outbox::ConfigError>>,
 }
@@ -312,7 +312,7 @@ impl std::ops::Deref for NatsSetup {
 }
 
 impl NatsSetup {
-    async fn new() -> NatsSetup {
+    pub(crate) async fn new() -> NatsSetup {
         let nats = NatsFixture::new().await;
         let reply = format!("{}_confirm.producer", nats.prefix);
         let producer = PgProducer::start(
@@ -338,7 +338,10 @@ impl NatsSetup {
         }
     }
 
-    fn consumer_config(&self, sender: Arc<dyn ConfirmationSender>) -> NatsConsumerConfig {
+    pub(crate) fn consumer_config(
+        &self,
+        sender: Arc<dyn ConfirmationSender>,
+    ) -> NatsConsumerConfig {
         let mut c =
             NatsConsumerConfig::new(self.nats.stream.clone(), "billing").with_confirmations(sender);
         c.retry = fast_retry();
@@ -347,7 +350,7 @@ impl NatsSetup {
         c
     }
 
-    fn spawn_consumer(
+    pub(crate) fn spawn_consumer(
         &self,
         config: NatsConsumerConfig,
         handler: Arc<ScriptedHandler>,
@@ -364,7 +367,7 @@ impl NatsSetup {
         ))
     }
 
-    async fn finish(self) {
+    pub(crate) async fn finish(self) {
         self.stop_listener.cancel();
         let _ = within("listener to stop", Duration::from_secs(5), self.listener).await;
         self.nats.cleanup().await;

@@ -242,11 +242,7 @@ async fn check_upgraded(store: Arc<dyn Store>, pending: Uuid) {
     assert_eq!(delivered.len(), 1, "the v1 SENT row was published again");
     assert_eq!(delivered[0].message.message_id, pending);
     let r = store
-        .apply_confirmations(&[Confirmation {
-            message_id: pending,
-            consumer: "c".into(),
-            verdict: Verdict::Processed,
-        }])
+        .apply_confirmations(&[Confirmation::new(pending, "c", Verdict::Processed)])
         .await
         .unwrap();
     assert_eq!(r.confirmed, 1);

@@ -93,6 +93,7 @@ mod kafka;
 mod model;
 mod mqtt;
 mod ordering;
+mod otel;
 mod rabbitmq;
 mod rabbitmq_consumer;
 mod readme;

@@ -34,18 +34,39 @@ pub(crate) async fn apply_with_retry(
         max: std::time::Duration::from_secs(5),
         ..Default::default()
     };
+    // Traced confirmations (feature `otel`) get their `outbox.confirmation` spans, whose
+    // contexts the rejection hooks' spans continue (crate::otel).
+    let mut traced = Vec::new();
+    let mut own;
+    let batch = if batch.iter().any(|c| c.traceparent.is_some()) {
+        own = batch.to_vec();
+        traced = own
+            .iter_mut()
+            .filter_map(crate::otel::confirmation_span)
+            .collect();
+        &own[..]
+    } else {
+        batch
+    };
     let mut n = 0;
-    loop {
+    let result = loop {
         match store.apply_confirmations(batch).await {
-            Ok(r) => return Ok(r),
+            Ok(r) => break Ok(r),
             Err(e) if e.is_retryable() && n + 1 < tries => {
                 n += 1;
                 tracing::warn!(error = %e.report(), "applying confirmations failed; retrying");
                 tokio::time::sleep(backoff.delay(n)).await;
             }
-            Err(e) => return Err(e),
+            Err(e) => break Err(e),
+        }
+    };
+    for span in traced {
+        match &result {
+            Ok(_) => crate::otel::record_outcome(&span, "applied", false),
+            Err(_) => crate::otel::record_outcome(&span, "not_applied", true),
         }
     }
+    result
 }
 
 /// What every [`ConfirmationHandler`] of this process applied.
@@ -434,13 +455,13 @@ mod tests {
     #[test]
     fn wire_format_round_trips() {
         let id = Uuid::now_v7();
-        let c = Confirmation {
-            message_id: id,
-            consumer: "inventory".into(),
-            verdict: Verdict::Rejected {
+        let c = Confirmation::new(
+            id,
+            "inventory",
+            Verdict::Rejected {
                 reason: "insufficient stock".into(),
             },
-        };
+        );
         let json = serde_json::to_string(&c).unwrap();
         assert!(json.contains("\"outcome\":\"rejected\""), "{json}");
         assert_eq!(

@@ -31,6 +31,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use futures::FutureExt;
+use tracing::Instrument;
 
 use crate::error::{HandlerError, InboxError};
 use crate::histogram::{Histogram, Seconds};
@@ -133,6 +134,34 @@ pub enum Disposition {
 /// decide its disposition, as the module docs describe. Sends the confirmation when the message
 /// asks for one and `policy.confirmations` is set.
 pub async fn deliver<DB, H>(
+    inbox: &Inbox<DB>,
+    handler: &H,
+    msg: &InboundMessage,
+    policy: &DeliveryPolicy,
+    metrics: &ConsumerMetrics,
+) -> Disposition
+where
+    DB: InboxBackend,
+    H: Handler<DB> + ?Sized,
+{
+    // A traced message (feature `otel`): the handler, the inbox and the confirmation run in
+    // its `outbox.consume` span (crate::otel).
+    let span = crate::otel::consume_span(msg, inbox.consumer());
+    let d = deliver_inner(inbox, handler, msg, policy, metrics)
+        .instrument(span.clone())
+        .await;
+    if !span.is_disabled() {
+        let (outcome, error) = match &d {
+            Disposition::Ack(Verdict::Processed) => ("processed", false),
+            Disposition::Ack(Verdict::Rejected { .. }) => ("rejected", false),
+            Disposition::Retry(_) => ("retry", true),
+        };
+        crate::otel::record_outcome(&span, outcome, error);
+    }
+    d
+}
+
+async fn deliver_inner<DB, H>(
     inbox: &Inbox<DB>,
     handler: &H,
     msg: &InboundMessage,
@@ -296,11 +325,8 @@ async fn confirm(
     else {
         return;
     };
-    let c = Confirmation {
-        message_id: msg.message_id,
-        consumer: consumer.to_owned(),
-        verdict: verdict.clone(),
-    };
+    let mut c = Confirmation::new(msg.message_id, consumer, verdict.clone());
+    (c.traceparent, c.tracestate) = crate::otel::current_context();
     match sender.send(reply_to, &c).await {
         Ok(()) => metrics.confirmations_sent.fetch_add(1, Ordering::Relaxed),
         Err(e) => {

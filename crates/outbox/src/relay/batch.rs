@@ -462,6 +462,7 @@ impl Relay {
         let inner = &self.inner;
         let cfg = &inner.config;
         let mut groups: Vec<Vec<usize>> = vec![Vec::new(); inner.transports.len()];
+        let mut traced: Vec<(usize, tracing::Span)> = Vec::new();
         for &i in idx {
             let (route, _) = work[i].route.as_ref().expect("routed");
             let t = &inner.router.routes()[*route].transport;
@@ -481,6 +482,14 @@ impl Relay {
                 });
             } else {
                 groups[ti].push(i);
+                // A traced message (feature `otel`) gets its `outbox.publish` span, which
+                // becomes the parent the consumer sees (crate::otel).
+                let attempt = work[i].attempt();
+                let w = &mut work[i];
+                let dest = w.route.as_ref().expect("routed").1.as_str();
+                if let Some(span) = crate::otel::publish_span(&mut w.message, attempt, dest) {
+                    traced.push((i, span));
+                }
             }
         }
         let shared: &[Work] = work;
@@ -553,6 +562,15 @@ impl Relay {
             } else if accepted {
                 self.mark_up(ti);
             }
+        }
+        for (i, span) in traced {
+            let (outcome, error) = match &work[i].outcome {
+                Some(Outcome::Sent | Outcome::SentAwaitingConfirmation { .. }) => ("sent", false),
+                Some(Outcome::Failed { .. }) => ("dead_lettered", true),
+                Some(Outcome::Retry { .. }) => ("retry", true),
+                Some(Outcome::Release { .. }) | None => ("released", false),
+            };
+            crate::otel::record_outcome(&span, outcome, error);
         }
     }
 }

@@ -545,7 +545,15 @@ pub(crate) async fn finish_rejection<DB: sqlx::Database>(
             consumer: c.consumer.clone(),
             reason: reason.to_owned(),
         };
-        if let Err(e) = hook.on_rejected(&mut tx, &rejected).await {
+        let span = crate::otel::rejection_hook_span(c, table);
+        let ran = {
+            use tracing::Instrument;
+            hook.on_rejected(&mut tx, &rejected)
+                .instrument(span.clone())
+                .await
+        };
+        if let Err(e) = ran {
+            crate::otel::record_outcome(&span, "failed", true);
             tracing::error!(error = %e, message_id = %c.message_id, "rejection hook failed; rolled back");
             tx.rollback().await.map_err(err)?;
             report.failed_hooks += 1;

@@ -473,17 +473,9 @@ impl<F: ModelDb> Case<'_, F> {
             } else {
                 expected.duplicates += 1;
             }
-            batch.push(Confirmation {
-                message_id: row.message_id,
-                consumer: "c".into(),
-                verdict,
-            });
+            batch.push(Confirmation::new(row.message_id, "c", verdict));
         }
-        batch.push(Confirmation {
-            message_id: Uuid::now_v7(),
-            consumer: "c".into(),
-            verdict: Verdict::Processed,
-        });
+        batch.push(Confirmation::new(Uuid::now_v7(), "c", Verdict::Processed));
         expected.unknown += 1;
         let report = self
             .fx

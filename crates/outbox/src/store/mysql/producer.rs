@@ -198,11 +198,9 @@ impl MySqlStore {
     pub async fn enqueue_many(
         &self,
         conn: &mut MySqlConnection,
-        msgs: Vec<NewMessage>,
+        mut msgs: Vec<NewMessage>,
     ) -> Result<Vec<Uuid>, EnqueueError> {
-        for m in &msgs {
-            self.limits.validate(m)?;
-        }
+        self.limits.prepare(&mut msgs)?;
         let mut headers = Vec::with_capacity(msgs.len());
         for m in &msgs {
             headers.push(serde_json::to_string(&m.headers).map_err(EnqueueError::Serialize)?);

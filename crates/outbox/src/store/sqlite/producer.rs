@@ -224,11 +224,9 @@ impl SqliteStore {
     pub async fn enqueue_many(
         &self,
         conn: &mut SqliteConnection,
-        msgs: Vec<NewMessage>,
+        mut msgs: Vec<NewMessage>,
     ) -> Result<Vec<Uuid>, EnqueueError> {
-        for m in &msgs {
-            self.limits.validate(m)?;
-        }
+        self.limits.prepare(&mut msgs)?;
         if msgs.is_empty() {
             return Ok(Vec::new());
         }
