@@ -4,6 +4,7 @@ mod admin;
 mod bench;
 mod config;
 mod demo;
+mod telemetry;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -727,7 +728,17 @@ async fn main() -> std::process::ExitCode {
             .with_filter(filter)
             .boxed(),
     };
-    let registry = tracing_subscriber::registry().with(fmt);
+    // OTLP trace export when the standard OTEL_EXPORTER_OTLP_… variables ask for it.
+    let traces = match telemetry::provider_from_env() {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    let registry = tracing_subscriber::registry()
+        .with(fmt)
+        .with(traces.as_ref().map(telemetry::layer));
     match cli.command {
         Command::Bench(_) => registry.with(bench::StatementCounter::layer()).init(),
         _ => registry.init(),
@@ -755,6 +766,10 @@ async fn main() -> std::process::ExitCode {
         Command::Demo(args) => demo::run(args).await,
         Command::Bench(args) => bench::run(args).await,
     };
+    if let Some(p) = traces {
+        // The batch exporter's last flush blocks: off the runtime's threads.
+        let _ = tokio::task::spawn_blocking(move || telemetry::shutdown(p)).await;
+    }
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {

@@ -16,6 +16,7 @@ mod lifecycle;
 mod logs;
 mod metrics;
 mod routing;
+mod traces;
 
 fn pg_url() -> String {
     std::env::var("OUTBOX_TEST_POSTGRES_URL")
