@@ -1,6 +1,7 @@
 //! OpenTelemetry traces across the outbox (issue 14 item 2, `outbox::otel`): PostgreSQL → relay →
-//! NATS JetStream → inbox consumer runner → confirmation → producer, every part the code
-//! production runs, with `tracing-opentelemetry` and an in-memory exporter in place of OTLP.
+//! broker (NATS JetStream, RabbitMQ) → inbox consumer runner → confirmation → producer, every
+//! part the code production runs, with `tracing-opentelemetry` and an in-memory exporter in place
+//! of OTLP.
 //!
 //! One request enqueues three messages: one processed, one rejected by the consumer (the
 //! producer's rejection hook compensates) and one whose first delivery fails transiently. The
@@ -16,17 +17,66 @@ use std::time::Duration;
 use opentelemetry::trace::{SpanId, SpanKind, TraceId, TracerProvider as _};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
 use outbox::confirm::nats::NatsConfirmationSender;
+use outbox::confirm::rabbitmq::RabbitMqConfirmationSender;
 use outbox::consumer::ConsumerMetrics;
 use outbox::store::Store as _;
 use outbox::{NewMessage, Status};
-use outbox_testkit::{ConfirmFixture as _, StoreFixture as _, wait_until, within};
+use outbox_testkit::{
+    ConfirmFixture as _, StoreFixture as _, rabbitmq_config, rabbitmq_url, wait_until, within,
+};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 use tracing_subscriber::Layer as _;
 use tracing_subscriber::layer::SubscriberExt;
 use uuid::Uuid;
 
-use crate::confirm::{NatsSetup, ScriptedHandler, wait_status};
+use crate::confirm::{NatsSetup, PgProducer, ScriptedHandler, wait_status};
+use crate::rabbitmq_consumer::RabbitSetup;
+
+/// The broker of a run: its producer (relay, inbox, confirmation listener) and how its consumer
+/// runner is started, with confirmations sent back over the same broker.
+enum Broker {
+    Nats(NatsSetup),
+    Rabbit(RabbitSetup),
+}
+
+impl Broker {
+    fn producer(&self) -> &PgProducer {
+        match self {
+            Broker::Nats(s) => s,
+            Broker::Rabbit(s) => s,
+        }
+    }
+
+    async fn spawn_consumer(
+        &self,
+        handler: Arc<ScriptedHandler>,
+        metrics: Arc<ConsumerMetrics>,
+        cancel: CancellationToken,
+    ) -> tokio::task::JoinHandle<Result<(), outbox::ConfigError>> {
+        match self {
+            Broker::Nats(s) => {
+                let client = outbox_testkit::nats_client().await;
+                let sender = Arc::new(NatsConfirmationSender::new(client));
+                s.spawn_consumer(s.consumer_config(sender), handler, metrics, cancel)
+            }
+            Broker::Rabbit(s) => {
+                let sender = Arc::new(
+                    RabbitMqConfirmationSender::new(rabbitmq_config(&rabbitmq_url())).unwrap(),
+                );
+                let config = crate::rabbitmq::consumer_config(&s.mq).with_confirmations(sender);
+                crate::rabbitmq::spawn_runner(config, s.inbox.clone(), handler, metrics, cancel)
+            }
+        }
+    }
+
+    async fn finish(self) {
+        match self {
+            Broker::Nats(s) => s.finish().await,
+            Broker::Rabbit(s) => s.finish().await,
+        }
+    }
+}
 
 /// The finished spans named `name` whose `messaging.message.id` is `id`.
 fn spans_of<'a>(spans: &'a [SpanData], name: &str, id: Uuid) -> Vec<&'a SpanData> {
@@ -74,7 +124,7 @@ fn child_of(s: &SpanData, parent: &SpanData) {
 }
 
 /// The stored headers of message `id`, as JSON text.
-async fn stored_headers(s: &NatsSetup, id: Uuid) -> String {
+async fn stored_headers(s: &PgProducer, id: Uuid) -> String {
     let sql = format!(
         "SELECT headers::text FROM {} WHERE message_id = $1",
         s.fx.store.table()
@@ -86,10 +136,24 @@ async fn stored_headers(s: &NatsSetup, id: Uuid) -> String {
         .unwrap()
 }
 
-/// The whole path in one trace; redeliveries linked; a caller's `traceparent` kept; nothing
-/// written for a message enqueued outside any span.
+/// NATS JetStream: the whole path in one trace; redeliveries linked; a caller's `traceparent`
+/// kept; nothing written for a message enqueued outside any span.
 #[tokio::test(flavor = "current_thread")]
 async fn one_trace_from_the_request_to_the_consumer_and_back() {
+    one_trace(|| async { Broker::Nats(NatsSetup::new().await) }).await;
+}
+
+/// The same over RabbitMQ (headers carried as AMQP message headers).
+#[tokio::test(flavor = "current_thread")]
+async fn rabbitmq_one_trace_from_the_request_to_the_consumer_and_back() {
+    one_trace(|| async { Broker::Rabbit(RabbitSetup::new().await) }).await;
+}
+
+async fn one_trace<F, Fut>(setup: F)
+where
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future<Output = Broker>,
+{
     // The test's own subscriber, for this thread: a current-thread runtime runs the relay, the
     // consumer runner and the confirmation listener on it.
     let exporter = InMemorySpanExporter::default();
@@ -106,18 +170,14 @@ async fn one_trace_from_the_request_to_the_consumer_and_back() {
     );
     let _guard = tracing::subscriber::set_default(subscriber);
 
-    let s = NatsSetup::new().await;
-    let client = outbox_testkit::nats_client().await;
-    let sender = Arc::new(NatsConfirmationSender::new(client));
+    let broker = setup().await;
+    let s = broker.producer();
     let handler = ScriptedHandler::new(&s.effects);
     let metrics = Arc::new(ConsumerMetrics::default());
     let cancel = CancellationToken::new();
-    let consumer = s.spawn_consumer(
-        s.consumer_config(sender),
-        handler.clone(),
-        metrics.clone(),
-        cancel.clone(),
-    );
+    let consumer = broker
+        .spawn_consumer(handler.clone(), metrics.clone(), cancel.clone())
+        .await;
 
     let ok = NewMessage::new("orders", "ok-1");
     let rejected = NewMessage::new("orders", "reject-1");
@@ -180,7 +240,7 @@ async fn one_trace_from_the_request_to_the_consumer_and_back() {
         .await
         .unwrap()
         .unwrap();
-    s.finish().await;
+    broker.finish().await;
 
     let spans = exporter.get_finished_spans().unwrap();
     let req = spans

@@ -27,9 +27,9 @@ use crate::rabbitmq::{consumer_config, spawn_runner, sqlite_consumer, sqlite_eff
 
 /// The RabbitMQ side of an end-to-end test: a [`PgProducer`] publishing to the fixture's
 /// exchange, and the producer's confirmation listener on a queue of its own.
-struct RabbitSetup {
+pub(crate) struct RabbitSetup {
     producer: PgProducer,
-    mq: RabbitMqFixture,
+    pub(crate) mq: RabbitMqFixture,
     stop_listener: CancellationToken,
     listener: tokio::task::JoinHandle<Result<outbox::ConfirmReport, outbox::ConfigError>>,
 }
@@ -43,7 +43,7 @@ impl std::ops::Deref for RabbitSetup {
 }
 
 impl RabbitSetup {
-    async fn new() -> RabbitSetup {
+    pub(crate) async fn new() -> RabbitSetup {
         let mq = RabbitMqFixture::new().await;
         let reply = format!("{}.confirmations", mq.queue);
         let producer = PgProducer::start(
@@ -75,7 +75,7 @@ impl RabbitSetup {
         }
     }
 
-    async fn finish(self) {
+    pub(crate) async fn finish(self) {
         self.stop_listener.cancel();
         let report = within("listener to stop", Duration::from_secs(10), self.listener)
             .await
