@@ -261,6 +261,18 @@ impl DbErrorClass {
             _ => Some(DbErrorClass::Other),
         }
     }
+
+    /// The server's own error in `e`, for its dialect to classify, or the class of a driver
+    /// error ([`DbErrorClass::of_driver`]) when the server raised none.
+    ///
+    /// # Errors
+    /// The class of `e` when it is not a database error.
+    pub fn server_error(e: &sqlx::Error) -> Result<&dyn sqlx::error::DatabaseError, DbErrorClass> {
+        match e {
+            sqlx::Error::Database(db) => Ok(db.as_ref()),
+            _ => Err(DbErrorClass::of_driver(e).unwrap_or(DbErrorClass::Other)),
+        }
+    }
 }
 
 impl StoreError {

@@ -95,7 +95,7 @@ impl Delivery {
             Delivery::Nats { js, .. } => {
                 let mut config = NatsConsumerConfig::new(NATS_STREAM, CONSUMER)
                     .with_confirmations(confirmations);
-                config.dedup_window = None;
+                config.runner.dedup_window = None;
                 // Create the durable once, so the runners below do not race to create it.
                 js.get_stream(NATS_STREAM)
                     .await?
@@ -127,8 +127,8 @@ impl Delivery {
                     CONSUMER,
                 )
                 .with_confirmations(confirmations);
-                config.dedup_window = None;
-                config.concurrency = 4;
+                config.runner.dedup_window = None;
+                config.runner.concurrency = 4;
                 // Several runners share the group, as instances of one service would.
                 let tasks = runners(4, "Redis consumer failed", |i| {
                     let mut config = config.clone();
@@ -148,8 +148,8 @@ impl Delivery {
                 .with_confirmations(confirmations);
                 config.group = Some(format!("{CONSUMER}-{run}"));
                 config.session_expiry = Duration::from_secs(60);
-                config.dedup_window = None;
-                config.concurrency = 4;
+                config.runner.dedup_window = None;
+                config.runner.concurrency = 4;
                 let tasks = runners(4, "MQTT consumer failed", |i| {
                     let mut config = config.clone();
                     config.client_id = format!("demo-{CONSUMER}-{run}-{i}");
@@ -166,9 +166,9 @@ impl Delivery {
                     r.orders_topic.clone(),
                 )
                 .with_confirmations(confirmations);
-                config.dedup_window = None;
+                config.runner.dedup_window = None;
                 config.batch = 32;
-                config.concurrency = 8;
+                config.runner.concurrency = 8;
                 config.route_refresh = Duration::from_secs(10);
                 // Two instances of the group share the topic's queues, as instances of one
                 // service would.
@@ -185,8 +185,8 @@ impl Delivery {
                     RABBIT_QUEUE,
                 )
                 .with_confirmations(confirmations);
-                config.dedup_window = None;
-                config.concurrency = 1;
+                config.runner.dedup_window = None;
+                config.runner.concurrency = 1;
                 // Four instances of the service share the queue (competing consumers).
                 let tasks = runners(4, "RabbitMQ consumer failed", |_| {
                     let (inbox, handler, metrics, cancel) = shared();
@@ -202,8 +202,8 @@ impl Delivery {
                     [format!("{run}.{TOPIC}"), format!("{run}.{CANCELLED_TOPIC}")],
                 )
                 .with_confirmations(confirmations);
-                consumer.dedup_window = None;
-                consumer.concurrency = 4;
+                consumer.runner.dedup_window = None;
+                consumer.runner.concurrency = 4;
                 // The broker minimum, so a new group starts quickly (Tansu holds a new group's
                 // first join for about half the session timeout).
                 consumer.session_timeout = Duration::from_secs(6);

@@ -47,7 +47,7 @@ async fn c27_nats_runner_does_not_ack_while_inbox_write_fails() {
         .unwrap()
         .spawn();
     let mut config = NatsConsumerConfig::new(nats.stream.clone(), "billing");
-    config.retry = outbox::Backoff {
+    config.runner.retry = outbox::Backoff {
         base: Duration::from_millis(100),
         factor: 2.0,
         max: Duration::from_millis(400),

@@ -344,9 +344,9 @@ impl NatsSetup {
     ) -> NatsConsumerConfig {
         let mut c =
             NatsConsumerConfig::new(self.nats.stream.clone(), "billing").with_confirmations(sender);
-        c.retry = fast_retry();
+        c.runner.retry = fast_retry();
         c.ack_wait = Duration::from_secs(1);
-        c.maintenance_interval = Duration::from_millis(200);
+        c.runner.maintenance_interval = Duration::from_millis(200);
         c
     }
 
@@ -485,7 +485,7 @@ async fn nats_poison_messages_dead_lettered_and_replayed() {
     let metrics = Arc::new(ConsumerMetrics::default());
     let cancel = CancellationToken::new();
     let mut config = s.consumer_config(sender.clone());
-    config.max_deliveries = 3;
+    config.runner.max_deliveries = 3;
     let consumer = s.spawn_consumer(config, handler.clone(), metrics.clone(), cancel.clone());
     let mut msgs = vec![
         NewMessage::new("orders", "poison-1"),

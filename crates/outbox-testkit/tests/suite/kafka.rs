@@ -413,11 +413,11 @@ impl KafkaSetup {
         let mut c =
             KafkaConsumerConfig::new(kafka_config(), unique("billing"), [self.topic.clone()])
                 .with_confirmations(Arc::new(sender));
-        c.concurrency = concurrency;
+        c.runner.concurrency = concurrency;
         // The broker minimum: Tansu holds a new group's first join for about half of it.
         c.session_timeout = Duration::from_secs(6);
-        c.retry = fast_retry();
-        c.maintenance_interval = Duration::from_millis(200);
+        c.runner.retry = fast_retry();
+        c.runner.maintenance_interval = Duration::from_millis(200);
         c
     }
 
@@ -587,7 +587,7 @@ async fn kafka_per_key_order_with_concurrency() {
     let metrics = Arc::new(ConsumerMetrics::default());
     let mut config = s.consumer_config(4);
     config.batch = 60;
-    config.confirmations = None;
+    config.runner.confirmations = None;
     let (cancel, consumer) = s.spawn_consumer(config, handler.clone(), metrics.clone());
     // Published straight through the transport, batch after batch, so the topic holds each key's
     // messages in sequence order.

@@ -31,10 +31,10 @@ use crate::redis_consumer::{
 
 fn consumer_config(client_id: &str, filter: &str) -> MqttConsumerConfig {
     let mut c = MqttConsumerConfig::new(mqtt_url(), client_id, filter);
-    c.retry = fast_retry();
+    c.runner.retry = fast_retry();
     c.session_expiry = Duration::from_secs(60);
-    c.maintenance_interval = Duration::from_millis(200);
-    c.dedup_window = None;
+    c.runner.maintenance_interval = Duration::from_millis(200);
+    c.runner.dedup_window = None;
     c
 }
 
@@ -140,7 +140,7 @@ async fn consumer_end_to_end_with_confirmations() {
         let mut config = consumer_config(&format!("{prefix}-c{i}"), &format!("{prefix}/orders/#"))
             .with_confirmations(sender.clone());
         config.group = Some(prefix.clone());
-        config.concurrency = 3;
+        config.runner.concurrency = 3;
         consumers.push(spawn(
             config,
             &inbox,
@@ -176,8 +176,8 @@ async fn failing_handler_retried_then_applied_or_dead_lettered() {
     let metrics = Arc::new(ConsumerMetrics::default());
     let cancel = CancellationToken::new();
     let mut config = consumer_config(&format!("{prefix}-c"), &format!("{prefix}/#"));
-    config.max_deliveries = 3;
-    config.concurrency = 2;
+    config.runner.max_deliveries = 3;
+    config.runner.concurrency = 2;
     let consumer = spawn(
         config,
         &inbox,

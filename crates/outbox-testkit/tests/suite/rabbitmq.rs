@@ -50,9 +50,9 @@ pub(crate) async fn sqlite_effects(db: &SqliteFixture, id: Uuid) -> i64 {
 
 pub(crate) fn consumer_config(fx: &RabbitMqFixture) -> RabbitMqConsumerConfig {
     let mut c = RabbitMqConsumerConfig::new(rabbitmq_config(&rabbitmq_url()), fx.queue.clone());
-    c.retry = fast_retry();
-    c.maintenance_interval = Duration::from_millis(200);
-    c.dedup_window = None;
+    c.runner.retry = fast_retry();
+    c.runner.maintenance_interval = Duration::from_millis(200);
+    c.runner.dedup_window = None;
     c
 }
 

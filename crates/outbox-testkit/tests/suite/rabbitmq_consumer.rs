@@ -108,7 +108,7 @@ async fn consumer_end_to_end_with_confirmations() {
     let metrics = Arc::new(ConsumerMetrics::default());
     let cancel = CancellationToken::new();
     let mut config = consumer_config(&s.mq).with_confirmations(sender.clone());
-    config.concurrency = 4;
+    config.runner.concurrency = 4;
     let runner = spawn_runner(
         config,
         s.inbox.clone(),
@@ -206,7 +206,7 @@ async fn consumer_poison_messages_dead_lettered() {
     let metrics = Arc::new(ConsumerMetrics::default());
     let cancel = CancellationToken::new();
     let mut config = consumer_config(&fx);
-    config.max_deliveries = 3;
+    config.runner.max_deliveries = 3;
     let runner = spawn_runner(
         config,
         inbox.clone(),
@@ -384,7 +384,7 @@ async fn consumer_per_key_order_with_concurrency_4() {
     let metrics = Arc::new(ConsumerMetrics::default());
     let cancel = CancellationToken::new();
     let mut config = consumer_config(&fx);
-    config.concurrency = 4;
+    config.runner.concurrency = 4;
     config.batch = 50;
     let runner = spawn_runner(
         config,

@@ -100,10 +100,10 @@ impl outbox::Handler<sqlx::Postgres> for Recorder {
 pub(crate) fn consumer_config(stream: &str, consumer: &str) -> RedisConsumerConfig {
     let mut c = RedisConsumerConfig::new(redis_url(), stream, "billing");
     c.consumer = consumer.into();
-    c.retry = fast_retry();
+    c.runner.retry = fast_retry();
     c.block = Duration::from_millis(200);
-    c.maintenance_interval = Duration::from_millis(200);
-    c.dedup_window = None;
+    c.runner.maintenance_interval = Duration::from_millis(200);
+    c.runner.dedup_window = None;
     c
 }
 

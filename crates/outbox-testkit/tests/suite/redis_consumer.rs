@@ -62,7 +62,7 @@ async fn consumer_end_to_end_with_confirmations() {
     let cancel = CancellationToken::new();
     let sender = Arc::new(RedisConfirmationSender::new(rx.transport.connection()));
     let mut config = consumer_config(&stream, "e2e").with_confirmations(sender);
-    config.concurrency = 4;
+    config.runner.concurrency = 4;
     let consumer = spawn(
         config,
         &inbox,
@@ -136,7 +136,7 @@ async fn transient_failure_retried_then_applied_or_dead_lettered() {
     let msgs = retry_messages();
     publish(&rx, &stream, &msgs).await;
     let mut config = consumer_config(&stream, "flaky");
-    config.max_deliveries = 3;
+    config.runner.max_deliveries = 3;
     let consumer = Recording::spawn(config, &inbox);
     check_retried_and_dead_lettered(&inbox, &consumer.handler, &consumer.metrics, &msgs).await;
     wait_until("nothing pending", Duration::from_secs(10), || async {
@@ -214,7 +214,7 @@ async fn per_key_order_with_concurrency() {
         .collect();
     publish(&rx, &stream, &msgs).await;
     let mut config = consumer_config(&stream, "lanes");
-    config.concurrency = 4;
+    config.runner.concurrency = 4;
     config.batch = 50;
     let consumer = Recording::spawn(config, &inbox);
     wait_until("400 applied", Duration::from_secs(30), || async {

@@ -381,9 +381,9 @@ impl ConsumerSide {
             format!("{}_billing", self.mq.topic),
             self.mq.topic.clone(),
         );
-        c.retry = fast_retry();
+        c.runner.retry = fast_retry();
         c.route_refresh = Duration::from_secs(10);
-        c.maintenance_interval = Duration::from_millis(200);
+        c.runner.maintenance_interval = Duration::from_millis(200);
         c
     }
 
@@ -589,7 +589,7 @@ async fn rocketmq_per_key_order_with_concurrency_and_malformed_consumed() {
     let cancel = CancellationToken::new();
     let mut config = s.config();
     config.batch = 16;
-    config.concurrency = 4;
+    config.runner.concurrency = 4;
     let mut consumer = s.spawn(config, handler, metrics.clone(), cancel.clone());
     wait_running(
         "all applied",
@@ -704,9 +704,9 @@ async fn rocketmq_postgres_confirmed_rejected_and_lost_confirmation() {
     )
     .with_confirmations(sender.clone());
     config.tags = "orders".into();
-    config.retry = fast_retry();
+    config.runner.retry = fast_retry();
     config.route_refresh = Duration::from_secs(10);
-    config.concurrency = 4;
+    config.runner.concurrency = 4;
     let consumer = tokio::spawn(outbox::consumer::rocketmq::run(
         config,
         inbox.clone(),

@@ -59,13 +59,11 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::consumer::source::{
-    Delivery, Envelope, Settle, Source, SourceError, consume, consume_options,
+    ConsumeOptions, Delivery, Envelope, Settle, Source, SourceConfig, SourceError,
 };
-use crate::consumer::{ConsumerMetrics, DeliveryPolicy};
+use crate::consumer::{ConsumerMetrics, RunnerSettings};
 use crate::error::ConfigError;
-use crate::inbox::{Handler, Inbox, InboxBackend};
 use crate::message::Headers;
-use crate::retry::Backoff;
 use crate::transport::kafka::{KafkaConfig, config_error};
 use crate::verdict::ConfirmationSender;
 
@@ -86,14 +84,10 @@ pub struct KafkaConsumerConfig {
     /// After the first record of a batch, how long to wait for more before applying it.
     /// Default 20 ms.
     pub batch_wait: Duration,
-    /// Records of one batch applied concurrently, in lanes by partition key so each key's records
-    /// stay in order ([`deliver_batch`](crate::consumer::deliver_batch)). Default 1.
-    pub concurrency: usize,
-    /// Delay before redelivering a record whose handler failed, by delivery count (the partition
-    /// is paused that long). Default 500 ms, ×2, ≤ 60 s.
-    pub retry: Backoff,
-    /// Deliveries before a transiently failing record is dead-lettered. Default 5.
-    pub max_deliveries: u32,
+    /// Lanes, retries, dead letters, confirmations and inbox upkeep: the settings every
+    /// runner shares ([`RunnerSettings`], with its defaults).
+    /// Here `retry` pauses the record's partition for the delay.
+    pub runner: RunnerSettings,
     /// `auto.offset.reset` for a group without committed offsets: `earliest` or `latest`.
     /// Default `earliest` (a new group starts from the oldest record, so nothing published
     /// before its first start is skipped).
@@ -103,12 +97,6 @@ pub struct KafkaConsumerConfig {
     /// own default is 45 s). Shorter means faster failover after a crash, and a faster first join
     /// on Tansu, whose coordinator holds a new group's first join for about half of it.
     pub session_timeout: Duration,
-    /// Where confirmations go out (`outbox-reply-to` of each record). Default none.
-    pub confirmations: Option<Arc<dyn ConfirmationSender>>,
-    /// Inbox records older than this are deleted. Default 7 days; `None` keeps them.
-    pub dedup_window: Option<Duration>,
-    /// Period of the maintenance (replays, retention). Default 2 s.
-    pub maintenance_interval: Duration,
     /// Extra librdkafka properties for this consumer only (e.g. `session.timeout.ms`), applied
     /// after [`KafkaConfig::properties`]. The forced settings above cannot be overridden.
     /// Default empty.
@@ -122,9 +110,7 @@ impl std::fmt::Debug for KafkaConsumerConfig {
             .field("group_id", &self.group_id)
             .field("topics", &self.topics)
             .field("batch", &self.batch)
-            .field("concurrency", &self.concurrency)
-            .field("max_deliveries", &self.max_deliveries)
-            .field("confirmations", &self.confirmations.is_some())
+            .field("runner", &self.runner)
             .finish_non_exhaustive()
     }
 }
@@ -136,28 +122,22 @@ impl KafkaConsumerConfig {
         group_id: impl Into<String>,
         topics: impl IntoIterator<Item = impl Into<String>>,
     ) -> Self {
-        let d = DeliveryPolicy::default();
         KafkaConsumerConfig {
             client,
             group_id: group_id.into(),
             topics: topics.into_iter().map(Into::into).collect(),
             batch: 100,
             batch_wait: Duration::from_millis(20),
-            concurrency: 1,
-            retry: d.retry,
-            max_deliveries: d.max_deliveries,
+            runner: RunnerSettings::default(),
             auto_offset_reset: "earliest".into(),
             session_timeout: DEFAULT_SESSION_TIMEOUT,
-            confirmations: None,
-            dedup_window: Some(Duration::from_secs(7 * 24 * 3600)),
-            maintenance_interval: Duration::from_secs(2),
             properties: BTreeMap::new(),
         }
     }
 
     /// Send confirmations through `sender`.
     pub fn with_confirmations(mut self, sender: Arc<dyn ConfirmationSender>) -> Self {
-        self.confirmations = Some(sender);
+        self.runner.confirmations = Some(sender);
         self
     }
 
@@ -186,12 +166,7 @@ impl KafkaConsumerConfig {
         if !(1..=100_000).contains(&self.batch) {
             return Err(ConfigError::new("batch", "must be 1 to 100000"));
         }
-        if self.concurrency == 0 {
-            return Err(ConfigError::new("concurrency", "must be at least 1"));
-        }
-        if self.max_deliveries == 0 {
-            return Err(ConfigError::new("max_deliveries", "must be at least 1"));
-        }
+        self.runner.validate()?;
         if self.session_timeout < Duration::from_millis(1) {
             return Err(ConfigError::new(
                 "session_timeout",
@@ -715,27 +690,26 @@ impl Source for KafkaSource {
     }
 }
 
-/// Run the consumer until `cancel`: [`consume`] over a [`KafkaSource`].
+// This broker's consumer is the generic runner over its source: `kafka::run(config, …)`.
+pub use crate::consumer::run;
+
+/// [`run`] consumes with a [`KafkaSource`] built from these settings.
 ///
-/// # Errors
+/// # Errors of `run`
 /// [`ConfigError`] naming the field when the settings are invalid, a topic does not exist or the
 /// cluster does not answer at start. Later errors (fetch, commit) are logged and retried with
 /// backoff.
 ///
 /// # Cancel safety
 /// Cancelling `cancel` stops after the batch in flight, commits its offsets and leaves the group.
-pub async fn run<DB, H>(
-    config: KafkaConsumerConfig,
-    inbox: Inbox<DB>,
-    handler: Arc<H>,
-    metrics: Arc<ConsumerMetrics>,
-    cancel: CancellationToken,
-) -> Result<(), ConfigError>
-where
-    DB: InboxBackend,
-    H: Handler<DB> + ?Sized,
-{
-    let options = consume_options!(config, config.batch);
-    let source = KafkaSource::new(config)?;
-    consume(source, inbox, handler, options, metrics, cancel).await
+impl SourceConfig for KafkaConsumerConfig {
+    type Source = KafkaSource;
+
+    fn options(&self) -> ConsumeOptions {
+        ConsumeOptions::new(&self.runner, self.batch)
+    }
+
+    fn into_source(self, _metrics: &Arc<ConsumerMetrics>) -> Result<KafkaSource, ConfigError> {
+        KafkaSource::new(self)
+    }
 }

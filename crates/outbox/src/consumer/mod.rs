@@ -56,6 +56,33 @@ pub mod source;
 #[cfg(feature = "webhook")]
 pub mod webhook;
 
+/// Run a consumer until `cancel`: the generic runner ([`source::consume`]: lanes, the inbox
+/// transaction, retries, dead letters, confirmations, maintenance) over the source that
+/// `config` builds; the config's type picks the broker (`KafkaConsumerConfig`,
+/// `RabbitMqConsumerConfig`, `RedisConsumerConfig`, `MqttConsumerConfig`,
+/// `RocketMqConsumerConfig`; each broker module re-exports this as its `run`).
+///
+/// # Errors
+/// [`ConfigError`](crate::ConfigError) naming the field when the settings are invalid or the
+/// first set-up fails (each config's [`SourceConfig`](source::SourceConfig) implementation says
+/// which). Later errors are logged and the runner reconnects with backoff.
+pub async fn run<C, DB, H>(
+    config: C,
+    inbox: Inbox<DB>,
+    handler: Arc<H>,
+    metrics: Arc<ConsumerMetrics>,
+    cancel: CancellationToken,
+) -> Result<(), crate::error::ConfigError>
+where
+    C: source::SourceConfig,
+    DB: InboxBackend,
+    H: Handler<DB> + ?Sized,
+{
+    let options = config.options();
+    let source = config.into_source(&metrics)?;
+    source::consume(source, inbox, handler, options, metrics, cancel).await
+}
+
 /// Counters of a consumer runner.
 #[derive(Debug, Default)]
 pub struct ConsumerMetrics {
@@ -85,7 +112,95 @@ pub struct ConsumerMetrics {
     pub handler_duration: Histogram<Seconds>,
 }
 
-/// Settings shared by the runners.
+/// Settings every broker's consumer runner shares: the `runner` field of each broker's config
+/// ([`NatsConsumerConfig`](nats::NatsConsumerConfig) and the others). [`Default`] gives the
+/// defaults listed on each field.
+#[derive(Clone)]
+pub struct RunnerSettings {
+    /// Messages of one fetched batch applied concurrently, in lanes by partition key so each
+    /// key's messages stay in order ([`deliver_batch`]). Default 1; at least 1.
+    pub concurrency: usize,
+    /// Delay before a message whose handler failed is delivered again, by delivery count (each
+    /// broker's own redelivery where it has one); also paces reconnections. Default 500 ms, ×2,
+    /// ≤ 60 s, jitter 0.2.
+    pub retry: Backoff,
+    /// Deliveries before a transiently failing message is dead-lettered. Default 5; at least 1.
+    pub max_deliveries: u32,
+    /// Where confirmations go out (to the `outbox-reply-to` of each message); `None` sends none.
+    /// Default none.
+    pub confirmations: Option<Arc<dyn ConfirmationSender>>,
+    /// Inbox records older than this are deleted by the maintenance task. Default 7 days;
+    /// `None` keeps them.
+    pub dedup_window: Option<Duration>,
+    /// Period of the maintenance task (operator replays, inbox retention). Default 2 s.
+    pub maintenance_interval: Duration,
+}
+
+impl Default for RunnerSettings {
+    fn default() -> Self {
+        let d = DeliveryPolicy::default();
+        RunnerSettings {
+            concurrency: 1,
+            retry: d.retry,
+            max_deliveries: d.max_deliveries,
+            confirmations: None,
+            dedup_window: Some(Duration::from_secs(7 * 24 * 3600)),
+            maintenance_interval: Duration::from_secs(2),
+        }
+    }
+}
+
+impl std::fmt::Debug for RunnerSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunnerSettings")
+            .field("concurrency", &self.concurrency)
+            .field("retry", &self.retry)
+            .field("max_deliveries", &self.max_deliveries)
+            .field("confirmations", &self.confirmations.is_some())
+            .field("dedup_window", &self.dedup_window)
+            .field("maintenance_interval", &self.maintenance_interval)
+            .finish()
+    }
+}
+
+impl RunnerSettings {
+    /// What [`deliver`] needs of these settings.
+    pub fn policy(&self) -> DeliveryPolicy {
+        DeliveryPolicy {
+            max_deliveries: self.max_deliveries,
+            retry: self.retry,
+            confirmations: self.confirmations.clone(),
+        }
+    }
+
+    /// Check the settings.
+    ///
+    /// # Errors
+    /// [`ConfigError`](crate::ConfigError) naming `runner.concurrency`, `runner.max_deliveries`
+    /// or `runner.maintenance_interval` when zero.
+    pub fn validate(&self) -> Result<(), crate::error::ConfigError> {
+        use crate::error::ConfigError;
+        if self.concurrency == 0 {
+            return Err(ConfigError::new("runner.concurrency", "must be at least 1"));
+        }
+        if self.max_deliveries == 0 {
+            return Err(ConfigError::new(
+                "runner.max_deliveries",
+                "must be at least 1",
+            ));
+        }
+        if self.maintenance_interval.is_zero() {
+            return Err(ConfigError::new(
+                "runner.maintenance_interval",
+                "must be more than 0 s",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// What [`deliver`] needs: dead letters, retries and confirmations ([`RunnerSettings::policy`]
+/// of a runner; the webhook receiver takes one directly).
 #[derive(Clone)]
 pub struct DeliveryPolicy {
     /// Deliveries before a transiently failing message is dead-lettered. Default 5.
@@ -147,9 +262,80 @@ where
     // A traced message (feature `otel`): the handler, the inbox and the confirmation run in
     // its `outbox.consume` span (crate::otel).
     let span = crate::otel::consume_span(msg, inbox.consumer());
-    let d = deliver_inner(inbox, handler, msg, policy, metrics)
-        .instrument(span.clone())
-        .await;
+    let d = async {
+        let count = |c: &AtomicU64| {
+            c.fetch_add(1, Ordering::Relaxed);
+        };
+        let deliveries = msg.delivery_count.max(1);
+        // A panicking handler (or a client it calls) is contained: its transaction is rolled
+        // back as the future unwinds, and the panic counts as a transient failure of this
+        // message, so it is redelivered and dead-lettered at `max_deliveries` while the runner
+        // and the other messages go on.
+        let started = std::time::Instant::now();
+        let processed = std::panic::AssertUnwindSafe(inbox.process(msg, handler))
+            .catch_unwind()
+            .await
+            .unwrap_or_else(|panic| {
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a panic".to_owned());
+                Err(InboxError::Handler(HandlerError::transient(format!(
+                    "the handler panicked: {what}"
+                ))))
+            });
+        metrics.handler_duration.observe_duration(started.elapsed());
+        let verdict = match processed {
+            Ok(Processed::Applied) => {
+                count(&metrics.applied);
+                Verdict::Processed
+            }
+            Ok(Processed::Rejected { reason }) => {
+                count(&metrics.rejected);
+                Verdict::Rejected { reason }
+            }
+            Ok(Processed::Duplicate) => {
+                count(&metrics.duplicates);
+                match inbox.verdict(msg.message_id).await {
+                    Ok(Some(v)) => v,
+                    Ok(None) => Verdict::Processed,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "verdict lookup failed; redelivering");
+                        return Disposition::Retry(policy.retry.delay(deliveries));
+                    }
+                }
+            }
+            Err(InboxError::Handler(e)) if !e.is_permanent() && deliveries < policy.max_deliveries => {
+                count(&metrics.failures);
+                tracing::warn!(error = %e, message_id = %msg.message_id, deliveries, "handler failed; redelivering later");
+                return Disposition::Retry(policy.retry.delay(deliveries));
+            }
+            Err(InboxError::Handler(e)) => {
+                count(&metrics.failures);
+                match inbox.dead_letter(msg, &e.to_string(), deliveries).await {
+                    Ok(v) => {
+                        count(&metrics.dead_lettered);
+                        tracing::error!(error = %e, message_id = %msg.message_id, deliveries, "message dead-lettered by the consumer");
+                        v
+                    }
+                    Err(db) => {
+                        tracing::warn!(error = %db, "dead-lettering failed; redelivering later");
+                        return Disposition::Retry(policy.retry.delay(deliveries));
+                    }
+                }
+            }
+            Err(e) => {
+                count(&metrics.failures);
+                tracing::warn!(error = %e, message_id = %msg.message_id, "inbox failed; not acknowledging");
+                return Disposition::Retry(policy.retry.delay(deliveries));
+            }
+        };
+        confirm(inbox.consumer(), msg, &verdict, policy, metrics).await;
+        Disposition::Ack(verdict)
+    }
+    .instrument(span.clone())
+    .await;
     if !span.is_disabled() {
         let (outcome, error) = match &d {
             Disposition::Ack(Verdict::Processed) => ("processed", false),
@@ -159,89 +345,6 @@ where
         crate::otel::record_outcome(&span, outcome, error);
     }
     d
-}
-
-async fn deliver_inner<DB, H>(
-    inbox: &Inbox<DB>,
-    handler: &H,
-    msg: &InboundMessage,
-    policy: &DeliveryPolicy,
-    metrics: &ConsumerMetrics,
-) -> Disposition
-where
-    DB: InboxBackend,
-    H: Handler<DB> + ?Sized,
-{
-    let count = |c: &AtomicU64| {
-        c.fetch_add(1, Ordering::Relaxed);
-    };
-    let deliveries = msg.delivery_count.max(1);
-    // A panicking handler (or a client it calls) is contained: its transaction is rolled back
-    // as the future unwinds, and the panic counts as a transient failure of this message, so it
-    // is redelivered and dead-lettered at `max_deliveries` while the runner and the other
-    // messages go on.
-    let started = std::time::Instant::now();
-    let processed = std::panic::AssertUnwindSafe(inbox.process(msg, handler))
-        .catch_unwind()
-        .await
-        .unwrap_or_else(|panic| {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| (*s).to_owned())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "a panic".to_owned());
-            Err(InboxError::Handler(HandlerError::transient(format!(
-                "the handler panicked: {what}"
-            ))))
-        });
-    metrics.handler_duration.observe_duration(started.elapsed());
-    let verdict = match processed {
-        Ok(Processed::Applied) => {
-            count(&metrics.applied);
-            Verdict::Processed
-        }
-        Ok(Processed::Rejected { reason }) => {
-            count(&metrics.rejected);
-            Verdict::Rejected { reason }
-        }
-        Ok(Processed::Duplicate) => {
-            count(&metrics.duplicates);
-            match inbox.verdict(msg.message_id).await {
-                Ok(Some(v)) => v,
-                Ok(None) => Verdict::Processed,
-                Err(e) => {
-                    tracing::warn!(error = %e, "verdict lookup failed; redelivering");
-                    return Disposition::Retry(policy.retry.delay(deliveries));
-                }
-            }
-        }
-        Err(InboxError::Handler(e)) if !e.is_permanent() && deliveries < policy.max_deliveries => {
-            count(&metrics.failures);
-            tracing::warn!(error = %e, message_id = %msg.message_id, deliveries, "handler failed; redelivering later");
-            return Disposition::Retry(policy.retry.delay(deliveries));
-        }
-        Err(InboxError::Handler(e)) => {
-            count(&metrics.failures);
-            match inbox.dead_letter(msg, &e.to_string(), deliveries).await {
-                Ok(v) => {
-                    count(&metrics.dead_lettered);
-                    tracing::error!(error = %e, message_id = %msg.message_id, deliveries, "message dead-lettered by the consumer");
-                    v
-                }
-                Err(db) => {
-                    tracing::warn!(error = %db, "dead-lettering failed; redelivering later");
-                    return Disposition::Retry(policy.retry.delay(deliveries));
-                }
-            }
-        }
-        Err(e) => {
-            count(&metrics.failures);
-            tracing::warn!(error = %e, message_id = %msg.message_id, "inbox failed; not acknowledging");
-            return Disposition::Retry(policy.retry.delay(deliveries));
-        }
-    };
-    confirm(inbox.consumer(), msg, &verdict, policy, metrics).await;
-    Disposition::Ack(verdict)
 }
 
 /// The lane of `msg` among `lanes` concurrent lanes: messages with the same partition key always

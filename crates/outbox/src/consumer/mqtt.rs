@@ -15,7 +15,7 @@
 //!   in arrival order, different lanes in parallel.
 //! - **Retry with backoff**: MQTT has no negative acknowledgement and no delayed redelivery. A
 //!   message whose handler failed transiently stays unacknowledged (the broker still holds it for
-//!   this session) and the [`MqttSource`] delivers it again after the [`Backoff`] delay for its
+//!   this session) and the [`MqttSource`] delivers it again after the [`Backoff`](crate::Backoff) delay for its
 //!   delivery count, counting deliveries itself (1, then 2, …; a copy the broker redelivered
 //!   with the DUP flag starts at 2), until [`DeliveryPolicy::max_deliveries`] dead-letters it.
 //!   While it waits, later messages of its partition key wait behind it, so they never overtake
@@ -45,13 +45,11 @@ use tokio::time::Instant;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use crate::consumer::source::{
-    Delivery, Envelope, Settle, Source, SourceError, consume, consume_options,
+    ConsumeOptions, Delivery, Envelope, Settle, Source, SourceConfig, SourceError,
 };
-use crate::consumer::{ConsumerMetrics, DeliveryPolicy};
+use crate::consumer::{ConsumerMetrics, RunnerSettings};
 use crate::error::ConfigError;
-use crate::inbox::{Handler, Inbox, InboxBackend};
 use crate::message::HEADER_PARTITION_KEY;
-use crate::retry::Backoff;
 use crate::transport::mqtt::{decode, explain, first_connack, options};
 use crate::verdict::ConfirmationSender;
 
@@ -77,19 +75,9 @@ pub struct MqttConsumerConfig {
     /// Unacknowledged messages the broker may have in flight to this consumer (MQTT 5 Receive
     /// Maximum): the batch the consumer works on. Default 100.
     pub receive_maximum: u16,
-    /// Lanes by partition key applying messages concurrently. Default 1.
-    pub concurrency: usize,
-    /// Delay before a failed message is applied again, by delivery count. Default 500 ms, ×2,
-    /// ≤ 60 s.
-    pub retry: Backoff,
-    /// Deliveries before a transiently failing message is dead-lettered. Default 5.
-    pub max_deliveries: u32,
-    /// Where confirmations go out (`outbox-reply-to` of each message). Default none.
-    pub confirmations: Option<Arc<dyn ConfirmationSender>>,
-    /// Inbox records older than this are deleted. Default 7 days; `None` keeps them.
-    pub dedup_window: Option<Duration>,
-    /// Period of the maintenance (replays, retention). Default 2 s.
-    pub maintenance_interval: Duration,
+    /// Lanes, retries, dead letters, confirmations and inbox upkeep: the settings every
+    /// runner shares ([`RunnerSettings`], with its defaults).
+    pub runner: RunnerSettings,
     /// Keep-alive interval. Default 30 s.
     pub keep_alive: Duration,
     /// How long to wait for the first CONNACK. Default 5 s.
@@ -104,9 +92,7 @@ impl std::fmt::Debug for MqttConsumerConfig {
             .field("filter", &self.filter)
             .field("group", &self.group)
             .field("receive_maximum", &self.receive_maximum)
-            .field("concurrency", &self.concurrency)
-            .field("max_deliveries", &self.max_deliveries)
-            .field("confirmations", &self.confirmations.is_some())
+            .field("runner", &self.runner)
             .finish_non_exhaustive()
     }
 }
@@ -118,7 +104,6 @@ impl MqttConsumerConfig {
         client_id: impl Into<String>,
         filter: impl Into<String>,
     ) -> Self {
-        let d = DeliveryPolicy::default();
         MqttConsumerConfig {
             url: url.into(),
             client_id: client_id.into(),
@@ -128,12 +113,7 @@ impl MqttConsumerConfig {
             group: None,
             session_expiry: Duration::from_secs(24 * 3600),
             receive_maximum: 100,
-            concurrency: 1,
-            retry: d.retry,
-            max_deliveries: d.max_deliveries,
-            confirmations: None,
-            dedup_window: Some(Duration::from_secs(7 * 24 * 3600)),
-            maintenance_interval: Duration::from_secs(2),
+            runner: RunnerSettings::default(),
             keep_alive: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(5),
         }
@@ -141,7 +121,7 @@ impl MqttConsumerConfig {
 
     /// Send confirmations through `sender`.
     pub fn with_confirmations(mut self, sender: Arc<dyn ConfirmationSender>) -> Self {
-        self.confirmations = Some(sender);
+        self.runner.confirmations = Some(sender);
         self
     }
 
@@ -156,7 +136,8 @@ impl MqttConsumerConfig {
     /// Check the settings without connecting.
     ///
     /// # Errors
-    /// [`ConfigError`] naming `filter`, `group`, `client_id` or `receive_maximum`.
+    /// [`ConfigError`] naming `filter`, `group`, `client_id`, `receive_maximum` or a `runner.*`
+    /// field.
     pub fn validate(&self) -> Result<(), ConfigError> {
         validate_filter(&self.filter).map_err(|r| ConfigError::new("filter", r))?;
         if let Some(g) = &self.group
@@ -176,7 +157,7 @@ impl MqttConsumerConfig {
         if self.receive_maximum == 0 {
             return Err(ConfigError::new("receive_maximum", "must be at least 1"));
         }
-        Ok(())
+        self.runner.validate()
     }
 }
 
@@ -519,26 +500,25 @@ impl Source for MqttSource {
     }
 }
 
-/// Run the consumer until `cancel`: [`consume`] over an [`MqttSource`].
+// This broker's consumer is the generic runner over its source: `mqtt::run(config, …)`.
+pub use crate::consumer::run;
+
+/// [`run`] consumes with a [`MqttSource`] built from these settings.
 ///
-/// # Errors
+/// # Errors of `run`
 /// [`ConfigError`] naming the field ([`MqttConsumerConfig::validate`]), `url` when the broker
 /// cannot be reached at start (or does not speak MQTT 5), `password` for refused credentials.
 /// Later connection errors are logged and the session reconnects with backoff.
-pub async fn run<DB, H>(
-    config: MqttConsumerConfig,
-    inbox: Inbox<DB>,
-    handler: Arc<H>,
-    metrics: Arc<ConsumerMetrics>,
-    cancel: CancellationToken,
-) -> Result<(), ConfigError>
-where
-    DB: InboxBackend,
-    H: Handler<DB> + ?Sized,
-{
-    let options = consume_options!(config, usize::from(config.receive_maximum));
-    let source = MqttSource::new(config)?;
-    consume(source, inbox, handler, options, metrics, cancel).await
+impl SourceConfig for MqttConsumerConfig {
+    type Source = MqttSource;
+
+    fn options(&self) -> ConsumeOptions {
+        ConsumeOptions::new(&self.runner, usize::from(self.receive_maximum))
+    }
+
+    fn into_source(self, _metrics: &Arc<ConsumerMetrics>) -> Result<MqttSource, ConfigError> {
+        MqttSource::new(self)
+    }
 }
 
 #[cfg(test)]

@@ -2,7 +2,7 @@
 //!
 //! Each message goes through [`deliver`]: after the inbox transaction commits it is acknowledged
 //! with a double ack (the server confirms the ack) and its verdict is confirmed to the producer; a
-//! transient failure is negatively acknowledged with a delay from [`Backoff`] by delivery count
+//! transient failure is negatively acknowledged with a delay from [`Backoff`](crate::Backoff) by delivery count
 //! (JetStream's own redelivery), so nothing is acknowledged that was not stored (shared case
 //! C27); a message that keeps failing goes to the consumer's dead-letter table. A message whose
 //! ack was lost is delivered again and recognised by the inbox.
@@ -25,17 +25,16 @@ use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 
 use crate::consumer::source::{
-    Delivery, Envelope, Settle, Source, SourceError, consume, consume_options,
+    ConsumeOptions, Delivery, Envelope, Settle, Source, SourceError, consume,
 };
-use crate::consumer::{ConsumerMetrics, DeliveryPolicy};
+use crate::consumer::{ConsumerMetrics, RunnerSettings};
 use crate::error::ConfigError;
 use crate::inbox::{Handler, Inbox, InboxBackend};
 use crate::message::Headers;
-use crate::retry::Backoff;
 use crate::verdict::ConfirmationSender;
 
 /// Settings of a JetStream consumer runner.
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct NatsConsumerConfig {
     /// Stream to consume. Required.
     pub stream: String,
@@ -45,60 +44,29 @@ pub struct NatsConsumerConfig {
     pub filter_subject: Option<String>,
     /// Messages fetched per pull. Default 100.
     pub batch: usize,
-    /// Messages of one fetched batch applied concurrently, in lanes by partition key so each key's
-    /// messages stay in order ([`deliver_batch`](crate::consumer::deliver_batch)). Default 1.
-    pub concurrency: usize,
+    /// Lanes, retries, dead letters, confirmations and inbox upkeep: the settings every
+    /// runner shares ([`RunnerSettings`], with its defaults).
+    pub runner: RunnerSettings,
     /// How long the server waits for an ack before redelivering. Default 30 s.
     pub ack_wait: Duration,
-    /// Delay before redelivering a message whose handler failed, by delivery count.
-    /// Default 500 ms, ×2, ≤ 60 s.
-    pub retry: Backoff,
-    /// Deliveries before a transiently failing message is dead-lettered. Default 5.
-    pub max_deliveries: u32,
-    /// Where confirmations go out (`outbox-reply-to` of each message). Default none.
-    pub confirmations: Option<Arc<dyn ConfirmationSender>>,
-    /// Inbox records older than this are deleted. Default 7 days; `None` keeps them.
-    pub dedup_window: Option<Duration>,
-    /// Period of the maintenance (replays, retention). Default 2 s.
-    pub maintenance_interval: Duration,
-}
-
-impl std::fmt::Debug for NatsConsumerConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NatsConsumerConfig")
-            .field("stream", &self.stream)
-            .field("durable", &self.durable)
-            .field("filter_subject", &self.filter_subject)
-            .field("batch", &self.batch)
-            .field("concurrency", &self.concurrency)
-            .field("max_deliveries", &self.max_deliveries)
-            .field("confirmations", &self.confirmations.is_some())
-            .finish_non_exhaustive()
-    }
 }
 
 impl NatsConsumerConfig {
     /// Settings with the defaults.
     pub fn new(stream: impl Into<String>, durable: impl Into<String>) -> Self {
-        let d = DeliveryPolicy::default();
         NatsConsumerConfig {
             stream: stream.into(),
             durable: durable.into(),
             filter_subject: None,
             batch: 100,
-            concurrency: 1,
+            runner: RunnerSettings::default(),
             ack_wait: Duration::from_secs(30),
-            retry: d.retry,
-            max_deliveries: d.max_deliveries,
-            confirmations: None,
-            dedup_window: Some(Duration::from_secs(7 * 24 * 3600)),
-            maintenance_interval: Duration::from_secs(2),
         }
     }
 
     /// Send confirmations through `sender`.
     pub fn with_confirmations(mut self, sender: Arc<dyn ConfirmationSender>) -> Self {
-        self.confirmations = Some(sender);
+        self.runner.confirmations = Some(sender);
         self
     }
 }
@@ -252,7 +220,7 @@ where
     DB: InboxBackend,
     H: Handler<DB> + ?Sized,
 {
-    let options = consume_options!(config, config.batch);
+    let options = ConsumeOptions::new(&config.runner, config.batch);
     consume(
         NatsSource::new(js, config),
         inbox,

@@ -14,7 +14,7 @@
 //! RabbitMQ has no delayed redelivery of its own (`basic.nack` with `requeue` redelivers at once),
 //! so a message whose handler failed transiently is moved to a **retry queue** that dead-letters
 //! it back (<https://www.rabbitmq.com/docs/ttl>, <https://www.rabbitmq.com/docs/dlx>):
-//! - the delay from [`Backoff`] (by delivery count) is rounded to the nearest step of the
+//! - the delay from [`Backoff`](crate::Backoff) (by delivery count) is rounded to the nearest step of the
 //!   1-2-5 series (10 ms, 20 ms, 50 ms, 100 ms, … 1 s, 2 s, 5 s, 10 s, …), see [`retry_tier`];
 //! - each step has its own durable queue `<queue>.retry.<ms>` with `x-message-ttl = <ms>`,
 //!   `x-dead-letter-exchange = ""` and `x-dead-letter-routing-key = <queue>`, declared by the
@@ -56,16 +56,13 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel};
-use tokio_util::sync::CancellationToken;
 
 use crate::consumer::source::{
-    Delivery, Envelope, Settle, Source, SourceError, consume, consume_options,
+    ConsumeOptions, Delivery, Envelope, Settle, Source, SourceConfig, SourceError,
 };
-use crate::consumer::{ConsumerMetrics, DeliveryPolicy};
+use crate::consumer::{ConsumerMetrics, RunnerSettings};
 use crate::error::ConfigError;
-use crate::inbox::{Handler, Inbox, InboxBackend};
 use crate::message::Headers;
-use crate::retry::Backoff;
 use crate::transport::rabbitmq::{
     Link, Publication, RabbitMqConfig, Session, connection_lost, received_headers,
 };
@@ -86,7 +83,7 @@ pub struct QueueSetup {
 }
 
 /// Settings of a RabbitMQ consumer runner.
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct RabbitMqConsumerConfig {
     /// Connection settings (URL, credentials, TLS, timeouts). Required.
     pub connection: RabbitMqConfig,
@@ -99,65 +96,35 @@ pub struct RabbitMqConsumerConfig {
     /// After the first delivery of a batch, how long at most to wait for more (the batch is
     /// applied at this deadline or when full, whichever comes first). Default 10 ms.
     pub batch_wait: Duration,
-    /// Messages of one batch applied concurrently, in lanes by partition key so each key's
-    /// messages stay in order ([`deliver_batch`](crate::consumer::deliver_batch)). Default 1.
-    pub concurrency: usize,
-    /// Delay before redelivering a message whose handler failed, by delivery count, rounded by
-    /// [`retry_tier`]. Default 500 ms, ×2, ≤ 60 s.
-    pub retry: Backoff,
-    /// Deliveries before a transiently failing message is dead-lettered. Default 5.
-    pub max_deliveries: u32,
-    /// Where confirmations go out (`outbox-reply-to` of each message). Default none.
-    pub confirmations: Option<Arc<dyn ConfirmationSender>>,
-    /// Inbox records older than this are deleted. Default 7 days; `None` keeps them.
-    pub dedup_window: Option<Duration>,
-    /// Period of the maintenance (replays, retention). Default 2 s.
-    pub maintenance_interval: Duration,
-}
-
-impl std::fmt::Debug for RabbitMqConsumerConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RabbitMqConsumerConfig")
-            .field("connection", &self.connection)
-            .field("queue", &self.queue)
-            .field("declare", &self.declare)
-            .field("batch", &self.batch)
-            .field("concurrency", &self.concurrency)
-            .field("max_deliveries", &self.max_deliveries)
-            .field("confirmations", &self.confirmations.is_some())
-            .finish_non_exhaustive()
-    }
+    /// Lanes, retries, dead letters, confirmations and inbox upkeep: the settings every
+    /// runner shares ([`RunnerSettings`], with its defaults).
+    /// Here `retry` delays are rounded by [`retry_tier`] (one retry queue per tier).
+    pub runner: RunnerSettings,
 }
 
 impl RabbitMqConsumerConfig {
     /// Settings consuming `queue` over `connection`, with the defaults.
     pub fn new(connection: RabbitMqConfig, queue: impl Into<String>) -> Self {
-        let d = DeliveryPolicy::default();
         RabbitMqConsumerConfig {
             connection,
             queue: queue.into(),
             declare: None,
             batch: 100,
             batch_wait: Duration::from_millis(10),
-            concurrency: 1,
-            retry: d.retry,
-            max_deliveries: d.max_deliveries,
-            confirmations: None,
-            dedup_window: Some(Duration::from_secs(7 * 24 * 3600)),
-            maintenance_interval: Duration::from_secs(2),
+            runner: RunnerSettings::default(),
         }
     }
 
     /// Send confirmations through `sender`.
     pub fn with_confirmations(mut self, sender: Arc<dyn ConfirmationSender>) -> Self {
-        self.confirmations = Some(sender);
+        self.runner.confirmations = Some(sender);
         self
     }
 
     /// Check the settings without connecting.
     ///
     /// # Errors
-    /// [`ConfigError`] naming `queue`, `batch`, `max_deliveries` or a `connection.*` field.
+    /// [`ConfigError`] naming `queue`, `batch`, a `runner.*` or a `connection.*` field.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.connection
             .validate()
@@ -177,9 +144,7 @@ impl RabbitMqConsumerConfig {
         if self.batch == 0 {
             return Err(ConfigError::new("batch", "must be at least 1"));
         }
-        if self.max_deliveries == 0 {
-            return Err(ConfigError::new("max_deliveries", "must be at least 1"));
-        }
+        self.runner.validate()?;
         Ok(())
     }
 }
@@ -542,26 +507,25 @@ impl Source for RabbitMqSource {
     }
 }
 
-/// Run the consumer until `cancel`: [`consume`] over a [`RabbitMqSource`].
+// This broker's consumer is the generic runner over its source: `rabbitmq::run(config, …)`.
+pub use crate::consumer::run;
+
+/// [`run`] consumes with a [`RabbitMqSource`] built from these settings.
 ///
-/// # Errors
+/// # Errors of `run`
 /// [`ConfigError`] naming the field when the settings are invalid, or when the first connection
 /// fails (`connection.url`) or the queue is missing or cannot be declared (`queue`). Later errors
 /// (connection lost, channel closed) are logged and the runner reconnects with backoff.
-pub async fn run<DB, H>(
-    config: RabbitMqConsumerConfig,
-    inbox: Inbox<DB>,
-    handler: Arc<H>,
-    metrics: Arc<ConsumerMetrics>,
-    cancel: CancellationToken,
-) -> Result<(), ConfigError>
-where
-    DB: InboxBackend,
-    H: Handler<DB> + ?Sized,
-{
-    let options = consume_options!(config, usize::from(config.batch));
-    let source = RabbitMqSource::new(config)?;
-    consume(source, inbox, handler, options, metrics, cancel).await
+impl SourceConfig for RabbitMqConsumerConfig {
+    type Source = RabbitMqSource;
+
+    fn options(&self) -> ConsumeOptions {
+        ConsumeOptions::new(&self.runner, usize::from(self.batch))
+    }
+
+    fn into_source(self, _metrics: &Arc<ConsumerMetrics>) -> Result<RabbitMqSource, ConfigError> {
+        RabbitMqSource::new(self)
+    }
 }
 
 /// Declare the retry queue of `queue` for `tier` once per session.

@@ -59,16 +59,13 @@ use rocketmq_model::common::consumer::consume_from_where::ConsumeFromWhere;
 use rocketmq_model::common::message::STRING_HASH_SET;
 use rocketmq_model::common::message::message_ext::MessageExt;
 use tokio::sync::{Mutex, mpsc, oneshot};
-use tokio_util::sync::CancellationToken;
 
 use crate::consumer::source::{
-    Delivery, Envelope, Settle, Source, SourceError, consume, consume_options,
+    ConsumeOptions, Delivery, Envelope, Settle, Source, SourceConfig, SourceError,
 };
-use crate::consumer::{ConsumerMetrics, DeliveryPolicy};
+use crate::consumer::{ConsumerMetrics, RunnerSettings};
 use crate::error::ConfigError;
-use crate::inbox::{Handler, Inbox, InboxBackend};
 use crate::message::{Headers, InboundMessage};
-use crate::retry::Backoff;
 use crate::transport::rocketmq::{
     Credentials, LISTENER_TIMEOUT, acl_hook, any_reachable, client_config, client_runtime,
     parse_name_servers, validate_group, validate_topic,
@@ -102,27 +99,17 @@ pub struct RocketMqConsumerConfig {
     /// Messages per listener call (`consumeMessageBatchMaxSize`, 1 to 1024). The client pulls
     /// `max(batch, 32)` messages per request. Default 32.
     pub batch: usize,
-    /// Messages of one batch applied concurrently, in lanes by partition key
-    /// ([`deliver_batch`](crate::consumer::deliver_batch)). Default 1.
-    pub concurrency: usize,
+    /// Lanes, retries, dead letters, confirmations and inbox upkeep: the settings every
+    /// runner shares ([`RunnerSettings`], with its defaults).
+    /// Here `retry` delays are rounded up to a broker delay level (`delay_levels`).
+    pub runner: RunnerSettings,
     /// Where a group that has no committed offset yet starts: `true` at the queues' first
     /// message (`CONSUME_FROM_FIRST_OFFSET`, nothing published before the group existed is
     /// missed), `false` at their end (`CONSUME_FROM_LAST_OFFSET`). Default true.
     pub from_first_offset: bool,
-    /// Delay before redelivering a message whose handler failed, by delivery count; rounded up
-    /// to a delay level. Default 500 ms, ×2, ≤ 60 s.
-    pub retry: Backoff,
     /// The broker's delay levels (its `messageDelayLevel`), level 1 first. Default
     /// [`default_delay_levels`].
     pub delay_levels: Vec<Duration>,
-    /// Deliveries before a transiently failing message is dead-lettered. Default 5.
-    pub max_deliveries: u32,
-    /// Where confirmations go out (`outbox-reply-to` of each message). Default none.
-    pub confirmations: Option<Arc<dyn ConfirmationSender>>,
-    /// Inbox records older than this are deleted. Default 7 days; `None` keeps them.
-    pub dedup_window: Option<Duration>,
-    /// Period of the maintenance (replays, retention). Default 2 s.
-    pub maintenance_interval: Duration,
     /// How often the client refreshes topic routes from the name server
     /// (`pollNameServerInterval`, 10 s to 10 min); a consumer started before its topic exists
     /// receives nothing until the next refresh. Default 30 s (RocketMQ's).
@@ -142,10 +129,8 @@ impl std::fmt::Debug for RocketMqConsumerConfig {
             .field("topic", &self.topic)
             .field("tags", &self.tags)
             .field("batch", &self.batch)
-            .field("concurrency", &self.concurrency)
+            .field("runner", &self.runner)
             .field("from_first_offset", &self.from_first_offset)
-            .field("max_deliveries", &self.max_deliveries)
-            .field("confirmations", &self.confirmations.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -157,21 +142,15 @@ impl RocketMqConsumerConfig {
         group: impl Into<String>,
         topic: impl Into<String>,
     ) -> Self {
-        let d = DeliveryPolicy::default();
         RocketMqConsumerConfig {
             name_server: name_server.into(),
             group: group.into(),
             topic: topic.into(),
             tags: "*".into(),
             batch: 32,
-            concurrency: 1,
+            runner: RunnerSettings::default(),
             from_first_offset: true,
-            retry: d.retry,
             delay_levels: default_delay_levels(),
-            max_deliveries: d.max_deliveries,
-            confirmations: None,
-            dedup_window: Some(Duration::from_secs(7 * 24 * 3600)),
-            maintenance_interval: Duration::from_secs(2),
             route_refresh: Duration::from_secs(30),
             credentials: None,
             runtime: None,
@@ -180,7 +159,7 @@ impl RocketMqConsumerConfig {
 
     /// Send confirmations through `sender`.
     pub fn with_confirmations(mut self, sender: Arc<dyn ConfirmationSender>) -> Self {
-        self.confirmations = Some(sender);
+        self.runner.confirmations = Some(sender);
         self
     }
 
@@ -188,7 +167,7 @@ impl RocketMqConsumerConfig {
     ///
     /// # Errors
     /// [`ConfigError`] naming the field: `name_server`, `group`, `topic`, `tags`, `batch`,
-    /// `concurrency`, `max_deliveries`, `route_refresh`, `delay_levels`.
+    /// `route_refresh`, `delay_levels`, or a `runner.*` field.
     pub fn validate(&self) -> Result<(), ConfigError> {
         parse_name_servers(&self.name_server).map_err(|r| ConfigError::new("name_server", r))?;
         validate_group(&self.group).map_err(|r| ConfigError::new("group", r))?;
@@ -197,12 +176,7 @@ impl RocketMqConsumerConfig {
         if !(1..=1024).contains(&self.batch) {
             return Err(ConfigError::new("batch", "must be between 1 and 1024"));
         }
-        if self.concurrency == 0 {
-            return Err(ConfigError::new("concurrency", "must be at least 1"));
-        }
-        if self.max_deliveries == 0 {
-            return Err(ConfigError::new("max_deliveries", "must be at least 1"));
-        }
+        self.runner.validate()?;
         if !(Duration::from_secs(10)..=Duration::from_secs(600)).contains(&self.route_refresh) {
             return Err(ConfigError::new(
                 "route_refresh",
@@ -557,26 +531,25 @@ impl Source for RocketMqSource {
     }
 }
 
-/// Run the consumer until `cancel`: [`consume`] over a [`RocketMqSource`].
+// This broker's consumer is the generic runner over its source: `rocketmq::run(config, …)`.
+pub use crate::consumer::run;
+
+/// [`run`] consumes with a [`RocketMqSource`] built from these settings.
 ///
-/// # Errors
+/// # Errors of `run`
 /// [`ConfigError`] naming the invalid field ([`RocketMqConsumerConfig::validate`]), or
 /// `name_server`, `topic` or `group` when the consumer cannot subscribe or start. Later errors
 /// (pulls, send-backs) are logged; the client retries them.
-pub async fn run<DB, H>(
-    config: RocketMqConsumerConfig,
-    inbox: Inbox<DB>,
-    handler: Arc<H>,
-    metrics: Arc<ConsumerMetrics>,
-    cancel: CancellationToken,
-) -> Result<(), ConfigError>
-where
-    DB: InboxBackend,
-    H: Handler<DB> + ?Sized,
-{
-    let options = consume_options!(config, config.batch);
-    let source = RocketMqSource::new(config)?;
-    consume(source, inbox, handler, options, metrics, cancel).await
+impl SourceConfig for RocketMqConsumerConfig {
+    type Source = RocketMqSource;
+
+    fn options(&self) -> ConsumeOptions {
+        ConsumeOptions::new(&self.runner, self.batch)
+    }
+
+    fn into_source(self, _metrics: &Arc<ConsumerMetrics>) -> Result<RocketMqSource, ConfigError> {
+        RocketMqSource::new(self)
+    }
 }
 
 #[cfg(test)]

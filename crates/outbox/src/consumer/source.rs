@@ -28,7 +28,9 @@ use async_trait::async_trait;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use super::{ConsumerMetrics, DeliveryPolicy, Disposition, deliver_batch, maintenance};
+use super::{
+    ConsumerMetrics, DeliveryPolicy, Disposition, RunnerSettings, deliver_batch, maintenance,
+};
 use crate::error::ConfigError;
 use crate::inbox::{Handler, Inbox, InboxBackend};
 use crate::message::{Headers, InboundMessage};
@@ -316,81 +318,55 @@ where
     }
 }
 
-/// What every consumer runner shares: lanes, retries, dead letters, retention, maintenance.
-///
-/// Each broker's consumer config carries these settings (as its own fields) and passes them to
-/// [`consume`].
-#[derive(Debug, Clone)]
+/// How [`consume`] drives a source: the fetch and reconnection settings, and the settings every
+/// runner shares.
+#[derive(Debug, Clone, Default)]
 pub struct ConsumeOptions {
     /// Driving the source: batch size and reconnect backoff.
     pub run: RunOptions,
-    /// Messages of one batch applied concurrently, in lanes by partition key. Default 1.
-    pub concurrency: usize,
-    /// Retries, dead letters and confirmations.
-    pub policy: DeliveryPolicy,
-    /// Inbox records older than this are deleted. Default 7 days; `None` keeps them.
-    pub dedup_window: Option<Duration>,
-    /// Period of the maintenance (replays, retention). Default 2 s.
-    pub maintenance_interval: Duration,
+    /// Lanes, retries, dead letters, confirmations, retention and maintenance.
+    pub runner: RunnerSettings,
 }
 
-impl Default for ConsumeOptions {
-    fn default() -> Self {
+impl ConsumeOptions {
+    /// The options of a broker config's `runner` settings and batch size (messages per fetch):
+    /// its `retry` backoff also paces reconnections.
+    pub fn new(runner: &RunnerSettings, batch: usize) -> Self {
         ConsumeOptions {
-            run: RunOptions::default(),
-            concurrency: 1,
-            policy: DeliveryPolicy::default(),
-            dedup_window: Some(Duration::from_secs(7 * 24 * 3600)),
-            maintenance_interval: Duration::from_secs(2),
+            run: RunOptions {
+                batch,
+                reconnect: runner.retry,
+            },
+            runner: runner.clone(),
         }
     }
 }
 
-/// The [`ConsumeOptions`] of a broker's consumer config: every config names these settings the
-/// same (`retry`, `concurrency`, `max_deliveries`, `confirmations`, `dedup_window`,
-/// `maintenance_interval`); `$batch` is its batch size as `usize`. The retry backoff also paces
-/// reconnections.
-#[cfg(any(
-    feature = "nats",
-    feature = "rabbitmq",
-    feature = "kafka",
-    feature = "redis",
-    feature = "mqtt",
-    feature = "rocketmq"
-))]
-macro_rules! consume_options {
-    ($c:expr, $batch:expr) => {
-        $crate::consumer::source::ConsumeOptions {
-            run: $crate::consumer::source::RunOptions {
-                batch: $batch,
-                reconnect: $c.retry,
-            },
-            concurrency: $c.concurrency,
-            policy: $crate::consumer::DeliveryPolicy {
-                max_deliveries: $c.max_deliveries,
-                retry: $c.retry,
-                confirmations: $c.confirmations.clone(),
-            },
-            dedup_window: $c.dedup_window,
-            maintenance_interval: $c.maintenance_interval,
-        }
-    };
+/// A broker's consumer settings: what [`run`](crate::consumer::run) needs to build that
+/// broker's [`Source`] and drive it. Implemented by each broker's consumer config
+/// (`KafkaConsumerConfig`, `RabbitMqConsumerConfig`, …; NATS JetStream's runner takes the
+/// caller's client: `consumer::nats::run(js, config, …)`).
+pub trait SourceConfig: Send + Sized {
+    /// The broker's source.
+    type Source: Source;
+
+    /// The runner settings and the batch size (messages per fetch) of these settings.
+    fn options(&self) -> ConsumeOptions;
+
+    /// Build the source from these settings, without connecting (the runner connects and
+    /// reconnects).
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming the first invalid field.
+    fn into_source(self, metrics: &Arc<ConsumerMetrics>) -> Result<Self::Source, ConfigError>;
 }
-#[cfg(any(
-    feature = "nats",
-    feature = "rabbitmq",
-    feature = "kafka",
-    feature = "redis",
-    feature = "mqtt",
-    feature = "rocketmq"
-))]
-pub(crate) use consume_options;
 
 /// The generic consumer runner: drive `source` with an [`InboxHandler`] until `cancel`, with
 /// the consumer's [`maintenance`] in a task that is stopped and joined before this returns.
 ///
 /// # Errors
-/// As [`run`]: the first set-up's [`ConfigError`].
+/// [`ConfigError`] naming a `runner.*` field ([`RunnerSettings::validate`]) before anything
+/// starts; else as [`run`]: the first set-up's [`ConfigError`].
 pub async fn consume<S, DB, H>(
     source: S,
     inbox: Inbox<DB>,
@@ -404,14 +380,16 @@ where
     DB: InboxBackend,
     H: Handler<DB> + ?Sized,
 {
+    options.runner.validate()?;
     let tasks = TaskTracker::new();
     let background = cancel.child_token();
+    let policy = options.runner.policy();
     tasks.spawn(maintenance(
         inbox.clone(),
         handler.clone(),
-        options.policy.clone(),
-        options.dedup_window,
-        options.maintenance_interval,
+        policy.clone(),
+        options.runner.dedup_window,
+        options.runner.maintenance_interval,
         metrics.clone(),
         background.clone(),
     ));
@@ -419,8 +397,8 @@ where
     let handler = InboxHandler {
         inbox,
         handler,
-        lanes: options.concurrency,
-        policy: options.policy,
+        lanes: options.runner.concurrency,
+        policy,
         metrics,
     };
     let result = run(source, &handler, &options.run, &cancel).await;

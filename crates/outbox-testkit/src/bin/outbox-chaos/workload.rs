@@ -43,21 +43,20 @@ where
         let metrics = Arc::new(ConsumerMetrics::default());
         let result = match broker {
             Broker::Nats { js, stream } => {
-                let config = NatsConsumerConfig {
-                    concurrency: 16,
-                    batch: 200,
-                    ack_wait: Duration::from_secs(5),
-                    max_deliveries: 1000,
-                    ..NatsConsumerConfig::new(stream.clone(), format!("{stream}-consumer"))
-                };
+                let mut config =
+                    NatsConsumerConfig::new(stream.clone(), format!("{stream}-consumer"));
+                config.runner.concurrency = 16;
+                config.runner.max_deliveries = 1000;
+                config.batch = 200;
+                config.ack_wait = Duration::from_secs(5);
                 outbox::consumer::nats::run(js, config, inbox, effects, metrics, cancel).await
             }
             Broker::RabbitMq { url, queue } => {
                 let mut config = RabbitMqConsumerConfig::new(RabbitMqConfig::new(url), queue);
                 config.declare = Some(QueueSetup::default());
-                config.concurrency = 16;
+                config.runner.concurrency = 16;
                 config.batch = 200;
-                config.max_deliveries = 1000;
+                config.runner.max_deliveries = 1000;
                 outbox::consumer::rabbitmq::run(config, inbox, effects, metrics, cancel).await
             }
         };

@@ -45,11 +45,7 @@ pub(super) mod nats {
         fn spawn(&self, c: Settings, inbox: Inbox<sqlx::Sqlite>, handler: Arc<Script>) -> Runner {
             let mut config = NatsConsumerConfig::new(self.fx.stream.clone(), self.durable.clone());
             config.ack_wait = Duration::from_secs(2);
-            config.retry = fast_retry();
-            config.max_deliveries = c.max_deliveries;
-            config.concurrency = c.concurrency;
-            config.confirmations = c.confirmations;
-            config.dedup_window = None;
+            config.runner = c.runner();
             let url = format!("nats://{}", self.proxy.addr);
             tokio::spawn(async move {
                 let js = async_nats::jetstream::new(nats_client_at(&url).await);
@@ -99,11 +95,7 @@ pub(super) mod rabbitmq {
             let url = format!("amqp://guest:guest@{}/%2f", self.proxy.addr);
             let mut config =
                 RabbitMqConsumerConfig::new(rabbitmq_config(&url), self.fx.queue.clone());
-            config.retry = fast_retry();
-            config.max_deliveries = c.max_deliveries;
-            config.concurrency = c.concurrency;
-            config.confirmations = c.confirmations;
-            config.dedup_window = None;
+            config.runner = c.runner();
             let queue = self.fx.queue.clone();
             for ms in [10u64, 20, 50, 100, 200, 500] {
                 self.fx.delete_at_cleanup(&format!("{queue}.retry.{ms}"));
@@ -168,11 +160,7 @@ pub(super) mod redis {
             // A stable name: a restart resumes its own pending entries at once.
             config.consumer = format!("{}-c", self.group);
             config.block = Duration::from_millis(200);
-            config.retry = fast_retry();
-            config.max_deliveries = c.max_deliveries;
-            config.concurrency = c.concurrency;
-            config.confirmations = c.confirmations;
-            config.dedup_window = None;
+            config.runner = c.runner();
             tokio::spawn(outbox::consumer::redis::run(
                 config, inbox, handler, c.metrics, c.cancel,
             ))
@@ -260,11 +248,7 @@ pub(super) mod mqtt {
             let url = format!("mqtt://{}", self.proxy.addr);
             let mut config = MqttConsumerConfig::new(url, self.client_id.clone(), self.filter());
             config.session_expiry = Duration::from_secs(600);
-            config.retry = fast_retry();
-            config.max_deliveries = c.max_deliveries;
-            config.concurrency = c.concurrency;
-            config.confirmations = c.confirmations;
-            config.dedup_window = None;
+            config.runner = c.runner();
             tokio::spawn(outbox::consumer::mqtt::run(
                 config, inbox, handler, c.metrics, c.cancel,
             ))
@@ -329,11 +313,7 @@ pub(super) mod kafka {
                 KafkaConsumerConfig::new(kafka_config(), self.group.clone(), [self.topic.clone()]);
             // The broker minimum: Tansu holds a new group's first join for about half of it.
             config.session_timeout = Duration::from_secs(6);
-            config.retry = fast_retry();
-            config.max_deliveries = c.max_deliveries;
-            config.concurrency = c.concurrency;
-            config.confirmations = c.confirmations;
-            config.dedup_window = None;
+            config.runner = c.runner();
             tokio::spawn(outbox::consumer::kafka::run(
                 config, inbox, handler, c.metrics, c.cancel,
             ))
@@ -393,11 +373,7 @@ pub(super) mod rocketmq {
                 self.fx.topic.clone(),
             );
             config.route_refresh = Duration::from_secs(10);
-            config.retry = fast_retry();
-            config.max_deliveries = c.max_deliveries;
-            config.concurrency = c.concurrency;
-            config.confirmations = c.confirmations;
-            config.dedup_window = None;
+            config.runner = c.runner();
             tokio::spawn(outbox::consumer::rocketmq::run(
                 config, inbox, handler, c.metrics, c.cancel,
             ))

@@ -518,6 +518,18 @@ async fn rejects_malformed_input<B: Broker>() {
 }
 
 impl Settings {
+    /// The runner settings of a broker's config: these, fast retries, no inbox retention.
+    fn runner(&self) -> outbox::consumer::RunnerSettings {
+        outbox::consumer::RunnerSettings {
+            retry: fast_retry(),
+            max_deliveries: self.max_deliveries,
+            concurrency: self.concurrency,
+            confirmations: self.confirmations.clone(),
+            dedup_window: None,
+            ..Default::default()
+        }
+    }
+
     /// The same settings sharing the metrics, cancel token and confirmations.
     fn clone_settings(&self) -> Settings {
         Settings {

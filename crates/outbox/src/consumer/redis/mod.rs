@@ -11,7 +11,7 @@
 //!   dead-lettered); nothing is acknowledged that was not stored (shared case C27);
 //! - **retry with backoff**: Redis has no negative acknowledgement or delayed redelivery, so a
 //!   message whose handler failed transiently is left pending (not acknowledged) and the runner
-//!   keeps its id with a due time from [`Backoff`] by delivery count; when it is due, the runner
+//!   keeps its id with a due time from [`Backoff`](crate::Backoff) by delivery count; when it is due, the runner
 //!   claims it back with `XCLAIM <stream> <group> <consumer> <delay> <id>` (which increments the
 //!   entry's delivery count; the guard `min-idle-time = delay` leaves it alone if another
 //!   consumer has claimed it meanwhile) and delivers it again with the delivery count read from
@@ -43,15 +43,12 @@ use async_trait::async_trait;
 use redis::aio::ConnectionManager;
 use redis::{RedisError, Value};
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 
 use crate::consumer::source::{
-    Delivery, Envelope, Settle, Source, SourceError, consume, consume_options,
+    ConsumeOptions, Delivery, Envelope, Settle, Source, SourceConfig, SourceError,
 };
-use crate::consumer::{ConsumerMetrics, DeliveryPolicy};
+use crate::consumer::{ConsumerMetrics, RunnerSettings};
 use crate::error::ConfigError;
-use crate::inbox::{Handler, Inbox, InboxBackend};
-use crate::retry::Backoff;
 use crate::transport::redis::{FIELD_PAYLOAD, connect_manager, decode_fields_with};
 use crate::verdict::ConfirmationSender;
 
@@ -83,25 +80,16 @@ pub struct RedisConsumerConfig {
     pub batch: usize,
     /// How long a read waits for new entries (`BLOCK`). Default 1 s.
     pub block: Duration,
-    /// Messages of one batch applied concurrently, in lanes by partition key
-    /// ([`deliver_batch`]). Default 1.
-    pub concurrency: usize,
+    /// Lanes, retries, dead letters, confirmations and inbox upkeep: the settings every
+    /// runner shares ([`RunnerSettings`], with its defaults).
+    /// Here a failed message is claimed back after the `retry` delay, capped in effect by
+    /// `claim_idle`.
+    pub runner: RunnerSettings,
     /// Idle time after which a pending entry of any consumer is taken over by `XAUTOCLAIM`.
     /// Default 30 s.
     pub claim_idle: Duration,
     /// How often the runner looks for stuck entries with `XAUTOCLAIM`. Default 5 s.
     pub claim_interval: Duration,
-    /// Delay before a failed message is claimed back and delivered again, by delivery count.
-    /// Default 500 ms, ×2, ≤ 60 s (capped in effect by `claim_idle`).
-    pub retry: Backoff,
-    /// Deliveries before a transiently failing message is dead-lettered. Default 5.
-    pub max_deliveries: u32,
-    /// Where confirmations go out (`outbox-reply-to` of each message). Default none.
-    pub confirmations: Option<Arc<dyn ConfirmationSender>>,
-    /// Inbox records older than this are deleted. Default 7 days; `None` keeps them.
-    pub dedup_window: Option<Duration>,
-    /// Period of the maintenance (replays, retention). Default 2 s.
-    pub maintenance_interval: Duration,
     /// How long to wait for the first connection. Default 5 s.
     pub connect_timeout: Duration,
 }
@@ -114,10 +102,8 @@ impl std::fmt::Debug for RedisConsumerConfig {
             .field("group", &self.group)
             .field("consumer", &self.consumer)
             .field("batch", &self.batch)
-            .field("concurrency", &self.concurrency)
+            .field("runner", &self.runner)
             .field("claim_idle", &self.claim_idle)
-            .field("max_deliveries", &self.max_deliveries)
-            .field("confirmations", &self.confirmations.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -129,7 +115,6 @@ impl RedisConsumerConfig {
         stream: impl Into<String>,
         group: impl Into<String>,
     ) -> Self {
-        let d = DeliveryPolicy::default();
         RedisConsumerConfig {
             url: url.into(),
             password: None,
@@ -139,28 +124,24 @@ impl RedisConsumerConfig {
             start_id: "0".into(),
             batch: 100,
             block: Duration::from_secs(1),
-            concurrency: 1,
+            runner: RunnerSettings::default(),
             claim_idle: Duration::from_secs(30),
             claim_interval: Duration::from_secs(5),
-            retry: d.retry,
-            max_deliveries: d.max_deliveries,
-            confirmations: None,
-            dedup_window: Some(Duration::from_secs(7 * 24 * 3600)),
-            maintenance_interval: Duration::from_secs(2),
             connect_timeout: Duration::from_secs(5),
         }
     }
 
     /// Send confirmations through `sender`.
     pub fn with_confirmations(mut self, sender: Arc<dyn ConfirmationSender>) -> Self {
-        self.confirmations = Some(sender);
+        self.runner.confirmations = Some(sender);
         self
     }
 
     /// Check the settings without connecting.
     ///
     /// # Errors
-    /// [`ConfigError`] naming `stream`, `group`, `consumer`, `batch`, `block` or `claim_idle`.
+    /// [`ConfigError`] naming `stream`, `group`, `consumer`, `batch`, `block`, `claim_idle` or a
+    /// `runner.*` field.
     pub fn validate(&self) -> Result<(), ConfigError> {
         for (field, v) in [
             ("stream", &self.stream),
@@ -186,7 +167,7 @@ impl RedisConsumerConfig {
                 "claim_idle and claim_interval must be greater than zero",
             ));
         }
-        Ok(())
+        self.runner.validate()
     }
 }
 
@@ -595,27 +576,26 @@ impl Source for RedisSource {
     }
 }
 
-/// Run the consumer until `cancel`: [`consume`] over a [`RedisSource`].
+// This broker's consumer is the generic runner over its source: `redis::run(config, …)`.
+pub use crate::consumer::run;
+
+/// [`run`] consumes with a [`RedisSource`] built from these settings.
 ///
-/// # Errors
+/// # Errors of `run`
 /// [`ConfigError`] naming the field ([`RedisConsumerConfig::validate`]), `url` when Redis cannot
 /// be reached at start, `stream` when the group cannot be created (e.g. the key is not a
 /// stream). Later errors (reads, claims, acks) are logged and retried with backoff; a deleted
 /// group is created again.
-pub async fn run<DB, H>(
-    config: RedisConsumerConfig,
-    inbox: Inbox<DB>,
-    handler: Arc<H>,
-    metrics: Arc<ConsumerMetrics>,
-    cancel: CancellationToken,
-) -> Result<(), ConfigError>
-where
-    DB: InboxBackend,
-    H: Handler<DB> + ?Sized,
-{
-    let options = consume_options!(config, config.batch);
-    let source = RedisSource::new(config, metrics.clone())?;
-    consume(source, inbox, handler, options, metrics, cancel).await
+impl SourceConfig for RedisConsumerConfig {
+    type Source = RedisSource;
+
+    fn options(&self) -> ConsumeOptions {
+        ConsumeOptions::new(&self.runner, self.batch)
+    }
+
+    fn into_source(self, metrics: &Arc<ConsumerMetrics>) -> Result<RedisSource, ConfigError> {
+        RedisSource::new(self, metrics.clone())
+    }
 }
 
 /// Group `fields` by name (for tests and tools): the last value of each field.

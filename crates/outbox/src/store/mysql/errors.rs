@@ -25,11 +25,9 @@ fn number(e: &sqlx::Error) -> Option<u16> {
 /// other options too) are read-only; SQLSTATE 42S02 a missing table, named from `Table 'db.t'
 /// doesn't exist`; deadlocks (1213, SQLSTATE 40001) and lock wait timeouts (1205) transient.
 pub(crate) fn classify(e: &sqlx::Error) -> DbErrorClass {
-    if let Some(class) = DbErrorClass::of_driver(e) {
-        return class;
-    }
-    let sqlx::Error::Database(db) = e else {
-        return DbErrorClass::Other;
+    let db = match DbErrorClass::server_error(e) {
+        Ok(db) => db,
+        Err(class) => return class,
     };
     let message = db.message();
     match (number(e), db.code().as_deref()) {

@@ -21,11 +21,9 @@ pub(crate) const LOCK_NOT_AVAILABLE: &str = "55P03";
 /// transaction, a hot standby, `default_transaction_read_only`) is read-only; 42P01 a missing
 /// table, named from `relation "s.t" does not exist`; [`TRANSIENT`] codes are transient.
 pub(crate) fn classify(e: &sqlx::Error) -> DbErrorClass {
-    if let Some(class) = DbErrorClass::of_driver(e) {
-        return class;
-    }
-    let sqlx::Error::Database(db) = e else {
-        return DbErrorClass::Other;
+    let db = match DbErrorClass::server_error(e) {
+        Ok(db) => db,
+        Err(class) => return class,
     };
     match db.code().as_deref() {
         Some("25006") => DbErrorClass::ReadOnly,

@@ -10,11 +10,9 @@ const TRANSIENT: &[&str] = &["5", "6", "261", "262", "517", "773"];
 /// The class of an error raised by SQLite: `no such table: t` is a missing table; busy and
 /// locked codes ([`TRANSIENT`]) and "database is locked" are transient.
 pub(crate) fn classify(e: &sqlx::Error) -> DbErrorClass {
-    if let Some(class) = DbErrorClass::of_driver(e) {
-        return class;
-    }
-    let sqlx::Error::Database(db) = e else {
-        return DbErrorClass::Other;
+    let db = match DbErrorClass::server_error(e) {
+        Ok(db) => db,
+        Err(class) => return class,
     };
     let message = db.message();
     if let Some(table) = message.split("no such table: ").nth(1) {
