@@ -8,10 +8,13 @@ use std::sync::{Arc, Mutex};
 
 use super::*;
 
+/// The requests a stand-in collector received: content type and body of each.
+type Received = Arc<Mutex<Vec<(String, Vec<u8>)>>>;
+
 /// A stand-in OTLP/HTTP collector: records the body of every `POST /v1/traces`, answers 200
 /// with an empty `ExportTraceServiceResponse`.
-async fn collector() -> (String, Arc<Mutex<Vec<(String, Vec<u8>)>>>) {
-    let seen: Arc<Mutex<Vec<(String, Vec<u8>)>>> = Arc::default();
+async fn collector() -> (String, Received) {
+    let seen: Received = Arc::default();
     let app = axum::Router::new().route(
         "/v1/traces",
         axum::routing::post({

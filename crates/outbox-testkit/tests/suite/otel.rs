@@ -36,8 +36,8 @@ use crate::rabbitmq_consumer::RabbitSetup;
 /// The broker of a run: its producer (relay, inbox, confirmation listener) and how its consumer
 /// runner is started, with confirmations sent back over the same broker.
 enum Broker {
-    Nats(NatsSetup),
-    Rabbit(RabbitSetup),
+    Nats(Box<NatsSetup>),
+    Rabbit(Box<RabbitSetup>),
 }
 
 impl Broker {
@@ -140,13 +140,13 @@ async fn stored_headers(s: &PgProducer, id: Uuid) -> String {
 /// kept; nothing written for a message enqueued outside any span.
 #[tokio::test(flavor = "current_thread")]
 async fn one_trace_from_the_request_to_the_consumer_and_back() {
-    one_trace(|| async { Broker::Nats(NatsSetup::new().await) }).await;
+    one_trace(|| async { Broker::Nats(Box::new(NatsSetup::new().await)) }).await;
 }
 
 /// The same over RabbitMQ (headers carried as AMQP message headers).
 #[tokio::test(flavor = "current_thread")]
 async fn rabbitmq_one_trace_from_the_request_to_the_consumer_and_back() {
-    one_trace(|| async { Broker::Rabbit(RabbitSetup::new().await) }).await;
+    one_trace(|| async { Broker::Rabbit(Box::new(RabbitSetup::new().await)) }).await;
 }
 
 async fn one_trace<F, Fut>(setup: F)
@@ -227,13 +227,13 @@ where
         let v: serde_json::Value = serde_json::from_str(headers).unwrap();
         v["traceparent"].as_str().map(str::to_owned)
     };
-    let tp = request_trace(&stored_headers(&s, ok).await).expect("traceparent stored");
+    let tp = request_trace(&stored_headers(s, ok).await).expect("traceparent stored");
     assert_eq!(tp.len(), 55, "{tp}");
     assert_eq!(
-        request_trace(&stored_headers(&s, own).await).as_deref(),
+        request_trace(&stored_headers(s, own).await).as_deref(),
         Some(caller_parent)
     );
-    assert_eq!(request_trace(&stored_headers(&s, untraced).await), None);
+    assert_eq!(request_trace(&stored_headers(s, untraced).await), None);
 
     cancel.cancel();
     within("consumer to stop", Duration::from_secs(5), consumer)
