@@ -136,7 +136,8 @@ pub enum ConfirmationsSection {
         queue: String,
     },
     /// `kind = "rocketmq"`: consume the reply destination in consumer group `group` (needs the
-    /// `rocketmq` cargo feature).
+    /// `rocketmq` cargo feature; without it the section is parsed only to say so).
+    #[cfg_attr(not(feature = "rocketmq"), allow(dead_code))]
     Rocketmq {
         /// Name server list, `rocketmq://host:port[;host:port…]`.
         url: String,
