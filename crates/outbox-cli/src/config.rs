@@ -69,8 +69,8 @@ fn default_summary() -> std::time::Duration {
     std::time::Duration::from_secs(60)
 }
 
-/// `[admin]`: where the daemon serves its Prometheus metrics (`GET /metrics`,
-/// docs/operations.md).
+/// `[admin]`: where the daemon serves its Prometheus metrics (`GET /metrics`), health checks and
+/// the admin API (`/api/…`, [`outbox::admin::http`]) (docs/operations.md).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AdminSection {
@@ -81,6 +81,24 @@ pub struct AdminSection {
     /// Default 15 s.
     #[serde(default = "default_backlog_sample", with = "humantime_serde")]
     pub backlog_sample_interval: std::time::Duration,
+    /// The environment variable holding the admin API's bearer token. Without one (or when the
+    /// variable is unset or empty) the API only reads. Default: none.
+    #[serde(default)]
+    pub token_env: Option<String>,
+    /// Reads of the admin API need the token too. Default `false`.
+    #[serde(default)]
+    pub protect_reads: bool,
+}
+
+impl AdminSection {
+    /// The admin API's authentication: the token read from `token_env`.
+    ///
+    /// # Errors
+    /// `protect_reads` without a token (every read would be refused), naming the setting.
+    pub fn auth(&self) -> anyhow::Result<outbox::admin::http::AdminAuth> {
+        crate::messages::admin_auth(self.token_env.as_deref(), self.protect_reads)
+            .map_err(|e| anyhow::anyhow!("admin.{e}"))
+    }
 }
 
 fn default_backlog_sample() -> std::time::Duration {

@@ -4,6 +4,7 @@ mod admin;
 mod bench;
 mod config;
 mod demo;
+mod messages;
 mod telemetry;
 
 use std::path::PathBuf;
@@ -41,17 +42,17 @@ enum LogFormat {
 }
 
 #[derive(Debug, clap::Args)]
-struct DbArgs {
+pub(crate) struct DbArgs {
     /// Database URL: `postgres://user@host:port/db`, `mysql://user@host:3306/db` (or
     /// `mariadb://…`) or `sqlite://path/to/file.db`.
     #[arg(long, env = "OUTBOX_DATABASE_URL")]
-    database: String,
+    pub(crate) database: String,
     /// Outbox table (optionally `schema.table` on PostgreSQL).
     #[arg(long, default_value = "outbox")]
-    table: String,
+    pub(crate) table: String,
     /// Inbox table.
     #[arg(long, default_value = "outbox_inbox")]
-    inbox_table: String,
+    pub(crate) inbox_table: String,
 }
 
 #[derive(Debug, Subcommand)]
@@ -90,6 +91,12 @@ enum Command {
         #[arg(long)]
         all: bool,
     },
+    /// Search and act on messages: list, show, requeue, publish-now, discard (the admin API's
+    /// twin, docs/operations.md).
+    #[command(subcommand)]
+    Messages(messages::MessagesCommand),
+    /// Serve the admin API (`/api/…`) for a database, without a relay.
+    Admin(messages::AdminArgs),
     /// Inspect a consumer's inbox: its dead letters, and replays of them.
     #[command(subcommand)]
     Inbox(InboxCommand),
@@ -240,73 +247,6 @@ pub(crate) fn redact(url: &str) -> String {
         }
         _ => url.to_owned(),
     }
-}
-
-fn fmt_age(d: Option<Duration>) -> String {
-    match d {
-        None => "-".into(),
-        Some(d) if d < Duration::from_secs(1) => format!("{} ms", d.as_millis()),
-        Some(d) => humantime::format_duration(Duration::from_secs(d.as_secs())).to_string(),
-    }
-}
-
-async fn status(db: DbArgs, failed: u32, json: bool) -> anyhow::Result<()> {
-    let store = open_store(&db.database, &db.table, &db.inbox_table, Create::Never).await?;
-    let stats = store.stats().await?;
-    let dead = store.failed(failed).await?;
-    if json {
-        let counts: serde_json::Map<String, serde_json::Value> = stats
-            .counts
-            .iter()
-            .map(|(s, n)| (s.name().to_owned(), (*n).into()))
-            .collect();
-        let out = serde_json::json!({
-            "table": store.table(),
-            "counts": counts,
-            "oldest_pending_age_ms": stats.oldest_pending_age.map(|d| d.as_millis() as u64),
-            "awaiting_confirmation": stats.awaiting_confirmation,
-            "oldest_unconfirmed_age_ms": stats.oldest_unconfirmed_age.map(|d| d.as_millis() as u64),
-            "failed": dead.iter().map(|f| serde_json::json!({
-                "id": f.id, "message_id": f.message_id, "topic": f.topic,
-                "attempts": f.attempts, "last_error": f.last_error,
-            })).collect::<Vec<_>>(),
-        });
-        println!("{}", serde_json::to_string_pretty(&out)?);
-        return Ok(());
-    }
-    println!("outbox table {} ({})", store.table(), store.backend());
-    for s in Status::ALL {
-        let n = stats.counts.get(&s).copied().unwrap_or(0);
-        // SENDING is retired (rows of an older relay, released by `migrate`): shown only when
-        // some are left.
-        if s == Status::Sending && n == 0 {
-            continue;
-        }
-        println!("  {:<10} {:>10}", s.name(), n);
-    }
-    println!(
-        "  oldest pending (due) age: {}",
-        fmt_age(stats.oldest_pending_age)
-    );
-    println!(
-        "  SENT awaiting confirmation: {} (oldest {})",
-        stats.awaiting_confirmation,
-        fmt_age(stats.oldest_unconfirmed_age)
-    );
-    if !dead.is_empty() {
-        println!("latest dead letters (FAILED):");
-        for f in dead {
-            println!(
-                "  id={} message_id={} topic={} attempts={} reason={}",
-                f.id,
-                f.message_id,
-                f.topic,
-                f.attempts,
-                f.last_error.unwrap_or_default()
-            );
-        }
-    }
-    Ok(())
 }
 
 /// `outbox requeue`: FAILED → PENDING. With `--id`, every id that is not requeued is named with
@@ -466,6 +406,7 @@ async fn serve_admin(
     confirmations: bool,
     cancel: CancellationToken,
 ) -> anyhow::Result<()> {
+    let store_for_api = store.clone();
     let mut registry = prometheus_client::registry::Registry::default();
     outbox::prometheus::register(
         &mut registry,
@@ -478,12 +419,13 @@ async fn serve_admin(
         registry.register_collector(Box::new(outbox::prometheus::ConfirmationCollector));
     }
     let app = admin::metrics_router(Arc::new(std::sync::Mutex::new(registry)))
-        .merge(admin::health_router(relay.clone()));
+        .merge(admin::health_router(relay.clone()))
+        .merge(outbox::admin::http::router(store_for_api, admin.auth()?));
     let listener = tokio::net::TcpListener::bind(admin.listen)
         .await
         .with_context(|| format!("admin.listen: cannot listen on {}", admin.listen))?;
     let addr = admin::serve(listener, app, cancel)?;
-    tracing::info!(%addr, "serving metrics on http://{addr}/metrics");
+    tracing::info!(%addr, "serving metrics on http://{addr}/metrics and the admin API on http://{addr}/api/");
     Ok(())
 }
 
@@ -688,7 +630,7 @@ fn supervise_listener(
     })
 }
 
-async fn shutdown_signal() {
+pub(crate) async fn shutdown_signal() {
     #[cfg(unix)]
     {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
@@ -760,8 +702,10 @@ async fn main() -> std::process::ExitCode {
             .await
         }
         Command::Relay { config, database } => relay(config, database).await,
-        Command::Status { db, failed, json } => status(db, failed, json).await,
+        Command::Status { db, failed, json } => messages::status(db, failed, json).await,
         Command::Requeue { db, ids, all } => requeue(db, ids, all).await,
+        Command::Messages(cmd) => messages::run(cmd).await,
+        Command::Admin(args) => messages::serve(args).await,
         Command::Inbox(cmd) => inbox_command(cmd).await,
         Command::Demo(args) => demo::run(args).await,
         Command::Bench(args) => bench::run(args).await,

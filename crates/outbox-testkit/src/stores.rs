@@ -99,6 +99,13 @@ store_fixture!(SqliteFixture, {
             .collect()
     }
 
+    async fn archived(&self) -> Vec<(i64, String)> {
+        sqlx::query_as("SELECT id, archive_reason FROM outbox_archive ORDER BY id")
+            .fetch_all(self.store.pool())
+            .await
+            .expect("read the archive")
+    }
+
     async fn open_with_table(&self, table: &str) -> Result<(), outbox::StoreError> {
         SqliteStore::from_pool(self.store.pool().clone(), StoreOptions::table(table)).map(|_| ())
     }
@@ -265,6 +272,16 @@ store_fixture!(PgFixture, {
                 payload: r.get(8),
             })
             .collect()
+    }
+
+    async fn archived(&self) -> Vec<(i64, String)> {
+        sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT id, archive_reason FROM {}_archive ORDER BY id",
+            self.table()
+        )))
+        .fetch_all(self.store.pool())
+        .await
+        .expect("read the archive")
     }
 
     async fn open_with_table(&self, table: &str) -> Result<(), outbox::StoreError> {
@@ -446,6 +463,16 @@ store_fixture!(MySqlFixture, {
             .collect()
     }
 
+    async fn archived(&self) -> Vec<(i64, String)> {
+        sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT id, archive_reason FROM {}_archive ORDER BY id",
+            self.table
+        )))
+        .fetch_all(self.store.pool())
+        .await
+        .expect("read the archive")
+    }
+
     async fn open_with_table(&self, table: &str) -> Result<(), outbox::StoreError> {
         MySqlStore::from_pool(self.store.pool().clone(), StoreOptions::table(table)).map(|_| ())
     }
@@ -453,7 +480,7 @@ store_fixture!(MySqlFixture, {
     async fn cleanup(&self) {
         let t = &self.table;
         self.exec(&format!(
-                "DROP TABLE IF EXISTS {t}, {t}_inbox, {t}_inbox_dlq, {t}_compensations, {t}_buckets, {t}_relays; \
+                "DROP TABLE IF EXISTS {t}, {t}_inbox, {t}_inbox_dlq, {t}_compensations, {t}_buckets, {t}_relays, {t}_archive; \
                  DELETE FROM outbox_migrations WHERE table_name IN ('{t}', '{t}_inbox');"
             ))
             .await;

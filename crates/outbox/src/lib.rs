@@ -27,6 +27,7 @@
 // The RocketMQ client's futures are deep types; proving them `Send` needs more than the default.
 #![cfg_attr(feature = "rocketmq", recursion_limit = "256")]
 
+pub mod admin;
 pub mod confirm;
 pub mod consumer;
 pub mod error;

@@ -12,8 +12,10 @@ use futures::StreamExt;
 use outbox::Status;
 use sqlx::PgPool;
 
+mod dashboard;
 mod lifecycle;
 mod logs;
+mod messages;
 mod metrics;
 mod routing;
 mod traces;

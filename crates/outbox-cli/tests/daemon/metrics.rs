@@ -4,7 +4,7 @@
 use super::*;
 
 /// A free loopback address for the admin listener.
-fn free_addr() -> String {
+pub(super) fn free_addr() -> String {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -113,6 +113,23 @@ async fn metrics_endpoint_serves_relay_counters_and_backlog() {
         m["outbox_relay_messages_dead_lettered_total{relay=metrics-relay}"],
         2.0
     );
+    // The same listener serves the admin API: the two dead letters are found by topic; without
+    // `token_env` it only reads.
+    let (code, body) = get(&addr, "/api/messages?state=failed&topic=unrout*")
+        .await
+        .expect("GET /api/messages");
+    assert_eq!(code, 200, "{body}");
+    let page: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(page["messages"].as_array().map(Vec::len), Some(2), "{body}");
+    let (code, body) = super::messages::request(
+        &addr,
+        "POST",
+        "/api/messages/discard",
+        None,
+        r#"{"ids":[1]}"#,
+    )
+    .await;
+    assert_eq!(code, 403, "{body}");
     assert_eq!(m["outbox_backlog_pending_messages{}"], 0.0);
     assert_eq!(m["outbox_backlog_oldest_pending_age_seconds{}"], 0.0);
     assert!(m["outbox_relay_buckets_acquired_total{relay=metrics-relay}"] >= 1.0);

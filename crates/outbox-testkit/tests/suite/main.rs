@@ -76,6 +76,7 @@ macro_rules! effect_handler {
     };
 }
 
+mod admin;
 mod cases;
 mod cases_faults;
 mod cases_fencing;

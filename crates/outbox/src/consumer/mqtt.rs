@@ -224,7 +224,7 @@ pub(crate) async fn open_session(
 
 /// Poll `eventloop` for the next received publish until `cancel`, re-subscribing after a
 /// reconnection without the session, logging errors and backing off; `None` once cancelled or
-/// once the client's DISCONNECT was written.
+/// once the client's DISCONNECT was written and the broker closed the connection.
 pub(crate) async fn next_publish(
     eventloop: &mut EventLoop,
     client: &AsyncClient,
@@ -232,11 +232,23 @@ pub(crate) async fn next_publish(
     failures: &mut u32,
     cancel: &CancellationToken,
 ) -> Option<Publish> {
+    // Set once our DISCONNECT is written: from then on, wait for the broker to close the
+    // connection. It closes it after it has read the DISCONNECT, so after every PUBACK written
+    // before it; a new session of the same client id opened earlier could take the session over
+    // while those PUBACKs were still unread, and get the messages again.
+    let mut disconnecting = false;
     loop {
         let polled = tokio::select! {
             _ = cancel.cancelled() => return None,
             p = eventloop.poll() => p,
         };
+        if disconnecting {
+            match polled {
+                Err(_) => return None,
+                // A publish arriving now is not acknowledged: it comes again.
+                Ok(_) => continue,
+            }
+        }
         match polled {
             Ok(Event::Incoming(Packet::Publish(p))) => {
                 *failures = 0;
@@ -257,8 +269,9 @@ pub(crate) async fn next_publish(
             Ok(Event::Incoming(Packet::SubAck(ack))) => {
                 tracing::debug!(codes = ?ack.return_codes, "subscribed");
             }
-            // Our own DISCONNECT is written (after every request queued before it): the end.
-            Ok(Event::Outgoing(rumqttc::Outgoing::Disconnect)) => return None,
+            // Our own DISCONNECT is written (after every request queued before it): the end,
+            // once the broker has closed the connection.
+            Ok(Event::Outgoing(rumqttc::Outgoing::Disconnect)) => disconnecting = true,
             Ok(_) => {}
             Err(e) => {
                 *failures += 1;
@@ -455,8 +468,9 @@ impl Source for MqttSource {
     /// Flush before leaving: `settle` only queues each PUBACK for the event loop, so stopping
     /// the loop at once could drop the last batch's acknowledgements and have the broker deliver
     /// it again to the next session (the inbox would recognise the copies, but the work is
-    /// wasted). Queue a DISCONNECT behind them and keep the loop running until it is written,
-    /// at most 2 s.
+    /// wasted). Queue a DISCONNECT behind them and keep the loop running until it is written and
+    /// the broker has closed the connection (so it has read every PUBACK before a next session
+    /// of this client id can take the session over), at most 2 s.
     async fn close(&mut self) {
         self.received = None;
         if let (Some(client), Some(task)) = (self.client.take(), self.pump_task.take()) {
@@ -466,7 +480,8 @@ impl Source for MqttSource {
             });
             if flushed.await.is_err() {
                 tracing::warn!(
-                    "MQTT consumer: the DISCONNECT was not written within 2 s; unacknowledged messages come again"
+                    "MQTT consumer: the broker did not close the session within 2 s of the DISCONNECT; \
+                     acknowledgements not yet read by it come again"
                 );
             }
         }

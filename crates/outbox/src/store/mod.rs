@@ -57,6 +57,8 @@ pub(crate) mod status_sql {
     pub(crate) const REJECTED: i16 = Status::Rejected as i16;
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+pub(crate) mod admin;
 mod connect;
 mod leases;
 mod rows;
@@ -342,6 +344,57 @@ pub trait Store: Send + Sync + 'static {
 
     /// The most recently failed messages, newest first.
     async fn failed(&self, limit: u32) -> Result<Vec<FailedMessage>, StoreError>;
+
+    /// The pool and outbox table the admin operations below run on.
+    #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+    fn admin_target(&self) -> admin::AdminTarget;
+
+    /// One page of the messages `filter` matches, newest first (keyset pagination by id,
+    /// [`crate::admin`]).
+    ///
+    /// # Errors
+    /// [`StoreError`] from the database.
+    #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+    async fn search(
+        &self,
+        filter: &crate::admin::MessageFilter,
+        page: &crate::admin::PageRequest,
+    ) -> Result<crate::admin::MessagePage, StoreError> {
+        admin::search_on(self.admin_target(), filter, page).await
+    }
+
+    /// One message in full by row id; `None` when there is no such row.
+    ///
+    /// # Errors
+    /// [`StoreError`] from the database.
+    #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+    async fn message(&self, id: i64) -> Result<Option<crate::admin::MessageDetail>, StoreError> {
+        admin::message_on(self.admin_target(), id).await
+    }
+
+    /// Rows per state of the `limit` topics with the most rows. Counts the whole table: for an
+    /// operator's page, not for a scrape.
+    ///
+    /// # Errors
+    /// [`StoreError`] from the database.
+    #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+    async fn topic_counts(&self, limit: u32) -> Result<Vec<crate::admin::TopicCounts>, StoreError> {
+        admin::topic_counts_on(self.admin_target(), limit).await
+    }
+
+    /// Apply an operator's `action` to `selection` ([`crate::admin::Action`]), in chunks of
+    /// [`crate::admin::ACTION_CHUNK`] rows, each one transaction.
+    ///
+    /// # Errors
+    /// [`StoreError`] from the database; the chunks before the failing one stay done.
+    #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+    async fn act(
+        &self,
+        action: crate::admin::Action,
+        selection: &crate::admin::Selection,
+    ) -> Result<crate::admin::ActionReport, StoreError> {
+        admin::act_on(self.admin_target(), action, selection).await
+    }
 
     /// The shared in-process wake-up: [`Store::wake`] notifies it and the relay waits on it.
     fn waker(&self) -> Arc<Notify>;

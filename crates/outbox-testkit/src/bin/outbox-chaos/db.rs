@@ -221,7 +221,7 @@ impl Db {
         let stmts = match self {
             Db::Pg(..) => vec![
                 format!(
-                    "DROP TABLE IF EXISTS {table}_effects, {table}_inbox_dlq, {table}_inbox, {table}_buckets, {table}_relays, {table} CASCADE"
+                    "DROP TABLE IF EXISTS {table}_effects, {table}_inbox_dlq, {table}_inbox, {table}_buckets, {table}_relays, {table}_archive, {table} CASCADE"
                 ),
                 format!(
                     "DELETE FROM outbox_migrations WHERE table_name IN ('{table}', '{table}_inbox')"
@@ -229,7 +229,7 @@ impl Db {
             ],
             Db::My(..) => vec![
                 format!(
-                    "DROP TABLE IF EXISTS {table}_effects, {table}_inbox_dlq, {table}_inbox, {table}_buckets, {table}_relays, {table}"
+                    "DROP TABLE IF EXISTS {table}_effects, {table}_inbox_dlq, {table}_inbox, {table}_buckets, {table}_relays, {table}_archive, {table}"
                 ),
                 format!(
                     "DELETE FROM outbox_migrations WHERE table_name IN ('{table}', '{table}_inbox')"

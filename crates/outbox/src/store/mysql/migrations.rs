@@ -116,6 +116,42 @@ pub(crate) fn migrations(table: &TableName, inbox: &TableName) -> Vec<Step> {
                 format!("ALTER TABLE {t}_buckets ADD COLUMN handoff VARCHAR(255) NULL"),
             ],
         ),
+        (
+            t.to_owned(),
+            7,
+            // The archive (crate::admin): discarded dead letters, out of the outbox but kept; and
+            // the indexes the admin search needs on a large table: a state, a partition key,
+            // each in id order.
+            vec![format!(
+                "CREATE TABLE IF NOT EXISTS {t}_archive (
+                    id BIGINT NOT NULL PRIMARY KEY,
+                    message_id CHAR(36) CHARACTER SET ascii NOT NULL,
+                    topic TEXT NOT NULL,
+                    partition_key VARCHAR(255),
+                    headers LONGTEXT NOT NULL,
+                    payload LONGBLOB NOT NULL,
+                    status SMALLINT NOT NULL,
+                    attempts INT NOT NULL,
+                    max_attempts INT,
+                    available_at DATETIME(6) NOT NULL,
+                    created_at DATETIME(6) NOT NULL,
+                    sent_at DATETIME(6),
+                    confirmed_at DATETIME(6),
+                    updated_at DATETIME(6) NOT NULL,
+                    last_error LONGTEXT,
+                    confirm_deadline DATETIME(6),
+                    check_backs INT NOT NULL,
+                    redelivery INT NOT NULL,
+                    archived_at DATETIME(6) NOT NULL,
+                    archive_reason VARCHAR(64) NOT NULL,
+                    KEY {f}_archive_archived_at (archived_at)
+                ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"
+            ),
+            format!(
+                "ALTER TABLE {t} ADD KEY {f}_status_id (status, id), \
+                 ADD KEY {f}_key_id (partition_key, id)"
+            )],
+        ),
     ];
     steps.extend(inbox_steps(inbox));
     steps

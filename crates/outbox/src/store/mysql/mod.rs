@@ -105,6 +105,23 @@ pub struct MySqlStore {
 /// Default of [`MySqlStore::with_enqueue_timeout`].
 pub const DEFAULT_ENQUEUE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The admin statements' MySQL / MariaDB forms ([`crate::admin`]): times are `DATETIME(6)` in
+/// UTC, so milliseconds are counted from `1970-01-01 00:00:00` without the session's time zone.
+pub(crate) const ADMIN: super::admin::Dialect = super::admin::Dialect {
+    numbered: false,
+    ms: |c| {
+        format!("CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', {c}) DIV 1000 AS SIGNED)")
+    },
+    at_ms: |p| format!("TIMESTAMPADD(MICROSECOND, {p} * 1000, '1970-01-01 00:00:00')"),
+    int: |c| format!("CAST({c} AS SIGNED)"),
+    text: |c| c.to_owned(),
+    uuid: |p| p.to_owned(),
+    contains: |c, p| format!("LOWER({c}) LIKE LOWER({p}) ESCAPE '!'"),
+    now: NOW,
+    begin: "BEGIN",
+    for_update: " FOR UPDATE",
+};
+
 impl std::fmt::Debug for MySqlStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MySqlStore")
@@ -625,6 +642,13 @@ impl Store for MySqlStore {
         .await
         .map_err(self.err("failed"))?;
         Ok(super::rows::failed_messages(rows))
+    }
+
+    fn admin_target(&self) -> super::admin::AdminTarget {
+        super::admin::AdminTarget(super::admin::Target::MySql(
+            self.pool.clone(),
+            self.table.as_str().to_owned(),
+        ))
     }
 
     fn waker(&self) -> Arc<Notify> {

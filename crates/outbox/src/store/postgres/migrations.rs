@@ -133,6 +133,41 @@ pub(crate) fn migrations(
                 ALTER TABLE {t}_buckets ADD COLUMN IF NOT EXISTS handoff text;"
             ),
         ),
+        (
+            t.to_owned(),
+            7,
+            // The archive (crate::admin): discarded dead letters, out of the outbox but kept; and
+            // the indexes the admin search needs on a large table (docs/benchmarks.md): dead
+            // letters, rows with an error, all rows of a partition key, each in id order.
+            format!(
+                "CREATE TABLE IF NOT EXISTS {t}_archive (
+                    id bigint PRIMARY KEY,
+                    message_id uuid NOT NULL,
+                    topic text NOT NULL,
+                    partition_key text,
+                    headers jsonb NOT NULL,
+                    payload bytea NOT NULL,
+                    status smallint NOT NULL,
+                    attempts int NOT NULL,
+                    max_attempts int,
+                    available_at timestamptz NOT NULL,
+                    created_at timestamptz NOT NULL,
+                    sent_at timestamptz,
+                    confirmed_at timestamptz,
+                    updated_at timestamptz NOT NULL,
+                    last_error text,
+                    confirm_deadline timestamptz,
+                    check_backs int NOT NULL,
+                    redelivery int NOT NULL,
+                    archived_at timestamptz NOT NULL DEFAULT now(),
+                    archive_reason text NOT NULL
+                );
+                CREATE INDEX IF NOT EXISTS {f}_archive_archived_at ON {t}_archive (archived_at);
+                CREATE INDEX IF NOT EXISTS {f}_dead_id ON {t} (id) WHERE status IN ({FAILED}, {REJECTED});
+                CREATE INDEX IF NOT EXISTS {f}_error_id ON {t} (id) WHERE last_error IS NOT NULL;
+                CREATE INDEX IF NOT EXISTS {f}_key_id ON {t} (partition_key, id) WHERE partition_key IS NOT NULL;"
+            ),
+        ),
     ];
     steps.extend(inbox_steps(inbox));
     steps

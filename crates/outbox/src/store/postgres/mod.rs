@@ -117,6 +117,20 @@ pub const DEFAULT_ENQUEUE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default of [`PgStore::with_listener_check`].
 pub const DEFAULT_LISTENER_CHECK: Duration = Duration::from_secs(5);
 
+/// The admin statements' PostgreSQL forms ([`crate::admin`]).
+pub(crate) const ADMIN: super::admin::Dialect = super::admin::Dialect {
+    numbered: true,
+    ms: |c| format!("(extract(epoch FROM {c}) * 1000)::bigint"),
+    at_ms: |p| format!("to_timestamp({p}::bigint / 1000.0)"),
+    int: |c| format!("{c}::bigint"),
+    text: |c| format!("{c}::text"),
+    uuid: |p| format!("{p}::uuid"),
+    contains: |c, p| format!("{c} ILIKE {p} ESCAPE '!'"),
+    now: "now()",
+    begin: "BEGIN",
+    for_update: " FOR UPDATE",
+};
+
 impl std::fmt::Debug for PgStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PgStore")
@@ -619,6 +633,13 @@ impl Store for PgStore {
                 .await
                 .map_err(self.err("failed"))?;
         Ok(super::rows::failed_messages(rows))
+    }
+
+    fn admin_target(&self) -> super::admin::AdminTarget {
+        super::admin::AdminTarget(super::admin::Target::Postgres(
+            self.pool.clone(),
+            self.table.as_str().to_owned(),
+        ))
     }
 
     fn waker(&self) -> Arc<Notify> {

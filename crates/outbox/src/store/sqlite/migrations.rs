@@ -91,6 +91,41 @@ pub(crate) fn migrations(t: &str, inbox: &str) -> Vec<(String, i64, String)> {
                 ALTER TABLE {t}_buckets ADD COLUMN handoff TEXT;"
             ),
         ),
+        (
+            t.to_owned(),
+            7,
+            // The archive (crate::admin): discarded dead letters, out of the outbox but kept; and
+            // the indexes the admin search needs on a large table: dead letters, rows with an
+            // error, all rows of a partition key, each in id order.
+            format!(
+                "CREATE TABLE IF NOT EXISTS {t}_archive (
+                    id INTEGER PRIMARY KEY,
+                    message_id TEXT NOT NULL,
+                    topic TEXT NOT NULL,
+                    partition_key TEXT,
+                    headers TEXT NOT NULL,
+                    payload BLOB NOT NULL,
+                    status INTEGER NOT NULL,
+                    attempts INTEGER NOT NULL,
+                    max_attempts INTEGER,
+                    available_at INTEGER NOT NULL,
+                    created_at INTEGER NOT NULL,
+                    sent_at INTEGER,
+                    confirmed_at INTEGER,
+                    updated_at INTEGER NOT NULL,
+                    last_error TEXT,
+                    confirm_deadline INTEGER,
+                    check_backs INTEGER NOT NULL,
+                    redelivery INTEGER NOT NULL,
+                    archived_at INTEGER NOT NULL,
+                    archive_reason TEXT NOT NULL
+                );
+                CREATE INDEX IF NOT EXISTS {t}_archive_archived_at ON {t}_archive (archived_at);
+                CREATE INDEX IF NOT EXISTS {t}_dead_id ON {t} (id) WHERE status IN ({FAILED}, {REJECTED});
+                CREATE INDEX IF NOT EXISTS {t}_error_id ON {t} (id) WHERE last_error IS NOT NULL;
+                CREATE INDEX IF NOT EXISTS {t}_key_id ON {t} (partition_key, id) WHERE partition_key IS NOT NULL;"
+            ),
+        ),
     ];
     steps.extend(inbox_steps(inbox));
     steps

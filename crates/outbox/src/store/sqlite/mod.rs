@@ -95,6 +95,22 @@ pub struct SqliteStore {
 /// Default of [`SqliteStore::with_enqueue_timeout`].
 pub const DEFAULT_ENQUEUE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The admin statements' SQLite forms ([`crate::admin`]): times are already milliseconds; the
+/// one writer needs no row locks, a writing transaction starts `IMMEDIATE`. `LIKE` ignores
+/// ASCII case here, also for topic globs.
+pub(crate) const ADMIN: super::admin::Dialect = super::admin::Dialect {
+    numbered: false,
+    ms: |c| c.to_owned(),
+    at_ms: |p| p.to_owned(),
+    int: |c| c.to_owned(),
+    text: |c| c.to_owned(),
+    uuid: |p| p.to_owned(),
+    contains: |c, p| format!("{c} LIKE {p} ESCAPE '!'"),
+    now: NOW_MS,
+    begin: "BEGIN IMMEDIATE",
+    for_update: "",
+};
+
 impl std::fmt::Debug for SqliteStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SqliteStore")
@@ -529,6 +545,13 @@ impl Store for SqliteStore {
                 .await
                 .map_err(self.err("failed"))?;
         Ok(super::rows::failed_messages(rows))
+    }
+
+    fn admin_target(&self) -> super::admin::AdminTarget {
+        super::admin::AdminTarget(super::admin::Target::Sqlite(
+            self.pool.clone(),
+            self.table.as_str().to_owned(),
+        ))
     }
 
     fn waker(&self) -> Arc<Notify> {

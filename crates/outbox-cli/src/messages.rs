@@ -1,0 +1,433 @@
+//! `outbox messages list|show|requeue|publish-now|discard`, the admin API's command-line twin,
+//! and `outbox admin`, the API served for a database without a relay (docs/operations.md,
+//! "Admin API").
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use chrono::{DateTime, Utc};
+use clap::Subcommand;
+use outbox::Status;
+use outbox::admin::http::AdminAuth;
+use outbox::admin::{Action, ActionReport, MessageFilter, MessageSummary, PageRequest, Selection};
+use tokio_util::sync::CancellationToken;
+
+use crate::{Create, DbArgs, open_store};
+
+/// Which messages (every option given must hold).
+#[derive(Debug, Clone, clap::Args)]
+pub struct FilterArgs {
+    /// States, repeated or comma-separated: pending, sent, confirmed, failed, prepared,
+    /// rejected.
+    #[arg(long = "state", value_delimiter = ',')]
+    states: Vec<Status>,
+    /// Topic glob: `*` any run of characters, `?` one character (`orders.*`).
+    #[arg(long)]
+    topic: Option<String>,
+    /// Exactly this partition key (the business key, e.g. the order id).
+    #[arg(long)]
+    key: Option<String>,
+    /// Exactly this message id.
+    #[arg(long)]
+    message_id: Option<uuid::Uuid>,
+    /// Created at or after (RFC 3339, e.g. `2026-12-01T10:00:00Z`).
+    #[arg(long)]
+    created_after: Option<DateTime<Utc>>,
+    /// Created before (RFC 3339).
+    #[arg(long)]
+    created_before: Option<DateTime<Utc>>,
+    /// Acknowledged by the broker at or after (RFC 3339).
+    #[arg(long)]
+    sent_after: Option<DateTime<Utc>>,
+    /// Acknowledged by the broker before (RFC 3339).
+    #[arg(long)]
+    sent_before: Option<DateTime<Utc>>,
+    /// The last error contains this text (any case).
+    #[arg(long)]
+    error: Option<String>,
+}
+
+impl From<FilterArgs> for MessageFilter {
+    fn from(a: FilterArgs) -> Self {
+        MessageFilter {
+            states: a.states,
+            topic: a.topic,
+            partition_key: a.key,
+            message_id: a.message_id,
+            created_after: a.created_after,
+            created_before: a.created_before,
+            sent_after: a.sent_after,
+            sent_before: a.sent_before,
+            error: a.error,
+        }
+    }
+}
+
+/// The messages an action applies to and how to report.
+#[derive(Debug, clap::Args)]
+pub struct ActArgs {
+    #[command(flatten)]
+    db: DbArgs,
+    /// Row ids (as `outbox messages list` shows them). Each id not changed is named with why, and
+    /// the command fails.
+    #[arg(required_unless_present = "all", conflicts_with = "all")]
+    ids: Vec<i64>,
+    /// Every message the filter options match, in the states the action applies to.
+    #[arg(long)]
+    all: bool,
+    #[command(flatten)]
+    filter: FilterArgs,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// `outbox messages …`.
+#[derive(Debug, Subcommand)]
+pub enum MessagesCommand {
+    /// List messages, newest first, one page (`--before` the previous page's last id for the
+    /// next).
+    List {
+        #[command(flatten)]
+        db: DbArgs,
+        #[command(flatten)]
+        filter: FilterArgs,
+        /// Rows, 1 to 1000.
+        #[arg(long, default_value_t = 50)]
+        limit: u32,
+        /// Only ids below this one (the keyset cursor).
+        #[arg(long)]
+        before: Option<i64>,
+        /// Print JSON (the API's page) instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show one message: state, every timestamp, attempts, last error, headers and payload.
+    Show {
+        #[command(flatten)]
+        db: DbArgs,
+        /// Row id or message id.
+        id: String,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// FAILED, REJECTED or SENT → PENDING: published again at once (attempts and check-backs
+    /// reset, the last error kept).
+    Requeue(ActArgs),
+    /// A delayed PENDING message (or one waiting for its retry) is due now.
+    PublishNow(ActArgs),
+    /// FAILED → the archive table `<table>_archive` (out of the outbox, kept).
+    Discard(ActArgs),
+}
+
+/// `outbox admin`: serve the admin API for a database.
+#[derive(Debug, clap::Args)]
+pub struct AdminArgs {
+    #[command(flatten)]
+    db: DbArgs,
+    /// Address to listen on (loopback by default; port 0 picks one, printed).
+    #[arg(long, default_value = "127.0.0.1:9465")]
+    listen: std::net::SocketAddr,
+    /// Environment variable holding the bearer token changes need (without one, the API only
+    /// reads).
+    #[arg(long)]
+    token_env: Option<String>,
+    /// Reads need the token too.
+    #[arg(long)]
+    protect_reads: bool,
+}
+
+/// The API's authentication from a token variable's name.
+///
+/// # Errors
+/// `protect_reads` without a token, naming the setting (`token_env: …`).
+pub fn admin_auth(token_env: Option<&str>, protect_reads: bool) -> Result<AdminAuth, String> {
+    let token = token_env
+        .and_then(|name| std::env::var(name).ok())
+        .filter(|t| !t.trim().is_empty());
+    if protect_reads && token.is_none() {
+        return Err(format!(
+            "token_env: protect_reads needs a token, and {} holds none",
+            token_env.unwrap_or("no variable is named")
+        ));
+    }
+    Ok(AdminAuth {
+        token,
+        protect_reads,
+    })
+}
+
+/// Run `outbox messages …`.
+pub async fn run(cmd: MessagesCommand) -> anyhow::Result<()> {
+    match cmd {
+        MessagesCommand::List {
+            db,
+            filter,
+            limit,
+            before,
+            json,
+        } => {
+            let store = open(&db).await?;
+            let page = store
+                .search(&filter.into(), &PageRequest { before, limit })
+                .await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&page)?);
+                return Ok(());
+            }
+            println!(
+                "{:>10}  {:<9}  {:<32}  {:<16}  {:>3}  {:<20}  last error",
+                "id", "state", "topic", "key", "att", "created"
+            );
+            for m in &page.messages {
+                println!("{}", row(m));
+            }
+            match page.next {
+                Some(next) => println!("more: --before {next}"),
+                None => println!("({} message(s))", page.messages.len()),
+            }
+            Ok(())
+        }
+        MessagesCommand::Show { db, id, json } => {
+            let store = open(&db).await?;
+            let row = match id.parse::<i64>() {
+                Ok(row) => Some(row),
+                Err(_) => {
+                    let message_id: uuid::Uuid = id
+                        .parse()
+                        .with_context(|| format!("{id:?} is neither a row id nor a message id"))?;
+                    let filter = MessageFilter {
+                        message_id: Some(message_id),
+                        ..MessageFilter::default()
+                    };
+                    let page = store.search(&filter, &PageRequest::default()).await?;
+                    page.messages.first().map(|m| m.id)
+                }
+            };
+            let detail = match row {
+                Some(row) => store.message(row).await?,
+                None => None,
+            };
+            let Some(d) = detail else {
+                anyhow::bail!(
+                    "no message {id} in {} (never written, purged or archived)",
+                    db.table
+                );
+            };
+            if json {
+                println!("{}", serde_json::to_string_pretty(&d)?);
+                return Ok(());
+            }
+            let m = &d.summary;
+            let state = state_name(m);
+            println!("id {}  message_id {}", m.id, m.message_id);
+            println!(
+                "state {state}  topic {}  key {}",
+                m.topic,
+                m.partition_key.as_deref().unwrap_or("-")
+            );
+            println!(
+                "attempts {}{}  check-backs {}  redelivery {}",
+                m.attempts,
+                m.max_attempts
+                    .map(|n| format!(" of {n}"))
+                    .unwrap_or_default(),
+                m.check_backs,
+                m.redelivery
+            );
+            for (name, t) in [
+                ("created", m.created_at),
+                ("available", m.available_at),
+                ("sent", m.sent_at),
+                ("confirmed", m.confirmed_at),
+                ("confirm deadline", m.confirm_deadline),
+                ("updated", m.updated_at),
+            ] {
+                if let Some(t) = t {
+                    println!("{name:>16}: {}", t.to_rfc3339());
+                }
+            }
+            if let Some(e) = &m.last_error {
+                println!("last error: {e}");
+            }
+            println!("headers:");
+            for (k, v) in &d.headers {
+                println!("  {k}: {v}");
+            }
+            if let Some(e) = &d.headers_error {
+                println!(
+                    "  (unreadable: {e}; stored: {})",
+                    d.headers_raw.as_deref().unwrap_or("")
+                );
+            }
+            println!("payload ({}, {} bytes):", d.payload.kind, d.payload.bytes);
+            println!("{}", d.payload.text);
+            Ok(())
+        }
+        MessagesCommand::Requeue(a) => act(Action::Requeue, a).await,
+        MessagesCommand::PublishNow(a) => act(Action::PublishNow, a).await,
+        MessagesCommand::Discard(a) => act(Action::Discard, a).await,
+    }
+}
+
+async fn open(db: &DbArgs) -> anyhow::Result<Arc<dyn outbox::Store>> {
+    open_store(&db.database, &db.table, &db.inbox_table, Create::Never).await
+}
+
+fn state_name(m: &MessageSummary) -> String {
+    m.status.map_or_else(
+        || format!("status {}", m.status_number),
+        |s| s.name().to_owned(),
+    )
+}
+
+/// Cut `s` to `n` characters, marking the cut with `…`.
+pub(crate) fn cut(s: &str, n: usize) -> String {
+    if s.chars().count() <= n {
+        s.to_owned()
+    } else {
+        let mut out: String = s.chars().take(n.saturating_sub(1)).collect();
+        out.push('…');
+        out
+    }
+}
+
+fn row(m: &MessageSummary) -> String {
+    format!(
+        "{:>10}  {:<9}  {:<32}  {:<16}  {:>3}  {:<20}  {}",
+        m.id,
+        state_name(m),
+        cut(&m.topic, 32),
+        cut(m.partition_key.as_deref().unwrap_or("-"), 16),
+        m.attempts,
+        m.created_at
+            .map(|t| t.format("%Y-%m-%d %H:%M:%S").to_string())
+            .unwrap_or_default(),
+        cut(m.last_error.as_deref().unwrap_or(""), 60).replace('\n', " ")
+    )
+}
+
+async fn act(action: Action, a: ActArgs) -> anyhow::Result<()> {
+    let store = open(&a.db).await?;
+    let selection = if a.all {
+        Selection::Filter(a.filter.into())
+    } else {
+        Selection::Ids(a.ids)
+    };
+    let report = store.act(action, &selection).await?;
+    print_report(action, &report, a.json)?;
+    if !report.not_changed.is_empty() {
+        anyhow::bail!(
+            "{} of the ids named were not changed",
+            report.not_changed.len()
+        );
+    }
+    Ok(())
+}
+
+fn print_report(action: Action, report: &ActionReport, json: bool) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(report)?);
+        return Ok(());
+    }
+    println!("{}: {} message(s) changed", action.name(), report.changed);
+    for n in &report.not_changed {
+        println!("  id {}: not changed: {}", n.id, n.reason);
+    }
+    Ok(())
+}
+
+/// Run `outbox admin` until Ctrl-C or SIGTERM.
+pub async fn serve(args: AdminArgs) -> anyhow::Result<()> {
+    let auth = admin_auth(args.token_env.as_deref(), args.protect_reads)
+        .map_err(|e| anyhow::anyhow!("--{}", e.replacen('_', "-", 1)))?;
+    let store = open(&args.db).await?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("--listen: cannot listen on {}", args.listen))?;
+    let cancel = CancellationToken::new();
+    let app = outbox::admin::http::router(store, auth);
+    let addr = crate::admin::serve(listener, app, cancel.clone())?;
+    println!("admin API on http://{addr}/api/ (OpenAPI: http://{addr}/api/openapi.json)");
+    crate::shutdown_signal().await;
+    cancel.cancel();
+    Ok(())
+}
+
+fn fmt_age(d: Option<Duration>) -> String {
+    match d {
+        None => "-".into(),
+        Some(d) if d < Duration::from_secs(1) => format!("{} ms", d.as_millis()),
+        Some(d) => humantime::format_duration(Duration::from_secs(d.as_secs())).to_string(),
+    }
+}
+
+/// `outbox status`: the one-screen summary (counts of the states that occur, backlog ages, the
+/// latest dead letters), pointing to `outbox messages` for details.
+pub async fn status(db: DbArgs, failed: u32, json: bool) -> anyhow::Result<()> {
+    let store = open_store(&db.database, &db.table, &db.inbox_table, Create::Never).await?;
+    let stats = store.stats().await?;
+    let dead = store.failed(failed).await?;
+    if json {
+        let counts: serde_json::Map<String, serde_json::Value> = stats
+            .counts
+            .iter()
+            .map(|(s, n)| (s.name().to_owned(), (*n).into()))
+            .collect();
+        let out = serde_json::json!({
+            "table": store.table(),
+            "counts": counts,
+            "oldest_pending_age_ms": stats.oldest_pending_age.map(|d| d.as_millis() as u64),
+            "awaiting_confirmation": stats.awaiting_confirmation,
+            "oldest_unconfirmed_age_ms": stats.oldest_unconfirmed_age.map(|d| d.as_millis() as u64),
+            "failed": dead.iter().map(|f| serde_json::json!({
+                "id": f.id, "message_id": f.message_id, "topic": f.topic,
+                "attempts": f.attempts, "last_error": f.last_error,
+            })).collect::<Vec<_>>(),
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    println!("outbox table {} ({})", store.table(), store.backend());
+    // Only the states that occur; an empty table says so.
+    let mut any = false;
+    for s in Status::ALL {
+        let n = stats.counts.get(&s).copied().unwrap_or(0);
+        if n > 0 {
+            any = true;
+            println!("  {:<10} {:>10}", s.name(), n);
+        }
+    }
+    if !any {
+        println!("  (no messages)");
+    }
+    println!(
+        "  oldest pending (due) age: {}",
+        fmt_age(stats.oldest_pending_age)
+    );
+    println!(
+        "  SENT awaiting confirmation: {} (oldest {})",
+        stats.awaiting_confirmation,
+        fmt_age(stats.oldest_unconfirmed_age)
+    );
+    if !dead.is_empty() {
+        println!("latest dead letters (FAILED):");
+        for f in dead {
+            println!(
+                "  id={} message_id={} topic={} attempts={} reason={}",
+                f.id,
+                f.message_id,
+                cut(&f.topic, 48),
+                f.attempts,
+                cut(&f.last_error.unwrap_or_default(), 120).replace('\n', " ")
+            );
+        }
+        println!(
+            "details: outbox messages list --state failed; outbox messages show ID; \
+             outbox messages requeue|discard ID…"
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,140 @@
+// The dashboard in a real browser (Debian's chromium driven by playwright-core), against a running
+// `outbox relay` on PostgreSQL and NATS (crates/outbox-cli/tests/daemon/dashboard.rs starts it and
+// passes what it made in the environment):
+//   DASH_URL        the admin listener, e.g. http://127.0.0.1:9464
+//   DASH_TOKEN      the admin token
+//   DASH_FAILED_ID  the row id of a dead letter on a routed topic
+//   DASH_FAILED_MID its message id
+//   DASH_KEY        a partition key held by several messages
+//   DASH_SHOTS      where to write a screenshot of each page
+//   CHROMIUM        the browser (default /usr/bin/chromium)
+// Exits 0 when every step holds; otherwise prints the step that failed and exits 1.
+import { chromium } from "playwright-core";
+
+const env = (k) => {
+  const v = process.env[k];
+  if (!v) throw new Error(`${k} is not set`);
+  return v;
+};
+const base = env("DASH_URL");
+const token = env("DASH_TOKEN");
+const failedId = env("DASH_FAILED_ID");
+const failedMid = env("DASH_FAILED_MID");
+const key = env("DASH_KEY");
+const shots = env("DASH_SHOTS");
+
+function check(cond, what) {
+  if (!cond) throw new Error(`check failed: ${what}`);
+  console.log(`ok: ${what}`);
+}
+
+const browser = await chromium.launch({
+  executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
+  args: ["--headless", "--no-sandbox"],
+});
+let step = "start";
+try {
+  const page = await browser.newPage({ viewport: { width: 1280, height: 900 } });
+  const consoleErrors = [];
+  page.on("pageerror", (e) => consoleErrors.push(String(e)));
+  // Script errors only: a refused request (the 401 below) is logged as a failed resource load.
+  page.on("console", (m) => {
+    if (m.type() === "error" && !m.text().startsWith("Failed to load resource")) consoleErrors.push(m.text());
+  });
+  page.on("response", (r) => { if (r.status() === 404) consoleErrors.push(`404 for ${r.url()}`); });
+
+  step = "overview";
+  await page.goto(base + "/");
+  await page.waitForSelector("#state-cards .card");
+  const failedCount = async () => Number((await page.textContent('#state-cards [data-state="FAILED"] .n')).replace(/\D/g, ""));
+  const before = await failedCount();
+  check(before >= 1, `the overview shows ${before} dead letter(s)`);
+  check((await page.textContent("main")).includes("orders.created"), "the overview lists the topic");
+  await page.screenshot({ path: `${shots}/overview.png`, fullPage: true });
+
+  step = "search by message id";
+  await page.click('a[data-nav="messages"]');
+  await page.waitForSelector("#filters");
+  await page.fill('input[name="message_id"]', failedMid);
+  await page.click("#search");
+  await page.waitForFunction((id) => {
+    const rows = document.querySelectorAll("#results tbody tr[data-id]");
+    return rows.length === 1 && rows[0].dataset.id === id;
+  }, failedId);
+  check(true, `the search by message id finds row ${failedId} alone`);
+
+  step = "search by key";
+  await page.click("#clear");
+  await page.waitForFunction(() => !document.querySelector('input[name="message_id"]').value);
+  await page.fill('input[name="key"]', key);
+  await page.click("#search");
+  await page.waitForFunction(() => document.querySelectorAll("#results tbody tr[data-id]").length >= 2);
+  const keys = await page.$$eval("#results tbody tr[data-id] td:nth-child(5)", (tds) => tds.map((td) => td.textContent));
+  check(keys.length >= 2 && keys.every((k) => k === key), `the search by key finds ${keys.length} messages of key ${key}`);
+  await page.screenshot({ path: `${shots}/messages.png`, fullPage: true });
+
+  step = "open the dead letter";
+  await page.goto(`${base}/#/messages/${failedId}`);
+  await page.waitForSelector("dl.fields");
+  const detail = await page.textContent("main");
+  check(detail.includes("FAILED") && detail.includes("simulated broker refusal"), "the detail shows the state and the last error");
+  check((await page.textContent("#payload")).includes('"order"'), "the payload is shown (JSON, pretty-printed)");
+  await page.screenshot({ path: `${shots}/message.png`, fullPage: true });
+
+  step = "requeue without a token is refused";
+  await page.click('button[data-one="requeue"]');
+  await page.waitForSelector("#modal:not([hidden])");
+  await page.screenshot({ path: `${shots}/confirm.png` });
+  await page.click("#modal-ok");
+  await page.waitForSelector("#toast.error:not([hidden])");
+  check((await page.textContent("#toast")).includes("token"), "without the token the requeue is refused, naming the token");
+
+  step = "requeue with the token";
+  await page.fill("#token", token);
+  await page.dispatchEvent("#token", "change");
+  await page.click('button[data-one="requeue"]');
+  await page.waitForSelector("#modal:not([hidden])");
+  await page.click("#modal-ok");
+  await page.waitForFunction(() => {
+    const t = document.getElementById("toast");
+    return !t.hidden && !t.classList.contains("error") && t.textContent.includes("1 changed");
+  });
+  check(true, "the requeue reports 1 changed");
+
+  step = "the counts change";
+  const deadline = Date.now() + 20000;
+  let after = before;
+  while (Date.now() < deadline) {
+    await page.goto(base + "/#/");
+    await page.waitForSelector("#state-cards .card");
+    after = await failedCount();
+    if (after === before - 1) break;
+    await page.waitForTimeout(250);
+  }
+  check(after === before - 1, `the FAILED count went from ${before} to ${after}`);
+  await page.screenshot({ path: `${shots}/overview-after.png`, fullPage: true });
+
+  step = "the relay published it";
+  let state = "";
+  const published = Date.now() + 20000;
+  while (Date.now() < published) {
+    const r = await page.request.get(`${base}/api/messages/${failedId}`);
+    state = (await r.json()).status;
+    if (state === "SENT") break;
+    await page.waitForTimeout(250);
+  }
+  check(state === "SENT", `the requeued message is ${state}`);
+
+  step = "relays";
+  await page.click('a[data-nav="relays"]');
+  await page.waitForSelector("main table");
+  check((await page.textContent("main")).includes("dash-relay"), "the relays page lists the running relay");
+  await page.screenshot({ path: `${shots}/relays.png`, fullPage: true });
+
+  check(consoleErrors.length === 0, `no script errors (${consoleErrors.join("; ")})`);
+} catch (e) {
+  console.error(`dashboard step "${step}": ${e.message}`);
+  await browser.close();
+  process.exit(1);
+}
+await browser.close();

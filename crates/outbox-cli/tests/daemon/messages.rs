@@ -1,0 +1,171 @@
+//! `outbox messages …` and `outbox admin` as an operator runs them (docs/operations.md, "Admin
+//! API"): the command-line twin of every API action, with exit codes a script can trust.
+
+use std::io::BufRead as _;
+
+use super::*;
+
+fn messages(db: &str, args: &[&str]) -> Command {
+    let mut cmd = outbox();
+    cmd.arg("messages").args(args).args(["--database", db]);
+    cmd
+}
+
+#[test]
+fn messages_commands_list_show_requeue_publish_now_and_discard() {
+    let f = Fixture::new("messages");
+    let db = sqlite_with_rows(
+        &f,
+        "msgs.db",
+        &[
+            (
+                Status::Failed,
+                16,
+                Some("attempts exhausted: broker said no"),
+            ),
+            (Status::Failed, 3, Some("permanent: too large")),
+            (Status::Sent, 1, None),
+            (Status::Pending, 0, None),
+        ],
+    );
+
+    let listed: serde_json::Value = serde_json::from_str(&succeeds(&mut messages(
+        &db,
+        &["list", "--state", "failed", "--json"],
+    )))
+    .expect("list --json prints JSON");
+    let ids: Vec<i64> = listed["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_i64().unwrap())
+        .collect();
+    assert_eq!(ids, vec![2, 1], "newest first");
+    let table = succeeds(&mut messages(&db, &["list", "--error", "BROKER"]));
+    assert!(
+        table.contains("attempts exhausted") && !table.contains("too large"),
+        "{table}"
+    );
+
+    let shown = succeeds(&mut messages(&db, &["show", "1"]));
+    assert!(shown.contains("state FAILED"), "{shown}");
+    assert!(shown.contains("last error: attempts exhausted"), "{shown}");
+    assert!(shown.contains("payload (hex, 1 bytes)"), "{shown}");
+    let missing = fails(&mut messages(&db, &["show", "99"]));
+    assert!(missing.contains("no message 99"), "{missing}");
+
+    // Ids named and not changed: each named with why, and the command fails.
+    let out = messages(&db, &["requeue", "1", "3", "99"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success(), "{stdout}");
+    assert!(stdout.contains("requeue: 2 message(s) changed"), "{stdout}");
+    assert!(
+        stdout.contains("id 99: not changed: no such message"),
+        "{stdout}"
+    );
+    let out = messages(&db, &["publish-now", "4"]).output().unwrap();
+    assert!(!out.status.success(), "a due PENDING row is not changed");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("already due"));
+    // Neither ids nor --all: refused before anything runs.
+    fails(&mut messages(&db, &["discard"]));
+
+    let out = succeeds(&mut messages(
+        &db,
+        &["discard", "--all", "--state", "failed"],
+    ));
+    assert!(out.contains("discard: 1 message(s) changed"), "{out}");
+    let report: serde_json::Value = serde_json::from_str(&succeeds(&mut messages(
+        &db,
+        &["discard", "--all", "--json"],
+    )))
+    .unwrap();
+    assert_eq!(report["changed"], 0, "nothing FAILED is left");
+
+    tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let pool = sqlx::SqlitePool::connect(&db).await.unwrap();
+        let rows: Vec<(i64, i64)> = sqlx::query_as("SELECT id, status FROM outbox ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+        let pending = i64::from(Status::Pending.as_i16());
+        assert_eq!(rows, vec![(1, pending), (3, pending), (4, pending)]);
+        let archived: Vec<(i64, String)> =
+            sqlx::query_as("SELECT id, archive_reason FROM outbox_archive")
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+        assert_eq!(archived, vec![(2, "discarded".to_owned())]);
+    });
+}
+
+/// `outbox admin` serves the API for a database; a change without the token is refused with
+/// 401, with it the change is made.
+#[test]
+fn admin_command_serves_the_api_with_its_token() {
+    let f = Fixture::new("adminapi");
+    let db = sqlite_with_rows(&f, "api.db", &[(Status::Failed, 16, Some("exhausted"))]);
+    let mut child = outbox()
+        .args(["admin", "--database", &db, "--listen", "127.0.0.1:0"])
+        .args(["--token-env", "OUTBOX_TEST_ADMIN_TOKEN"])
+        .env("OUTBOX_TEST_ADMIN_TOKEN", "tok")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    let addr = first
+        .split("http://")
+        .nth(1)
+        .and_then(|s| s.split('/').next())
+        .unwrap_or_else(|| panic!("no address in {first:?}"))
+        .to_owned();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let (code, body) = request(&addr, "GET", "/api/messages?state=failed", None, "").await;
+        assert_eq!(code, 200, "{body}");
+        assert!(body.contains("\"exhausted\""), "{body}");
+        let select = r#"{"ids":[1]}"#;
+        let (code, _) = request(&addr, "POST", "/api/messages/requeue", None, select).await;
+        assert_eq!(code, 401);
+        let (code, body) =
+            request(&addr, "POST", "/api/messages/requeue", Some("tok"), select).await;
+        assert_eq!(code, 200, "{body}");
+        assert!(body.contains("\"changed\":1"), "{body}");
+    });
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
+
+/// One HTTP/1.0 request: status and body.
+pub(super) async fn request(
+    addr: &str,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: &str,
+) -> (u16, String) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let auth = token
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
+    s.write_all(
+        format!(
+            "{method} {path} HTTP/1.0\r\nHost: localhost\r\n{auth}Content-Type: application/json\r\n\
+             Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).await.unwrap();
+    let (head, body) = raw.split_once("\r\n\r\n").expect("an HTTP answer");
+    let code = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    (code, body.to_owned())
+}

@@ -1,0 +1,316 @@
+//! The admin API (`outbox::admin::http::router`) over real HTTP against each database, with a
+//! running `Relay` doing what it does in production: dead letters made by the relay are found
+//! by every filter, paged, shown, requeued (and published again by the relay), published early
+//! and discarded into the archive; a change without the token is refused and changes nothing.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox::admin::http::{AdminAuth, router};
+use outbox::{MemoryTransport, NewMessage, Status, TransportErrorKind};
+use outbox_testkit::{StoreFixture, wait_until};
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+use crate::relay::{fast_config, relay_to};
+
+fixture_tests!(
+    [
+        sqlite: outbox_testkit::SqliteFixture,
+        postgres: outbox_testkit::PgFixture,
+        mysql: outbox_testkit::MySqlFixture,
+    ],
+    [crate::admin],
+    [admin_api_finds_and_fixes_dead_letters = scenario],
+);
+
+const TOKEN: &str = "s3cret-token";
+
+/// The API served on a free loopback port until the returned token is cancelled.
+async fn serve(fx: &dyn StoreFixture) -> (String, CancellationToken) {
+    let app = router(
+        fx.store(),
+        AdminAuth {
+            token: Some(TOKEN.into()),
+            protect_reads: false,
+        },
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let cancel = CancellationToken::new();
+    let stop = cancel.clone();
+    tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move { stop.cancelled().await })
+            .await
+            .unwrap();
+    });
+    (format!("http://{addr}"), cancel)
+}
+
+async fn get(base: &str, path: &str) -> (u16, Value) {
+    let r = reqwest::get(format!("{base}{path}")).await.expect("GET");
+    let status = r.status().as_u16();
+    (status, r.json().await.expect("a JSON body"))
+}
+
+async fn post(base: &str, path: &str, token: Option<&str>, body: Value) -> (u16, Value) {
+    let mut req = reqwest::Client::new()
+        .post(format!("{base}{path}"))
+        .json(&body);
+    if let Some(t) = token {
+        req = req.bearer_auth(t);
+    }
+    let r = req.send().await.expect("POST");
+    let status = r.status().as_u16();
+    (status, r.json().await.expect("a JSON body"))
+}
+
+fn ids(page: &Value) -> Vec<i64> {
+    page["messages"]
+        .as_array()
+        .expect("messages")
+        .iter()
+        .map(|m| m["id"].as_i64().unwrap())
+        .collect()
+}
+
+async fn status_of(fx: &dyn StoreFixture, id: i64) -> Option<i16> {
+    fx.rows()
+        .await
+        .into_iter()
+        .find(|r| r.id == id)
+        .map(|r| r.status)
+}
+
+pub async fn scenario(fx: &dyn StoreFixture) {
+    let mem = Arc::new(MemoryTransport::new());
+    let msgs = vec![
+        NewMessage::new("orders.created", r#"{"order":1}"#).with_partition_key("o-1"),
+        NewMessage::new("orders.created", r#"{"order":2}"#).with_partition_key("o-2"),
+        NewMessage::new("orders.paid", "plain text").with_partition_key("o-1"),
+        NewMessage::new("billing.invoice", vec![0xffu8, 0x00]),
+        NewMessage::new("billing.invoice", "later").with_delay(Duration::from_secs(3600)),
+        NewMessage::new("orders_created", "underscore, not a dot"),
+    ];
+    let mids = fx.enqueue_commit(msgs).await.expect("enqueue");
+    // The relay dead-letters two of them (a permanent broker refusal) and publishes the rest.
+    mem.fail_next(mids[1], vec![TransportErrorKind::Permanent]);
+    mem.fail_next(mids[3], vec![TransportErrorKind::Permanent]);
+    let relay = relay_to(fx, mem.clone(), fast_config("admin-r1")).spawn();
+    wait_until(
+        "the relay settled every due row",
+        Duration::from_secs(20),
+        || async {
+            let rows = fx.rows().await;
+            rows.iter()
+                .filter(|r| r.status == Status::Failed.as_i16())
+                .count()
+                == 2
+                && rows
+                    .iter()
+                    .filter(|r| r.status == Status::Sent.as_i16())
+                    .count()
+                    == 3
+        },
+    )
+    .await;
+    let rows = fx.rows().await;
+    let row_of = |m: uuid::Uuid| rows.iter().find(|r| r.message_id == m).unwrap().id;
+    let (failed_a, failed_b, delayed) = (row_of(mids[1]), row_of(mids[3]), row_of(mids[4]));
+    let (base, stop) = serve(fx).await;
+
+    // Search: by state, topic glob (`.` and `_` are themselves), key, message id, error text.
+    let (code, page) = get(&base, "/api/messages?state=failed").await;
+    assert_eq!(code, 200, "{page}");
+    assert_eq!(ids(&page), vec![failed_b, failed_a], "newest first");
+    let (_, page) = get(&base, "/api/messages?topic=orders.*").await;
+    assert_eq!(
+        ids(&page).len(),
+        3,
+        "orders.* is not orders_created: {page}"
+    );
+    let (_, page) = get(&base, "/api/messages?key=o-1&state=sent").await;
+    assert_eq!(ids(&page), vec![row_of(mids[2]), row_of(mids[0])]);
+    let (_, page) = get(&base, &format!("/api/messages?message_id={}", mids[4])).await;
+    assert_eq!(ids(&page), vec![delayed]);
+    let error = rows
+        .iter()
+        .find(|r| r.id == failed_a)
+        .and_then(|r| r.last_error.clone())
+        .expect("the dead letter's reason");
+    let needle: String = error.chars().take(12).collect::<String>().to_uppercase();
+    let (_, page) = get(
+        &base,
+        &format!("/api/messages?error={}", urlencode(&needle)),
+    )
+    .await;
+    assert_eq!(ids(&page), vec![failed_b, failed_a], "error text, any case");
+    let (_, page) = get(
+        &base,
+        "/api/messages?created_after=2000-01-01T00:00:00Z&created_before=2999-01-01T00:00:00Z",
+    )
+    .await;
+    assert_eq!(ids(&page).len(), 6);
+    let (_, page) = get(&base, "/api/messages?created_after=2999-01-01T00:00:00Z").await;
+    assert!(ids(&page).is_empty());
+
+    // Keyset pages: disjoint, in order, together every row; rows written meanwhile do not
+    // shift a later page.
+    let (_, p1) = get(&base, "/api/messages?limit=4").await;
+    let next = p1["next"].as_i64().expect("a next page");
+    fx.enqueue_commit(vec![
+        NewMessage::new("late", "x").with_delay(Duration::from_secs(3600)),
+    ])
+    .await
+    .unwrap();
+    let (_, p2) = get(&base, &format!("/api/messages?limit=4&before={next}")).await;
+    assert!(p2["next"].is_null(), "{p2}");
+    let mut all = ids(&p1);
+    all.extend(ids(&p2));
+    let mut expected: Vec<i64> = rows.iter().map(|r| r.id).collect();
+    expected.sort_unstable_by(|a, b| b.cmp(a));
+    assert_eq!(all, expected);
+
+    // Bad parameters are named.
+    let (code, body) = get(&base, "/api/messages?state=lost").await;
+    assert_eq!(code, 400);
+    assert!(
+        body["error"].as_str().unwrap().starts_with("state:"),
+        "{body}"
+    );
+    let (code, body) = get(&base, "/api/messages?colour=red").await;
+    assert_eq!(code, 400);
+    assert!(body["error"].as_str().unwrap().contains("colour"), "{body}");
+
+    // One message: by row id and by message id; payload rendered; unknown ids are 404.
+    let (code, m) = get(&base, &format!("/api/messages/{}", row_of(mids[0]))).await;
+    assert_eq!(code, 200, "{m}");
+    assert_eq!(m["payload"]["kind"], "json");
+    assert_eq!(m["payload"]["text"], "{\n  \"order\": 1\n}");
+    assert_eq!(m["status"], "SENT");
+    assert_eq!(m["partition_key"], "o-1");
+    assert!(
+        m["sent_at"].is_string() && m["created_at"].is_string(),
+        "{m}"
+    );
+    let (_, m) = get(&base, &format!("/api/messages/{}", mids[3])).await;
+    assert_eq!(
+        (m["id"].as_i64(), &m["payload"]["kind"]),
+        (Some(failed_b), &json!("hex"))
+    );
+    assert_eq!(m["status"], "FAILED");
+    let (code, _) = get(&base, "/api/messages/999999999").await;
+    assert_eq!(code, 404);
+
+    // Changes need the token: refused with 401 and nothing changes.
+    let (code, _) = post(
+        &base,
+        "/api/messages/requeue",
+        None,
+        json!({"ids": [failed_a]}),
+    )
+    .await;
+    assert_eq!(code, 401);
+    let (code, _) = post(
+        &base,
+        "/api/messages/discard",
+        Some("wrong"),
+        json!({"filter": {}}),
+    )
+    .await;
+    assert_eq!(code, 401);
+    assert_eq!(status_of(fx, failed_a).await, Some(Status::Failed.as_i16()));
+    assert_eq!(status_of(fx, failed_b).await, Some(Status::Failed.as_i16()));
+
+    // Requeue one dead letter (and name what cannot be requeued): the relay publishes it again.
+    let published = mem.count();
+    let (code, report) = post(
+        &base,
+        "/api/messages/requeue",
+        Some(TOKEN),
+        json!({"ids": [failed_a, delayed, 999999999]}),
+    )
+    .await;
+    assert_eq!(code, 200, "{report}");
+    assert_eq!(report["changed"], 1, "{report}");
+    let reasons: Vec<(i64, String)> = report["not_changed"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| {
+            (
+                n["id"].as_i64().unwrap(),
+                n["reason"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(reasons.len(), 2, "{report}");
+    assert!(
+        reasons[0].0 == delayed && reasons[0].1.contains("PENDING"),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons[1].0 == 999999999 && reasons[1].1.contains("no such"),
+        "{reasons:?}"
+    );
+    wait_until(
+        "the requeued message published again",
+        Duration::from_secs(20),
+        || async { status_of(fx, failed_a).await == Some(Status::Sent.as_i16()) },
+    )
+    .await;
+    assert!(mem.count() > published);
+
+    // Publish now: the delayed message goes out at once.
+    let (_, report) = post(
+        &base,
+        "/api/messages/publish-now",
+        Some(TOKEN),
+        json!({"filter": {"topic": "billing.*"}}),
+    )
+    .await;
+    assert_eq!(report["changed"], 1, "{report}");
+    wait_until(
+        "the delayed message published",
+        Duration::from_secs(20),
+        || async { status_of(fx, delayed).await == Some(Status::Sent.as_i16()) },
+    )
+    .await;
+
+    // Discard every dead letter: out of the outbox, into the archive.
+    let (_, report) = post(
+        &base,
+        "/api/messages/discard",
+        Some(TOKEN),
+        json!({"filter": {"states": ["FAILED"]}}),
+    )
+    .await;
+    assert_eq!(report["changed"], 1, "{report}");
+    assert_eq!(status_of(fx, failed_b).await, None);
+    assert_eq!(
+        fx.archived().await,
+        vec![(failed_b, "discarded".to_owned())]
+    );
+    let (code, _) = get(&base, &format!("/api/messages/{failed_b}")).await;
+    assert_eq!(code, 404);
+
+    // The overview counts what is there now.
+    let (_, overview) = get(&base, "/api/overview").await;
+    assert_eq!(overview["counts"]["FAILED"], 0, "{overview}");
+    assert_eq!(overview["counts"]["SENT"], 5, "{overview}");
+    let (_, spec) = get(&base, "/api/openapi.json").await;
+    assert_eq!(spec["openapi"], "3.1.0");
+
+    stop.cancel();
+    relay.shutdown().await.unwrap();
+}
+
+fn urlencode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}

@@ -1,0 +1,384 @@
+//! The admin JSON API over HTTP (feature `admin`): [`router`] serves the [`crate::admin`]
+//! operations of one [`Store`] under `/api/`, described by the OpenAPI 3.1 document at
+//! `/api/openapi.json`, and the web dashboard over them at `/` (docs/operations.md, "Admin API"
+//! and "Dashboard").
+//!
+//! | method and path | what |
+//! |---|---|
+//! | `GET /api/overview` | counts per state, backlog ages, the busiest topics per state |
+//! | `GET /api/messages?state=&topic=&key=&message_id=&created_after=&created_before=&sent_after=&sent_before=&error=&before=&limit=` | one page of a search, newest first |
+//! | `GET /api/messages/{id}` | one message (row id or message id) |
+//! | `POST /api/messages/requeue`, `…/publish-now`, `…/discard` | an action on `{"ids": […]}` or `{"filter": {…}}` |
+//! | `GET /api/relays` | the live relays and their routes |
+//!
+//! Authentication: with a token set ([`AdminAuth::token`]) a mutation needs `Authorization:
+//! Bearer <token>` (401 without it, nothing changed); without one, mutations are refused (403).
+//! Reads need the token too when [`AdminAuth::protect_reads`]. Errors are JSON `{"error":
+//! "…"}`: 400 naming the parameter, 401, 403, 404, 503 while the database is unreachable, 500.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Json;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use chrono::{DateTime, Utc};
+use serde_json::json;
+
+use super::{Action, MessageFilter, PageRequest, Selection};
+use crate::error::StoreError;
+use crate::message::Status;
+use crate::store::Store;
+
+/// Who may read and change through the API.
+#[derive(Clone, Default)]
+pub struct AdminAuth {
+    /// The bearer token mutations need (and reads, with [`AdminAuth::protect_reads`]). `None`:
+    /// mutations are refused. Never shown in any response or log.
+    pub token: Option<String>,
+    /// Reads need the token too. Default `false`.
+    pub protect_reads: bool,
+}
+
+impl std::fmt::Debug for AdminAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AdminAuth")
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field("protect_reads", &self.protect_reads)
+            .finish()
+    }
+}
+
+/// How long a relay's heartbeat counts it as alive in `GET /api/relays` (the relay's default
+/// lease).
+pub const RELAY_LEASE: Duration = Duration::from_secs(30);
+
+#[derive(Clone)]
+struct Api {
+    store: Arc<dyn Store>,
+    auth: Arc<AdminAuth>,
+}
+
+/// The admin API of `store` under `/api/` (see the module docs); merge it into an application's
+/// router or serve it alone.
+pub fn router(store: Arc<dyn Store>, auth: AdminAuth) -> axum::Router {
+    let api = Api {
+        store,
+        auth: Arc::new(auth),
+    };
+    axum::Router::new()
+        .route("/", get(|| asset("text/html; charset=utf-8", INDEX_HTML)))
+        .route(
+            "/assets/app.js",
+            get(|| asset("text/javascript; charset=utf-8", APP_JS)),
+        )
+        .route(
+            "/assets/app.css",
+            get(|| asset("text/css; charset=utf-8", APP_CSS)),
+        )
+        .route("/favicon.ico", get(|| async { StatusCode::NO_CONTENT }))
+        .route("/api/openapi.json", get(openapi))
+        .route("/api/overview", get(overview))
+        .route("/api/messages", get(list))
+        // `GET` one message by id; `POST` an action by name (requeue, publish-now, discard).
+        .route("/api/messages/{id}", get(show).post(act))
+        .route("/api/relays", get(relays))
+        .with_state(api)
+}
+
+/// An API error: status and message.
+struct ApiError(StatusCode, String);
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.0, Json(json!({ "error": self.1 }))).into_response()
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> Self {
+        let status = if e.is_retryable() {
+            StatusCode::SERVICE_UNAVAILABLE
+        } else {
+            StatusCode::INTERNAL_SERVER_ERROR
+        };
+        ApiError(status, e.report())
+    }
+}
+
+fn bad(param: &str, why: impl std::fmt::Display) -> ApiError {
+    ApiError(StatusCode::BAD_REQUEST, format!("{param}: {why}"))
+}
+
+/// Constant-time comparison of the presented token with the configured one.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+impl Api {
+    /// Whether `headers` carry the token; `mutation` decides what no configured token means.
+    fn check(&self, headers: &HeaderMap, mutation: bool) -> Result<(), ApiError> {
+        if !mutation && !self.auth.protect_reads {
+            return Ok(());
+        }
+        let Some(token) = &self.auth.token else {
+            return Err(ApiError(
+                StatusCode::FORBIDDEN,
+                "changes through the admin API are disabled: no token is configured \
+                 ([admin] token_env)"
+                    .into(),
+            ));
+        };
+        let presented = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        match presented {
+            Some(p) if same(p.trim().as_bytes(), token.as_bytes()) => Ok(()),
+            _ => Err(ApiError(
+                StatusCode::UNAUTHORIZED,
+                "missing or wrong bearer token (Authorization: Bearer <token>)".into(),
+            )),
+        }
+    }
+}
+
+fn time(param: &str, v: &str) -> Result<DateTime<Utc>, ApiError> {
+    DateTime::parse_from_rfc3339(v)
+        .map(|t| t.with_timezone(&Utc))
+        .map_err(|e| bad(param, format!("{v:?} is not an RFC 3339 time ({e})")))
+}
+
+/// A search's filter and page from query parameters (see the module docs); an unknown or bad
+/// parameter is an error naming it.
+pub fn search_params(pairs: &[(String, String)]) -> Result<(MessageFilter, PageRequest), String> {
+    search_params_api(pairs).map_err(|e| e.1)
+}
+
+fn search_params_api(pairs: &[(String, String)]) -> Result<(MessageFilter, PageRequest), ApiError> {
+    let mut f = MessageFilter::default();
+    let mut page = PageRequest::default();
+    for (k, v) in pairs {
+        if v.is_empty() {
+            continue;
+        }
+        match k.as_str() {
+            "state" => {
+                for s in v.split(',') {
+                    f.states
+                        .push(s.parse::<Status>().map_err(|e| bad("state", e))?);
+                }
+            }
+            "topic" => f.topic = Some(v.clone()),
+            "key" => f.partition_key = Some(v.clone()),
+            "message_id" => {
+                f.message_id = Some(
+                    v.parse()
+                        .map_err(|e| bad("message_id", format!("{v:?} is not a UUID ({e})")))?,
+                );
+            }
+            "created_after" => f.created_after = Some(time(k, v)?),
+            "created_before" => f.created_before = Some(time(k, v)?),
+            "sent_after" => f.sent_after = Some(time(k, v)?),
+            "sent_before" => f.sent_before = Some(time(k, v)?),
+            "error" => f.error = Some(v.clone()),
+            "before" => {
+                page.before = Some(v.parse().map_err(|_| bad("before", "not a row id"))?);
+            }
+            "limit" => {
+                page.limit = v
+                    .parse()
+                    .map_err(|_| bad("limit", "not a number from 1 to 1000"))?;
+            }
+            other => {
+                return Err(bad(
+                    other,
+                    "unknown parameter (state, topic, key, message_id, created_after, \
+                     created_before, sent_after, sent_before, error, before, limit)",
+                ));
+            }
+        }
+    }
+    Ok((f, page))
+}
+
+/// The dashboard's page, script and style sheet: plain files in `admin/ui/`, compiled in (no
+/// build step, nothing fetched from elsewhere).
+const INDEX_HTML: &str = include_str!("ui/index.html");
+const APP_JS: &str = include_str!("ui/app.js");
+const APP_CSS: &str = include_str!("ui/app.css");
+
+async fn asset(content_type: &'static str, body: &'static str) -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, content_type),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        body,
+    )
+        .into_response()
+}
+
+async fn openapi() -> Response {
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        OPENAPI.to_owned(),
+    )
+        .into_response()
+}
+
+async fn overview(State(api): State<Api>, headers: HeaderMap) -> Result<Response, ApiError> {
+    api.check(&headers, false)?;
+    let stats = api.store.stats().await?;
+    let topics = api.store.topic_counts(20).await?;
+    let counts: serde_json::Map<String, serde_json::Value> = stats
+        .counts
+        .iter()
+        .map(|(s, n)| (s.name().to_owned(), json!(n)))
+        .collect();
+    Ok(Json(json!({
+        "counts": counts,
+        "oldest_pending_age_seconds": stats.oldest_pending_age.map(|d| d.as_secs_f64()),
+        "awaiting_confirmation": stats.awaiting_confirmation,
+        "oldest_unconfirmed_age_seconds": stats.oldest_unconfirmed_age.map(|d| d.as_secs_f64()),
+        "topics": topics,
+    }))
+    .into_response())
+}
+
+async fn list(
+    State(api): State<Api>,
+    headers: HeaderMap,
+    Query(pairs): Query<Vec<(String, String)>>,
+) -> Result<Response, ApiError> {
+    api.check(&headers, false)?;
+    let (filter, page) = search_params_api(&pairs)?;
+    Ok(Json(api.store.search(&filter, &page).await?).into_response())
+}
+
+async fn show(
+    State(api): State<Api>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    api.check(&headers, false)?;
+    let row = match id.parse::<i64>() {
+        Ok(row) => Some(row),
+        Err(_) => {
+            let message_id = id
+                .parse::<uuid::Uuid>()
+                .map_err(|_| bad("id", format!("{id:?} is neither a row id nor a message id")))?;
+            let filter = MessageFilter {
+                message_id: Some(message_id),
+                ..MessageFilter::default()
+            };
+            let page = api.store.search(&filter, &PageRequest::default()).await?;
+            page.messages.first().map(|m| m.id)
+        }
+    };
+    let detail = match row {
+        Some(row) => api.store.message(row).await?,
+        None => None,
+    };
+    match detail {
+        Some(d) => Ok(Json(d).into_response()),
+        None => Err(ApiError(
+            StatusCode::NOT_FOUND,
+            format!("no message {id} (never written, purged or archived)"),
+        )),
+    }
+}
+
+async fn act(
+    State(api): State<Api>,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+    body: Result<Json<Selection>, axum::extract::rejection::JsonRejection>,
+) -> Result<Response, ApiError> {
+    let action = [Action::Requeue, Action::PublishNow, Action::Discard]
+        .into_iter()
+        .find(|a| a.name() == name)
+        .ok_or_else(|| {
+            ApiError(
+                StatusCode::NOT_FOUND,
+                format!("no action {name:?}: requeue, publish-now or discard"),
+            )
+        })?;
+    api.check(&headers, true)?;
+    let Json(selection) = body.map_err(|e| bad("body", e.body_text()))?;
+    let report = api.store.act(action, &selection).await?;
+    tracing::info!(
+        action = action.name(),
+        changed = report.changed,
+        not_changed = report.not_changed.len(),
+        "admin action"
+    );
+    Ok(Json(report).into_response())
+}
+
+async fn relays(State(api): State<Api>, headers: HeaderMap) -> Result<Response, ApiError> {
+    api.check(&headers, false)?;
+    let relays = api.store.relays(RELAY_LEASE).await?;
+    let list: Vec<serde_json::Value> = relays
+        .into_iter()
+        .map(|r| json!({ "name": r.name, "routes": r.routes }))
+        .collect();
+    Ok(Json(json!({ "relays": list })).into_response())
+}
+
+/// The OpenAPI 3.1 description of [`router`]'s routes.
+pub const OPENAPI: &str = include_str!("openapi.json");
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn search_parameters_are_checked_by_name() {
+        let p = |k: &str, v: &str| vec![(k.to_owned(), v.to_owned())];
+        let (f, page) = search_params(&[
+            ("state".into(), "failed,pending".into()),
+            ("topic".into(), "orders.*".into()),
+            ("limit".into(), "10".into()),
+        ])
+        .unwrap();
+        assert_eq!(f.states, vec![Status::Failed, Status::Pending]);
+        assert_eq!(page.limit, 10);
+        for (k, v, needle) in [
+            ("state", "lost", "state: unknown state"),
+            ("message_id", "x", "message_id:"),
+            ("created_after", "yesterday", "created_after:"),
+            ("limit", "-1", "limit:"),
+            ("colour", "red", "colour: unknown parameter"),
+        ] {
+            let e = search_params(&p(k, v)).unwrap_err();
+            assert!(e.starts_with(needle), "{k}={v}: {e}");
+        }
+    }
+
+    #[test]
+    fn the_openapi_document_describes_every_route() {
+        let doc: serde_json::Value = serde_json::from_str(OPENAPI).expect("valid JSON");
+        assert_eq!(doc["openapi"], "3.1.0");
+        for path in [
+            "/api/overview",
+            "/api/messages",
+            "/api/messages/{id}",
+            "/api/messages/requeue",
+            "/api/messages/publish-now",
+            "/api/messages/discard",
+            "/api/relays",
+        ] {
+            assert!(doc["paths"][path].is_object(), "{path} is not described");
+        }
+    }
+
+    #[test]
+    fn tokens_compare_whole() {
+        assert!(same(b"abc", b"abc"));
+        assert!(!same(b"abc", b"abd"));
+        assert!(!same(b"ab", b"abc"));
+    }
+}

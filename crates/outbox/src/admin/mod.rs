@@ -1,0 +1,375 @@
+//! What an operator asks of the outbox table and does to it: search messages, read one, requeue,
+//! publish now, discard (docs/operations.md, "Admin API").
+//!
+//! The operations are [`Store`](crate::Store) methods ([`Store::search`](crate::Store::search),
+//! [`Store::message`](crate::Store::message), [`Store::act`](crate::Store::act)), one SQL
+//! definition for the three databases (`store/admin.rs`). With the feature `admin`,
+//! [`http::router`] serves them as a JSON API described by an OpenAPI document; the daemon mounts
+//! it on its `[admin]` listener, `outbox admin --database URL` serves it alone, and `outbox
+//! messages …` is its command-line twin.
+//!
+//! Pages are keyset pages, newest first (`id` descending): a page is the `limit` rows below the
+//! previous page's last id, so rows written meanwhile never shift or repeat a page. Actions run
+//! in bounded chunks of [`ACTION_CHUNK`] rows, each chunk one short transaction that locks its
+//! rows and re-checks their state, so a relay or another operator acting at the same time makes
+//! a row count as *not changed*, never changed twice.
+
+#[cfg(all(
+    feature = "admin",
+    any(feature = "postgres", feature = "mysql", feature = "sqlite")
+))]
+pub mod http;
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use crate::message::Status;
+
+/// Rows one action changes per transaction.
+pub const ACTION_CHUNK: usize = 500;
+
+/// The most rows one page holds; a larger `limit` is lowered to it.
+pub const MAX_PAGE: u32 = 1000;
+
+/// Which messages: every condition that is set must hold (none set: every message).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MessageFilter {
+    /// Any of these states (empty: any state).
+    pub states: Vec<Status>,
+    /// Topic glob: `*` any run of characters, `?` one character, anything else itself
+    /// (`orders.*`).
+    pub topic: Option<String>,
+    /// Exactly this partition key (the business key, e.g. the order id).
+    pub partition_key: Option<String>,
+    /// Exactly this message id.
+    pub message_id: Option<Uuid>,
+    /// Created at or after (database clock).
+    pub created_after: Option<DateTime<Utc>>,
+    /// Created before.
+    pub created_before: Option<DateTime<Utc>>,
+    /// Acknowledged by the broker at or after.
+    pub sent_after: Option<DateTime<Utc>>,
+    /// Acknowledged by the broker before.
+    pub sent_before: Option<DateTime<Utc>>,
+    /// `last_error` contains this text (case-insensitive).
+    pub error: Option<String>,
+}
+
+impl MessageFilter {
+    /// Whether no condition is set (the filter matches every message).
+    pub fn is_empty(&self) -> bool {
+        *self == MessageFilter::default()
+    }
+}
+
+/// One page of a search: at most `limit` rows (1 to [`MAX_PAGE`]) with ids below `before`
+/// (`None`: from the newest).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PageRequest {
+    /// The `next` of the previous page.
+    pub before: Option<i64>,
+    /// Rows per page; 0 reads as 1, above [`MAX_PAGE`] as [`MAX_PAGE`].
+    pub limit: u32,
+}
+
+impl Default for PageRequest {
+    /// The newest 50.
+    fn default() -> Self {
+        PageRequest {
+            before: None,
+            limit: 50,
+        }
+    }
+}
+
+/// A page of messages, newest first.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MessagePage {
+    /// The rows.
+    pub messages: Vec<MessageSummary>,
+    /// The `before` of the next page; `None` on the last page.
+    pub next: Option<i64>,
+}
+
+/// A message as a list shows it. Times are the database clock's, UTC.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MessageSummary {
+    /// Row id.
+    pub id: i64,
+    /// Message id as stored (text: a malformed id written by a foreign producer still shows).
+    pub message_id: String,
+    /// Topic.
+    pub topic: String,
+    /// Partition key.
+    pub partition_key: Option<String>,
+    /// State; `None` for a number outside the schema (`status_number` says which).
+    pub status: Option<Status>,
+    /// The stored status number.
+    pub status_number: i64,
+    /// Publish attempts made.
+    pub attempts: i64,
+    /// The message's own attempt limit, if any.
+    pub max_attempts: Option<i64>,
+    /// Check-backs made while waiting for the consumer's confirmation.
+    pub check_backs: i64,
+    /// How often an operator requeued it (or a check-back republished it).
+    pub redelivery: i64,
+    /// Written by the producer.
+    pub created_at: Option<DateTime<Utc>>,
+    /// Due for publishing (a delay or a retry's backoff).
+    pub available_at: Option<DateTime<Utc>>,
+    /// Acknowledged by the broker.
+    pub sent_at: Option<DateTime<Utc>>,
+    /// Confirmed or rejected by the consumer.
+    pub confirmed_at: Option<DateTime<Utc>>,
+    /// Last change.
+    pub updated_at: Option<DateTime<Utc>>,
+    /// The consumer's confirmation is due by then (a check-back follows).
+    pub confirm_deadline: Option<DateTime<Utc>>,
+    /// Why the last attempt failed, why it was dead-lettered or rejected.
+    pub last_error: Option<String>,
+}
+
+/// One message in full.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MessageDetail {
+    /// What the list shows.
+    #[serde(flatten)]
+    pub summary: MessageSummary,
+    /// Headers; empty when they do not parse (`headers_error` says why, `headers_raw` holds
+    /// them).
+    pub headers: BTreeMap<String, String>,
+    /// Why the stored headers are not a JSON object of strings.
+    pub headers_error: Option<String>,
+    /// The stored headers text when it does not parse.
+    pub headers_raw: Option<String>,
+    /// The payload, rendered.
+    pub payload: RenderedPayload,
+}
+
+/// A payload as an operator reads it: JSON pretty-printed, else UTF-8 text, else hex.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RenderedPayload {
+    /// `json`, `text` or `hex`.
+    pub kind: String,
+    /// Size in bytes.
+    pub bytes: usize,
+    /// The rendering.
+    pub text: String,
+}
+
+impl RenderedPayload {
+    /// Render `payload`: JSON (pretty-printed) when it parses as JSON, text when it is valid
+    /// UTF-8 without control characters (other than tab and line breaks), else lower-case hex.
+    pub fn of(payload: &[u8]) -> RenderedPayload {
+        let (kind, text) = if let Ok(v) = serde_json::from_slice::<serde_json::Value>(payload) {
+            (
+                "json",
+                serde_json::to_string_pretty(&v).unwrap_or_else(|_| v.to_string()),
+            )
+        } else if let Ok(s) = std::str::from_utf8(payload)
+            && !s
+                .chars()
+                .any(|c| c.is_control() && !matches!(c, '\n' | '\r' | '\t'))
+        {
+            ("text", s.to_owned())
+        } else {
+            (
+                "hex",
+                payload
+                    .iter()
+                    .map(|b| format!("{b:02x}"))
+                    .collect::<String>(),
+            )
+        };
+        RenderedPayload {
+            kind: kind.to_owned(),
+            bytes: payload.len(),
+            text,
+        }
+    }
+}
+
+/// Which messages an action applies to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum Selection {
+    /// These row ids; each id not changed is reported with why.
+    Ids(Vec<i64>),
+    /// Every message the filter matches (in the states the action applies to).
+    Filter(MessageFilter),
+}
+
+/// What an operator does to messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Action {
+    /// FAILED, REJECTED or SENT → PENDING: published again at once, attempts and check-backs
+    /// reset, `redelivery` + 1, the last error kept. A SENT message published again reaches the
+    /// consumer twice; its inbox applies it once.
+    Requeue,
+    /// A delayed PENDING message (or one waiting for its retry) is due now.
+    PublishNow,
+    /// FAILED → moved to the archive table `<table>_archive` with `archive_reason =
+    /// 'discarded'`: out of the outbox, never silently lost.
+    Discard,
+}
+
+impl Action {
+    /// The states the action changes.
+    pub fn from_states(self) -> &'static [Status] {
+        match self {
+            Action::Requeue => &[Status::Failed, Status::Rejected, Status::Sent],
+            Action::PublishNow => &[Status::Pending],
+            Action::Discard => &[Status::Failed],
+        }
+    }
+
+    /// `requeue`, `publish-now` or `discard`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Action::Requeue => "requeue",
+            Action::PublishNow => "publish-now",
+            Action::Discard => "discard",
+        }
+    }
+}
+
+/// What an action changed, and for a selection by ids, each id it did not change and why.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ActionReport {
+    /// Rows changed.
+    pub changed: u64,
+    /// Ids named but not changed, with why (only for [`Selection::Ids`]).
+    pub not_changed: Vec<NotChanged>,
+}
+
+/// An id an action did not change.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NotChanged {
+    /// The row id.
+    pub id: i64,
+    /// Its state now; `None` when there is no such row (never written, purged or archived).
+    pub status: Option<Status>,
+    /// Why, e.g. `"PENDING is not FAILED, REJECTED or SENT"`.
+    pub reason: String,
+}
+
+/// Messages per state of one topic.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TopicCounts {
+    /// The topic.
+    pub topic: String,
+    /// Rows per state name (only states that occur).
+    pub counts: BTreeMap<String, u64>,
+}
+
+impl Serialize for Status {
+    /// The upper-case name (`"FAILED"`).
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
+impl<'de> Deserialize<'de> for Status {
+    /// A name in any case (`"failed"`, `"FAILED"`).
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+impl std::str::FromStr for Status {
+    type Err = String;
+
+    /// A state name in any case: `pending`, `sending`, `sent`, `confirmed`, `failed`,
+    /// `prepared`, `rejected`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Status::ALL
+            .into_iter()
+            .find(|st| st.name().eq_ignore_ascii_case(s.trim()))
+            .ok_or_else(|| {
+                format!(
+                    "unknown state {s:?}: one of {}",
+                    Status::ALL.map(Status::name).join(", ")
+                )
+            })
+    }
+}
+
+/// A topic glob (`*` any run, `?` one character) as a SQL `LIKE` pattern with `!` as the
+/// escape character.
+pub(crate) fn like_pattern(glob: &str) -> String {
+    let mut out = String::with_capacity(glob.len() + 2);
+    for c in glob.chars() {
+        match c {
+            '*' => out.push('%'),
+            '?' => out.push('_'),
+            '%' | '_' | '!' => {
+                out.push('!');
+                out.push(c);
+            }
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// `text` anywhere, as a `LIKE` pattern with `!` as the escape character.
+pub(crate) fn contains_pattern(text: &str) -> String {
+    let mut out = String::from("%");
+    for c in text.chars() {
+        if matches!(c, '%' | '_' | '!') {
+            out.push('!');
+        }
+        out.push(c);
+    }
+    out.push('%');
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn globs_become_like_patterns() {
+        assert_eq!(like_pattern("orders.*"), "orders.%");
+        assert_eq!(like_pattern("a?c"), "a_c");
+        assert_eq!(like_pattern("50%_off!"), "50!%!_off!!");
+        assert_eq!(contains_pattern("5% *"), "%5!% *%");
+    }
+
+    #[test]
+    fn payloads_render_as_json_text_or_hex() {
+        let j = RenderedPayload::of(br#"{"order":42}"#);
+        assert_eq!(
+            (j.kind.as_str(), j.text.as_str()),
+            ("json", "{\n  \"order\": 42\n}")
+        );
+        assert_eq!(RenderedPayload::of(b"plain\nlines").kind, "text");
+        assert_eq!(RenderedPayload::of(b"\0").kind, "hex");
+        let h = RenderedPayload::of(&[0xff, 0x00]);
+        assert_eq!(
+            (h.kind.as_str(), h.text.as_str(), h.bytes),
+            ("hex", "ff00", 2)
+        );
+    }
+
+    #[test]
+    fn states_parse_in_any_case_and_name_the_choices() {
+        assert_eq!("failed".parse::<Status>().unwrap(), Status::Failed);
+        let e = "lost".parse::<Status>().unwrap_err();
+        assert!(e.contains("PENDING") && e.contains("\"lost\""), "{e}");
+        let sel: Selection = serde_json::from_str(r#"{"ids":[1,2]}"#).unwrap();
+        assert_eq!(sel, Selection::Ids(vec![1, 2]));
+        let sel: Selection =
+            serde_json::from_str(r#"{"filter":{"states":["failed"],"topic":"o.*"}}"#).unwrap();
+        let Selection::Filter(f) = sel else { panic!() };
+        assert_eq!(f.states, vec![Status::Failed]);
+    }
+}

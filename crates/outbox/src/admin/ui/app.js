@@ -1,0 +1,272 @@
+// The outbox dashboard: a page over the admin API (/api/…, described by /api/openapi.json).
+// No build step and nothing fetched from elsewhere: this file, app.css and index.html are all.
+"use strict";
+
+const STATES = ["PENDING", "SENT", "CONFIRMED", "FAILED", "REJECTED", "PREPARED"];
+const main = document.getElementById("main");
+const tokenInput = document.getElementById("token");
+tokenInput.value = sessionStorage.getItem("outbox-token") || "";
+tokenInput.addEventListener("change", () => sessionStorage.setItem("outbox-token", tokenInput.value));
+
+function esc(s) {
+  return String(s ?? "").replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
+}
+
+function headers(json) {
+  const h = {};
+  if (json) h["Content-Type"] = "application/json";
+  if (tokenInput.value) h["Authorization"] = "Bearer " + tokenInput.value;
+  return h;
+}
+
+async function api(path, body) {
+  const init = body === undefined ? { headers: headers(false) } : { method: "POST", headers: headers(true), body: JSON.stringify(body) };
+  const r = await fetch(path, init);
+  let data = null;
+  try { data = await r.json(); } catch (_) { /* not JSON */ }
+  if (!r.ok) throw new Error((data && data.error) || `${r.status} ${r.statusText}`);
+  return data;
+}
+
+function toast(text, error) {
+  const t = document.getElementById("toast");
+  t.textContent = text;
+  t.className = "toast" + (error ? " error" : "");
+  t.hidden = false;
+  clearTimeout(toast.timer);
+  toast.timer = setTimeout(() => { t.hidden = true; }, 6000);
+}
+
+function confirmDialog(title, text) {
+  return new Promise((resolve) => {
+    const m = document.getElementById("modal");
+    document.getElementById("modal-title").textContent = title;
+    document.getElementById("modal-text").textContent = text;
+    m.hidden = false;
+    const done = (v) => { m.hidden = true; ok.onclick = cancel.onclick = null; resolve(v); };
+    const ok = document.getElementById("modal-ok");
+    const cancel = document.getElementById("modal-cancel");
+    ok.onclick = () => done(true);
+    cancel.onclick = () => done(false);
+  });
+}
+
+function badge(state, number) {
+  const s = state || "unknown";
+  return `<span class="badge b-${esc(s)}">${esc(state || "status " + number)}</span>`;
+}
+
+function when(t) {
+  return t ? esc(t.replace("T", " ").replace(/\.\d+/, "").replace("Z", " UTC").replace("+00:00", " UTC")) : "";
+}
+
+function age(seconds) {
+  if (seconds == null) return "–";
+  if (seconds < 1) return `${Math.round(seconds * 1000)} ms`;
+  if (seconds < 120) return `${seconds.toFixed(1)} s`;
+  if (seconds < 7200) return `${Math.round(seconds / 60)} min`;
+  return `${(seconds / 3600).toFixed(1)} h`;
+}
+
+function setNav(name) {
+  document.querySelectorAll("header nav a").forEach((a) => a.classList.toggle("active", a.dataset.nav === name));
+}
+
+function showError(e) {
+  main.innerHTML = `<div class="error-box">${esc(e.message)}</div>`;
+}
+
+async function overview() {
+  setNav("overview");
+  const o = await api("/api/overview");
+  const cards = STATES.filter((s) => (o.counts[s] || 0) > 0 || ["PENDING", "SENT", "FAILED"].includes(s))
+    .map((s) => `<a class="card" href="#/messages?state=${s}" data-state="${s}">
+        <div class="label c-${s}">${s}</div><div class="n">${(o.counts[s] || 0).toLocaleString()}</div></a>`).join("");
+  const topics = o.topics.map((t) => `<tr><td><a href="#/messages?topic=${encodeURIComponent(t.topic)}">${esc(t.topic)}</a></td>
+      ${STATES.map((s) => `<td class="num">${t.counts[s] ? `<a href="#/messages?topic=${encodeURIComponent(t.topic)}&state=${s}">${t.counts[s].toLocaleString()}</a>` : ""}</td>`).join("")}</tr>`).join("");
+  main.innerHTML = `<h1>Overview</h1>
+    <div class="cards" id="state-cards">${cards}</div>
+    <h2>Backlog</h2>
+    <div class="cards">
+      <div class="card"><div class="label">Oldest due PENDING</div><div class="n" id="oldest-pending">${age(o.oldest_pending_age_seconds)}</div></div>
+      <div class="card"><div class="label">SENT awaiting confirmation</div><div class="n">${o.awaiting_confirmation.toLocaleString()}</div></div>
+      <div class="card"><div class="label">Oldest unconfirmed</div><div class="n">${age(o.oldest_unconfirmed_age_seconds)}</div></div>
+    </div>
+    <h2>Topics</h2>
+    <table><thead><tr><th>Topic</th>${STATES.map((s) => `<th class="num">${s}</th>`).join("")}</tr></thead>
+    <tbody>${topics || `<tr><td colspan="7" class="muted">No messages.</td></tr>`}</tbody></table>`;
+}
+
+const FILTER_KEYS = ["state", "topic", "key", "message_id", "error", "created_after", "created_before"];
+
+function filterToBody(params) {
+  const f = {};
+  if (params.get("state")) f.states = params.get("state").split(",");
+  if (params.get("topic")) f.topic = params.get("topic");
+  if (params.get("key")) f.partition_key = params.get("key");
+  if (params.get("message_id")) f.message_id = params.get("message_id");
+  if (params.get("error")) f.error = params.get("error");
+  if (params.get("created_after")) f.created_after = params.get("created_after");
+  if (params.get("created_before")) f.created_before = params.get("created_before");
+  return f;
+}
+
+async function messages(query) {
+  setNav("messages");
+  const params = new URLSearchParams(query);
+  const apiParams = new URLSearchParams();
+  FILTER_KEYS.concat(["before"]).forEach((k) => { if (params.get(k)) apiParams.set(k, params.get(k)); });
+  apiParams.set("limit", params.get("limit") || "50");
+  const page = await api("/api/messages?" + apiParams.toString());
+  const chosen = new Set((params.get("state") || "").split(",").filter(Boolean));
+  const v = (k) => esc(params.get(k) || "");
+  const rows = page.messages.map((m) => `<tr data-id="${m.id}">
+      <td><input type="checkbox" class="pick" value="${m.id}" aria-label="select ${m.id}"></td>
+      <td class="num"><a href="#/messages/${m.id}">${m.id}</a></td>
+      <td>${badge(m.status, m.status_number)}</td>
+      <td>${esc(m.topic)}</td><td>${esc(m.partition_key || "")}</td>
+      <td class="num">${m.attempts}</td><td>${when(m.created_at)}</td>
+      <td><span class="err" title="${esc(m.last_error || "")}">${esc(m.last_error || "")}</span></td></tr>`).join("");
+  main.innerHTML = `<h1>Messages</h1>
+    <form class="filters" id="filters">
+      <div class="states">State:
+        ${STATES.map((s) => `<label><input type="checkbox" name="state" value="${s}" ${chosen.has(s) ? "checked" : ""}> ${s}</label>`).join("")}
+      </div>
+      <label>Topic (glob) <input name="topic" value="${v("topic")}" placeholder="orders.*"></label>
+      <label>Partition key <input name="key" value="${v("key")}" placeholder="order id"></label>
+      <label>Message id <input name="message_id" value="${v("message_id")}"></label>
+      <label>Error contains <input name="error" value="${v("error")}"></label>
+      <label>Created after (RFC 3339) <input name="created_after" value="${v("created_after")}" placeholder="2026-12-01T00:00:00Z"></label>
+      <label>Created before (RFC 3339) <input name="created_before" value="${v("created_before")}"></label>
+      <div class="row-end"><button class="primary" type="submit" id="search">Search</button>
+        <button type="button" id="clear">Clear</button></div>
+    </form>
+    <div class="actions">
+      <span class="muted" id="picked">0 selected</span>
+      <button type="button" data-action="requeue" data-scope="ids" disabled>Requeue selected</button>
+      <button type="button" data-action="publish-now" data-scope="ids" disabled>Publish selected now</button>
+      <button type="button" data-action="discard" data-scope="ids" class="danger" disabled>Discard selected</button>
+      <span class="muted">|</span>
+      <button type="button" data-action="requeue" data-scope="filter">Requeue all matching</button>
+      <button type="button" data-action="discard" data-scope="filter">Discard all matching</button>
+    </div>
+    <table id="results"><thead><tr><th><input type="checkbox" id="pick-all" aria-label="select all"></th><th class="num">Id</th><th>State</th><th>Topic</th><th>Key</th><th class="num">Att.</th><th>Created</th><th>Last error</th></tr></thead>
+    <tbody>${rows || `<tr><td colspan="8" class="muted">No messages match.</td></tr>`}</tbody></table>
+    <div class="pager">
+      ${params.get("before") ? `<button type="button" id="first">First page</button>` : ""}
+      ${page.next ? `<button type="button" id="next">Next page</button>` : `<span class="muted">${page.messages.length} shown, end of results</span>`}
+    </div>`;
+
+  const form = document.getElementById("filters");
+  form.onsubmit = (ev) => {
+    ev.preventDefault();
+    const q = new URLSearchParams();
+    const states = [...form.querySelectorAll("input[name=state]:checked")].map((i) => i.value);
+    if (states.length) q.set("state", states.join(","));
+    ["topic", "key", "message_id", "error", "created_after", "created_before"].forEach((k) => {
+      const val = form.elements[k].value.trim();
+      if (val) q.set(k, val);
+    });
+    location.hash = "#/messages?" + q.toString();
+  };
+  document.getElementById("clear").onclick = () => { location.hash = "#/messages"; };
+  const next = document.getElementById("next");
+  if (next) next.onclick = () => { params.set("before", page.next); location.hash = "#/messages?" + params.toString(); };
+  const first = document.getElementById("first");
+  if (first) first.onclick = () => { params.delete("before"); location.hash = "#/messages?" + params.toString(); };
+
+  const picks = () => [...document.querySelectorAll("input.pick:checked")].map((i) => Number(i.value));
+  const refresh = () => {
+    const n = picks().length;
+    document.getElementById("picked").textContent = `${n} selected`;
+    document.querySelectorAll("button[data-scope=ids]").forEach((b) => { b.disabled = n === 0; });
+  };
+  document.querySelectorAll("input.pick").forEach((i) => { i.onchange = refresh; });
+  document.getElementById("pick-all").onchange = (ev) => {
+    document.querySelectorAll("input.pick").forEach((i) => { i.checked = ev.target.checked; });
+    refresh();
+  };
+  document.querySelectorAll("button[data-action]").forEach((b) => {
+    b.onclick = async () => {
+      const action = b.dataset.action;
+      const body = b.dataset.scope === "ids" ? { ids: picks() } : { filter: filterToBody(params) };
+      const what = b.dataset.scope === "ids" ? `${body.ids.length} selected message(s)` : "every message the current filter matches";
+      await act(action, body, what);
+    };
+  });
+}
+
+async function act(action, body, what) {
+  const verbs = { requeue: "Requeue", "publish-now": "Publish now", discard: "Discard" };
+  const notes = {
+    requeue: "FAILED, REJECTED and SENT messages go back to PENDING and are published again.",
+    "publish-now": "Delayed PENDING messages become due now.",
+    discard: "FAILED messages move to the archive table.",
+  };
+  if (!(await confirmDialog(`${verbs[action]} ${what}?`, notes[action]))) return;
+  try {
+    const r = await api(`/api/messages/${action}`, body);
+    const lines = [`${verbs[action]}: ${r.changed} changed`].concat(r.not_changed.map((n) => `id ${n.id}: ${n.reason}`));
+    toast(lines.join("\n"), r.not_changed.length > 0);
+    route();
+  } catch (e) {
+    toast(e.message, true);
+  }
+}
+
+async function detail(id) {
+  setNav("messages");
+  const m = await api(`/api/messages/${encodeURIComponent(id)}`);
+  const fields = [
+    ["Row id", m.id], ["Message id", m.message_id], ["State", badge(m.status, m.status_number)],
+    ["Topic", esc(m.topic)], ["Partition key", esc(m.partition_key || "–")],
+    ["Attempts", `${m.attempts}${m.max_attempts ? " of " + m.max_attempts : ""}`],
+    ["Check-backs", m.check_backs], ["Redelivery", m.redelivery],
+    ["Created", when(m.created_at)], ["Available", when(m.available_at)], ["Sent", when(m.sent_at)],
+    ["Confirmed", when(m.confirmed_at)], ["Confirm deadline", when(m.confirm_deadline)], ["Updated", when(m.updated_at)],
+    ["Last error", `<span class="c-FAILED">${esc(m.last_error || "–")}</span>`],
+  ];
+  const hdrs = Object.entries(m.headers).map(([k, v]) => `<tr><td>${esc(k)}</td><td>${esc(v)}</td></tr>`).join("");
+  main.innerHTML = `<h1>Message ${m.id} ${badge(m.status, m.status_number)}</h1>
+    <div class="actions">
+      <button type="button" data-one="requeue">Requeue</button>
+      <button type="button" data-one="publish-now">Publish now</button>
+      <button type="button" data-one="discard" class="danger">Discard</button>
+      <a href="#/messages">Back to messages</a>
+    </div>
+    <dl class="fields">${fields.map(([k, v]) => `<dt>${k}</dt><dd>${v === "" ? "–" : v}</dd>`).join("")}</dl>
+    <h2>Headers</h2>
+    ${m.headers_error ? `<div class="error-box">${esc(m.headers_error)}<br><code>${esc(m.headers_raw)}</code></div>` : ""}
+    <table><thead><tr><th>Name</th><th>Value</th></tr></thead><tbody>${hdrs || `<tr><td colspan="2" class="muted">None.</td></tr>`}</tbody></table>
+    <h2>Payload <span class="muted">(${esc(m.payload.kind)}, ${m.payload.bytes} bytes)</span></h2>
+    <pre id="payload">${esc(m.payload.text)}</pre>`;
+  document.querySelectorAll("button[data-one]").forEach((b) => {
+    b.onclick = () => act(b.dataset.one, { ids: [m.id] }, `message ${m.id}`);
+  });
+}
+
+async function relays() {
+  setNav("relays");
+  const r = await api("/api/relays");
+  const rows = r.relays.map((x) => `<tr><td>${esc(x.name)}</td><td>${esc((x.routes || ["(not advertised)"]).join(", "))}</td></tr>`).join("");
+  main.innerHTML = `<h1>Relays</h1>
+    <p class="muted">Relays whose heartbeat is recent, with the topic patterns they route.</p>
+    <table><thead><tr><th>Name</th><th>Routes</th></tr></thead>
+    <tbody>${rows || `<tr><td colspan="2" class="muted">No relay is alive.</td></tr>`}</tbody></table>`;
+}
+
+async function route() {
+  const hash = location.hash.replace(/^#/, "") || "/";
+  const [path, query] = hash.split("?");
+  try {
+    if (path === "/messages") await messages(query || "");
+    else if (path.startsWith("/messages/")) await detail(decodeURIComponent(path.slice("/messages/".length)));
+    else if (path === "/relays") await relays();
+    else await overview();
+  } catch (e) {
+    showError(e);
+  }
+}
+
+window.addEventListener("hashchange", route);
+route();

@@ -1,0 +1,545 @@
+//! The admin operations ([`crate::admin`]) for the three databases: one definition of the SQL,
+//! written through a [`Dialect`]'s few differences (placeholders, time and type conversions, the
+//! clock, how a writing transaction starts), and one generic execution over sqlx.
+//!
+//! Times travel as milliseconds since the Unix epoch (UTC): each dialect turns a column into
+//! milliseconds and a parameter into its own timestamp, so the comparisons stay on the column
+//! (and its indexes).
+
+use chrono::{DateTime, TimeZone, Utc};
+use sqlx::{ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, Row, Type};
+
+/// The pool and table a store's admin operations run on: what [`Store::admin_target`]
+/// (crate::Store::admin_target) gives the provided admin methods. Opaque.
+pub struct AdminTarget(pub(crate) Target);
+
+impl std::fmt::Debug for AdminTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AdminTarget")
+    }
+}
+
+/// One database's pool, its outbox table and its [`Dialect`].
+pub(crate) enum Target {
+    #[cfg(feature = "postgres")]
+    Postgres(sqlx::PgPool, String),
+    #[cfg(feature = "mysql")]
+    MySql(sqlx::MySqlPool, String),
+    #[cfg(feature = "sqlite")]
+    Sqlite(sqlx::SqlitePool, String),
+}
+
+/// Run [`Admin`]`::$f(args…)` on the target's database.
+macro_rules! on_target {
+    ($target:expr, $f:ident($($arg:expr),*)) => {
+        match $target.0 {
+            #[cfg(feature = "postgres")]
+            Target::Postgres(pool, table) => Admin { pool: &pool, d: &super::postgres::ADMIN, table: &table }.$f($($arg),*).await,
+            #[cfg(feature = "mysql")]
+            Target::MySql(pool, table) => Admin { pool: &pool, d: &super::mysql::ADMIN, table: &table }.$f($($arg),*).await,
+            #[cfg(feature = "sqlite")]
+            Target::Sqlite(pool, table) => Admin { pool: &pool, d: &super::sqlite::ADMIN, table: &table }.$f($($arg),*).await,
+        }
+    };
+}
+
+/// [`Store::search`](crate::Store::search) on `target`.
+pub(crate) async fn search_on(
+    target: AdminTarget,
+    filter: &MessageFilter,
+    page: &PageRequest,
+) -> Result<MessagePage, StoreError> {
+    on_target!(target, search(filter, page))
+}
+
+/// [`Store::message`](crate::Store::message) on `target`.
+pub(crate) async fn message_on(
+    target: AdminTarget,
+    id: i64,
+) -> Result<Option<MessageDetail>, StoreError> {
+    on_target!(target, message(id))
+}
+
+/// [`Store::topic_counts`](crate::Store::topic_counts) on `target`.
+pub(crate) async fn topic_counts_on(
+    target: AdminTarget,
+    limit: u32,
+) -> Result<Vec<TopicCounts>, StoreError> {
+    on_target!(target, topic_counts(limit))
+}
+
+/// [`Store::act`](crate::Store::act) on `target`.
+pub(crate) async fn act_on(
+    target: AdminTarget,
+    action: Action,
+    selection: &Selection,
+) -> Result<ActionReport, StoreError> {
+    on_target!(target, act(action, selection))
+}
+
+use super::StoreError;
+use super::status_sql::{FAILED, PENDING, REJECTED, SENT};
+use crate::admin::{
+    ACTION_CHUNK, Action, ActionReport, MAX_PAGE, MessageDetail, MessageFilter, MessagePage,
+    MessageSummary, NotChanged, PageRequest, RenderedPayload, Selection, TopicCounts,
+    contains_pattern, like_pattern,
+};
+use crate::message::Status;
+
+/// What differs between the databases in the admin statements.
+pub(crate) struct Dialect {
+    /// `$1, $2, …` (PostgreSQL) rather than `?`.
+    pub numbered: bool,
+    /// A timestamp column as epoch milliseconds (`bigint`).
+    pub ms: fn(&str) -> String,
+    /// A timestamp from an epoch-milliseconds parameter.
+    pub at_ms: fn(&str) -> String,
+    /// An integer column as a 64-bit integer.
+    pub int: fn(&str) -> String,
+    /// A column as text (PostgreSQL's `uuid` and `jsonb`).
+    pub text: fn(&str) -> String,
+    /// A message-id text parameter compared with the `message_id` column.
+    pub uuid: fn(&str) -> String,
+    /// `col` contains the `LIKE` pattern `p` (escape `!`), ignoring case.
+    pub contains: fn(&str, &str) -> String,
+    /// The database clock.
+    pub now: &'static str,
+    /// How a transaction that will write starts.
+    pub begin: &'static str,
+    /// Appended to the select that picks an action's rows (row locks).
+    pub for_update: &'static str,
+}
+
+/// A bound value.
+enum Arg {
+    Int(i64),
+    Text(String),
+}
+
+/// A statement's text and its arguments, built in order.
+struct Sql<'d> {
+    d: &'d Dialect,
+    text: String,
+    args: Vec<Arg>,
+}
+
+impl<'d> Sql<'d> {
+    fn new(d: &'d Dialect, text: impl Into<String>) -> Self {
+        Sql {
+            d,
+            text: text.into(),
+            args: Vec::new(),
+        }
+    }
+
+    /// The placeholder of the argument added now.
+    fn arg(&mut self, a: Arg) -> String {
+        self.args.push(a);
+        if self.d.numbered {
+            format!("${}", self.args.len())
+        } else {
+            "?".to_owned()
+        }
+    }
+
+    fn push(&mut self, s: &str) {
+        self.text.push_str(s);
+    }
+
+    /// ` AND <filter's conditions>`.
+    fn filter(&mut self, f: &MessageFilter) {
+        if !f.states.is_empty() {
+            let list = f
+                .states
+                .iter()
+                .map(|s| s.as_i16().to_string())
+                .collect::<Vec<_>>()
+                .join(", ");
+            self.push(&format!(" AND status IN ({list})"));
+        }
+        if let Some(topic) = &f.topic {
+            let p = self.arg(Arg::Text(like_pattern(topic)));
+            self.push(&format!(" AND topic LIKE {p} ESCAPE '!'"));
+        }
+        if let Some(key) = &f.partition_key {
+            let p = self.arg(Arg::Text(key.clone()));
+            self.push(&format!(" AND partition_key = {p}"));
+        }
+        if let Some(id) = f.message_id {
+            let p = self.arg(Arg::Text(id.to_string()));
+            self.push(&format!(" AND message_id = {}", (self.d.uuid)(&p)));
+        }
+        for (col, op, at) in [
+            ("created_at", ">=", f.created_after),
+            ("created_at", "<", f.created_before),
+            ("sent_at", ">=", f.sent_after),
+            ("sent_at", "<", f.sent_before),
+        ] {
+            if let Some(at) = at {
+                let p = self.arg(Arg::Int(at.timestamp_millis()));
+                self.push(&format!(" AND {col} {op} {}", (self.d.at_ms)(&p)));
+            }
+        }
+        if let Some(text) = &f.error {
+            let p = self.arg(Arg::Text(contains_pattern(text)));
+            self.push(&format!(" AND {}", (self.d.contains)("last_error", &p)));
+        }
+    }
+
+    /// ` AND id IN (…)`.
+    fn ids(&mut self, ids: &[i64]) {
+        let list: Vec<String> = ids.iter().map(|&i| self.arg(Arg::Int(i))).collect();
+        self.push(&format!(" AND id IN ({})", list.join(", ")));
+    }
+
+    fn query<DB: Database>(&self) -> sqlx::query::Query<'_, DB, DB::Arguments>
+    where
+        for<'q> i64: Encode<'q, DB> + Type<DB>,
+        for<'q> String: Encode<'q, DB> + Type<DB>,
+    {
+        let mut q = sqlx::query(sqlx::AssertSqlSafe(self.text.clone()));
+        for a in &self.args {
+            q = match a {
+                Arg::Int(i) => q.bind(*i),
+                Arg::Text(s) => q.bind(s.clone()),
+            };
+        }
+        q
+    }
+}
+
+/// The summary columns, in the order [`summary`] reads them (0–15).
+fn summary_columns(d: &Dialect) -> String {
+    let ms = d.ms;
+    let int = d.int;
+    format!(
+        "id, {mid}, topic, partition_key, {status}, {attempts}, {max_attempts}, {check_backs}, \
+         {redelivery}, {created}, {available}, {sent}, {confirmed}, {updated}, {deadline}, last_error",
+        mid = (d.text)("message_id"),
+        status = int("status"),
+        attempts = int("attempts"),
+        max_attempts = int("max_attempts"),
+        check_backs = int("check_backs"),
+        redelivery = int("redelivery"),
+        created = ms("created_at"),
+        available = ms("available_at"),
+        sent = ms("sent_at"),
+        confirmed = ms("confirmed_at"),
+        updated = ms("updated_at"),
+        deadline = ms("confirm_deadline"),
+    )
+}
+
+fn at(ms: Option<i64>) -> Option<DateTime<Utc>> {
+    ms.and_then(|ms| Utc.timestamp_millis_opt(ms).single())
+}
+
+/// One database's admin statements: its pool, outbox table and dialect.
+struct Admin<'a, DB: Database> {
+    pool: &'a sqlx::Pool<DB>,
+    d: &'a Dialect,
+    table: &'a str,
+}
+
+/// The columns the archive table shares with the outbox table.
+pub(crate) const ARCHIVED_COLUMNS: &str = "id, message_id, topic, partition_key, headers, payload, \
+     status, attempts, max_attempts, available_at, created_at, sent_at, confirmed_at, updated_at, \
+     last_error, confirm_deadline, check_backs, redelivery";
+
+/// The rows of one chunk: named ids, or the next [`ACTION_CHUNK`] rows a filter matches below an
+/// id.
+enum Pick<'a> {
+    Ids(&'a [i64]),
+    Filter(&'a MessageFilter, Option<i64>),
+}
+
+impl<DB: Database> Admin<'_, DB>
+where
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    DB::Arguments: IntoArguments<DB>,
+    for<'q> i64: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
+    for<'q> String: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
+    for<'q> Vec<u8>: Decode<'q, DB> + Type<DB>,
+    usize: ColumnIndex<DB::Row>,
+{
+    /// A [`MessageSummary`] from columns 0–15 of [`summary_columns`].
+    fn summary(row: &DB::Row) -> Result<MessageSummary, sqlx::Error> {
+        let status_number: i64 = row.try_get(4)?;
+        Ok(MessageSummary {
+            id: row.try_get(0)?,
+            message_id: row.try_get(1)?,
+            topic: row.try_get(2)?,
+            partition_key: row.try_get(3)?,
+            status: i16::try_from(status_number).ok().and_then(Status::from_i16),
+            status_number,
+            attempts: row.try_get(5)?,
+            max_attempts: row.try_get(6)?,
+            check_backs: row.try_get(7)?,
+            redelivery: row.try_get(8)?,
+            created_at: at(row.try_get(9)?),
+            available_at: at(row.try_get(10)?),
+            sent_at: at(row.try_get(11)?),
+            confirmed_at: at(row.try_get(12)?),
+            updated_at: at(row.try_get(13)?),
+            confirm_deadline: at(row.try_get(14)?),
+            last_error: row.try_get(15)?,
+        })
+    }
+
+    /// [`Store::search`](crate::Store::search).
+    async fn search(
+        &self,
+        filter: &MessageFilter,
+        page: &PageRequest,
+    ) -> Result<MessagePage, StoreError> {
+        let (pool, d, table) = (self.pool, self.d, self.table);
+        let err = |e| super::db_error("search", table, e);
+        let limit = page.limit.clamp(1, MAX_PAGE);
+        let mut sql = Sql::new(
+            d,
+            format!("SELECT {} FROM {table} WHERE 1 = 1", summary_columns(d)),
+        );
+        sql.filter(filter);
+        if let Some(before) = page.before {
+            let p = sql.arg(Arg::Int(before));
+            sql.push(&format!(" AND id < {p}"));
+        }
+        // One more than the page: whether a next page exists.
+        let p = sql.arg(Arg::Int(i64::from(limit) + 1));
+        sql.push(&format!(" ORDER BY id DESC LIMIT {p}"));
+        let rows = sql.query::<DB>().fetch_all(pool).await.map_err(err)?;
+        let mut messages = rows
+            .iter()
+            .map(Self::summary)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(err)?;
+        let next = if messages.len() > limit as usize {
+            messages.truncate(limit as usize);
+            messages.last().map(|m| m.id)
+        } else {
+            None
+        };
+        Ok(MessagePage { messages, next })
+    }
+
+    /// [`Store::message`](crate::Store::message).
+    async fn message(&self, id: i64) -> Result<Option<MessageDetail>, StoreError> {
+        let (pool, d, table) = (self.pool, self.d, self.table);
+        let err = |e| super::db_error("message", table, e);
+        let mut sql = Sql::new(
+            d,
+            format!(
+                "SELECT {}, {}, payload FROM {table} WHERE 1 = 1",
+                summary_columns(d),
+                (d.text)("headers")
+            ),
+        );
+        sql.ids(&[id]);
+        let Some(row) = sql.query::<DB>().fetch_optional(pool).await.map_err(err)? else {
+            return Ok(None);
+        };
+        let summary = Self::summary(&row).map_err(err)?;
+        let raw: String = row.try_get(16).map_err(err)?;
+        let payload: Vec<u8> = row.try_get(17).map_err(err)?;
+        let (headers, headers_error, headers_raw) = match super::parse_headers(id, &raw) {
+            Ok(h) => (h.into_iter().collect(), None, None),
+            Err(e) => (Default::default(), Some(e.to_string()), Some(raw)),
+        };
+        Ok(Some(MessageDetail {
+            summary,
+            headers,
+            headers_error,
+            headers_raw,
+            payload: RenderedPayload::of(&payload),
+        }))
+    }
+
+    /// [`Store::topic_counts`](crate::Store::topic_counts): the `limit` topics with the most rows.
+    async fn topic_counts(&self, limit: u32) -> Result<Vec<TopicCounts>, StoreError> {
+        let (pool, d, table) = (self.pool, self.d, self.table);
+        let err = |e| super::db_error("topic_counts", table, e);
+        let sql = Sql::new(
+            d,
+            format!(
+                "SELECT topic, {}, {} FROM {table} GROUP BY topic, status",
+                (d.int)("status"),
+                (d.int)("COUNT(*)")
+            ),
+        );
+        let rows = sql.query::<DB>().fetch_all(pool).await.map_err(err)?;
+        let mut by_topic: std::collections::BTreeMap<String, TopicCounts> = Default::default();
+        for row in &rows {
+            let topic: String = row.try_get(0).map_err(err)?;
+            let status: i64 = row.try_get(1).map_err(err)?;
+            let n: i64 = row.try_get(2).map_err(err)?;
+            let name = i16::try_from(status)
+                .ok()
+                .and_then(Status::from_i16)
+                .map_or_else(|| format!("status {status}"), |s| s.name().to_owned());
+            by_topic
+                .entry(topic.clone())
+                .or_insert_with(|| TopicCounts {
+                    topic,
+                    counts: Default::default(),
+                })
+                .counts
+                .insert(name, u64::try_from(n).unwrap_or(0));
+        }
+        let mut all: Vec<TopicCounts> = by_topic.into_values().collect();
+        all.sort_by_key(|t| std::cmp::Reverse(t.counts.values().sum::<u64>()));
+        all.truncate(limit as usize);
+        Ok(all)
+    }
+
+    /// [`Store::act`](crate::Store::act): the action in chunks of [`ACTION_CHUNK`] rows, each chunk
+    /// one transaction that locks the rows it picked (re-checking their state) before it changes
+    /// them.
+    async fn act(&self, action: Action, selection: &Selection) -> Result<ActionReport, StoreError> {
+        let mut report = ActionReport::default();
+        match selection {
+            Selection::Ids(ids) => {
+                let mut ids = ids.clone();
+                ids.sort_unstable();
+                ids.dedup();
+                let mut changed = std::collections::BTreeSet::new();
+                for chunk in ids.chunks(ACTION_CHUNK) {
+                    changed.extend(self.act_chunk(action, Pick::Ids(chunk)).await?);
+                }
+                report.changed = changed.len() as u64;
+                let rest: Vec<i64> = ids.into_iter().filter(|i| !changed.contains(i)).collect();
+                report.not_changed = self.why_not(action, &rest).await?;
+            }
+            Selection::Filter(filter) => {
+                let mut before = None;
+                loop {
+                    let done = self.act_chunk(action, Pick::Filter(filter, before)).await?;
+                    let Some(&lowest) = done.iter().min() else {
+                        break;
+                    };
+                    report.changed += done.len() as u64;
+                    before = Some(lowest);
+                }
+            }
+        }
+        Ok(report)
+    }
+
+    /// One chunk in one transaction; the ids changed.
+    async fn act_chunk(&self, action: Action, pick: Pick<'_>) -> Result<Vec<i64>, StoreError> {
+        let (pool, d, table) = (self.pool, self.d, self.table);
+        let err = |e| super::db_error("admin action", table, e);
+        let now = d.now;
+        let states = action
+            .from_states()
+            .iter()
+            .map(|s| s.as_i16().to_string())
+            .collect::<Vec<_>>()
+            .join(", ");
+        let mut pick_sql = Sql::new(
+            d,
+            format!("SELECT id FROM {table} WHERE status IN ({states})"),
+        );
+        if action == Action::PublishNow {
+            pick_sql.push(&format!(" AND available_at > {now}"));
+        }
+        match pick {
+            Pick::Ids(ids) => pick_sql.ids(ids),
+            Pick::Filter(f, before) => {
+                pick_sql.filter(f);
+                if let Some(before) = before {
+                    let p = pick_sql.arg(Arg::Int(before));
+                    pick_sql.push(&format!(" AND id < {p}"));
+                }
+                pick_sql.push(&format!(" ORDER BY id DESC LIMIT {ACTION_CHUNK}"));
+            }
+        }
+        pick_sql.push(d.for_update);
+
+        let mut conn = pool.acquire().await.map_err(err)?;
+        let mut tx =
+            sqlx::Connection::begin_with(&mut *conn, sqlx::AssertSqlSafe(d.begin.to_owned()))
+                .await
+                .map_err(err)?;
+        let rows = pick_sql
+            .query::<DB>()
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(err)?;
+        let ids = rows
+            .iter()
+            .map(|r| r.try_get::<i64, _>(0))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(err)?;
+        if ids.is_empty() {
+            tx.rollback().await.map_err(err)?;
+            return Ok(ids);
+        }
+        let statements: Vec<String> = match action {
+            Action::Requeue => vec![format!(
+                "UPDATE {table} SET status = {PENDING}, attempts = 0, check_backs = 0, \
+                 redelivery = redelivery + 1, available_at = {now}, updated_at = {now}, \
+                 confirmed_at = NULL, confirm_deadline = NULL WHERE status IN ({FAILED}, {REJECTED}, {SENT})"
+            )],
+            Action::PublishNow => vec![format!(
+                "UPDATE {table} SET available_at = {now}, updated_at = {now} WHERE status = {PENDING}"
+            )],
+            Action::Discard => vec![
+                format!(
+                    "INSERT INTO {table}_archive ({ARCHIVED_COLUMNS}, archived_at, archive_reason) \
+                     SELECT {ARCHIVED_COLUMNS}, {now}, 'discarded' FROM {table} WHERE status = {FAILED}"
+                ),
+                format!("DELETE FROM {table} WHERE status = {FAILED}"),
+            ],
+        };
+        for text in statements {
+            let mut sql = Sql::new(d, text);
+            sql.ids(&ids);
+            sql.query::<DB>().execute(&mut *tx).await.map_err(err)?;
+        }
+        tx.commit().await.map_err(err)?;
+        Ok(ids)
+    }
+
+    /// Why each of `ids` was not changed: its state now, or that there is no such row.
+    async fn why_not(&self, action: Action, ids: &[i64]) -> Result<Vec<NotChanged>, StoreError> {
+        let (pool, d, table) = (self.pool, self.d, self.table);
+        let err = |e| super::db_error("admin action", table, e);
+        let wanted = action
+            .from_states()
+            .iter()
+            .map(|s| s.name())
+            .collect::<Vec<_>>()
+            .join(" or ");
+        let mut found = std::collections::BTreeMap::new();
+        for chunk in ids.chunks(ACTION_CHUNK) {
+            let mut sql = Sql::new(
+                d,
+                format!("SELECT id, {} FROM {table} WHERE 1 = 1", (d.int)("status")),
+            );
+            sql.ids(chunk);
+            for row in sql.query::<DB>().fetch_all(pool).await.map_err(err)? {
+                let id: i64 = row.try_get(0).map_err(err)?;
+                let status: i64 = row.try_get(1).map_err(err)?;
+                found.insert(id, status);
+            }
+        }
+        Ok(ids
+            .iter()
+            .map(|&id| {
+                let status = found
+                    .get(&id)
+                    .and_then(|&n| i16::try_from(n).ok())
+                    .and_then(Status::from_i16);
+                let reason = match (found.get(&id), status) {
+                    (None, _) => "no such message (never written, purged or archived)".to_owned(),
+                    (Some(_), Some(Status::Pending)) if action == Action::PublishNow => {
+                        "already due".to_owned()
+                    }
+                    (Some(_), Some(s)) => format!("{} is not {wanted}", s.name()),
+                    (Some(n), None) => format!("status {n} is outside the schema"),
+                };
+                NotChanged { id, status, reason }
+            })
+            .collect())
+    }
+}
