@@ -97,6 +97,17 @@ enum Command {
     Messages(messages::MessagesCommand),
     /// Serve the admin API (`/api/…`) for a database, without a relay.
     Admin(messages::AdminArgs),
+    /// The relays' heartbeats and routes and the buckets each holds.
+    Relays {
+        #[command(flatten)]
+        db: DbArgs,
+        /// Print JSON (the API's answer) instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Partition keys: `outbox keys blocked` lists those held back by a dead letter.
+    #[command(subcommand)]
+    Keys(messages::KeysCommand),
     /// Inspect a consumer's inbox: its dead letters, and replays of them.
     #[command(subcommand)]
     Inbox(InboxCommand),
@@ -706,6 +717,8 @@ async fn main() -> std::process::ExitCode {
         Command::Requeue { db, ids, all } => requeue(db, ids, all).await,
         Command::Messages(cmd) => messages::run(cmd).await,
         Command::Admin(args) => messages::serve(args).await,
+        Command::Relays { db, json } => messages::relays(db, json).await,
+        Command::Keys(cmd) => messages::keys(cmd).await,
         Command::Inbox(cmd) => inbox_command(cmd).await,
         Command::Demo(args) => demo::run(args).await,
         Command::Bench(args) => bench::run(args).await,

@@ -122,6 +122,23 @@ pub enum MessagesCommand {
     Discard(ActArgs),
 }
 
+/// `outbox keys …`.
+#[derive(Debug, Subcommand)]
+pub enum KeysCommand {
+    /// Keys held back by a dead letter (a FAILED message with PENDING messages of its key after
+    /// it), oldest first; requeue or discard the head to free the key.
+    Blocked {
+        #[command(flatten)]
+        db: DbArgs,
+        /// How many keys, 1 to 1000.
+        #[arg(long, default_value_t = 100)]
+        limit: u32,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
 /// `outbox admin`: serve the admin API for a database.
 #[derive(Debug, clap::Args)]
 pub struct AdminArgs {
@@ -429,5 +446,83 @@ pub async fn status(db: DbArgs, failed: u32, json: bool) -> anyhow::Result<()> {
              outbox messages requeue|discard ID…"
         );
     }
+    Ok(())
+}
+
+/// `outbox relays`: each relay's heartbeat age, routes and the buckets it holds.
+pub async fn relays(db: DbArgs, json: bool) -> anyhow::Result<()> {
+    let store = open(&db).await?;
+    let leases = store.leases().await?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&leases)?);
+        return Ok(());
+    }
+    let now = leases.now.unwrap_or_else(Utc::now);
+    let ago = |t: Option<DateTime<Utc>>| {
+        t.map_or_else(
+            || "-".to_owned(),
+            |t| format!("{:.1} s", (now - t).num_milliseconds() as f64 / 1000.0),
+        )
+    };
+    println!(
+        "{:<32}  {:>14}  {:>7}  routes",
+        "relay", "heartbeat ago", "buckets"
+    );
+    for r in &leases.relays {
+        let held = leases
+            .buckets
+            .iter()
+            .filter(|b| b.owner.as_deref() == Some(&r.name) && b.expires_at > Some(now))
+            .count();
+        println!(
+            "{:<32}  {:>14}  {:>7}  {}",
+            cut(&r.name, 32),
+            ago(r.heartbeat_at),
+            held,
+            r.routes.as_deref().unwrap_or("-")
+        );
+    }
+    let unheld = leases
+        .buckets
+        .iter()
+        .filter(|b| b.expires_at.is_none_or(|e| e <= now))
+        .count();
+    println!(
+        "{} buckets, {unheld} without a live lease",
+        leases.buckets.len()
+    );
+    Ok(())
+}
+
+/// `outbox keys …`.
+pub async fn keys(cmd: KeysCommand) -> anyhow::Result<()> {
+    let KeysCommand::Blocked { db, limit, json } = cmd;
+    let store = open(&db).await?;
+    let keys = store.blocked_keys(limit).await?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&keys)?);
+        return Ok(());
+    }
+    if keys.is_empty() {
+        println!("no key is held back by a dead letter");
+        return Ok(());
+    }
+    println!(
+        "{:<24}  {:>10}  {:>7}  {:<20}  reason",
+        "key", "held by", "waiting", "since"
+    );
+    for k in &keys {
+        println!(
+            "{:<24}  {:>10}  {:>7}  {:<20}  {}",
+            cut(&k.key, 24),
+            k.held_by,
+            k.waiting,
+            k.since
+                .map(|t| t.format("%Y-%m-%d %H:%M:%S").to_string())
+                .unwrap_or_default(),
+            cut(k.last_error.as_deref().unwrap_or(""), 60).replace('\n', " ")
+        );
+    }
+    println!("free a key: outbox messages requeue|discard <held by>");
     Ok(())
 }

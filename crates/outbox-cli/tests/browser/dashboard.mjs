@@ -128,8 +128,17 @@ try {
   step = "relays";
   await page.click('a[data-nav="relays"]');
   await page.waitForSelector("main table");
-  check((await page.textContent("main")).includes("dash-relay"), "the relays page lists the running relay");
+  check((await page.textContent("#relays")).includes("dash-relay"), "the relays page lists the running relay");
+  check((await page.textContent("#relays")).includes("alive"), "the relay is shown alive");
+  const counts = await page.$$eval("#buckets tbody tr td:nth-child(2)", (tds) => tds.map((td) => Number(td.textContent)));
+  check(counts.reduce((a, b) => a + b, 0) === 64, "every bucket is listed");
+  check((await page.textContent("#buckets")).includes("dash-relay"), "the buckets show their owner");
   await page.screenshot({ path: `${shots}/relays.png`, fullPage: true });
+
+  step = "blocked keys";
+  await page.click('a[data-nav="keys"]');
+  await page.waitForSelector("#keys");
+  check((await page.textContent("#keys")).includes("No key is held back"), "no key is held back (the route skips dead letters)");
 
   check(consoleErrors.length === 0, `no script errors (${consoleErrors.join("; ")})`);
 } catch (e) {

@@ -169,3 +169,51 @@ pub(super) async fn request(
     let code = head.split_whitespace().nth(1).unwrap().parse().unwrap();
     (code, body.to_owned())
 }
+
+/// `outbox keys blocked` names a key whose dead letter holds PENDING messages back, and `outbox
+/// relays` reads the membership (none alive here: every bucket without a live lease).
+#[test]
+fn keys_blocked_and_relays_commands() {
+    let f = Fixture::new("keys");
+    let db = sqlite_with_rows(&f, "keys.db", &[]);
+    tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let pool = sqlx::SqlitePool::connect(&db).await.unwrap();
+        for (i, (status, key, error)) in [
+            (Status::Sent, "k1", None),
+            (Status::Failed, "k1", Some("poison")),
+            (Status::Pending, "k1", None),
+            (Status::Pending, "k1", None),
+            (Status::Pending, "k2", None),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            sqlx::query(
+                "INSERT INTO outbox (message_id, topic, partition_key, payload, status, last_error) \
+                 VALUES (?1, 't', ?2, x'01', ?3, ?4)",
+            )
+            .bind(format!("00000000-0000-7000-8000-{:012}", i + 1))
+            .bind(key)
+            .bind(status.as_i16())
+            .bind(error)
+            .execute(&pool)
+            .await
+            .unwrap();
+        }
+    });
+    let out = succeeds(outbox().args(["keys", "blocked", "--database", &db]));
+    assert!(out.contains("k1") && out.contains("poison"), "{out}");
+    assert!(!out.contains("k2"), "{out}");
+    let keys: serde_json::Value = serde_json::from_str(&succeeds(outbox().args([
+        "keys",
+        "blocked",
+        "--json",
+        "--database",
+        &db,
+    ])))
+    .unwrap();
+    assert_eq!(keys[0]["held_by"], 2);
+    assert_eq!(keys[0]["waiting"], 2);
+    let out = succeeds(outbox().args(["relays", "--database", &db]));
+    assert!(out.contains("64 buckets, 64 without a live lease"), "{out}");
+}

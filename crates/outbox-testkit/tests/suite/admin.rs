@@ -21,7 +21,10 @@ fixture_tests!(
         mysql: outbox_testkit::MySqlFixture,
     ],
     [crate::admin],
-    [admin_api_finds_and_fixes_dead_letters = scenario],
+    [
+        admin_api_finds_and_fixes_dead_letters = scenario,
+        admin_api_shows_leases_and_blocked_keys = leases_and_blocked_keys,
+    ],
 );
 
 const TOKEN: &str = "s3cret-token";
@@ -302,6 +305,100 @@ pub async fn scenario(fx: &dyn StoreFixture) {
     let (_, spec) = get(&base, "/api/openapi.json").await;
     assert_eq!(spec["openapi"], "3.1.0");
 
+    stop.cancel();
+    relay.shutdown().await.unwrap();
+}
+
+/// A relay on a `block` route: a dead-lettered head holds its key back; `GET /api/keys/blocked`
+/// names the key, its head and what waits behind it, `GET /api/relays` the relay's heartbeat
+/// and the buckets it holds; requeueing the head through the API frees the key.
+pub async fn leases_and_blocked_keys(fx: &dyn StoreFixture) {
+    use crate::ordering::{keyed, ordered_config, ordered_relay};
+    let mem = Arc::new(MemoryTransport::new());
+    let ids = fx
+        .enqueue_commit(vec![
+            keyed("orders", "K", "A"),
+            keyed("orders", "K", "B"),
+            keyed("orders", "K", "C"),
+            keyed("orders", "other", "D"),
+        ])
+        .await
+        .expect("enqueue");
+    mem.fail_next(ids[0], vec![TransportErrorKind::Permanent]);
+    let relay = ordered_relay(
+        fx,
+        mem.clone(),
+        outbox::DeadLetterPolicy::Block,
+        ordered_config("admin-block"),
+        None,
+    )
+    .spawn();
+    wait_until(
+        "A dead-lettered and D published",
+        Duration::from_secs(20),
+        || async {
+            let rows = fx.rows().await;
+            let st = |m: uuid::Uuid| rows.iter().find(|r| r.message_id == m).unwrap().status;
+            st(ids[0]) == Status::Failed.as_i16() && st(ids[3]) == Status::Sent.as_i16()
+        },
+    )
+    .await;
+    let rows = fx.rows().await;
+    let head = rows.iter().find(|r| r.message_id == ids[0]).unwrap().id;
+    let (base, stop) = serve(fx).await;
+
+    let (code, body) = get(&base, "/api/keys/blocked").await;
+    assert_eq!(code, 200, "{body}");
+    let keys = body["keys"].as_array().unwrap();
+    assert_eq!(keys.len(), 1, "only K is held back: {body}");
+    assert_eq!(keys[0]["key"], "K");
+    assert_eq!(keys[0]["held_by"], head);
+    assert_eq!(keys[0]["waiting"], 2, "B and C wait: {body}");
+    assert!(
+        keys[0]["since"].is_string() && keys[0]["last_error"].is_string(),
+        "{body}"
+    );
+
+    let (code, leases) = get(&base, "/api/relays").await;
+    assert_eq!(code, 200, "{leases}");
+    let relays = leases["relays"].as_array().unwrap();
+    assert!(
+        relays
+            .iter()
+            .any(|r| r["name"] == "admin-block" && r["heartbeat_at"].is_string()),
+        "{leases}"
+    );
+    let buckets = leases["buckets"].as_array().unwrap();
+    assert_eq!(buckets.len(), usize::from(outbox::store::BUCKETS));
+    let held = buckets
+        .iter()
+        .filter(|b| b["owner"] == "admin-block" && b["expires_at"].is_string())
+        .count();
+    assert_eq!(
+        held,
+        usize::from(outbox::store::BUCKETS),
+        "one relay holds every bucket: {leases}"
+    );
+    assert!(leases["now"].is_string());
+
+    // Requeue the head: A, then B and C are published; nothing is held back any more.
+    let (_, report) = post(
+        &base,
+        "/api/messages/requeue",
+        Some(TOKEN),
+        json!({"ids": [head]}),
+    )
+    .await;
+    assert_eq!(report["changed"], 1, "{report}");
+    wait_until("K published in order", Duration::from_secs(20), || async {
+        fx.rows()
+            .await
+            .iter()
+            .all(|r| r.status == Status::Sent.as_i16())
+    })
+    .await;
+    let (_, body) = get(&base, "/api/keys/blocked").await;
+    assert_eq!(body["keys"].as_array().map(Vec::len), Some(0), "{body}");
     stop.cancel();
     relay.shutdown().await.unwrap();
 }

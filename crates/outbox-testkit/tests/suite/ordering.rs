@@ -22,7 +22,7 @@ use uuid::Uuid;
 use crate::relay::fast_config;
 
 /// Test settings with a short bucket lease (1.5 s), so takeovers after a kill are quick.
-fn ordered_config(name: &str) -> RelayConfig {
+pub(crate) fn ordered_config(name: &str) -> RelayConfig {
     RelayConfig {
         lease: Duration::from_millis(1500),
         publish_timeout: Duration::from_millis(400),
@@ -31,7 +31,7 @@ fn ordered_config(name: &str) -> RelayConfig {
 }
 
 /// A relay publishing every topic to `transport` on one ordered route.
-fn ordered_relay(
+pub(crate) fn ordered_relay(
     fx: &dyn StoreFixture,
     transport: Arc<dyn Transport>,
     policy: DeadLetterPolicy,
@@ -51,7 +51,7 @@ fn ordered_relay(
     b.build().expect("relay config")
 }
 
-fn keyed(topic: &str, key: &str, payload: &str) -> NewMessage {
+pub(crate) fn keyed(topic: &str, key: &str, payload: &str) -> NewMessage {
     NewMessage::new(topic, payload.as_bytes().to_vec()).with_partition_key(key)
 }
 

@@ -9,7 +9,8 @@
 //! | `GET /api/messages?state=&topic=&key=&message_id=&created_after=&created_before=&sent_after=&sent_before=&error=&before=&limit=` | one page of a search, newest first |
 //! | `GET /api/messages/{id}` | one message (row id or message id) |
 //! | `POST /api/messages/requeue`, `…/publish-now`, `…/discard` | an action on `{"ids": […]}` or `{"filter": {…}}` |
-//! | `GET /api/relays` | the live relays and their routes |
+//! | `GET /api/relays` | the relays' heartbeats and routes, every bucket's lease, the database clock |
+//! | `GET /api/keys/blocked?limit=` | partition keys held back by a dead letter |
 //!
 //! Authentication: with a token set ([`AdminAuth::token`]) a mutation needs `Authorization:
 //! Bearer <token>` (401 without it, nothing changed); without one, mutations are refused (403).
@@ -51,8 +52,8 @@ impl std::fmt::Debug for AdminAuth {
     }
 }
 
-/// How long a relay's heartbeat counts it as alive in `GET /api/relays` (the relay's default
-/// lease).
+/// How long after its heartbeat a relay counts as alive (the relay's default lease), given to
+/// `GET /api/relays` clients as `lease_seconds`.
 pub const RELAY_LEASE: Duration = Duration::from_secs(30);
 
 #[derive(Clone)]
@@ -85,6 +86,7 @@ pub fn router(store: Arc<dyn Store>, auth: AdminAuth) -> axum::Router {
         // `GET` one message by id; `POST` an action by name (requeue, publish-now, discard).
         .route("/api/messages/{id}", get(show).post(act))
         .route("/api/relays", get(relays))
+        .route("/api/keys/blocked", get(blocked_keys))
         .with_state(api)
 }
 
@@ -320,12 +322,34 @@ async fn act(
 
 async fn relays(State(api): State<Api>, headers: HeaderMap) -> Result<Response, ApiError> {
     api.check(&headers, false)?;
-    let relays = api.store.relays(RELAY_LEASE).await?;
-    let list: Vec<serde_json::Value> = relays
-        .into_iter()
-        .map(|r| json!({ "name": r.name, "routes": r.routes }))
-        .collect();
-    Ok(Json(json!({ "relays": list })).into_response())
+    let leases = api.store.leases().await?;
+    Ok(Json(json!({
+        "now": leases.now,
+        "lease_seconds": RELAY_LEASE.as_secs(),
+        "relays": leases.relays,
+        "buckets": leases.buckets,
+    }))
+    .into_response())
+}
+
+async fn blocked_keys(
+    State(api): State<Api>,
+    headers: HeaderMap,
+    Query(pairs): Query<Vec<(String, String)>>,
+) -> Result<Response, ApiError> {
+    api.check(&headers, false)?;
+    let mut limit = 100;
+    for (k, v) in &pairs {
+        match k.as_str() {
+            "limit" => {
+                limit = v
+                    .parse()
+                    .map_err(|_| bad("limit", "not a number from 1 to 1000"))?;
+            }
+            other => return Err(bad(other, "unknown parameter (limit)")),
+        }
+    }
+    Ok(Json(json!({ "keys": api.store.blocked_keys(limit).await? })).into_response())
 }
 
 /// The OpenAPI 3.1 description of [`router`]'s routes.
@@ -370,6 +394,7 @@ mod tests {
             "/api/messages/publish-now",
             "/api/messages/discard",
             "/api/relays",
+            "/api/keys/blocked",
         ] {
             assert!(doc["paths"][path].is_object(), "{path} is not described");
         }

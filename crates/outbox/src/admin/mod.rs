@@ -259,6 +259,64 @@ pub struct NotChanged {
     pub reason: String,
 }
 
+/// The relays' membership and the bucket leases, as the database holds them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Leases {
+    /// The database clock when read: compare heartbeats and lease expiries with it.
+    pub now: Option<DateTime<Utc>>,
+    /// Every relay row, alive or not, by name.
+    pub relays: Vec<RelayRow>,
+    /// Every bucket, by number.
+    pub buckets: Vec<BucketRow>,
+}
+
+/// A relay's membership row.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RelayRow {
+    /// The relay's name.
+    pub name: String,
+    /// Its last heartbeat (database clock).
+    pub heartbeat_at: Option<DateTime<Utc>>,
+    /// The topic patterns it routes, as it advertised them (JSON list text), if any.
+    pub routes: Option<String>,
+}
+
+/// One bucket's lease.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BucketRow {
+    /// The bucket (0 to `BUCKETS - 1`).
+    pub bucket: i64,
+    /// The relay holding (or last holding) it.
+    pub owner: Option<String>,
+    /// The fencing token of the lease; in JSON a string (a 63-bit number loses digits in
+    /// JavaScript).
+    #[serde(with = "token_text")]
+    pub token: Option<i64>,
+    /// When the lease ends (database clock); `None` for a bucket never leased.
+    pub expires_at: Option<DateTime<Utc>>,
+    /// How often a relay took it over from another whose lease had expired.
+    pub takeovers: i64,
+    /// The relay it is being handed over to, if any.
+    pub handoff: Option<String>,
+}
+
+/// A partition key held back by a dead letter: its FAILED head and the PENDING messages of the
+/// key after it. On a route with `dead_letter = "block"` they wait until the head is requeued or
+/// discarded (docs/ordering.md).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockedKey {
+    /// The partition key.
+    pub key: String,
+    /// The row id of the dead letter holding it back.
+    pub held_by: i64,
+    /// When that message was dead-lettered (its last change).
+    pub since: Option<DateTime<Utc>>,
+    /// Why it was dead-lettered.
+    pub last_error: Option<String>,
+    /// PENDING messages of the key after it.
+    pub waiting: i64,
+}
+
 /// Messages per state of one topic.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TopicCounts {
@@ -298,6 +356,24 @@ impl std::str::FromStr for Status {
                     Status::ALL.map(Status::name).join(", ")
                 )
             })
+    }
+}
+
+/// A fencing token as a JSON string.
+mod token_text {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(t: &Option<i64>, s: S) -> Result<S::Ok, S::Error> {
+        match t {
+            Some(t) => s.serialize_str(&t.to_string()),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<i64>, D::Error> {
+        Option::<String>::deserialize(d)?
+            .map(|t| t.parse().map_err(serde::de::Error::custom))
+            .transpose()
     }
 }
 

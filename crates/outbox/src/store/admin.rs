@@ -68,6 +68,19 @@ pub(crate) async fn topic_counts_on(
     on_target!(target, topic_counts(limit))
 }
 
+/// [`Store::leases`](crate::Store::leases) on `target`.
+pub(crate) async fn leases_on(target: AdminTarget) -> Result<Leases, StoreError> {
+    on_target!(target, leases())
+}
+
+/// [`Store::blocked_keys`](crate::Store::blocked_keys) on `target`.
+pub(crate) async fn blocked_keys_on(
+    target: AdminTarget,
+    limit: u32,
+) -> Result<Vec<BlockedKey>, StoreError> {
+    on_target!(target, blocked_keys(limit))
+}
+
 /// [`Store::act`](crate::Store::act) on `target`.
 pub(crate) async fn act_on(
     target: AdminTarget,
@@ -80,9 +93,9 @@ pub(crate) async fn act_on(
 use super::StoreError;
 use super::status_sql::{FAILED, PENDING, REJECTED, SENT};
 use crate::admin::{
-    ACTION_CHUNK, Action, ActionReport, MAX_PAGE, MessageDetail, MessageFilter, MessagePage,
-    MessageSummary, NotChanged, PageRequest, RenderedPayload, Selection, TopicCounts,
-    contains_pattern, like_pattern,
+    ACTION_CHUNK, Action, ActionReport, BlockedKey, BucketRow, Leases, MAX_PAGE, MessageDetail,
+    MessageFilter, MessagePage, MessageSummary, NotChanged, PageRequest, RelayRow, RenderedPayload,
+    Selection, TopicCounts, contains_pattern, like_pattern,
 };
 use crate::message::Status;
 
@@ -286,6 +299,21 @@ where
         })
     }
 
+    /// Run `sql` and decode each row with `decode`; errors are `op`'s.
+    async fn fetch<T>(
+        &self,
+        op: &'static str,
+        sql: &Sql<'_>,
+        decode: impl Fn(&DB::Row) -> Result<T, sqlx::Error>,
+    ) -> Result<Vec<T>, StoreError> {
+        let err = |e| super::db_error(op, self.table, e);
+        let rows = sql.query::<DB>().fetch_all(self.pool).await.map_err(err)?;
+        rows.iter()
+            .map(decode)
+            .collect::<Result<_, _>>()
+            .map_err(err)
+    }
+
     /// [`Store::search`](crate::Store::search).
     async fn search(
         &self,
@@ -352,6 +380,93 @@ where
             headers_raw,
             payload: RenderedPayload::of(&payload),
         }))
+    }
+
+    /// [`Store::leases`](crate::Store::leases).
+    async fn leases(&self) -> Result<Leases, StoreError> {
+        let (pool, d, table) = (self.pool, self.d, self.table);
+        let err = |e| super::db_error("leases", table, e);
+        let now: Option<i64> =
+            sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT {}", (d.ms)(d.now))))
+                .fetch_one(pool)
+                .await
+                .map_err(err)?;
+        let relays = Sql::new(
+            d,
+            format!(
+                "SELECT name, {}, routes FROM {table}_relays ORDER BY name",
+                (d.ms)("heartbeat_at")
+            ),
+        );
+        let relays = self
+            .fetch("leases", &relays, |r| {
+                Ok(RelayRow {
+                    name: r.try_get(0)?,
+                    heartbeat_at: at(r.try_get(1)?),
+                    routes: r.try_get(2)?,
+                })
+            })
+            .await?;
+        let buckets = Sql::new(
+            d,
+            format!(
+                "SELECT {}, owner, {}, {}, {}, handoff FROM {table}_buckets ORDER BY bucket",
+                (d.int)("bucket"),
+                (d.int)("token"),
+                (d.ms)("expires_at"),
+                (d.int)("takeovers"),
+            ),
+        );
+        let buckets = self
+            .fetch("leases", &buckets, |r| {
+                Ok(BucketRow {
+                    bucket: r.try_get(0)?,
+                    owner: r.try_get(1)?,
+                    token: r.try_get(2)?,
+                    // A bucket never leased expired at the dawn of time (PostgreSQL
+                    // '-infinity', MySQL 1970-01-01 00:00:01, SQLite 0): no expiry to show.
+                    expires_at: at(r.try_get::<Option<i64>, _>(3)?.filter(|&ms| ms > 1000)),
+                    takeovers: r.try_get(4)?,
+                    handoff: r.try_get(5)?,
+                })
+            })
+            .await?;
+        Ok(Leases {
+            now: at(now),
+            relays,
+            buckets,
+        })
+    }
+
+    /// [`Store::blocked_keys`](crate::Store::blocked_keys).
+    async fn blocked_keys(&self, limit: u32) -> Result<Vec<BlockedKey>, StoreError> {
+        let (d, table) = (self.d, self.table);
+        let mut sql = Sql::new(
+            d,
+            format!(
+                "SELECT f.partition_key, f.id, {since}, f.last_error, {waiting} \
+                 FROM {table} f JOIN {table} w ON w.partition_key = f.partition_key \
+                   AND w.status = {PENDING} AND w.id > f.id \
+                 WHERE f.status = {FAILED} AND f.partition_key IS NOT NULL \
+                   AND NOT EXISTS (SELECT 1 FROM {table} e WHERE e.partition_key = f.partition_key \
+                     AND e.status = {FAILED} AND e.id < f.id) \
+                 GROUP BY f.partition_key, f.id, f.updated_at, f.last_error ORDER BY f.id",
+                since = (d.ms)("f.updated_at"),
+                waiting = (d.int)("COUNT(w.id)"),
+            ),
+        );
+        let p = sql.arg(Arg::Int(i64::from(limit.clamp(1, MAX_PAGE))));
+        sql.push(&format!(" LIMIT {p}"));
+        self.fetch("blocked_keys", &sql, |r| {
+            Ok(BlockedKey {
+                key: r.try_get(0)?,
+                held_by: r.try_get(1)?,
+                since: at(r.try_get(2)?),
+                last_error: r.try_get(3)?,
+                waiting: r.try_get(4)?,
+            })
+        })
+        .await
     }
 
     /// [`Store::topic_counts`](crate::Store::topic_counts): the `limit` topics with the most rows.

@@ -382,6 +382,25 @@ pub trait Store: Send + Sync + 'static {
         admin::topic_counts_on(self.admin_target(), limit).await
     }
 
+    /// The relays' membership rows and every bucket lease, with the database clock.
+    ///
+    /// # Errors
+    /// [`StoreError`] from the database.
+    #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+    async fn leases(&self) -> Result<crate::admin::Leases, StoreError> {
+        admin::leases_on(self.admin_target()).await
+    }
+
+    /// Up to `limit` partition keys held back by a dead letter (a FAILED message with PENDING
+    /// messages of its key after it), oldest head first.
+    ///
+    /// # Errors
+    /// [`StoreError`] from the database.
+    #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+    async fn blocked_keys(&self, limit: u32) -> Result<Vec<crate::admin::BlockedKey>, StoreError> {
+        admin::blocked_keys_on(self.admin_target(), limit).await
+    }
+
     /// Apply an operator's `action` to `selection` ([`crate::admin::Action`]), in chunks of
     /// [`crate::admin::ACTION_CHUNK`] rows, each one transaction.
     ///

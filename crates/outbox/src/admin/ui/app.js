@@ -248,11 +248,55 @@ async function detail(id) {
 async function relays() {
   setNav("relays");
   const r = await api("/api/relays");
-  const rows = r.relays.map((x) => `<tr><td>${esc(x.name)}</td><td>${esc((x.routes || ["(not advertised)"]).join(", "))}</td></tr>`).join("");
+  const now = r.now ? Date.parse(r.now) : Date.now();
+  const ago = (t) => (t ? `${((now - Date.parse(t)) / 1000).toFixed(1)} s ago` : "–");
+  const live = (b) => b.expires_at && Date.parse(b.expires_at) > now;
+  const rows = r.relays.map((x) => {
+    const alive = x.heartbeat_at && now - Date.parse(x.heartbeat_at) < r.lease_seconds * 1000;
+    const held = r.buckets.filter((b) => b.owner === x.name && live(b)).length;
+    return `<tr><td>${esc(x.name)}</td><td>${alive ? '<span class="badge b-CONFIRMED">alive</span>' : '<span class="badge b-unknown">gone</span>'}</td>
+      <td>${ago(x.heartbeat_at)}</td><td class="num">${held}</td><td>${esc(x.routes || "(not advertised)")}</td></tr>`;
+  }).join("");
+  // Consecutive buckets with the same lease (owner, token, hand-off) as one row.
+  const groups = [];
+  for (const b of r.buckets) {
+    const owner = live(b) ? b.owner : null;
+    const last = groups[groups.length - 1];
+    if (last && last.owner === owner && last.token === (owner ? b.token : null) && last.handoff === b.handoff) {
+      last.to = b.bucket;
+      last.takeovers += b.takeovers;
+      if (b.expires_at && (!last.expires || Date.parse(b.expires_at) < Date.parse(last.expires))) last.expires = b.expires_at;
+    } else {
+      groups.push({ from: b.bucket, to: b.bucket, owner, token: owner ? b.token : null, handoff: b.handoff, takeovers: b.takeovers, expires: b.expires_at });
+    }
+  }
+  const cells = groups.map((g) => `<tr><td class="num">${g.from === g.to ? g.from : `${g.from}–${g.to}`}</td><td class="num">${g.to - g.from + 1}</td>
+      <td>${esc(g.owner || "(none)")}</td><td class="num">${esc(g.token ?? "")}</td>
+      <td>${g.owner ? `in ${((Date.parse(g.expires) - now) / 1000).toFixed(1)} s` : "expired or never leased"}</td>
+      <td class="num">${g.takeovers}</td><td>${esc(g.handoff || "")}</td></tr>`).join("");
   main.innerHTML = `<h1>Relays</h1>
-    <p class="muted">Relays whose heartbeat is recent, with the topic patterns they route.</p>
-    <table><thead><tr><th>Name</th><th>Routes</th></tr></thead>
-    <tbody>${rows || `<tr><td colspan="2" class="muted">No relay is alive.</td></tr>`}</tbody></table>`;
+    <table id="relays"><thead><tr><th>Name</th><th>State</th><th>Heartbeat</th><th class="num">Buckets held</th><th>Routes</th></tr></thead>
+    <tbody>${rows || `<tr><td colspan="5" class="muted">No relay has joined.</td></tr>`}</tbody></table>
+    <h2>Buckets</h2>
+    <table id="buckets"><thead><tr><th class="num">Buckets</th><th class="num">Count</th><th>Owner</th><th class="num">Fencing token</th><th>Lease ends</th><th class="num">Takeovers</th><th>Hand-off to</th></tr></thead>
+    <tbody>${cells}</tbody></table>`;
+}
+
+async function keys() {
+  setNav("keys");
+  const r = await api("/api/keys/blocked");
+  const rows = r.keys.map((k) => `<tr><td>${esc(k.key)}</td><td class="num"><a href="#/messages/${k.held_by}">${k.held_by}</a></td>
+      <td>${when(k.since)}</td><td class="num">${k.waiting}</td>
+      <td><span class="err" title="${esc(k.last_error || "")}">${esc(k.last_error || "")}</span></td>
+      <td><button type="button" data-key-action="requeue" data-id="${k.held_by}">Requeue head</button>
+          <button type="button" data-key-action="discard" data-id="${k.held_by}" class="danger">Discard head</button></td></tr>`).join("");
+  main.innerHTML = `<h1>Blocked keys</h1>
+    <p class="muted">Partition keys whose dead letter holds later messages back (routes with <code>dead_letter = "block"</code>).</p>
+    <table id="keys"><thead><tr><th>Key</th><th class="num">Held by</th><th>Since</th><th class="num">Waiting</th><th>Reason</th><th></th></tr></thead>
+    <tbody>${rows || `<tr><td colspan="6" class="muted">No key is held back.</td></tr>`}</tbody></table>`;
+  document.querySelectorAll("button[data-key-action]").forEach((b) => {
+    b.onclick = () => act(b.dataset.keyAction, { ids: [Number(b.dataset.id)] }, `message ${b.dataset.id}`);
+  });
 }
 
 async function route() {
@@ -262,6 +306,7 @@ async function route() {
     if (path === "/messages") await messages(query || "");
     else if (path.startsWith("/messages/")) await detail(decodeURIComponent(path.slice("/messages/".length)));
     else if (path === "/relays") await relays();
+    else if (path === "/keys") await keys();
     else await overview();
   } catch (e) {
     showError(e);

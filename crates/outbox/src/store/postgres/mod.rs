@@ -120,7 +120,8 @@ pub const DEFAULT_LISTENER_CHECK: Duration = Duration::from_secs(5);
 /// The admin statements' PostgreSQL forms ([`crate::admin`]).
 pub(crate) const ADMIN: super::admin::Dialect = super::admin::Dialect {
     numbered: true,
-    ms: |c| format!("(extract(epoch FROM {c}) * 1000)::bigint"),
+    // A bucket never leased expires at '-infinity': no milliseconds for it.
+    ms: |c| format!("CASE WHEN isfinite({c}) THEN (extract(epoch FROM {c}) * 1000)::bigint END"),
     at_ms: |p| format!("to_timestamp({p}::bigint / 1000.0)"),
     int: |c| format!("{c}::bigint"),
     text: |c| format!("{c}::text"),
