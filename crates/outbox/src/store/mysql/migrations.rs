@@ -119,9 +119,9 @@ pub(crate) fn migrations(table: &TableName, inbox: &TableName) -> Vec<Step> {
         (
             t.to_owned(),
             7,
-            // The archive (crate::admin): discarded dead letters, out of the outbox but kept; and
-            // the indexes the admin search needs on a large table: a state, a partition key,
-            // each in id order.
+            // The archive (crate::admin): discarded dead letters, out of the outbox but kept. No
+            // search index: MySQL has no partial index, and one on every row costs every insert
+            // and every state change (docs/benchmarks.md).
             vec![format!(
                 "CREATE TABLE IF NOT EXISTS {t}_archive (
                     id BIGINT NOT NULL PRIMARY KEY,
@@ -146,10 +146,6 @@ pub(crate) fn migrations(table: &TableName, inbox: &TableName) -> Vec<Step> {
                     archive_reason VARCHAR(64) NOT NULL,
                     KEY {f}_archive_archived_at (archived_at)
                 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"
-            ),
-            format!(
-                "ALTER TABLE {t} ADD KEY {f}_status_id (status, id), \
-                 ADD KEY {f}_key_id (partition_key, id)"
             )],
         ),
     ];

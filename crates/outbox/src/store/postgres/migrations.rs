@@ -137,8 +137,9 @@ pub(crate) fn migrations(
             t.to_owned(),
             7,
             // The archive (crate::admin): discarded dead letters, out of the outbox but kept; and
-            // the indexes the admin search needs on a large table (docs/benchmarks.md): dead
-            // letters, rows with an error, all rows of a partition key, each in id order.
+            // two small partial indexes for the admin search on a large table (docs/benchmarks.md):
+            // dead letters and rows with an error, in id order. Not one on every row's partition
+            // key: it made keyed inserts 31 % slower.
             format!(
                 "CREATE TABLE IF NOT EXISTS {t}_archive (
                     id bigint PRIMARY KEY,
@@ -164,8 +165,7 @@ pub(crate) fn migrations(
                 );
                 CREATE INDEX IF NOT EXISTS {f}_archive_archived_at ON {t}_archive (archived_at);
                 CREATE INDEX IF NOT EXISTS {f}_dead_id ON {t} (id) WHERE status IN ({FAILED}, {REJECTED});
-                CREATE INDEX IF NOT EXISTS {f}_error_id ON {t} (id) WHERE last_error IS NOT NULL;
-                CREATE INDEX IF NOT EXISTS {f}_key_id ON {t} (partition_key, id) WHERE partition_key IS NOT NULL;"
+                CREATE INDEX IF NOT EXISTS {f}_error_id ON {t} (id) WHERE last_error IS NOT NULL;"
             ),
         ),
     ];
