@@ -213,7 +213,13 @@ impl RelayConfig {
         if self.publish_timeout.is_zero() {
             return f("publish_timeout", "must be greater than zero");
         }
-        if self.lease < self.publish_timeout * 3 {
+        // Checked: a publish timeout of centuries (the config fuzz target wrote one) must be
+        // an error, not an overflow panic.
+        if self
+            .publish_timeout
+            .checked_mul(3)
+            .is_none_or(|least| self.lease < least)
+        {
             return f(
                 "lease",
                 "must be at least 3 x publish_timeout so a slow publish does not lose its lease",
@@ -277,6 +283,19 @@ mod file_tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("batch_sise"), "{e}");
+    }
+
+    /// The input the `config` fuzz target found (CI, this stop): a publish timeout so long that
+    /// three of it overflow a `Duration`. Validation names the lease; it used to panic.
+    #[test]
+    fn a_huge_publish_timeout_is_an_error_not_a_panic() {
+        let c: RelayConfig = serde_json::from_value(json!({
+            "lease": "30s",
+            "publish_timeout": "10248191152060861940s"
+        }))
+        .unwrap();
+        let e = c.validate().unwrap_err();
+        assert_eq!(e.field, "relay.lease", "{e}");
     }
 
     #[test]
