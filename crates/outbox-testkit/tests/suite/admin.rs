@@ -411,3 +411,65 @@ fn urlencode(s: &str) -> String {
         })
         .collect()
 }
+
+/// A row a foreign producer filled with garbage (SQLite keeps any value in any column: text in
+/// the time and count columns, a blob as the key and the headers): the relay dead-letters it
+/// and publishes its neighbour; the API still lists it and shows it, with what cannot be read
+/// as null or named, so the operator can find and discard it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_garbage_row_is_listed_shown_and_discarded() {
+    crate::init_tracing();
+    let fx = outbox_testkit::SqliteFixture::new().await;
+    sqlx::query(
+        "INSERT INTO outbox (message_id, topic, partition_key, headers, payload, attempts, created_at) \
+         VALUES ('00000000-0000-7000-8000-0000000000ff', 'orders', x'00ff', x'ff', 'text payload', 'many', 'yesterday')",
+    )
+    .execute(fx.store.pool())
+    .await
+    .unwrap();
+    let good = fx
+        .enqueue_commit(vec![NewMessage::new("orders", "ok")])
+        .await
+        .unwrap()[0];
+    let mem = Arc::new(MemoryTransport::new());
+    let relay = relay_to(&fx, mem.clone(), fast_config("admin-garbage")).spawn();
+    // Read through the API itself: the test kit's row reader refuses this row.
+    let (base, stop) = serve(&fx).await;
+    wait_until(
+        "garbage dead-lettered, neighbour sent",
+        Duration::from_secs(20),
+        || async {
+            let (_, sent) = get(
+                &base,
+                &format!("/api/messages?state=sent&message_id={good}"),
+            )
+            .await;
+            let (_, failed) = get(&base, "/api/messages?state=failed").await;
+            ids(&sent).len() == 1 && ids(&failed).len() == 1
+        },
+    )
+    .await;
+    let (code, page) = get(&base, "/api/messages").await;
+    assert_eq!(code, 200, "{page}");
+    assert_eq!(ids(&page).len(), 2, "{page}");
+    let bad = &page["messages"][1];
+    assert_eq!(bad["status"], "FAILED", "{page}");
+    assert_eq!(bad["partition_key"], "<unreadable>", "{page}");
+    assert!(bad["created_at"].is_null(), "{page}");
+    let id = bad["id"].as_i64().unwrap();
+    let (code, m) = get(&base, &format!("/api/messages/{id}")).await;
+    assert_eq!(code, 200, "{m}");
+    assert!(m["headers_error"].is_string(), "{m}");
+    assert_eq!(m["payload"]["text"], "text payload");
+    let (_, report) = post(
+        &base,
+        "/api/messages/discard",
+        Some(TOKEN),
+        json!({"ids": [id]}),
+    )
+    .await;
+    assert_eq!(report["changed"], 1, "{report}");
+    assert_eq!(fx.archived().await, vec![(id, "discarded".to_owned())]);
+    stop.cancel();
+    relay.shutdown().await.unwrap();
+}

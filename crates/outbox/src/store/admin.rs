@@ -277,25 +277,31 @@ where
 {
     /// A [`MessageSummary`] from columns 0–15 of [`summary_columns`].
     fn summary(row: &DB::Row) -> Result<MessageSummary, sqlx::Error> {
-        let status_number: i64 = row.try_get(4)?;
+        // Leniently: a row a foreign producer filled with garbage (SQLite keeps any value in any
+        // column) still lists, with what cannot be read as null or `<unreadable>`, so the
+        // operator can find it; only the row id must read.
+        let opt = |i: usize| row.try_get::<Option<i64>, _>(i).ok().flatten();
+        let text = |i: usize| row.try_get::<Option<String>, _>(i).map_err(|_| ());
+        let unreadable = || "<unreadable>".to_owned();
+        let status_number = opt(4).unwrap_or(-1);
         Ok(MessageSummary {
             id: row.try_get(0)?,
-            message_id: row.try_get(1)?,
-            topic: row.try_get(2)?,
-            partition_key: row.try_get(3)?,
+            message_id: text(1).ok().flatten().unwrap_or_else(unreadable),
+            topic: text(2).ok().flatten().unwrap_or_else(unreadable),
+            partition_key: text(3).unwrap_or_else(|()| Some(unreadable())),
             status: i16::try_from(status_number).ok().and_then(Status::from_i16),
             status_number,
-            attempts: row.try_get(5)?,
-            max_attempts: row.try_get(6)?,
-            check_backs: row.try_get(7)?,
-            redelivery: row.try_get(8)?,
-            created_at: at(row.try_get(9)?),
-            available_at: at(row.try_get(10)?),
-            sent_at: at(row.try_get(11)?),
-            confirmed_at: at(row.try_get(12)?),
-            updated_at: at(row.try_get(13)?),
-            confirm_deadline: at(row.try_get(14)?),
-            last_error: row.try_get(15)?,
+            attempts: opt(5).unwrap_or(0),
+            max_attempts: opt(6),
+            check_backs: opt(7).unwrap_or(0),
+            redelivery: opt(8).unwrap_or(0),
+            created_at: at(opt(9)),
+            available_at: at(opt(10)),
+            sent_at: at(opt(11)),
+            confirmed_at: at(opt(12)),
+            updated_at: at(opt(13)),
+            confirm_deadline: at(opt(14)),
+            last_error: text(15).unwrap_or_else(|()| Some(unreadable())),
         })
     }
 
@@ -367,11 +373,21 @@ where
             return Ok(None);
         };
         let summary = Self::summary(&row).map_err(err)?;
-        let raw: String = row.try_get(16).map_err(err)?;
-        let payload: Vec<u8> = row.try_get(17).map_err(err)?;
-        let (headers, headers_error, headers_raw) = match super::parse_headers(id, &raw) {
-            Ok(h) => (h.into_iter().collect(), None, None),
-            Err(e) => (Default::default(), Some(e.to_string()), Some(raw)),
+        // As leniently as the summary: garbage is shown as garbage, never a failed read.
+        let payload: Vec<u8> = row
+            .try_get::<Vec<u8>, _>(17)
+            .or_else(|_| row.try_get::<String, _>(17).map(String::into_bytes))
+            .unwrap_or_default();
+        let (headers, headers_error, headers_raw) = match row.try_get::<String, _>(16) {
+            Ok(raw) => match super::parse_headers(id, &raw) {
+                Ok(h) => (h.into_iter().collect(), None, None),
+                Err(e) => (Default::default(), Some(e.to_string()), Some(raw)),
+            },
+            Err(e) => (
+                Default::default(),
+                Some(format!("the headers column is not text: {e}")),
+                None,
+            ),
         };
         Ok(Some(MessageDetail {
             summary,
