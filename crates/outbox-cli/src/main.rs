@@ -105,6 +105,9 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Retention now: move finished rows older than `--older-than` to `<table>_archive` (or
+    /// delete them with `--delete`), in transactions of 500 rows.
+    Archive(messages::ArchiveArgs),
     /// Partition keys: `outbox keys blocked` lists those held back by a dead letter.
     #[command(subcommand)]
     Keys(messages::KeysCommand),
@@ -138,74 +141,107 @@ enum InboxCommand {
     DeadLetters {
         #[command(flatten)]
         inbox: InboxArgs,
-        /// How many to list.
+        /// How many to list, 1 to 1000.
         #[arg(long, default_value_t = 20)]
         limit: u32,
+        /// Print JSON (the API's answer) instead of lines.
+        #[arg(long)]
+        json: bool,
     },
-    /// Ask the consumer's runner to run a dead letter again (it does so within its maintenance
+    /// Ask the consumer's runner to run dead letters again (it does so within its maintenance
     /// interval, with its handler, and confirms the new verdict).
     Replay {
         #[command(flatten)]
         inbox: InboxArgs,
-        /// Message id of the dead letter.
-        message_id: uuid::Uuid,
+        /// Message ids of the dead letters.
+        #[arg(required = true)]
+        message_ids: Vec<String>,
+    },
+    /// Delete dead letters; the inbox keeps their rejected verdict.
+    Discard {
+        #[command(flatten)]
+        inbox: InboxArgs,
+        /// Message ids of the dead letters.
+        #[arg(required = true)]
+        message_ids: Vec<String>,
     },
 }
 
 async fn inbox_command(cmd: InboxCommand) -> anyhow::Result<()> {
-    let (args, limit, replay) = match cmd {
-        InboxCommand::DeadLetters { inbox, limit } => (inbox, limit, None),
-        InboxCommand::Replay { inbox, message_id } => (inbox, 0, Some(message_id)),
+    use outbox::admin::inbox::{InboxAction, InboxAdmin};
+    let args = match &cmd {
+        InboxCommand::DeadLetters { inbox, .. }
+        | InboxCommand::Replay { inbox, .. }
+        | InboxCommand::Discard { inbox, .. } => inbox,
     };
     let url = args.database.as_str();
     let cannot_open = || format!("cannot open {}", redact(url));
-    macro_rules! inbox {
-        ($db:ty, $url:expr) => {{
-            let pool = sqlx::Pool::<$db>::connect($url)
+    let admin = match Dialect::of_url(url)? {
+        Dialect::Postgres => InboxAdmin::postgres(
+            sqlx::PgPool::connect(url).await.with_context(cannot_open)?,
+            &args.inbox_table,
+        )?,
+        Dialect::MySql => InboxAdmin::mysql(
+            sqlx::MySqlPool::connect(&url.replacen("mariadb://", "mysql://", 1))
                 .await
-                .with_context(cannot_open)?;
-            let inbox = outbox::Inbox::<$db>::new(pool, &args.inbox_table, &args.consumer)?;
-            match replay {
-                Some(id) => (Vec::new(), inbox.request_replay(id).await?),
-                None => (inbox.dead_letters(limit).await?, true),
-            }
-        }};
-    }
-    let (dead, found) = match Dialect::of_url(url)? {
-        Dialect::Postgres => inbox!(sqlx::Postgres, url),
-        Dialect::MySql => inbox!(sqlx::MySql, &url.replacen("mariadb://", "mysql://", 1)),
-        Dialect::Sqlite => inbox!(sqlx::Sqlite, url),
+                .with_context(cannot_open)?,
+            &args.inbox_table,
+        )?,
+        Dialect::Sqlite => InboxAdmin::sqlite(
+            sqlx::SqlitePool::connect(url)
+                .await
+                .with_context(cannot_open)?,
+            &args.inbox_table,
+        )?,
     };
-    if let Some(id) = replay {
-        if !found {
-            bail!(
-                "no dead letter {id} for consumer {:?} in {}_dlq",
-                args.consumer,
-                args.inbox_table
-            );
+    let consumer = args.consumer.as_str();
+    let (action, ids) = match &cmd {
+        InboxCommand::DeadLetters { limit, json, .. } => {
+            let dead = admin.dead_letters(Some(consumer), *limit).await?;
+            if *json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&serde_json::json!({ "dead_letters": dead }))?
+                );
+                return Ok(());
+            }
+            println!("dead letters of consumer {consumer:?} ({}):", dead.len());
+            for d in dead {
+                println!(
+                    "  message_id={} topic={} deliveries={}{} error={}",
+                    d.message_id,
+                    d.topic,
+                    d.deliveries,
+                    if d.replay_requested_at.is_some() {
+                        " replay=requested"
+                    } else {
+                        ""
+                    },
+                    d.error
+                );
+            }
+            return Ok(());
         }
-        println!(
-            "replay of {id} requested; the consumer's runner will run it within its maintenance interval"
-        );
-        return Ok(());
+        InboxCommand::Replay { message_ids, .. } => (InboxAction::Replay, message_ids),
+        InboxCommand::Discard { message_ids, .. } => (InboxAction::Discard, message_ids),
+    };
+    let report = admin.act(action, consumer, ids).await?;
+    match action {
+        InboxAction::Replay => println!(
+            "replay of {} dead letter(s) requested; the consumer's runner runs them within its \
+             maintenance interval",
+            report.changed
+        ),
+        InboxAction::Discard => println!("discarded {} dead letter(s)", report.changed),
     }
-    println!(
-        "dead letters of consumer {:?} ({}):",
-        args.consumer,
-        dead.len()
-    );
-    for d in dead {
-        println!(
-            "  message_id={} topic={} deliveries={}{} error={}",
-            d.message.message_id,
-            d.message.topic,
-            d.deliveries,
-            if d.replay_requested {
-                " replay=requested"
-            } else {
-                ""
-            },
-            d.error
+    for (id, why) in &report.not_changed {
+        println!("{id}: not changed: {why}");
+    }
+    if !report.not_changed.is_empty() {
+        bail!(
+            "{} of the named dead letters not changed ({}_dlq, consumer {consumer:?})",
+            report.not_changed.len(),
+            args.inbox_table
         );
     }
     Ok(())
@@ -354,7 +390,15 @@ async fn relay(config: PathBuf, database: Option<String>) -> anyhow::Result<()> 
     };
     if let Some(admin) = &file.admin {
         let confirmations = file.confirmations.is_some();
-        serve_admin(admin, &relay, store.clone(), confirmations, cancel.clone()).await?;
+        serve_admin(
+            admin,
+            &file.database.inbox_table,
+            &relay,
+            store.clone(),
+            confirmations,
+            cancel.clone(),
+        )
+        .await?;
     }
     if !file.logging.summary_interval.is_zero() {
         tokio::spawn(log_summaries(
@@ -409,15 +453,20 @@ async fn relay(config: PathBuf, database: Option<String>) -> anyhow::Result<()> 
 /// Serve on `[admin] listen` until `cancel`: `GET /metrics` (Prometheus text format: the relay's
 /// counters and histograms, the sampled backlog and, with a `[confirmations]` listener
 /// (`confirmations`), the confirmations applied), `GET /healthz` ([`outbox::Relay::health`]) and
-/// `GET /readyz` ([`outbox::Relay::readiness`]): 200 `ok`, or 503 with one problem per line.
+/// `GET /readyz` ([`outbox::Relay::readiness`]): 200 `ok`, or 503 with one problem per line; and
+/// the admin API and dashboard, with the dead letters of the inbox `inbox_table`.
 async fn serve_admin(
     admin: &config::AdminSection,
+    inbox_table: &str,
     relay: &outbox::Relay,
     store: Arc<dyn outbox::Store>,
     confirmations: bool,
     cancel: CancellationToken,
 ) -> anyhow::Result<()> {
     let store_for_api = store.clone();
+    // The overview's charts: the relay's counters every 10 s, one hour kept.
+    let series = outbox::admin::series::Series::new(Duration::from_secs(10));
+    series.spawn_sampler(relay.metrics().clone(), cancel.clone());
     let mut registry = prometheus_client::registry::Registry::default();
     outbox::prometheus::register(
         &mut registry,
@@ -431,7 +480,15 @@ async fn serve_admin(
     }
     let app = admin::metrics_router(Arc::new(std::sync::Mutex::new(registry)))
         .merge(admin::health_router(relay.clone()))
-        .merge(outbox::admin::http::router(store_for_api, admin.auth()?));
+        .merge(
+            outbox::admin::http::AdminApi::new(store_for_api.clone(), admin.auth()?)
+                .inbox(
+                    outbox::admin::inbox::InboxAdmin::on_store(&*store_for_api, inbox_table)
+                        .context("database.inbox_table")?,
+                )
+                .series(series)
+                .router(),
+        );
     let listener = tokio::net::TcpListener::bind(admin.listen)
         .await
         .with_context(|| format!("admin.listen: cannot listen on {}", admin.listen))?;
@@ -719,6 +776,7 @@ async fn main() -> std::process::ExitCode {
         Command::Admin(args) => messages::serve(args).await,
         Command::Relays { db, json } => messages::relays(db, json).await,
         Command::Keys(cmd) => messages::keys(cmd).await,
+        Command::Archive(a) => messages::archive(a).await,
         Command::Inbox(cmd) => inbox_command(cmd).await,
         Command::Demo(args) => demo::run(args).await,
         Command::Bench(args) => bench::run(args).await,

@@ -122,6 +122,103 @@ pub enum MessagesCommand {
     Discard(ActArgs),
 }
 
+/// `outbox archive`: retention now.
+#[derive(Debug, clap::Args)]
+pub struct ArchiveArgs {
+    #[command(flatten)]
+    db: DbArgs,
+    /// Finished states, repeated or comma-separated: sent (awaiting no confirmation),
+    /// confirmed, rejected, failed. Default: sent, confirmed, rejected (dead letters only when
+    /// named).
+    #[arg(long = "state", value_delimiter = ',')]
+    states: Vec<outbox::retention::Finished>,
+    /// Finished more than this long ago, by the database clock (`7d`, `12h`, `0s` for every
+    /// finished row).
+    #[arg(long, default_value = "7d")]
+    older_than: humantime::Duration,
+    /// Delete the rows instead of moving them to `<table>_archive`.
+    #[arg(long)]
+    delete: bool,
+    /// Also delete rows of `<table>_archive` archived more than this long ago.
+    #[arg(long)]
+    purge_archive_older_than: Option<humantime::Duration>,
+    /// Print the counts as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// What `outbox archive` did.
+#[derive(Debug, Default, serde::Serialize)]
+struct ArchiveReport {
+    /// Rows moved to the archive, per state.
+    archived: std::collections::BTreeMap<&'static str, u64>,
+    /// Rows deleted, per state.
+    deleted: std::collections::BTreeMap<&'static str, u64>,
+    /// Rows deleted from the archive.
+    archive_purged: u64,
+}
+
+/// Run `outbox archive`: each state's rows in transactions of at most 500 rows until none is
+/// left (the relay's retention step, run to the end).
+pub async fn archive(a: ArchiveArgs) -> anyhow::Result<()> {
+    use outbox::retention::{Finished, RetentionAction};
+    let store = open(&a.db).await?;
+    let states = if a.states.is_empty() {
+        vec![Finished::Sent, Finished::Confirmed, Finished::Rejected]
+    } else {
+        a.states.clone()
+    };
+    let action = if a.delete {
+        RetentionAction::Delete
+    } else {
+        RetentionAction::Archive
+    };
+    let chunk = outbox::admin::ACTION_CHUNK as u32;
+    let mut report = ArchiveReport::default();
+    for state in states {
+        let mut total = 0;
+        loop {
+            let n = store
+                .retire(state, a.older_than.into(), action, chunk)
+                .await?;
+            total += n;
+            if n < u64::from(chunk) {
+                break;
+            }
+        }
+        let into = match action {
+            RetentionAction::Archive => &mut report.archived,
+            RetentionAction::Delete => &mut report.deleted,
+        };
+        *into.entry(state.name()).or_default() += total;
+    }
+    if let Some(after) = a.purge_archive_older_than {
+        loop {
+            let n = store.purge_archive(after.into(), chunk).await?;
+            report.archive_purged += n;
+            if n < u64::from(chunk) {
+                break;
+            }
+        }
+    }
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    for (verb, counts) in [("archived", &report.archived), ("deleted", &report.deleted)] {
+        for (state, n) in counts {
+            println!("{verb} {n} {state} row(s)");
+        }
+    }
+    if a.purge_archive_older_than.is_some() {
+        println!(
+            "deleted {} row(s) from {}_archive",
+            report.archive_purged, a.db.table
+        );
+    }
+    Ok(())
+}
+
 /// `outbox keys …`.
 #[derive(Debug, Subcommand)]
 pub enum KeysCommand {
@@ -365,7 +462,11 @@ pub async fn serve(args: AdminArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("--listen: cannot listen on {}", args.listen))?;
     let cancel = CancellationToken::new();
-    let app = outbox::admin::http::router(store, auth);
+    // The dead letters of `--inbox-table` (default `outbox_inbox`) under /api/inbox.
+    let inbox = outbox::admin::inbox::InboxAdmin::on_store(&*store, &args.db.inbox_table)?;
+    let app = outbox::admin::http::AdminApi::new(store, auth)
+        .inbox(inbox)
+        .router();
     let addr = crate::admin::serve(listener, app, cancel.clone())?;
     println!("admin API on http://{addr}/api/ (OpenAPI: http://{addr}/api/openapi.json)");
     crate::shutdown_signal().await;

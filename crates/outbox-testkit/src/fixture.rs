@@ -48,8 +48,8 @@ pub trait StoreFixture: Send + Sync + 'static {
     async fn insert_plain_sql(&self, topic: &str, payload: &[u8]) -> Uuid;
     /// Every row, by id.
     async fn rows(&self) -> Vec<RowState>;
-    /// Every row of the archive table `<table>_archive`: `(id, archive_reason)`, by id.
-    async fn archived(&self) -> Vec<(i64, String)>;
+    /// Every row of the archive table `<table>_archive`: `(id, archive_reason, status)`, by id.
+    async fn archived(&self) -> Vec<(i64, String, i16)>;
     /// Put the row of `message_id` where a 0.1 relay's row claim left it when that relay
     /// stopped: status 1 (SENDING), one more attempt, a lease owner and token, a lease that
     /// expires in an hour.

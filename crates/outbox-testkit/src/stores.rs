@@ -99,8 +99,8 @@ store_fixture!(SqliteFixture, {
             .collect()
     }
 
-    async fn archived(&self) -> Vec<(i64, String)> {
-        sqlx::query_as("SELECT id, archive_reason FROM outbox_archive ORDER BY id")
+    async fn archived(&self) -> Vec<(i64, String, i16)> {
+        sqlx::query_as("SELECT id, archive_reason, status FROM outbox_archive ORDER BY id")
             .fetch_all(self.store.pool())
             .await
             .expect("read the archive")
@@ -274,9 +274,9 @@ store_fixture!(PgFixture, {
             .collect()
     }
 
-    async fn archived(&self) -> Vec<(i64, String)> {
+    async fn archived(&self) -> Vec<(i64, String, i16)> {
         sqlx::query_as(AssertSqlSafe(format!(
-            "SELECT id, archive_reason FROM {}_archive ORDER BY id",
+            "SELECT id, archive_reason, status FROM {}_archive ORDER BY id",
             self.table()
         )))
         .fetch_all(self.store.pool())
@@ -463,9 +463,9 @@ store_fixture!(MySqlFixture, {
             .collect()
     }
 
-    async fn archived(&self) -> Vec<(i64, String)> {
+    async fn archived(&self) -> Vec<(i64, String, i16)> {
         sqlx::query_as(AssertSqlSafe(format!(
-            "SELECT id, archive_reason FROM {}_archive ORDER BY id",
+            "SELECT id, archive_reason, status FROM {}_archive ORDER BY id",
             self.table
         )))
         .fetch_all(self.store.pool())

@@ -44,6 +44,7 @@ pub mod prometheus;
 mod redact;
 pub mod relay;
 pub mod reserved;
+pub mod retention;
 pub mod retry;
 pub mod store;
 pub mod transport;

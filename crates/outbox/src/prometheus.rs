@@ -89,6 +89,11 @@ const COUNTERS: &[CounterSpec] = &[
         |m| m.purged.load(Ordering::Relaxed),
     ),
     (
+        "outbox_relay_archived",
+        "Finished rows moved to the archive table by retention.",
+        |m| m.archived.load(Ordering::Relaxed),
+    ),
+    (
         "outbox_relay_buckets_acquired",
         "Bucket leases acquired.",
         |m| m.buckets_acquired.load(Ordering::Relaxed),

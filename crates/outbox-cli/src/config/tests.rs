@@ -60,7 +60,7 @@ fn confirmations_and_retention_parse() {
     let c = parse(&with).unwrap();
     c.validate().unwrap();
     let r = c.relay_config().unwrap();
-    assert_eq!(r.retention, None);
+    assert_eq!(r.retention, outbox::retention::Retention::keep_all());
     assert_eq!(r.max_check_backs, 7);
     assert_eq!(
         c.routes[0].confirm.as_ref().unwrap().timeout,
@@ -89,8 +89,21 @@ fn confirmations_and_retention_parse() {
     let c = parse(&with.replace("retention = \"forever\"", "retention = \"3d\"")).unwrap();
     assert_eq!(
         c.relay_config().unwrap().retention,
-        Some(Duration::from_secs(3 * 86400))
+        outbox::retention::Retention::finished_after(Duration::from_secs(3 * 86400))
     );
+    // The table form: per state, archive or delete; a bad state is named.
+    let table = with.replace("retention = \"forever\"\n", "")
+        + "\n[relay.retention]\naction = \"archive\"\nrejected = { after = \"30d\", action = \"delete\" }\nfailed = \"90d\"\n";
+    let r = parse(&table).unwrap().relay_config().unwrap().retention;
+    assert_eq!(
+        r.failed,
+        outbox::retention::Rule::archive_after(Duration::from_secs(90 * 86400))
+    );
+    assert_eq!(
+        r.rejected,
+        outbox::retention::Rule::delete_after(Duration::from_secs(30 * 86400))
+    );
+    assert_unreadable(&table.replace("failed = ", "faild = "), "faild");
 }
 
 #[cfg(feature = "rabbitmq")]

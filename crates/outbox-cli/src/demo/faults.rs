@@ -231,7 +231,7 @@ impl RelaySupervisor<'_> {
             in_flight_batches: 4,
             max_check_backs: self.max_check_backs,
             // Keep every finished row: the report reads them.
-            retention: None,
+            retention: outbox::retention::Retention::keep_all(),
             ..RelayConfig::default()
         };
         // Orders need the consumer's verdict; cancellations are plain notifications (SENT is

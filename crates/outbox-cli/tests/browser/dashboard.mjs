@@ -6,6 +6,7 @@
 //   DASH_FAILED_ID  the row id of a dead letter on a routed topic
 //   DASH_FAILED_MID its message id
 //   DASH_KEY        a partition key held by several messages
+//   DASH_INBOX_DISCARD, DASH_INBOX_REPLAY  message ids of two dead letters of consumer "inventory"
 //   DASH_SHOTS      where to write a screenshot of each page
 //   CHROMIUM        the browser (default /usr/bin/chromium)
 // Exits 0 when every step holds; otherwise prints the step that failed and exits 1.
@@ -22,6 +23,8 @@ const failedId = env("DASH_FAILED_ID");
 const failedMid = env("DASH_FAILED_MID");
 const key = env("DASH_KEY");
 const shots = env("DASH_SHOTS");
+const inboxDiscard = env("DASH_INBOX_DISCARD");
+const inboxReplay = env("DASH_INBOX_REPLAY");
 
 function check(cond, what) {
   if (!cond) throw new Error(`check failed: ${what}`);
@@ -125,6 +128,23 @@ try {
   }
   check(state === "SENT", `the requeued message is ${state}`);
 
+  step = "the overview's charts";
+  // The daemon samples its relay's counters every 10 s: wait for a sample that saw the publishes.
+  const sampled = Date.now() + 30000;
+  let points = [];
+  while (Date.now() < sampled) {
+    const r = await page.request.get(`${base}/api/series`);
+    points = (await r.json()).points || [];
+    if (points.some((p) => p.published > 0)) break;
+    await page.waitForTimeout(500);
+  }
+  check(points.some((p) => p.published > 0), `the series has ${points.length} point(s) with publishes`);
+  await page.goto(base + "/#/");
+  await page.waitForSelector("#chart-throughput svg rect");
+  await page.waitForSelector("#chart-latency svg");
+  check((await page.textContent("#charts")).includes("Commit → ack"), "the overview shows the throughput and latency charts");
+  await page.screenshot({ path: `${shots}/overview-charts.png`, fullPage: true });
+
   step = "relays";
   await page.click('a[data-nav="relays"]');
   await page.waitForSelector("main table");
@@ -139,6 +159,45 @@ try {
   await page.click('a[data-nav="keys"]');
   await page.waitForSelector("#keys");
   check((await page.textContent("#keys")).includes("No key is held back"), "no key is held back (the route skips dead letters)");
+
+  step = "inbox dead letters";
+  await page.click('a[data-nav="inbox"]');
+  await page.waitForSelector("#dead-letters");
+  check((await page.textContent("#consumers")).includes("inventory"), "the inbox page lists the consumer with dead letters");
+  const listed = await page.$$eval("#dead-letters input.dl-pick", (is) => is.map((i) => i.value));
+  check(listed.includes(inboxDiscard) && listed.includes(inboxReplay), "both dead letters are listed");
+  await page.screenshot({ path: `${shots}/inbox.png`, fullPage: true });
+
+  step = "open an inbox dead letter and discard it";
+  await page.click(`a[href="#/inbox/inventory/${inboxDiscard}"]`);
+  await page.waitForSelector("dl.fields");
+  const dl = await page.textContent("main");
+  check(dl.includes("stock service said no") && dl.includes("order-70"), "the dead letter shows its error and key");
+  check((await page.textContent("#payload")).includes('"order"'), "its payload is shown");
+  await page.screenshot({ path: `${shots}/inbox-dead-letter.png`, fullPage: true });
+  await page.click('button[data-dl="discard"]');
+  await page.waitForSelector("#modal:not([hidden])");
+  await page.click("#modal-ok");
+  await page.waitForSelector("#dead-letters");
+  await page.waitForFunction(() => {
+    const t = document.getElementById("toast");
+    return !t.hidden && !t.classList.contains("error") && t.textContent.includes("1 changed");
+  });
+  check(true, "the discard reports 1 changed");
+
+  step = "replay the other";
+  await page.goto(`${base}/#/inbox?consumer=inventory`);
+  await page.waitForFunction((id) => {
+    const ids = [...document.querySelectorAll("#dead-letters input.dl-pick")].map((i) => i.value);
+    return ids.length === 1 && ids[0] === id;
+  }, inboxReplay);
+  check(true, "one dead letter is left");
+  await page.check(`#dead-letters input.dl-pick[value="${inboxReplay}"]`);
+  await page.click("#dl-replay");
+  await page.waitForSelector("#modal:not([hidden])");
+  await page.click("#modal-ok");
+  await page.waitForFunction(() => (document.querySelector("#dead-letters")?.textContent || "").includes("replay requested"));
+  check(true, "the dead letter shows its replay requested");
 
   check(consoleErrors.length === 0, `no script errors (${consoleErrors.join("; ")})`);
 } catch (e) {

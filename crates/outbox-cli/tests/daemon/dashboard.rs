@@ -2,7 +2,8 @@
 //! on its `[admin]` listener, and `tests/browser/dashboard.mjs` drives Debian's chromium through
 //! it with playwright-core: the overview, a search by message id and by key, a dead letter
 //! opened, requeued (refused without the token, done with it), the counts changing and the relay
-//! publishing it. Screenshots of each page go to `<fixture dir>/shots` (copies are kept in
+//! publishing it; a consumer's inbox dead letters listed, one opened and discarded, the other
+//! replayed. Screenshots of each page go to `<fixture dir>/shots` (copies are kept in
 //! `docs/dashboard/`).
 //!
 //! Needs node, chromium (`CHROMIUM`, default `/usr/bin/chromium`) and playwright-core in
@@ -54,6 +55,28 @@ async fn dashboard_in_a_real_browser() {
         dead.push(row);
     }
 
+    // Two dead letters of the consumer "inventory" in the inbox `[database] inbox_table`, as the
+    // consumer runner leaves them (Inbox::dead_letter).
+    let inbox =
+        outbox::Inbox::<sqlx::Postgres>::new(pool.clone(), &format!("{t}_inbox"), "inventory")
+            .unwrap();
+    let mut inbox_dead = Vec::new();
+    for i in 0..2 {
+        let msg = outbox::InboundMessage {
+            message_id: uuid::Uuid::now_v7(),
+            topic: "orders.created".into(),
+            partition_key: Some(format!("order-7{i}")),
+            headers: [("trace".to_owned(), format!("t-{i}"))].into(),
+            payload: format!(r#"{{"order":7{i}}}"#).into_bytes(),
+            delivery_count: 5,
+        };
+        inbox
+            .dead_letter(&msg, "stock service said no", 5)
+            .await
+            .unwrap();
+        inbox_dead.push(msg.message_id);
+    }
+
     let addr = super::metrics::free_addr();
     let relay = "name = \"dash-relay\"\npoll_interval = \"200ms\"\nlease = \"3s\"\npublish_timeout = \"1s\"\n";
     let mut toml = f.toml(relay, &f.route("orders.*"));
@@ -85,6 +108,8 @@ async fn dashboard_in_a_real_browser() {
         .env("DASH_FAILED_ID", dead[0].0.to_string())
         .env("DASH_FAILED_MID", dead[0].1.to_string())
         .env("DASH_KEY", "order-42")
+        .env("DASH_INBOX_DISCARD", inbox_dead[0].to_string())
+        .env("DASH_INBOX_REPLAY", inbox_dead[1].to_string())
         .env("DASH_SHOTS", &shots)
         .env("CHROMIUM", &chromium)
         .output()
@@ -106,5 +131,10 @@ async fn dashboard_in_a_real_browser() {
     // What the browser did is in the table: one dead letter left, the other published.
     assert_eq!(count(&pool, t, Status::Failed).await, 1);
     assert_eq!(count(&pool, t, Status::Sent).await, 7);
+    // And in the inbox: one dead letter discarded, the other waiting for its replay.
+    let left = inbox.dead_letters(10).await.unwrap();
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert_eq!(left[0].message.message_id, inbox_dead[1]);
+    assert!(left[0].replay_requested, "{left:?}");
     js.delete_stream(&f.stream).await.unwrap();
 }

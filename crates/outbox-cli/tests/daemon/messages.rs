@@ -217,3 +217,155 @@ fn keys_blocked_and_relays_commands() {
     let out = succeeds(outbox().args(["relays", "--database", &db]));
     assert!(out.contains("64 buckets, 64 without a live lease"), "{out}");
 }
+
+/// `outbox archive`: finished rows older than `--older-than` into the archive (or deleted),
+/// dead letters only when named, the archive purged on request; a bad state is refused.
+#[test]
+fn archive_command_moves_finished_rows_and_purges_the_archive() {
+    let f = Fixture::new("archive");
+    let db = sqlite_with_rows(
+        &f,
+        "archive.db",
+        &[
+            (Status::Sent, 1, None),
+            (Status::Confirmed, 1, None),
+            (Status::Failed, 16, Some("attempts exhausted")),
+            (Status::Pending, 0, None),
+            (Status::Sent, 1, None),
+        ],
+    );
+    let exec = |sql: &str| {
+        tokio::runtime::Runtime::new().unwrap().block_on(async {
+            let pool = sqlx::SqlitePool::connect(&db).await.unwrap();
+            sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()))
+                .execute(&pool)
+                .await
+                .unwrap();
+        })
+    };
+    // Two days old: the first SENT, the CONFIRMED and the FAILED row; the last SENT row is new.
+    let now = "CAST(ROUND((julianday('now') - 2440587.5) * 86400000) AS INTEGER)";
+    let two_days = 2 * 86_400_000;
+    exec(&format!(
+        "UPDATE outbox SET sent_at = {now} - {two_days}, confirmed_at = {now} - {two_days}, \
+         updated_at = {now} - {two_days} WHERE id IN (1, 2, 3)"
+    ));
+    exec(&format!("UPDATE outbox SET sent_at = {now} WHERE id = 5"));
+    let archive = |args: &[&str]| {
+        let mut cmd = outbox();
+        cmd.arg("archive").args(args).args(["--database", &db]);
+        cmd
+    };
+    let json = |args: &[&str]| -> serde_json::Value {
+        serde_json::from_str(&succeeds(&mut archive(args))).expect("--json prints JSON")
+    };
+
+    let r = json(&["--older-than", "1d", "--json"]);
+    assert_eq!(r["archived"]["sent"], 1, "{r}");
+    assert_eq!(r["archived"]["confirmed"], 1, "{r}");
+    assert_eq!(r["archived"]["rejected"], 0, "{r}");
+    let r = json(&[
+        "--state",
+        "failed",
+        "--older-than",
+        "1d",
+        "--delete",
+        "--json",
+    ]);
+    assert_eq!(r["deleted"]["failed"], 1, "{r}");
+    let e = fails(&mut archive(&["--state", "finished"]));
+    assert!(e.contains("finished") && e.contains("rejected"), "{e}");
+    let r = json(&[
+        "--state",
+        "rejected",
+        "--purge-archive-older-than",
+        "0s",
+        "--json",
+    ]);
+    assert_eq!(r["archive_purged"], 2, "{r}");
+
+    tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let pool = sqlx::SqlitePool::connect(&db).await.unwrap();
+        let left: Vec<(i64,)> = sqlx::query_as("SELECT id FROM outbox ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+        assert_eq!(
+            left,
+            vec![(4,), (5,)],
+            "the PENDING and the recent SENT row stay"
+        );
+        let archived: (i64,) = sqlx::query_as("SELECT count(*) FROM outbox_archive")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert_eq!(archived.0, 0, "purged");
+    });
+}
+
+/// `outbox inbox dead-letters|replay|discard`: the inbox half of the admin API from the command
+/// line, on dead letters the consumer runner's `Inbox::dead_letter` wrote.
+#[test]
+fn inbox_commands_list_replay_and_discard_dead_letters() {
+    let f = Fixture::new("inbox-cmd");
+    let db = sqlite_with_rows(&f, "inbox.db", &[]);
+    let ids: Vec<uuid::Uuid> = tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let pool = sqlx::SqlitePool::connect(&db).await.unwrap();
+        let inbox = outbox::Inbox::<sqlx::Sqlite>::new(pool, "outbox_inbox", "inventory").unwrap();
+        inbox.migrate().await.unwrap();
+        let mut ids = Vec::new();
+        for i in 0..2 {
+            let msg = outbox::InboundMessage {
+                message_id: uuid::Uuid::now_v7(),
+                topic: "orders.created".into(),
+                partition_key: None,
+                headers: Default::default(),
+                payload: format!("m{i}").into_bytes(),
+                delivery_count: 3,
+            };
+            inbox.dead_letter(&msg, "no stock", 3).await.unwrap();
+            ids.push(msg.message_id);
+        }
+        ids
+    });
+    let inbox = |args: &[&str]| {
+        let mut cmd = outbox();
+        cmd.arg("inbox")
+            .args(args)
+            .args(["--database", &db, "--consumer", "inventory"]);
+        cmd
+    };
+    let listed: serde_json::Value =
+        serde_json::from_str(&succeeds(&mut inbox(&["dead-letters", "--json"]))).unwrap();
+    assert_eq!(
+        listed["dead_letters"].as_array().unwrap().len(),
+        2,
+        "{listed}"
+    );
+    assert_eq!(listed["dead_letters"][0]["error"], "no stock", "{listed}");
+
+    let (a, b) = (ids[0].to_string(), ids[1].to_string());
+    let missing = uuid::Uuid::now_v7().to_string();
+    let out = inbox(&["replay", &a, &missing]).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        !out.status.success(),
+        "a missing id fails the command: {stdout}"
+    );
+    assert!(
+        stdout.contains("replay of 1 dead letter(s) requested"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(&format!("{missing}: not changed")),
+        "{stdout}"
+    );
+    let out = succeeds(&mut inbox(&["discard", &b]));
+    assert!(out.contains("discarded 1 dead letter(s)"), "{out}");
+    let listed: serde_json::Value =
+        serde_json::from_str(&succeeds(&mut inbox(&["dead-letters", "--json"]))).unwrap();
+    let left = listed["dead_letters"].as_array().unwrap();
+    assert_eq!(left.len(), 1, "{listed}");
+    assert_eq!(left[0]["message_id"], a.as_str());
+    assert!(left[0]["replay_requested_at"].is_string(), "{listed}");
+}

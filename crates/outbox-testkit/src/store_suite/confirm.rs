@@ -1,6 +1,7 @@
 //! Confirmations, check-back and retention (docs/design/DESIGN.md §4, §9).
 
 use super::*;
+use outbox::retention::{Finished, RetentionAction};
 
 /// `Processed` confirmations move SENT → CONFIRMED in one batch with the counts reported;
 /// duplicates (also within one batch) and unknown ids are counted, never errors, and every
@@ -228,11 +229,11 @@ pub async fn check_back_then_unconfirmed<F: ConfirmFixture>(fx: &F) {
     assert_eq!(fx.confirm_state(later[0]).await.check_backs, 0);
 }
 
-/// Retention deletes only old CONFIRMED and REJECTED rows (and old SENT rows that await no
+/// Retention ([`Store::retire`], what the relay's maintenance runs) deletes only old CONFIRMED and REJECTED rows (and old SENT rows that await no
 /// confirmation), at most `limit` per call; never PENDING rows (one read by a relay and not
 /// completed yet included), SENT awaiting confirmation or FAILED rows, and never recent
 /// finished ones.
-pub async fn purge_finished_only_old<F: ConfirmFixture>(fx: &F) {
+pub async fn retention_removes_only_old_finished_rows<F: ConfirmFixture>(fx: &F) {
     let store = fx.store();
     let mk = |p: &'static str| fx.enqueue_commit(vec![NewMessage::new("t", p)]);
     let hour = Duration::from_secs(3600);
@@ -283,14 +284,19 @@ pub async fn purge_finished_only_old<F: ConfirmFixture>(fx: &F) {
 
     let window = Duration::from_secs(600);
     let mut batches = Vec::new();
-    loop {
-        let n = store.purge_finished(window, 2).await.expect("purge");
-        assert!(n <= 2, "purge is bounded by its limit: {n}");
-        batches.push(n);
-        if n < 2 {
-            break;
+    for state in [Finished::Sent, Finished::Confirmed, Finished::Rejected] {
+        loop {
+            let n = store
+                .retire(state, window, RetentionAction::Delete, 2)
+                .await
+                .expect("retention");
+            assert!(n <= 2, "retention is bounded by its limit: {n}");
+            batches.push(n);
+            if n < 2 {
+                break;
+            }
+            assert!(batches.len() < 10, "retention does not end: {batches:?}");
         }
-        assert!(batches.len() < 10, "purge does not end: {batches:?}");
     }
     assert_eq!(batches.iter().sum::<u64>(), old.len() as u64, "{batches:?}");
     let left: HashSet<Uuid> = fx.rows().await.iter().map(|r| r.message_id).collect();

@@ -226,7 +226,7 @@ async fn defect_03_maintenance_skips_rows_another_transaction_locks() {
     let config = RelayConfig {
         lease: Duration::from_secs(3),
         publish_timeout: Duration::from_secs(1),
-        retention: Some(Duration::from_secs(60)),
+        retention: outbox::retention::Retention::finished_after(Duration::from_secs(60)),
         ..fast_config("r1")
     };
     let relay = relay_to(&fx, mem.clone(), config).spawn();

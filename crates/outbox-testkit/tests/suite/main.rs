@@ -103,6 +103,7 @@ mod redis_consumer;
 mod relay;
 mod relay_faults;
 mod resilience;
+mod retention;
 #[cfg(feature = "rocketmq")]
 mod rocketmq;
 mod store;

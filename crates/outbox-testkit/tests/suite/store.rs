@@ -27,7 +27,7 @@ fixture_tests!(
         confirmations_apply_in_batches,
         rejection_runs_the_hook_once,
         check_back_then_unconfirmed,
-        purge_finished_only_old,
+        retention_removes_only_old_finished_rows,
         stats_show_awaiting_confirmation,
         bucket_membership_fair_share,
         bucket_takeover_after_expiry,

@@ -11,6 +11,11 @@
 //! | `POST /api/messages/requeue`, `…/publish-now`, `…/discard` | an action on `{"ids": […]}` or `{"filter": {…}}` |
 //! | `GET /api/relays` | the relays' heartbeats and routes, every bucket's lease, the database clock |
 //! | `GET /api/keys/blocked?limit=` | partition keys held back by a dead letter |
+//! | `GET /api/series` | the relay's throughput and commit → ack latency over the last hour (404 without a relay) |
+//! | `GET /api/inbox` | the consumers with dead letters in the inbox (404 without one) |
+//! | `GET /api/inbox/dead-letters?consumer=&limit=` | dead letters, newest first |
+//! | `GET /api/inbox/dead-letters/{consumer}/{message_id}` | one dead letter with headers and payload |
+//! | `POST /api/inbox/replay`, `…/discard` | on `{"consumer": "…", "message_ids": […]}` |
 //!
 //! Authentication: with a token set ([`AdminAuth::token`]) a mutation needs `Authorization:
 //! Bearer <token>` (401 without it, nothing changed); without one, mutations are refused (403).
@@ -28,6 +33,8 @@ use axum::routing::get;
 use chrono::{DateTime, Utc};
 use serde_json::json;
 
+use super::inbox::{InboxAction, InboxAdmin};
+use super::series::Series;
 use super::{Action, MessageFilter, PageRequest, Selection};
 use crate::error::StoreError;
 use crate::message::Status;
@@ -59,16 +66,56 @@ pub const RELAY_LEASE: Duration = Duration::from_secs(30);
 #[derive(Clone)]
 struct Api {
     store: Arc<dyn Store>,
+    inbox: Option<InboxAdmin>,
+    series: Option<Arc<Series>>,
     auth: Arc<AdminAuth>,
 }
 
 /// The admin API of `store` under `/api/` (see the module docs); merge it into an application's
-/// router or serve it alone.
+/// router or serve it alone. With an inbox or a relay's series: [`AdminApi`].
 pub fn router(store: Arc<dyn Store>, auth: AdminAuth) -> axum::Router {
-    let api = Api {
-        store,
-        auth: Arc::new(auth),
-    };
+    AdminApi::new(store, auth).router()
+}
+
+/// The admin API with what it may serve beyond the outbox table: a consumer inbox's dead
+/// letters (`/api/inbox…`, the dashboard's Inbox page) and a relay's throughput and latency
+/// over the last hour (`/api/series`, the overview's charts).
+pub struct AdminApi {
+    api: Api,
+}
+
+impl AdminApi {
+    /// The API of `store` with `auth`; no inbox, no series.
+    pub fn new(store: Arc<dyn Store>, auth: AdminAuth) -> Self {
+        AdminApi {
+            api: Api {
+                store,
+                inbox: None,
+                series: None,
+                auth: Arc::new(auth),
+            },
+        }
+    }
+
+    /// Serve the dead letters of `inbox`.
+    pub fn inbox(mut self, inbox: InboxAdmin) -> Self {
+        self.api.inbox = Some(inbox);
+        self
+    }
+
+    /// Serve `series` (sampled from the relay of this process: [`Series::spawn_sampler`]).
+    pub fn series(mut self, series: Arc<Series>) -> Self {
+        self.api.series = Some(series);
+        self
+    }
+
+    /// The router.
+    pub fn router(self) -> axum::Router {
+        build(self.api)
+    }
+}
+
+fn build(api: Api) -> axum::Router {
     axum::Router::new()
         .route("/", get(|| asset("text/html; charset=utf-8", INDEX_HTML)))
         .route(
@@ -87,6 +134,21 @@ pub fn router(store: Arc<dyn Store>, auth: AdminAuth) -> axum::Router {
         .route("/api/messages/{id}", get(show).post(act))
         .route("/api/relays", get(relays))
         .route("/api/keys/blocked", get(blocked_keys))
+        .route("/api/series", get(series))
+        .route("/api/inbox", get(inbox_consumers))
+        .route("/api/inbox/dead-letters", get(inbox_dead_letters))
+        .route(
+            "/api/inbox/dead-letters/{consumer}/{message_id}",
+            get(inbox_dead_letter),
+        )
+        .route(
+            "/api/inbox/replay",
+            axum::routing::post(|s, h, b| inbox_act(s, h, InboxAction::Replay, b)),
+        )
+        .route(
+            "/api/inbox/discard",
+            axum::routing::post(|s, h, b| inbox_act(s, h, InboxAction::Discard, b)),
+        )
         .with_state(api)
 }
 
@@ -352,6 +414,114 @@ async fn blocked_keys(
     Ok(Json(json!({ "keys": api.store.blocked_keys(limit).await? })).into_response())
 }
 
+impl Api {
+    /// The inbox, or 404 naming the setting that configures one.
+    fn inbox(&self) -> Result<&InboxAdmin, ApiError> {
+        self.inbox.as_ref().ok_or_else(|| {
+            ApiError(
+                StatusCode::NOT_FOUND,
+                "no inbox is configured (AdminApi::inbox)".into(),
+            )
+        })
+    }
+}
+
+async fn series(State(api): State<Api>, headers: HeaderMap) -> Result<Response, ApiError> {
+    api.check(&headers, false)?;
+    let Some(series) = &api.series else {
+        return Err(ApiError(
+            StatusCode::NOT_FOUND,
+            "no relay runs in this process: throughput and latency charts come from the relay \
+             daemon's [admin] listener"
+                .into(),
+        ));
+    };
+    Ok(Json(json!({
+        "interval_seconds": series.interval().as_secs_f64(),
+        "points": series.points(),
+    }))
+    .into_response())
+}
+
+async fn inbox_consumers(State(api): State<Api>, headers: HeaderMap) -> Result<Response, ApiError> {
+    api.check(&headers, false)?;
+    let consumers = api.inbox()?.consumers().await?;
+    Ok(Json(json!({ "consumers": consumers })).into_response())
+}
+
+async fn inbox_dead_letters(
+    State(api): State<Api>,
+    headers: HeaderMap,
+    Query(pairs): Query<Vec<(String, String)>>,
+) -> Result<Response, ApiError> {
+    api.check(&headers, false)?;
+    let (mut consumer, mut limit) = (None, 100);
+    for (k, v) in &pairs {
+        match k.as_str() {
+            "consumer" if !v.is_empty() => consumer = Some(v.clone()),
+            "consumer" => {}
+            "limit" => {
+                limit = v
+                    .parse()
+                    .map_err(|_| bad("limit", "not a number from 1 to 1000"))?;
+            }
+            other => return Err(bad(other, "unknown parameter (consumer, limit)")),
+        }
+    }
+    let dead = api
+        .inbox()?
+        .dead_letters(consumer.as_deref(), limit)
+        .await?;
+    Ok(Json(json!({ "dead_letters": dead })).into_response())
+}
+
+async fn inbox_dead_letter(
+    State(api): State<Api>,
+    headers: HeaderMap,
+    Path((consumer, message_id)): Path<(String, String)>,
+) -> Result<Response, ApiError> {
+    api.check(&headers, false)?;
+    let inbox = api.inbox()?;
+    let id = message_id
+        .parse::<uuid::Uuid>()
+        .map_err(|e| bad("message_id", format!("{message_id:?} is not a UUID ({e})")))?;
+    match inbox.dead_letter(&consumer, &id.to_string()).await? {
+        Some(d) => Ok(Json(d).into_response()),
+        None => Err(ApiError(
+            StatusCode::NOT_FOUND,
+            format!("consumer {consumer:?} has no dead letter {id}"),
+        )),
+    }
+}
+
+/// The body of an inbox action.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct InboxSelection {
+    consumer: String,
+    message_ids: Vec<String>,
+}
+
+async fn inbox_act(
+    State(api): State<Api>,
+    headers: HeaderMap,
+    action: InboxAction,
+    body: Result<Json<InboxSelection>, axum::extract::rejection::JsonRejection>,
+) -> Result<Response, ApiError> {
+    api.check(&headers, true)?;
+    let inbox = api.inbox()?;
+    let Json(sel) = body.map_err(|e| bad("body", e.body_text()))?;
+    let report = inbox.act(action, &sel.consumer, &sel.message_ids).await?;
+    tracing::info!(
+        action = action.name(),
+        consumer = %sel.consumer,
+        changed = report.changed,
+        not_changed = report.not_changed.len(),
+        "admin inbox action"
+    );
+    Ok(Json(report).into_response())
+}
+
 /// The OpenAPI 3.1 description of [`router`]'s routes.
 pub const OPENAPI: &str = include_str!("openapi.json");
 
@@ -395,6 +565,12 @@ mod tests {
             "/api/messages/discard",
             "/api/relays",
             "/api/keys/blocked",
+            "/api/series",
+            "/api/inbox",
+            "/api/inbox/dead-letters",
+            "/api/inbox/dead-letters/{consumer}/{message_id}",
+            "/api/inbox/replay",
+            "/api/inbox/discard",
         ] {
             assert!(doc["paths"][path].is_object(), "{path} is not described");
         }

@@ -19,6 +19,9 @@
     any(feature = "postgres", feature = "mysql", feature = "sqlite")
 ))]
 pub mod http;
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+pub mod inbox;
+pub mod series;
 
 use std::collections::BTreeMap;
 

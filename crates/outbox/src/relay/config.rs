@@ -1,6 +1,7 @@
 //! [`RelayConfig`]: the relay's settings, their defaults and validation.
 
 use super::*;
+use crate::retention::Retention;
 
 /// Relay settings. Every field has a default ([`RelayConfig::default`]); [`RelayConfig::validate`]
 /// names the first bad field.
@@ -9,7 +10,8 @@ use super::*;
 /// `lease`, `publish_timeout`, `poll_interval`, `max_attempts`, `backoff_base` and
 /// `backoff_max` (the [`backoff`](Self::backoff)'s `base` and `max`), `maintenance_interval`
 /// (or its name before 0.2, `reap_interval`), `in_flight_batches`, `shutdown_timeout`,
-/// `max_check_backs`, `retention` (a duration or `"forever"`, which is `None`),
+/// `max_check_backs`, `retention` (a duration, `"forever"`, or a table of rules per state:
+/// [`crate::retention`]),
 /// `missing_destination_grace`. Durations are written `"30s"`, `"500ms"`, `"7d"`; unknown keys
 /// are errors. The backoff's factor and jitter and the [`probe_backoff`](Self::probe_backoff)
 /// are not read from a file (they keep their defaults) and not written to one.
@@ -57,9 +59,12 @@ pub struct RelayConfig {
     /// Check-backs of an unconfirmed message before it goes to FAILED as `unconfirmed`.
     /// Default 3.
     pub max_check_backs: u32,
-    /// How long CONFIRMED and REJECTED rows (and SENT rows that await no confirmation) are kept
-    /// before the relay deletes them, in bounded batches. `None` keeps them. Default 7 days.
-    pub retention: Option<Duration>,
+    /// How long finished rows are kept, per state, and whether they are then deleted or moved
+    /// to `<table>_archive` ([`crate::retention`]). Applied in bounded batches by one relay at a
+    /// time (the holder of bucket 0). Default [`Retention::default`]: SENT (awaiting no
+    /// confirmation), CONFIRMED and REJECTED rows deleted after 7 days; dead letters and the
+    /// archive kept.
+    pub retention: Retention,
 }
 
 impl Default for RelayConfig {
@@ -83,7 +88,7 @@ impl Default for RelayConfig {
             in_flight_batches: 2,
             shutdown_timeout: Duration::from_secs(15),
             max_check_backs: 3,
-            retention: Some(Duration::from_secs(7 * 24 * 3600)),
+            retention: Retention::default(),
         }
     }
 }
@@ -111,8 +116,7 @@ struct RelayFile {
     #[serde(default, with = "humantime_serde")]
     shutdown_timeout: Option<Duration>,
     max_check_backs: Option<u32>,
-    #[serde(default, with = "retention")]
-    retention: Option<Option<Duration>>,
+    retention: Option<Retention>,
     #[serde(default, with = "humantime_serde")]
     missing_destination_grace: Option<Duration>,
 }
@@ -164,39 +168,6 @@ impl From<RelayConfig> for RelayFile {
     }
 }
 
-/// `retention`: a duration, or `"forever"` for `None`.
-mod retention {
-    use std::time::Duration;
-
-    pub fn deserialize<'de, D: serde::Deserializer<'de>>(
-        d: D,
-    ) -> Result<Option<Option<Duration>>, D::Error> {
-        let s = <String as serde::Deserialize>::deserialize(d)?;
-        if s == "forever" {
-            return Ok(Some(None));
-        }
-        humantime_serde::re::humantime::parse_duration(&s)
-            .map(|d| Some(Some(d)))
-            .map_err(|e| {
-                serde::de::Error::custom(format!(
-                    "{s:?} is neither a duration nor \"forever\": {e}"
-                ))
-            })
-    }
-
-    pub fn serialize<S: serde::Serializer>(
-        v: &Option<Option<Duration>>,
-        s: S,
-    ) -> Result<S::Ok, S::Error> {
-        match v {
-            Some(Some(d)) => {
-                s.serialize_str(&humantime_serde::re::humantime::format_duration(*d).to_string())
-            }
-            _ => s.serialize_str("forever"),
-        }
-    }
-}
-
 impl RelayConfig {
     /// Check every field; the error names the first bad one as `relay.<field>`.
     ///
@@ -237,8 +208,11 @@ impl RelayConfig {
         if self.backoff.max < self.backoff.base {
             return f("backoff_max", "must not be less than relay.backoff_base");
         }
-        if self.retention.is_some_and(|r| r.is_zero()) {
-            return f("retention", "must be greater than zero, or \"forever\"");
+        if let Some(state) = self.retention.zero_field() {
+            return f(
+                &format!("retention.{state}"),
+                "must be greater than zero, or \"forever\"",
+            );
         }
         if self.backoff.factor < 1.0 || !(0.0..=1.0).contains(&self.backoff.jitter) {
             return f("backoff", "factor must be >= 1 and jitter within 0..=1");
@@ -271,7 +245,7 @@ mod file_tests {
         assert_eq!(c.maintenance_interval, Duration::from_secs(2));
         assert_eq!(c.backoff.base, Duration::from_millis(500));
         assert_eq!(c.backoff.max, Duration::from_secs(60));
-        assert_eq!(c.retention, None);
+        assert_eq!(c.retention, Retention::keep_all());
         assert_eq!(c.publish_timeout, RelayConfig::default().publish_timeout);
         let again: RelayConfig = serde_json::from_value(serde_json::to_value(&c).unwrap()).unwrap();
         assert_eq!(format!("{c:?}"), format!("{again:?}"));
@@ -312,7 +286,11 @@ mod file_tests {
             field(json!({"backoff_base": "2s", "backoff_max": "1s"})),
             "relay.backoff_max"
         );
-        assert_eq!(field(json!({"retention": "0s"})), "relay.retention");
+        assert_eq!(field(json!({"retention": "0s"})), "relay.retention.sent");
+        assert_eq!(
+            field(json!({"retention": {"archived": "0s"}})),
+            "relay.retention.archived"
+        );
         assert_eq!(field(json!({"lease": "1s"})), "relay.lease");
     }
 }

@@ -1,11 +1,13 @@
-//! Maintenance: check-back of unconfirmed messages and purge past retention.
+//! Maintenance: check-back of unconfirmed messages, and retention (delete or archive finished
+//! rows, [`crate::retention`]).
 
 use super::*;
+use crate::retention::{Finished, RetentionAction};
 
-/// Maintenance, on every relay, each step one bounded conditional statement so relays never
-/// do the same work twice: check back unconfirmed messages past their deadline, and delete
-/// finished rows past the retention period. A step that fills a whole
-/// batch runs again at once.
+/// Maintenance. On every relay: check back unconfirmed messages past their deadline (one
+/// bounded conditional statement, so relays never do the same work twice). On the relay that
+/// holds bucket 0 only: retention, one bounded transaction per finished state with a rule, and
+/// one for the archive. A step that fills a whole batch runs again at once.
 pub(super) async fn maintenance_loop(relay: Relay, cancel: CancellationToken) {
     let inner = &relay.inner;
     let cfg = &inner.config;
@@ -26,23 +28,28 @@ pub(super) async fn maintenance_loop(relay: Relay, cancel: CancellationToken) {
         let limit = cfg.batch_size;
         let steps = async {
             let checked = inner.store.check_back(limit, cfg.max_check_backs).await?;
-            let purged = match cfg.retention {
-                Some(r) => inner.store.purge_finished(r, limit).await?,
-                None => 0,
+            let (purged, archived, any_full) = if relay.runs_retention() {
+                retention(inner, limit).await?
+            } else {
+                (0, 0, false)
             };
-            Ok::<_, StoreError>((checked, purged))
+            Ok::<_, StoreError>((checked, purged, archived, any_full))
         };
         match steps.await {
-            Ok((checked, purged)) => {
+            Ok((checked, purged, archived, any_full)) => {
                 failures = 0;
-                full = [checked, purged].iter().any(|n| *n >= u64::from(limit));
+                full = any_full || checked >= u64::from(limit);
                 if checked > 0 {
                     add(&inner.metrics.checked_back, checked);
                     tracing::info!(rows = checked, "checked back unconfirmed messages");
                 }
                 if purged > 0 {
                     add(&inner.metrics.purged, purged);
-                    tracing::debug!(rows = purged, "purged finished rows past retention");
+                    tracing::debug!(rows = purged, "deleted finished rows past retention");
+                }
+                if archived > 0 {
+                    add(&inner.metrics.archived, archived);
+                    tracing::debug!(rows = archived, "archived finished rows past retention");
                 }
                 if checked > 0 {
                     inner.store.wake();
@@ -55,4 +62,36 @@ pub(super) async fn maintenance_loop(relay: Relay, cancel: CancellationToken) {
             }
         }
     }
+}
+
+/// One retention round: a transaction per finished state with a rule, then the archive's.
+/// Returns the rows deleted, the rows archived, and whether any transaction was full (more to
+/// do).
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+async fn retention(inner: &Inner, limit: u32) -> Result<(u64, u64, bool), StoreError> {
+    let r = &inner.config.retention;
+    let chunk = u64::from(limit).min(crate::admin::ACTION_CHUNK as u64);
+    let (mut purged, mut archived, mut full) = (0, 0, false);
+    for state in Finished::ALL {
+        let rule = r.rule(state);
+        let Some(after) = rule.after else { continue };
+        let n = inner.store.retire(state, after, rule.action, limit).await?;
+        full |= n >= chunk;
+        match rule.action {
+            RetentionAction::Delete => purged += n,
+            RetentionAction::Archive => archived += n,
+        }
+    }
+    if let Some(after) = r.archived {
+        let n = inner.store.purge_archive(after, limit).await?;
+        full |= n >= chunk;
+        purged += n;
+    }
+    Ok((purged, archived, full))
+}
+
+/// Without a database feature there is no store to apply retention to.
+#[cfg(not(any(feature = "postgres", feature = "mysql", feature = "sqlite")))]
+async fn retention(_: &Inner, _: u32) -> Result<(u64, u64, bool), StoreError> {
+    Ok((0, 0, false))
 }

@@ -24,6 +24,8 @@ pub struct RelayMetrics {
     pub checked_back: AtomicU64,
     /// Finished rows deleted by retention.
     pub purged: AtomicU64,
+    /// Finished rows moved to `<table>_archive` by retention.
+    pub archived: AtomicU64,
     /// Failed database calls (read, completion, membership, maintenance), all retried, by
     /// [`StoreErrorKind`], indexed by [`StoreErrorKind::index`]; their sum is
     /// [`MetricsSnapshot::store_errors`].
@@ -85,6 +87,8 @@ pub struct MetricsSnapshot {
     pub checked_back: u64,
     /// See [`RelayMetrics::purged`].
     pub purged: u64,
+    /// See [`RelayMetrics::archived`].
+    pub archived: u64,
     /// Failed database calls, all kinds ([`RelayMetrics::store_errors_by_kind`] summed).
     pub store_errors: u64,
     /// See [`RelayMetrics::outages`].
@@ -141,6 +145,7 @@ impl RelayMetrics {
             stale_batches: g(&self.stale_batches),
             checked_back: g(&self.checked_back),
             purged: g(&self.purged),
+            archived: g(&self.archived),
             store_errors: self.store_errors_by_kind.iter().map(g).sum(),
             outages: g(&self.outages),
             held_back: g(&self.held_back),

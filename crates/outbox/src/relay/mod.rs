@@ -324,6 +324,15 @@ impl Relay {
         own.held.keys().copied().collect()
     }
 
+    /// Whether this relay applies retention now: it holds bucket 0 and its lease has not
+    /// expired (so at most one live relay does, apart from a lease's last moments).
+    fn runs_retention(&self) -> bool {
+        let own = self.inner.ownership.lock().expect("ownership lock");
+        own.held
+            .get(&0)
+            .is_some_and(|h| h.valid_until > Instant::now())
+    }
+
     /// Run on a new task until [`RelayHandle::shutdown`].
     pub fn spawn(&self) -> RelayHandle {
         let cancel = CancellationToken::new();

@@ -29,18 +29,47 @@ pub(crate) enum Target {
     Sqlite(sqlx::SqlitePool, String),
 }
 
-/// Run [`Admin`]`::$f(args…)` on the target's database.
+/// Run [`Admin`]`::$f(args…)` on the database of `$target` (a `&Target`).
 macro_rules! on_target {
     ($target:expr, $f:ident($($arg:expr),*)) => {
-        match $target.0 {
+        match $target {
             #[cfg(feature = "postgres")]
-            Target::Postgres(pool, table) => Admin { pool: &pool, d: &super::postgres::ADMIN, table: &table }.$f($($arg),*).await,
+            Target::Postgres(pool, table) => Admin { pool, d: &super::postgres::ADMIN, table }.$f($($arg),*).await,
             #[cfg(feature = "mysql")]
-            Target::MySql(pool, table) => Admin { pool: &pool, d: &super::mysql::ADMIN, table: &table }.$f($($arg),*).await,
+            Target::MySql(pool, table) => Admin { pool, d: &super::mysql::ADMIN, table }.$f($($arg),*).await,
             #[cfg(feature = "sqlite")]
-            Target::Sqlite(pool, table) => Admin { pool: &pool, d: &super::sqlite::ADMIN, table: &table }.$f($($arg),*).await,
+            Target::Sqlite(pool, table) => Admin { pool, d: &super::sqlite::ADMIN, table }.$f($($arg),*).await,
         }
     };
+}
+
+/// [`InboxAdmin::consumers`](crate::admin::inbox::InboxAdmin::consumers) on `target` (its
+/// table is the inbox table).
+pub(crate) async fn inbox_consumers_on(
+    target: &Target,
+) -> Result<Vec<ConsumerDeadLetters>, StoreError> {
+    on_target!(target, inbox_consumers())
+}
+
+/// [`InboxAdmin::dead_letters`](crate::admin::inbox::InboxAdmin::dead_letters) and
+/// [`InboxAdmin::dead_letter`](crate::admin::inbox::InboxAdmin::dead_letter) on `target`.
+pub(crate) async fn inbox_dead_letters_on(
+    target: &Target,
+    consumer: Option<&str>,
+    message_id: Option<&str>,
+    limit: u32,
+) -> Result<Vec<InboxDeadLetter>, StoreError> {
+    on_target!(target, inbox_dead_letters(consumer, message_id, limit))
+}
+
+/// [`InboxAdmin::act`](crate::admin::inbox::InboxAdmin::act) on `target`.
+pub(crate) async fn inbox_act_on(
+    target: &Target,
+    action: InboxAction,
+    consumer: &str,
+    message_ids: &[String],
+) -> Result<InboxActionReport, StoreError> {
+    on_target!(target, inbox_act(action, consumer, message_ids))
 }
 
 /// [`Store::search`](crate::Store::search) on `target`.
@@ -49,7 +78,7 @@ pub(crate) async fn search_on(
     filter: &MessageFilter,
     page: &PageRequest,
 ) -> Result<MessagePage, StoreError> {
-    on_target!(target, search(filter, page))
+    on_target!(&target.0, search(filter, page))
 }
 
 /// [`Store::message`](crate::Store::message) on `target`.
@@ -57,7 +86,7 @@ pub(crate) async fn message_on(
     target: AdminTarget,
     id: i64,
 ) -> Result<Option<MessageDetail>, StoreError> {
-    on_target!(target, message(id))
+    on_target!(&target.0, message(id))
 }
 
 /// [`Store::topic_counts`](crate::Store::topic_counts) on `target`.
@@ -65,12 +94,12 @@ pub(crate) async fn topic_counts_on(
     target: AdminTarget,
     limit: u32,
 ) -> Result<Vec<TopicCounts>, StoreError> {
-    on_target!(target, topic_counts(limit))
+    on_target!(&target.0, topic_counts(limit))
 }
 
 /// [`Store::leases`](crate::Store::leases) on `target`.
 pub(crate) async fn leases_on(target: AdminTarget) -> Result<Leases, StoreError> {
-    on_target!(target, leases())
+    on_target!(&target.0, leases())
 }
 
 /// [`Store::blocked_keys`](crate::Store::blocked_keys) on `target`.
@@ -78,7 +107,27 @@ pub(crate) async fn blocked_keys_on(
     target: AdminTarget,
     limit: u32,
 ) -> Result<Vec<BlockedKey>, StoreError> {
-    on_target!(target, blocked_keys(limit))
+    on_target!(&target.0, blocked_keys(limit))
+}
+
+/// [`Store::retire`](crate::Store::retire) on `target`.
+pub(crate) async fn retire_on(
+    target: AdminTarget,
+    state: Finished,
+    older_than: std::time::Duration,
+    action: RetentionAction,
+    limit: u32,
+) -> Result<u64, StoreError> {
+    on_target!(&target.0, retire(state, older_than, action, limit))
+}
+
+/// [`Store::purge_archive`](crate::Store::purge_archive) on `target`.
+pub(crate) async fn purge_archive_on(
+    target: AdminTarget,
+    older_than: std::time::Duration,
+    limit: u32,
+) -> Result<u64, StoreError> {
+    on_target!(&target.0, purge_archive(older_than, limit))
 }
 
 /// [`Store::act`](crate::Store::act) on `target`.
@@ -87,17 +136,19 @@ pub(crate) async fn act_on(
     action: Action,
     selection: &Selection,
 ) -> Result<ActionReport, StoreError> {
-    on_target!(target, act(action, selection))
+    on_target!(&target.0, act(action, selection))
 }
 
 use super::StoreError;
-use super::status_sql::{FAILED, PENDING, REJECTED, SENT};
+use super::status_sql::{CONFIRMED, FAILED, PENDING, REJECTED, SENT};
+use crate::admin::inbox::{ConsumerDeadLetters, InboxAction, InboxActionReport, InboxDeadLetter};
 use crate::admin::{
     ACTION_CHUNK, Action, ActionReport, BlockedKey, BucketRow, Leases, MAX_PAGE, MessageDetail,
     MessageFilter, MessagePage, MessageSummary, NotChanged, PageRequest, RelayRow, RenderedPayload,
     Selection, TopicCounts, contains_pattern, like_pattern,
 };
 use crate::message::Status;
+use crate::retention::{Finished, RetentionAction};
 
 /// What differs between the databases in the admin statements.
 pub(crate) struct Dialect {
@@ -119,8 +170,15 @@ pub(crate) struct Dialect {
     pub now: &'static str,
     /// How a transaction that will write starts.
     pub begin: &'static str,
+    /// A statement run on the connection before `begin` (MySQL: `SET TRANSACTION ISOLATION
+    /// LEVEL READ COMMITTED`, so locking reads take no gap locks that would stall producers
+    /// and the relay), or empty.
+    pub before_begin: &'static str,
     /// Appended to the select that picks an action's rows (row locks).
     pub for_update: &'static str,
+    /// Appended to the select that picks retention's rows: lock them, skip rows locked by
+    /// others (empty where the transaction's start already locks: SQLite).
+    pub skip_locked: &'static str,
 }
 
 /// A bound value.
@@ -258,6 +316,19 @@ struct Admin<'a, DB: Database> {
 pub(crate) const ARCHIVED_COLUMNS: &str = "id, message_id, topic, partition_key, headers, payload, \
      status, attempts, max_attempts, available_at, created_at, sent_at, confirmed_at, updated_at, \
      last_error, confirm_deadline, check_backs, redelivery";
+
+/// `INSERT INTO <table>_archive … SELECT … FROM <table> WHERE <condition>`, with `reason`.
+fn archive_into(table: &str, now: &str, reason: &str, condition: &str) -> String {
+    format!(
+        "INSERT INTO {table}_archive ({ARCHIVED_COLUMNS}, archived_at, archive_reason) \
+         SELECT {ARCHIVED_COLUMNS}, {now}, '{reason}' FROM {table} WHERE {condition}"
+    )
+}
+
+/// Rows per retention transaction: `limit`, at most [`ACTION_CHUNK`], at least 1.
+fn chunk(limit: u32) -> usize {
+    (limit as usize).clamp(1, ACTION_CHUNK)
+}
 
 /// The rows of one chunk: named ids, or the next [`ACTION_CHUNK`] rows a filter matches below an
 /// id.
@@ -557,8 +628,7 @@ where
 
     /// One chunk in one transaction; the ids changed.
     async fn act_chunk(&self, action: Action, pick: Pick<'_>) -> Result<Vec<i64>, StoreError> {
-        let (pool, d, table) = (self.pool, self.d, self.table);
-        let err = |e| super::db_error("admin action", table, e);
+        let (d, table) = (self.d, self.table);
         let now = d.now;
         let states = action
             .from_states()
@@ -585,26 +655,6 @@ where
             }
         }
         pick_sql.push(d.for_update);
-
-        let mut conn = pool.acquire().await.map_err(err)?;
-        let mut tx =
-            sqlx::Connection::begin_with(&mut *conn, sqlx::AssertSqlSafe(d.begin.to_owned()))
-                .await
-                .map_err(err)?;
-        let rows = pick_sql
-            .query::<DB>()
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(err)?;
-        let ids = rows
-            .iter()
-            .map(|r| r.try_get::<i64, _>(0))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(err)?;
-        if ids.is_empty() {
-            tx.rollback().await.map_err(err)?;
-            return Ok(ids);
-        }
         let statements: Vec<String> = match action {
             Action::Requeue => vec![format!(
                 "UPDATE {table} SET status = {PENDING}, attempts = 0, check_backs = 0, \
@@ -615,20 +665,284 @@ where
                 "UPDATE {table} SET available_at = {now}, updated_at = {now} WHERE status = {PENDING}"
             )],
             Action::Discard => vec![
-                format!(
-                    "INSERT INTO {table}_archive ({ARCHIVED_COLUMNS}, archived_at, archive_reason) \
-                     SELECT {ARCHIVED_COLUMNS}, {now}, 'discarded' FROM {table} WHERE status = {FAILED}"
-                ),
+                archive_into(table, now, "discarded", &format!("status = {FAILED}")),
                 format!("DELETE FROM {table} WHERE status = {FAILED}"),
             ],
         };
+        self.locked_chunk("admin action", &pick_sql, &statements)
+            .await
+    }
+
+    /// One transaction: run `pick` (which locks the rows it selects), then each of `statements`
+    /// with ` AND id IN (<the picked ids>)` appended; the ids picked (none: nothing ran).
+    async fn locked_chunk(
+        &self,
+        op: &'static str,
+        pick: &Sql<'_>,
+        statements: &[String],
+    ) -> Result<Vec<i64>, StoreError> {
+        let (pool, d, table) = (self.pool, self.d, self.table);
+        let err = |e| super::db_error(op, table, e);
+        let mut conn = pool.acquire().await.map_err(err)?;
+        if !d.before_begin.is_empty() {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(d.before_begin.to_owned()))
+                .execute(&mut *conn)
+                .await
+                .map_err(err)?;
+        }
+        let mut tx =
+            sqlx::Connection::begin_with(&mut *conn, sqlx::AssertSqlSafe(d.begin.to_owned()))
+                .await
+                .map_err(err)?;
+        let rows = pick.query::<DB>().fetch_all(&mut *tx).await.map_err(err)?;
+        let ids = rows
+            .iter()
+            .map(|r| r.try_get::<i64, _>(0))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(err)?;
+        if ids.is_empty() {
+            tx.rollback().await.map_err(err)?;
+            return Ok(ids);
+        }
         for text in statements {
-            let mut sql = Sql::new(d, text);
+            let mut sql = Sql::new(d, text.as_str());
             sql.ids(&ids);
             sql.query::<DB>().execute(&mut *tx).await.map_err(err)?;
         }
         tx.commit().await.map_err(err)?;
         Ok(ids)
+    }
+
+    /// The database clock in epoch milliseconds.
+    async fn clock(&self, op: &'static str) -> Result<i64, StoreError> {
+        let sql = Sql::new(self.d, format!("SELECT {}", (self.d.ms)(self.d.now)));
+        let row = sql
+            .query::<DB>()
+            .fetch_one(self.pool)
+            .await
+            .map_err(|e| super::db_error(op, self.table, e))?;
+        row.try_get::<i64, _>(0)
+            .map_err(|e| super::db_error(op, self.table, e))
+    }
+
+    /// [`Store::retire`](crate::Store::retire): one transaction of at most `limit` (and
+    /// [`ACTION_CHUNK`]) rows of `state` finished more than `older_than` ago (by the database
+    /// clock), skipping rows another transaction holds; deleted, or copied to the archive and
+    /// deleted. The rows removed.
+    async fn retire(
+        &self,
+        state: Finished,
+        older_than: std::time::Duration,
+        action: RetentionAction,
+        limit: u32,
+    ) -> Result<u64, StoreError> {
+        let (d, table) = (self.d, self.table);
+        let cutoff = self
+            .clock("retention")
+            .await?
+            .saturating_sub(super::millis(older_than));
+        let mut pick = Sql::new(d, format!("SELECT id FROM {table} WHERE "));
+        let p = pick.arg(Arg::Int(cutoff));
+        let before = (d.at_ms)(&p);
+        let finished = match state {
+            Finished::Sent => format!("status = {SENT} AND confirm_deadline IS NULL AND sent_at"),
+            Finished::Confirmed => format!("status = {CONFIRMED} AND confirmed_at"),
+            Finished::Rejected => format!("status = {REJECTED} AND confirmed_at"),
+            Finished::Failed => format!("status = {FAILED} AND updated_at"),
+        };
+        pick.push(&format!("{finished} < {before} LIMIT {}", chunk(limit)));
+        pick.push(d.skip_locked);
+        let mut statements = Vec::new();
+        if action == RetentionAction::Archive {
+            statements.push(archive_into(table, d.now, "retention", "1 = 1"));
+        }
+        statements.push(format!("DELETE FROM {table} WHERE 1 = 1"));
+        let ids = self.locked_chunk("retention", &pick, &statements).await?;
+        Ok(ids.len() as u64)
+    }
+
+    /// [`Store::purge_archive`](crate::Store::purge_archive): delete at most `limit` (and
+    /// [`ACTION_CHUNK`]) archived rows archived more than `older_than` ago.
+    async fn purge_archive(
+        &self,
+        older_than: std::time::Duration,
+        limit: u32,
+    ) -> Result<u64, StoreError> {
+        let (d, table) = (self.d, self.table);
+        let cutoff = self
+            .clock("archive retention")
+            .await?
+            .saturating_sub(super::millis(older_than));
+        let mut pick = Sql::new(d, format!("SELECT id FROM {table}_archive WHERE "));
+        let p = pick.arg(Arg::Int(cutoff));
+        pick.push(&format!(
+            "archived_at < {} LIMIT {}{}",
+            (d.at_ms)(&p),
+            chunk(limit),
+            d.skip_locked
+        ));
+        let delete = [format!("DELETE FROM {table}_archive WHERE 1 = 1")];
+        let ids = self
+            .locked_chunk("archive retention", &pick, &delete)
+            .await?;
+        Ok(ids.len() as u64)
+    }
+
+    /// Every consumer of the inbox `self.table` with dead letters, most first.
+    async fn inbox_consumers(&self) -> Result<Vec<ConsumerDeadLetters>, StoreError> {
+        let (d, t) = (self.d, self.table);
+        let sql = Sql::new(
+            d,
+            format!(
+                "SELECT consumer, {count}, {replays}, {oldest}, {newest} FROM {t}_dlq \
+                 GROUP BY consumer ORDER BY 2 DESC, consumer LIMIT {MAX_PAGE}",
+                count = (d.int)("COUNT(*)"),
+                replays = (d.int)("SUM(CASE WHEN replay_requested_at IS NULL THEN 0 ELSE 1 END)"),
+                oldest = (d.ms)("MIN(failed_at)"),
+                newest = (d.ms)("MAX(failed_at)"),
+            ),
+        );
+        self.fetch("inbox dead letters", &sql, |row| {
+            Ok(ConsumerDeadLetters {
+                consumer: row.try_get(0)?,
+                dead_letters: u64::try_from(row.try_get::<i64, _>(1)?).unwrap_or(0),
+                replay_requested: u64::try_from(row.try_get::<i64, _>(2)?).unwrap_or(0),
+                oldest_failed_at: at(row.try_get(3)?),
+                newest_failed_at: at(row.try_get(4)?),
+            })
+        })
+        .await
+    }
+
+    /// Dead letters of the inbox `self.table`, newest first; with headers and payload when one
+    /// message id is asked for.
+    async fn inbox_dead_letters(
+        &self,
+        consumer: Option<&str>,
+        message_id: Option<&str>,
+        limit: u32,
+    ) -> Result<Vec<InboxDeadLetter>, StoreError> {
+        let (d, t) = (self.d, self.table);
+        let full = message_id.is_some();
+        let extra = if full {
+            format!(", {}, payload", (d.text)("headers"))
+        } else {
+            String::new()
+        };
+        let mut sql = Sql::new(
+            d,
+            format!(
+                "SELECT consumer, {mid}, topic, partition_key, error, {deliveries}, {failed}, \
+                 {replay}{extra} FROM {t}_dlq WHERE 1 = 1",
+                mid = (d.text)("message_id"),
+                deliveries = (d.int)("deliveries"),
+                failed = (d.ms)("failed_at"),
+                replay = (d.ms)("replay_requested_at"),
+            ),
+        );
+        if let Some(c) = consumer {
+            let p = sql.arg(Arg::Text(c.to_owned()));
+            sql.push(&format!(" AND consumer = {p}"));
+        }
+        if let Some(id) = message_id {
+            let p = sql.arg(Arg::Text(id.to_owned()));
+            sql.push(&format!(" AND message_id = {}", (d.uuid)(&p)));
+        }
+        sql.push(&format!(
+            " ORDER BY failed_at DESC LIMIT {}",
+            limit.clamp(1, MAX_PAGE)
+        ));
+        self.fetch("inbox dead letters", &sql, |row| {
+            Ok(InboxDeadLetter {
+                consumer: row.try_get(0)?,
+                message_id: row.try_get(1)?,
+                topic: row.try_get(2)?,
+                partition_key: row.try_get(3)?,
+                error: row.try_get(4)?,
+                deliveries: row.try_get(5)?,
+                failed_at: at(row.try_get(6)?),
+                replay_requested_at: at(row.try_get(7)?),
+                headers: if full { row.try_get(8)? } else { None },
+                payload: if full {
+                    Some(RenderedPayload::of(&row.try_get::<Vec<u8>, _>(9)?))
+                } else {
+                    None
+                },
+            })
+        })
+        .await
+    }
+
+    /// Replay or discard dead letters of one consumer in one transaction that locks them
+    /// first.
+    async fn inbox_act(
+        &self,
+        action: InboxAction,
+        consumer: &str,
+        message_ids: &[String],
+    ) -> Result<InboxActionReport, StoreError> {
+        let (pool, d, t) = (self.pool, self.d, self.table);
+        let err = |e| super::db_error("inbox admin action", t, e);
+        let mut report = InboxActionReport::default();
+        let mut ids: Vec<String> = Vec::new();
+        for id in message_ids {
+            match uuid::Uuid::parse_str(id.trim()) {
+                Ok(u) => ids.push(u.to_string()),
+                Err(e) => report
+                    .not_changed
+                    .push((id.clone(), format!("not a message id: {e}"))),
+            }
+        }
+        ids.sort_unstable();
+        ids.dedup();
+        let mut found = std::collections::BTreeSet::new();
+        for chunk in ids.chunks(ACTION_CHUNK) {
+            let in_list = |sql: &mut Sql<'_>| {
+                let list: Vec<String> = chunk
+                    .iter()
+                    .map(|id| (d.uuid)(&sql.arg(Arg::Text(id.clone()))))
+                    .collect();
+                let c = sql.arg(Arg::Text(consumer.to_owned()));
+                sql.push(&format!(
+                    " consumer = {c} AND message_id IN ({})",
+                    list.join(", ")
+                ));
+            };
+            let mut pick = Sql::new(
+                d,
+                format!("SELECT {} FROM {t}_dlq WHERE", (d.text)("message_id")),
+            );
+            in_list(&mut pick);
+            pick.push(d.for_update);
+            let mut change = Sql::new(
+                d,
+                match action {
+                    InboxAction::Replay => {
+                        format!("UPDATE {t}_dlq SET replay_requested_at = {} WHERE", d.now)
+                    }
+                    InboxAction::Discard => format!("DELETE FROM {t}_dlq WHERE"),
+                },
+            );
+            in_list(&mut change);
+            let mut conn = pool.acquire().await.map_err(err)?;
+            let mut tx =
+                sqlx::Connection::begin_with(&mut *conn, sqlx::AssertSqlSafe(d.begin.to_owned()))
+                    .await
+                    .map_err(err)?;
+            for row in pick.query::<DB>().fetch_all(&mut *tx).await.map_err(err)? {
+                found.insert(row.try_get::<String, _>(0).map_err(err)?);
+            }
+            change.query::<DB>().execute(&mut *tx).await.map_err(err)?;
+            tx.commit().await.map_err(err)?;
+        }
+        report.changed = found.len() as u64;
+        for id in ids.into_iter().filter(|id| !found.contains(id)) {
+            report.not_changed.push((
+                id,
+                format!("no dead letter of consumer {consumer:?} has this id"),
+            ));
+        }
+        Ok(report)
     }
 
     /// Why each of `ids` was not changed: its state now, or that there is no such row.

@@ -331,11 +331,6 @@ pub trait Store: Send + Sync + 'static {
     /// One conditional statement, safe to run on every relay. Returns the rows moved.
     async fn check_back(&self, limit: u32, max_check_backs: u32) -> Result<u64, StoreError>;
 
-    /// Delete up to `limit` finished rows older than `older_than`: CONFIRMED and REJECTED rows
-    /// by `confirmed_at`, and SENT rows that await no confirmation by `sent_at`. One bounded
-    /// statement; call again while it returns `limit`. Returns the rows deleted.
-    async fn purge_finished(&self, older_than: Duration, limit: u32) -> Result<u64, StoreError>;
-
     /// Operator requeue of dead letters: FAILED → PENDING, due now, `attempts` and
     /// `check_backs` reset to 0, `redelivery + 1` (so a broker that deduplicates by id accepts the
     /// new copy), `last_error` kept for the record. `ids = None` requeues every FAILED row. Rows in any other
@@ -399,6 +394,35 @@ pub trait Store: Send + Sync + 'static {
     #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
     async fn blocked_keys(&self, limit: u32) -> Result<Vec<crate::admin::BlockedKey>, StoreError> {
         admin::blocked_keys_on(self.admin_target(), limit).await
+    }
+
+    /// Retention of one finished state ([`crate::retention`]): up to `limit` rows (at most
+    /// [`crate::admin::ACTION_CHUNK`]) of `state` that finished more than `older_than` ago by
+    /// the database clock, deleted or moved to `<table>_archive`, in one transaction that skips
+    /// rows another transaction holds (so it never waits on a producer or a confirmation). Call
+    /// again while it returns the chunk size. Returns the rows removed from the outbox table.
+    ///
+    /// # Errors
+    /// [`StoreError`] from the database; nothing of the failed transaction is applied.
+    #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+    async fn retire(
+        &self,
+        state: crate::retention::Finished,
+        older_than: Duration,
+        action: crate::retention::RetentionAction,
+        limit: u32,
+    ) -> Result<u64, StoreError> {
+        admin::retire_on(self.admin_target(), state, older_than, action, limit).await
+    }
+
+    /// Delete up to `limit` rows (at most [`crate::admin::ACTION_CHUNK`]) of `<table>_archive`
+    /// archived more than `older_than` ago. Returns the rows deleted.
+    ///
+    /// # Errors
+    /// [`StoreError`] from the database.
+    #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+    async fn purge_archive(&self, older_than: Duration, limit: u32) -> Result<u64, StoreError> {
+        admin::purge_archive_on(self.admin_target(), older_than, limit).await
     }
 
     /// Apply an operator's `action` to `selection` ([`crate::admin::Action`]), in chunks of

@@ -3,6 +3,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
+use outbox::retention::{Finished, RetentionAction};
 use outbox::store::{
     BUCKETS, Bucket, BucketCompletion, KeyHead, LeaseToken, MembershipRequest, Outcome,
 };
@@ -515,12 +516,14 @@ impl<F: ModelDb> Case<'_, F> {
     }
 
     async fn purge(&mut self, step: usize) {
-        let purged = self
-            .fx
-            .store()
-            .purge_finished(HOUR, 1000)
-            .await
-            .expect("purge");
+        let store = self.fx.store();
+        let mut purged = 0;
+        for state in [Finished::Sent, Finished::Confirmed, Finished::Rejected] {
+            purged += store
+                .retire(state, HOUR, RetentionAction::Delete, 500)
+                .await
+                .expect("retention");
+        }
         let epoch = self.model.epoch;
         let aged = |t: Option<u32>| t.is_some_and(|t| t < epoch);
         let before = self.model.rows.len();

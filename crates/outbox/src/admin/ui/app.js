@@ -92,9 +92,72 @@ async function overview() {
       <div class="card"><div class="label">SENT awaiting confirmation</div><div class="n">${o.awaiting_confirmation.toLocaleString()}</div></div>
       <div class="card"><div class="label">Oldest unconfirmed</div><div class="n">${age(o.oldest_unconfirmed_age_seconds)}</div></div>
     </div>
+    <h2>Last hour</h2>
+    <div id="charts" class="charts"><p class="muted">Loading…</p></div>
     <h2>Topics</h2>
     <table><thead><tr><th>Topic</th>${STATES.map((s) => `<th class="num">${s}</th>`).join("")}</tr></thead>
     <tbody>${topics || `<tr><td colspan="7" class="muted">No messages.</td></tr>`}</tbody></table>`;
+  await charts();
+}
+
+// An SVG chart of `series` ({name, cls, values}) over `points` (x = time): bars for the first
+// series when `bars`, lines otherwise; the y axis from 0 to the largest value, labelled with `fmt`.
+function chart(id, title, points, series, fmt, bars) {
+  const W = 560, H = 180, L = 56, R = 8, T = 10, B = 24;
+  const t0 = points.length ? Date.parse(points[0].at) : Date.now();
+  const t1 = points.length ? Date.parse(points[points.length - 1].at) : t0 + 1;
+  const span = Math.max(t1 - t0, 60000);
+  const max = Math.max(1e-9, ...series.flatMap((s) => s.values.filter((v) => v != null)));
+  const x = (i) => L + ((Date.parse(points[i].at) - t0) / span) * (W - L - R);
+  const y = (v) => T + (1 - v / max) * (H - T - B);
+  const shapes = series.map((s, k) => {
+    if (bars && k === 0) {
+      const w = Math.max(1, (W - L - R) / Math.max(points.length, 1) - 1);
+      return s.values.map((v, i) => (v ? `<rect class="${s.cls}" x="${(x(i) - w).toFixed(1)}" y="${y(v).toFixed(1)}" width="${w.toFixed(1)}" height="${(H - B - y(v)).toFixed(1)}"></rect>` : "")).join("");
+    }
+    const pts = s.values.map((v, i) => (v == null ? null : `${x(i).toFixed(1)},${y(v).toFixed(1)}`)).filter(Boolean);
+    return pts.length ? `<polyline class="${s.cls}" points="${pts.join(" ")}"></polyline>` : "";
+  }).join("");
+  const ago = (ms) => (ms >= 60000 ? `${Math.round(ms / 60000)} min ago` : `${Math.round(ms / 1000)} s ago`);
+  const legend = series.map((s) => `<span class="key ${s.cls}">${esc(s.name)}</span>`).join(" ");
+  return `<figure class="chart" id="${id}"><figcaption>${esc(title)} ${legend}</figcaption>
+    <svg viewBox="0 0 ${W} ${H}" width="${W}" height="${H}" role="img" aria-label="${esc(title)}">
+      <line class="axis" x1="${L}" y1="${H - B}" x2="${W - R}" y2="${H - B}"></line>
+      <line class="axis" x1="${L}" y1="${T}" x2="${L}" y2="${H - B}"></line>
+      <text x="${L - 6}" y="${T + 10}" text-anchor="end">${esc(fmt(max))}</text>
+      <text x="${L - 6}" y="${H - B}" text-anchor="end">0</text>
+      <text x="${L}" y="${H - 6}">${points.length ? ago(Date.now() - t0) : ""}</text>
+      <text x="${W - R}" y="${H - 6}" text-anchor="end">now</text>
+      ${shapes}
+    </svg></figure>`;
+}
+
+async function charts() {
+  const box = document.getElementById("charts");
+  if (!box) return;
+  let s;
+  try {
+    s = await api("/api/series");
+  } catch (e) {
+    box.innerHTML = `<p class="muted">${esc(e.message)}</p>`;
+    return;
+  }
+  const p = s.points;
+  if (p.length === 0) {
+    box.innerHTML = `<p class="muted">No sample yet: the relay samples its counters every ${s.interval_seconds} s.</p>`;
+    return;
+  }
+  const rate = (k) => p.map((x) => x[k] / Math.max(x.seconds, 1e-9));
+  const ms = (k) => p.map((x) => (x[k] == null ? null : x[k] * 1000));
+  const total = p.reduce((a, x) => a + x.published, 0);
+  box.innerHTML = chart("chart-throughput", `Published: ${total.toLocaleString()} messages`, p,
+      [{ name: "published/s", cls: "s-pub", values: rate("published") },
+       { name: "dead-lettered/s", cls: "s-dead", values: rate("dead_lettered") }],
+      (v) => (v >= 100 ? Math.round(v).toLocaleString() : v.toFixed(1)) + "/s", true)
+    + chart("chart-latency", "Commit → ack latency", p,
+      [{ name: "p50", cls: "s-p50", values: ms("latency_p50") },
+       { name: "p99", cls: "s-p99", values: ms("latency_p99") }],
+      (v) => (v >= 10 ? Math.round(v) : v.toFixed(1)) + " ms", false);
 }
 
 const FILTER_KEYS = ["state", "topic", "key", "message_id", "error", "created_after", "created_before"];
@@ -299,6 +362,87 @@ async function keys() {
   });
 }
 
+async function inboxAct(action, consumer, ids, nextHash) {
+  const notes = {
+    replay: "The consumer's runner runs them again with its handler, within its maintenance interval.",
+    discard: "The dead letters are deleted; the inbox keeps their rejected verdict.",
+  };
+  const verb = action === "replay" ? "Replay" : "Discard";
+  if (!(await confirmDialog(`${verb} ${ids.length} dead letter(s) of ${consumer}?`, notes[action]))) return;
+  try {
+    const r = await api(`/api/inbox/${action}`, { consumer, message_ids: ids });
+    const lines = [`${verb}: ${r.changed} changed`].concat(r.not_changed.map(([id, why]) => `${id}: ${why}`));
+    toast(lines.join("\n"), r.not_changed.length > 0);
+    if (nextHash && location.hash !== nextHash) location.hash = nextHash;
+    else route();
+  } catch (e) {
+    toast(e.message, true);
+  }
+}
+
+async function inbox(query) {
+  setNav("inbox");
+  const params = new URLSearchParams(query);
+  const consumer = params.get("consumer") || "";
+  const c = await api("/api/inbox");
+  const r = await api(`/api/inbox/dead-letters?limit=200${consumer ? "&consumer=" + encodeURIComponent(consumer) : ""}`);
+  const consumers = c.consumers.map((x) => `<tr><td><a href="#/inbox?consumer=${encodeURIComponent(x.consumer)}">${esc(x.consumer)}</a></td>
+      <td class="num">${x.dead_letters}</td><td class="num">${x.replay_requested}</td><td>${when(x.oldest_failed_at)}</td><td>${when(x.newest_failed_at)}</td></tr>`).join("");
+  const rows = r.dead_letters.map((d) => `<tr><td><input type="checkbox" class="dl-pick" data-consumer="${esc(d.consumer)}" value="${esc(d.message_id)}"></td>
+      <td>${esc(d.consumer)}</td>
+      <td><a href="#/inbox/${encodeURIComponent(d.consumer)}/${esc(d.message_id)}"><code>${esc(d.message_id)}</code></a></td>
+      <td>${esc(d.topic)}</td><td>${esc(d.partition_key || "")}</td><td class="num">${d.deliveries}</td><td>${when(d.failed_at)}</td>
+      <td>${d.replay_requested_at ? '<span class="badge b-PENDING">replay requested</span>' : ""}</td>
+      <td><span class="err" title="${esc(d.error)}">${esc(d.error)}</span></td></tr>`).join("");
+  main.innerHTML = `<h1>Inbox dead letters</h1>
+    <p class="muted">Messages a consumer's handler could not apply (<code>&lt;inbox&gt;_dlq</code>). Replay runs one again through the consumer's handler; discard deletes it.</p>
+    <table id="consumers"><thead><tr><th>Consumer</th><th class="num">Dead letters</th><th class="num">Replays requested</th><th>Oldest</th><th>Newest</th></tr></thead>
+    <tbody>${consumers || `<tr><td colspan="5" class="muted">No consumer has dead letters.</td></tr>`}</tbody></table>
+    <h2>${consumer ? "Dead letters of " + esc(consumer) + ' <a href="#/inbox" class="small">all consumers</a>' : "Latest dead letters"}</h2>
+    <div class="actions">
+      <button type="button" id="dl-replay">Replay selected</button>
+      <button type="button" id="dl-discard" class="danger">Discard selected</button>
+    </div>
+    <table id="dead-letters"><thead><tr><th></th><th>Consumer</th><th>Message id</th><th>Topic</th><th>Key</th><th class="num">Deliveries</th><th>Failed</th><th></th><th>Error</th></tr></thead>
+    <tbody>${rows || `<tr><td colspan="9" class="muted">None.</td></tr>`}</tbody></table>`;
+  const run = (action) => {
+    const picked = [...document.querySelectorAll("input.dl-pick:checked")];
+    if (picked.length === 0) { toast("Select dead letters first.", true); return; }
+    const consumers = [...new Set(picked.map((i) => i.dataset.consumer))];
+    if (consumers.length > 1) { toast("Select dead letters of one consumer.", true); return; }
+    inboxAct(action, consumers[0], picked.map((i) => i.value));
+  };
+  document.getElementById("dl-replay").onclick = () => run("replay");
+  document.getElementById("dl-discard").onclick = () => run("discard");
+}
+
+async function inboxDetail(consumer, id) {
+  setNav("inbox");
+  const d = await api(`/api/inbox/dead-letters/${encodeURIComponent(consumer)}/${encodeURIComponent(id)}`);
+  let hdrs = [];
+  try { hdrs = Object.entries(JSON.parse(d.headers || "{}")); } catch (_) { hdrs = [["(unreadable)", d.headers]]; }
+  const fields = [
+    ["Consumer", esc(d.consumer)], ["Message id", `<code>${esc(d.message_id)}</code>`], ["Topic", esc(d.topic)],
+    ["Partition key", esc(d.partition_key || "–")], ["Deliveries", d.deliveries], ["Failed", when(d.failed_at)],
+    ["Replay requested", when(d.replay_requested_at) || "–"], ["Error", `<span class="c-FAILED">${esc(d.error)}</span>`],
+  ];
+  main.innerHTML = `<h1>Dead letter of ${esc(d.consumer)}</h1>
+    <div class="actions">
+      <button type="button" data-dl="replay">Replay</button>
+      <button type="button" data-dl="discard" class="danger">Discard</button>
+      <a href="#/inbox?consumer=${encodeURIComponent(d.consumer)}">Back to the inbox</a>
+    </div>
+    <dl class="fields">${fields.map(([k, v]) => `<dt>${k}</dt><dd>${v === "" ? "–" : v}</dd>`).join("")}</dl>
+    <h2>Headers</h2>
+    <table><thead><tr><th>Name</th><th>Value</th></tr></thead><tbody>${hdrs.map(([k, v]) => `<tr><td>${esc(k)}</td><td>${esc(v)}</td></tr>`).join("") || `<tr><td colspan="2" class="muted">None.</td></tr>`}</tbody></table>
+    <h2>Payload <span class="muted">(${esc(d.payload.kind)}, ${d.payload.bytes} bytes)</span></h2>
+    <pre id="payload">${esc(d.payload.text)}</pre>`;
+  document.querySelectorAll("button[data-dl]").forEach((b) => {
+    const list = `#/inbox?consumer=${encodeURIComponent(d.consumer)}`;
+    b.onclick = () => inboxAct(b.dataset.dl, d.consumer, [d.message_id], b.dataset.dl === "discard" ? list : undefined);
+  });
+}
+
 async function route() {
   const hash = location.hash.replace(/^#/, "") || "/";
   const [path, query] = hash.split("?");
@@ -307,6 +451,11 @@ async function route() {
     else if (path.startsWith("/messages/")) await detail(decodeURIComponent(path.slice("/messages/".length)));
     else if (path === "/relays") await relays();
     else if (path === "/keys") await keys();
+    else if (path === "/inbox") await inbox(query || "");
+    else if (path.startsWith("/inbox/")) {
+      const [consumer, id] = path.slice("/inbox/".length).split("/").map(decodeURIComponent);
+      await inboxDetail(consumer, id);
+    }
     else await overview();
   } catch (e) {
     showError(e);

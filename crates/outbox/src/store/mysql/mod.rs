@@ -119,7 +119,9 @@ pub(crate) const ADMIN: super::admin::Dialect = super::admin::Dialect {
     contains: |c, p| format!("LOWER({c}) LIKE LOWER({p}) ESCAPE '!'"),
     now: NOW,
     begin: "BEGIN",
+    before_begin: "SET TRANSACTION ISOLATION LEVEL READ COMMITTED",
     for_update: " FOR UPDATE",
+    skip_locked: " FOR UPDATE SKIP LOCKED",
 };
 
 impl std::fmt::Debug for MySqlStore {
@@ -595,21 +597,6 @@ impl Store for MySqlStore {
             ],
         )
         .await
-    }
-
-    async fn purge_finished(&self, older_than: Duration, limit: u32) -> Result<u64, StoreError> {
-        let t = self.table.as_str();
-        let ms = millis(older_than);
-        let select = format!(
-            "SELECT id FROM {t} WHERE \
-               (status IN ({CONFIRMED}, {REJECTED}) AND confirmed_at < {NOW} - INTERVAL ({ms} * 1000) MICROSECOND) \
-               OR (status = {SENT} AND confirm_deadline IS NULL \
-                   AND sent_at < {NOW} - INTERVAL ({ms} * 1000) MICROSECOND) \
-             LIMIT ? FOR UPDATE SKIP LOCKED"
-        );
-        let write = format!("DELETE FROM {t} WHERE id IN ");
-        self.write_selected("purge", &select, limit, &write, &[])
-            .await
     }
 
     async fn requeue_failed(&self, ids: Option<&[i64]>) -> Result<u64, StoreError> {

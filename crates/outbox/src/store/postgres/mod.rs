@@ -129,7 +129,9 @@ pub(crate) const ADMIN: super::admin::Dialect = super::admin::Dialect {
     contains: |c, p| format!("{c} ILIKE {p} ESCAPE '!'"),
     now: "now()",
     begin: "BEGIN",
+    before_begin: "",
     for_update: " FOR UPDATE",
+    skip_locked: " FOR UPDATE SKIP LOCKED",
 };
 
 impl std::fmt::Debug for PgStore {
@@ -590,24 +592,6 @@ impl Store for PgStore {
         .execute(&self.pool)
         .await
         .map_err(self.err("check_back"))?;
-        Ok(done.rows_affected())
-    }
-
-    async fn purge_finished(&self, older_than: Duration, limit: u32) -> Result<u64, StoreError> {
-        let t = self.table.as_str();
-        let done = sqlx::query(AssertSqlSafe(format!(
-            // One SELECT: PostgreSQL refuses FOR UPDATE under UNION.
-            "DELETE FROM {t} WHERE id IN (SELECT id FROM {t} WHERE \
-               (status IN ({CONFIRMED}, {REJECTED}) AND confirmed_at < now() - make_interval(secs => $1::float8 / 1000)) \
-               OR (status = {SENT} AND confirm_deadline IS NULL \
-                   AND sent_at < now() - make_interval(secs => $1::float8 / 1000)) \
-               LIMIT $2 FOR UPDATE SKIP LOCKED)"
-        )))
-        .bind(millis(older_than))
-        .bind(i64::from(limit))
-        .execute(&self.pool)
-        .await
-        .map_err(self.err("purge"))?;
         Ok(done.rows_affected())
     }
 

@@ -108,7 +108,9 @@ pub(crate) const ADMIN: super::admin::Dialect = super::admin::Dialect {
     contains: |c, p| format!("{c} LIKE {p} ESCAPE '!'"),
     now: NOW_MS,
     begin: "BEGIN IMMEDIATE",
+    before_begin: "",
     for_update: "",
+    skip_locked: "",
 };
 
 impl std::fmt::Debug for SqliteStore {
@@ -503,21 +505,6 @@ impl Store for SqliteStore {
         .execute(&self.pool)
         .await
         .map_err(self.err("check_back"))?;
-        Ok(done.rows_affected())
-    }
-
-    async fn purge_finished(&self, older_than: Duration, limit: u32) -> Result<u64, StoreError> {
-        let t = self.table.as_str();
-        let done = sqlx::query(AssertSqlSafe(format!(
-            "DELETE FROM {t} WHERE id IN (SELECT id FROM {t} WHERE \
-               (status IN ({CONFIRMED}, {REJECTED}) AND confirmed_at < {NOW_MS} - ?1) \
-               OR (status = {SENT} AND confirm_deadline IS NULL AND sent_at < {NOW_MS} - ?1) LIMIT ?2)"
-        )))
-        .bind(millis(older_than))
-        .bind(i64::from(limit))
-        .execute(&self.pool)
-        .await
-        .map_err(self.err("purge"))?;
         Ok(done.rows_affected())
     }
 
