@@ -139,7 +139,9 @@ try {
     await page.waitForTimeout(500);
   }
   check(points.some((p) => p.published > 0), `the series has ${points.length} point(s) with publishes`);
+  // The page is already at #/: reload it so the overview reads the series again.
   await page.goto(base + "/#/");
+  await page.reload();
   await page.waitForSelector("#chart-throughput svg rect");
   await page.waitForSelector("#chart-latency svg");
   check((await page.textContent("#charts")).includes("Commit → ack"), "the overview shows the throughput and latency charts");

@@ -116,6 +116,19 @@ pub async fn four_relays(fx: &dyn StoreFixture) {
         };
         assert_eq!(r.status, want.as_i16(), "{}", r.message_id);
     }
+    // A relay counts its rows after the transaction that moved them committed.
+    let archived_by_relays = || {
+        relays
+            .iter()
+            .map(|r| r.metrics().snapshot().archived)
+            .sum::<u64>()
+    };
+    wait_until(
+        "the relays counted what they archived",
+        Duration::from_secs(10),
+        || async { archived_by_relays() >= produced.len() as u64 },
+    )
+    .await;
     let snapshots: Vec<_> = relays.iter().map(|r| r.metrics().snapshot()).collect();
     let errors: u64 = snapshots.iter().map(|s| s.store_errors).sum();
     assert_eq!(errors, 0, "a database error surfaced: {snapshots:?}");
@@ -162,6 +175,16 @@ pub async fn per_state(fx: &dyn StoreFixture) {
     let archived = fx.archived().await;
     assert_eq!(archived[0].1, "retention");
     assert_eq!(archived[0].2, Status::Failed.as_i16());
+    // The relay counts its rows after the transaction that moved them committed.
+    wait_until(
+        "the relay counted them",
+        Duration::from_secs(10),
+        || async {
+            let m = relay.metrics().snapshot();
+            m.purged + m.archived >= 2
+        },
+    )
+    .await;
     let m = relay.metrics().snapshot();
     assert_eq!((m.purged, m.archived), (1, 1), "{m:?}");
     relay.shutdown().await.expect("shutdown");

@@ -897,12 +897,13 @@ where
         ids.dedup();
         let mut found = std::collections::BTreeSet::new();
         for chunk in ids.chunks(ACTION_CHUNK) {
+            // Arguments in the order of their placeholders (`?` is positional).
             let in_list = |sql: &mut Sql<'_>| {
+                let c = sql.arg(Arg::Text(consumer.to_owned()));
                 let list: Vec<String> = chunk
                     .iter()
                     .map(|id| (d.uuid)(&sql.arg(Arg::Text(id.clone()))))
                     .collect();
-                let c = sql.arg(Arg::Text(consumer.to_owned()));
                 sql.push(&format!(
                     " consumer = {c} AND message_id IN ({})",
                     list.join(", ")

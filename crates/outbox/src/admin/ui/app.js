@@ -104,21 +104,29 @@ async function overview() {
 // series when `bars`, lines otherwise; the y axis from 0 to the largest value, labelled with `fmt`.
 function chart(id, title, points, series, fmt, bars) {
   const W = 560, H = 180, L = 56, R = 8, T = 10, B = 24;
-  const t0 = points.length ? Date.parse(points[0].at) : Date.now();
-  const t1 = points.length ? Date.parse(points[points.length - 1].at) : t0 + 1;
-  const span = Math.max(t1 - t0, 60000);
+  // The time axis ends at the last point and spans at least 5 minutes (an hour once full).
+  const t1 = points.length ? Date.parse(points[points.length - 1].at) : Date.now();
+  const first = points.length ? Date.parse(points[0].at) - points[0].seconds * 1000 : t1;
+  const t0 = Math.min(first, t1 - 300000);
   const max = Math.max(1e-9, ...series.flatMap((s) => s.values.filter((v) => v != null)));
-  const x = (i) => L + ((Date.parse(points[i].at) - t0) / span) * (W - L - R);
+  const xt = (t) => L + ((t - t0) / (t1 - t0)) * (W - L - R);
+  const x = (i) => xt(Date.parse(points[i].at));
   const y = (v) => T + (1 - v / max) * (H - T - B);
   const shapes = series.map((s, k) => {
     if (bars && k === 0) {
-      const w = Math.max(1, (W - L - R) / Math.max(points.length, 1) - 1);
-      return s.values.map((v, i) => (v ? `<rect class="${s.cls}" x="${(x(i) - w).toFixed(1)}" y="${y(v).toFixed(1)}" width="${w.toFixed(1)}" height="${(H - B - y(v)).toFixed(1)}"></rect>` : "")).join("");
+      return s.values.map((v, i) => {
+        if (!v) return "";
+        const right = x(i);
+        const left = Math.max(L + 1, xt(Date.parse(points[i].at) - points[i].seconds * 1000));
+        const w = Math.max(1, right - left - 0.5);
+        return `<rect class="${s.cls}" x="${(right - w).toFixed(1)}" y="${y(v).toFixed(1)}" width="${w.toFixed(1)}" height="${(H - B - y(v)).toFixed(1)}"></rect>`;
+      }).join("");
     }
-    const pts = s.values.map((v, i) => (v == null ? null : `${x(i).toFixed(1)},${y(v).toFixed(1)}`)).filter(Boolean);
-    return pts.length ? `<polyline class="${s.cls}" points="${pts.join(" ")}"></polyline>` : "";
+    const pts = s.values.map((v, i) => (v == null ? null : [x(i).toFixed(1), y(v).toFixed(1)])).filter(Boolean);
+    const dots = pts.map(([px, py]) => `<circle class="${s.cls}" cx="${px}" cy="${py}" r="2"></circle>`).join("");
+    return (pts.length > 1 ? `<polyline class="${s.cls}" points="${pts.map((p) => p.join(",")).join(" ")}"></polyline>` : "") + dots;
   }).join("");
-  const ago = (ms) => (ms >= 60000 ? `${Math.round(ms / 60000)} min ago` : `${Math.round(ms / 1000)} s ago`);
+  const ago = (ms) => (ms >= 60000 ? `${Math.round(ms / 60000)} min before` : `${Math.round(ms / 1000)} s before`);
   const legend = series.map((s) => `<span class="key ${s.cls}">${esc(s.name)}</span>`).join(" ");
   return `<figure class="chart" id="${id}"><figcaption>${esc(title)} ${legend}</figcaption>
     <svg viewBox="0 0 ${W} ${H}" width="${W}" height="${H}" role="img" aria-label="${esc(title)}">
@@ -126,8 +134,8 @@ function chart(id, title, points, series, fmt, bars) {
       <line class="axis" x1="${L}" y1="${T}" x2="${L}" y2="${H - B}"></line>
       <text x="${L - 6}" y="${T + 10}" text-anchor="end">${esc(fmt(max))}</text>
       <text x="${L - 6}" y="${H - B}" text-anchor="end">0</text>
-      <text x="${L}" y="${H - 6}">${points.length ? ago(Date.now() - t0) : ""}</text>
-      <text x="${W - R}" y="${H - 6}" text-anchor="end">now</text>
+      <text x="${L}" y="${H - 6}">${ago(t1 - t0)}</text>
+      <text x="${W - R}" y="${H - 6}" text-anchor="end">last sample</text>
       ${shapes}
     </svg></figure>`;
 }
