@@ -306,24 +306,9 @@ pub async fn run(cmd: MessagesCommand) -> anyhow::Result<()> {
         }
         MessagesCommand::Show { db, id, json } => {
             let store = open(&db).await?;
-            let row = match id.parse::<i64>() {
-                Ok(row) => Some(row),
-                Err(_) => {
-                    let message_id: uuid::Uuid = id
-                        .parse()
-                        .with_context(|| format!("{id:?} is neither a row id nor a message id"))?;
-                    let filter = MessageFilter {
-                        message_id: Some(message_id),
-                        ..MessageFilter::default()
-                    };
-                    let page = store.search(&filter, &PageRequest::default()).await?;
-                    page.messages.first().map(|m| m.id)
-                }
-            };
-            let detail = match row {
-                Some(row) => store.message(row).await?,
-                None => None,
-            };
+            let message: outbox::admin::MessageRef =
+                id.parse().map_err(|e: String| anyhow::anyhow!(e))?;
+            let detail = store.find_message(message).await?;
             let Some(d) = detail else {
                 anyhow::bail!(
                     "no message {id} in {} (never written, purged or archived)",

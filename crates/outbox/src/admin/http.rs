@@ -35,7 +35,7 @@ use serde_json::json;
 
 use super::inbox::{InboxAction, InboxAdmin};
 use super::series::Series;
-use super::{Action, MessageFilter, PageRequest, Selection};
+use super::{Action, MessageFilter, MessageRef, PageRequest, Selection};
 use crate::error::StoreError;
 use crate::message::Status;
 use crate::store::Store;
@@ -209,6 +209,12 @@ impl Api {
     }
 }
 
+/// A `limit` parameter (pages are capped at [`super::MAX_PAGE`] later).
+fn limit_param(v: &str) -> Result<u32, ApiError> {
+    v.parse()
+        .map_err(|_| bad("limit", "not a number from 1 to 1000"))
+}
+
 fn time(param: &str, v: &str) -> Result<DateTime<Utc>, ApiError> {
     DateTime::parse_from_rfc3339(v)
         .map(|t| t.with_timezone(&Utc))
@@ -252,9 +258,7 @@ fn search_params_api(pairs: &[(String, String)]) -> Result<(MessageFilter, PageR
                 page.before = Some(v.parse().map_err(|_| bad("before", "not a row id"))?);
             }
             "limit" => {
-                page.limit = v
-                    .parse()
-                    .map_err(|_| bad("limit", "not a number from 1 to 1000"))?;
+                page.limit = limit_param(v)?;
             }
             other => {
                 return Err(bad(
@@ -328,24 +332,8 @@ async fn show(
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
     api.check(&headers, false)?;
-    let row = match id.parse::<i64>() {
-        Ok(row) => Some(row),
-        Err(_) => {
-            let message_id = id
-                .parse::<uuid::Uuid>()
-                .map_err(|_| bad("id", format!("{id:?} is neither a row id nor a message id")))?;
-            let filter = MessageFilter {
-                message_id: Some(message_id),
-                ..MessageFilter::default()
-            };
-            let page = api.store.search(&filter, &PageRequest::default()).await?;
-            page.messages.first().map(|m| m.id)
-        }
-    };
-    let detail = match row {
-        Some(row) => api.store.message(row).await?,
-        None => None,
-    };
+    let message: MessageRef = id.parse().map_err(|e| bad("id", e))?;
+    let detail = api.store.find_message(message).await?;
     match detail {
         Some(d) => Ok(Json(d).into_response()),
         None => Err(ApiError(
@@ -404,9 +392,7 @@ async fn blocked_keys(
     for (k, v) in &pairs {
         match k.as_str() {
             "limit" => {
-                limit = v
-                    .parse()
-                    .map_err(|_| bad("limit", "not a number from 1 to 1000"))?;
+                limit = limit_param(v)?;
             }
             other => return Err(bad(other, "unknown parameter (limit)")),
         }
@@ -461,9 +447,7 @@ async fn inbox_dead_letters(
             "consumer" if !v.is_empty() => consumer = Some(v.clone()),
             "consumer" => {}
             "limit" => {
-                limit = v
-                    .parse()
-                    .map_err(|_| bad("limit", "not a number from 1 to 1000"))?;
+                limit = limit_param(v)?;
             }
             other => return Err(bad(other, "unknown parameter (consumer, limit)")),
         }

@@ -197,6 +197,40 @@ impl RenderedPayload {
     }
 }
 
+/// How an operator names one message: its row id (`outbox messages list` shows it) or its
+/// message id (the UUID the producer, the broker and the consumer see).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MessageRef {
+    /// A row id.
+    Row(i64),
+    /// A message id.
+    Id(Uuid),
+}
+
+impl std::str::FromStr for MessageRef {
+    type Err = String;
+
+    /// A number is a row id, a UUID a message id; anything else is an error that says so.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        if let Ok(row) = s.parse::<i64>() {
+            return Ok(MessageRef::Row(row));
+        }
+        s.parse::<Uuid>()
+            .map(MessageRef::Id)
+            .map_err(|_| format!("{s:?} is neither a row id nor a message id"))
+    }
+}
+
+impl std::fmt::Display for MessageRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MessageRef::Row(r) => write!(f, "{r}"),
+            MessageRef::Id(id) => write!(f, "{id}"),
+        }
+    }
+}
+
 /// Which messages an action applies to.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", deny_unknown_fields)]
@@ -440,6 +474,15 @@ mod tests {
             (h.kind.as_str(), h.text.as_str(), h.bytes),
             ("hex", "ff00", 2)
         );
+    }
+
+    #[test]
+    fn a_message_is_named_by_row_id_or_message_id() {
+        assert_eq!("42".parse::<MessageRef>(), Ok(MessageRef::Row(42)));
+        let id = Uuid::now_v7();
+        assert_eq!(id.to_string().parse::<MessageRef>(), Ok(MessageRef::Id(id)));
+        let e = "order-42".parse::<MessageRef>().unwrap_err();
+        assert!(e.contains("neither a row id nor a message id"), "{e}");
     }
 
     #[test]

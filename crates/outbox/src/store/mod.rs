@@ -367,6 +367,34 @@ pub trait Store: Send + Sync + 'static {
         admin::message_on(self.admin_target(), id).await
     }
 
+    /// One message in full by row id or message id; `None` when there is no such message.
+    ///
+    /// # Errors
+    /// [`StoreError`] from the database.
+    #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+    async fn find_message(
+        &self,
+        message: crate::admin::MessageRef,
+    ) -> Result<Option<crate::admin::MessageDetail>, StoreError> {
+        let row = match message {
+            crate::admin::MessageRef::Row(row) => row,
+            crate::admin::MessageRef::Id(id) => {
+                let filter = crate::admin::MessageFilter {
+                    message_id: Some(id),
+                    ..crate::admin::MessageFilter::default()
+                };
+                let page = self
+                    .search(&filter, &crate::admin::PageRequest::default())
+                    .await?;
+                match page.messages.first() {
+                    Some(m) => m.id,
+                    None => return Ok(None),
+                }
+            }
+        };
+        self.message(row).await
+    }
+
     /// Rows per state of the `limit` topics with the most rows. Counts the whole table: for an
     /// operator's page, not for a scrape.
     ///
