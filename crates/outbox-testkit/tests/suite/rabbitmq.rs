@@ -376,8 +376,16 @@ async fn exchange_deleted_after_check_fails_only_its_message() {
         if i == 1 {
             let e = r.as_ref().unwrap_err();
             assert_eq!(e.kind(), TransportErrorKind::Unavailable, "{e:?}");
-            assert!(e.is_missing_destination(), "{e:?}");
-            assert!(e.message().contains("404"), "{e:?}");
+            // Usually the broker's 404 reaches this message. Rarely (seen once in CI) lapin
+            // writes on the closed channel, the broker escalates to a connection error (504
+            // "expected 'channel.open'") and the message meets the closing connection instead:
+            // still `Unavailable` (the relay releases it, no attempt counted), and the next
+            // batch below finds the exchange missing at its check.
+            if e.is_missing_destination() {
+                assert!(e.message().contains("404"), "{e:?}");
+            } else {
+                assert!(e.message().contains("connection state"), "{e:?}");
+            }
         } else if let Err(e) = r {
             // A neighbour whose confirm was still outstanding when the broker closed the channel
             // may meet the reopening channel or connection (lapin: "invalid channel state:
