@@ -29,15 +29,22 @@ fixture_tests!(
 
 const TOKEN: &str = "s3cret-token";
 
-/// The API served on a free loopback port until the returned token is cancelled.
+/// The API of `fx`'s store served on a free loopback port until the returned token is
+/// cancelled.
 async fn serve(fx: &dyn StoreFixture) -> (String, CancellationToken) {
-    let app = router(
-        fx.store(),
-        AdminAuth {
-            token: Some(TOKEN.into()),
-            protect_reads: false,
-        },
-    );
+    serve_app(router(fx.store(), auth())).await
+}
+
+/// The token-protected authentication every test here uses.
+fn auth() -> AdminAuth {
+    AdminAuth {
+        token: Some(TOKEN.into()),
+        protect_reads: false,
+    }
+}
+
+/// `app` served on a free loopback port until the returned token is cancelled.
+async fn serve_app(app: axum::Router) -> (String, CancellationToken) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let cancel = CancellationToken::new();
@@ -507,25 +514,10 @@ async fn inbox_scenario<DB: outbox::InboxBackend>(
         }
     }
     let admin = outbox::admin::inbox::InboxAdmin::on_store(&*store, table).unwrap();
-    let app = outbox::admin::http::AdminApi::new(
-        store,
-        AdminAuth {
-            token: Some(TOKEN.into()),
-            protect_reads: false,
-        },
-    )
-    .inbox(admin)
-    .router();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    let cancel = CancellationToken::new();
-    let stop = cancel.clone();
-    tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move { stop.cancelled().await })
-            .await
-            .unwrap();
-    });
+    let app = outbox::admin::http::AdminApi::new(store, auth())
+        .inbox(admin)
+        .router();
+    let (base, cancel) = serve_app(app).await;
 
     let (code, c) = get(&base, "/api/inbox").await;
     assert_eq!(code, 200, "{c}");
