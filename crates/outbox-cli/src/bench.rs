@@ -16,6 +16,11 @@
 //!   in-process wake-up (`embedded`) and without it (`external`: NOTIFY on PostgreSQL);
 //! - `enqueue`: the business transaction's latency with and without the outbox insert;
 //! - `idle`: statements per second of a relay with nothing to do;
+//! - `search` (not run unless named): the admin search on a `--search-rows` table without and
+//!   with the optional search indexes, and the indexes' cost to the producers and the relay
+//!   ([`search`]);
+//! - `retention` (not run unless named; PostgreSQL): `--search-rows` rows removed past their
+//!   retention row by row and by dropping day partitions ([`retention`]);
 //! - `metrics`: the cost of the Prometheus metrics: one relay drains `--messages` four times,
 //!   without and with its metrics exported ([`outbox::prometheus::register`], the backlog
 //!   sampled every second, `/metrics` encoded every 100 ms), in the order off, on, on, off.
@@ -34,6 +39,8 @@ mod producers;
 mod raw;
 mod render;
 mod report;
+mod retention;
+mod search;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -91,6 +98,10 @@ pub enum Scenario {
     /// One relay drains with its Prometheus metrics exported and scraped, against one without
     /// (in the order off, on, on, off).
     Metrics,
+    /// The admin search on a large table without and with the search indexes, and their cost.
+    Search,
+    /// Retention of a large table row by row against dropping day partitions (PostgreSQL).
+    Retention,
 }
 
 /// Options of `outbox bench`.
@@ -122,6 +133,10 @@ pub struct BenchArgs {
     /// Backlog size of the drains, the baselines, the scaling runs and the broker run.
     #[arg(long, default_value_t = 1_000_000)]
     pub messages: u64,
+
+    /// Rows of the `search` scenario's table and of each of the `retention` scenario's.
+    #[arg(long, default_value_t = 10_000_000)]
+    pub search_rows: u64,
 
     /// Payload size of every message, bytes.
     #[arg(long, default_value_t = 256)]
@@ -190,6 +205,9 @@ impl BenchArgs {
     pub fn validate(&self) -> Result<(), String> {
         if self.only.is_empty() {
             return Err("--only: name at least one scenario".into());
+        }
+        if self.search_rows < 1_000 {
+            return Err("--search-rows must be at least 1000".into());
         }
         if self.messages < 10 {
             return Err("--messages must be at least 10 (the drain is reported per tenth)".into());
@@ -536,6 +554,12 @@ impl Bench {
         }
         if self.args.runs(Scenario::Metrics) {
             self.report.metrics_cost = Some(self.metrics_cost().await?);
+        }
+        if self.args.runs(Scenario::Search) {
+            self.report.search = Some(self.search_run().await?);
+        }
+        if self.args.runs(Scenario::Retention) {
+            self.report.retention = Some(self.retention_run().await?);
         }
         Ok(())
     }

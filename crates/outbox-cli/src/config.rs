@@ -119,6 +119,11 @@ pub struct DatabaseSection {
     /// Inbox table created by `migrate`. Default `outbox_inbox`.
     #[serde(default = "default_inbox_table")]
     pub inbox_table: String,
+    /// Build the optional search indexes at start, in the background, where they are missing
+    /// ([`outbox::Store::create_search_indexes`], docs/operations.md "Search indexes"). Default
+    /// `false`.
+    #[serde(default)]
+    pub search_indexes: bool,
 }
 
 impl Default for DatabaseSection {
@@ -127,6 +132,7 @@ impl Default for DatabaseSection {
             url: String::new(),
             table: default_table(),
             inbox_table: default_inbox_table(),
+            search_indexes: false,
         }
     }
 }

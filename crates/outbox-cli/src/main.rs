@@ -58,7 +58,21 @@ pub(crate) struct DbArgs {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Create or upgrade the outbox and inbox tables (idempotent, versioned).
-    Migrate(DbArgs),
+    Migrate {
+        #[command(flatten)]
+        db: DbArgs,
+        /// Also build the optional search indexes (docs/operations.md, "Search indexes"):
+        /// fast admin searches by key over every state and by old time windows on a large
+        /// table, at a cost on every insert and state change. On PostgreSQL built
+        /// concurrently, writers and relays going on.
+        #[arg(long)]
+        search_indexes: bool,
+        /// PostgreSQL: create the outbox table partitioned by day, so retention drops whole
+        /// partitions (docs/operations.md, "Partitioned outbox table"). Only for a table that
+        /// does not exist yet.
+        #[arg(long)]
+        partitioned: bool,
+    },
     /// Run the relay daemon until SIGTERM or Ctrl-C.
     Relay {
         /// TOML configuration file (see docs/configuration.md).
@@ -371,6 +385,18 @@ async fn relay(config: PathBuf, database: Option<String>) -> anyhow::Result<()> 
         .router(router)
         .config(relay_config)
         .build()?;
+    if file.database.search_indexes {
+        // In the background: a build on a large table takes minutes and the relay need not wait.
+        let store = store.clone();
+        tokio::spawn(async move {
+            match store.create_search_indexes().await {
+                Ok(present) => tracing::info!(?present, "search indexes present"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "building the search indexes failed; searches stay correct, slower on a large table")
+                }
+            }
+        });
+    }
     let cancel = CancellationToken::new();
     let c = cancel.clone();
     tokio::spawn(async move {
@@ -754,8 +780,29 @@ async fn main() -> std::process::ExitCode {
         _ => registry.init(),
     }
     let result = match cli.command {
-        Command::Migrate(db) => {
+        Command::Migrate {
+            db,
+            search_indexes,
+            partitioned,
+        } => {
             async {
+                if partitioned {
+                    if outbox::store::Dialect::of_url(&db.database).ok()
+                        != Some(outbox::store::Dialect::Postgres)
+                    {
+                        anyhow::bail!("--partitioned: a partitioned outbox table needs PostgreSQL");
+                    }
+                    let options = StoreOptions {
+                        table: db.table.clone(),
+                        inbox_table: db.inbox_table.clone(),
+                        ..StoreOptions::default()
+                    };
+                    let pg = outbox::PgStore::connect(&db.database, options)
+                        .await
+                        .with_context(|| format!("cannot open {}", redact(&db.database)))?;
+                    pg.migrate_partitioned().await?;
+                    println!("{} is partitioned by day", db.table);
+                }
                 let store =
                     open_store(&db.database, &db.table, &db.inbox_table, Create::IfMissing).await?;
                 store.migrate().await?;
@@ -765,6 +812,18 @@ async fn main() -> std::process::ExitCode {
                     db.inbox_table,
                     store.backend()
                 );
+                if search_indexes {
+                    let started = std::time::Instant::now();
+                    let present = store.create_search_indexes().await?;
+                    println!(
+                        "search indexes of {}: key {}, created {}, sent {} ({:.1} s)",
+                        db.table,
+                        present.key,
+                        present.created,
+                        present.sent,
+                        started.elapsed().as_secs_f64()
+                    );
+                }
                 Ok(())
             }
             .await

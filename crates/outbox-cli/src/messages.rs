@@ -87,7 +87,8 @@ pub struct ActArgs {
 #[derive(Debug, Subcommand)]
 pub enum MessagesCommand {
     /// List messages, newest first, one page (`--before` the previous page's last id for the
-    /// next).
+    /// next): by id, or by the window's time where the table has the search indexes (`outbox
+    /// migrate --search-indexes`).
     List {
         #[command(flatten)]
         db: DbArgs,
@@ -298,9 +299,17 @@ pub async fn run(cmd: MessagesCommand) -> anyhow::Result<()> {
             for m in &page.messages {
                 println!("{}", row(m));
             }
+            let order = match page.order {
+                outbox::admin::SearchOrder::Id => "id",
+                outbox::admin::SearchOrder::CreatedAt => "creation time",
+                outbox::admin::SearchOrder::SentAt => "publication time",
+            };
             match page.next {
-                Some(next) => println!("more: --before {next}"),
-                None => println!("({} message(s))", page.messages.len()),
+                Some(next) => println!("newest first by {order}; more: --before {next}"),
+                None => println!(
+                    "newest first by {order} ({} message(s))",
+                    page.messages.len()
+                ),
             }
             Ok(())
         }

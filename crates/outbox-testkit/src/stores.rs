@@ -210,6 +210,25 @@ impl PgFixture {
         PgFixture { store, schema }
     }
 
+    /// A fresh schema with a time-partitioned outbox table
+    /// ([`PgStore::migrate_partitioned`]).
+    ///
+    /// # Panics
+    /// When PostgreSQL does not answer (naming `OUTBOX_TEST_POSTGRES_URL`) or migration fails.
+    pub async fn partitioned() -> PgFixture {
+        let schema = unique("obp");
+        let store = PgStore::from_pool(
+            pg_pool(10).await,
+            StoreOptions::table(format!("{schema}.outbox")),
+        )
+        .expect("valid table name");
+        store
+            .migrate_partitioned()
+            .await
+            .expect("migrate a partitioned table on PostgreSQL");
+        PgFixture { store, schema }
+    }
+
     /// The outbox table, schema-qualified.
     pub fn table(&self) -> String {
         format!("{}.outbox", self.schema)
@@ -352,6 +371,17 @@ impl ConfirmFixture for PgFixture {
         .execute(self.store.pool())
         .await
         .expect("backdate");
+    }
+}
+
+/// [`PgFixture::partitioned`] under a name `fixture_tests!` takes: every suite that runs on
+/// PostgreSQL runs on a time-partitioned outbox table too.
+pub struct PgPartitionedFixture;
+
+impl PgPartitionedFixture {
+    /// [`PgFixture::partitioned`].
+    pub async fn new() -> PgFixture {
+        PgFixture::partitioned().await
     }
 }
 

@@ -378,3 +378,19 @@ mod tests {
         assert_eq!(r.zero_field(), Some("failed"));
     }
 }
+
+/// What one round of partition retention did ([`crate::Store::retire_partitions`], a
+/// time-partitioned PostgreSQL table: docs/operations.md, "Partitioned outbox table").
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PartitionRound {
+    /// Day partitions created ahead.
+    pub created: u32,
+    /// Rows that had to stay carried forward into today's partition.
+    pub carried: u64,
+    /// Day partitions dropped.
+    pub dropped: u32,
+    /// Rows of the dropped partitions copied to the archive first (states ruled `archive`).
+    pub archived: u64,
+    /// Rows of the dropped partitions deleted with them.
+    pub deleted: u64,
+}

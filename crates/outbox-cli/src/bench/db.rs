@@ -534,7 +534,8 @@ impl Db {
 
     /// Insert `n` messages of `payload` on topic `topic` into `outbox` through the store's
     /// `enqueue_many` (the public producer API), 1,000 per statement, on a pool of its own that
-    /// is retired afterwards so PostgreSQL's counters include the inserts.
+    /// is retired afterwards so PostgreSQL's counters include the inserts. `keyed`: message `i`
+    /// has partition key `key-<i mod 100,000>`.
     ///
     /// # Errors
     /// The first failing insert.
@@ -544,6 +545,7 @@ impl Db {
         n: u64,
         payload: &[u8],
         topic: &str,
+        keyed: bool,
         bar: &ProgressBar,
     ) -> anyhow::Result<()> {
         const CHUNK: u64 = 1_000;
@@ -558,7 +560,14 @@ impl Db {
         let mut inserts = futures::stream::iter(chunks)
             .map(|range| {
                 let msgs: Vec<NewMessage> = range
-                    .map(|_| NewMessage::new(topic, payload.to_vec()))
+                    .map(|i| {
+                        let m = NewMessage::new(topic, payload.to_vec());
+                        if keyed {
+                            m.with_partition_key(format!("key-{}", i % 100_000))
+                        } else {
+                            m
+                        }
+                    })
                     .collect();
                 let count = msgs.len() as u64;
                 let (outbox, pool) = (&outbox, &pool.pool);

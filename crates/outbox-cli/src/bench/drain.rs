@@ -9,7 +9,7 @@ impl Bench {
         self.db.migrate(table).await?;
         let bar = self.bar(self.args.messages, &format!("load {table}"));
         self.db
-            .load(table, self.args.messages, &self.payload, TOPIC, &bar)
+            .load(table, self.args.messages, &self.payload, TOPIC, false, &bar)
             .await?;
         bar.finish_and_clear();
         Ok(())

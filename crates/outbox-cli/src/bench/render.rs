@@ -252,6 +252,98 @@ pub(super) fn render(r: &Report) -> String {
         );
     }
 
+    if let Some(s) = &r.search {
+        let mut t = Table::new([
+            "search",
+            "no index ms",
+            "max",
+            "order",
+            "indexed ms",
+            "max",
+            "order",
+            "rows",
+        ]);
+        for q in &s.queries {
+            t.row([
+                q.name.clone(),
+                format!("{:.1}", q.without.median_ms),
+                format!("{:.1}", q.without.max_ms),
+                q.without.order.clone(),
+                format!("{:.1}", q.with.median_ms),
+                format!("{:.1}", q.with.max_ms),
+                q.with.order.clone(),
+                q.with.rows.to_string(),
+            ]);
+        }
+        section(
+            &format!(
+                "Admin search on {} rows (filled in {:.0} s; search indexes built in {:.0} s)",
+                fmt_count(s.rows as f64),
+                s.fill_seconds,
+                s.index_build_seconds
+            ),
+            &t,
+        );
+        let mut t = Table::new(["search indexes", "load msg/s", "drain msg/s", "drain load"]);
+        for round in &s.rounds {
+            t.row([
+                if round.indexes { "with" } else { "without" }.to_owned(),
+                fmt_count(round.load_rate),
+                fmt_count(round.drain.rate),
+                fmt_load(round.drain.load),
+            ]);
+        }
+        t.row([
+            "with / without".to_owned(),
+            fmt_ratio(s.load_ratio),
+            fmt_ratio(s.drain_ratio),
+            String::new(),
+        ]);
+        section(
+            "Cost of the search indexes (keyed messages loaded, then drained by one relay)",
+            &t,
+        );
+    }
+
+    if let Some(r) = &r.retention {
+        let mut t = Table::new([
+            "retention",
+            "rows removed",
+            "seconds",
+            "rows/s",
+            "transactions/rounds",
+            "carried",
+        ]);
+        for (what, m) in [
+            ("row by row (plain table)", &r.delete),
+            ("day partitions dropped", &r.partitions),
+        ] {
+            t.row([
+                what.to_owned(),
+                fmt_count(m.rows as f64),
+                format!("{:.1}", m.seconds),
+                fmt_count(m.rate),
+                m.steps.to_string(),
+                m.carried.to_string(),
+            ]);
+        }
+        t.row([
+            "partitions / rows".to_owned(),
+            String::new(),
+            String::new(),
+            fmt_ratio(r.ratio),
+            String::new(),
+            String::new(),
+        ]);
+        section(
+            &format!(
+                "Retention of {} rows past one hour (PostgreSQL)",
+                fmt_count(r.rows as f64)
+            ),
+            &t,
+        );
+    }
+
     let mut t = Table::new(["target (issue 6)", "goal", "measured", "met"]);
     for g in &r.targets {
         t.row([

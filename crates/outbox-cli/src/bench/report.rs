@@ -53,6 +53,10 @@ pub struct Report {
     pub idle: Option<Idle>,
     /// The cost of exporting the Prometheus metrics (`metrics` scenario).
     pub metrics_cost: Option<MetricsCost>,
+    /// The admin search without and with the search indexes (`search` scenario).
+    pub search: Option<super::search::SearchRun>,
+    /// Row-wise against partition-drop retention (`retention` scenario).
+    pub retention: Option<super::retention::RetentionRun>,
     /// The targets, met or not, from the figures above.
     pub targets: Vec<Target>,
     /// What a reader must know to interpret the figures (skipped scenarios, caveats).

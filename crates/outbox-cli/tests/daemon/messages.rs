@@ -220,6 +220,112 @@ fn keys_blocked_and_relays_commands() {
 
 /// `outbox archive`: finished rows older than `--older-than` into the archive (or deleted),
 /// dead letters only when named, the archive purged on request; a bad state is refused.
+/// `outbox migrate --search-indexes` builds the optional indexes (again: nothing to do), and
+/// `outbox messages list` with a creation window then lists by creation time, not by id.
+#[test]
+fn migrate_builds_search_indexes_and_list_orders_a_window_by_time() {
+    let f = Fixture::new("search-indexes");
+    let rows = [(Status::Sent, 1, None); 4];
+    let db = sqlite_with_rows(&f, "search.db", &rows);
+    // Row 1 is the newest by creation time, then 3, 2, 4.
+    tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let pool = sqlx::SqlitePool::connect(&db).await.unwrap();
+        for (id, hours) in [(1, 1), (2, 3), (3, 2), (4, 4)] {
+            sqlx::query("UPDATE outbox SET created_at = created_at - ?1 WHERE id = ?2")
+                .bind(hours * 3_600_000_i64)
+                .bind(id)
+                .execute(&pool)
+                .await
+                .unwrap();
+        }
+    });
+    let after = (chrono::Utc::now() - chrono::Duration::hours(5)).to_rfc3339();
+    let list = || -> (Vec<i64>, String) {
+        let page: serde_json::Value = serde_json::from_str(&succeeds(&mut messages(
+            &db,
+            &["list", "--created-after", &after, "--json"],
+        )))
+        .expect("list --json prints JSON");
+        let ids = page["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["id"].as_i64().unwrap())
+            .collect();
+        (ids, page["order"].as_str().unwrap().to_owned())
+    };
+    assert_eq!(list(), (vec![4, 3, 2, 1], "id".to_owned()));
+    for _ in 0..2 {
+        let out = succeeds(outbox().args(["migrate", "--search-indexes", "--database", &db]));
+        assert!(
+            out.contains("search indexes of outbox: key true, created true, sent true"),
+            "{out}"
+        );
+    }
+    assert_eq!(list(), (vec![1, 3, 2, 4], "created_at".to_owned()));
+}
+
+/// `outbox migrate --partitioned` on PostgreSQL: the outbox table partitioned by day, today's
+/// partition and the week ahead created, search indexes built with it; again: nothing to do.
+/// On SQLite the flag is refused by name.
+#[test]
+fn migrate_partitioned_creates_day_partitions() {
+    let f = Fixture::new("partitioned");
+    let migrate = || {
+        succeeds(
+            outbox()
+                .args([
+                    "migrate",
+                    "--partitioned",
+                    "--search-indexes",
+                    "--database",
+                    &pg_url(),
+                ])
+                .args([
+                    "--table",
+                    &f.table,
+                    "--inbox-table",
+                    &format!("{}_inbox", f.table),
+                ]),
+        )
+    };
+    for _ in 0..2 {
+        let out = migrate();
+        assert!(
+            out.contains(&format!("{} is partitioned by day", f.table)),
+            "{out}"
+        );
+        assert!(out.contains("key true, created true, sent true"), "{out}");
+    }
+    tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let pool = pg().await;
+        let (kind, parts): (String, i64) = sqlx::query_as(
+            "SELECT c.relkind::text, (SELECT count(*) FROM pg_inherits WHERE inhparent = c.oid) \
+             FROM pg_class c WHERE c.oid = to_regclass($1)",
+        )
+        .bind(&f.table)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!(kind, "p", "partitioned");
+        assert_eq!(parts, 9, "today, 7 days ahead and the default partition");
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "DROP TABLE {t}, {t}_inbox, {t}_inbox_dlq, {t}_archive, {t}_buckets, {t}_relays CASCADE; \
+             DELETE FROM outbox_migrations WHERE table_name LIKE '{t}%'",
+            t = f.table
+        )))
+        .execute(&pool)
+        .await
+        .unwrap();
+    });
+    let db = format!("sqlite://{}", f.dir.join("p.db").display());
+    let e = fails(outbox().args(["migrate", "--partitioned", "--database", &db]));
+    assert!(
+        e.contains("--partitioned") && e.contains("PostgreSQL"),
+        "{e}"
+    );
+}
+
 #[test]
 fn archive_command_moves_finished_rows_and_purges_the_archive() {
     let f = Fixture::new("archive");

@@ -18,12 +18,14 @@ fixture_tests!(
     [
         sqlite: outbox_testkit::SqliteFixture,
         postgres: outbox_testkit::PgFixture,
+        postgres_partitioned: outbox_testkit::PgPartitionedFixture,
         mysql: outbox_testkit::MySqlFixture,
     ],
     [crate::admin],
     [
         admin_api_finds_and_fixes_dead_letters = scenario,
         admin_api_shows_leases_and_blocked_keys = leases_and_blocked_keys,
+        admin_api_orders_time_windows_by_the_search_indexes = search_indexes,
     ],
 );
 
@@ -314,6 +316,159 @@ pub async fn scenario(fx: &dyn StoreFixture) {
 
     stop.cancel();
     relay.shutdown().await.unwrap();
+}
+
+/// Every id of the search `query` (without `limit`/`before`), page by page of `limit`; the
+/// pages' order (all the same); `between` runs after the first page with its `next`.
+async fn all_pages(
+    base: &str,
+    query: &str,
+    limit: usize,
+    between: impl AsyncFnOnce(i64),
+) -> (Vec<i64>, String) {
+    let (code, page) = get(base, &format!("/api/messages?{query}&limit={limit}")).await;
+    assert_eq!(code, 200, "{page}");
+    let order = page["order"].as_str().expect("an order").to_owned();
+    let mut all = ids(&page);
+    let mut next = page["next"].as_i64();
+    if let Some(n) = next {
+        between(n).await;
+    }
+    while let Some(before) = next {
+        let (code, page) = get(
+            base,
+            &format!("/api/messages?{query}&limit={limit}&before={before}"),
+        )
+        .await;
+        assert_eq!(code, 200, "{page}");
+        assert_eq!(page["order"], order.as_str(), "{page}");
+        all.extend(ids(&page));
+        next = page["next"].as_i64();
+        assert!(all.len() <= 100, "paging does not end: {all:?}");
+    }
+    (all, order)
+}
+
+/// Rows whose creation order is not their id order (backdated by a permutation of hours),
+/// published by a relay, one dead-lettered: a creation window is listed by id without the
+/// search indexes; `Store::create_search_indexes` builds them (idempotently) and the same
+/// window is then listed by creation time, a publication window by publication time, page by
+/// page, every row once, even when the row a page ended on is discarded before the next page.
+pub async fn search_indexes<F: StoreFixture + outbox_testkit::ConfirmFixture>(fx: &F) {
+    const N: usize = 12;
+    // Message i is created `hours[i]` hours ago: newest first is the order of `hours`.
+    let hours: Vec<u64> = (0..N as u64).map(|i| 1 + (i * 5) % N as u64).collect();
+    let msgs: Vec<NewMessage> = (0..N)
+        .map(|i| {
+            NewMessage::new("search.t", format!("{i}")).with_partition_key(format!("k-{}", i % 3))
+        })
+        .collect();
+    let mids = fx.enqueue_commit(msgs).await.expect("enqueue");
+    let mut by_age: Vec<usize> = (0..N).collect();
+    by_age.sort_by_key(|&i| hours[i]);
+    // The fifth newest is dead-lettered: the first page of 5 (by creation time) ends on it.
+    let doomed = by_age[4];
+    let mem = Arc::new(MemoryTransport::new());
+    mem.fail_next(mids[doomed], vec![TransportErrorKind::Permanent]);
+    let relay = relay_to(fx, mem.clone(), fast_config("admin-search")).spawn();
+    wait_until(
+        "the relay settled every row",
+        Duration::from_secs(20),
+        || async {
+            let rows = fx.rows().await;
+            rows.iter()
+                .filter(|r| r.status == Status::Sent.as_i16())
+                .count()
+                == N - 1
+                && rows
+                    .iter()
+                    .filter(|r| r.status == Status::Failed.as_i16())
+                    .count()
+                    == 1
+        },
+    )
+    .await;
+    relay.shutdown().await.unwrap();
+    for (i, m) in mids.iter().enumerate() {
+        fx.backdate(*m, Duration::from_secs(hours[i] * 3600)).await;
+    }
+    let rows = fx.rows().await;
+    let row_of = |m: uuid::Uuid| rows.iter().find(|r| r.message_id == m).unwrap().id;
+    let mut by_id: Vec<i64> = mids.iter().map(|m| row_of(*m)).collect();
+    by_id.sort_unstable_by(|a, b| b.cmp(a));
+    let by_created: Vec<i64> = by_age.iter().map(|&i| row_of(mids[i])).collect();
+    assert_ne!(
+        by_id, by_created,
+        "the test needs creation order to differ from id order"
+    );
+    let now = chrono::Utc::now();
+    let at = |h: i64| {
+        (now - chrono::Duration::hours(h)).to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+    };
+    let window = format!(
+        "created_after={}&created_before={}",
+        at(N as i64 + 2),
+        at(0)
+    );
+    let (base, stop) = serve(fx).await;
+
+    // Without the indexes: by id.
+    assert_eq!(
+        fx.store().search_indexes().await.unwrap(),
+        outbox::admin::SearchIndexes::default()
+    );
+    let (all, order) = all_pages(&base, &window, 5, async |_| {}).await;
+    assert_eq!((all, order.as_str()), (by_id.clone(), "id"));
+
+    // Built, twice (the second finds them all and builds nothing).
+    let store = fx.store();
+    assert!(store.create_search_indexes().await.unwrap().all());
+    assert!(store.create_search_indexes().await.unwrap().all());
+    assert!(store.search_indexes().await.unwrap().all());
+
+    // By creation time, every row once.
+    let (all, order) = all_pages(&base, &window, 5, async |_| {}).await;
+    assert_eq!((all, order.as_str()), (by_created.clone(), "created_at"));
+    // A key over every state is still exactly the key's rows, by id.
+    let (_, page) = get(&base, "/api/messages?key=k-1").await;
+    let mut key_rows: Vec<i64> = (0..N)
+        .filter(|i| i % 3 == 1)
+        .map(|i| row_of(mids[i]))
+        .collect();
+    key_rows.sort_unstable_by(|a, b| b.cmp(a));
+    assert_eq!(ids(&page), key_rows);
+
+    // A publication window, by publication time (the dead letter was never published).
+    let sent_window = format!("sent_after={}", at(N as i64 + 2));
+    let published: Vec<i64> = by_created
+        .iter()
+        .copied()
+        .filter(|&id| id != row_of(mids[doomed]))
+        .collect();
+    let (all, order) = all_pages(&base, &sent_window, 4, async |_| {}).await;
+    assert_eq!((all, order.as_str()), (published, "sent_at"));
+
+    // The row the first page ended on is discarded (into the archive) before the next page:
+    // the next page still continues right after it.
+    let doomed_row = row_of(mids[doomed]);
+    let (all, _) = all_pages(&base, &window, 5, async |next| {
+        assert_eq!(next, doomed_row, "the first page ends on the dead letter");
+        let (code, report) = post(
+            &base,
+            "/api/messages/discard",
+            Some(TOKEN),
+            json!({"ids": [next]}),
+        )
+        .await;
+        assert_eq!(
+            (code, report["changed"].as_u64()),
+            (200, Some(1)),
+            "{report}"
+        );
+    })
+    .await;
+    assert_eq!(all, by_created, "pages after a discarded cursor row");
+    stop.cancel();
 }
 
 /// A relay on a `block` route: a dead-lettered head holds its key back; `GET /api/keys/blocked`

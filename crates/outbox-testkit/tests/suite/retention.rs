@@ -26,28 +26,43 @@ fixture_tests!(
     ],
 );
 
+/// Ten messages the transport refuses for good (dead letters to be) and one delayed an hour.
+async fn poison_and_delayed(
+    fx: &dyn StoreFixture,
+) -> (Arc<MemoryTransport>, Vec<uuid::Uuid>, uuid::Uuid) {
+    let mem = Arc::new(MemoryTransport::new());
+    let poison = (0..10).map(|i| NewMessage::new("poison", format!("p{i}")));
+    let poison = fx.enqueue_commit(poison.collect()).await.expect("enqueue");
+    for id in &poison {
+        mem.fail_next(*id, vec![TransportErrorKind::Permanent]);
+    }
+    let later = NewMessage::new("later", "x").with_delay(Duration::from_secs(3600));
+    let delayed = fx.enqueue_commit(vec![later]).await.expect("enqueue")[0];
+    (mem, poison, delayed)
+}
+
+/// Producers: commits of 10 messages every 10 ms for 3 s (about 1,000 messages/s).
+async fn produce(fx: &dyn StoreFixture) -> Vec<uuid::Uuid> {
+    let started = Instant::now();
+    let mut produced = Vec::new();
+    let mut tick = tokio::time::interval(Duration::from_millis(10));
+    for round in 0..300 {
+        tick.tick().await;
+        let batch = (0..10)
+            .map(|i| NewMessage::new("orders", format!("{round}-{i}")))
+            .collect();
+        produced.extend(fx.enqueue_commit(batch).await.expect("enqueue"));
+    }
+    let rate = produced.len() as f64 / started.elapsed().as_secs_f64();
+    println!("produced {} messages at {rate:.0} msg/s", produced.len());
+    produced
+}
+
 /// Four relays, producers at about 1,000 messages/s for 3 s, SENT rows archived 100 ms after
 /// they were sent. At the end every produced message was published and sits in the archive as
 /// SENT; the dead letters and a delayed message are still in the outbox, untouched.
 pub async fn four_relays(fx: &dyn StoreFixture) {
-    let mem = Arc::new(MemoryTransport::new());
-    let poison = fx
-        .enqueue_commit(
-            (0..10)
-                .map(|i| NewMessage::new("poison", format!("p{i}")))
-                .collect(),
-        )
-        .await
-        .expect("enqueue");
-    for id in &poison {
-        mem.fail_next(*id, vec![TransportErrorKind::Permanent]);
-    }
-    let delayed = fx
-        .enqueue_commit(vec![
-            NewMessage::new("later", "x").with_delay(Duration::from_secs(3600)),
-        ])
-        .await
-        .expect("enqueue")[0];
+    let (mem, poison, delayed) = poison_and_delayed(fx).await;
     let retention = Retention {
         sent: Rule::archive_after(Duration::from_millis(100)),
         ..Retention::default()
@@ -62,19 +77,7 @@ pub async fn four_relays(fx: &dyn StoreFixture) {
         })
         .collect();
 
-    // Producers: commits of 10 messages every 10 ms for 3 s.
-    let started = Instant::now();
-    let mut produced = Vec::new();
-    let mut tick = tokio::time::interval(Duration::from_millis(10));
-    for round in 0..300 {
-        tick.tick().await;
-        let batch = (0..10)
-            .map(|i| NewMessage::new("orders", format!("{round}-{i}")))
-            .collect();
-        produced.extend(fx.enqueue_commit(batch).await.expect("enqueue"));
-    }
-    let rate = produced.len() as f64 / started.elapsed().as_secs_f64();
-    println!("produced {} messages at {rate:.0} msg/s", produced.len());
+    let produced = produce(fx).await;
 
     wait_until(
         "every produced message published and archived",
@@ -188,4 +191,178 @@ pub async fn per_state(fx: &dyn StoreFixture) {
     let m = relay.metrics().snapshot();
     assert_eq!((m.purged, m.archived), (1, 1), "{m:?}");
     relay.shutdown().await.expect("shutdown");
+}
+
+/// A time-partitioned outbox table on PostgreSQL (`PgStore::migrate_partitioned`): the rows of
+/// a day that ended (yesterday's partition: published, dead-lettered, delayed) while four relays
+/// share the table and producers write about 1,000 messages/s for 3 s. The holder of bucket 0
+/// drops yesterday's partition: its SENT rows land in the archive (ruled `archive`), the dead
+/// letters (no rule) and the delayed message are carried forward into today's partition with
+/// their row ids, today's rows stay (younger than the partition), and no database error
+/// surfaces (a deadlock or a lock wait beyond the detach's timeout would).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_partition_drop_under_four_relays_with_producers_running() {
+    crate::init_tracing();
+    let fx = outbox_testkit::PgFixture::partitioned().await;
+    let t = fx.table();
+    let (mem, poison, delayed) = poison_and_delayed(&fx).await;
+    let old = fx
+        .enqueue_commit(
+            (0..200)
+                .map(|i| NewMessage::new("old", format!("{i}")))
+                .collect(),
+        )
+        .await
+        .expect("enqueue");
+    // Published and dead-lettered by a relay with the default retention (nothing is old).
+    let first = relay_to(&fx, mem.clone(), fast_config("part-r0")).spawn();
+    wait_until(
+        "the old rows published and the poison dead-lettered",
+        Duration::from_secs(30),
+        || async {
+            let rows = fx.rows().await;
+            rows.iter()
+                .filter(|r| r.status == Status::Sent.as_i16())
+                .count()
+                == old.len()
+                && rows
+                    .iter()
+                    .filter(|r| r.status == Status::Failed.as_i16())
+                    .count()
+                    == poison.len()
+        },
+    )
+    .await;
+    first.shutdown().await.expect("shutdown");
+    // Everything so far becomes yesterday's: its partition (the test creates it; the relays
+    // create only today's and later ones) and every row moved into it.
+    let pool = fx.store.pool().clone();
+    let (yesterday, today): (String, String) = sqlx::query_as(
+        "SELECT to_char((now() AT TIME ZONE 'UTC')::date - 1, 'YYYYMMDD'), \
+                to_char((now() AT TIME ZONE 'UTC')::date, 'YYYYMMDD')",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    let yesterday_part = format!("{t}_p{yesterday}");
+    fx.exec(&format!(
+        "CREATE TABLE {yesterday_part} PARTITION OF {t} FOR VALUES FROM \
+         (to_date('{yesterday}', 'YYYYMMDD')::timestamp AT TIME ZONE 'UTC') TO \
+         (to_date('{today}', 'YYYYMMDD')::timestamp AT TIME ZONE 'UTC'); \
+         UPDATE {t} SET partitioned_at = partitioned_at - interval '1 day'"
+    ))
+    .await;
+    let row_ids = |rows: &[outbox_testkit::RowState], ids: &[uuid::Uuid]| -> Vec<i64> {
+        let mut v: Vec<i64> = ids
+            .iter()
+            .map(|m| rows.iter().find(|r| r.message_id == *m).expect("row").id)
+            .collect();
+        v.sort_unstable();
+        v
+    };
+    let before = fx.rows().await;
+    let mut kept = poison.clone();
+    kept.push(delayed);
+    let kept_ids = row_ids(&before, &kept);
+    let in_yesterday: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM {yesterday_part}"
+    )))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(in_yesterday as usize, poison.len() + 1 + old.len());
+
+    let retention = Retention {
+        sent: Rule::archive_after(Duration::from_millis(100)),
+        confirmed: Rule::delete_after(Duration::from_millis(100)),
+        rejected: Rule::delete_after(Duration::from_millis(100)),
+        ..Retention::default()
+    };
+    let relays: Vec<_> = (1..=4)
+        .map(|i| {
+            let config = RelayConfig {
+                retention,
+                ..fast_config(&format!("part-r{i}"))
+            };
+            relay_to(&fx, mem.clone(), config).spawn()
+        })
+        .collect();
+    let produced = produce(&fx).await;
+
+    wait_until(
+        "yesterday's partition dropped",
+        Duration::from_secs(60),
+        || async {
+            let gone: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NULL")
+                .bind(&yesterday_part)
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+            gone
+        },
+    )
+    .await;
+    wait_until(
+        "every produced message published",
+        Duration::from_secs(60),
+        || async {
+            fx.rows()
+                .await
+                .iter()
+                .filter(|r| r.status == Status::Sent.as_i16())
+                .count()
+                == produced.len()
+        },
+    )
+    .await;
+
+    let archived = fx.archived().await;
+    let mut archived_ids: Vec<i64> = archived.iter().map(|(id, _, _)| *id).collect();
+    archived_ids.sort_unstable();
+    assert_eq!(
+        archived_ids,
+        row_ids(&before, &old),
+        "yesterday's SENT rows, archived"
+    );
+    for (id, reason, status) in &archived {
+        assert_eq!(
+            (reason.as_str(), *status),
+            ("retention", Status::Sent.as_i16()),
+            "row {id}"
+        );
+    }
+    let after = fx.rows().await;
+    assert_eq!(
+        row_ids(&after, &kept),
+        kept_ids,
+        "the kept rows keep their row ids"
+    );
+    for r in after.iter().filter(|r| kept.contains(&r.message_id)) {
+        let want = if r.message_id == delayed {
+            Status::Pending
+        } else {
+            Status::Failed
+        };
+        assert_eq!(r.status, want.as_i16(), "{}", r.message_id);
+    }
+    let in_today: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM {t}_p{today}"
+    )))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        in_today as usize,
+        produced.len() + kept.len(),
+        "today's partition: the new rows and the carried ones"
+    );
+    let snapshots: Vec<_> = relays.iter().map(|r| r.metrics().snapshot()).collect();
+    let errors: u64 = snapshots.iter().map(|s| s.store_errors).sum();
+    assert_eq!(errors, 0, "a database error surfaced: {snapshots:?}");
+    let by_relays: u64 = snapshots.iter().map(|s| s.archived).sum();
+    assert_eq!(by_relays, old.len() as u64, "{snapshots:?}");
+    for r in relays {
+        r.shutdown().await.expect("shutdown");
+    }
+    fx.cleanup().await;
 }

@@ -5,6 +5,7 @@ fixture_tests!(
     [
         sqlite: outbox_testkit::SqliteFixture,
         postgres: outbox_testkit::PgFixture,
+        postgres_partitioned: outbox_testkit::PgPartitionedFixture,
         mysql: outbox_testkit::MySqlFixture,
     ],
     [outbox_testkit::store_suite],

@@ -9,7 +9,10 @@
 //! messages …` is its command-line twin.
 //!
 //! Pages are keyset pages, newest first (`id` descending): a page is the `limit` rows below the
-//! previous page's last id, so rows written meanwhile never shift or repeat a page. Actions run
+//! previous page's last id, so rows written meanwhile never shift or repeat a page. A search
+//! with a time window is ordered by that time instead ([`SearchOrder`]) when the table has the
+//! optional [`SearchIndexes`], which make every filter fast on a large table at a cost on every
+//! insert and state change (docs/benchmarks.md, "Admin search"). Actions run
 //! in bounded chunks of [`ACTION_CHUNK`] rows, each chunk one short transaction that locks its
 //! rows and re-checks their state, so a relay or another operator acting at the same time makes
 //! a row count as *not changed*, never changed twice.
@@ -94,8 +97,61 @@ impl Default for PageRequest {
 pub struct MessagePage {
     /// The rows.
     pub messages: Vec<MessageSummary>,
-    /// The `before` of the next page; `None` on the last page.
+    /// The `before` of the next page (the last row's id); `None` on the last page.
     pub next: Option<i64>,
+    /// How the rows are ordered.
+    #[serde(default)]
+    pub order: SearchOrder,
+}
+
+/// The order of a [`MessagePage`], newest first, ties by id.
+///
+/// A filter with a creation window (`created_after`/`created_before`) is ordered by
+/// `created_at` and one with only a publication window by `sent_at`, when the table has the
+/// matching [`SearchIndexes`]: the index then finds the window's newest rows directly, wherever
+/// the window lies. Otherwise by id, which is the insertion order (ids and creation times only
+/// disagree for rows of transactions that overlapped). The page cursor stays the last row's id
+/// either way: the next page continues after that row's time and id, read from the archive if
+/// the row was discarded or retired meanwhile (after the nearest older row if it was deleted).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SearchOrder {
+    /// `id` descending.
+    #[default]
+    Id,
+    /// `created_at`, then `id`, descending.
+    CreatedAt,
+    /// `sent_at`, then `id`, descending.
+    SentAt,
+}
+
+/// Which of the optional search indexes the outbox table has
+/// ([`Store::search_indexes`](crate::Store::search_indexes),
+/// [`Store::create_search_indexes`](crate::Store::create_search_indexes)).
+///
+/// Without them every search is still correct, and fast for recent rows, for a message id, for
+/// dead letters, for errors and for the open messages of a key (the migrations' own indexes);
+/// two kinds scan the table and slow down as it grows: a key over every state, and a time window
+/// far in the past. The indexes (`<table>_key_id` on `(partition_key, id)` for keyed rows,
+/// `<table>_created_id` on `(created_at, id)`, `<table>_sent_id` on `(sent_at, id)` for
+/// published rows) answer those under 1 ms on 10,000,000 rows, and cost every insert and every
+/// state change the relay writes (measured by `outbox bench --only search`,
+/// docs/benchmarks.md): an operator's choice, not a migration every table pays for.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SearchIndexes {
+    /// `<table>_key_id`: a partition key over every state.
+    pub key: bool,
+    /// `<table>_created_id`: a creation window, ordered by `created_at`.
+    pub created: bool,
+    /// `<table>_sent_id`: a publication window, ordered by `sent_at`.
+    pub sent: bool,
+}
+
+impl SearchIndexes {
+    /// Whether all three exist.
+    pub fn all(&self) -> bool {
+        self.key && self.created && self.sent
+    }
 }
 
 /// A message as a list shows it. Times are the database clock's, UTC.

@@ -72,7 +72,22 @@ async fn retention(inner: &Inner, limit: u32) -> Result<(u64, u64, bool), StoreE
     let r = &inner.config.retention;
     let chunk = u64::from(limit).min(crate::admin::ACTION_CHUNK as u64);
     let (mut purged, mut archived, mut full) = (0, 0, false);
+    // A partitioned table: whole day partitions instead of rows.
+    let partitioned = inner.store.retire_partitions(r).await?;
+    if let Some(round) = partitioned {
+        purged += round.deleted;
+        archived += round.archived;
+        if round.carried > 0 {
+            tracing::info!(
+                rows = round.carried,
+                "carried rows that must stay out of a partition past retention"
+            );
+        }
+    }
     for state in Finished::ALL {
+        if partitioned.is_some() {
+            break;
+        }
         let rule = r.rule(state);
         let Some(after) = rule.after else { continue };
         let n = inner.store.retire(state, after, rule.action, limit).await?;

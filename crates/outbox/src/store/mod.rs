@@ -344,8 +344,8 @@ pub trait Store: Send + Sync + 'static {
     #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
     fn admin_target(&self) -> admin::AdminTarget;
 
-    /// One page of the messages `filter` matches, newest first (keyset pagination by id,
-    /// [`crate::admin`]).
+    /// One page of the messages `filter` matches, newest first (keyset pagination by id, or by
+    /// a window's time where the search indexes exist: [`crate::admin::SearchOrder`]).
     ///
     /// # Errors
     /// [`StoreError`] from the database.
@@ -356,6 +356,31 @@ pub trait Store: Send + Sync + 'static {
         page: &crate::admin::PageRequest,
     ) -> Result<crate::admin::MessagePage, StoreError> {
         admin::search_on(self.admin_target(), filter, page).await
+    }
+
+    /// Which of the optional search indexes the outbox table has
+    /// ([`crate::admin::SearchIndexes`]).
+    ///
+    /// # Errors
+    /// [`StoreError`] from the database.
+    #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+    async fn search_indexes(&self) -> Result<crate::admin::SearchIndexes, StoreError> {
+        admin::search_indexes_on(self.admin_target()).await
+    }
+
+    /// Build the optional search indexes the outbox table lacks
+    /// ([`crate::admin::SearchIndexes`]; `outbox migrate --search-indexes`, the daemon's
+    /// `[database] search_indexes = true`): on PostgreSQL `CREATE INDEX CONCURRENTLY` (writers
+    /// and the relay go on; an unusable index a failed build left is dropped and built again),
+    /// on MySQL/MariaDB an online InnoDB build, on SQLite a plain `CREATE INDEX` (the single
+    /// writer waits for it). Takes about a minute per index on 10,000,000 rows. Returns the
+    /// indexes present afterwards.
+    ///
+    /// # Errors
+    /// [`StoreError`] from the database (a build that failed leaves the others in place).
+    #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+    async fn create_search_indexes(&self) -> Result<crate::admin::SearchIndexes, StoreError> {
+        admin::create_search_indexes_on(self.admin_target()).await
     }
 
     /// One message in full by row id; `None` when there is no such row.
@@ -441,6 +466,25 @@ pub trait Store: Send + Sync + 'static {
         limit: u32,
     ) -> Result<u64, StoreError> {
         admin::retire_on(self.admin_target(), state, older_than, action, limit).await
+    }
+
+    /// Retention by whole partitions, where the outbox table is partitioned by time (PostgreSQL,
+    /// [`PgStore::migrate_partitioned`](crate::PgStore::migrate_partitioned)): day partitions
+    /// created ahead, and each day partition older than the longest rule of `retention`
+    /// dropped, after the rows that must stay were carried forward and the rows ruled
+    /// `archive` copied to the archive. `None` (the default, and a table that is not
+    /// partitioned): row-wise retention ([`Store::retire`]) applies.
+    ///
+    /// # Errors
+    /// [`StoreError`] from the database; a lock not granted within 500 ms is not an error (the
+    /// partition waits for the next round).
+    #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+    async fn retire_partitions(
+        &self,
+        retention: &crate::retention::Retention,
+    ) -> Result<Option<crate::retention::PartitionRound>, StoreError> {
+        let _ = retention;
+        Ok(None)
     }
 
     /// Delete up to `limit` rows (at most [`crate::admin::ACTION_CHUNK`]) of `<table>_archive`

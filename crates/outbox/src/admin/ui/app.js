@@ -226,6 +226,7 @@ async function messages(query) {
     <div class="pager">
       ${params.get("before") ? `<button type="button" id="first">First page</button>` : ""}
       ${page.next ? `<button type="button" id="next">Next page</button>` : `<span class="muted">${page.messages.length} shown, end of results</span>`}
+      <span class="muted" id="order">newest first by ${page.order === "created_at" ? "creation time" : page.order === "sent_at" ? "publication time" : "id"}</span>
     </div>`;
 
   const form = document.getElementById("filters");

@@ -122,6 +122,22 @@ pub(crate) const ADMIN: super::admin::Dialect = super::admin::Dialect {
     before_begin: "SET TRANSACTION ISOLATION LEVEL READ COMMITTED",
     for_update: " FOR UPDATE",
     skip_locked: " FOR UPDATE SKIP LOCKED",
+    index_name: |t, suffix| format!("{}{suffix}", t.rsplit('.').next().unwrap_or(t)),
+    index_list: |t| {
+        let (schema, table) = match t.split_once('.') {
+            Some((s, t)) => (format!("'{s}'"), t),
+            None => ("DATABASE()".to_owned(), t),
+        };
+        format!(
+            "SELECT DISTINCT CAST(index_name AS CHAR), 1 FROM information_schema.statistics \
+             WHERE table_schema = {schema} AND table_name = '{table}'"
+        )
+    },
+    // InnoDB builds a secondary index online; no partial indexes in MySQL.
+    create_index: |t, name, columns, _| {
+        format!("CREATE INDEX {name} ON {t} ({columns}) ALGORITHM=INPLACE LOCK=NONE")
+    },
+    drop_index: |t, name| format!("DROP INDEX {name} ON {t}"),
 };
 
 impl std::fmt::Debug for MySqlStore {

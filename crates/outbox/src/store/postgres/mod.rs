@@ -32,6 +32,7 @@
 pub(crate) mod errors;
 mod listen;
 pub(crate) mod migrations;
+mod partitions;
 
 use self::listen::listen;
 use self::migrations::{migrations, run_migrations};
@@ -132,6 +133,26 @@ pub(crate) const ADMIN: super::admin::Dialect = super::admin::Dialect {
     before_begin: "",
     for_update: " FOR UPDATE",
     skip_locked: " FOR UPDATE SKIP LOCKED",
+    index_name: |t, suffix| format!("{}{suffix}", t.rsplit('.').next().unwrap_or(t)),
+    index_list: |t| {
+        format!(
+            "SELECT c.relname::text, (CASE WHEN i.indisvalid AND i.indisready THEN 1 ELSE 0 END)::bigint \
+             FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid WHERE i.indrelid = to_regclass('{t}')"
+        )
+    },
+    // Concurrently: writers go on while a large table is indexed.
+    create_index: |t, name, columns, partial| {
+        let only = if partial.is_empty() {
+            String::new()
+        } else {
+            format!(" WHERE {partial}")
+        };
+        format!("CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} ON {t} ({columns}){only}")
+    },
+    drop_index: |t, name| match t.split_once('.') {
+        Some((schema, _)) => format!("DROP INDEX CONCURRENTLY IF EXISTS {schema}.{name}"),
+        None => format!("DROP INDEX CONCURRENTLY IF EXISTS {name}"),
+    },
 };
 
 impl std::fmt::Debug for PgStore {
@@ -618,6 +639,13 @@ impl Store for PgStore {
                 .await
                 .map_err(self.err("failed"))?;
         Ok(super::rows::failed_messages(rows))
+    }
+
+    async fn retire_partitions(
+        &self,
+        retention: &crate::retention::Retention,
+    ) -> Result<Option<crate::retention::PartitionRound>, StoreError> {
+        partitions::retire_partitions(self, retention).await
     }
 
     fn admin_target(&self) -> super::admin::AdminTarget {

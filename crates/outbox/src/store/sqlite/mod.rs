@@ -111,6 +111,19 @@ pub(crate) const ADMIN: super::admin::Dialect = super::admin::Dialect {
     before_begin: "",
     for_update: "",
     skip_locked: "",
+    index_name: |t, suffix| format!("{t}{suffix}"),
+    index_list: |t| {
+        format!("SELECT name, 1 FROM sqlite_master WHERE type = 'index' AND tbl_name = '{t}'")
+    },
+    create_index: |t, name, columns, partial| {
+        let only = if partial.is_empty() {
+            String::new()
+        } else {
+            format!(" WHERE {partial}")
+        };
+        format!("CREATE INDEX IF NOT EXISTS {name} ON {t} ({columns}){only}")
+    },
+    drop_index: |_, name| format!("DROP INDEX IF EXISTS {name}"),
 };
 
 impl std::fmt::Debug for SqliteStore {

@@ -6,8 +6,30 @@
 //! milliseconds and a parameter into its own timestamp, so the comparisons stay on the column
 //! (and its indexes).
 
+/// `impl Admin<'_, DB> { … }` for every sqlx database the admin statements run on (the bounds
+/// written once; the methods live in this module and its children by subject).
+macro_rules! admin_impl {
+    ($($body:tt)*) => {
+        impl<DB: sqlx::Database> Admin<'_, DB>
+        where
+            for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+            DB::Arguments: sqlx::IntoArguments<DB>,
+            for<'q> i64: sqlx::Encode<'q, DB> + sqlx::Decode<'q, DB> + sqlx::Type<DB>,
+            for<'q> String: sqlx::Encode<'q, DB> + sqlx::Decode<'q, DB> + sqlx::Type<DB>,
+            for<'q> Vec<u8>: sqlx::Decode<'q, DB> + sqlx::Type<DB>,
+            usize: sqlx::ColumnIndex<DB::Row>,
+        {
+            $($body)*
+        }
+    };
+}
+
+mod inbox;
+mod retention;
+mod search;
+
 use chrono::{DateTime, TimeZone, Utc};
-use sqlx::{ColumnIndex, Database, Decode, Encode, Executor, IntoArguments, Row, Type};
+use sqlx::{Database, Encode, Row, Type};
 
 /// The pool and table a store's admin operations run on: what [`Store::admin_target`]
 /// (crate::Store::admin_target) gives the provided admin methods. Opaque.
@@ -81,6 +103,18 @@ pub(crate) async fn search_on(
     on_target!(&target.0, search(filter, page))
 }
 
+/// [`Store::search_indexes`](crate::Store::search_indexes) on `target`.
+pub(crate) async fn search_indexes_on(target: AdminTarget) -> Result<SearchIndexes, StoreError> {
+    on_target!(&target.0, search_indexes())
+}
+
+/// [`Store::create_search_indexes`](crate::Store::create_search_indexes) on `target`.
+pub(crate) async fn create_search_indexes_on(
+    target: AdminTarget,
+) -> Result<SearchIndexes, StoreError> {
+    on_target!(&target.0, create_search_indexes())
+}
+
 /// [`Store::message`](crate::Store::message) on `target`.
 pub(crate) async fn message_on(
     target: AdminTarget,
@@ -140,12 +174,12 @@ pub(crate) async fn act_on(
 }
 
 use super::StoreError;
-use super::status_sql::{CONFIRMED, FAILED, PENDING, REJECTED, SENT};
+use super::status_sql::{FAILED, PENDING, REJECTED, SENT};
 use crate::admin::inbox::{ConsumerDeadLetters, InboxAction, InboxActionReport, InboxDeadLetter};
 use crate::admin::{
     ACTION_CHUNK, Action, ActionReport, BlockedKey, BucketRow, Leases, MAX_PAGE, MessageDetail,
     MessageFilter, MessagePage, MessageSummary, NotChanged, PageRequest, RelayRow, RenderedPayload,
-    Selection, TopicCounts, contains_pattern, like_pattern,
+    SearchIndexes, Selection, TopicCounts, contains_pattern, like_pattern,
 };
 use crate::message::Status;
 use crate::retention::{Finished, RetentionAction};
@@ -179,6 +213,17 @@ pub(crate) struct Dialect {
     /// Appended to the select that picks retention's rows: lock them, skip rows locked by
     /// others (empty where the transaction's start already locks: SQLite).
     pub skip_locked: &'static str,
+    /// The name of the table's index with `suffix` (`_created_id`), as `CREATE INDEX` names it.
+    pub index_name: fn(table: &str, suffix: &str) -> String,
+    /// A statement listing the table's indexes: name (text) and whether it is usable (an
+    /// integer, 0 for PostgreSQL's invalid leftovers of a failed concurrent build).
+    pub index_list: fn(table: &str) -> String,
+    /// `CREATE INDEX` of the index `name` on `columns` of the table where `partial` holds (a
+    /// condition, or empty; where the database has no partial indexes the condition is left
+    /// out), without blocking writers where the database can (PostgreSQL `CONCURRENTLY`).
+    pub create_index: fn(table: &str, name: &str, columns: &str, partial: &str) -> String,
+    /// `DROP INDEX` of the index `name` of the table.
+    pub drop_index: fn(table: &str, name: &str) -> String,
 }
 
 /// A bound value.
@@ -337,15 +382,7 @@ enum Pick<'a> {
     Filter(&'a MessageFilter, Option<i64>),
 }
 
-impl<DB: Database> Admin<'_, DB>
-where
-    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
-    DB::Arguments: IntoArguments<DB>,
-    for<'q> i64: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
-    for<'q> String: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
-    for<'q> Vec<u8>: Decode<'q, DB> + Type<DB>,
-    usize: ColumnIndex<DB::Row>,
-{
+admin_impl! {
     /// A [`MessageSummary`] from columns 0–15 of [`summary_columns`].
     fn summary(row: &DB::Row) -> Result<MessageSummary, sqlx::Error> {
         // Leniently: a row a foreign producer filled with garbage (SQLite keeps any value in any
@@ -389,42 +426,6 @@ where
             .map(decode)
             .collect::<Result<_, _>>()
             .map_err(err)
-    }
-
-    /// [`Store::search`](crate::Store::search).
-    async fn search(
-        &self,
-        filter: &MessageFilter,
-        page: &PageRequest,
-    ) -> Result<MessagePage, StoreError> {
-        let (pool, d, table) = (self.pool, self.d, self.table);
-        let err = |e| super::db_error("search", table, e);
-        let limit = page.limit.clamp(1, MAX_PAGE);
-        let mut sql = Sql::new(
-            d,
-            format!("SELECT {} FROM {table} WHERE 1 = 1", summary_columns(d)),
-        );
-        sql.filter(filter);
-        if let Some(before) = page.before {
-            let p = sql.arg(Arg::Int(before));
-            sql.push(&format!(" AND id < {p}"));
-        }
-        // One more than the page: whether a next page exists.
-        let p = sql.arg(Arg::Int(i64::from(limit) + 1));
-        sql.push(&format!(" ORDER BY id DESC LIMIT {p}"));
-        let rows = sql.query::<DB>().fetch_all(pool).await.map_err(err)?;
-        let mut messages = rows
-            .iter()
-            .map(Self::summary)
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(err)?;
-        let next = if messages.len() > limit as usize {
-            messages.truncate(limit as usize);
-            messages.last().map(|m| m.id)
-        } else {
-            None
-        };
-        Ok(MessagePage { messages, next })
     }
 
     /// [`Store::message`](crate::Store::message).
@@ -711,239 +712,6 @@ where
         }
         tx.commit().await.map_err(err)?;
         Ok(ids)
-    }
-
-    /// The database clock in epoch milliseconds.
-    async fn clock(&self, op: &'static str) -> Result<i64, StoreError> {
-        let sql = Sql::new(self.d, format!("SELECT {}", (self.d.ms)(self.d.now)));
-        let row = sql
-            .query::<DB>()
-            .fetch_one(self.pool)
-            .await
-            .map_err(|e| super::db_error(op, self.table, e))?;
-        row.try_get::<i64, _>(0)
-            .map_err(|e| super::db_error(op, self.table, e))
-    }
-
-    /// [`Store::retire`](crate::Store::retire): one transaction of at most `limit` (and
-    /// [`ACTION_CHUNK`]) rows of `state` finished more than `older_than` ago (by the database
-    /// clock), skipping rows another transaction holds; deleted, or copied to the archive and
-    /// deleted. The rows removed.
-    async fn retire(
-        &self,
-        state: Finished,
-        older_than: std::time::Duration,
-        action: RetentionAction,
-        limit: u32,
-    ) -> Result<u64, StoreError> {
-        let (d, table) = (self.d, self.table);
-        let cutoff = self
-            .clock("retention")
-            .await?
-            .saturating_sub(super::millis(older_than));
-        let mut pick = Sql::new(d, format!("SELECT id FROM {table} WHERE "));
-        let p = pick.arg(Arg::Int(cutoff));
-        let before = (d.at_ms)(&p);
-        let finished = match state {
-            Finished::Sent => format!("status = {SENT} AND confirm_deadline IS NULL AND sent_at"),
-            Finished::Confirmed => format!("status = {CONFIRMED} AND confirmed_at"),
-            Finished::Rejected => format!("status = {REJECTED} AND confirmed_at"),
-            Finished::Failed => format!("status = {FAILED} AND updated_at"),
-        };
-        pick.push(&format!("{finished} < {before} LIMIT {}", chunk(limit)));
-        pick.push(d.skip_locked);
-        let mut statements = Vec::new();
-        if action == RetentionAction::Archive {
-            statements.push(archive_into(table, d.now, "retention", "1 = 1"));
-        }
-        statements.push(format!("DELETE FROM {table} WHERE 1 = 1"));
-        let ids = self.locked_chunk("retention", &pick, &statements).await?;
-        Ok(ids.len() as u64)
-    }
-
-    /// [`Store::purge_archive`](crate::Store::purge_archive): delete at most `limit` (and
-    /// [`ACTION_CHUNK`]) archived rows archived more than `older_than` ago.
-    async fn purge_archive(
-        &self,
-        older_than: std::time::Duration,
-        limit: u32,
-    ) -> Result<u64, StoreError> {
-        let (d, table) = (self.d, self.table);
-        let cutoff = self
-            .clock("archive retention")
-            .await?
-            .saturating_sub(super::millis(older_than));
-        let mut pick = Sql::new(d, format!("SELECT id FROM {table}_archive WHERE "));
-        let p = pick.arg(Arg::Int(cutoff));
-        pick.push(&format!(
-            "archived_at < {} LIMIT {}{}",
-            (d.at_ms)(&p),
-            chunk(limit),
-            d.skip_locked
-        ));
-        let delete = [format!("DELETE FROM {table}_archive WHERE 1 = 1")];
-        let ids = self
-            .locked_chunk("archive retention", &pick, &delete)
-            .await?;
-        Ok(ids.len() as u64)
-    }
-
-    /// Every consumer of the inbox `self.table` with dead letters, most first.
-    async fn inbox_consumers(&self) -> Result<Vec<ConsumerDeadLetters>, StoreError> {
-        let (d, t) = (self.d, self.table);
-        let sql = Sql::new(
-            d,
-            format!(
-                "SELECT consumer, {count}, {replays}, {oldest}, {newest} FROM {t}_dlq \
-                 GROUP BY consumer ORDER BY 2 DESC, consumer LIMIT {MAX_PAGE}",
-                count = (d.int)("COUNT(*)"),
-                replays = (d.int)("SUM(CASE WHEN replay_requested_at IS NULL THEN 0 ELSE 1 END)"),
-                oldest = (d.ms)("MIN(failed_at)"),
-                newest = (d.ms)("MAX(failed_at)"),
-            ),
-        );
-        self.fetch("inbox dead letters", &sql, |row| {
-            Ok(ConsumerDeadLetters {
-                consumer: row.try_get(0)?,
-                dead_letters: u64::try_from(row.try_get::<i64, _>(1)?).unwrap_or(0),
-                replay_requested: u64::try_from(row.try_get::<i64, _>(2)?).unwrap_or(0),
-                oldest_failed_at: at(row.try_get(3)?),
-                newest_failed_at: at(row.try_get(4)?),
-            })
-        })
-        .await
-    }
-
-    /// Dead letters of the inbox `self.table`, newest first; with headers and payload when one
-    /// message id is asked for.
-    async fn inbox_dead_letters(
-        &self,
-        consumer: Option<&str>,
-        message_id: Option<&str>,
-        limit: u32,
-    ) -> Result<Vec<InboxDeadLetter>, StoreError> {
-        let (d, t) = (self.d, self.table);
-        let full = message_id.is_some();
-        let extra = if full {
-            format!(", {}, payload", (d.text)("headers"))
-        } else {
-            String::new()
-        };
-        let mut sql = Sql::new(
-            d,
-            format!(
-                "SELECT consumer, {mid}, topic, partition_key, error, {deliveries}, {failed}, \
-                 {replay}{extra} FROM {t}_dlq WHERE 1 = 1",
-                mid = (d.text)("message_id"),
-                deliveries = (d.int)("deliveries"),
-                failed = (d.ms)("failed_at"),
-                replay = (d.ms)("replay_requested_at"),
-            ),
-        );
-        if let Some(c) = consumer {
-            let p = sql.arg(Arg::Text(c.to_owned()));
-            sql.push(&format!(" AND consumer = {p}"));
-        }
-        if let Some(id) = message_id {
-            let p = sql.arg(Arg::Text(id.to_owned()));
-            sql.push(&format!(" AND message_id = {}", (d.uuid)(&p)));
-        }
-        sql.push(&format!(
-            " ORDER BY failed_at DESC LIMIT {}",
-            limit.clamp(1, MAX_PAGE)
-        ));
-        self.fetch("inbox dead letters", &sql, |row| {
-            Ok(InboxDeadLetter {
-                consumer: row.try_get(0)?,
-                message_id: row.try_get(1)?,
-                topic: row.try_get(2)?,
-                partition_key: row.try_get(3)?,
-                error: row.try_get(4)?,
-                deliveries: row.try_get(5)?,
-                failed_at: at(row.try_get(6)?),
-                replay_requested_at: at(row.try_get(7)?),
-                headers: if full { row.try_get(8)? } else { None },
-                payload: if full {
-                    Some(RenderedPayload::of(&row.try_get::<Vec<u8>, _>(9)?))
-                } else {
-                    None
-                },
-            })
-        })
-        .await
-    }
-
-    /// Replay or discard dead letters of one consumer in one transaction that locks them
-    /// first.
-    async fn inbox_act(
-        &self,
-        action: InboxAction,
-        consumer: &str,
-        message_ids: &[String],
-    ) -> Result<InboxActionReport, StoreError> {
-        let (pool, d, t) = (self.pool, self.d, self.table);
-        let err = |e| super::db_error("inbox admin action", t, e);
-        let mut report = InboxActionReport::default();
-        let mut ids: Vec<String> = Vec::new();
-        for id in message_ids {
-            match uuid::Uuid::parse_str(id.trim()) {
-                Ok(u) => ids.push(u.to_string()),
-                Err(e) => report
-                    .not_changed
-                    .push((id.clone(), format!("not a message id: {e}"))),
-            }
-        }
-        ids.sort_unstable();
-        ids.dedup();
-        let mut found = std::collections::BTreeSet::new();
-        for chunk in ids.chunks(ACTION_CHUNK) {
-            // Arguments in the order of their placeholders (`?` is positional).
-            let in_list = |sql: &mut Sql<'_>| {
-                let c = sql.arg(Arg::Text(consumer.to_owned()));
-                let list: Vec<String> = chunk
-                    .iter()
-                    .map(|id| (d.uuid)(&sql.arg(Arg::Text(id.clone()))))
-                    .collect();
-                sql.push(&format!(
-                    " consumer = {c} AND message_id IN ({})",
-                    list.join(", ")
-                ));
-            };
-            let mut pick = Sql::new(
-                d,
-                format!("SELECT {} FROM {t}_dlq WHERE", (d.text)("message_id")),
-            );
-            in_list(&mut pick);
-            pick.push(d.for_update);
-            let mut change = Sql::new(
-                d,
-                match action {
-                    InboxAction::Replay => {
-                        format!("UPDATE {t}_dlq SET replay_requested_at = {} WHERE", d.now)
-                    }
-                    InboxAction::Discard => format!("DELETE FROM {t}_dlq WHERE"),
-                },
-            );
-            in_list(&mut change);
-            let mut conn = pool.acquire().await.map_err(err)?;
-            let mut tx =
-                sqlx::Connection::begin_with(&mut *conn, sqlx::AssertSqlSafe(d.begin.to_owned()))
-                    .await
-                    .map_err(err)?;
-            for row in pick.query::<DB>().fetch_all(&mut *tx).await.map_err(err)? {
-                found.insert(row.try_get::<String, _>(0).map_err(err)?);
-            }
-            change.query::<DB>().execute(&mut *tx).await.map_err(err)?;
-            tx.commit().await.map_err(err)?;
-        }
-        report.changed = found.len() as u64;
-        for id in ids.into_iter().filter(|id| !found.contains(id)) {
-            report.not_changed.push((
-                id,
-                format!("no dead letter of consumer {consumer:?} has this id"),
-            ));
-        }
-        Ok(report)
     }
 
     /// Why each of `ids` was not changed: its state now, or that there is no such row.

@@ -1,0 +1,84 @@
+//! Retention's statements: finished rows deleted or archived, the archive purged.
+
+use super::{Admin, Arg, Sql, archive_into, chunk};
+use crate::retention::{Finished, RetentionAction};
+use crate::store::StoreError;
+use crate::store::status_sql::{CONFIRMED, FAILED, REJECTED, SENT};
+use sqlx::Row;
+
+admin_impl! {
+    /// The database clock in epoch milliseconds.
+    async fn clock(&self, op: &'static str) -> Result<i64, StoreError> {
+        let sql = Sql::new(self.d, format!("SELECT {}", (self.d.ms)(self.d.now)));
+        let row = sql
+            .query::<DB>()
+            .fetch_one(self.pool)
+            .await
+            .map_err(|e| crate::store::db_error(op, self.table, e))?;
+        row.try_get::<i64, _>(0)
+            .map_err(|e| crate::store::db_error(op, self.table, e))
+    }
+
+    /// [`Store::retire`](crate::Store::retire): one transaction of at most `limit` (and
+    /// [`ACTION_CHUNK`]) rows of `state` finished more than `older_than` ago (by the database
+    /// clock), skipping rows another transaction holds; deleted, or copied to the archive and
+    /// deleted. The rows removed.
+    pub(super) async fn retire(
+        &self,
+        state: Finished,
+        older_than: std::time::Duration,
+        action: RetentionAction,
+        limit: u32,
+    ) -> Result<u64, StoreError> {
+        let (d, table) = (self.d, self.table);
+        let cutoff = self
+            .clock("retention")
+            .await?
+            .saturating_sub(crate::store::millis(older_than));
+        let mut pick = Sql::new(d, format!("SELECT id FROM {table} WHERE "));
+        let p = pick.arg(Arg::Int(cutoff));
+        let before = (d.at_ms)(&p);
+        let finished = match state {
+            Finished::Sent => format!("status = {SENT} AND confirm_deadline IS NULL AND sent_at"),
+            Finished::Confirmed => format!("status = {CONFIRMED} AND confirmed_at"),
+            Finished::Rejected => format!("status = {REJECTED} AND confirmed_at"),
+            Finished::Failed => format!("status = {FAILED} AND updated_at"),
+        };
+        pick.push(&format!("{finished} < {before} LIMIT {}", chunk(limit)));
+        pick.push(d.skip_locked);
+        let mut statements = Vec::new();
+        if action == RetentionAction::Archive {
+            statements.push(archive_into(table, d.now, "retention", "1 = 1"));
+        }
+        statements.push(format!("DELETE FROM {table} WHERE 1 = 1"));
+        let ids = self.locked_chunk("retention", &pick, &statements).await?;
+        Ok(ids.len() as u64)
+    }
+
+    /// [`Store::purge_archive`](crate::Store::purge_archive): delete at most `limit` (and
+    /// [`ACTION_CHUNK`]) archived rows archived more than `older_than` ago.
+    pub(super) async fn purge_archive(
+        &self,
+        older_than: std::time::Duration,
+        limit: u32,
+    ) -> Result<u64, StoreError> {
+        let (d, table) = (self.d, self.table);
+        let cutoff = self
+            .clock("archive retention")
+            .await?
+            .saturating_sub(crate::store::millis(older_than));
+        let mut pick = Sql::new(d, format!("SELECT id FROM {table}_archive WHERE "));
+        let p = pick.arg(Arg::Int(cutoff));
+        pick.push(&format!(
+            "archived_at < {} LIMIT {}{}",
+            (d.at_ms)(&p),
+            chunk(limit),
+            d.skip_locked
+        ));
+        let delete = [format!("DELETE FROM {table}_archive WHERE 1 = 1")];
+        let ids = self
+            .locked_chunk("archive retention", &pick, &delete)
+            .await?;
+        Ok(ids.len() as u64)
+    }
+}
