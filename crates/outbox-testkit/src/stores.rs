@@ -379,7 +379,8 @@ impl ConfirmFixture for PgFixture {
 pub struct PgPartitionedFixture;
 
 impl PgPartitionedFixture {
-    /// [`PgFixture::partitioned`].
+    /// [`PgFixture::partitioned`] (named `new` for `fixture_tests!`).
+    #[allow(clippy::new_ret_no_self)]
     pub async fn new() -> PgFixture {
         PgFixture::partitioned().await
     }

@@ -152,9 +152,13 @@ impl Fill {
                       UNION ALL SELECT 4 UNION ALL SELECT 5 UNION ALL SELECT 6 UNION ALL SELECT 7 \
                       UNION ALL SELECT 8 UNION ALL SELECT 9)";
         let from: Vec<String> = (0..6).map(|i| format!("{digits} d{i}")).collect();
+        // 64-bit arithmetic from the start (PostgreSQL's integers are 32-bit).
+        let base = match self.dialect {
+            Dialect::Postgres => format!("{base}::bigint"),
+            _ => base.to_string(),
+        };
         let g = format!(
-            "{} + 1 + d0.n + 10 * d1.n + 100 * d2.n + 1000 * d3.n + 10000 * d4.n + 100000 * d5.n",
-            base
+            "{base} + 1 + d0.n + 10 * d1.n + 100 * d2.n + 1000 * d3.n + 10000 * d4.n + 100000 * d5.n"
         );
         let (failed, pending, confirmed) = (
             Status::Failed.as_i16(),
