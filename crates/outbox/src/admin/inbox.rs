@@ -4,7 +4,7 @@
 //! discard (the dead letter is deleted; the inbox keeps its rejected verdict, so a redelivery is
 //! still answered as rejected and the producer's compensation, if any, stands).
 //!
-//! One SQL definition for the three databases, in `store/admin.rs`.
+//! One SQL definition for the three databases, in `store/admin/inbox.rs`.
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};

@@ -3,7 +3,7 @@
 //!
 //! The operations are [`Store`](crate::Store) methods ([`Store::search`](crate::Store::search),
 //! [`Store::message`](crate::Store::message), [`Store::act`](crate::Store::act)), one SQL
-//! definition for the three databases (`store/admin.rs`). With the feature `admin`,
+//! definition for the three databases (`store/admin/`). With the feature `admin`,
 //! [`http::router`] serves them as a JSON API described by an OpenAPI document; the daemon mounts
 //! it on its `[admin]` listener, `outbox admin --database URL` serves it alone, and `outbox
 //! messages …` is its command-line twin.
