@@ -6,8 +6,10 @@
 //! The table (`--search-rows`, default 10,000,000) is filled by SQL in chunks of 1,000,000 rows
 //! (through the producer API it would take longer than the rest of the bench): 50 topics,
 //! 1,000,000 partition keys, one row every 360,000,000 / rows ms over the 100 hours before the
-//! fill started; 99.89 % CONFIRMED, 0.01 % FAILED with an error (`error 0` … `error 9`), 0.1 %
-//! PENDING; row `g` has message id `00000000-0000-4000-8000-<g, 12 digits>`. Each filter is
+//! fill started, inserted in that order (ids follow `created_at`); 99.89 % CONFIRMED, 0.01 %
+//! FAILED with an error (`error 0` … `error 9`, by `g / 10000`) spread through the table, and the newest 0.1 %
+//! PENDING (the backlog of a live outbox is its newest rows); row `g` has message id
+//! `00000000-0000-4000-8000-<g, 12 digits>`. Each filter is
 //! searched 5 times (the first warms the cache): median and worst, in ms.
 //!
 //! The cost: `--messages` keyed messages loaded through the producer API and drained by one
@@ -180,20 +182,22 @@ impl Fill {
         let created = self.back(&back);
         let sent = self.back(&format!("{back} - 5000"));
         let confirmed_at = self.back(&format!("{back} - 10000"));
+        // The newest 0.1 % are PENDING.
+        let newest = self.rows - self.rows / 1000;
         let status = format!(
-            "CASE WHEN g % 10000 = 7 THEN {failed} WHEN g % 1000 = 3 THEN {pending} ELSE {confirmed} END"
+            "CASE WHEN g % 10000 = 7 THEN {failed} WHEN g > {newest} THEN {pending} ELSE {confirmed} END"
         );
         format!(
             "INSERT INTO {table} (message_id, topic, partition_key, headers, payload, status, \
              attempts, available_at, created_at, sent_at, confirmed_at, updated_at, last_error{pcol}) \
              SELECT {mid}, {topic}, {key}, {headers}, {payload}, {status}, 1, {created}, {created}, \
-             CASE WHEN g % 1000 = 3 AND g % 10000 <> 7 THEN NULL ELSE {sent} END, \
-             CASE WHEN g % 1000 = 3 OR g % 10000 = 7 THEN NULL ELSE {confirmed_at} END, {created}, \
+             CASE WHEN g > {newest} AND g % 10000 <> 7 THEN NULL ELSE {sent} END, \
+             CASE WHEN g > {newest} OR g % 10000 = 7 THEN NULL ELSE {confirmed_at} END, {created}, \
              CASE WHEN g % 10000 = 7 THEN {error} END{pval} \
-             FROM (SELECT {g} AS g FROM {from}) s WHERE g <= {rows}",
+             FROM (SELECT {g} AS g FROM {from}) s WHERE g <= {rows} ORDER BY g",
             topic = self.concat("topic.", "g % 50"),
             key = self.concat("key-", "g % 1000000"),
-            error = self.concat("error ", "g % 10"),
+            error = self.concat("error ", "(g / 10000) % 10"),
             from = from.join(", "),
             rows = self.rows,
             pcol = if self.partitioned {

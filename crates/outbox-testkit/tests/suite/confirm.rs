@@ -540,6 +540,11 @@ async fn nats_poison_messages_dead_lettered_and_replayed() {
         s.inbox.dead_letters(100).await.unwrap().is_empty()
     })
     .await;
+    // The runner counts a replay after the transaction that removed its dead letter committed.
+    wait_until("the replays counted", Duration::from_secs(5), || async {
+        metrics.replayed.load(Ordering::Relaxed) >= 2
+    })
+    .await;
     assert_eq!(metrics.replayed.load(Ordering::Relaxed), 2);
     for id in [poison, flaky] {
         assert_eq!(s.effects_of(id).await, 1, "replay applied once");
