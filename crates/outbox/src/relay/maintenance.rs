@@ -73,8 +73,7 @@ async fn retention(inner: &Inner, limit: u32) -> Result<(u64, u64, bool), StoreE
     let chunk = u64::from(limit).min(crate::admin::ACTION_CHUNK as u64);
     let (mut purged, mut archived, mut full) = (0, 0, false);
     // A partitioned table: whole day partitions instead of rows.
-    let partitioned = inner.store.retire_partitions(r).await?;
-    if let Some(round) = partitioned {
+    if let Some(round) = inner.store.retire_partitions(r).await? {
         purged += round.deleted;
         archived += round.archived;
         if round.carried > 0 {
@@ -83,18 +82,16 @@ async fn retention(inner: &Inner, limit: u32) -> Result<(u64, u64, bool), StoreE
                 "carried rows that must stay out of a partition past retention"
             );
         }
-    }
-    for state in Finished::ALL {
-        if partitioned.is_some() {
-            break;
-        }
-        let rule = r.rule(state);
-        let Some(after) = rule.after else { continue };
-        let n = inner.store.retire(state, after, rule.action, limit).await?;
-        full |= n >= chunk;
-        match rule.action {
-            RetentionAction::Delete => purged += n,
-            RetentionAction::Archive => archived += n,
+    } else {
+        for state in Finished::ALL {
+            let rule = r.rule(state);
+            let Some(after) = rule.after else { continue };
+            let n = inner.store.retire(state, after, rule.action, limit).await?;
+            full |= n >= chunk;
+            match rule.action {
+                RetentionAction::Delete => purged += n,
+                RetentionAction::Archive => archived += n,
+            }
         }
     }
     if let Some(after) = r.archived {

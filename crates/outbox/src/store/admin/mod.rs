@@ -25,7 +25,7 @@ macro_rules! admin_impl {
 }
 
 mod inbox;
-mod retention;
+pub(crate) mod retention;
 mod search;
 
 use chrono::{DateTime, TimeZone, Utc};

@@ -6,6 +6,21 @@ use crate::store::StoreError;
 use crate::store::status_sql::{CONFIRMED, FAILED, REJECTED, SENT};
 use sqlx::Row;
 
+/// The rows of a finished `state` as an SQL condition, and the column their age is read from
+/// ([`crate::retention`]): one definition for row-wise retention and for the partition
+/// retention of a partitioned PostgreSQL table.
+pub(crate) fn finished(state: Finished) -> (String, &'static str) {
+    match state {
+        Finished::Sent => (
+            format!("status = {SENT} AND confirm_deadline IS NULL"),
+            "sent_at",
+        ),
+        Finished::Confirmed => (format!("status = {CONFIRMED}"), "confirmed_at"),
+        Finished::Rejected => (format!("status = {REJECTED}"), "confirmed_at"),
+        Finished::Failed => (format!("status = {FAILED}"), "updated_at"),
+    }
+}
+
 admin_impl! {
     /// The database clock in epoch milliseconds.
     async fn clock(&self, op: &'static str) -> Result<i64, StoreError> {
@@ -38,13 +53,8 @@ admin_impl! {
         let mut pick = Sql::new(d, format!("SELECT id FROM {table} WHERE "));
         let p = pick.arg(Arg::Int(cutoff));
         let before = (d.at_ms)(&p);
-        let finished = match state {
-            Finished::Sent => format!("status = {SENT} AND confirm_deadline IS NULL AND sent_at"),
-            Finished::Confirmed => format!("status = {CONFIRMED} AND confirmed_at"),
-            Finished::Rejected => format!("status = {REJECTED} AND confirmed_at"),
-            Finished::Failed => format!("status = {FAILED} AND updated_at"),
-        };
-        pick.push(&format!("{finished} < {before} LIMIT {}", chunk(limit)));
+        let (rows, age) = finished(state);
+        pick.push(&format!("{rows} AND {age} < {before} LIMIT {}", chunk(limit)));
         pick.push(d.skip_locked);
         let mut statements = Vec::new();
         if action == RetentionAction::Archive {

@@ -30,7 +30,7 @@ use super::migrations::outbox_columns;
 use crate::error::StoreError;
 use crate::retention::{Finished, PartitionRound, Retention, RetentionAction};
 use crate::store::admin::ARCHIVED_COLUMNS;
-use crate::store::status_sql::{CONFIRMED, FAILED, REJECTED, SENT};
+use crate::store::admin::retention::finished;
 
 /// Day partitions created ahead of today.
 const DAYS_AHEAD: u64 = 7;
@@ -230,27 +230,26 @@ async fn ensure_days(pool: &PgPool, table: &str) -> Result<u32, StoreError> {
     Ok(created)
 }
 
-/// The condition a row must meet to stay past its day's partition: not finished, or finished
-/// and either without a rule or younger than it (ages by the database clock).
+/// The condition a row must meet to stay past its day's partition: it is not in a finished
+/// state whose rule removes it, or it is younger than that rule (ages by the database clock; a
+/// missing time counts as young).
 fn must_stay(r: &Retention) -> String {
-    let rule = |state: Finished, column: &str| match r.rule(state).after {
-        None => "TRUE".to_owned(),
-        Some(after) => format!(
-            "COALESCE({column}, 'infinity') >= now() - interval '{} milliseconds'",
-            crate::store::millis(after)
-        ),
-    };
-    format!(
-        "(status NOT IN ({SENT}, {CONFIRMED}, {REJECTED}, {FAILED}) \
-         OR (status = {SENT} AND (confirm_deadline IS NOT NULL OR {sent})) \
-         OR (status = {CONFIRMED} AND {confirmed}) \
-         OR (status = {REJECTED} AND {rejected}) \
-         OR (status = {FAILED} AND {failed}))",
-        sent = rule(Finished::Sent, "sent_at"),
-        confirmed = rule(Finished::Confirmed, "confirmed_at"),
-        rejected = rule(Finished::Rejected, "confirmed_at"),
-        failed = rule(Finished::Failed, "updated_at"),
-    )
+    let may_go: Vec<String> = Finished::ALL
+        .iter()
+        .filter_map(|&state| {
+            let after = r.rule(state).after?;
+            let (rows, age) = finished(state);
+            Some(format!(
+                "({rows} AND COALESCE({age}, 'infinity') < now() - interval '{} milliseconds')",
+                crate::store::millis(after)
+            ))
+        })
+        .collect();
+    if may_go.is_empty() {
+        "TRUE".to_owned()
+    } else {
+        format!("NOT ({})", may_go.join(" OR "))
+    }
 }
 
 /// [`Store::retire_partitions`](crate::Store::retire_partitions) for [`PgStore`]: `None` when
@@ -394,27 +393,22 @@ async fn finish_detached(
             .await
             .map_err(err)?;
     }
-    let archived_states: Vec<String> = Finished::ALL
+    // What is left may go; the rows of states ruled `archive` go to the archive first.
+    let archived_rows: Vec<String> = Finished::ALL
         .iter()
-        .filter(|s| {
-            let rule = retention.rule(**s);
+        .filter(|&&state| {
+            let rule = retention.rule(state);
             rule.after.is_some() && rule.action == RetentionAction::Archive
         })
-        .map(|s| match s {
-            Finished::Sent => SENT,
-            Finished::Confirmed => CONFIRMED,
-            Finished::Rejected => REJECTED,
-            Finished::Failed => FAILED,
-        })
-        .map(|s| s.to_string())
+        .map(|&state| format!("({})", finished(state).0))
         .collect();
-    let archived = if archived_states.is_empty() {
+    let archived = if archived_rows.is_empty() {
         0
     } else {
         sqlx::query(AssertSqlSafe(format!(
             "INSERT INTO {table}_archive ({ARCHIVED_COLUMNS}, archived_at, archive_reason) \
-             SELECT {ARCHIVED_COLUMNS}, now(), 'retention' FROM {part} WHERE status IN ({})",
-            archived_states.join(", ")
+             SELECT {ARCHIVED_COLUMNS}, now(), 'retention' FROM {part} WHERE {}",
+            archived_rows.join(" OR ")
         )))
         .execute(&mut *tx)
         .await
