@@ -67,6 +67,13 @@ pub enum EnqueueError {
     /// A delay over 365 days.
     #[error("delay of {0:?} is longer than 365 days")]
     DelayTooLong(Duration),
+    /// A two-phase message with a delay ([`crate::two_phase`]): it is published when
+    /// committed; commit it later instead.
+    #[error("a prepared message cannot have a delay: it is published when committed")]
+    PreparedWithDelay,
+    /// A check-back whose delays are out of range ([`crate::two_phase::CheckBack`]).
+    #[error("invalid check-back: {0}")]
+    InvalidCheckBack(String),
     /// The payload value could not be serialized to JSON.
     #[error("payload could not be serialized as JSON")]
     Serialize(#[source] serde_json::Error),

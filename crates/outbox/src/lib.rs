@@ -48,6 +48,7 @@ pub mod retention;
 pub mod retry;
 pub mod store;
 pub mod transport;
+pub mod two_phase;
 pub mod verdict;
 
 pub use confirm::{

@@ -37,6 +37,8 @@ pub const HEADER_ATTEMPT: &str = "outbox-attempt";
 /// | 4 | `Failed` | dead letter: attempts exhausted or permanent error; `last_error` says why |
 /// | 5 | `Prepared` | a two-phase message waiting for commit or rollback |
 /// | 6 | `Rejected` | the consumer processed and refused it |
+/// | 7 | `RolledBack` | a two-phase message rolled back: never published ([`crate::two_phase`]) |
+/// | 8 | `Undecided` | a two-phase message whose check-backs gave no decision: parked for an operator |
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[repr(i16)]
 pub enum Status {
@@ -56,11 +58,18 @@ pub enum Status {
     Prepared = 5,
     /// 6: refused by the consumer.
     Rejected = 6,
+    /// 7: a two-phase message rolled back, by the producer or a check-back answer; final, never
+    /// published ([`crate::two_phase`]).
+    RolledBack = 7,
+    /// 8: a two-phase message still undecided after `max_checks` answered check-backs or past
+    /// its deadline; parked until the producer or an operator decides it, or an operator resumes
+    /// the check-backs ([`crate::two_phase`]).
+    Undecided = 8,
 }
 
 impl Status {
     /// Every status, in number order.
-    pub const ALL: [Status; 7] = [
+    pub const ALL: [Status; 9] = [
         Status::Pending,
         Status::Sending,
         Status::Sent,
@@ -68,6 +77,8 @@ impl Status {
         Status::Failed,
         Status::Prepared,
         Status::Rejected,
+        Status::RolledBack,
+        Status::Undecided,
     ];
 
     /// The status stored as `n`, or `None` for a number outside the schema.
@@ -90,6 +101,8 @@ impl Status {
             Status::Failed => "FAILED",
             Status::Prepared => "PREPARED",
             Status::Rejected => "REJECTED",
+            Status::RolledBack => "ROLLED_BACK",
+            Status::Undecided => "UNDECIDED",
         }
     }
 }

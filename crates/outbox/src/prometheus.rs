@@ -84,6 +84,31 @@ const COUNTERS: &[CounterSpec] = &[
         |m| m.checked_back.load(Ordering::Relaxed),
     ),
     (
+        "outbox_relay_prepared_committed",
+        "Two-phase messages committed by a check-back's COMMIT answer.",
+        |m| m.prepared_committed.load(Ordering::Relaxed),
+    ),
+    (
+        "outbox_relay_prepared_rolled_back",
+        "Two-phase messages rolled back by a check-back's ROLLBACK answer.",
+        |m| m.prepared_rolled_back.load(Ordering::Relaxed),
+    ),
+    (
+        "outbox_relay_prepared_unknown",
+        "Check-backs of two-phase messages answered UNKNOWN (counted toward max_checks).",
+        |m| m.prepared_unknown.load(Ordering::Relaxed),
+    ),
+    (
+        "outbox_relay_prepared_check_errors",
+        "Check-backs of two-phase messages without an answer (errors, garbled answers; not counted).",
+        |m| m.prepared_check_errors.load(Ordering::Relaxed),
+    ),
+    (
+        "outbox_relay_prepared_undecided",
+        "Two-phase messages parked as UNDECIDED for an operator.",
+        |m| m.prepared_undecided.load(Ordering::Relaxed),
+    ),
+    (
         "outbox_relay_purged",
         "Finished rows deleted by retention.",
         |m| m.purged.load(Ordering::Relaxed),

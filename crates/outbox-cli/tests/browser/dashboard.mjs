@@ -71,7 +71,14 @@ try {
   await page.waitForFunction(() => !document.querySelector('input[name="message_id"]').value);
   await page.fill('input[name="key"]', key);
   await page.click("#search");
-  await page.waitForFunction(() => document.querySelectorAll("#results tbody tr[data-id]").length >= 2);
+  // Clearing the filters lists every key first: wait for the key's own results, not for any
+  // two rows (the list of the cleared search raced the keyed one).
+  await page
+    .waitForFunction((k) => {
+      const tds = [...document.querySelectorAll("#results tbody tr[data-id] td:nth-child(5)")];
+      return tds.length >= 2 && tds.every((td) => td.textContent === k);
+    }, key, { timeout: 10000 })
+    .catch(() => {});
   const keys = await page.$$eval("#results tbody tr[data-id] td:nth-child(5)", (tds) => tds.map((td) => td.textContent));
   check(keys.length >= 2 && keys.every((k) => k === key), `the search by key finds ${keys.length} messages of key ${key}`);
   await page.screenshot({ path: `${shots}/messages.png`, fullPage: true });

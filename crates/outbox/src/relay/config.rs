@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::retention::Retention;
+use crate::two_phase::CheckBackPolicy;
 
 /// Relay settings. Every field has a default ([`RelayConfig::default`]); [`RelayConfig::validate`]
 /// names the first bad field.
@@ -12,7 +13,7 @@ use crate::retention::Retention;
 /// (or its name before 0.2, `reap_interval`), `in_flight_batches`, `shutdown_timeout`,
 /// `max_check_backs`, `retention` (a duration, `"forever"`, or a table of rules per state:
 /// [`crate::retention`]),
-/// `missing_destination_grace`. Durations are written `"30s"`, `"500ms"`, `"7d"`; unknown keys
+/// `missing_destination_grace`, `check_back` (a table: [`CheckBackPolicy`]). Durations are written `"30s"`, `"500ms"`, `"7d"`; unknown keys
 /// are errors. The backoff's factor and jitter and the [`probe_backoff`](Self::probe_backoff)
 /// are not read from a file (they keep their defaults) and not written to one.
 #[derive(Debug, Clone, serde::Deserialize, serde::Serialize)]
@@ -65,6 +66,9 @@ pub struct RelayConfig {
     /// confirmation), CONFIRMED and REJECTED rows deleted after 7 days; dead letters and the
     /// archive kept.
     pub retention: Retention,
+    /// How PREPARED two-phase messages are checked back ([`crate::two_phase`]); the
+    /// `[relay.check_back]` table of a file. Default [`CheckBackPolicy::default`].
+    pub check_back: CheckBackPolicy,
 }
 
 impl Default for RelayConfig {
@@ -89,6 +93,7 @@ impl Default for RelayConfig {
             shutdown_timeout: Duration::from_secs(15),
             max_check_backs: 3,
             retention: Retention::default(),
+            check_back: CheckBackPolicy::default(),
         }
     }
 }
@@ -119,6 +124,7 @@ struct RelayFile {
     retention: Option<Retention>,
     #[serde(default, with = "humantime_serde")]
     missing_destination_grace: Option<Duration>,
+    check_back: Option<CheckBackPolicy>,
 }
 
 impl From<RelayFile> for RelayConfig {
@@ -139,7 +145,8 @@ impl From<RelayFile> for RelayConfig {
             shutdown_timeout,
             max_check_backs,
             retention,
-            missing_destination_grace
+            missing_destination_grace,
+            check_back
         );
         c.backoff.base = f.backoff_base.unwrap_or(c.backoff.base);
         c.backoff.max = f.backoff_max.unwrap_or(c.backoff.max);
@@ -164,6 +171,7 @@ impl From<RelayConfig> for RelayFile {
             max_check_backs: Some(c.max_check_backs),
             retention: Some(c.retention),
             missing_destination_grace: Some(c.missing_destination_grace),
+            check_back: Some(c.check_back),
         }
     }
 }
@@ -223,7 +231,7 @@ impl RelayConfig {
         if self.in_flight_batches == 0 {
             return f("in_flight_batches", "must be at least 1");
         }
-        Ok(())
+        self.check_back.validate()
     }
 }
 

@@ -22,6 +22,18 @@ pub struct RelayMetrics {
     pub stale_batches: AtomicU64,
     /// Unconfirmed SENT rows past their deadline sent back to PENDING (or FAILED `unconfirmed`).
     pub checked_back: AtomicU64,
+    /// Two-phase messages committed by a check-back's COMMIT answer (PREPARED → PENDING).
+    pub prepared_committed: AtomicU64,
+    /// Two-phase messages rolled back by a check-back's ROLLBACK answer.
+    pub prepared_rolled_back: AtomicU64,
+    /// Check-backs answered UNKNOWN (counted toward `max_checks`).
+    pub prepared_unknown: AtomicU64,
+    /// Check-backs without an answer (error, garbled answer, timeout, unreachable; not counted
+    /// toward `max_checks`).
+    pub prepared_check_errors: AtomicU64,
+    /// Two-phase messages parked as UNDECIDED (budget spent, deadline passed, or a malformed
+    /// row).
+    pub prepared_undecided: AtomicU64,
     /// Finished rows deleted by retention.
     pub purged: AtomicU64,
     /// Finished rows moved to `<table>_archive` by retention.
@@ -85,6 +97,16 @@ pub struct MetricsSnapshot {
     pub stale_batches: u64,
     /// See [`RelayMetrics::checked_back`].
     pub checked_back: u64,
+    /// See [`RelayMetrics::prepared_committed`].
+    pub prepared_committed: u64,
+    /// See [`RelayMetrics::prepared_rolled_back`].
+    pub prepared_rolled_back: u64,
+    /// See [`RelayMetrics::prepared_unknown`].
+    pub prepared_unknown: u64,
+    /// See [`RelayMetrics::prepared_check_errors`].
+    pub prepared_check_errors: u64,
+    /// See [`RelayMetrics::prepared_undecided`].
+    pub prepared_undecided: u64,
     /// See [`RelayMetrics::purged`].
     pub purged: u64,
     /// See [`RelayMetrics::archived`].
@@ -144,6 +166,11 @@ impl RelayMetrics {
             lost_leases: g(&self.lost_leases),
             stale_batches: g(&self.stale_batches),
             checked_back: g(&self.checked_back),
+            prepared_committed: g(&self.prepared_committed),
+            prepared_rolled_back: g(&self.prepared_rolled_back),
+            prepared_unknown: g(&self.prepared_unknown),
+            prepared_check_errors: g(&self.prepared_check_errors),
+            prepared_undecided: g(&self.prepared_undecided),
             purged: g(&self.purged),
             archived: g(&self.archived),
             store_errors: self.store_errors_by_kind.iter().map(g).sum(),

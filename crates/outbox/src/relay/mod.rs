@@ -95,6 +95,7 @@ mod maintenance;
 mod membership;
 mod metrics;
 mod ownership;
+mod prepared;
 mod publish;
 
 pub use config::RelayConfig;
@@ -156,6 +157,11 @@ struct Inner {
     /// When the relay was built, and when its last membership round succeeded.
     created: Instant,
     last_membership: Mutex<Option<Instant>>,
+    /// In-process check-backs of two-phase messages, by name.
+    check_back_hooks: crate::two_phase::Hooks,
+    /// Asks HTTP check-backs.
+    #[cfg(feature = "webhook")]
+    http_checker: crate::two_phase::HttpChecker,
 }
 
 /// The relay (see the module docs). Build with [`Relay::builder`], run with [`Relay::run`] or
@@ -186,9 +192,23 @@ pub struct RelayBuilder {
     router: Router,
     config: RelayConfig,
     hooks: Option<Arc<dyn RelayHooks>>,
+    check_back_hooks: crate::two_phase::Hooks,
 }
 
 impl RelayBuilder {
+    /// Register the in-process check-back `name` for two-phase messages prepared with
+    /// [`CheckBack::hook(name)`](crate::two_phase::CheckBack::hook). Register it on every relay
+    /// of the table: the relay holding a message's bucket asks it (a relay without it records an
+    /// error, not counted, and asks again with backoff).
+    pub fn check_back_hook(
+        mut self,
+        name: impl Into<String>,
+        hook: Arc<dyn crate::two_phase::CheckBackHook>,
+    ) -> Self {
+        self.check_back_hooks.insert(name.into(), hook);
+        self
+    }
+
     /// Set the routes (required: at least one).
     pub fn router(mut self, router: Router) -> Self {
         self.router = router;
@@ -225,6 +245,8 @@ impl RelayBuilder {
             .map(|r| r.pattern.to_string())
             .collect();
         let routes = crate::store::normalise_routes(&patterns);
+        #[cfg(feature = "webhook")]
+        let http_checker = crate::two_phase::HttpChecker::new(&self.config.check_back)?;
         Ok(Relay {
             inner: Arc::new(Inner {
                 store: self.store,
@@ -244,6 +266,9 @@ impl RelayBuilder {
                 handoffs: Mutex::new(BTreeMap::new()),
                 created: Instant::now(),
                 last_membership: Mutex::new(None),
+                check_back_hooks: self.check_back_hooks,
+                #[cfg(feature = "webhook")]
+                http_checker,
             }),
         })
     }
@@ -305,6 +330,7 @@ impl Relay {
             router: Router::new(),
             config: RelayConfig::default(),
             hooks: None,
+            check_back_hooks: Default::default(),
         }
     }
 
@@ -385,6 +411,7 @@ impl Relay {
         let _listener = inner.store.spawn_listener(background.clone());
         let mut maintenance = tokio::spawn(maintenance_loop(self.clone(), background.clone()));
         let mut membership = tokio::spawn(membership_loop(self.clone(), background.clone()));
+        let mut prepared = tokio::spawn(prepared::prepared_loop(self.clone(), background.clone()));
         let mut batches: JoinSet<()> = JoinSet::new();
         let waker = inner.store.waker();
         let cfg = &inner.config;
@@ -404,6 +431,7 @@ impl Relay {
             for (task, name) in [
                 (&mut membership, "membership"),
                 (&mut maintenance, "maintenance"),
+                (&mut prepared, "check-back of prepared messages"),
             ] {
                 if task.is_finished() && !background.is_cancelled() {
                     if let Err(e) = task.await
@@ -532,6 +560,7 @@ impl Relay {
         background.cancel();
         let _ = maintenance.await;
         let _ = membership.await;
+        let _ = prepared.await;
         if drained.is_ok() {
             self.leave().await;
         }

@@ -187,6 +187,17 @@ impl Relay {
         free.into_iter().map(|b| (b, own.held[&b].token)).collect()
     }
 
+    /// Every held bucket whose lease outlasts `horizon`, with its token (in flight or not):
+    /// the check-back of prepared messages writes only rows of these, fenced by the token.
+    pub(super) fn held_leases(&self, horizon: Instant) -> Vec<(Bucket, LeaseToken)> {
+        let own = self.inner.ownership.lock().expect("ownership lock");
+        own.held
+            .iter()
+            .filter(|(_, h)| h.valid_until > horizon)
+            .map(|(b, h)| (*b, h.token))
+            .collect()
+    }
+
     /// Mark the buckets of a read batch in flight and turn it into work ([`Ownership::take`]);
     /// `None` when every bucket of it was lost meanwhile.
     pub(super) fn take_batch(

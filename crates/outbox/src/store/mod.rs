@@ -55,6 +55,14 @@ pub(crate) mod status_sql {
     pub(crate) const FAILED: i16 = Status::Failed as i16;
     /// [`Status::Rejected`].
     pub(crate) const REJECTED: i16 = Status::Rejected as i16;
+    /// [`Status::Prepared`].
+    pub(crate) const PREPARED: i16 = Status::Prepared as i16;
+    /// [`Status::RolledBack`].
+    pub(crate) const ROLLED_BACK: i16 = Status::RolledBack as i16;
+    /// [`Status::Undecided`].
+    pub(crate) const UNDECIDED: i16 = Status::Undecided as i16;
+    /// The highest status number: the upper bound of the status column's `CHECK` (schema v8).
+    pub(crate) const LAST: i16 = UNDECIDED;
 }
 
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
@@ -509,6 +517,20 @@ pub trait Store: Send + Sync + 'static {
         selection: &crate::admin::Selection,
     ) -> Result<crate::admin::ActionReport, StoreError> {
         admin::act_on(self.admin_target(), action, selection).await
+    }
+
+    /// The limits messages are validated against ([`crate::two_phase::TwoPhase::prepare`]
+    /// uses them; `enqueue` is each store's own). Default [`Limits::default`](crate::Limits).
+    fn limits(&self) -> &crate::Limits {
+        static DEFAULT: std::sync::LazyLock<crate::Limits> =
+            std::sync::LazyLock::new(crate::Limits::default);
+        &DEFAULT
+    }
+
+    /// Wake every relay of this table, in this process and others, after rows became due
+    /// outside an enqueue (a two-phase commit): [`Store::wake`], and on PostgreSQL a `NOTIFY`.
+    fn wake_relays(&self) {
+        self.wake();
     }
 
     /// The shared in-process wake-up: [`Store::wake`] notifies it and the relay waits on it.

@@ -16,8 +16,11 @@ macro_rules! admin_impl {
             DB::Arguments: sqlx::IntoArguments<DB>,
             for<'q> i64: sqlx::Encode<'q, DB> + sqlx::Decode<'q, DB> + sqlx::Type<DB>,
             for<'q> String: sqlx::Encode<'q, DB> + sqlx::Decode<'q, DB> + sqlx::Type<DB>,
-            for<'q> Vec<u8>: sqlx::Decode<'q, DB> + sqlx::Type<DB>,
+            for<'q> Vec<u8>: sqlx::Encode<'q, DB> + sqlx::Decode<'q, DB> + sqlx::Type<DB>,
             usize: sqlx::ColumnIndex<DB::Row>,
+            DB::QueryResult: $crate::store::admin::Affected,
+            for<'q> Option<i64>: sqlx::Encode<'q, DB>,
+            for<'q> Option<String>: sqlx::Encode<'q, DB>,
         {
             $($body)*
         }
@@ -27,9 +30,37 @@ macro_rules! admin_impl {
 mod inbox;
 pub(crate) mod retention;
 mod search;
+mod two_phase;
 
 use chrono::{DateTime, TimeZone, Utc};
 use sqlx::{Database, Encode, Row, Type};
+
+/// The rows a statement changed, for each database's query result.
+pub(crate) trait Affected {
+    /// Rows changed.
+    fn affected(&self) -> u64;
+}
+
+#[cfg(feature = "postgres")]
+impl Affected for sqlx::postgres::PgQueryResult {
+    fn affected(&self) -> u64 {
+        self.rows_affected()
+    }
+}
+
+#[cfg(feature = "mysql")]
+impl Affected for sqlx::mysql::MySqlQueryResult {
+    fn affected(&self) -> u64 {
+        self.rows_affected()
+    }
+}
+
+#[cfg(feature = "sqlite")]
+impl Affected for sqlx::sqlite::SqliteQueryResult {
+    fn affected(&self) -> u64 {
+        self.rows_affected()
+    }
+}
 
 /// The pool and table a store's admin operations run on: what [`Store::admin_target`]
 /// (crate::Store::admin_target) gives the provided admin methods. Opaque.
@@ -164,6 +195,46 @@ pub(crate) async fn purge_archive_on(
     on_target!(&target.0, purge_archive(older_than, limit))
 }
 
+/// [`Store::prepare`](crate::Store::prepare) on `target`.
+pub(crate) async fn prepare_on(
+    target: AdminTarget,
+    msg: &crate::message::NewMessage,
+    check_back: &crate::two_phase::CheckBack,
+) -> Result<uuid::Uuid, crate::error::EnqueueError> {
+    on_target!(&target.0, prepare(msg, check_back))
+}
+
+/// [`Store::commit_prepared`](crate::Store::commit_prepared) and
+/// [`Store::rollback_prepared`](crate::Store::rollback_prepared) on `target`.
+pub(crate) async fn decide_on(
+    target: AdminTarget,
+    message_id: uuid::Uuid,
+    commit: bool,
+) -> Result<crate::two_phase::Decided, crate::two_phase::DecideError> {
+    on_target!(&target.0, decide(message_id, commit))
+}
+
+/// [`Store::due_prepared`](crate::Store::due_prepared) on `target`.
+pub(crate) async fn due_prepared_on(
+    target: AdminTarget,
+    buckets: &[super::Bucket],
+    limit: u32,
+) -> Result<crate::two_phase::PreparedBatch, StoreError> {
+    on_target!(&target.0, due_prepared(buckets, limit))
+}
+
+/// [`Store::record_check`](crate::Store::record_check) on `target`.
+pub(crate) async fn record_check_on(
+    target: AdminTarget,
+    relay: &str,
+    id: i64,
+    bucket: super::Bucket,
+    token: super::LeaseToken,
+    update: &crate::two_phase::CheckUpdate,
+) -> Result<bool, StoreError> {
+    on_target!(&target.0, record_check(relay, id, bucket, token, update))
+}
+
 /// [`Store::act`](crate::Store::act) on `target`.
 pub(crate) async fn act_on(
     target: AdminTarget,
@@ -198,6 +269,8 @@ pub(crate) struct Dialect {
     pub text: fn(&str) -> String,
     /// A message-id text parameter compared with the `message_id` column.
     pub uuid: fn(&str) -> String,
+    /// A JSON text parameter written to the `headers` column (PostgreSQL's `jsonb`).
+    pub json: fn(&str) -> String,
     /// `col` contains the `LIKE` pattern `p` (escape `!`), ignoring case.
     pub contains: fn(&str, &str) -> String,
     /// The database clock.
@@ -230,6 +303,9 @@ pub(crate) struct Dialect {
 enum Arg {
     Int(i64),
     Text(String),
+    OptInt(Option<i64>),
+    OptText(Option<String>),
+    Bytes(Vec<u8>),
 }
 
 /// A statement's text and its arguments, built in order.
@@ -312,12 +388,18 @@ impl<'d> Sql<'d> {
     where
         for<'q> i64: Encode<'q, DB> + Type<DB>,
         for<'q> String: Encode<'q, DB> + Type<DB>,
+        for<'q> Vec<u8>: Encode<'q, DB> + Type<DB>,
+        for<'q> Option<i64>: Encode<'q, DB>,
+        for<'q> Option<String>: Encode<'q, DB>,
     {
         let mut q = sqlx::query(sqlx::AssertSqlSafe(self.text.clone()));
         for a in &self.args {
             q = match a {
                 Arg::Int(i) => q.bind(*i),
                 Arg::Text(s) => q.bind(s.clone()),
+                Arg::OptInt(i) => q.bind(*i),
+                Arg::OptText(s) => q.bind(s.clone()),
+                Arg::Bytes(b) => q.bind(b.clone()),
             };
         }
         q

@@ -148,6 +148,19 @@ pub(crate) fn migrations(table: &TableName, inbox: &TableName) -> Vec<Step> {
                 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"
             )],
         ),
+        (
+            t.to_owned(),
+            8,
+            // Two-phase messages (crate::two_phase, docs/two-phase.md): the check-back target of
+            // a PREPARED row, and the status range check dropped so that ROLLED_BACK and
+            // UNDECIDED fit (adding a wider one would copy the whole table on MariaDB; the
+            // statuses a relay writes come from `message::Status`). Due PREPARED rows of a bucket
+            // are found through (status, bucket, id).
+            vec![
+                format!("ALTER TABLE {t} ADD COLUMN check_back TEXT NULL"),
+                DROP_STATUS_CHECK.to_owned(),
+            ],
+        ),
     ];
     steps.extend(inbox_steps(inbox));
     steps
@@ -203,6 +216,45 @@ pub(crate) fn inbox_migrations(inbox: &TableName) -> Vec<Step> {
     inbox_steps(inbox)
 }
 
+/// A migration statement standing for [`drop_status_check`] (its constraint's name differs: the
+/// column's name on MariaDB, `<table>_chk_<n>` on MySQL).
+const DROP_STATUS_CHECK: &str = "-- outbox: drop the status range check";
+
+/// Drop the `CHECK (status BETWEEN …)` constraint(s) of `table`, found by their clause; none
+/// found (dropped by an earlier, interrupted run) is done.
+async fn drop_status_check(
+    conn: &mut sqlx::MySqlConnection,
+    table: &str,
+) -> Result<(), StoreError> {
+    let e = |e| crate::store::database_error("migrate", e);
+    let (schema, name) = match table.split_once('.') {
+        Some((s, n)) => (Some(s), n),
+        None => (None, table),
+    };
+    let names: Vec<String> = sqlx::query_scalar(
+        "SELECT DISTINCT tc.CONSTRAINT_NAME FROM information_schema.TABLE_CONSTRAINTS tc \
+         JOIN information_schema.CHECK_CONSTRAINTS cc \
+           ON cc.CONSTRAINT_SCHEMA = tc.CONSTRAINT_SCHEMA AND cc.CONSTRAINT_NAME = tc.CONSTRAINT_NAME \
+         WHERE tc.TABLE_SCHEMA = COALESCE(?, DATABASE()) AND tc.TABLE_NAME = ? \
+           AND tc.CONSTRAINT_TYPE = 'CHECK' AND cc.CHECK_CLAUSE LIKE '%status%between%'",
+    )
+    .bind(schema)
+    .bind(name)
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(e)?;
+    for c in names {
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "ALTER TABLE {table} DROP CONSTRAINT `{}`",
+            c.replace('`', "``")
+        )))
+        .execute(&mut *conn)
+        .await
+        .map_err(e)?;
+    }
+    Ok(())
+}
+
 /// Apply migrations once each, recorded in `outbox_migrations`, serialised by the named lock
 /// `outbox_migrate` (`GET_LOCK`) so concurrent `migrate` calls are safe.
 pub(crate) async fn run_migrations(pool: &MySqlPool, steps: Vec<Step>) -> Result<(), StoreError> {
@@ -256,6 +308,10 @@ pub(crate) async fn run_migrations(pool: &MySqlPool, steps: Vec<Step>) -> Result
                 continue;
             }
             for sql in stmts {
+                if sql == DROP_STATUS_CHECK {
+                    drop_status_check(&mut conn, &table).await?;
+                    continue;
+                }
                 match sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut *conn).await {
                     Ok(_) => {}
                     // DDL commits by itself on MySQL/MariaDB: a migration interrupted between

@@ -116,6 +116,7 @@ pub(crate) const ADMIN: super::admin::Dialect = super::admin::Dialect {
     int: |c| format!("CAST({c} AS SIGNED)"),
     text: |c| c.to_owned(),
     uuid: |p| p.to_owned(),
+    json: |p| p.to_owned(),
     contains: |c, p| format!("LOWER({c}) LIKE LOWER({p}) ESCAPE '!'"),
     now: NOW,
     begin: "BEGIN",
@@ -652,6 +653,10 @@ impl Store for MySqlStore {
             self.pool.clone(),
             self.table.as_str().to_owned(),
         ))
+    }
+
+    fn limits(&self) -> &Limits {
+        &self.limits
     }
 
     fn waker(&self) -> Arc<Notify> {

@@ -1,6 +1,7 @@
 //! PostgreSQL migrations: the steps of each table, applied once each under an advisory lock.
 
 use super::*;
+use crate::store::status_sql::{LAST, PREPARED};
 
 /// The outbox table's columns as version 1 created them, without its keys (the plain table and
 /// the partitioned one, `partitions.rs`, key them differently).
@@ -176,6 +177,26 @@ pub(crate) fn migrations(
                 CREATE INDEX IF NOT EXISTS {f}_archive_archived_at ON {t}_archive (archived_at);
                 CREATE INDEX IF NOT EXISTS {f}_dead_id ON {t} (id) WHERE status IN ({FAILED}, {REJECTED});
                 CREATE INDEX IF NOT EXISTS {f}_error_id ON {t} (id) WHERE last_error IS NOT NULL;"
+            ),
+        ),
+        (
+            t.to_owned(),
+            8,
+            // Two-phase messages (crate::two_phase, docs/two-phase.md): the check-back target of
+            // a PREPARED row, the statuses ROLLED_BACK and UNDECIDED in the status check (NOT
+            // VALID: rows already there passed the narrower check; a partitioned table cannot
+            // take NOT VALID and is checked once), and the due PREPARED rows of a bucket.
+            format!(
+                "ALTER TABLE {t} ADD COLUMN IF NOT EXISTS check_back text;
+                DO $do$ BEGIN
+                  ALTER TABLE {t} DROP CONSTRAINT IF EXISTS {f}_status_check;
+                  IF (SELECT relkind FROM pg_class WHERE oid = '{t}'::regclass) = 'p' THEN
+                    ALTER TABLE {t} ADD CONSTRAINT {f}_status_check CHECK (status BETWEEN {PENDING} AND {LAST});
+                  ELSE
+                    ALTER TABLE {t} ADD CONSTRAINT {f}_status_check CHECK (status BETWEEN {PENDING} AND {LAST}) NOT VALID;
+                  END IF;
+                END $do$;
+                CREATE INDEX IF NOT EXISTS {f}_prepared_due ON {t} (bucket, available_at) WHERE status = {PREPARED};"
             ),
         ),
     ];

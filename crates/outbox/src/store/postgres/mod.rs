@@ -127,6 +127,7 @@ pub(crate) const ADMIN: super::admin::Dialect = super::admin::Dialect {
     int: |c| format!("{c}::bigint"),
     text: |c| format!("{c}::text"),
     uuid: |p| format!("{p}::uuid"),
+    json: |p| format!("{p}::jsonb"),
     contains: |c, p| format!("{c} ILIKE {p} ESCAPE '!'"),
     now: "now()",
     begin: "BEGIN",
@@ -653,6 +654,15 @@ impl Store for PgStore {
             self.pool.clone(),
             self.table.as_str().to_owned(),
         ))
+    }
+
+    fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    fn wake_relays(&self) {
+        self.wake();
+        self.notify_after_commit();
     }
 
     fn waker(&self) -> Arc<Notify> {

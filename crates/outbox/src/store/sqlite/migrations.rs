@@ -1,6 +1,7 @@
 //! SQLite migrations: the steps of each table, applied once each.
 
 use super::*;
+use crate::store::status_sql::{LAST, PREPARED};
 
 pub(crate) fn migrations(t: &str, inbox: &str) -> Vec<(String, i64, String)> {
     let mut steps = vec![
@@ -125,6 +126,23 @@ pub(crate) fn migrations(t: &str, inbox: &str) -> Vec<(String, i64, String)> {
                 CREATE INDEX IF NOT EXISTS {t}_error_id ON {t} (id) WHERE last_error IS NOT NULL;"
             ),
         ),
+        (
+            t.to_owned(),
+            8,
+            // Two-phase messages (crate::two_phase, docs/two-phase.md): the check-back target of
+            // a PREPARED row; ROLLED_BACK and UNDECIDED in the status check, by SQLite's
+            // documented edit of the table's definition for a loosened CHECK (lang_altertable.html
+            // §7: no row changes; `run_migrations` bumps the schema version so every connection
+            // reloads it); the due PREPARED rows of a bucket.
+            format!(
+                "ALTER TABLE {t} ADD COLUMN check_back TEXT;
+                PRAGMA writable_schema = ON;
+                UPDATE sqlite_master SET sql = replace(sql, 'CHECK (status BETWEEN {PENDING} AND {REJECTED})', \
+                  'CHECK (status BETWEEN {PENDING} AND {LAST})') WHERE type = 'table' AND name = '{t}';
+                PRAGMA writable_schema = OFF;
+                CREATE INDEX IF NOT EXISTS {t}_prepared_due ON {t} (bucket, available_at) WHERE status = {PREPARED};"
+            ),
+        ),
     ];
     steps.extend(inbox_steps(inbox));
     steps
@@ -217,10 +235,23 @@ pub(crate) async fn run_migrations(
         if done.is_some() {
             continue;
         }
+        let edits_schema = sql.contains("writable_schema");
         sqlx::raw_sql(AssertSqlSafe(sql))
             .execute(&mut *tx)
             .await
             .map_err(e("migrate"))?;
+        if edits_schema {
+            // A step that edited `sqlite_master` itself: one more schema version, so every
+            // connection (this pool's and other processes') re-reads the definitions.
+            let v: i64 = sqlx::query_scalar("PRAGMA schema_version")
+                .fetch_one(&mut *tx)
+                .await
+                .map_err(e("migrate"))?;
+            sqlx::raw_sql(AssertSqlSafe(format!("PRAGMA schema_version = {}", v + 1)))
+                .execute(&mut *tx)
+                .await
+                .map_err(e("migrate"))?;
+        }
         sqlx::query("INSERT INTO outbox_migrations (table_name, version) VALUES (?1, ?2)")
             .bind(&table)
             .bind(version)

@@ -105,6 +105,7 @@ pub(crate) const ADMIN: super::admin::Dialect = super::admin::Dialect {
     int: |c| c.to_owned(),
     text: |c| c.to_owned(),
     uuid: |p| p.to_owned(),
+    json: |p| p.to_owned(),
     contains: |c, p| format!("{c} LIKE {p} ESCAPE '!'"),
     now: NOW_MS,
     begin: "BEGIN IMMEDIATE",
@@ -552,6 +553,10 @@ impl Store for SqliteStore {
             self.pool.clone(),
             self.table.as_str().to_owned(),
         ))
+    }
+
+    fn limits(&self) -> &Limits {
+        &self.limits
     }
 
     fn waker(&self) -> Arc<Notify> {
