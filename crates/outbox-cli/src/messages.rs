@@ -121,6 +121,9 @@ pub enum MessagesCommand {
     PublishNow(ActArgs),
     /// FAILED → the archive table `<table>_archive` (out of the outbox, kept).
     Discard(ActArgs),
+    /// UNDECIDED → PREPARED: a parked two-phase message is checked back again at once, with a
+    /// fresh budget of checks.
+    Resume(ActArgs),
 }
 
 /// `outbox archive`: retention now.
@@ -377,6 +380,7 @@ pub async fn run(cmd: MessagesCommand) -> anyhow::Result<()> {
         MessagesCommand::Requeue(a) => act(Action::Requeue, a).await,
         MessagesCommand::PublishNow(a) => act(Action::PublishNow, a).await,
         MessagesCommand::Discard(a) => act(Action::Discard, a).await,
+        MessagesCommand::Resume(a) => act(Action::Resume, a).await,
     }
 }
 

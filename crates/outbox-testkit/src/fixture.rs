@@ -46,6 +46,9 @@ pub trait StoreFixture: Send + Sync + 'static {
     async fn enqueue_rollback(&self, msgs: Vec<NewMessage>) -> Result<Vec<Uuid>, EnqueueError>;
     /// Insert a row with plain SQL giving only the columns a foreign producer must give.
     async fn insert_plain_sql(&self, topic: &str, payload: &[u8]) -> Uuid;
+    /// Insert a PREPARED two-phase row with plain SQL, as a producer sharing the outbox
+    /// database does (docs/two-phase.md): status 5 and `check_back`, due now.
+    async fn insert_prepared_sql(&self, topic: &str, payload: &[u8], check_back: &str) -> Uuid;
     /// Every row, by id.
     async fn rows(&self) -> Vec<RowState>;
     /// Every row of the archive table `<table>_archive`: `(id, archive_reason, status)`, by id.

@@ -50,6 +50,21 @@ impl Drop for SqliteFixture {
 }
 
 store_fixture!(SqliteFixture, {
+    async fn insert_prepared_sql(&self, topic: &str, payload: &[u8], check_back: &str) -> Uuid {
+        let id = Uuid::now_v7();
+        sqlx::query(
+            "INSERT INTO outbox (message_id, topic, payload, status, check_back) VALUES (?1, ?2, ?3, 5, ?4)",
+        )
+        .bind(id.to_string())
+        .bind(topic)
+        .bind(payload)
+        .bind(check_back)
+        .execute(self.store.pool())
+        .await
+        .expect("plain SQL prepare");
+        id
+    }
+
     async fn insert_plain_sql(&self, topic: &str, payload: &[u8]) -> Uuid {
         let id = Uuid::now_v7();
         sqlx::query("INSERT INTO outbox (message_id, topic, payload) VALUES (?1, ?2, ?3)")
@@ -243,6 +258,19 @@ impl PgFixture {
 }
 
 store_fixture!(PgFixture, {
+    async fn insert_prepared_sql(&self, topic: &str, payload: &[u8], check_back: &str) -> Uuid {
+        sqlx::query_scalar(AssertSqlSafe(format!(
+            "INSERT INTO {} (topic, payload, status, check_back) VALUES ($1, $2, 5, $3) RETURNING message_id",
+            self.table()
+        )))
+        .bind(topic)
+        .bind(payload)
+        .bind(check_back)
+        .fetch_one(self.store.pool())
+        .await
+        .expect("plain SQL prepare")
+    }
+
     async fn insert_plain_sql(&self, topic: &str, payload: &[u8]) -> Uuid {
         sqlx::query_scalar(AssertSqlSafe(format!(
             "INSERT INTO {} (topic, payload) VALUES ($1, $2) RETURNING message_id",
@@ -440,6 +468,22 @@ impl MySqlFixture {
 }
 
 store_fixture!(MySqlFixture, {
+    async fn insert_prepared_sql(&self, topic: &str, payload: &[u8], check_back: &str) -> Uuid {
+        let id = Uuid::now_v7();
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {} (message_id, topic, payload, status, check_back) VALUES (?, ?, ?, 5, ?)",
+            self.table
+        )))
+        .bind(id.to_string())
+        .bind(topic)
+        .bind(payload)
+        .bind(check_back)
+        .execute(self.store.pool())
+        .await
+        .expect("plain SQL prepare");
+        id
+    }
+
     async fn insert_plain_sql(&self, topic: &str, payload: &[u8]) -> Uuid {
         let id = Uuid::now_v7();
         sqlx::query(AssertSqlSafe(format!(

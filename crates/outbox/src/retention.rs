@@ -36,24 +36,30 @@ pub enum Finished {
     Rejected,
     /// FAILED rows (dead letters), aged by `updated_at` (when they were dead-lettered).
     Failed,
+    /// ROLLED_BACK rows (two-phase messages rolled back, [`crate::two_phase`]), aged by
+    /// `updated_at` (when they were rolled back).
+    RolledBack,
 }
 
 impl Finished {
     /// Every finished state, in the order retention runs them.
-    pub const ALL: [Finished; 4] = [
+    pub const ALL: [Finished; 5] = [
         Finished::Sent,
         Finished::Confirmed,
         Finished::Rejected,
         Finished::Failed,
+        Finished::RolledBack,
     ];
 
-    /// The name in configuration and reports: `sent`, `confirmed`, `rejected`, `failed`.
+    /// The name in configuration and reports: `sent`, `confirmed`, `rejected`, `failed`,
+    /// `rolled_back`.
     pub fn name(self) -> &'static str {
         match self {
             Finished::Sent => "sent",
             Finished::Confirmed => "confirmed",
             Finished::Rejected => "rejected",
             Finished::Failed => "failed",
+            Finished::RolledBack => "rolled_back",
         }
     }
 }
@@ -65,7 +71,9 @@ impl std::str::FromStr for Finished {
         Finished::ALL
             .into_iter()
             .find(|f| f.name().eq_ignore_ascii_case(s))
-            .ok_or_else(|| format!("{s:?} is not one of sent, confirmed, rejected, failed"))
+            .ok_or_else(|| {
+                format!("{s:?} is not one of sent, confirmed, rejected, failed, rolled_back")
+            })
     }
 }
 
@@ -127,6 +135,8 @@ pub struct Retention {
     pub rejected: Rule,
     /// FAILED rows (dead letters). Default: kept until an operator acts ([`Rule::KEEP`]).
     pub failed: Rule,
+    /// ROLLED_BACK rows (two-phase messages never published). Default: delete after 7 days.
+    pub rolled_back: Rule,
     /// Rows in `<table>_archive` (archived by retention or discarded by an operator), deleted
     /// this long after `archived_at`; `None` (the default) keeps them.
     pub archived: Option<Duration>,
@@ -150,6 +160,7 @@ impl Retention {
             confirmed: rule,
             rejected: rule,
             failed: Rule::KEEP,
+            rolled_back: rule,
             archived: None,
         }
     }
@@ -161,6 +172,7 @@ impl Retention {
             confirmed: Rule::KEEP,
             rejected: Rule::KEEP,
             failed: Rule::KEEP,
+            rolled_back: Rule::KEEP,
             archived: None,
         }
     }
@@ -172,6 +184,7 @@ impl Retention {
             Finished::Confirmed => self.confirmed,
             Finished::Rejected => self.rejected,
             Finished::Failed => self.failed,
+            Finished::RolledBack => self.rolled_back,
         }
     }
 
@@ -266,6 +279,8 @@ impl<'de> serde::Deserialize<'de> for Retention {
             rejected: RuleFile,
             #[serde(default)]
             failed: RuleFile,
+            #[serde(default)]
+            rolled_back: RuleFile,
             archived: Option<String>,
         }
         struct V;
@@ -299,6 +314,7 @@ impl<'de> serde::Deserialize<'de> for Retention {
                     confirmed: rule(t.confirmed, default.confirmed),
                     rejected: rule(t.rejected, default.rejected),
                     failed: rule(t.failed, default.failed),
+                    rolled_back: rule(t.rolled_back, default.rolled_back),
                     archived,
                 })
             }
@@ -310,7 +326,7 @@ impl<'de> serde::Deserialize<'de> for Retention {
 impl serde::Serialize for Retention {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeMap;
-        let mut m = s.serialize_map(Some(5))?;
+        let mut m = s.serialize_map(Some(6))?;
         for f in Finished::ALL {
             let r = self.rule(f);
             let mut rule = serde_json::Map::new();

@@ -59,6 +59,7 @@ fn one_hour() -> Retention {
         confirmed: rule,
         rejected: rule,
         failed: rule,
+        rolled_back: rule,
         archived: None,
     }
 }

@@ -108,6 +108,7 @@ mod retention;
 mod rocketmq;
 mod store;
 mod transport;
+mod two_phase;
 mod wire;
 
 /// Log to the test output with `RUST_LOG=outbox=debug`.

@@ -8,7 +8,7 @@
 //! | `GET /api/overview` | counts per state, backlog ages, the busiest topics per state |
 //! | `GET /api/messages?state=&topic=&key=&message_id=&created_after=&created_before=&sent_after=&sent_before=&error=&before=&limit=` | one page of a search, newest first |
 //! | `GET /api/messages/{id}` | one message (row id or message id) |
-//! | `POST /api/messages/requeue`, `…/publish-now`, `…/discard` | an action on `{"ids": […]}` or `{"filter": {…}}` |
+//! | `POST /api/messages/requeue`, `…/publish-now`, `…/discard`, `…/resume` | an action on `{"ids": […]}` or `{"filter": {…}}` |
 //! | `GET /api/relays` | the relays' heartbeats and routes, every bucket's lease, the database clock |
 //! | `GET /api/keys/blocked?limit=` | partition keys held back by a dead letter |
 //! | `GET /api/series` | the relay's throughput and commit → ack latency over the last hour (404 without a relay) |
@@ -16,6 +16,8 @@
 //! | `GET /api/inbox/dead-letters?consumer=&limit=` | dead letters, newest first |
 //! | `GET /api/inbox/dead-letters/{consumer}/{message_id}` | one dead letter with headers and payload |
 //! | `POST /api/inbox/replay`, `…/discard` | on `{"consumer": "…", "message_ids": […]}` |
+//! | `POST /api/prepared` | prepare a two-phase message (`crate::two_phase`; body: [`PrepareRequest`](super::prepared::PrepareRequest)) |
+//! | `POST /api/prepared/{message_id}/commit`, `…/rollback` | decide it (200 `{"decided": "now"\|"already"}`, 409 when decided otherwise, 404) |
 //!
 //! Authentication: with a token set ([`AdminAuth::token`]) a mutation needs `Authorization:
 //! Bearer <token>` (401 without it, nothing changed); without one, mutations are refused (403).
@@ -64,8 +66,8 @@ impl std::fmt::Debug for AdminAuth {
 pub const RELAY_LEASE: Duration = Duration::from_secs(30);
 
 #[derive(Clone)]
-struct Api {
-    store: Arc<dyn Store>,
+pub(super) struct Api {
+    pub(super) store: Arc<dyn Store>,
     inbox: Option<InboxAdmin>,
     series: Option<Arc<Series>>,
     auth: Arc<AdminAuth>,
@@ -149,11 +151,12 @@ fn build(api: Api) -> axum::Router {
             "/api/inbox/discard",
             axum::routing::post(|s, h, b| inbox_act(s, h, InboxAction::Discard, b)),
         )
+        .merge(super::prepared::routes())
         .with_state(api)
 }
 
 /// An API error: status and message.
-struct ApiError(StatusCode, String);
+pub(super) struct ApiError(pub(super) StatusCode, pub(super) String);
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
@@ -172,7 +175,7 @@ impl From<StoreError> for ApiError {
     }
 }
 
-fn bad(param: &str, why: impl std::fmt::Display) -> ApiError {
+pub(super) fn bad(param: &str, why: impl std::fmt::Display) -> ApiError {
     ApiError(StatusCode::BAD_REQUEST, format!("{param}: {why}"))
 }
 
@@ -183,7 +186,7 @@ fn same(a: &[u8], b: &[u8]) -> bool {
 
 impl Api {
     /// Whether `headers` carry the token; `mutation` decides what no configured token means.
-    fn check(&self, headers: &HeaderMap, mutation: bool) -> Result<(), ApiError> {
+    pub(super) fn check(&self, headers: &HeaderMap, mutation: bool) -> Result<(), ApiError> {
         if !mutation && !self.auth.protect_reads {
             return Ok(());
         }
@@ -349,15 +352,20 @@ async fn act(
     Path(name): Path<String>,
     body: Result<Json<Selection>, axum::extract::rejection::JsonRejection>,
 ) -> Result<Response, ApiError> {
-    let action = [Action::Requeue, Action::PublishNow, Action::Discard]
-        .into_iter()
-        .find(|a| a.name() == name)
-        .ok_or_else(|| {
-            ApiError(
-                StatusCode::NOT_FOUND,
-                format!("no action {name:?}: requeue, publish-now or discard"),
-            )
-        })?;
+    let action = [
+        Action::Requeue,
+        Action::PublishNow,
+        Action::Discard,
+        Action::Resume,
+    ]
+    .into_iter()
+    .find(|a| a.name() == name)
+    .ok_or_else(|| {
+        ApiError(
+            StatusCode::NOT_FOUND,
+            format!("no action {name:?}: requeue, publish-now, discard or resume"),
+        )
+    })?;
     api.check(&headers, true)?;
     let Json(selection) = body.map_err(|e| bad("body", e.body_text()))?;
     let report = api.store.act(action, &selection).await?;

@@ -24,6 +24,11 @@
 pub mod http;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub mod inbox;
+#[cfg(all(
+    feature = "admin",
+    any(feature = "postgres", feature = "mysql", feature = "sqlite")
+))]
+pub mod prepared;
 pub mod series;
 
 use std::collections::BTreeMap;
@@ -310,6 +315,9 @@ pub enum Action {
     /// FAILED → moved to the archive table `<table>_archive` with `archive_reason =
     /// 'discarded'`: out of the outbox, never silently lost.
     Discard,
+    /// UNDECIDED → PREPARED: a parked two-phase message is checked back again at once, with a
+    /// fresh budget of `max_checks` ([`crate::two_phase`]).
+    Resume,
 }
 
 impl Action {
@@ -319,15 +327,17 @@ impl Action {
             Action::Requeue => &[Status::Failed, Status::Rejected, Status::Sent],
             Action::PublishNow => &[Status::Pending],
             Action::Discard => &[Status::Failed],
+            Action::Resume => &[Status::Undecided],
         }
     }
 
-    /// `requeue`, `publish-now` or `discard`.
+    /// `requeue`, `publish-now`, `discard` or `resume`.
     pub fn name(self) -> &'static str {
         match self {
             Action::Requeue => "requeue",
             Action::PublishNow => "publish-now",
             Action::Discard => "discard",
+            Action::Resume => "resume",
         }
     }
 }

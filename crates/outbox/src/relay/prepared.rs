@@ -49,11 +49,11 @@ async fn round(relay: &Relay, limit: u32) -> Result<usize, StoreError> {
     use futures::StreamExt;
     let inner = &relay.inner;
     let policy = &inner.config.check_back;
-    // Only buckets whose lease outlasts an answer: the write after it must pass the fence.
-    let leases: BTreeMap<Bucket, LeaseToken> = relay
-        .held_leases(Instant::now() + policy.timeout * 2)
-        .into_iter()
-        .collect();
+    // Buckets held now; membership renews them meanwhile, and the write after an answer is
+    // fenced by the lease as it is then (a bucket lost meanwhile writes nothing; its new owner
+    // asks again).
+    let leases: BTreeMap<Bucket, LeaseToken> =
+        relay.held_leases(Instant::now()).into_iter().collect();
     if leases.is_empty() {
         return Ok(0);
     }
@@ -117,10 +117,9 @@ async fn ask(inner: &Inner, row: &DuePrepared) -> CheckResult {
     let asked: futures::future::BoxFuture<'_, Result<Answer, String>> =
         match row.target.strip_prefix("hook:") {
             Some(name) => match inner.check_back_hooks.get(name) {
-                Some(hook) => async move {
-                    hook.check(&row.request).await.map_err(|e| e.to_string())
+                Some(hook) => {
+                    async move { hook.check(&row.request).await.map_err(|e| e.to_string()) }.boxed()
                 }
-                .boxed(),
                 None => {
                     return CheckResult::Error(format!(
                         "no check-back hook {name:?} is registered on relay {}",
@@ -130,8 +129,11 @@ async fn ask(inner: &Inner, row: &DuePrepared) -> CheckResult {
             },
             None => http(inner, row),
         };
-    match tokio::time::timeout(policy.timeout, std::panic::AssertUnwindSafe(asked).catch_unwind())
-        .await
+    match tokio::time::timeout(
+        policy.timeout,
+        std::panic::AssertUnwindSafe(asked).catch_unwind(),
+    )
+    .await
     {
         Err(_) => CheckResult::Error(format!("no answer within {:?}", policy.timeout)),
         Ok(Err(panic)) => CheckResult::Error(format!(

@@ -221,7 +221,11 @@ where
     /// # Errors
     /// [`BarrierError::Decided`] when a check-back decided ROLLBACK first: roll the transaction
     /// back; [`BarrierError::Store`] otherwise.
-    pub async fn mark(&self, conn: &mut DB::Connection, message_id: Uuid) -> Result<(), BarrierError> {
+    pub async fn mark(
+        &self,
+        conn: &mut DB::Connection,
+        message_id: Uuid,
+    ) -> Result<(), BarrierError> {
         let t = self.table.as_str();
         let id = message_id.to_string();
         sqlx::query(sqlx::AssertSqlSafe(DB::insert(t)))
@@ -306,15 +310,22 @@ where
                     let ts = h("webhook-timestamp").parse::<i64>().unwrap_or(0);
                     let now = chrono::Utc::now().timestamp();
                     let tolerance = std::time::Duration::from_secs(300);
-                    if let Err(e) =
-                        signer.verify(h("webhook-id"), ts, &body, h("webhook-signature"), now, tolerance)
-                    {
+                    if let Err(e) = signer.verify(
+                        h("webhook-id"),
+                        ts,
+                        &body,
+                        h("webhook-signature"),
+                        now,
+                        tolerance,
+                    ) {
                         return (StatusCode::UNAUTHORIZED, e);
                     }
                 }
                 let req: CheckRequest = match serde_json::from_slice(&body) {
                     Ok(r) => r,
-                    Err(e) => return (StatusCode::BAD_REQUEST, format!("not a check request: {e}")),
+                    Err(e) => {
+                        return (StatusCode::BAD_REQUEST, format!("not a check request: {e}"));
+                    }
                 };
                 match barrier.resolve(req.message_id).await {
                     Ok(a) => (StatusCode::OK, a.as_str().to_owned()),

@@ -88,7 +88,9 @@ impl HttpChecker {
         {
             text.extend_from_slice(&chunk);
             if text.len() > MAX_BODY {
-                return Err(format!("answer longer than {MAX_BODY} bytes (HTTP {status})"));
+                return Err(format!(
+                    "answer longer than {MAX_BODY} bytes (HTTP {status})"
+                ));
             }
         }
         let text = String::from_utf8_lossy(&text);

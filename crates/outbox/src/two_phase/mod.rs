@@ -130,13 +130,12 @@ impl CheckBack {
     }
 
     fn stored(target: String) -> Result<Self, ConfigError> {
-        if target.len() > MAX_TARGET_LEN || target.chars().any(|c| c.is_whitespace() || c.is_control())
+        if target.len() > MAX_TARGET_LEN
+            || target.chars().any(|c| c.is_whitespace() || c.is_control())
         {
             return Err(ConfigError::new(
                 "check_back",
-                format!(
-                    "at most {MAX_TARGET_LEN} bytes without whitespace or control characters"
-                ),
+                format!("at most {MAX_TARGET_LEN} bytes without whitespace or control characters"),
             ));
         }
         Ok(CheckBack {
@@ -510,7 +509,11 @@ pub struct CheckUpdate {
 
 /// The next state of a due row after `result` (a pure decision: the relay writes it fenced by
 /// the bucket lease).
-pub(crate) fn next(row: &DuePrepared, result: &CheckResult, policy: &CheckBackPolicy) -> CheckUpdate {
+pub(crate) fn next(
+    row: &DuePrepared,
+    result: &CheckResult,
+    policy: &CheckBackPolicy,
+) -> CheckUpdate {
     let checks = row.request.checks;
     match result {
         CheckResult::Answered(Answer::Commit) => CheckUpdate {
@@ -560,7 +563,9 @@ pub(crate) fn next(row: &DuePrepared, result: &CheckResult, policy: &CheckBackPo
                     checks,
                     errors,
                     delay: Duration::ZERO,
-                    note: Some(format!("undecided: past its decision deadline; last check-back: {e}")),
+                    note: Some(format!(
+                        "undecided: past its decision deadline; last check-back: {e}"
+                    )),
                 }
             } else {
                 CheckUpdate {
@@ -601,7 +606,15 @@ mod tests {
         for ok in ["COMMIT", "COMMIT\n", "COMMIT\r\n"] {
             assert_eq!(Answer::parse(ok), Ok(Answer::Commit));
         }
-        for bad in ["", "commit", " COMMIT", "COMMIT\n\n", "OK", "{\"answer\":\"COMMIT\"}", "200 error: permission denied"] {
+        for bad in [
+            "",
+            "commit",
+            " COMMIT",
+            "COMMIT\n\n",
+            "OK",
+            "{\"answer\":\"COMMIT\"}",
+            "200 error: permission denied",
+        ] {
             assert!(Answer::parse(bad).is_err(), "{bad:?}");
         }
     }
@@ -612,7 +625,11 @@ mod tests {
         let u = next(&row(3, 0, false), &CheckResult::Error("refused".into()), &p);
         assert_eq!((u.status, u.checks, u.errors), (Status::Prepared, 3, 1));
         // Many errors in a row: still PREPARED, still 3 answered checks, the delay capped.
-        let u = next(&row(3, 40, false), &CheckResult::Error("refused".into()), &p);
+        let u = next(
+            &row(3, 40, false),
+            &CheckResult::Error("refused".into()),
+            &p,
+        );
         assert_eq!((u.status, u.checks), (Status::Prepared, 3));
         assert!(u.delay <= p.error_backoff_max);
     }
@@ -623,9 +640,20 @@ mod tests {
             max_checks: 3,
             ..Default::default()
         };
-        let u = next(&row(1, 2, false), &CheckResult::Answered(Answer::Unknown), &p);
-        assert_eq!((u.status, u.checks, u.errors, u.delay), (Status::Prepared, 2, 0, p.interval));
-        let u = next(&row(2, 0, false), &CheckResult::Answered(Answer::Unknown), &p);
+        let u = next(
+            &row(1, 2, false),
+            &CheckResult::Answered(Answer::Unknown),
+            &p,
+        );
+        assert_eq!(
+            (u.status, u.checks, u.errors, u.delay),
+            (Status::Prepared, 2, 0, p.interval)
+        );
+        let u = next(
+            &row(2, 0, false),
+            &CheckResult::Answered(Answer::Unknown),
+            &p,
+        );
         assert_eq!((u.status, u.checks), (Status::Undecided, 3));
         let u = next(&row(0, 0, true), &CheckResult::Error("down".into()), &p);
         assert_eq!(u.status, Status::Undecided);
@@ -636,7 +664,11 @@ mod tests {
         let p = CheckBackPolicy::default();
         let c = next(&row(5, 1, true), &CheckResult::Answered(Answer::Commit), &p);
         assert_eq!((c.status, c.checks, c.errors), (Status::Pending, 0, 0));
-        let r = next(&row(5, 1, false), &CheckResult::Answered(Answer::Rollback), &p);
+        let r = next(
+            &row(5, 1, false),
+            &CheckResult::Answered(Answer::Rollback),
+            &p,
+        );
         assert_eq!(r.status, Status::RolledBack);
     }
 
@@ -646,7 +678,10 @@ mod tests {
         assert!(CheckBack::http("http://a b").is_err());
         assert!(CheckBack::hook("").is_err());
         assert!(CheckBack::hook("a/b").is_err());
-        assert_eq!(CheckBack::parse("hook:orders").unwrap().hook_name(), Some("orders"));
+        assert_eq!(
+            CheckBack::parse("hook:orders").unwrap().hook_name(),
+            Some("orders")
+        );
         assert!(CheckBack::http(format!("https://{}", "a".repeat(3000))).is_err());
     }
 }

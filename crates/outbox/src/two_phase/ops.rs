@@ -38,8 +38,7 @@ pub trait TwoPhase {
     /// delay; [`EnqueueError::InvalidCheckBack`] for a check-back delay out of range), or
     /// [`EnqueueError::Database`] (a message id already used is the database's unique
     /// violation).
-    async fn prepare(&self, msg: NewMessage, check_back: &CheckBack)
-    -> Result<Uuid, EnqueueError>;
+    async fn prepare(&self, msg: NewMessage, check_back: &CheckBack) -> Result<Uuid, EnqueueError>;
 
     /// PREPARED (or UNDECIDED) → PENDING: published as usual. Compare and set on the row; wakes
     /// the relays.
@@ -62,8 +61,11 @@ pub trait TwoPhase {
     ///
     /// # Errors
     /// [`StoreError`] from the database.
-    async fn due_prepared(&self, buckets: &[Bucket], limit: u32)
-    -> Result<PreparedBatch, StoreError>;
+    async fn due_prepared(
+        &self,
+        buckets: &[Bucket],
+        limit: u32,
+    ) -> Result<PreparedBatch, StoreError>;
 
     /// Write a check-back's result to row `id`, fenced: only while it is PREPARED and its
     /// `bucket` is owned by `relay` with `token` and an unexpired lease. Whether it was written

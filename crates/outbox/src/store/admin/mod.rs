@@ -245,7 +245,7 @@ pub(crate) async fn act_on(
 }
 
 use super::StoreError;
-use super::status_sql::{FAILED, PENDING, REJECTED, SENT};
+use super::status_sql::{FAILED, PENDING, PREPARED, REJECTED, SENT, UNDECIDED};
 use crate::admin::inbox::{ConsumerDeadLetters, InboxAction, InboxActionReport, InboxDeadLetter};
 use crate::admin::{
     ACTION_CHUNK, Action, ActionReport, BlockedKey, BucketRow, Leases, MAX_PAGE, MessageDetail,
@@ -751,6 +751,9 @@ admin_impl! {
                 archive_into(table, now, "discarded", &format!("status = {FAILED}")),
                 format!("DELETE FROM {table} WHERE status = {FAILED}"),
             ],
+            Action::Resume => vec![format!(
+                "UPDATE {table} SET status = {PREPARED}, check_backs = 0, attempts = 0,                  available_at = {now}, updated_at = {now} WHERE status = {UNDECIDED}"
+            )],
         };
         self.locked_chunk("admin action", &pick_sql, &statements)
             .await

@@ -3,7 +3,7 @@
 use super::{Admin, Arg, Sql, archive_into, chunk};
 use crate::retention::{Finished, RetentionAction};
 use crate::store::StoreError;
-use crate::store::status_sql::{CONFIRMED, FAILED, REJECTED, SENT};
+use crate::store::status_sql::{CONFIRMED, FAILED, REJECTED, ROLLED_BACK, SENT};
 use sqlx::Row;
 
 /// The rows of a finished `state` as an SQL condition, and the column their age is read from
@@ -18,6 +18,7 @@ pub(crate) fn finished(state: Finished) -> (String, &'static str) {
         Finished::Confirmed => (format!("status = {CONFIRMED}"), "confirmed_at"),
         Finished::Rejected => (format!("status = {REJECTED}"), "confirmed_at"),
         Finished::Failed => (format!("status = {FAILED}"), "updated_at"),
+        Finished::RolledBack => (format!("status = {ROLLED_BACK}"), "updated_at"),
     }
 }
 

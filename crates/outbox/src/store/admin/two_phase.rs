@@ -125,8 +125,10 @@ admin_impl! {
             d,
             format!(
                 "SELECT id, {mid}, topic, partition_key, {headers}, check_back, {checks}, {errors}, \
-                 {bucket}, CASE WHEN confirm_deadline IS NOT NULL AND confirm_deadline <= {now} \
-                 THEN 1 ELSE 0 END FROM {table} WHERE status = {PREPARED} AND available_at <= {now}",
+                 {bucket}, {past} FROM {table} WHERE status = {PREPARED} AND available_at <= {now}",
+                past = (d.int)(&format!(
+                    "CASE WHEN confirm_deadline IS NOT NULL AND confirm_deadline <= {now} THEN 1 ELSE 0 END"
+                )),
                 mid = (d.text)("message_id"),
                 headers = (d.text)("headers"),
                 checks = (d.int)("check_backs"),

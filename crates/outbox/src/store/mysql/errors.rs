@@ -11,7 +11,7 @@ const DEADLOCK: u16 = 1213;
 const LOCK_WAIT_TIMEOUT: u16 = 1205;
 
 /// The error number of a server error, if `e` is one.
-fn number(e: &sqlx::Error) -> Option<u16> {
+pub(crate) fn number(e: &sqlx::Error) -> Option<u16> {
     match e {
         sqlx::Error::Database(db) => db
             .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()

@@ -244,13 +244,26 @@ async fn drop_status_check(
     .await
     .map_err(e)?;
     for c in names {
-        sqlx::raw_sql(AssertSqlSafe(format!(
+        let dropped = sqlx::raw_sql(AssertSqlSafe(format!(
             "ALTER TABLE {table} DROP CONSTRAINT `{}`",
             c.replace('`', "``")
         )))
         .execute(&mut *conn)
-        .await
-        .map_err(e)?;
+        .await;
+        match dropped {
+            Ok(_) => {}
+            // MariaDB: a column-level check belongs to the column's definition; redefining
+            // the column without it is instant (no table copy).
+            Err(err) if errors::number(&err) == Some(1091) => {
+                sqlx::raw_sql(AssertSqlSafe(format!(
+                    "ALTER TABLE {table} MODIFY status SMALLINT NOT NULL DEFAULT {PENDING}"
+                )))
+                .execute(&mut *conn)
+                .await
+                .map_err(e)?;
+            }
+            Err(err) => return Err(e(err)),
+        }
     }
     Ok(())
 }
