@@ -446,7 +446,7 @@ mod tests {
             assert_eq!(s.as_i16() as usize, n);
             assert_eq!(Status::from_i16(n as i16), Some(*s));
         }
-        assert_eq!(Status::from_i16(7), None);
+        assert_eq!(Status::from_i16(9), None);
         assert_eq!(Status::from_i16(-1), None);
     }
 

@@ -135,6 +135,31 @@ fn admin_command_serves_the_api_with_its_token() {
             request(&addr, "POST", "/api/messages/requeue", Some("tok"), select).await;
         assert_eq!(code, 200, "{body}");
         assert!(body.contains("\"changed\":1"), "{body}");
+
+        // Two-phase messages for producers in other languages (issue 16).
+        let prepare = r#"{"topic":"orders","payload":"{\"id\":1}","check_back":"https://orders.example/check-back","check_after":"1h"}"#;
+        let (code, _) = request(&addr, "POST", "/api/prepared", None, prepare).await;
+        assert_eq!(code, 401, "preparing needs the token");
+        let (code, body) = request(&addr, "POST", "/api/prepared", Some("tok"), prepare).await;
+        assert_eq!(code, 201, "{body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let id = v["message_id"].as_str().unwrap().to_owned();
+        let (code, body) = request(&addr, "GET", &format!("/api/messages/{id}"), None, "").await;
+        assert!(code == 200 && body.contains("\"PREPARED\""), "{code} {body}");
+        let commit = format!("/api/prepared/{id}/commit");
+        let (code, body) = request(&addr, "POST", &commit, Some("tok"), "").await;
+        assert!(code == 200 && body.contains("\"now\""), "{code} {body}");
+        let (code, body) = request(&addr, "POST", &commit, Some("tok"), "").await;
+        assert!(code == 200 && body.contains("\"already\""), "{code} {body}");
+        let rollback = format!("/api/prepared/{id}/rollback");
+        let (code, body) = request(&addr, "POST", &rollback, Some("tok"), "").await;
+        assert!(code == 409 && body.contains("PENDING"), "a late rollback loses: {code} {body}");
+        let unknown = "/api/prepared/0190a0a0-0000-7000-8000-000000000000/commit";
+        let (code, _) = request(&addr, "POST", unknown, Some("tok"), "").await;
+        assert_eq!(code, 404);
+        let bad = r#"{"topic":"orders","payload":"x","check_back":"ftp://nowhere"}"#;
+        let (code, body) = request(&addr, "POST", "/api/prepared", Some("tok"), bad).await;
+        assert!(code == 400 && body.contains("check_back"), "{code} {body}");
     });
     child.kill().unwrap();
     child.wait().unwrap();

@@ -2,7 +2,7 @@
 // No build step and nothing fetched from elsewhere: this file, app.css and index.html are all.
 "use strict";
 
-const STATES = ["PENDING", "SENT", "CONFIRMED", "FAILED", "REJECTED", "PREPARED"];
+const STATES = ["PENDING", "SENT", "CONFIRMED", "FAILED", "REJECTED", "PREPARED", "ROLLED_BACK", "UNDECIDED"];
 const main = document.getElementById("main");
 const tokenInput = document.getElementById("token");
 tokenInput.value = sessionStorage.getItem("outbox-token") || "";
@@ -217,6 +217,7 @@ async function messages(query) {
       <button type="button" data-action="requeue" data-scope="ids" disabled>Requeue selected</button>
       <button type="button" data-action="publish-now" data-scope="ids" disabled>Publish selected now</button>
       <button type="button" data-action="discard" data-scope="ids" class="danger" disabled>Discard selected</button>
+      <button type="button" data-action="resume" data-scope="ids" disabled>Resume selected</button>
       <span class="muted">|</span>
       <button type="button" data-action="requeue" data-scope="filter">Requeue all matching</button>
       <button type="button" data-action="discard" data-scope="filter">Discard all matching</button>
@@ -269,11 +270,12 @@ async function messages(query) {
 }
 
 async function act(action, body, what) {
-  const verbs = { requeue: "Requeue", "publish-now": "Publish now", discard: "Discard" };
+  const verbs = { requeue: "Requeue", "publish-now": "Publish now", discard: "Discard", resume: "Resume" };
   const notes = {
     requeue: "FAILED, REJECTED and SENT messages go back to PENDING and are published again.",
     "publish-now": "Delayed PENDING messages become due now.",
     discard: "FAILED messages move to the archive table.",
+    resume: "UNDECIDED two-phase messages are checked back again, with a fresh budget of checks.",
   };
   if (!(await confirmDialog(`${verbs[action]} ${what}?`, notes[action]))) return;
   try {
@@ -304,6 +306,7 @@ async function detail(id) {
       <button type="button" data-one="requeue">Requeue</button>
       <button type="button" data-one="publish-now">Publish now</button>
       <button type="button" data-one="discard" class="danger">Discard</button>
+      ${m.status === "UNDECIDED" ? `<button type="button" data-one="resume">Resume check-backs</button>` : ""}
       <a href="#/messages">Back to messages</a>
     </div>
     <dl class="fields">${fields.map(([k, v]) => `<dt>${k}</dt><dd>${v === "" ? "–" : v}</dd>`).join("")}</dl>
