@@ -513,7 +513,7 @@ pub async fn status(db: DbArgs, failed: u32, json: bool) -> anyhow::Result<()> {
         let n = stats.counts.get(&s).copied().unwrap_or(0);
         if n > 0 {
             any = true;
-            println!("  {:<10} {:>10}", s.name(), n);
+            println!("  {:<12} {:>10}", s.name(), n);
         }
     }
     if !any {

@@ -25,6 +25,9 @@
 //! confirmations are dropped at a configurable rate. At the end the demo checks that every order
 //! ended either deducted once and CONFIRMED or CANCELLED with nothing deducted, and prints a
 //! report; a broken promise is an error (non-zero exit).
+//!
+//! `--two-phase` runs another story instead ([`two_phase`]): an order service whose orders are
+//! in a different database from its outbox, using two-phase messages, a barrier and check-backs.
 
 mod consumers;
 mod delivery;
@@ -32,6 +35,7 @@ mod faults;
 mod report;
 mod scenario;
 mod services;
+mod two_phase;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -85,16 +89,31 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 16)]
     pub clients: usize,
 
-    /// Directory of the two SQLite databases (orders.db, inventory.db); the demo's files in it
-    /// are deleted at start.
+    /// Directory of the two SQLite databases (orders.db, inventory.db; with --two-phase
+    /// outbox-2pc.db, orders-2pc.db and consumer-2pc.db); the demo's files in it are deleted at
+    /// start.
     #[arg(long, default_value = "./demo-data")]
     pub data_dir: PathBuf,
 
     /// Run both services on this PostgreSQL (`postgres://user@host:port/db`) or MySQL/MariaDB
     /// (`mysql://user@host:3306/db`) database instead of SQLite files; the demo_* tables are
-    /// dropped and recreated at start.
+    /// dropped and recreated at start. With --two-phase: the outbox's database (tables
+    /// demo_2pc_outbox*, dropped and recreated at start).
     #[arg(long, value_name = "URL")]
     pub database: Option<String>,
+
+    /// Run the two-phase story instead: the order service keeps its orders in another database
+    /// than its outbox, and places each order by prepare, business transaction with a barrier
+    /// mark, commit, with crashing producers recovered by the relay's check-back (see
+    /// `--orders-database`). The fault and relay-kill options do not apply to it.
+    #[arg(long)]
+    pub two_phase: bool,
+
+    /// With --two-phase: the order service's business database, PostgreSQL or MySQL/MariaDB
+    /// (tables demo_2pc_orders and demo_2pc_barrier, dropped and recreated at start); default
+    /// the SQLite file orders-2pc.db in --data-dir.
+    #[arg(long, value_name = "URL", requires = "two_phase")]
+    pub orders_database: Option<String>,
 
     /// Deliver over NATS JetStream (`nats://host:port`; the DEMO_ORDERS stream is deleted and
     /// recreated at start), Redis Streams (`redis://host:port`; the demo:orders and
@@ -158,6 +177,9 @@ fn parse_fraction(s: &str) -> Result<f64, String> {
 
 /// Run the demo; an invariant failure is an error (non-zero exit).
 pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
+    if args.two_phase {
+        return two_phase::run(&args).await;
+    }
     ensure!(args.orders > 0, "--orders must be at least 1");
     ensure!(args.clients > 0, "--clients must be at least 1");
     ensure!(

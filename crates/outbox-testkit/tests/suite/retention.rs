@@ -276,6 +276,7 @@ async fn postgres_partition_drop_under_four_relays_with_producers_running() {
         sent: Rule::archive_after(Duration::from_millis(100)),
         confirmed: Rule::delete_after(Duration::from_millis(100)),
         rejected: Rule::delete_after(Duration::from_millis(100)),
+        rolled_back: Rule::delete_after(Duration::from_millis(100)),
         ..Retention::default()
     };
     let relays: Vec<_> = (1..=4)
@@ -442,6 +443,7 @@ async fn postgres_partition_detached_by_a_dead_relay_is_finished_next_round() {
         sent: Rule::archive_after(Duration::from_millis(100)),
         confirmed: Rule::delete_after(Duration::from_millis(100)),
         rejected: Rule::delete_after(Duration::from_millis(100)),
+        rolled_back: Rule::delete_after(Duration::from_millis(100)),
         ..Retention::default()
     };
     let config = RelayConfig {

@@ -109,8 +109,8 @@ async fn mysql_concurrent_migrate() {
         ))
         .await;
     assert_eq!(
-        versions, 8,
-        "six outbox versions (v5 is PostgreSQL's alone) and two inbox versions, once each"
+        versions, 9,
+        "seven outbox versions (v5 is PostgreSQL's alone) and two inbox versions, once each"
     );
     fx.cleanup().await;
 }

@@ -37,6 +37,7 @@ fixture_tests!(
         two_phase_late_commit_after_a_rollback_decision_loses = late_commit_loses,
         two_phase_two_relays_never_check_one_row_at_once = two_relays,
         two_phase_plain_sql_and_malformed_prepared_rows = plain_sql_rows,
+        two_phase_relay_killed_during_a_check_back = relay_killed_mid_check,
     ],
 );
 
@@ -74,6 +75,23 @@ fn fast_policy() -> CheckBackPolicy {
         timeout: Duration::from_secs(2),
         ..CheckBackPolicy::default()
     }
+}
+
+/// A relay `tp-r1` with `script` registered as the hook `orders`, publishing to a fresh memory
+/// transport, and one message prepared with that hook: the transport, the relay, the id.
+async fn scripted(
+    fx: &dyn StoreFixture,
+    policy: CheckBackPolicy,
+    script: Arc<Script>,
+) -> (Arc<MemoryTransport>, outbox::RelayHandle, Uuid) {
+    let mem = Arc::new(MemoryTransport::new());
+    let h = relay(fx, mem.clone(), "tp-r1", policy, &[("orders", script)]);
+    let id = fx
+        .store()
+        .prepare(NewMessage::new("orders", "x"), &hooked("orders"))
+        .await
+        .unwrap();
+    (mem, h, id)
 }
 
 fn hooked(name: &str) -> CheckBack {
@@ -242,19 +260,7 @@ pub async fn producer_decides(fx: &dyn StoreFixture) {
 /// business transaction committed, so the check-back answers COMMIT: published once.
 pub async fn check_back_commits(fx: &dyn StoreFixture) {
     let script = Script::new(|_| Ok(Answer::Commit));
-    let mem = Arc::new(MemoryTransport::new());
-    let h = relay(
-        fx,
-        mem.clone(),
-        "tp-r1",
-        fast_policy(),
-        &[("orders", script.clone())],
-    );
-    let id = fx
-        .store()
-        .prepare(NewMessage::new("orders", "x"), &hooked("orders"))
-        .await
-        .unwrap();
+    let (mem, h, id) = scripted(fx, fast_policy(), script.clone()).await;
     wait_published(&mem, id).await;
     assert_eq!(script.calls(id), 1);
     let m = h.metrics().snapshot();
@@ -272,19 +278,7 @@ pub async fn check_back_commits(fx: &dyn StoreFixture) {
 /// ROLLED_BACK and never published.
 pub async fn check_back_rolls_back(fx: &dyn StoreFixture) {
     let script = Script::new(|_| Ok(Answer::Rollback));
-    let mem = Arc::new(MemoryTransport::new());
-    let h = relay(
-        fx,
-        mem.clone(),
-        "tp-r1",
-        fast_policy(),
-        &[("orders", script.clone())],
-    );
-    let id = fx
-        .store()
-        .prepare(NewMessage::new("orders", "x"), &hooked("orders"))
-        .await
-        .unwrap();
+    let (mem, h, id) = scripted(fx, fast_policy(), script.clone()).await;
     wait_status(fx, id, Status::RolledBack).await;
     let plain = fx
         .enqueue_commit(vec![NewMessage::new("orders", "after")])
@@ -305,19 +299,7 @@ pub async fn unknown_then_commit(fx: &dyn StoreFixture) {
             Answer::Commit
         })
     });
-    let mem = Arc::new(MemoryTransport::new());
-    let h = relay(
-        fx,
-        mem.clone(),
-        "tp-r1",
-        fast_policy(),
-        &[("orders", script.clone())],
-    );
-    let id = fx
-        .store()
-        .prepare(NewMessage::new("orders", "x"), &hooked("orders"))
-        .await
-        .unwrap();
+    let (mem, h, id) = scripted(fx, fast_policy(), script.clone()).await;
     wait_published(&mem, id).await;
     assert_eq!(script.calls(id), 3);
     let m = h.metrics().snapshot();
@@ -479,19 +461,8 @@ pub async fn budget_then_resume(fx: &dyn StoreFixture) {
         max_checks: 3,
         ..fast_policy()
     };
-    let mem = Arc::new(MemoryTransport::new());
-    let h = relay(
-        fx,
-        mem.clone(),
-        "tp-r1",
-        policy,
-        &[("orders", script.clone())],
-    );
+    let (mem, h, id) = scripted(fx, policy, script.clone()).await;
     let store = fx.store();
-    let id = store
-        .prepare(NewMessage::new("orders", "x"), &hooked("orders"))
-        .await
-        .unwrap();
     wait_status(fx, id, Status::Undecided).await;
     assert_eq!(script.calls(id), 3);
     let (answered, note) = checks(fx, id).await;
@@ -547,19 +518,7 @@ pub async fn deadline_parks(fx: &dyn StoreFixture) {
 /// The check-back decided ROLLBACK; the producer's commit arrives late and loses.
 pub async fn late_commit_loses(fx: &dyn StoreFixture) {
     let script = Script::new(|_| Ok(Answer::Rollback));
-    let mem = Arc::new(MemoryTransport::new());
-    let h = relay(
-        fx,
-        mem.clone(),
-        "tp-r1",
-        fast_policy(),
-        &[("orders", script)],
-    );
-    let id = fx
-        .store()
-        .prepare(NewMessage::new("orders", "x"), &hooked("orders"))
-        .await
-        .unwrap();
+    let (mem, h, id) = scripted(fx, fast_policy(), script).await;
     wait_status(fx, id, Status::RolledBack).await;
     match fx.store().commit_prepared(id).await {
         Err(e @ DecideError::Lost { .. }) => {
@@ -609,6 +568,58 @@ pub async fn two_relays(fx: &dyn StoreFixture) {
         assert_eq!(published(&mem, *id), 1, "{id} published once");
         assert!(script.calls(*id) >= 3);
     }
+}
+
+/// The relay dies while a check-back is in flight (its first call never returns): nothing was
+/// written; once its lease expires another relay takes the bucket over, asks again and commits;
+/// the message is published once.
+pub async fn relay_killed_mid_check(fx: &dyn StoreFixture) {
+    let hung = Arc::new(tokio::sync::Notify::new());
+    let calls = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let (h2, c2) = (hung.clone(), calls.clone());
+    let hook: Arc<dyn CheckBackHook> = Arc::new(move |_req: CheckRequest| {
+        let (hung, calls) = (h2.clone(), c2.clone());
+        async move {
+            if calls.fetch_add(1, Ordering::SeqCst) == 0 {
+                // The first producer call hangs until the test ends.
+                hung.notified().await;
+            }
+            Ok::<_, BoxError>(Answer::Commit)
+        }
+    });
+    let policy = CheckBackPolicy {
+        timeout: Duration::from_secs(60),
+        ..fast_policy()
+    };
+    let mem = Arc::new(MemoryTransport::new());
+    let r1 = relay(
+        fx,
+        mem.clone(),
+        "tp-r1",
+        policy.clone(),
+        &[("orders", hook.clone())],
+    );
+    let id = fx
+        .store()
+        .prepare(NewMessage::new("orders", "x"), &hooked("orders"))
+        .await
+        .unwrap();
+    wait_until("the first check-back in flight", WAIT, || async {
+        calls.load(Ordering::SeqCst) >= 1
+    })
+    .await;
+    r1.abort();
+    assert_eq!(
+        status(fx, id).await,
+        Status::Prepared,
+        "nothing written by the dead relay"
+    );
+    let r2 = relay(fx, mem.clone(), "tp-r2", policy, &[("orders", hook)]);
+    wait_published(&mem, id).await;
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    r2.shutdown().await.unwrap();
+    hung.notify_waiters();
+    assert_eq!(published(&mem, id), 1);
 }
 
 /// A producer that shares the outbox database prepares with plain SQL (status 5 and a
@@ -795,13 +806,17 @@ mod barrier {
             let (p, t) = (p.clone(), t.clone());
             Box::pin(async move {
                 let row = sqlx::query(
-                    "SELECT COUNT(*) FROM information_schema.INNODB_TRX \
-                     WHERE trx_state = 'LOCK WAIT' AND trx_query LIKE CONCAT('%', ?, '%')",
+                    "SELECT COUNT(*) FROM information_schema.INNODB_TRX x \
+                     LEFT JOIN information_schema.PROCESSLIST p ON p.ID = x.trx_mysql_thread_id \
+                     WHERE x.trx_state = 'LOCK WAIT' \
+                       AND (x.trx_query LIKE CONCAT('%', ?, '%') OR p.INFO LIKE CONCAT('%', ?, '%'))",
                 )
+                .bind(t.clone())
                 .bind(t)
                 .fetch_one(&p)
                 .await
                 .unwrap();
+
                 row.get::<i64, _>(0) > 0
             })
         }));

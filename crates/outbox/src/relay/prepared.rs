@@ -27,7 +27,13 @@ pub(super) async fn prepared_loop(relay: Relay, cancel: CancellationToken) {
             _ = cancel.cancelled() => return,
             _ = tokio::time::sleep(wait) => {}
         }
-        match round(&relay, limit).await {
+        // Cancelled mid-round (shutdown, or the relay dropped): the round is dropped with its
+        // checks in flight; what they did not write yet is asked again by the bucket's owner.
+        let result = tokio::select! {
+            _ = cancel.cancelled() => return,
+            r = round(&relay, limit) => r,
+        };
+        match result {
             Ok(n) => {
                 failures = 0;
                 full = n >= limit as usize;

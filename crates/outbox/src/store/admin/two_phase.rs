@@ -102,7 +102,7 @@ admin_impl! {
                 "message {message_id} changed while being decided; call again"
             ))));
         }
-        if rolled_back == !commit {
+        if rolled_back != commit {
             Ok(Decided::Already)
         } else {
             Err(DecideError::Lost { message_id, status })
