@@ -312,8 +312,11 @@ pub async fn unknown_then_commit(fx: &dyn StoreFixture) {
 struct Endpoint {
     url: String,
     answer: Arc<Mutex<(u16, String)>>,
-    requests: Arc<Mutex<Vec<(axum::http::HeaderMap, Vec<u8>)>>>,
+    requests: Requests,
 }
+
+/// The requests an [`Endpoint`] received: headers and body.
+type Requests = Arc<Mutex<Vec<(axum::http::HeaderMap, Vec<u8>)>>>;
 
 /// Serve [`Endpoint`] on `listener` (a fresh port when `None`).
 async fn endpoint(listener: Option<tokio::net::TcpListener>, status: u16, body: &str) -> Endpoint {
