@@ -20,6 +20,7 @@ const env = (k) => {
 const base = env("DASH_URL");
 const token = env("DASH_TOKEN");
 const failedId = env("DASH_FAILED_ID");
+const undecidedId = env("DASH_UNDECIDED_ID");
 const failedMid = env("DASH_FAILED_MID");
 const key = env("DASH_KEY");
 const shots = env("DASH_SHOTS");
@@ -134,6 +135,22 @@ try {
     await page.waitForTimeout(250);
   }
   check(state === "SENT", `the requeued message is ${state}`);
+
+  step = "an undecided two-phase message";
+  await page.goto(`${base}/#/messages/${undecidedId}`);
+  await page.waitForSelector("dl.fields");
+  check((await page.textContent("main")).includes("UNDECIDED"), "the detail shows UNDECIDED");
+  check((await page.textContent("main")).includes("15 check-backs answered UNKNOWN"), "and why it was parked");
+  await page.screenshot({ path: `${shots}/undecided.png`, fullPage: true });
+  await page.click('button[data-one="resume"]');
+  await page.waitForSelector("#modal:not([hidden])");
+  await page.click("#modal-ok");
+  await page.waitForFunction(() => {
+    const t = document.getElementById("toast");
+    return !t.hidden && !t.classList.contains("error") && t.textContent.includes("Resume: 1 changed");
+  });
+  const resumed = await (await page.request.get(`${base}/api/messages/${undecidedId}`)).json();
+  check(resumed.status === "PREPARED", `the resumed message is ${resumed.status}, checked back again`);
 
   step = "the overview's charts";
   // The daemon samples its relay's counters every 10 s: wait for a sample that saw the publishes.

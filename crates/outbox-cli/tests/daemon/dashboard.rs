@@ -55,6 +55,18 @@ async fn dashboard_in_a_real_browser() {
         dead.push(row);
     }
 
+    // A two-phase message parked as UNDECIDED, its check-back a hook the daemon does not have
+    // (so after the resume it stays PREPARED: errors are not counted).
+    let undecided: (i64,) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {t} (topic, payload, status, check_backs, check_back, last_error) \
+         VALUES ('orders.created', '\\x7b7d', {undecided}, 15, 'hook:orders', \
+                 'undecided: 15 check-backs answered UNKNOWN') RETURNING id",
+        undecided = Status::Undecided.as_i16()
+    )))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+
     // Two dead letters of the consumer "inventory" in the inbox `[database] inbox_table`, as the
     // consumer runner leaves them (Inbox::dead_letter).
     let inbox =
@@ -107,6 +119,7 @@ async fn dashboard_in_a_real_browser() {
         .env("DASH_TOKEN", "dash-token")
         .env("DASH_FAILED_ID", dead[0].0.to_string())
         .env("DASH_FAILED_MID", dead[0].1.to_string())
+        .env("DASH_UNDECIDED_ID", undecided.0.to_string())
         .env("DASH_KEY", "order-42")
         .env("DASH_INBOX_DISCARD", inbox_dead[0].to_string())
         .env("DASH_INBOX_REPLAY", inbox_dead[1].to_string())

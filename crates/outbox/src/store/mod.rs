@@ -34,7 +34,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::{DbErrorClass, StoreError};
-use crate::message::{Message, Status};
+use crate::message::Status;
 
 /// The message status numbers as the dialects' SQL writes them (`status = {PENDING}` in a
 /// `format!`), taken from [`Status`], the one definition of the numbers. Every message-status
@@ -86,11 +86,13 @@ pub mod sqlite;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) use connect::server_pool;
 pub use connect::{Dialect, connect, connect_existing};
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
+pub(crate) use leases::read_in_rounds;
 pub use leases::{
     BUCKETS, Bucket, BucketBatch, BucketCompletion, BucketLease, BucketRow, KeyHead,
     MembershipRequest, MembershipRound, RelayInfo, normalise_routes, routes_hash,
 };
-pub(crate) use leases::{relay_info, routes_json};
+pub(crate) use leases::{BucketColumns, membership_round, relay_info, routes_json};
 
 /// The class of a driver error, by the dialect that raised it (`store::<dialect>::errors`):
 /// shared driver errors first ([`DbErrorClass::of_driver`]), then the database error's own type
@@ -651,155 +653,6 @@ pub(crate) fn parse_headers(id: i64, raw: &str) -> Result<crate::Headers, StoreE
         id,
         reason: format!("headers are not a JSON object of strings: {e}"),
     })
-}
-
-/// [`MembershipRound`] from the live count and the renewed buckets (fair share
-/// `ceil(BUCKETS / live)`, at least one relay: this one).
-pub(crate) fn membership_round(live: i64, renewed: Vec<Bucket>) -> MembershipRound {
-    let live = u32::try_from(live.max(1)).unwrap_or(u32::MAX);
-    MembershipRound {
-        live_relays: live,
-        fair_share: u32::from(BUCKETS).div_ceil(live),
-        renewed,
-        acquired: Vec::new(),
-        handed_over: Vec::new(),
-    }
-}
-
-impl BucketBatch {
-    /// Add one read row: decoded into [`BucketBatch::rows`] with its due age, or into
-    /// [`BucketBatch::malformed`] with the reason it could not be decoded.
-    pub(crate) fn push(
-        &mut self,
-        bucket: Bucket,
-        id: i64,
-        decoded: Result<Message, String>,
-        due_age: Option<Duration>,
-    ) {
-        match decoded {
-            Ok(message) => self.rows.push(BucketRow {
-                bucket,
-                message,
-                due_age,
-            }),
-            Err(reason) => self.malformed.push((bucket, id, reason)),
-        }
-    }
-}
-
-/// [`BucketCompletion`]s as parallel arrays: ids, statuses, delays in ms, errors, attempts,
-/// confirmation windows in ms and bucket tokens.
-pub(crate) struct BucketColumns {
-    pub ids: Vec<i64>,
-    pub statuses: Vec<i16>,
-    pub delays_ms: Vec<i64>,
-    pub errors: Vec<Option<String>>,
-    pub attempts: Vec<i32>,
-    pub confirm_ms: Vec<Option<i64>>,
-    pub tokens: Vec<LeaseToken>,
-    pub buckets: Vec<Bucket>,
-}
-
-impl BucketColumns {
-    pub(crate) fn from(completions: &[BucketCompletion]) -> Self {
-        let mut c = BucketColumns {
-            ids: Vec::with_capacity(completions.len()),
-            statuses: Vec::with_capacity(completions.len()),
-            delays_ms: Vec::with_capacity(completions.len()),
-            errors: Vec::with_capacity(completions.len()),
-            attempts: Vec::with_capacity(completions.len()),
-            confirm_ms: Vec::with_capacity(completions.len()),
-            tokens: Vec::with_capacity(completions.len()),
-            buckets: Vec::with_capacity(completions.len()),
-        };
-        for comp in completions {
-            let (status, delay, error, confirm) = outcome_columns(&comp.outcome);
-            c.ids.push(comp.id);
-            c.statuses.push(status.as_i16());
-            c.delays_ms.push(delay);
-            c.errors.push(error);
-            c.attempts
-                .push(i32::try_from(comp.attempts).unwrap_or(i32::MAX));
-            c.confirm_ms.push(confirm);
-            c.tokens.push(comp.token);
-            c.buckets.push(comp.bucket);
-        }
-        c
-    }
-}
-
-/// Rows per bucket one statement of a round-based [`Store::read_buckets`] asks for: four times
-/// an even share of `limit` over `buckets` buckets, at least 32, at most `limit`.
-#[cfg(any(feature = "mysql", feature = "sqlite"))]
-pub(crate) fn per_bucket_limit(limit: u32, buckets: usize) -> u32 {
-    let buckets = u32::try_from(buckets.max(1)).unwrap_or(u32::MAX);
-    (limit / buckets).saturating_mul(4).max(32).min(limit)
-}
-
-/// [`Store::read_buckets`] for dialects without `LATERAL` (MySQL/MariaDB, SQLite), in rounds of
-/// one statement each. `fetch(parts, k, remaining)` reads, for each `(bucket, after_id)` of
-/// `parts`, the first `k` due PENDING rows of the bucket with `id > after_id` in id order (one
-/// index range scan per bucket), then the first `remaining` of them all by id; it returns each
-/// row with its bucket and id. A bucket that filled its `k` rows may have more: while fewer than
-/// `limit` rows came, the next round reads on from the last id of each such bucket. Every
-/// bucket's rows are therefore a prefix of its due rows, in id order.
-#[cfg(any(feature = "mysql", feature = "sqlite"))]
-pub(crate) async fn read_in_rounds<R, F, Fut>(
-    buckets: &[Bucket],
-    limit: u32,
-    mut fetch: F,
-) -> Result<Vec<(Bucket, i64, R)>, StoreError>
-where
-    F: FnMut(Vec<(Bucket, i64)>, u32, u32) -> Fut,
-    Fut: std::future::Future<Output = Result<Vec<(Bucket, i64, R)>, StoreError>>,
-{
-    let mut seen = std::collections::HashSet::new();
-    let mut parts: Vec<(Bucket, i64)> = buckets
-        .iter()
-        .filter(|b| seen.insert(**b))
-        .map(|b| (*b, i64::MIN))
-        .collect();
-    let mut out: Vec<(Bucket, i64, R)> = Vec::new();
-    while !parts.is_empty() {
-        let remaining = limit.saturating_sub(u32::try_from(out.len()).unwrap_or(u32::MAX));
-        if remaining == 0 {
-            break;
-        }
-        let k = per_bucket_limit(remaining, parts.len());
-        let rows = fetch(parts.clone(), k, remaining).await?;
-        let full = u32::try_from(rows.len()).unwrap_or(u32::MAX) >= remaining;
-        let mut last: BTreeMap<Bucket, (u32, i64)> = BTreeMap::new();
-        for (bucket, id, _) in &rows {
-            let e = last.entry(*bucket).or_insert((0, i64::MIN));
-            e.0 += 1;
-            e.1 = e.1.max(*id);
-        }
-        out.extend(rows);
-        if full {
-            break;
-        }
-        parts = last
-            .into_iter()
-            .filter(|(_, (n, _))| *n >= k)
-            .map(|(bucket, (_, id))| (bucket, id))
-            .collect();
-    }
-    Ok(out)
-}
-
-/// The status, delay (ms), error and confirmation window (ms) an outcome writes.
-fn outcome_columns(outcome: &Outcome) -> (Status, i64, Option<String>, Option<i64>) {
-    match outcome {
-        Outcome::Sent => (Status::Sent, 0, None, None),
-        Outcome::SentAwaitingConfirmation { within } => {
-            (Status::Sent, 0, None, Some(millis(*within)))
-        }
-        Outcome::Retry { delay, error } => {
-            (Status::Pending, millis(*delay), Some(error.clone()), None)
-        }
-        Outcome::Failed { reason } => (Status::Failed, 0, Some(reason.clone()), None),
-        Outcome::Release { delay } => (Status::Pending, millis(*delay), None, None),
-    }
 }
 
 /// Table names and limits of a store.

@@ -30,7 +30,6 @@ macro_rules! admin_impl {
 mod inbox;
 pub(crate) mod retention;
 mod search;
-mod two_phase;
 
 use chrono::{DateTime, TimeZone, Utc};
 use sqlx::{Database, Encode, Row, Type};
@@ -87,14 +86,17 @@ macro_rules! on_target {
     ($target:expr, $f:ident($($arg:expr),*)) => {
         match $target {
             #[cfg(feature = "postgres")]
-            Target::Postgres(pool, table) => Admin { pool, d: &super::postgres::ADMIN, table }.$f($($arg),*).await,
+            Target::Postgres(pool, table) => Admin { pool, d: &$crate::store::postgres::ADMIN, table }.$f($($arg),*).await,
             #[cfg(feature = "mysql")]
-            Target::MySql(pool, table) => Admin { pool, d: &super::mysql::ADMIN, table }.$f($($arg),*).await,
+            Target::MySql(pool, table) => Admin { pool, d: &$crate::store::mysql::ADMIN, table }.$f($($arg),*).await,
             #[cfg(feature = "sqlite")]
-            Target::Sqlite(pool, table) => Admin { pool, d: &super::sqlite::ADMIN, table }.$f($($arg),*).await,
+            Target::Sqlite(pool, table) => Admin { pool, d: &$crate::store::sqlite::ADMIN, table }.$f($($arg),*).await,
         }
     };
 }
+
+mod two_phase;
+pub(crate) use two_phase::{decide_on, due_prepared_on, prepare_on, record_check_on};
 
 /// [`InboxAdmin::consumers`](crate::admin::inbox::InboxAdmin::consumers) on `target` (its
 /// table is the inbox table).
@@ -193,46 +195,6 @@ pub(crate) async fn purge_archive_on(
     limit: u32,
 ) -> Result<u64, StoreError> {
     on_target!(&target.0, purge_archive(older_than, limit))
-}
-
-/// [`Store::prepare`](crate::Store::prepare) on `target`.
-pub(crate) async fn prepare_on(
-    target: AdminTarget,
-    msg: &crate::message::NewMessage,
-    check_back: &crate::two_phase::CheckBack,
-) -> Result<uuid::Uuid, crate::error::EnqueueError> {
-    on_target!(&target.0, prepare(msg, check_back))
-}
-
-/// [`Store::commit_prepared`](crate::Store::commit_prepared) and
-/// [`Store::rollback_prepared`](crate::Store::rollback_prepared) on `target`.
-pub(crate) async fn decide_on(
-    target: AdminTarget,
-    message_id: uuid::Uuid,
-    commit: bool,
-) -> Result<crate::two_phase::Decided, crate::two_phase::DecideError> {
-    on_target!(&target.0, decide(message_id, commit))
-}
-
-/// [`Store::due_prepared`](crate::Store::due_prepared) on `target`.
-pub(crate) async fn due_prepared_on(
-    target: AdminTarget,
-    buckets: &[super::Bucket],
-    limit: u32,
-) -> Result<crate::two_phase::PreparedBatch, StoreError> {
-    on_target!(&target.0, due_prepared(buckets, limit))
-}
-
-/// [`Store::record_check`](crate::Store::record_check) on `target`.
-pub(crate) async fn record_check_on(
-    target: AdminTarget,
-    relay: &str,
-    id: i64,
-    bucket: super::Bucket,
-    token: super::LeaseToken,
-    update: &crate::two_phase::CheckUpdate,
-) -> Result<bool, StoreError> {
-    on_target!(&target.0, record_check(relay, id, bucket, token, update))
 }
 
 /// [`Store::act`](crate::Store::act) on `target`.

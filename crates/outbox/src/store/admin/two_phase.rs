@@ -2,7 +2,7 @@
 //! (compare and set), the due PREPARED rows of a relay's buckets, and a check-back's result
 //! fenced by the bucket lease. One definition for the three databases.
 
-use super::{Admin, Affected, Arg, Sql};
+use super::{Admin, AdminTarget, Affected, Arg, Sql, Target};
 use crate::error::EnqueueError;
 use crate::message::{NewMessage, Status};
 use crate::store::status_sql::{PENDING, PREPARED, ROLLED_BACK, UNDECIDED};
@@ -18,6 +18,46 @@ fn now_plus(sql: &mut Sql<'_>, ms: i64) -> String {
     let d = sql.d;
     let p = sql.arg(Arg::Int(ms));
     (d.at_ms)(&format!("({} + {p})", (d.ms)(d.now)))
+}
+
+/// [`Store::prepare`](crate::Store::prepare) on `target`.
+pub(crate) async fn prepare_on(
+    target: AdminTarget,
+    msg: &crate::message::NewMessage,
+    check_back: &crate::two_phase::CheckBack,
+) -> Result<uuid::Uuid, crate::error::EnqueueError> {
+    on_target!(&target.0, prepare(msg, check_back))
+}
+
+/// [`Store::commit_prepared`](crate::Store::commit_prepared) and
+/// [`Store::rollback_prepared`](crate::Store::rollback_prepared) on `target`.
+pub(crate) async fn decide_on(
+    target: AdminTarget,
+    message_id: uuid::Uuid,
+    commit: bool,
+) -> Result<crate::two_phase::Decided, crate::two_phase::DecideError> {
+    on_target!(&target.0, decide(message_id, commit))
+}
+
+/// [`Store::due_prepared`](crate::Store::due_prepared) on `target`.
+pub(crate) async fn due_prepared_on(
+    target: AdminTarget,
+    buckets: &[Bucket],
+    limit: u32,
+) -> Result<crate::two_phase::PreparedBatch, StoreError> {
+    on_target!(&target.0, due_prepared(buckets, limit))
+}
+
+/// [`Store::record_check`](crate::Store::record_check) on `target`.
+pub(crate) async fn record_check_on(
+    target: AdminTarget,
+    relay: &str,
+    id: i64,
+    bucket: Bucket,
+    token: LeaseToken,
+    update: &crate::two_phase::CheckUpdate,
+) -> Result<bool, StoreError> {
+    on_target!(&target.0, record_check(relay, id, bucket, token, update))
 }
 
 admin_impl! {

@@ -1,0 +1,171 @@
+//! The barrier's races, in the business database (here the fixture's own database, another
+//! table), and the barrier as the check-back of a relay, in process and over HTTP.
+
+use super::*;
+use futures::future::BoxFuture;
+use outbox::two_phase::barrier::{Barrier, BarrierDatabase, BarrierError};
+use sqlx::{Pool, Row};
+
+/// Whether a statement on the barrier table waits for a row lock (PostgreSQL, InnoDB);
+/// `None` where that cannot be seen (SQLite: its single writer waits in the busy handler).
+type Waiting<'a> = Option<Box<dyn Fn() -> BoxFuture<'a, bool> + Send + Sync + 'a>>;
+
+async fn scenarios<DB>(fx: &dyn StoreFixture, pool: Pool<DB>, table: &str, waiting: Waiting<'_>)
+where
+    DB: BarrierDatabase + 'static,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'c> &'c Pool<DB>: sqlx::Executor<'c, Database = DB>,
+    for<'q> DB::Arguments: sqlx::IntoArguments<DB>,
+    for<'q> String: sqlx::Encode<'q, DB> + sqlx::Decode<'q, DB> + sqlx::Type<DB>,
+    for<'q> &'q str: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    usize: sqlx::ColumnIndex<DB::Row>,
+{
+    let barrier = Barrier::new(pool.clone()).with_table(table).unwrap();
+    barrier.migrate().await.unwrap();
+    barrier.migrate().await.expect("migrate is idempotent");
+
+    // 1. The business transaction marked and is still running when the check comes: the
+    //    check waits for it; it commits: COMMIT.
+    for commit in [true, false] {
+        let id = Uuid::now_v7();
+        let mut tx = pool.begin().await.unwrap();
+        barrier.mark(&mut *tx, id).await.unwrap();
+        let b = barrier.clone();
+        let check = tokio::spawn(async move { b.resolve(id).await });
+        if let Some(w) = &waiting {
+            wait_until("the check-back waits for the business transaction", WAIT, w).await;
+            assert!(!check.is_finished());
+        }
+        let want = if commit {
+            tx.commit().await.unwrap();
+            Answer::Commit
+        } else {
+            tx.rollback().await.unwrap();
+            Answer::Rollback
+        };
+        assert_eq!(check.await.unwrap().unwrap(), want, "commit = {commit}");
+        // Asked again: the same answer (the tombstone or the mark stays).
+        assert_eq!(barrier.resolve(id).await.unwrap(), want);
+    }
+
+    // 2. The check came first (the business transaction had not started, or not marked
+    //    yet): ROLLBACK, and the transaction that marks afterwards is refused.
+    let id = Uuid::now_v7();
+    assert_eq!(barrier.resolve(id).await.unwrap(), Answer::Rollback);
+    let mut tx = pool.begin().await.unwrap();
+    match barrier.mark(&mut *tx, id).await {
+        Err(BarrierError::Decided(d)) => assert_eq!(d, id),
+        other => panic!("a mark after the tombstone must be refused: {other:?}"),
+    }
+    tx.rollback().await.unwrap();
+    assert_eq!(barrier.resolve(id).await.unwrap(), Answer::Rollback);
+
+    // 3. Through the relay: the producer crashed after its business commit (check-back
+    //    COMMIT, in process), and after a business rollback (check-back ROLLBACK, over
+    //    HTTP, signed).
+    let secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!(
+        "http://{}/outbox/check-back",
+        listener.local_addr().unwrap()
+    );
+    let app = barrier.router("/outbox/check-back", Some(secret)).unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let policy = CheckBackPolicy {
+        secret: Some(secret.into()),
+        ..fast_policy()
+    };
+    let mem = Arc::new(MemoryTransport::new());
+    let h = relay(
+        fx,
+        mem.clone(),
+        "tp-r1",
+        policy,
+        &[("orders", barrier.hook())],
+    );
+    let store = fx.store();
+    let committed = store
+        .prepare(NewMessage::new("orders", "1"), &hooked("orders"))
+        .await
+        .unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    barrier.mark(&mut *tx, committed).await.unwrap();
+    tx.commit().await.unwrap();
+    let http = CheckBack::http(&url)
+        .unwrap()
+        .after(Duration::from_millis(50));
+    let rolled_back = store
+        .prepare(NewMessage::new("orders", "2"), &http)
+        .await
+        .unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    barrier.mark(&mut *tx, rolled_back).await.unwrap();
+    tx.rollback().await.unwrap();
+    wait_published(&mem, committed).await;
+    wait_status(fx, rolled_back, Status::RolledBack).await;
+    h.shutdown().await.unwrap();
+    assert_eq!(published(&mem, committed), 1);
+    assert_eq!(published(&mem, rolled_back), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn barrier_races_and_check_back_sqlite() {
+    crate::init_tracing();
+    let fx = outbox_testkit::SqliteFixture::new().await;
+    scenarios(&fx, fx.store.pool().clone(), "outbox_barrier", None).await;
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn barrier_races_and_check_back_postgres() {
+    crate::init_tracing();
+    let fx = outbox_testkit::PgFixture::new().await;
+    let pool = fx.store.pool().clone();
+    let table = format!("{}.outbox_barrier", fx.schema);
+    let p = pool.clone();
+    let waiting: Waiting = Some(Box::new(move || {
+        let p = p.clone();
+        Box::pin(async move {
+            let n: i64 = sqlx::query_scalar(
+                "SELECT COUNT(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+                 AND query LIKE 'INSERT INTO %outbox_barrier%'",
+            )
+            .fetch_one(&p)
+            .await
+            .unwrap();
+            n > 0
+        })
+    }));
+    scenarios(&fx, pool, &table, waiting).await;
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn barrier_races_and_check_back_mysql() {
+    crate::init_tracing();
+    let fx = outbox_testkit::MySqlFixture::new().await;
+    let pool = fx.store.pool().clone();
+    let table = format!("{}_barrier", fx.table);
+    let (p, t) = (pool.clone(), table.clone());
+    let waiting: Waiting = Some(Box::new(move || {
+        let (p, t) = (p.clone(), t.clone());
+        Box::pin(async move {
+            let row = sqlx::query(
+                "SELECT COUNT(*) FROM information_schema.INNODB_TRX x \
+                 LEFT JOIN information_schema.PROCESSLIST p ON p.ID = x.trx_mysql_thread_id \
+                 WHERE x.trx_state = 'LOCK WAIT' \
+                   AND (x.trx_query LIKE CONCAT('%', ?, '%') OR p.INFO LIKE CONCAT('%', ?, '%'))",
+            )
+            .bind(t.clone())
+            .bind(t)
+            .fetch_one(&p)
+            .await
+            .unwrap();
+
+            row.get::<i64, _>(0) > 0
+        })
+    }));
+    scenarios(&fx, pool, &table, waiting).await;
+    fx.exec(&format!("DROP TABLE IF EXISTS {table}")).await;
+    fx.cleanup().await;
+}
