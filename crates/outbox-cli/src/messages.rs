@@ -19,7 +19,7 @@ use crate::{Create, DbArgs, open_store};
 #[derive(Debug, Clone, clap::Args)]
 pub struct FilterArgs {
     /// States, repeated or comma-separated: pending, sent, confirmed, failed, prepared,
-    /// rejected.
+    /// rejected, rolled_back, undecided.
     #[arg(long = "state", value_delimiter = ',')]
     states: Vec<Status>,
     /// Topic glob: `*` any run of characters, `?` one character (`orders.*`).
@@ -132,8 +132,8 @@ pub struct ArchiveArgs {
     #[command(flatten)]
     db: DbArgs,
     /// Finished states, repeated or comma-separated: sent (awaiting no confirmation),
-    /// confirmed, rejected, failed. Default: sent, confirmed, rejected (dead letters only when
-    /// named).
+    /// confirmed, rejected, failed, rolled_back. Default: sent, confirmed, rejected (dead letters
+    /// only when named).
     #[arg(long = "state", value_delimiter = ',')]
     states: Vec<outbox::retention::Finished>,
     /// Finished more than this long ago, by the database clock (`7d`, `12h`, `0s` for every
@@ -296,7 +296,7 @@ pub async fn run(cmd: MessagesCommand) -> anyhow::Result<()> {
                 return Ok(());
             }
             println!(
-                "{:>10}  {:<9}  {:<32}  {:<16}  {:>3}  {:<20}  last error",
+                "{:>10}  {:<11}  {:<32}  {:<16}  {:>3}  {:<20}  last error",
                 "id", "state", "topic", "key", "att", "created"
             );
             for m in &page.messages {
@@ -348,6 +348,9 @@ pub async fn run(cmd: MessagesCommand) -> anyhow::Result<()> {
                 m.check_backs,
                 m.redelivery
             );
+            if let Some(target) = &d.check_back {
+                println!("check-back {target}");
+            }
             for (name, t) in [
                 ("created", m.created_at),
                 ("available", m.available_at),
@@ -408,7 +411,7 @@ pub(crate) fn cut(s: &str, n: usize) -> String {
 
 fn row(m: &MessageSummary) -> String {
     format!(
-        "{:>10}  {:<9}  {:<32}  {:<16}  {:>3}  {:<20}  {}",
+        "{:>10}  {:<11}  {:<32}  {:<16}  {:>3}  {:<20}  {}",
         m.id,
         state_name(m),
         cut(&m.topic, 32),

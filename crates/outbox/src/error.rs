@@ -71,6 +71,10 @@ pub enum EnqueueError {
     /// committed; commit it later instead.
     #[error("a prepared message cannot have a delay: it is published when committed")]
     PreparedWithDelay,
+    /// The message id is in the outbox table already (a prepare sent twice: the first one
+    /// wrote the row; look it up, or decide it).
+    #[error("message id {0} is already in the outbox")]
+    DuplicateMessageId(uuid::Uuid),
     /// A check-back whose delays are out of range ([`crate::two_phase::CheckBack`]).
     #[error("invalid check-back: {0}")]
     InvalidCheckBack(String),

@@ -434,7 +434,8 @@ impl Collector for RelayStateCollector {
 
 /// The outbox backlog, sampled from [`Store::stats`] every `interval` by a task, so a scrape
 /// costs no query: gauges `outbox_backlog_pending_messages`, `…_failed_messages`,
-/// `…_awaiting_confirmation_messages` (rows), `…_oldest_pending_age_seconds`,
+/// `…_awaiting_confirmation_messages`, `…_prepared_messages`, `…_undecided_messages` (rows),
+/// `…_oldest_pending_age_seconds`,
 /// `…_oldest_unconfirmed_age_seconds` (0 when none) and `outbox_backlog_sample_age_seconds`.
 /// Nothing is exported before the first successful sample (alert on the series' absence too).
 #[derive(Debug, Default)]
@@ -526,6 +527,18 @@ impl Collector for BacklogCollector {
             "outbox_backlog_failed_messages",
             "FAILED rows (dead letters).",
             count(Status::Failed),
+        )?;
+        gauge(
+            e,
+            "outbox_backlog_prepared_messages",
+            "PREPARED rows: two-phase messages not decided yet (docs/two-phase.md).",
+            count(Status::Prepared),
+        )?;
+        gauge(
+            e,
+            "outbox_backlog_undecided_messages",
+            "UNDECIDED rows: two-phase messages parked for an operator (alert when above 0).",
+            count(Status::Undecided),
         )?;
         let sampled = at.elapsed().unwrap_or_default();
         gauge(

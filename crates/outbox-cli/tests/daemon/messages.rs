@@ -146,6 +146,10 @@ fn admin_command_serves_the_api_with_its_token() {
         let id = v["message_id"].as_str().unwrap().to_owned();
         let (code, body) = request(&addr, "GET", &format!("/api/messages/{id}"), None, "").await;
         assert!(code == 200 && body.contains("\"PREPARED\""), "{code} {body}");
+        assert!(body.contains("https://orders.example/check-back"), "the target shows: {body}");
+        let again = prepare.replacen('{', &format!(r#"{{"message_id":"{id}","#), 1);
+        let (code, body) = request(&addr, "POST", "/api/prepared", Some("tok"), &again).await;
+        assert!(code == 409 && body.contains("already"), "a second prepare: {code} {body}");
         let commit = format!("/api/prepared/{id}/commit");
         let (code, body) = request(&addr, "POST", &commit, Some("tok"), "").await;
         assert!(code == 200 && body.contains("\"now\""), "{code} {body}");

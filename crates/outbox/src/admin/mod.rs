@@ -213,6 +213,10 @@ pub struct MessageDetail {
     pub headers_raw: Option<String>,
     /// The payload, rendered.
     pub payload: RenderedPayload,
+    /// A two-phase message's check-back target (a URL or `hook:<name>`; [`crate::two_phase`]);
+    /// `None` for other messages.
+    #[serde(default)]
+    pub check_back: Option<String>,
 }
 
 /// A payload as an operator reads it: JSON pretty-printed, else UTF-8 text, else hex.
@@ -448,7 +452,7 @@ impl std::str::FromStr for Status {
     type Err = String;
 
     /// A state name in any case: `pending`, `sending`, `sent`, `confirmed`, `failed`,
-    /// `prepared`, `rejected`.
+    /// `prepared`, `rejected`, `rolled_back`, `undecided`.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         Status::ALL
             .into_iter()

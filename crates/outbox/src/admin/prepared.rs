@@ -106,6 +106,9 @@ async fn prepare(
             Ok((StatusCode::CREATED, Json(json!({ "message_id": id }))).into_response())
         }
         Err(crate::error::EnqueueError::Database(e)) => Err(e.into()),
+        Err(e @ crate::error::EnqueueError::DuplicateMessageId(_)) => {
+            Err(ApiError(StatusCode::CONFLICT, e.to_string()))
+        }
         Err(e) => Err(bad("message", e)),
     }
 }

@@ -38,7 +38,7 @@ impl HttpChecker {
     /// built.
     pub fn new(policy: &CheckBackPolicy) -> Result<Self, ConfigError> {
         let signer = policy
-            .secret
+            .resolved_secret()?
             .as_deref()
             .map(WebhookSigner::new)
             .transpose()

@@ -339,6 +339,9 @@ pub struct CheckBackPolicy {
     /// written out or shown.
     #[serde(skip_serializing)]
     pub secret: Option<String>,
+    /// The name of an environment variable holding the `whsec_…` secret instead (read when
+    /// the relay is built), so the secret need not be written in a file.
+    pub secret_env: Option<String>,
 }
 
 crate::redact::redacted_debug!(CheckBackPolicy {
@@ -350,6 +353,7 @@ crate::redact::redacted_debug!(CheckBackPolicy {
     concurrency: plain,
     poll_interval: plain,
     secret: secret,
+    secret_env: plain,
 });
 
 impl Default for CheckBackPolicy {
@@ -363,6 +367,7 @@ impl Default for CheckBackPolicy {
             concurrency: 16,
             poll_interval: Duration::from_secs(1),
             secret: None,
+            secret_env: None,
         }
     }
 }
@@ -393,12 +398,32 @@ impl CheckBackPolicy {
         if !(1..=256).contains(&self.concurrency) {
             return f("concurrency", "must be 1 to 256");
         }
+        if self.secret.is_some() && self.secret_env.is_some() {
+            return f("secret_env", "give secret or secret_env, not both");
+        }
         #[cfg(feature = "webhook")]
-        if let Some(s) = &self.secret {
-            crate::transport::webhook::WebhookSigner::new(s)
+        if let Some(s) = self.resolved_secret()? {
+            crate::transport::webhook::WebhookSigner::new(&s)
                 .map_err(|e| ConfigError::new("relay.check_back.secret", e.reason))?;
         }
         Ok(())
+    }
+
+    /// The signing secret: `secret`, or the value of the variable `secret_env` names.
+    ///
+    /// # Errors
+    /// [`ConfigError`] on `relay.check_back.secret_env` when that variable is not set.
+    pub fn resolved_secret(&self) -> Result<Option<String>, ConfigError> {
+        match (&self.secret, &self.secret_env) {
+            (Some(s), _) => Ok(Some(s.clone())),
+            (None, Some(var)) => std::env::var(var).map(Some).map_err(|_| {
+                ConfigError::new(
+                    "relay.check_back.secret_env",
+                    format!("the environment variable {var} is not set"),
+                )
+            }),
+            (None, None) => Ok(None),
+        }
     }
 
     /// The backoff after `errors` consecutive errors.
@@ -479,6 +504,8 @@ pub struct DuePrepared {
     pub errors: u32,
     /// Whether the row's decision deadline has passed (database clock).
     pub past_deadline: bool,
+    /// Time left until the decision deadline (zero once past), if it has one.
+    pub until_deadline: Option<Duration>,
 }
 
 /// The due PREPARED rows of some buckets ([`Store::due_prepared`](crate::Store::due_prepared)).
@@ -508,12 +535,21 @@ pub struct CheckUpdate {
 }
 
 /// The next state of a due row after `result` (a pure decision: the relay writes it fenced by
-/// the bucket lease).
+/// the bucket lease). The next check is never later than the decision deadline, so a message is
+/// parked at its deadline whatever the interval or backoff.
 pub(crate) fn next(
     row: &DuePrepared,
     result: &CheckResult,
     policy: &CheckBackPolicy,
 ) -> CheckUpdate {
+    let mut update = decide(row, result, policy);
+    if let Some(left) = row.until_deadline {
+        update.delay = update.delay.min(left);
+    }
+    update
+}
+
+fn decide(row: &DuePrepared, result: &CheckResult, policy: &CheckBackPolicy) -> CheckUpdate {
     let checks = row.request.checks;
     match result {
         CheckResult::Answered(Answer::Commit) => CheckUpdate {
@@ -598,7 +634,22 @@ mod tests {
             bucket: 0,
             errors,
             past_deadline,
+            until_deadline: None,
         }
+    }
+
+    #[test]
+    fn the_next_check_is_never_after_the_deadline() {
+        let p = CheckBackPolicy::default();
+        let mut r = row(1, 3, false);
+        r.until_deadline = Some(Duration::from_millis(700));
+        let u = next(&r, &CheckResult::Answered(Answer::Unknown), &p);
+        assert_eq!(
+            (u.status, u.delay),
+            (Status::Prepared, Duration::from_millis(700))
+        );
+        let u = next(&r, &CheckResult::Error("down".into()), &p);
+        assert!(u.delay <= Duration::from_millis(700));
     }
 
     #[test]

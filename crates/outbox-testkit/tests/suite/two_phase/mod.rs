@@ -206,6 +206,12 @@ pub async fn producer_decides(fx: &dyn StoreFixture) {
         .await
         .unwrap();
     assert_eq!(status(fx, a).await, Status::Prepared);
+    // A prepare sent again (a retry after a timeout) is named, not a database error.
+    let again = NewMessage::new("orders", "a").with_message_id(a);
+    assert!(matches!(
+        store.prepare(again, &late).await,
+        Err(outbox::EnqueueError::DuplicateMessageId(id)) if id == a
+    ));
     // A third, plain message: once it is published, the relay has read past the prepared ones.
     let plain = fx
         .enqueue_commit(vec![NewMessage::new("orders", "plain")])
@@ -498,7 +504,10 @@ pub async fn deadline_parks(fx: &dyn StoreFixture) {
         fast_policy(),
         &[("orders", script.clone())],
     );
-    let cb = hooked("orders").deadline(Duration::from_millis(500));
+    // The first check would come after an hour: the deadline brings it forward.
+    let cb = hooked("orders")
+        .after(Duration::from_secs(3600))
+        .deadline(Duration::from_millis(500));
     let id = fx
         .store()
         .prepare(NewMessage::new("orders", "x"), &cb)

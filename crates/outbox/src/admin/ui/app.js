@@ -299,7 +299,7 @@ async function detail(id) {
     ["Created", when(m.created_at)], ["Available", when(m.available_at)], ["Sent", when(m.sent_at)],
     ["Confirmed", when(m.confirmed_at)], ["Confirm deadline", when(m.confirm_deadline)], ["Updated", when(m.updated_at)],
     ["Last error", `<span class="c-FAILED">${esc(m.last_error || "–")}</span>`],
-  ];
+  ].concat(m.check_back ? [["Check-back", `<code>${esc(m.check_back)}</code>`]] : []);
   const hdrs = Object.entries(m.headers).map(([k, v]) => `<tr><td>${esc(k)}</td><td>${esc(v)}</td></tr>`).join("");
   main.innerHTML = `<h1>Message ${m.id} ${badge(m.status, m.status_number)}</h1>
     <div class="actions">

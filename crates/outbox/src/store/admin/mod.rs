@@ -479,7 +479,7 @@ admin_impl! {
         let mut sql = Sql::new(
             d,
             format!(
-                "SELECT {}, {}, payload FROM {table} WHERE 1 = 1",
+                "SELECT {}, {}, payload, check_back FROM {table} WHERE 1 = 1",
                 summary_columns(d),
                 (d.text)("headers")
             ),
@@ -505,7 +505,9 @@ admin_impl! {
                 None,
             ),
         };
+        let check_back = row.try_get::<Option<String>, _>(18).ok().flatten();
         Ok(Some(MessageDetail {
+            check_back,
             summary,
             headers,
             headers_error,

@@ -77,7 +77,13 @@ admin_impl! {
         let h = sql.arg(Arg::Text(headers));
         let payload = sql.arg(Arg::Bytes(msg.payload.clone()));
         let max = sql.arg(Arg::OptInt(msg.max_attempts.map(i64::from)));
-        let due = now_plus(&mut sql, crate::store::millis(check_back.check_after()));
+        // The first check no later than the deadline, so that a message is parked at its
+        // deadline even when `check_after` is longer.
+        let first = match check_back.decision_deadline() {
+            Some(d) => check_back.check_after().min(d),
+            None => check_back.check_after(),
+        };
+        let due = now_plus(&mut sql, crate::store::millis(first));
         let deadline = match check_back.decision_deadline() {
             Some(d) => now_plus(&mut sql, crate::store::millis(d)),
             None => "NULL".to_owned(),
@@ -93,7 +99,12 @@ admin_impl! {
         sql.query::<DB>()
             .execute(self.pool)
             .await
-            .map_err(|e| EnqueueError::Database(crate::store::db_error("prepare", table, e)))?;
+            .map_err(|e| match &e {
+                sqlx::Error::Database(d) if d.is_unique_violation() => {
+                    EnqueueError::DuplicateMessageId(msg.message_id)
+                }
+                _ => EnqueueError::Database(crate::store::db_error("prepare", table, e)),
+            })?;
         Ok(msg.message_id)
     }
 
@@ -165,7 +176,8 @@ admin_impl! {
             d,
             format!(
                 "SELECT id, {mid}, topic, partition_key, {headers}, check_back, {checks}, {errors}, \
-                 {bucket}, {past} FROM {table} WHERE status = {PREPARED} AND available_at <= {now}",
+                 {bucket}, {past}, {left} FROM {table} WHERE status = {PREPARED} AND available_at <= {now}",
+                left = (d.int)(&format!("({}) - ({})", (d.ms)("confirm_deadline"), (d.ms)(now))),
                 past = (d.int)(&format!(
                     "CASE WHEN confirm_deadline IS NOT NULL AND confirm_deadline <= {now} THEN 1 ELSE 0 END"
                 )),
@@ -229,6 +241,11 @@ admin_impl! {
             bucket,
             errors: u32::try_from(int(7)).unwrap_or(0),
             past_deadline: int(9) != 0,
+            until_deadline: row
+                .try_get::<Option<i64>, _>(10)
+                .ok()
+                .flatten()
+                .map(|ms| std::time::Duration::from_millis(u64::try_from(ms).unwrap_or(0))),
         })
     }
 
