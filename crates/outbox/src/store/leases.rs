@@ -2,10 +2,9 @@
 //! their leases, membership rounds, the rows read from owned buckets and their fenced
 //! completions, and the route sets relays advertise.
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
-use super::{LeaseToken, Outcome, StoreError, millis};
+use super::{LeaseToken, Outcome, millis};
 use crate::message::{Message, Status};
 
 /// Buckets per outbox table: a constant of the schema (migration v4). Every row's `bucket`
@@ -272,10 +271,10 @@ pub(crate) async fn read_in_rounds<R, F, Fut>(
     buckets: &[Bucket],
     limit: u32,
     mut fetch: F,
-) -> Result<Vec<(Bucket, i64, R)>, StoreError>
+) -> Result<Vec<(Bucket, i64, R)>, super::StoreError>
 where
     F: FnMut(Vec<(Bucket, i64)>, u32, u32) -> Fut,
-    Fut: std::future::Future<Output = Result<Vec<(Bucket, i64, R)>, StoreError>>,
+    Fut: std::future::Future<Output = Result<Vec<(Bucket, i64, R)>, super::StoreError>>,
 {
     let mut seen = std::collections::HashSet::new();
     let mut parts: Vec<(Bucket, i64)> = buckets
@@ -292,7 +291,7 @@ where
         let k = per_bucket_limit(remaining, parts.len());
         let rows = fetch(parts.clone(), k, remaining).await?;
         let full = u32::try_from(rows.len()).unwrap_or(u32::MAX) >= remaining;
-        let mut last: BTreeMap<Bucket, (u32, i64)> = BTreeMap::new();
+        let mut last: std::collections::BTreeMap<Bucket, (u32, i64)> = Default::default();
         for (bucket, id, _) in &rows {
             let e = last.entry(*bucket).or_insert((0, i64::MIN));
             e.0 += 1;
