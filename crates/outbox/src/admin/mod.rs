@@ -320,7 +320,8 @@ pub enum Action {
     /// 'discarded'`: out of the outbox, never silently lost.
     Discard,
     /// UNDECIDED → PREPARED: a parked two-phase message is checked back again at once, with a
-    /// fresh budget of `max_checks` ([`crate::two_phase`]).
+    /// fresh budget of `max_checks` and no decision deadline (the one it had has passed or
+    /// parked it) ([`crate::two_phase`]).
     Resume,
 }
 

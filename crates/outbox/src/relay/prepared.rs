@@ -75,7 +75,10 @@ async fn round(relay: &Relay, limit: u32) -> Result<usize, StoreError> {
             delay: Duration::ZERO,
             note: Some(format!("undecided: malformed prepared row: {reason}")),
         };
-        let token = leases[&bucket];
+        // Read from held buckets only; a bucket lost meanwhile is left to its new owner.
+        let Some(&token) = leases.get(&bucket) else {
+            continue;
+        };
         if inner
             .store
             .record_check(relay_name, id, bucket, token, &update)

@@ -521,6 +521,25 @@ pub async fn deadline_parks(fx: &dyn StoreFixture) {
         note.contains("deadline") && note.contains("database is down"),
         "{note}"
     );
+    // Resumed by an operator: the passed deadline goes with it, so failing checks keep it
+    // PREPARED (not counted) instead of parking it again at once.
+    let row = fx.row(id).await.id;
+    let report = fx
+        .store()
+        .act(Action::Resume, &Selection::Ids(vec![row]))
+        .await
+        .unwrap();
+    assert_eq!(report.changed, 1);
+    let calls = script.calls(id);
+    wait_until("two more failed check-backs", WAIT, || async {
+        script.calls(id) >= calls + 2
+    })
+    .await;
+    assert_eq!(
+        status(fx, id).await,
+        Status::Prepared,
+        "resumed, not parked again"
+    );
     // The producer comes back and decides: an undecided message can still be committed.
     assert_eq!(fx.store().commit_prepared(id).await.unwrap(), Decided::Now);
     wait_published(&mem, id).await;

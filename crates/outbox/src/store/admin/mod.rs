@@ -716,7 +716,9 @@ admin_impl! {
                 format!("DELETE FROM {table} WHERE status = {FAILED}"),
             ],
             Action::Resume => vec![format!(
-                "UPDATE {table} SET status = {PREPARED}, check_backs = 0, attempts = 0,                  available_at = {now}, updated_at = {now} WHERE status = {UNDECIDED}"
+                "UPDATE {table} SET status = {PREPARED}, check_backs = 0, attempts = 0, \
+                 confirm_deadline = NULL, available_at = {now}, updated_at = {now} \
+                 WHERE status = {UNDECIDED}"
             )],
         };
         self.locked_chunk("admin action", &pick_sql, &statements)
