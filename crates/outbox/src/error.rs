@@ -571,7 +571,10 @@ impl InboxError {
 }
 
 /// `first` followed by `source` and its own sources, each after `": "`.
-fn with_sources(mut first: String, source: Option<&(dyn std::error::Error + 'static)>) -> String {
+pub(crate) fn with_sources(
+    mut first: String,
+    source: Option<&(dyn std::error::Error + 'static)>,
+) -> String {
     let mut src = source;
     while let Some(e) = src {
         first.push_str(": ");

@@ -78,13 +78,13 @@ impl HttpChecker {
             .body(body)
             .send()
             .await
-            .map_err(|e| format!("POST {}: {}", crate::redact::url(url), error_chain(&e)))?;
+            .map_err(|e| format!("POST {}: {}", crate::redact::url(url), chain(&e)))?;
         let status = resp.status();
         let mut text = Vec::new();
         while let Some(chunk) = resp
             .chunk()
             .await
-            .map_err(|e| format!("reading the answer: {}", error_chain(&e)))?
+            .map_err(|e| format!("reading the answer: {}", chain(&e)))?
         {
             text.extend_from_slice(&chunk);
             if text.len() > MAX_BODY {
@@ -104,13 +104,6 @@ impl HttpChecker {
 
 /// `e` and its sources, `: `-separated (reqwest's own message says little: "error sending
 /// request").
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
+fn chain(e: &reqwest::Error) -> String {
+    crate::error::with_sources(e.to_string(), std::error::Error::source(e))
 }
