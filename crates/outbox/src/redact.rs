@@ -9,6 +9,12 @@ pub(crate) fn plain<T>(value: &T) -> &T {
 
 /// A URL with any password replaced by `***` (`scheme://user:***@host…`); a URL without one
 /// unchanged.
+#[cfg(any(
+    feature = "webhook",
+    feature = "redis",
+    feature = "mqtt",
+    feature = "rabbitmq"
+))]
 pub(crate) fn url(url: &str) -> String {
     match (url.find("://"), url.rfind('@')) {
         (Some(s), Some(at)) if at > s => match url[s + 3..at].split_once(':') {
@@ -45,6 +51,12 @@ mod tests {
     use super::*;
 
     #[test]
+    #[cfg(any(
+        feature = "webhook",
+        feature = "redis",
+        feature = "mqtt",
+        feature = "rabbitmq"
+    ))]
     fn urls_lose_their_password_only() {
         assert_eq!(
             url("amqp://guest:hunter2@h:5672/%2f"),

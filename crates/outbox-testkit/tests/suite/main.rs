@@ -77,6 +77,7 @@ macro_rules! effect_handler {
 }
 
 mod admin;
+mod admin_inbox;
 mod cases;
 mod cases_faults;
 mod cases_fencing;
