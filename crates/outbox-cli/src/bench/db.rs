@@ -246,12 +246,14 @@ async fn connect(
             Pool::My(server_pool(o, max, acquire, peers).await?)
         }
         Dialect::Sqlite => {
-            // As SqliteStore::connect opens a file: WAL, synchronous FULL, 10 s busy timeout.
+            // As SqliteStore::connect opens a file: WAL, synchronous FULL, 10 s busy timeout, its row
+            // buffer.
             let mut o = SqliteConnectOptions::from_str(url)?
                 .create_if_missing(true)
                 .journal_mode(SqliteJournalMode::Wal)
                 .synchronous(sqlx::sqlite::SqliteSynchronous::Full)
-                .busy_timeout(Duration::from_secs(10));
+                .busy_timeout(Duration::from_secs(10))
+                .row_buffer_size(outbox::store::sqlite::ROW_BUFFER);
             if !log {
                 o = o.disable_statement_logging();
             }

@@ -107,7 +107,7 @@ use health::Health;
 use maintenance::maintenance_loop;
 use membership::membership_loop;
 use metrics::add;
-use ownership::{InFlight, Ownership};
+use ownership::{InFlight, Ownership, lane_share};
 use publish::{Published, panic_message};
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -420,6 +420,9 @@ impl Relay {
         let mut read_first = true;
         // The last read found nothing: due rows the database still reports are held back.
         let mut last_read_empty = false;
+        // The last read filled a whole batch: a backlog, so the free lanes share the buckets.
+        let mut backlog = false;
+        let split_lanes = inner.store.lanes_share_buckets();
         tracing::info!(relay = %cfg.name, store = inner.store.backend(), table = inner.store.table(), "relay started");
 
         while !cancel.is_cancelled() {
@@ -452,7 +455,14 @@ impl Relay {
                 }
             }
             let free = if batches.len() < cfg.in_flight_batches {
-                self.free_buckets()
+                let mut free = self.free_buckets();
+                if backlog && split_lanes {
+                    free.truncate(lane_share(
+                        free.len(),
+                        cfg.in_flight_batches - batches.len(),
+                    ));
+                }
+                free
             } else {
                 Vec::new()
             };
@@ -504,6 +514,7 @@ impl Relay {
                         read_failures = 0;
                         let n = batch.rows.len() + batch.malformed.len();
                         last_read_empty = n == 0;
+                        backlog = n >= cfg.batch_size as usize;
                         if n > 0 {
                             add(&inner.metrics.claimed, n as u64);
                             if let Some(work) = self.take_batch(batch, &free, read_at) {

@@ -66,6 +66,15 @@ pub(super) struct RoundChange {
     pub(super) release: Vec<(Bucket, LeaseToken)>,
 }
 
+/// How many of `free` buckets one read takes while a backlog lasts (the last read filled a
+/// whole batch) and `lanes` batches may still start: an even share, rounded up, so the free
+/// lanes read disjoint buckets and one batch's publish and completion overlap the next one's
+/// read. Without the split the first read takes a row from nearly every bucket (a batch of
+/// 500 rows over 64 buckets) and the second lane finds none free (docs/benchmarks.md, "Lanes").
+pub(super) fn lane_share(free: usize, lanes: usize) -> usize {
+    free.div_ceil(lanes.max(1))
+}
+
 impl Ownership {
     /// Held buckets not in flight and not being handed over (`handing_over`) whose lease outlasts
     /// `horizon` (now + `publish_timeout`), rotated by one more place at each call so no bucket
@@ -503,6 +512,17 @@ mod tests {
         let t1 = t0 + LEASE;
         let c = own.apply_round(&sent, &round(0, &[7], &[], &[]), t1, t1, LEASE, PUBLISH);
         assert_eq!(c.release, vec![(7, token(7))]);
+    }
+
+    #[test]
+    fn lanes_share_the_free_buckets_rounded_up() {
+        assert_eq!(lane_share(64, 2), 32);
+        assert_eq!(lane_share(63, 2), 32);
+        assert_eq!(lane_share(32, 1), 32);
+        assert_eq!(lane_share(5, 4), 2);
+        assert_eq!(lane_share(1, 3), 1);
+        assert_eq!(lane_share(0, 2), 0);
+        assert_eq!(lane_share(7, 0), 7);
     }
 
     #[tokio::test(start_paused = true)]

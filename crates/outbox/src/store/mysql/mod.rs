@@ -420,6 +420,11 @@ impl Store for MySqlStore {
         Ok(matched)
     }
 
+    /// MySQL/MariaDB: a completion waits on its commit; the next read overlaps it.
+    fn lanes_share_buckets(&self) -> bool {
+        true
+    }
+
     async fn next_due_in_buckets(
         &self,
         buckets: &[Bucket],
