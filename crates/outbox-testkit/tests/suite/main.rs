@@ -92,6 +92,7 @@ mod db_roles;
 mod dead_client;
 mod inbox;
 mod kafka;
+mod lanes;
 mod model;
 mod mqtt;
 mod ordering;

@@ -421,7 +421,10 @@ impl Relay {
         // The last read found nothing: due rows the database still reports are held back.
         let mut last_read_empty = false;
         // The last read filled a whole batch: a backlog, so the free lanes share the buckets.
-        let mut backlog = false;
+        // Assumed at start (a relay usually starts on a backlog): otherwise the first read takes
+        // a row from nearly every bucket and the other lanes wait for that batch to end. When
+        // there is none, the first read finds its share empty and the next reads them all.
+        let mut backlog = true;
         let split_lanes = inner.store.lanes_share_buckets();
         tracing::info!(relay = %cfg.name, store = inner.store.backend(), table = inner.store.table(), "relay started");
 
