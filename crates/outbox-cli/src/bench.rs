@@ -33,6 +33,7 @@
 //! on the broker (the library has no topic deletion).
 
 mod broker;
+mod consume;
 mod db;
 mod drain;
 mod producers;
@@ -102,6 +103,9 @@ pub enum Scenario {
     Search,
     /// Retention of a large table row by row against dropping day partitions (PostgreSQL).
     Retention,
+    /// The consumer side: a raw consumer (acknowledge, no database) against the inbox runner
+    /// with one transaction per message and with `--inbox-batch` messages per transaction.
+    Consume,
 }
 
 /// Options of `outbox bench`.
@@ -153,6 +157,20 @@ pub struct BenchArgs {
     /// Messages in flight in the raw broker run.
     #[arg(long, default_value_t = 20_000)]
     pub broker_window: usize,
+
+    /// Lanes (by partition key) of the consumers of the `consume` scenario
+    /// (`runner.concurrency`).
+    #[arg(long, default_value_t = 4)]
+    pub consumer_lanes: usize,
+
+    /// Messages per fetch of the consumers of the `consume` scenario.
+    #[arg(long, default_value_t = 500)]
+    pub consumer_fetch: usize,
+
+    /// Most messages per inbox transaction of the batched consumer of the `consume` scenario
+    /// (`runner.inbox_batch`).
+    #[arg(long, default_value_t = 100)]
+    pub inbox_batch: usize,
 
     /// Relay instance counts of the scaling scenario, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
@@ -221,6 +239,15 @@ impl BenchArgs {
         }
         if self.in_flight == Some(0) {
             return Err("--in-flight must be at least 1".into());
+        }
+        if !(1..=256).contains(&self.consumer_lanes) {
+            return Err("--consumer-lanes must be 1 to 256".into());
+        }
+        if !(1..=10_000).contains(&self.consumer_fetch) {
+            return Err("--consumer-fetch must be 1 to 10000".into());
+        }
+        if !(1..=10_000).contains(&self.inbox_batch) {
+            return Err("--inbox-batch must be 1 to 10000".into());
         }
         if self.broker_window == 0 {
             return Err("--broker-window must be at least 1".into());
@@ -561,6 +588,9 @@ impl Bench {
         if self.args.runs(Scenario::Retention) {
             self.report.retention = Some(self.retention_run().await?);
         }
+        if self.args.runs(Scenario::Consume) {
+            self.report.consume = self.consume_run().await?;
+        }
         Ok(())
     }
 
@@ -585,6 +615,9 @@ impl Bench {
         put("batch_size", a.batch_size.into());
         put("in_flight_batches", a.in_flight().into());
         put("broker_window", a.broker_window.into());
+        put("consumer_lanes", a.consumer_lanes.into());
+        put("consumer_fetch", a.consumer_fetch.into());
+        put("inbox_batch", a.inbox_batch.into());
         put("relays", serde_json::json!(a.relays));
         put("rate", a.rate.into());
         put("producers", a.producers.into());

@@ -60,7 +60,7 @@ pub use error::{
     StoreErrorKind, TransportError, TransportErrorKind,
 };
 pub use ident::TableName;
-pub use inbox::{DeadLetter, Handler, Inbox, InboxBackend, Processed, Replayed};
+pub use inbox::{BatchOutcome, DeadLetter, Handler, Inbox, InboxBackend, Processed, Replayed};
 pub use message::{Headers, InboundMessage, Limits, Message, NewMessage, Status};
 pub use relay::{
     MetricsSnapshot, Relay, RelayBuilder, RelayConfig, RelayHandle, RelayHealth, RelayHooks,

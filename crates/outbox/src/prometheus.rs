@@ -308,6 +308,16 @@ const CONSUMER_COUNTERS: &[ConsumerCounterSpec] = &[
         |m| &m.lost,
     ),
     (
+        "outbox_consumer_inbox_batches",
+        "Inbox transactions that committed a batch of several messages together.",
+        |m| &m.inbox_batches,
+    ),
+    (
+        "outbox_consumer_inbox_batch_splits",
+        "Inbox batches rolled back at a failing handler and applied again around it.",
+        |m| &m.inbox_batch_splits,
+    ),
+    (
         "outbox_consumer_confirmations_sent",
         "Confirmations sent to the producer.",
         |m| &m.confirmations_sent,

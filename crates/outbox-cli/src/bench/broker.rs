@@ -147,6 +147,27 @@ pub trait Broker: Send + Sync {
         Ok(None)
     }
 
+    /// Start this broker's consumer source as consumer group `group` (reading every message of
+    /// the destination from the first, `fetch` per fetch), applying through `apply` with
+    /// `runner`, in a task that ends at `cancel` (the `consume` scenario).
+    ///
+    /// # Errors
+    /// A broker the scenario has no consumer for (the default), or a failed set-up.
+    async fn consume(
+        &self,
+        _group: &str,
+        _apply: super::consume::Apply,
+        _runner: outbox::consumer::RunnerSettings,
+        _fetch: usize,
+        _metrics: Arc<outbox::consumer::ConsumerMetrics>,
+        _cancel: CancellationToken,
+    ) -> anyhow::Result<JoinHandle<anyhow::Result<()>>> {
+        anyhow::bail!(
+            "--only consume: no consumer for {} in the bench yet (NATS has one)",
+            self.describe()
+        )
+    }
+
     /// Remove what the bench created on the broker.
     async fn cleanup(&self) -> anyhow::Result<()>;
 }
@@ -379,6 +400,24 @@ impl Broker for Nats {
                 }
             }
         })))
+    }
+
+    async fn consume(
+        &self,
+        group: &str,
+        apply: super::consume::Apply,
+        runner: outbox::consumer::RunnerSettings,
+        fetch: usize,
+        metrics: Arc<outbox::consumer::ConsumerMetrics>,
+        cancel: CancellationToken,
+    ) -> anyhow::Result<JoinHandle<anyhow::Result<()>>> {
+        use outbox::consumer::nats::{NatsConsumerConfig, NatsSource};
+        let mut config = NatsConsumerConfig::new(&self.stream, group);
+        config.batch = fetch;
+        config.runner = runner;
+        let options = outbox::consumer::source::ConsumeOptions::new(&config.runner, fetch);
+        let source = NatsSource::new(self.transport.jetstream().clone(), config);
+        Ok(tokio::spawn(apply.run(source, options, metrics, cancel)))
     }
 
     async fn cleanup(&self) -> anyhow::Result<()> {

@@ -410,6 +410,20 @@ impl Db {
         Ok(())
     }
 
+    /// Rows in `table`.
+    ///
+    /// # Errors
+    /// The database error.
+    pub async fn count(&self, table: &str) -> anyhow::Result<u64> {
+        let sql = AssertSqlSafe(format!("SELECT COUNT(*) FROM {table}"));
+        let n: i64 = match &self.control {
+            Pool::Pg(p) => sqlx::query_scalar(sql).fetch_one(p).await?,
+            Pool::My(p) => sqlx::query_scalar(sql).fetch_one(p).await?,
+            Pool::Lite(p) => sqlx::query_scalar(sql).fetch_one(p).await?,
+        };
+        Ok(n.max(0) as u64)
+    }
+
     /// Drop table `table` if it exists.
     ///
     /// # Errors

@@ -88,9 +88,20 @@ impl Bench {
 
     /// The raw broker publish run: `--messages` through the transport, no database.
     pub(super) async fn broker_run(&mut self) -> anyhow::Result<Drain> {
-        let n = self.args.messages;
         self.broker.reset().await?;
         let load_start = loadavg();
+        let (w, stored) = self.publish_backlog("broker publish (no database)").await?;
+        Ok(self.drain_result("broker", 1, &w, load_start, stored, None, None))
+    }
+
+    /// Publish `--messages` messages (outbox headers, no partition key) straight through the
+    /// transport, `--broker-window` in flight; check the broker holds them all where it can
+    /// tell. Returns the timing and what the broker holds.
+    pub(super) async fn publish_backlog(
+        &self,
+        label: &str,
+    ) -> anyhow::Result<(Watched, Option<u64>)> {
+        let n = self.args.messages;
         let done = Arc::new(AtomicU64::new(0));
         let transport = self.broker.transport();
         let destination = self.broker.destination().replace("{topic}", TOPIC);
@@ -138,7 +149,7 @@ impl Bench {
             }
             Ok(())
         });
-        let bar = self.bar(n, "broker publish (no database)");
+        let bar = self.bar(n, label);
         let w = self
             .watch(&bar, n, None, || done.load(Ordering::Relaxed), work)
             .await?;
@@ -146,9 +157,9 @@ impl Bench {
         if let Some(s) = stored
             && s < n
         {
-            bail!("raw broker run: the broker holds {s} of the {n} messages published");
+            bail!("{label}: the broker holds {s} of the {n} messages published");
         }
-        Ok(self.drain_result("broker", 1, &w, load_start, stored, None, None))
+        Ok((w, stored))
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -62,6 +62,37 @@ pub(super) fn render(r: &Report) -> String {
     section("Rate in each tenth of the drain", &t);
 
     let mut t = Table::new([
+        "consumer",
+        "msg/s",
+        "x raw consumer",
+        "x 1 msg/transaction",
+        "batches",
+        "last/first 10%",
+        "seconds",
+        "load",
+    ]);
+    for d in &r.consume {
+        t.row([
+            match d.name.as_str() {
+                "consume-raw" => "raw consumer: ack, no database".to_owned(),
+                "consume-inbox-1" => "inbox, 1 message per transaction".to_owned(),
+                _ => "inbox, batched transactions".to_owned(),
+            },
+            fmt_count(d.rate),
+            fmt_ratio(d.vs_raw_consumer),
+            fmt_ratio(d.vs_inbox_1),
+            d.inbox_batches.map_or("-".into(), |b| fmt_count(b as f64)),
+            d.flatness.map_or("-".into(), |f| format!("{f:.2}")),
+            format!("{:.1}", d.seconds),
+            fmt_load(d.load),
+        ]);
+    }
+    section(
+        "Consumers (same run, same messages, a consumer group each)",
+        &t,
+    );
+
+    let mut t = Table::new([
         "database cost",
         "stmts/msg",
         "rows affected/msg",

@@ -41,6 +41,8 @@ pub struct Report {
     pub drain: Option<Drain>,
     /// `outbox::Relay` instances draining the same backlog size, one entry per instance count.
     pub scaling: Vec<Drain>,
+    /// The `consume` scenario: `consume-raw`, `consume-inbox-1`, `consume-inbox-batch`.
+    pub consume: Vec<Drain>,
     /// Commit → broker-ack latency under producers at a fixed rate and at their maximum.
     pub latency: Vec<LatencyRun>,
     /// Business transaction latency with and without the outbox insert, producers at their
@@ -150,6 +152,12 @@ pub struct Drain {
     pub vs_broker: Option<f64>,
     /// `rate` over one relay instance's (scaling).
     pub vs_one_relay: Option<f64>,
+    /// `rate` over the raw consumer's (`consume`).
+    pub vs_raw_consumer: Option<f64>,
+    /// `rate` over the one-transaction-per-message inbox consumer's (`consume`).
+    pub vs_inbox_1: Option<f64>,
+    /// Inbox transactions that committed several messages (`consume`).
+    pub inbox_batches: Option<u64>,
     /// Messages the broker held afterwards (checked against `messages`), where it can tell.
     pub broker_stored: Option<u64>,
     /// What the drain cost the database.
@@ -479,6 +487,22 @@ pub fn fill_ratios(report: &mut Report) {
         fill(d);
     }
     report.scaling.iter_mut().for_each(fill);
+    let consumer = |name: &str| {
+        report
+            .consume
+            .iter()
+            .find(|d| d.name == name)
+            .map(|d| d.rate)
+    };
+    let (raw, one) = (consumer("consume-raw"), consumer("consume-inbox-1"));
+    for d in &mut report.consume {
+        if d.name != "consume-raw" {
+            d.vs_raw_consumer = ratio(Some(d.rate), raw);
+        }
+        if d.name == "consume-inbox-batch" {
+            d.vs_inbox_1 = ratio(Some(d.rate), one);
+        }
+    }
 }
 
 /// The issue's targets from the figures of `report`; a target whose figures were not measured
@@ -505,6 +529,10 @@ pub fn targets(report: &Report) -> Vec<Target> {
         .filter_map(|l| l.commit_to_ack)
         .reduce(|a, b| if b.p99_ms > a.p99_ms { b } else { a });
     let four = report.scaling.iter().find(|d| d.relays == 4);
+    let batch = report
+        .consume
+        .iter()
+        .find(|d| d.name == "consume-inbox-batch");
     vec![
         t(
             "drain vs tuned raw-SQL loop",
@@ -567,6 +595,24 @@ pub fn targets(report: &Report) -> Vec<Target> {
                 .and_then(|e| e.overhead_p50)
                 .map(|o| o * 100.0),
             |v| v <= 10.0,
+        ),
+        t(
+            "batched inbox consumer (issue 17)",
+            ">= 10,000 msg/s on PostgreSQL + NATS",
+            batch.map(|d| d.rate),
+            |v| v >= 10_000.0,
+        ),
+        t(
+            "batched inbox vs one transaction per message",
+            ">= 5x",
+            batch.and_then(|d| d.vs_inbox_1),
+            |v| v >= 5.0,
+        ),
+        t(
+            "batched inbox vs raw consumer",
+            ">= 0.8x where the broker bounds",
+            batch.and_then(|d| d.vs_raw_consumer),
+            |v| v >= 0.8,
         ),
         t(
             "4 relays vs 1",

@@ -613,6 +613,7 @@ async fn webhook_sqlite_confirmed_rejected_and_lost_confirmation() {
         max_deliveries: 3,
         retry: fast_retry(),
         confirmations: Some(sender.clone()),
+        inbox_batch: 1,
     };
     let app = outbox::consumer::webhook::router_with(
         "/in",

@@ -436,6 +436,21 @@ impl outbox::Handler<sqlx::Postgres> for KeyOrderHandler {
     }
 }
 
+/// `keys` keys × `per_key` messages, interleaved: k0#0, k1#0, …, k0#1, …; partition key `k<i>`,
+/// payload the sequence number in its key as text.
+pub fn interleaved(keys: usize, per_key: u32) -> Vec<InboundMessage> {
+    (0..per_key)
+        .flat_map(|seq| {
+            (0..keys).map(move |k| {
+                let mut m = inbound(Uuid::now_v7());
+                m.partition_key = Some(format!("k{k}"));
+                m.payload = seq.to_string().into_bytes();
+                m
+            })
+        })
+        .collect()
+}
+
 /// `deliver_batch`: different keys run in parallel lanes, each key's messages are applied in
 /// batch order, and a failing message holds back the later messages of its own key only (they
 /// are retried with it, never applied before it).
@@ -447,17 +462,7 @@ async fn deliver_batch_keeps_per_key_order_and_holds_back_only_the_failing_key()
         Inbox::<sqlx::Postgres>::new(fx.store.pool().clone(), &fx.inbox_table(), "lanes").unwrap();
     inbox.migrate().await.unwrap();
     let lanes = 4;
-    // 8 keys × 10 messages, interleaved: k0#0, k1#0, …, k7#0, k0#1, …
-    let batch: Vec<InboundMessage> = (0..10u32)
-        .flat_map(|seq| {
-            (0..8).map(move |k| {
-                let mut m = inbound(Uuid::now_v7());
-                m.partition_key = Some(format!("k{k}"));
-                m.payload = seq.to_string().into_bytes();
-                m
-            })
-        })
-        .collect();
+    let batch = interleaved(8, 10);
     let first_of = |key: &str| {
         batch
             .iter()

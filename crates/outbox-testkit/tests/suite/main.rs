@@ -91,6 +91,7 @@ mod crash_mysql;
 mod db_roles;
 mod dead_client;
 mod inbox;
+mod inbox_batch;
 mod kafka;
 mod lanes;
 mod model;

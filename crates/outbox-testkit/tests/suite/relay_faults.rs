@@ -498,6 +498,7 @@ async fn defect_11_attempt_header_counts_from_one() {
             jitter: 0.0,
         },
         confirmations: None,
+        inbox_batch: 1,
     };
     let app = outbox::consumer::webhook::router_with(
         "/in",

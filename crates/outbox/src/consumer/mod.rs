@@ -35,7 +35,7 @@ use tracing::Instrument;
 
 use crate::error::{HandlerError, InboxError};
 use crate::histogram::{Histogram, Seconds};
-use crate::inbox::{Handler, Inbox, InboxBackend, Processed};
+use crate::inbox::{BatchOutcome, Handler, Inbox, InboxBackend, Processed};
 use crate::message::InboundMessage;
 use crate::retry::Backoff;
 use crate::verdict::{Confirmation, ConfirmationSender, HEADER_REPLY_TO, Verdict};
@@ -107,8 +107,15 @@ pub struct ConsumerMetrics {
     /// Deliveries whose message was gone from the broker (e.g. a Redis stream entry trimmed
     /// while pending, shared case C38): logged, acknowledged and counted here.
     pub lost: AtomicU64,
+    /// Inbox transactions that committed a batch of several messages together
+    /// ([`RunnerSettings::inbox_batch`] above 1).
+    pub inbox_batches: AtomicU64,
+    /// Batches rolled back because one message's handler failed, rejected or panicked; the
+    /// messages before it were applied again as a batch and it alone.
+    pub inbox_batch_splits: AtomicU64,
     /// Seconds each delivery spent in the inbox: the duplicate check, the handler and the
-    /// commit of the inbox transaction (a panicking handler included).
+    /// commit of the inbox transaction (a panicking handler included; for a batch, the whole
+    /// batch's transaction, once per message).
     pub handler_duration: Histogram<Seconds>,
 }
 
@@ -120,6 +127,13 @@ pub struct RunnerSettings {
     /// Messages of one fetched batch applied concurrently, in lanes by partition key so each
     /// key's messages stay in order ([`deliver_batch`]). Default 1; at least 1.
     pub concurrency: usize,
+    /// Most messages of a lane applied in one inbox transaction ([`Inbox::process_batch`]):
+    /// one commit for the batch instead of one per message. Default 1 (a transaction per
+    /// message); at least 1. Above 1, a message whose handler fails, rejects or panics rolls
+    /// its batch back, and the messages before it are applied again as a batch (their handlers
+    /// run a second time, the first run's effects rolled back), then it alone, then the rest:
+    /// each message's outcome is the same as with 1, and per-key order is kept.
+    pub inbox_batch: usize,
     /// Delay before a message whose handler failed is delivered again, by delivery count (each
     /// broker's own redelivery where it has one); also paces reconnections. Default 500 ms, ×2,
     /// ≤ 60 s, jitter 0.2.
@@ -141,6 +155,7 @@ impl Default for RunnerSettings {
         let d = DeliveryPolicy::default();
         RunnerSettings {
             concurrency: 1,
+            inbox_batch: d.inbox_batch,
             retry: d.retry,
             max_deliveries: d.max_deliveries,
             confirmations: None,
@@ -154,6 +169,7 @@ impl std::fmt::Debug for RunnerSettings {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RunnerSettings")
             .field("concurrency", &self.concurrency)
+            .field("inbox_batch", &self.inbox_batch)
             .field("retry", &self.retry)
             .field("max_deliveries", &self.max_deliveries)
             .field("confirmations", &self.confirmations.is_some())
@@ -170,18 +186,22 @@ impl RunnerSettings {
             max_deliveries: self.max_deliveries,
             retry: self.retry,
             confirmations: self.confirmations.clone(),
+            inbox_batch: self.inbox_batch,
         }
     }
 
     /// Check the settings.
     ///
     /// # Errors
-    /// [`ConfigError`](crate::ConfigError) naming `runner.concurrency`, `runner.max_deliveries`
-    /// or `runner.maintenance_interval` when zero.
+    /// [`ConfigError`](crate::ConfigError) naming `runner.concurrency`, `runner.inbox_batch`,
+    /// `runner.max_deliveries` or `runner.maintenance_interval` when zero.
     pub fn validate(&self) -> Result<(), crate::error::ConfigError> {
         use crate::error::ConfigError;
         if self.concurrency == 0 {
             return Err(ConfigError::new("runner.concurrency", "must be at least 1"));
+        }
+        if self.inbox_batch == 0 {
+            return Err(ConfigError::new("runner.inbox_batch", "must be at least 1"));
         }
         if self.max_deliveries == 0 {
             return Err(ConfigError::new(
@@ -209,6 +229,9 @@ pub struct DeliveryPolicy {
     pub retry: Backoff,
     /// Where confirmations go out; `None` sends none. Default none.
     pub confirmations: Option<Arc<dyn ConfirmationSender>>,
+    /// Most messages of a lane in one inbox transaction ([`deliver_batch`];
+    /// [`RunnerSettings::inbox_batch`]). Default 1; 0 is treated as 1.
+    pub inbox_batch: usize,
 }
 
 impl std::fmt::Debug for DeliveryPolicy {
@@ -217,6 +240,7 @@ impl std::fmt::Debug for DeliveryPolicy {
             .field("max_deliveries", &self.max_deliveries)
             .field("retry", &self.retry)
             .field("confirmations", &self.confirmations.is_some())
+            .field("inbox_batch", &self.inbox_batch)
             .finish()
     }
 }
@@ -232,6 +256,7 @@ impl Default for DeliveryPolicy {
                 jitter: 0.2,
             },
             confirmations: None,
+            inbox_batch: 1,
         }
     }
 }
@@ -276,13 +301,9 @@ where
             .catch_unwind()
             .await
             .unwrap_or_else(|panic| {
-                let what = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| (*s).to_owned())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "a panic".to_owned());
                 Err(InboxError::Handler(HandlerError::transient(format!(
-                    "the handler panicked: {what}"
+                    "the handler panicked: {}",
+                    crate::inbox::panic_text(panic.as_ref())
                 ))))
             });
         metrics.handler_duration.observe_duration(started.elapsed());
@@ -364,11 +385,15 @@ pub fn lane_of(msg: &InboundMessage, lanes: usize) -> usize {
 /// Deliver a fetched batch through up to `lanes` concurrent lanes, keeping per-key order, and
 /// return one [`Disposition`] per message, in input order.
 ///
-/// Messages are assigned to lanes by [`lane_of`]; each lane delivers its messages one after the
-/// other with [`deliver`], the lanes run concurrently. When a message with a partition key is not
-/// applied (its disposition is [`Disposition::Retry`]), the later messages of the same key in the
-/// batch are not delivered either and get the same retry delay, so a failing head never lets a
-/// later message of its key overtake it. Runners use `lanes` = their configured consumer
+/// Messages are assigned to lanes by [`lane_of`]; each lane delivers its messages in order, the
+/// lanes run concurrently. With `policy.inbox_batch` of 1 each message is one [`deliver`]; above
+/// 1 a lane applies up to that many messages in one inbox transaction
+/// ([`Inbox::process_batch`]), and a batch whose handler failed at one message is applied again
+/// up to that message, then the message alone through [`deliver`] (retries, dead letters and
+/// rejections as for a single message), then the rest. When a message with a partition key is
+/// not applied (its disposition is [`Disposition::Retry`]), the later messages of the same key in
+/// the batch are not delivered either and get the same retry delay, so a failing head never lets
+/// a later message of its key overtake it. Runners use `lanes` = their configured consumer
 /// concurrency (the seeds raise consumer threads to work off a backlog); `lanes` = 1 is strictly
 /// sequential.
 pub async fn deliver_batch<DB, H>(
@@ -392,19 +417,53 @@ where
         let mut out = Vec::with_capacity(indices.len());
         // Keys whose earlier message in this batch was not applied, with its retry delay.
         let mut held: Vec<(&str, Duration)> = Vec::new();
-        for i in indices {
-            let m = &batch[i];
-            if let Some(k) = m.partition_key.as_deref()
-                && let Some((_, delay)) = held.iter().find(|(h, _)| *h == k)
+        let mut queue: std::collections::VecDeque<usize> = indices.into();
+        // Lengths of the next chunks when a batch was split (else `inbox_batch`).
+        let mut plan: std::collections::VecDeque<usize> = std::collections::VecDeque::new();
+        loop {
+            let len = plan.pop_front().unwrap_or(policy.inbox_batch.max(1));
+            let mut chunk = Vec::with_capacity(len.min(queue.len()));
+            while chunk.len() < len
+                && let Some(i) = queue.pop_front()
             {
-                out.push((i, Disposition::Retry(*delay)));
-                continue;
+                let m = &batch[i];
+                match m
+                    .partition_key
+                    .as_deref()
+                    .and_then(|k| held.iter().find(|(h, _)| *h == k).map(|(_, delay)| *delay))
+                {
+                    Some(delay) => out.push((i, Disposition::Retry(delay))),
+                    None => chunk.push(i),
+                }
             }
-            let d = deliver(inbox, handler, m, policy, metrics).await;
-            if let (Disposition::Retry(delay), Some(k)) = (&d, m.partition_key.as_deref()) {
-                held.push((k, *delay));
+            let decided: Vec<(usize, Disposition)> = match chunk[..] {
+                [] => break,
+                [i] => vec![(i, deliver(inbox, handler, &batch[i], policy, metrics).await)],
+                _ => {
+                    let msgs: Vec<&InboundMessage> = chunk.iter().map(|&i| &batch[i]).collect();
+                    match deliver_together(inbox, handler, &msgs, policy, metrics).await {
+                        Ok(ds) => chunk.iter().copied().zip(ds).collect(),
+                        Err(split) => {
+                            // Back to the front of the queue, to go as `split` says.
+                            for &i in chunk.iter().rev() {
+                                queue.push_front(i);
+                            }
+                            for n in split.into_iter().rev() {
+                                plan.push_front(n);
+                            }
+                            continue;
+                        }
+                    }
+                }
+            };
+            for (i, d) in decided {
+                if let (Disposition::Retry(delay), Some(k)) =
+                    (&d, batch[i].partition_key.as_deref())
+                {
+                    held.push((k, *delay));
+                }
+                out.push((i, d));
             }
-            out.push((i, d));
         }
         out
     });
@@ -415,6 +474,69 @@ where
         .collect();
     all.sort_by_key(|(i, _)| *i);
     all.into_iter().map(|(_, d)| d).collect()
+}
+
+/// Apply `msgs` (two or more, in order, none of a held key) in one inbox transaction and decide
+/// each one's disposition; or, when the batch did not commit, how to go on: the lengths of the
+/// next chunks (the messages before a failing handler's as a batch, then it alone; each alone
+/// after a database error, which [`deliver`] retries or redelivers one by one).
+async fn deliver_together<DB, H>(
+    inbox: &Inbox<DB>,
+    handler: &H,
+    msgs: &[&InboundMessage],
+    policy: &DeliveryPolicy,
+    metrics: &ConsumerMetrics,
+) -> Result<Vec<Disposition>, Vec<usize>>
+where
+    DB: InboxBackend,
+    H: Handler<DB> + ?Sized,
+{
+    let started = std::time::Instant::now();
+    let processed = match inbox.process_batch(msgs, handler).await {
+        Ok(BatchOutcome::Committed(processed)) => processed,
+        Ok(BatchOutcome::HandlerFailed { at, error }) => {
+            metrics.inbox_batch_splits.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(error = %error, message_id = %msgs[at].message_id, at, batch = msgs.len(), "a handler failed in an inbox batch; applying around it");
+            return Err([at, 1].into_iter().filter(|&n| n > 0).collect());
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, batch = msgs.len(), "inbox batch failed; delivering its messages one by one");
+            return Err(vec![1; msgs.len()]);
+        }
+    };
+    metrics.inbox_batches.fetch_add(1, Ordering::Relaxed);
+    let elapsed = started.elapsed();
+    let mut out = Vec::with_capacity(msgs.len());
+    for (msg, p) in msgs.iter().zip(processed) {
+        metrics.handler_duration.observe_duration(elapsed);
+        let verdict = match p {
+            Processed::Duplicate => {
+                metrics.duplicates.fetch_add(1, Ordering::Relaxed);
+                match inbox.verdict(msg.message_id).await {
+                    Ok(Some(v)) => v,
+                    Ok(None) => Verdict::Processed,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "verdict lookup failed; redelivering");
+                        out.push(Disposition::Retry(
+                            policy.retry.delay(msg.delivery_count.max(1)),
+                        ));
+                        continue;
+                    }
+                }
+            }
+            Processed::Applied => {
+                metrics.applied.fetch_add(1, Ordering::Relaxed);
+                Verdict::Processed
+            }
+            Processed::Rejected { reason } => {
+                metrics.rejected.fetch_add(1, Ordering::Relaxed);
+                Verdict::Rejected { reason }
+            }
+        };
+        confirm(inbox.consumer(), msg, &verdict, policy, metrics).await;
+        out.push(Disposition::Ack(verdict));
+    }
+    Ok(out)
 }
 
 async fn confirm(

@@ -56,6 +56,33 @@ pub enum Processed {
     Duplicate,
 }
 
+/// How [`Inbox::process_batch`] ended when the database did not fail.
+#[derive(Debug)]
+pub enum BatchOutcome {
+    /// The transaction committed: one [`Processed::Applied`] or [`Processed::Duplicate`] per
+    /// message, in input order.
+    Committed(Vec<Processed>),
+    /// The handler of message `at` (an index into the batch) returned an error (a rejection
+    /// included) or panicked: the transaction was rolled back and nothing of the batch
+    /// committed. Apply `batch[..at]` again as a batch, `batch[at]` alone with
+    /// [`Inbox::process`] (which records a rejection), then the rest.
+    HandlerFailed {
+        /// Index of the failing message in the batch.
+        at: usize,
+        /// Its handler's error (a panic as a transient error naming the panic).
+        error: HandlerError,
+    },
+}
+
+/// The text of a caught panic's payload (`&str` or `String`), else "a panic".
+pub(crate) fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic".to_owned())
+}
+
 /// A consumer's message handler, run inside the inbox transaction on `conn`.
 ///
 /// Write the business effect through `conn` (a `&mut PgConnection` or `&mut SqliteConnection`)
@@ -242,6 +269,73 @@ impl<DB: InboxBackend> Inbox<DB> {
                     Processed::Duplicate
                 })
             }
+        }
+    }
+
+    /// Apply `batch` in **one** transaction, each message once: for each message in order,
+    /// insert its inbox row and, when it is new, run `handler` (in that message's
+    /// `outbox.consume` span, feature `otel`); commit once at the end. One commit (one WAL
+    /// flush) for the batch instead of one per message is what makes a batched consumer fast.
+    ///
+    /// The first handler that fails, rejects or panics stops the batch: everything is rolled
+    /// back and [`BatchOutcome::HandlerFailed`] names it, so the caller applies the messages
+    /// before it again as a batch and the failing one alone with [`Inbox::process`] (the
+    /// runner's `runner.inbox_batch` does that: the handlers of the messages before a failing
+    /// one run twice, the first run's effects rolled back). Per-key order is the batch's order.
+    ///
+    /// # Errors
+    /// [`InboxError`] for a database error (begin, an inbox insert, the commit): nothing
+    /// committed, or, for the commit, maybe everything; delivering each message again through
+    /// [`Inbox::process`] is correct either way (the inbox recognises what committed).
+    pub async fn process_batch<H: Handler<DB> + ?Sized>(
+        &self,
+        batch: &[&InboundMessage],
+        handler: &H,
+    ) -> Result<BatchOutcome, InboxError> {
+        use futures::FutureExt;
+        use tracing::Instrument;
+        let at = std::sync::atomic::AtomicUsize::new(0);
+        let run = async {
+            let t = &*self.sql;
+            let mut tx = self.pool.begin().await.map_err(self.err("inbox begin"))?;
+            let mut processed = Vec::with_capacity(batch.len());
+            let mut spans = Vec::new();
+            for (i, msg) in batch.iter().enumerate() {
+                at.store(i, std::sync::atomic::Ordering::Relaxed);
+                let fresh = DB::insert(&mut tx, t, &self.consumer, msg, None)
+                    .await
+                    .map_err(self.err("inbox insert"))?;
+                if !fresh {
+                    processed.push(Processed::Duplicate);
+                    continue;
+                }
+                let span = crate::otel::consume_span(msg, &self.consumer);
+                if let Err(error) = handler.handle(&mut tx, msg).instrument(span.clone()).await {
+                    tx.rollback().await.map_err(self.err("inbox rollback"))?;
+                    return Ok(BatchOutcome::HandlerFailed { at: i, error });
+                }
+                if !span.is_disabled() {
+                    spans.push(span);
+                }
+                processed.push(Processed::Applied);
+            }
+            tx.commit().await.map_err(self.err("inbox commit"))?;
+            for span in spans {
+                crate::otel::record_outcome(&span, "processed", false);
+            }
+            Ok(BatchOutcome::Committed(processed))
+        };
+        // A panicking handler is contained as in `consumer::deliver`: the transaction is
+        // dropped (rolled back) as the future unwinds, and the panic names the message.
+        match std::panic::AssertUnwindSafe(run).catch_unwind().await {
+            Ok(r) => r,
+            Err(panic) => Ok(BatchOutcome::HandlerFailed {
+                at: at.load(std::sync::atomic::Ordering::Relaxed),
+                error: HandlerError::transient(format!(
+                    "the handler panicked: {}",
+                    panic_text(panic.as_ref())
+                )),
+            }),
         }
     }
 

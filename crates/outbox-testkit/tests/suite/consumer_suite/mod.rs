@@ -71,6 +71,7 @@ trait Broker: Send + Sync + Sized + 'static {
 struct Settings {
     max_deliveries: u32,
     concurrency: usize,
+    inbox_batch: usize,
     confirmations: Option<Arc<dyn ConfirmationSender>>,
     metrics: Arc<ConsumerMetrics>,
     cancel: CancellationToken,
@@ -81,6 +82,7 @@ impl Settings {
         Settings {
             max_deliveries: 5,
             concurrency: 1,
+            inbox_batch: 1,
             confirmations: None,
             metrics: Arc::default(),
             cancel: CancellationToken::new(),
@@ -440,6 +442,84 @@ async fn keeps_per_key_order<B: Broker>() {
     }
 }
 
+/// `runner.inbox_batch`: the runner applies many messages per inbox transaction, and a message
+/// whose handler fails, rejects or panics in the middle of a batch costs the others nothing:
+/// every other message is applied exactly once, the failing ones end as they would alone
+/// (applied after retries, rejected, dead-lettered), and a key without failures keeps its order.
+async fn applies_in_batches_around_failures<B: Broker>() {
+    let b = B::new().await;
+    let c = Consumer::new().await;
+    let script = Arc::new(Script::default());
+    let keys = ["k0", "k1", "k2"];
+    let msgs: Vec<Message> = (0..60)
+        .map(|i| message(Some(keys[i % keys.len()]), &format!("{i:03}")))
+        .collect();
+    let (flaky, refused, poison) = (&msgs[10], &msgs[20], &msgs[31]);
+    script
+        .fail_times
+        .lock()
+        .unwrap()
+        .insert(flaky.message_id, 2);
+    script.reject.lock().unwrap().push(refused.message_id);
+    script.panic.lock().unwrap().push(poison.message_id);
+    publish(&b, &msgs).await;
+    let mut s = Settings::new();
+    s.inbox_batch = 16;
+    s.concurrency = 2;
+    s.max_deliveries = 3;
+    let runner = b.spawn(s.clone_settings(), c.inbox.clone(), script.clone());
+    wait_until(
+        "58 effects, one rejection, one dead letter",
+        WAIT,
+        || async {
+            c.effects().await.len() >= 58
+                && s.metrics.rejected.load(Ordering::Relaxed) == 1
+                && s.metrics.dead_lettered.load(Ordering::Relaxed) == 1
+        },
+    )
+    .await;
+    stop(&s, runner).await;
+    for m in &msgs {
+        let want =
+            usize::from(m.message_id != refused.message_id && m.message_id != poison.message_id);
+        assert_eq!(
+            c.effects_of(m.message_id).await,
+            want,
+            "effects of {:?}",
+            String::from_utf8_lossy(&m.payload)
+        );
+    }
+    assert_eq!(c.effects().await.len(), 58);
+    let k0: Vec<Vec<u8>> = c
+        .effects()
+        .await
+        .into_iter()
+        .filter(|(_, key, _)| key.as_deref() == Some("k0"))
+        .map(|(_, _, payload)| payload)
+        .collect();
+    let mut sorted = k0.clone();
+    sorted.sort();
+    assert_eq!(k0, sorted, "key k0 (no failures) applied out of order");
+    let dead = c.inbox.dead_letters(10).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].message.message_id, poison.message_id);
+    assert!(dead[0].error.contains("panicked"), "{}", dead[0].error);
+    assert_eq!(
+        c.inbox.verdict(refused.message_id).await.unwrap(),
+        Some(Verdict::Rejected {
+            reason: "out of stock".into()
+        })
+    );
+    assert!(
+        s.metrics.inbox_batches.load(Ordering::Relaxed) > 0,
+        "no inbox transaction held more than one message"
+    );
+    assert!(
+        s.metrics.inbox_batch_splits.load(Ordering::Relaxed) >= 1,
+        "no batch was split at a failing handler"
+    );
+}
+
 async fn survives_a_crash_between_commit_and_ack<B: Broker>() {
     let b = B::new().await;
     let c = Consumer::new().await;
@@ -524,6 +604,7 @@ impl Settings {
             retry: fast_retry(),
             max_deliveries: self.max_deliveries,
             concurrency: self.concurrency,
+            inbox_batch: self.inbox_batch,
             confirmations: self.confirmations.clone(),
             dedup_window: None,
             ..Default::default()
@@ -535,6 +616,7 @@ impl Settings {
         Settings {
             max_deliveries: self.max_deliveries,
             concurrency: self.concurrency,
+            inbox_batch: self.inbox_batch,
             confirmations: self.confirmations.clone(),
             metrics: self.metrics.clone(),
             cancel: self.cancel.clone(),
@@ -579,6 +661,12 @@ macro_rules! property_tests {
         async fn contains_a_panicking_handler() {
             crate::init_tracing();
             super::contains_a_panicking_handler::<$broker>().await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn applies_in_batches_around_failures() {
+            crate::init_tracing();
+            super::applies_in_batches_around_failures::<$broker>().await;
         }
 
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
