@@ -163,7 +163,7 @@ pub trait Broker: Send + Sync {
         _cancel: CancellationToken,
     ) -> anyhow::Result<JoinHandle<anyhow::Result<()>>> {
         anyhow::bail!(
-            "--only consume: no consumer for {} in the bench yet (NATS has one)",
+            "--only consume: no consumer for {} in the bench yet (NATS and Redis have one)",
             self.describe()
         )
     }
@@ -573,6 +573,26 @@ mod redis_arm {
                     }
                 }
             })))
+        }
+
+        async fn consume(
+            &self,
+            group: &str,
+            apply: crate::bench::consume::Apply,
+            runner: outbox::consumer::RunnerSettings,
+            fetch: usize,
+            metrics: Arc<outbox::consumer::ConsumerMetrics>,
+            cancel: CancellationToken,
+        ) -> anyhow::Result<JoinHandle<anyhow::Result<()>>> {
+            let mut config = outbox::consumer::redis::RedisConsumerConfig::new(
+                &self.config.url,
+                &self.key,
+                group,
+            );
+            config.password = self.config.password.clone();
+            config.batch = fetch;
+            config.runner = runner;
+            crate::bench::consume::spawn(config, apply, metrics, cancel)
         }
 
         async fn cleanup(&self) -> anyhow::Result<()> {

@@ -103,6 +103,22 @@ impl Apply {
     }
 }
 
+/// Build the source of a broker's consumer `config` and drive it as `apply` in a task (the
+/// brokers whose consumer is built from its config alone).
+///
+/// # Errors
+/// The config's [`outbox::ConfigError`].
+pub fn spawn<C: source::SourceConfig + 'static>(
+    config: C,
+    apply: Apply,
+    metrics: Arc<ConsumerMetrics>,
+    cancel: CancellationToken,
+) -> anyhow::Result<JoinHandle<anyhow::Result<()>>> {
+    let options = config.options();
+    let source = config.into_source(&metrics)?;
+    Ok(tokio::spawn(apply.run(source, options, metrics, cancel)))
+}
+
 impl Bench {
     /// The `consume` scenario (see the module docs).
     pub(super) async fn consume_run(&mut self) -> anyhow::Result<Vec<Drain>> {

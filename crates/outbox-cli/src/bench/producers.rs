@@ -147,6 +147,18 @@ impl Bench {
             transaction: series(&|t| Some(t.transaction_us)),
             relay_statements_per_message: (total > 0).then(|| (s1.0 - s0.0) as f64 / total as f64),
             load: loadavg(),
+            slowest: {
+                let mut slow: Vec<[f64; 2]> = measured
+                    .iter()
+                    .filter_map(|t| {
+                        let l = lat(t.committed_us, acked.get(&id(t)))?;
+                        Some([(t.committed_us - warm_us) as f64 / 1e6, l as f64 / 1e3])
+                    })
+                    .collect();
+                slow.sort_by(|a, b| b[1].total_cmp(&a[1]));
+                slow.truncate(10);
+                slow
+            },
         })
     }
 

@@ -294,6 +294,10 @@ pub struct LatencyRun {
     pub relay_statements_per_message: Option<f64>,
     /// Load at the end.
     pub load: Option<[f64; 3]>,
+    /// The ten slowest messages of `committed_to_ack`: `[seconds after the warm-up when COMMIT
+    /// returned, ms to the ack]`, slowest first (where in the run the tail is: periodic, at
+    /// the start, clustered).
+    pub slowest: Vec<[f64; 2]>,
 }
 
 /// Business transaction latency with and without the outbox insert, measured in alternating

@@ -61,7 +61,14 @@ pub async fn crash_after_ack_scenario(
 ) {
     let mem = Arc::new(MemoryTransport::new());
     let hang = Arc::new(AckThenHang::new(mem.clone(), 1));
-    let r1 = relay_to(fx, hang.clone(), fast_config("r1")).spawn();
+    // One batch in flight, so one batch holds all ten: with two, the lanes of SQLite and
+    // MySQL/MariaDB split a backlog's buckets between them (`Store::lanes_share_buckets`) and
+    // the second lane's half would be recorded SENT before the abort.
+    let one_lane = RelayConfig {
+        in_flight_batches: 1,
+        ..fast_config("r1")
+    };
+    let r1 = relay_to(fx, hang.clone(), one_lane).spawn();
     let ids = fx.enqueue_numbered(10).await;
     within(
         "the broker ack",

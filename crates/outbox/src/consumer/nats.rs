@@ -71,6 +71,9 @@ impl NatsConsumerConfig {
     }
 }
 
+/// Acknowledgements of one settled batch in flight at once.
+const SETTLE_IN_FLIGHT: usize = 256;
+
 /// The JetStream [`Source`]: a durable pull consumer on `config.stream`.
 pub struct NatsSource {
     js: jetstream::Context,
@@ -168,23 +171,31 @@ impl Source for NatsSource {
         &mut self,
         batch: Vec<(Delivery<Self::Token>, Settle)>,
     ) -> Result<(), SourceError> {
-        for (d, s) in batch {
-            let msg = d.token;
-            match s {
-                Settle::Ack => {
-                    if let Err(e) = msg.double_ack().await {
-                        // The verdict is committed; a redelivery will be recognised as a duplicate.
-                        tracing::warn!(error = %e, origin = %d.envelope.origin, "ack failed after commit");
+        // Each acknowledgement waits for the server's confirmation (`double_ack`, a round
+        // trip): up to SETTLE_IN_FLIGHT of them at once, not one after the other (one by one,
+        // the round trips bounded a consumer to ~8,000 messages/s on loopback).
+        futures::stream::iter(batch)
+            .map(|(d, s)| async move {
+                let msg = d.token;
+                match s {
+                    Settle::Ack => {
+                        if let Err(e) = msg.double_ack().await {
+                            // The verdict is committed; a redelivery will be recognised as a
+                            // duplicate.
+                            tracing::warn!(error = %e, origin = %d.envelope.origin, "ack failed after commit");
+                        }
+                    }
+                    Settle::Retry(delay) => {
+                        let _ = msg.ack_with(AckKind::Nak(Some(delay))).await;
+                    }
+                    Settle::Reject(_) => {
+                        let _ = msg.ack_with(AckKind::Term).await;
                     }
                 }
-                Settle::Retry(delay) => {
-                    let _ = msg.ack_with(AckKind::Nak(Some(delay))).await;
-                }
-                Settle::Reject(_) => {
-                    let _ = msg.ack_with(AckKind::Term).await;
-                }
-            }
-        }
+            })
+            .buffer_unordered(SETTLE_IN_FLIGHT)
+            .collect::<Vec<()>>()
+            .await;
         Ok(())
     }
 }

@@ -37,6 +37,10 @@ pub struct InboxSql {
     /// Insert `consumer, message_id, topic, outcome (0 processed, 1 rejected), reason` unless
     /// the key `(consumer, message_id)` is present: one row affected when new, none when not.
     pub(crate) insert: Arc<str>,
+    /// Insert the rows of many messages at once, returning the message ids inserted, where the
+    /// dialect has such a statement (PostgreSQL: `consumer`, then arrays of message ids and
+    /// topics); `None` inserts one by one ([`InboxBackend::insert_many`]).
+    pub(crate) insert_many: Option<Arc<str>>,
     /// `outcome, reason` of `consumer, message_id`.
     pub(crate) verdict: Arc<str>,
     /// Upsert the dead letter `consumer, message_id, topic, partition_key, headers (JSON text),
@@ -72,6 +76,23 @@ pub trait InboxBackend: sqlx::Database {
         msg: &'c InboundMessage,
         rejected: Option<&'c str>,
     ) -> BoxFuture<'c, Result<bool, sqlx::Error>>;
+    /// Insert the rows of `msgs` (outcome processed) unless present, in order: one `bool` per
+    /// message, `true` when new (for two copies of one id in `msgs`, the first). Default:
+    /// [`InboxBackend::insert`] for each; PostgreSQL overrides it with one statement.
+    fn insert_many<'c>(
+        conn: &'c mut Self::Connection,
+        sql: &'c InboxSql,
+        consumer: &'c str,
+        msgs: &'c [&'c InboundMessage],
+    ) -> BoxFuture<'c, Result<Vec<bool>, sqlx::Error>> {
+        Box::pin(async move {
+            let mut fresh = Vec::with_capacity(msgs.len());
+            for m in msgs {
+                fresh.push(Self::insert(&mut *conn, sql, consumer, m, None).await?);
+            }
+            Ok(fresh)
+        })
+    }
     /// The recorded `(outcome, reason)`.
     fn verdict<'c>(
         pool: &'c Pool<Self>,
@@ -127,12 +148,26 @@ pub trait InboxBackend: sqlx::Database {
 /// Implement [`InboxBackend`] for database `$db` (connection type `$conn`) in a dialect's inbox
 /// module, from the module's `fn sql(&TableName) -> InboxSql` and `fn message_id(Uuid) -> T`
 /// (how the dialect binds a message id), migrating with `store::$dialect::migrations`.
+///
+/// `insert_many = f` overrides [`InboxBackend::insert_many`] with the module's `f` (same
+/// signature).
 macro_rules! inbox_backend {
-    ($db:ty, $conn:ty, $dialect:ident) => {
+    ($db:ty, $conn:ty, $dialect:ident $(, insert_many = $many:path)?) => {
         impl $crate::inbox::InboxBackend for $db {
             fn sql(table: &$crate::ident::TableName) -> $crate::inbox::InboxSql {
                 sql(table)
             }
+
+            $(
+                fn insert_many<'c>(
+                    conn: &'c mut $conn,
+                    sql: &'c $crate::inbox::InboxSql,
+                    consumer: &'c str,
+                    msgs: &'c [&'c $crate::InboundMessage],
+                ) -> ::futures::future::BoxFuture<'c, Result<Vec<bool>, ::sqlx::Error>> {
+                    Box::pin($many(conn, sql, consumer, msgs))
+                }
+            )?
 
             fn insert<'c>(
                 conn: &'c mut $conn,

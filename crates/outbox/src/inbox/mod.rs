@@ -272,9 +272,10 @@ impl<DB: InboxBackend> Inbox<DB> {
         }
     }
 
-    /// Apply `batch` in **one** transaction, each message once: for each message in order,
-    /// insert its inbox row and, when it is new, run `handler` (in that message's
-    /// `outbox.consume` span, feature `otel`); commit once at the end. One commit (one WAL
+    /// Apply `batch` in **one** transaction, each message once: insert the batch's inbox rows
+    /// (one statement on PostgreSQL), then, in order, run `handler` for each message whose row
+    /// is new (in that message's `outbox.consume` span, feature `otel`); commit once at the
+    /// end. One commit (one WAL
     /// flush) for the batch instead of one per message is what makes a batched consumer fast.
     ///
     /// The first handler that fails, rejects or panics stops the batch: everything is rolled
@@ -298,13 +299,13 @@ impl<DB: InboxBackend> Inbox<DB> {
         let run = async {
             let t = &*self.sql;
             let mut tx = self.pool.begin().await.map_err(self.err("inbox begin"))?;
+            let fresh = DB::insert_many(&mut tx, t, &self.consumer, batch)
+                .await
+                .map_err(self.err("inbox insert"))?;
             let mut processed = Vec::with_capacity(batch.len());
             let mut spans = Vec::new();
-            for (i, msg) in batch.iter().enumerate() {
+            for (i, (msg, fresh)) in batch.iter().zip(fresh).enumerate() {
                 at.store(i, std::sync::atomic::Ordering::Relaxed);
-                let fresh = DB::insert(&mut tx, t, &self.consumer, msg, None)
-                    .await
-                    .map_err(self.err("inbox insert"))?;
                 if !fresh {
                     processed.push(Processed::Duplicate);
                     continue;

@@ -23,6 +23,7 @@ fn sql(table: &TableName) -> InboxSql {
             "INSERT IGNORE INTO {t} (consumer, message_id, topic, outcome, reason) VALUES (?, ?, ?, ?, ?)"
         )
         .into(),
+        insert_many: None,
         verdict: format!("SELECT outcome, reason FROM {t} {by_key}").into(),
         insert_dead_letter: format!(
             "INSERT INTO {t}_dlq (consumer, message_id, topic, partition_key, headers, payload, error, deliveries) \

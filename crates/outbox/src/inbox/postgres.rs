@@ -5,7 +5,36 @@ use uuid::Uuid;
 use super::InboxSql;
 use crate::ident::TableName;
 
-super::backend::inbox_backend!(sqlx::Postgres, sqlx::PgConnection, postgres);
+super::backend::inbox_backend!(
+    sqlx::Postgres,
+    sqlx::PgConnection,
+    postgres,
+    insert_many = insert_many
+);
+
+/// The inbox rows of `msgs` in one statement (`unnest` of the ids and topics, `ON CONFLICT DO
+/// NOTHING RETURNING message_id`): which messages are new, the first of two copies of one id.
+async fn insert_many(
+    conn: &mut sqlx::PgConnection,
+    sql: &InboxSql,
+    consumer: &str,
+    msgs: &[&crate::InboundMessage],
+) -> Result<Vec<bool>, sqlx::Error> {
+    let statement = sql
+        .insert_many
+        .as_deref()
+        .expect("PostgreSQL has insert_many");
+    let ids: Vec<Uuid> = msgs.iter().map(|m| m.message_id).collect();
+    let topics: Vec<&str> = msgs.iter().map(|m| m.topic.as_str()).collect();
+    let inserted: Vec<Uuid> = sqlx::query_scalar(sqlx::AssertSqlSafe(statement))
+        .bind(consumer)
+        .bind(&ids)
+        .bind(&topics)
+        .fetch_all(conn)
+        .await?;
+    let mut new: std::collections::HashSet<Uuid> = inserted.into_iter().collect();
+    Ok(ids.iter().map(|id| new.remove(id)).collect())
+}
 
 /// PostgreSQL stores message ids as `uuid`.
 fn message_id(id: Uuid) -> Uuid {
@@ -21,6 +50,14 @@ fn sql(table: &TableName) -> InboxSql {
              ON CONFLICT DO NOTHING"
         )
         .into(),
+        insert_many: Some(
+            format!(
+                "INSERT INTO {t} (consumer, message_id, topic, outcome, reason) \
+                 SELECT $1, m, tp, 0, NULL FROM unnest($2::uuid[], $3::text[]) AS u(m, tp) \
+                 ON CONFLICT DO NOTHING RETURNING message_id"
+            )
+            .into(),
+        ),
         verdict: format!("SELECT outcome::int8, reason FROM {t} {by_key}").into(),
         insert_dead_letter: format!(
             "INSERT INTO {t}_dlq (consumer, message_id, topic, partition_key, headers, payload, error, deliveries) \
