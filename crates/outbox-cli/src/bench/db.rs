@@ -286,6 +286,9 @@ async fn server_pool<DB: sqlx::Database>(
 ) -> Result<sqlx::Pool<DB>, sqlx::Error> {
     sqlx::pool::PoolOptions::<DB>::new()
         .max_connections(max)
+        // As the stores' own pools (outbox::store::connect): every connection opened up front,
+        // none on demand in the middle of a measurement (~90 ms each on loopback).
+        .min_connections(max)
         .acquire_timeout(acquire)
         .after_connect(move |_, _| {
             outbox::store::nodelay::set_nodelay_towards(&peers);

@@ -159,6 +159,13 @@ impl Bench {
                 slow.truncate(10);
                 slow
             },
+            longest_commit_pause: {
+                let mut at: Vec<i64> = measured.iter().map(|t| t.committed_us).collect();
+                at.sort_unstable();
+                at.windows(2)
+                    .max_by_key(|w| w[1] - w[0])
+                    .map(|w| [(w[1] - warm_us) as f64 / 1e6, (w[1] - w[0]) as f64 / 1e3])
+            },
         })
     }
 

@@ -298,6 +298,10 @@ pub struct LatencyRun {
     /// returned, ms to the ack]`, slowest first (where in the run the tail is: periodic, at
     /// the start, clustered).
     pub slowest: Vec<[f64; 2]>,
+    /// The longest pause between two consecutive `COMMIT` returns of all producers:
+    /// `[seconds after the warm-up when it ended, ms]`. A pause that coincides with the slowest
+    /// messages means the whole process (or the database) stalled, not the relay alone.
+    pub longest_commit_pause: Option<[f64; 2]>,
 }
 
 /// Business transaction latency with and without the outbox insert, measured in alternating

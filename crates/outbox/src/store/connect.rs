@@ -113,7 +113,8 @@ async fn open(
     }
 }
 
-/// A store's pool of up to 10 connections to the database server at `url` (PostgreSQL, MySQL):
+/// A store's pool of 10 connections ([`POOL_SIZE`], all opened at once in the background and
+/// kept) to the database server at `url` (PostgreSQL, MySQL):
 /// one direct connection first, so an unreachable server or a bad URL is reported with its cause
 /// instead of as a pool timeout; each connection sets `TCP_NODELAY` towards the server
 /// ([`nodelay`](super::nodelay)) and is dropped when the returned guard says so (a server that
@@ -143,7 +144,13 @@ where
     let read_only = super::ReadOnlyGuard::new();
     let (on_acquire, on_release) = (read_only.clone(), read_only.clone());
     let pool = sqlx::pool::PoolOptions::<DB>::new()
-        .max_connections(10)
+        .max_connections(POOL_SIZE)
+        // Opened up front and kept: a connection opened on demand made the waiting statement
+        // wait ~90 ms on loopback (sqlx 0.9 sets no `TCP_NODELAY` during the handshake, so
+        // its small writes meet the server's delayed ACK), the relay's latency tail
+        // (docs/benchmarks.md, "The latency tail").
+        .min_connections(POOL_SIZE)
+        .idle_timeout(None)
         .acquire_timeout(std::time::Duration::from_secs(10))
         .after_connect(move |_, _| {
             super::nodelay::set_nodelay_towards(&peers);
@@ -157,11 +164,22 @@ where
             let keep = on_release.keep(meta.age);
             Box::pin(async move { Ok(keep) })
         })
-        .connect(url)
-        .await
+        .connect_lazy(url)
         .map_err(connect_error)?;
+    // Open every connection now, concurrently and in the background (one after the other they
+    // took ~1 s, which a one-shot `outbox status` would wait for), holding them until all are
+    // open so that each acquire opens one of its own.
+    let warm = pool.clone();
+    tokio::spawn(async move {
+        let held = futures::future::join_all((0..POOL_SIZE).map(|_| warm.acquire())).await;
+        drop(held);
+    });
     Ok((pool, read_only))
 }
+
+/// Connections of a store's pool ([`server_pool`]): all opened when the pool is, and kept.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) const POOL_SIZE: u32 = 10;
 
 /// The host and port a database server's connect options name.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
