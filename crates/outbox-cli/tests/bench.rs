@@ -43,7 +43,7 @@ async fn bench_runs_every_scenario_and_reports_each_section() {
         .args(["--latency-duration", "2s", "--enqueue-duration", "2s"])
         .args([
             "--only",
-            "broker,baseline,drain,scaling,latency,enqueue,idle,metrics",
+            "broker,baseline,drain,scaling,latency,enqueue,idle,metrics,consume",
         ])
         .args(["--idle-duration", "2s", "--no-progress", "--json"])
         .arg(&json)
@@ -60,6 +60,7 @@ async fn bench_runs_every_scenario_and_reports_each_section() {
         "Enqueue overhead",
         "Idle cost",
         "Cost of the Prometheus metrics",
+        "Consumers",
         "Targets",
     ] {
         assert!(stdout.contains(section), "no {section} table:\n{stdout}");
@@ -152,9 +153,35 @@ async fn bench_runs_every_scenario_and_reports_each_section() {
     }
     positive(&r, "metrics_cost.scrapes");
     positive(&r, "metrics_cost.ratio");
+    // The consumers: each applied (or acknowledged) every message; the batched inbox committed
+    // batches; the ratios of the same run.
+    let consume = r["consume"].as_array().unwrap();
+    let names: Vec<&str> = consume
+        .iter()
+        .map(|d| d["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        ["consume-raw", "consume-inbox-1", "consume-inbox-batch"]
+    );
+    for i in 0..3 {
+        assert_eq!(num(&r, &format!("consume.{i}.messages")), messages as f64);
+        positive(&r, &format!("consume.{i}.rate"));
+    }
+    positive(&r, "consume.2.inbox_batches");
+    positive(&r, "consume.2.vs_inbox_1");
+    positive(&r, "consume.2.vs_raw_consumer");
+    // Where each latency run's slowest messages were.
+    for run in r["latency"].as_array().unwrap() {
+        assert_eq!(run["slowest"].as_array().unwrap().len(), 10, "{run}");
+        assert!(
+            run["longest_commit_pause"][1].as_f64().unwrap() > 0.0,
+            "{run}"
+        );
+    }
     // Every target was measured.
     let targets = r["targets"].as_array().unwrap();
-    assert_eq!(targets.len(), 10);
+    assert_eq!(targets.len(), 13);
     assert!(targets.iter().all(|t| t["met"].is_boolean()), "{targets:?}");
 
     // Nothing left behind: the schema, the migration records, the stream.
