@@ -51,20 +51,23 @@ pub fn health_router(relay: outbox::Relay) -> axum::Router {
             } else {
                 relay.health()
             };
-            async move {
-                if h.is_ok() {
-                    (StatusCode::OK, "ok\n".to_owned())
-                } else {
-                    let mut body = h.problems.join("\n");
-                    body.push('\n');
-                    (StatusCode::SERVICE_UNAVAILABLE, body)
-                }
-            }
+            async move { health_answer(&h) }
         }
     };
     axum::Router::new()
         .route("/healthz", axum::routing::get(check(false)))
         .route("/readyz", axum::routing::get(check(true)))
+}
+
+/// A health check's answer: 200 `ok`, or 503 with one problem per line.
+pub fn health_answer(h: &outbox::RelayHealth) -> (StatusCode, String) {
+    if h.is_ok() {
+        (StatusCode::OK, "ok\n".to_owned())
+    } else {
+        let mut body = h.problems.join("\n");
+        body.push('\n');
+        (StatusCode::SERVICE_UNAVAILABLE, body)
+    }
 }
 
 /// Serve `app` on `listener` until `cancel`; the address it listens on.

@@ -28,6 +28,10 @@ pub struct FileConfig {
     /// `[database]`; may be left out when `--database` or `OUTBOX_DATABASE_URL` gives the URL.
     #[serde(default)]
     pub database: DatabaseSection,
+    /// `[[databases]]`: several databases relayed by this daemon, each on its own
+    /// ([`outbox::RelayGroup`], docs/scaling.md); instead of `[database]`. Default: none.
+    #[serde(default)]
+    pub databases: Vec<DatabasesEntry>,
     /// `[relay]`; every field optional.
     #[serde(default)]
     pub relay: RelayConfig,
@@ -143,6 +147,132 @@ fn default_table() -> String {
 
 fn default_inbox_table() -> String {
     StoreOptions::default().inbox_table
+}
+
+/// One `[[databases]]` entry: a database the daemon relays beside the others, with its own
+/// pool, membership and bucket leases (a member of the daemon's [`outbox::RelayGroup`]), or, with
+/// `schemas` or `schemas_query` (PostgreSQL), one member per tenant schema of that database.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DatabasesEntry {
+    /// The database's name in logs, metrics (`database="<name>"`), health and the admin
+    /// surface (`/databases/<name>/`): 1 to 64 ASCII letters, digits, `_`, `-` or `.`; unique.
+    /// A tenant schema's member is named `<name>/<schema>`. Required.
+    pub name: String,
+    /// `postgres://…`, `mysql://…` (`mariadb://…`) or `sqlite://path`. Required.
+    pub url: String,
+    /// Outbox table (unqualified with `schemas`: each tenant's is `<schema>.<table>`). Default
+    /// `outbox`.
+    #[serde(default = "default_table")]
+    pub table: String,
+    /// Inbox table (with `schemas`: `<schema>.<inbox_table>`). Default `outbox_inbox`.
+    #[serde(default = "default_inbox_table")]
+    pub inbox_table: String,
+    /// As `[database] search_indexes`. Default `false`.
+    #[serde(default)]
+    pub search_indexes: bool,
+    /// Routes of this database instead of the file's `[[routes]]` (same form, over the same
+    /// `[transports]`). Default: the file's.
+    #[serde(default)]
+    pub routes: Option<Vec<RouteConfig>>,
+    /// PostgreSQL: relay every schema whose name matches this SQL `LIKE` pattern (`tenant_%`)
+    /// and that holds `table`, each as its own member; the list is read again every
+    /// `rediscover_interval`, so tenants added (and migrated) or dropped are picked up without a
+    /// restart. The schemas share one pool of the database. Default: none (the database's own
+    /// `table`).
+    #[serde(default)]
+    pub schemas: Option<String>,
+    /// PostgreSQL: as `schemas`, the schemas being the first column (text) of this query's rows,
+    /// e.g. `SELECT schema_name FROM tenants WHERE active`. Default: none.
+    #[serde(default)]
+    pub schemas_query: Option<String>,
+    /// How often the tenant schemas are listed again. Default `"30s"`.
+    #[serde(default = "default_rediscover", with = "humantime_serde")]
+    pub rediscover_interval: std::time::Duration,
+}
+
+fn default_rediscover() -> std::time::Duration {
+    std::time::Duration::from_secs(30)
+}
+
+impl DatabasesEntry {
+    /// Whether its members are discovered tenant schemas.
+    pub fn discovers(&self) -> bool {
+        self.schemas.is_some() || self.schemas_query.is_some()
+    }
+
+    /// The routes this database uses: its own or the file's.
+    pub fn routes<'a>(&'a self, file: &'a FileConfig) -> &'a [RouteConfig] {
+        self.routes.as_deref().unwrap_or(&file.routes)
+    }
+
+    fn validate(&self, i: usize, file: &FileConfig) -> Result<(), ConfigError> {
+        let field = |f: &str| format!("databases[{i}].{f}");
+        let name_ok = !self.name.is_empty()
+            && self.name.len() <= 64
+            && self
+                .name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"_-.".contains(&b));
+        if !name_ok {
+            return Err(ConfigError::new(
+                field("name"),
+                format!(
+                    "{:?} is not a name: 1 to 64 ASCII letters, digits, _, - or .",
+                    self.name
+                ),
+            ));
+        }
+        let dialect = outbox::store::Dialect::of_url(&self.url)
+            .map_err(|e| ConfigError::new(field("url"), e.to_string()))?;
+        for (f, t) in [("table", &self.table), ("inbox_table", &self.inbox_table)] {
+            outbox::TableName::new(t).map_err(|e| ConfigError::new(field(f), e.to_string()))?;
+        }
+        if self.discovers() {
+            if dialect != outbox::store::Dialect::Postgres {
+                return Err(ConfigError::new(
+                    field("schemas"),
+                    "tenant schemas are discovered on PostgreSQL only",
+                ));
+            }
+            if self.schemas.is_some() && self.schemas_query.is_some() {
+                return Err(ConfigError::new(
+                    field("schemas_query"),
+                    "give schemas (a LIKE pattern) or schemas_query, not both",
+                ));
+            }
+            if self.schemas.as_ref().is_some_and(String::is_empty)
+                || self
+                    .schemas_query
+                    .as_ref()
+                    .is_some_and(|q| q.trim().is_empty())
+            {
+                return Err(ConfigError::new(field("schemas"), "must not be empty"));
+            }
+            for (f, t) in [("table", &self.table), ("inbox_table", &self.inbox_table)] {
+                if t.contains('.') {
+                    return Err(ConfigError::new(
+                        field(f),
+                        "must be unqualified with schemas: each tenant's is <schema>.<table>",
+                    ));
+                }
+            }
+            if self.rediscover_interval < std::time::Duration::from_secs(1) {
+                return Err(ConfigError::new(
+                    field("rediscover_interval"),
+                    "must be at least 1s",
+                ));
+            }
+        }
+        let transports = file.transports.iter().map(|(k, v)| (k.as_str(), v));
+        check_routes(self.routes(file), &transports.collect()).map_err(|e| {
+            if self.routes.is_some() {
+                ConfigError::new(field(&e.field), e.reason)
+            } else {
+                e
+            }
+        })
+    }
 }
 
 /// `[confirmations]`: the listener `outbox relay` runs for consumer confirmations.
@@ -402,14 +532,41 @@ impl FileConfig {
     /// A [`ConfigError`] naming the field (`routes[0].transport`, `transports.x.url`, …).
     pub fn validate(&self) -> Result<(), ConfigError> {
         let relay = self.relay_config()?;
-        if self.database.url.is_empty() {
+        if !self.databases.is_empty() {
+            if !self.database.url.is_empty() {
+                return Err(ConfigError::new(
+                    "database.url",
+                    "give either [database] or [[databases]], not both (--database and \
+                     OUTBOX_DATABASE_URL set [database])",
+                ));
+            }
+            let mut names = std::collections::BTreeSet::new();
+            for (i, d) in self.databases.iter().enumerate() {
+                d.validate(i, self)?;
+                if !names.insert(d.name.as_str()) {
+                    return Err(ConfigError::new(
+                        format!("databases[{i}].name"),
+                        format!("{:?} names two databases", d.name),
+                    ));
+                }
+            }
+            if self.confirmations.is_some() {
+                return Err(ConfigError::new(
+                    "confirmations",
+                    "not supported with [[databases]] yet: run one daemon per database ([database]) \
+                     for routes that require confirmation",
+                ));
+            }
+        } else if self.database.url.is_empty() {
             return Err(ConfigError::new(
                 "database.url",
                 "missing: set it in [database], with --database, or in OUTBOX_DATABASE_URL",
             ));
         }
-        let transports = self.transports.iter().map(|(k, v)| (k.as_str(), v));
-        check_routes(&self.routes, &transports.collect())?;
+        if self.databases.is_empty() || !self.routes.is_empty() {
+            let transports = self.transports.iter().map(|(k, v)| (k.as_str(), v));
+            check_routes(&self.routes, &transports.collect())?;
+        }
         // librdkafka must report every record before the relay gives up on a batch.
         #[cfg(feature = "kafka")]
         for (name, t) in &self.transports {

@@ -4,6 +4,7 @@ mod admin;
 mod bench;
 mod config;
 mod demo;
+mod group;
 mod inbox;
 mod messages;
 mod telemetry;
@@ -233,6 +234,9 @@ async fn relay(config: PathBuf, database: Option<String>) -> anyhow::Result<()> 
     let mut file = config::FileConfig::load(Some(&config))?;
     if let Some(url) = database {
         file.database.url = url;
+    }
+    if !file.databases.is_empty() {
+        return group::run(file).await;
     }
     file.validate()?;
     let relay_config = file.relay_config()?;

@@ -62,6 +62,7 @@ pub use error::{
 pub use ident::TableName;
 pub use inbox::{BatchOutcome, DeadLetter, Handler, Inbox, InboxBackend, Processed, Replayed};
 pub use message::{Headers, InboundMessage, Limits, Message, NewMessage, Status};
+pub use relay::group::RelayGroup;
 pub use relay::{
     MetricsSnapshot, Relay, RelayBuilder, RelayConfig, RelayHandle, RelayHealth, RelayHooks,
     RelayMetrics,

@@ -40,6 +40,7 @@ use tokio_util::sync::CancellationToken;
 use crate::consumer::ConsumerMetrics;
 use crate::histogram::HistogramSnapshot;
 use crate::message::Status;
+use crate::relay::group::RelayGroup;
 use crate::relay::{Relay, RelayMetrics};
 use crate::store::{Stats, Store};
 
@@ -201,36 +202,50 @@ impl Collector for RelayCollector {
             let c = ConstCounter::new(read(m));
             c.encode(encoder.encode_descriptor(name, help, None, c.metric_type())?)?;
         }
-        let mut family = encoder.encode_descriptor(
-            "outbox_relay_store_errors",
-            "Database errors of the relay's statements (all retried), by kind.",
-            None,
-            MetricType::Counter,
-        )?;
+        let (name, help) = STORE_ERRORS;
+        let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
         for (kind, n) in m.store_errors_by_kind() {
             let labels = [("kind", kind.as_str())];
             ConstCounter::new(n).encode(family.encode_family(&labels)?)?;
         }
-        histogram(
-            &mut encoder,
-            "outbox_relay_publish_duration_seconds",
-            "Time one transport's share of a batch took to publish: handed over to last acknowledgement (or publish_timeout).",
-            m.publish_duration.snapshot(),
-        )?;
-        histogram(
-            &mut encoder,
-            "outbox_relay_publish_batch_messages",
-            "Messages per publish (one transport's share of a batch).",
-            m.publish_batch.snapshot(),
-        )?;
-        histogram(
-            &mut encoder,
-            "outbox_relay_enqueue_to_ack_seconds",
-            "From a message becoming due (its row's creation, database clock, or the end of its delay) to the broker's acknowledgement; first attempts only.",
-            m.enqueue_to_ack.snapshot(),
-        )
+        for (name, help, read) in HISTOGRAMS {
+            histogram(&mut encoder, name, help, read(m))?;
+        }
+        Ok(())
     }
 }
+
+/// The family of database errors by kind: name, help.
+const STORE_ERRORS: (&str, &str) = (
+    "outbox_relay_store_errors",
+    "Database errors of the relay's statements (all retried), by kind.",
+);
+
+/// One exported histogram: name, help, and how to read it.
+type HistogramSpec = (
+    &'static str,
+    &'static str,
+    fn(&RelayMetrics) -> HistogramSnapshot,
+);
+
+/// The relay's histograms ([`RelayMetrics`]), read at each scrape.
+const HISTOGRAMS: [HistogramSpec; 3] = [
+    (
+        "outbox_relay_publish_duration_seconds",
+        "Time one transport's share of a batch took to publish: handed over to last acknowledgement (or publish_timeout).",
+        |m| m.publish_duration.snapshot(),
+    ),
+    (
+        "outbox_relay_publish_batch_messages",
+        "Messages per publish (one transport's share of a batch).",
+        |m| m.publish_batch.snapshot(),
+    ),
+    (
+        "outbox_relay_enqueue_to_ack_seconds",
+        "From a message becoming due (its row's creation, database clock, or the end of its delay) to the broker's acknowledgement; first attempts only.",
+        |m| m.enqueue_to_ack.snapshot(),
+    ),
+];
 
 /// Encode one histogram without labels of its own.
 fn histogram(
@@ -505,60 +520,62 @@ impl Collector for BacklogCollector {
         let Some((at, s)) = sample else {
             return Ok(());
         };
-        let count = |st: Status| s.counts.get(&st).copied().unwrap_or(0) as f64;
-        let age = |d: Option<Duration>| d.map_or(0.0, |d| d.as_secs_f64());
-        let e = &mut encoder;
-        gauge(
-            e,
+        for (name, help, value) in backlog_gauges(&s, at) {
+            gauge(&mut encoder, name, help, value)?;
+        }
+        Ok(())
+    }
+}
+
+/// The backlog gauges of one sample: name, help, value.
+type BacklogGauges = [(&'static str, &'static str, f64); 8];
+
+/// The backlog gauges of one sample taken at `at`: name, help, value.
+fn backlog_gauges(s: &Stats, at: std::time::SystemTime) -> BacklogGauges {
+    let count = |st: Status| s.counts.get(&st).copied().unwrap_or(0) as f64;
+    let age = |d: Option<Duration>| d.map_or(0.0, |d| d.as_secs_f64());
+    [
+        (
             "outbox_backlog_pending_messages",
             "PENDING rows (due or delayed).",
             count(Status::Pending),
-        )?;
-        gauge(
-            e,
+        ),
+        (
             "outbox_backlog_oldest_pending_age_seconds",
             "Age of the oldest PENDING row (0 when none).",
             age(s.oldest_pending_age),
-        )?;
-        gauge(
-            e,
+        ),
+        (
             "outbox_backlog_awaiting_confirmation_messages",
             "SENT rows awaiting a consumer confirmation.",
             s.awaiting_confirmation as f64,
-        )?;
-        gauge(
-            e,
+        ),
+        (
             "outbox_backlog_oldest_unconfirmed_age_seconds",
             "Age of the oldest SENT row awaiting confirmation (0 when none).",
             age(s.oldest_unconfirmed_age),
-        )?;
-        gauge(
-            e,
+        ),
+        (
             "outbox_backlog_failed_messages",
             "FAILED rows (dead letters).",
             count(Status::Failed),
-        )?;
-        gauge(
-            e,
+        ),
+        (
             "outbox_backlog_prepared_messages",
             "PREPARED rows: two-phase messages not decided yet (docs/two-phase.md).",
             count(Status::Prepared),
-        )?;
-        gauge(
-            e,
+        ),
+        (
             "outbox_backlog_undecided_messages",
             "UNDECIDED rows: two-phase messages parked for an operator (alert when above 0).",
             count(Status::Undecided),
-        )?;
-        let sampled = at.elapsed().unwrap_or_default();
-        gauge(
-            e,
+        ),
+        (
             "outbox_backlog_sample_age_seconds",
             "Time since the backlog figures were sampled.",
-            sampled.as_secs_f64(),
-        )?;
-        Ok(())
-    }
+            at.elapsed().unwrap_or_default().as_secs_f64(),
+        ),
+    ]
 }
 
 /// Register on `registry`: `relay`'s counters ([`RelayCollector`]) and state gauges
@@ -584,4 +601,179 @@ pub fn register(
         sample_interval,
         cancel,
     )));
+}
+
+/// Labels of one series: name, value.
+type Labels = Vec<(&'static str, String)>;
+
+/// Every member of a [`RelayGroup`] as Prometheus series, read at each scrape: the relay
+/// metrics of [`RelayCollector`] and [`RelayStateCollector`] of each running member labelled
+/// `database="<member>", relay="<relay name>"`; `outbox_database_ready{database}` (1 when the
+/// member runs and [`RelayGroup::member_readiness`] finds nothing, else 0; one series per
+/// member, running or not); and the backlog gauges of [`BacklogCollector`] per member labelled
+/// `database`, sampled every `sample_interval` by one task (each member's sample on its own,
+/// bounded by the interval, so a database that does not answer keeps its last sample, whose age
+/// grows, and delays no other). Each family is written once with every member's series, as
+/// OpenMetrics requires (registering one collector per member in labelled sub-registries would
+/// repeat the families).
+pub struct GroupCollector {
+    group: RelayGroup,
+    samples: Arc<Mutex<std::collections::BTreeMap<String, (std::time::SystemTime, Stats)>>>,
+}
+
+impl std::fmt::Debug for GroupCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GroupCollector")
+            .field("group", &self.group)
+            .finish()
+    }
+}
+
+impl GroupCollector {
+    /// The series of `group`'s members; the backlog sampled every `sample_interval` (at least
+    /// 100 ms) until `cancel`.
+    ///
+    /// # Panics
+    /// Outside a Tokio runtime (it spawns the sampling task).
+    pub fn spawn(
+        group: RelayGroup,
+        sample_interval: Duration,
+        cancel: CancellationToken,
+    ) -> GroupCollector {
+        let samples: Arc<Mutex<std::collections::BTreeMap<_, _>>> = Arc::default();
+        let (g, out) = (group.clone(), samples.clone());
+        let every = sample_interval.max(Duration::from_millis(100));
+        tokio::spawn(async move {
+            loop {
+                let relays = g.relays();
+                let taken = futures::future::join_all(relays.iter().map(|(name, relay)| {
+                    let store = relay.store().clone();
+                    async move {
+                        match tokio::time::timeout(every, store.stats()).await {
+                            Ok(Ok(s)) => Some((name.clone(), s)),
+                            Ok(Err(e)) => {
+                                tracing::warn!(database = %name, error = %e, "backlog sample failed");
+                                None
+                            }
+                            Err(_) => {
+                                tracing::warn!(database = %name, "backlog sample timed out");
+                                None
+                            }
+                        }
+                    }
+                }))
+                .await;
+                {
+                    let mut out = out.lock().unwrap_or_else(|e| e.into_inner());
+                    let names = g.names();
+                    out.retain(|n, _| names.contains(n));
+                    for (name, s) in taken.into_iter().flatten() {
+                        out.insert(name, (std::time::SystemTime::now(), s));
+                    }
+                }
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    _ = tokio::time::sleep(every) => {}
+                }
+            }
+        });
+        GroupCollector { group, samples }
+    }
+}
+
+impl Collector for GroupCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let relays: Vec<(Labels, Relay)> = self
+            .group
+            .relays()
+            .into_iter()
+            .map(|(db, r)| {
+                (
+                    vec![("database", db), ("relay", r.config().name.clone())],
+                    r,
+                )
+            })
+            .collect();
+        for (name, help, read) in COUNTERS {
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+            for (labels, r) in &relays {
+                ConstCounter::new(read(r.metrics())).encode(family.encode_family(labels)?)?;
+            }
+        }
+        let (name, help) = STORE_ERRORS;
+        let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+        for (labels, r) in &relays {
+            for (kind, n) in r.metrics().store_errors_by_kind() {
+                let mut l = labels.clone();
+                l.push(("kind", kind.as_str().to_owned()));
+                ConstCounter::new(n).encode(family.encode_family(&l)?)?;
+            }
+        }
+        for (name, help, read) in HISTOGRAMS {
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Histogram)?;
+            for (labels, r) in &relays {
+                let s = read(r.metrics());
+                family
+                    .encode_family(labels)?
+                    .encode_histogram::<NoLabelSet>(s.sum, s.count, &s.buckets, None)?;
+            }
+        }
+        let mut family = encoder.encode_descriptor(
+            "outbox_relay_transport_up",
+            "Whether the transport is up (0 while paused after an Unavailable error and probed).",
+            None,
+            MetricType::Gauge,
+        )?;
+        for (labels, r) in &relays {
+            for (name, is_up) in r.transports_up() {
+                let mut l = labels.clone();
+                l.push(("transport", name));
+                ConstGauge::new(i64::from(is_up)).encode(family.encode_family(&l)?)?;
+            }
+        }
+        let mut family = encoder.encode_descriptor(
+            "outbox_relay_healthy",
+            "Whether the relay makes progress (1) or /healthz fails (0).",
+            None,
+            MetricType::Gauge,
+        )?;
+        for (labels, r) in &relays {
+            let healthy = r.stalled().is_none();
+            ConstGauge::new(i64::from(healthy)).encode(family.encode_family(labels)?)?;
+        }
+        let mut family = encoder.encode_descriptor(
+            "outbox_database_ready",
+            "Whether the database's relay runs and is ready (1), or is being opened, or not ready (0).",
+            None,
+            MetricType::Gauge,
+        )?;
+        for name in self.group.names() {
+            let ready = self
+                .group
+                .member_readiness(&name)
+                .is_some_and(|h| h.is_ok());
+            let labels: Labels = vec![("database", name)];
+            ConstGauge::new(i64::from(ready)).encode(family.encode_family(&labels)?)?;
+        }
+        let samples = self
+            .samples
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let per_member: Vec<(Labels, BacklogGauges)> = samples
+            .iter()
+            .map(|(name, (at, s))| (vec![("database", name.clone())], backlog_gauges(s, *at)))
+            .collect();
+        for i in 0..8 {
+            let Some((_, first)) = per_member.first() else {
+                break;
+            };
+            let (name, help, _) = first[i];
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for (labels, gauges) in &per_member {
+                ConstGauge::new(gauges[i].2).encode(family.encode_family(labels)?)?;
+            }
+        }
+        Ok(())
+    }
 }

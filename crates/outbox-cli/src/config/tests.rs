@@ -552,3 +552,81 @@ fn rocketmq_without_the_feature_says_so() {
     assert_eq!(e.field, "transports.mq.kind");
     assert!(e.reason.contains("--features rocketmq"), "{}", e.reason);
 }
+
+/// `GOOD` with `[[databases]]` instead of `[database]`: `entries` is the body after the first
+/// `[[databases]]` header (more may follow).
+fn with_databases(entries: &str) -> String {
+    GOOD.replace(
+        "[database]\n        url = \"sqlite://x.db\"",
+        &format!("[[databases]]\n{entries}"),
+    )
+}
+
+#[test]
+fn databases_parse_validate_and_name_bad_entries() {
+    let ok = with_databases(
+        "name = \"orders\"\nurl = \"postgres://h/a\"\n\
+         [[databases]]\nname = \"billing\"\nurl = \"mysql://h/b\"\ntable = \"outbox_b\"\n\
+         routes = [{ topics = \"*\", transport = \"hooks\" }]\n\
+         [[databases]]\nname = \"tenants\"\nurl = \"postgres://h/c\"\nschemas = \"tenant_%\"\nrediscover_interval = \"5s\"\n",
+    );
+    let c = parse(&ok).unwrap();
+    c.validate().unwrap();
+    assert_eq!(c.databases.len(), 3);
+    assert_eq!(c.databases[1].routes(&c).len(), 1);
+    assert_eq!(c.databases[0].routes(&c).len(), 2, "the file's routes");
+    assert!(c.databases[2].discovers() && !c.databases[0].discovers());
+    assert_eq!(c.databases[2].rediscover_interval, Duration::from_secs(5));
+
+    let first = "name = \"orders\"\nurl = \"postgres://h/a\"\n";
+    for (entries, field) in [
+        (
+            "name = \"a b\"\nurl = \"postgres://h/a\"\n",
+            "databases[0].name",
+        ),
+        (
+            "name = \"\"\nurl = \"postgres://h/a\"\n",
+            "databases[0].name",
+        ),
+        ("name = \"a\"\nurl = \"oracle://h/a\"\n", "databases[0].url"),
+        (
+            "name = \"a\"\nurl = \"postgres://h/a\"\ntable = \"x-y\"\n",
+            "databases[0].table",
+        ),
+        (
+            &format!("{first}[[databases]]\nname = \"orders\"\nurl = \"postgres://h/b\"\n"),
+            "databases[1].name",
+        ),
+        (
+            "name = \"a\"\nurl = \"mysql://h/a\"\nschemas = \"t_%\"\n",
+            "databases[0].schemas",
+        ),
+        (
+            "name = \"a\"\nurl = \"postgres://h/a\"\nschemas = \"t_%\"\nschemas_query = \"SELECT 1\"\n",
+            "databases[0].schemas_query",
+        ),
+        (
+            "name = \"a\"\nurl = \"postgres://h/a\"\nschemas = \"t_%\"\ntable = \"s.outbox\"\n",
+            "databases[0].table",
+        ),
+        (
+            "name = \"a\"\nurl = \"postgres://h/a\"\nschemas = \"t_%\"\nrediscover_interval = \"10ms\"\n",
+            "databases[0].rediscover_interval",
+        ),
+        (
+            "name = \"a\"\nurl = \"postgres://h/a\"\nroutes = [{ topics = \"*\", transport = \"nope\" }]\n",
+            "databases[0].routes[0].transport",
+        ),
+    ] {
+        assert_eq!(invalid_field(&with_databases(entries)), field, "{entries}");
+    }
+    // Both [database] and [[databases]]: refused, naming the single one.
+    let both = format!("{GOOD}\n[[databases]]\n{first}");
+    assert_eq!(invalid_field(&both), "database.url");
+    // Confirmations are not supported with several databases yet: said, not ignored.
+    let confirmed = with_databases(first)
+        + "\n[confirmations]\nkind = \"nats\"\nurl = \"nats://127.0.0.1:4222\"\nsubject = \"c\"\n";
+    assert_eq!(invalid_field(&confirmed), "confirmations");
+    // A missing name or URL is refused as the file is read.
+    assert_unreadable(&with_databases("url = \"postgres://h/a\"\n"), "name");
+}

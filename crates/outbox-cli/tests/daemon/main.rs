@@ -13,6 +13,7 @@ use outbox::Status;
 use sqlx::PgPool;
 
 mod dashboard;
+mod databases;
 mod lifecycle;
 mod logs;
 mod messages;

@@ -29,7 +29,7 @@ fn admin_relay(f: &Fixture, name: &str, admin: &str) -> (String, Relays) {
 
 /// The samples of `body` as `name{labels}` → value; a histogram's value is its observation
 /// count (its `+Inf` bucket), its `_sum` and `_count` are samples of their own.
-fn samples(body: &str) -> BTreeMap<String, f64> {
+pub(super) fn samples(body: &str) -> BTreeMap<String, f64> {
     let scrape = prometheus_parse::Scrape::parse(body.lines().map(|l| Ok(l.to_owned())))
         .expect("a Prometheus text exposition");
     scrape
@@ -199,7 +199,7 @@ async fn metrics_endpoint_serves_relay_counters_and_backlog() {
 }
 
 /// `GET http://<addr><path>`: status code and body.
-async fn get(addr: &str, path: &str) -> Option<(u16, String)> {
+pub(super) async fn get(addr: &str, path: &str) -> Option<(u16, String)> {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
     s.write_all(format!("GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").as_bytes())
@@ -213,7 +213,7 @@ async fn get(addr: &str, path: &str) -> Option<(u16, String)> {
 }
 
 /// Poll `path` until its status is `code` (within 20 s): the body.
-async fn wait_status(addr: &str, path: &str, code: u16, dir: &Path) -> String {
+pub(super) async fn wait_status(addr: &str, path: &str, code: u16, dir: &Path) -> String {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     loop {
         if let Some((c, body)) = get(addr, path).await

@@ -151,6 +151,7 @@ impl Relay {
             );
         }
         let relay = self.clone();
+        use tracing::Instrument;
         tokio::spawn(async move {
             let inner = &relay.inner;
             let health = &inner.health[ti];
@@ -193,7 +194,7 @@ impl Relay {
             if health.epoch.load(Ordering::Acquire) == epoch {
                 relay.mark_up(ti);
             }
-        });
+        }.in_current_span());
     }
 
     /// A publish on transport `ti` was accepted: the outage, if one was going on, is over.

@@ -89,6 +89,7 @@
 mod batch;
 mod config;
 mod decide;
+pub mod group;
 mod health;
 mod keys;
 mod maintenance;
@@ -344,6 +345,11 @@ impl Relay {
         &self.inner.config
     }
 
+    /// The store it relays from.
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.inner.store
+    }
+
     /// The buckets this relay holds now, in order.
     pub fn held_buckets(&self) -> Vec<Bucket> {
         let own = self.inner.ownership.lock().expect("ownership lock");
@@ -385,6 +391,7 @@ impl Relay {
     /// owned until their lease expires, then another relay takes them over and publishes what
     /// was not recorded (again: the consumer's inbox absorbs copies).
     pub async fn run(&self, cancel: CancellationToken) -> Result<(), StoreError> {
+        use tracing::Instrument;
         let inner = &self.inner;
         // A table at another schema version than this build's fails every statement later,
         // with errors that name the symptom (a missing table or column), not the cause.
@@ -409,9 +416,13 @@ impl Relay {
         // background tasks running: the guard cancels them when `run` is dropped.
         let _stop_background_on_drop = background.clone().drop_guard();
         let _listener = inner.store.spawn_listener(background.clone());
-        let mut maintenance = tokio::spawn(maintenance_loop(self.clone(), background.clone()));
-        let mut membership = tokio::spawn(membership_loop(self.clone(), background.clone()));
-        let mut prepared = tokio::spawn(prepared::prepared_loop(self.clone(), background.clone()));
+        let mut maintenance =
+            tokio::spawn(maintenance_loop(self.clone(), background.clone()).in_current_span());
+        let mut membership =
+            tokio::spawn(membership_loop(self.clone(), background.clone()).in_current_span());
+        let mut prepared = tokio::spawn(
+            prepared::prepared_loop(self.clone(), background.clone()).in_current_span(),
+        );
         let mut batches: JoinSet<()> = JoinSet::new();
         let waker = inner.store.waker();
         let cfg = &inner.config;
@@ -523,9 +534,12 @@ impl Relay {
                             if let Some(work) = self.take_batch(batch, &free, read_at) {
                                 let relay = self.clone();
                                 let background = background.clone();
-                                batches.spawn(async move {
-                                    relay.process(work, read_at, &background).await;
-                                });
+                                batches.spawn(
+                                    async move {
+                                        relay.process(work, read_at, &background).await;
+                                    }
+                                    .in_current_span(),
+                                );
                             }
                             continue;
                         }

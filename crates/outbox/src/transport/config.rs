@@ -387,17 +387,30 @@ impl super::Router {
         routes: &[RouteConfig],
         transports: impl IntoIterator<Item = (&'a str, &'a TransportConfig)>,
     ) -> Result<super::Router, ConfigError> {
+        Self::from_config_sharing(routes, transports, &mut Default::default())
+    }
+
+    /// [`Router::from_config`](super::Router::from_config), reusing the transports already in
+    /// `built` (by name) and adding those it builds: the routers of several databases relayed by
+    /// one process ([`RelayGroup`](crate::RelayGroup)) then share one connection per broker.
+    ///
+    /// # Errors
+    /// As [`Router::from_config`](super::Router::from_config).
+    pub fn from_config_sharing<'a>(
+        routes: &[RouteConfig],
+        transports: impl IntoIterator<Item = (&'a str, &'a TransportConfig)>,
+        built: &mut std::collections::BTreeMap<String, Arc<dyn Transport>>,
+    ) -> Result<super::Router, ConfigError> {
         let transports: std::collections::BTreeMap<&str, &TransportConfig> =
             transports.into_iter().collect();
         check_routes(routes, &transports)?;
-        let mut built: std::collections::BTreeMap<&str, Arc<dyn Transport>> = Default::default();
         for r in routes {
             if !built.contains_key(r.transport.as_str()) {
                 let t = transports[r.transport.as_str()];
                 let named = |e: ConfigError| {
                     ConfigError::new(format!("transports.{}.{}", r.transport, e.field), e.reason)
                 };
-                built.insert(r.transport.as_str(), t.build().map_err(named)?);
+                built.insert(r.transport.clone(), t.build().map_err(named)?);
             }
         }
         let mut router = super::Router::new();

@@ -78,7 +78,7 @@ function showError(e) {
 
 async function overview() {
   setNav("overview");
-  const o = await api("/api/overview");
+  const o = await api("api/overview");
   const cards = STATES.filter((s) => (o.counts[s] || 0) > 0 || ["PENDING", "SENT", "FAILED"].includes(s))
     .map((s) => `<a class="card" href="#/messages?state=${s}" data-state="${s}">
         <div class="label c-${s}">${s}</div><div class="n">${(o.counts[s] || 0).toLocaleString()}</div></a>`).join("");
@@ -145,7 +145,7 @@ async function charts() {
   if (!box) return;
   let s;
   try {
-    s = await api("/api/series");
+    s = await api("api/series");
   } catch (e) {
     box.innerHTML = `<p class="muted">${esc(e.message)}</p>`;
     return;
@@ -188,7 +188,7 @@ async function messages(query) {
   const apiParams = new URLSearchParams();
   FILTER_KEYS.concat(["before"]).forEach((k) => { if (params.get(k)) apiParams.set(k, params.get(k)); });
   apiParams.set("limit", params.get("limit") || "50");
-  const page = await api("/api/messages?" + apiParams.toString());
+  const page = await api("api/messages?" + apiParams.toString());
   const chosen = new Set((params.get("state") || "").split(",").filter(Boolean));
   const v = (k) => esc(params.get(k) || "");
   const rows = page.messages.map((m) => `<tr data-id="${m.id}">
@@ -279,7 +279,7 @@ async function act(action, body, what) {
   };
   if (!(await confirmDialog(`${verbs[action]} ${what}?`, notes[action]))) return;
   try {
-    const r = await api(`/api/messages/${action}`, body);
+    const r = await api(`api/messages/${action}`, body);
     const lines = [`${verbs[action]}: ${r.changed} changed`].concat(r.not_changed.map((n) => `id ${n.id}: ${n.reason}`));
     toast(lines.join("\n"), r.not_changed.length > 0);
     route();
@@ -290,7 +290,7 @@ async function act(action, body, what) {
 
 async function detail(id) {
   setNav("messages");
-  const m = await api(`/api/messages/${encodeURIComponent(id)}`);
+  const m = await api(`api/messages/${encodeURIComponent(id)}`);
   const fields = [
     ["Row id", m.id], ["Message id", m.message_id], ["State", badge(m.status, m.status_number)],
     ["Topic", esc(m.topic)], ["Partition key", esc(m.partition_key || "–")],
@@ -322,7 +322,7 @@ async function detail(id) {
 
 async function relays() {
   setNav("relays");
-  const r = await api("/api/relays");
+  const r = await api("api/relays");
   const now = r.now ? Date.parse(r.now) : Date.now();
   const ago = (t) => (t ? `${((now - Date.parse(t)) / 1000).toFixed(1)} s ago` : "–");
   const live = (b) => b.expires_at && Date.parse(b.expires_at) > now;
@@ -359,7 +359,7 @@ async function relays() {
 
 async function keys() {
   setNav("keys");
-  const r = await api("/api/keys/blocked");
+  const r = await api("api/keys/blocked");
   const rows = r.keys.map((k) => `<tr><td>${esc(k.key)}</td><td class="num"><a href="#/messages/${k.held_by}">${k.held_by}</a></td>
       <td>${when(k.since)}</td><td class="num">${k.waiting}</td>
       <td><span class="err" title="${esc(k.last_error || "")}">${esc(k.last_error || "")}</span></td>
@@ -382,7 +382,7 @@ async function inboxAct(action, consumer, ids, nextHash) {
   const verb = action === "replay" ? "Replay" : "Discard";
   if (!(await confirmDialog(`${verb} ${ids.length} dead letter(s) of ${consumer}?`, notes[action]))) return;
   try {
-    const r = await api(`/api/inbox/${action}`, { consumer, message_ids: ids });
+    const r = await api(`api/inbox/${action}`, { consumer, message_ids: ids });
     const lines = [`${verb}: ${r.changed} changed`].concat(r.not_changed.map(([id, why]) => `${id}: ${why}`));
     toast(lines.join("\n"), r.not_changed.length > 0);
     if (nextHash && location.hash !== nextHash) location.hash = nextHash;
@@ -396,8 +396,8 @@ async function inbox(query) {
   setNav("inbox");
   const params = new URLSearchParams(query);
   const consumer = params.get("consumer") || "";
-  const c = await api("/api/inbox");
-  const r = await api(`/api/inbox/dead-letters?limit=200${consumer ? "&consumer=" + encodeURIComponent(consumer) : ""}`);
+  const c = await api("api/inbox");
+  const r = await api(`api/inbox/dead-letters?limit=200${consumer ? "&consumer=" + encodeURIComponent(consumer) : ""}`);
   const consumers = c.consumers.map((x) => `<tr><td><a href="#/inbox?consumer=${encodeURIComponent(x.consumer)}">${esc(x.consumer)}</a></td>
       <td class="num">${x.dead_letters}</td><td class="num">${x.replay_requested}</td><td>${when(x.oldest_failed_at)}</td><td>${when(x.newest_failed_at)}</td></tr>`).join("");
   const rows = r.dead_letters.map((d) => `<tr><td><input type="checkbox" class="dl-pick" data-consumer="${esc(d.consumer)}" value="${esc(d.message_id)}"></td>
@@ -430,7 +430,7 @@ async function inbox(query) {
 
 async function inboxDetail(consumer, id) {
   setNav("inbox");
-  const d = await api(`/api/inbox/dead-letters/${encodeURIComponent(consumer)}/${encodeURIComponent(id)}`);
+  const d = await api(`api/inbox/dead-letters/${encodeURIComponent(consumer)}/${encodeURIComponent(id)}`);
   let hdrs = [];
   try { hdrs = Object.entries(JSON.parse(d.headers || "{}")); } catch (_) { hdrs = [["(unreadable)", d.headers]]; }
   const fields = [

@@ -670,13 +670,17 @@ impl Store for PgStore {
     }
 
     fn spawn_listener(&self, cancel: CancellationToken) -> Option<tokio::task::JoinHandle<()>> {
-        Some(tokio::spawn(listen(
-            self.pool.clone(),
-            self.channel.clone(),
-            self.waker.clone(),
-            self.listener_check,
-            cancel,
-        )))
+        use tracing::Instrument;
+        Some(tokio::spawn(
+            listen(
+                self.pool.clone(),
+                self.channel.clone(),
+                self.waker.clone(),
+                self.listener_check,
+                cancel,
+            )
+            .in_current_span(),
+        ))
     }
 
     async fn check_schema(&self) -> Result<(), StoreError> {

@@ -221,6 +221,59 @@ impl PgStore {
         })
     }
 
+    /// A store over other tables of the same database (another schema's `outbox`, a tenant's),
+    /// sharing this store's pool (and its read-only guard): what a daemon that relays a schema
+    /// per tenant opens per schema, so N tenants cost one pool, not N. Each store still opens its
+    /// own LISTEN connection when its relay runs. The options' limits apply; the enqueue timeout
+    /// and listener check are this store's.
+    ///
+    /// # Errors
+    /// [`StoreError::InvalidIdentifier`] for an invalid table name.
+    pub fn for_tables(&self, options: StoreOptions) -> Result<PgStore, StoreError> {
+        let mut store = PgStore::from_pool(self.pool.clone(), options)?;
+        store.read_only = self.read_only.clone();
+        store.enqueue_timeout = self.enqueue_timeout;
+        store.listener_check = self.listener_check;
+        Ok(store)
+    }
+
+    /// The names of the schemas of this database that `pattern` (SQL `LIKE`: `%` any run, `_`
+    /// one character) matches and that hold a table named `table` (unqualified), in order: the
+    /// tenants a schema-per-tenant daemon relays (a schema whose table is not migrated yet is left
+    /// out until it is).
+    ///
+    /// # Errors
+    /// [`StoreError::Database`] when the query fails.
+    pub async fn schemas_with_table(
+        &self,
+        pattern: &str,
+        table: &str,
+    ) -> Result<Vec<String>, StoreError> {
+        sqlx::query_scalar(
+            "SELECT n.nspname::text FROM pg_namespace n \
+             WHERE n.nspname LIKE $1 AND EXISTS (SELECT 1 FROM pg_class c \
+               WHERE c.relnamespace = n.oid AND c.relname = $2 AND c.relkind IN ('r', 'p')) \
+             ORDER BY 1",
+        )
+        .bind(pattern)
+        .bind(table.to_ascii_lowercase())
+        .fetch_all(&self.pool)
+        .await
+        .map_err(|e| crate::store::database_error("list the tenant schemas", e))
+    }
+
+    /// The values of the first column of `query`'s rows, as text, in the order returned: the
+    /// tenants' schemas listed by a query of the operator's (`[[databases]] schemas_query`).
+    ///
+    /// # Errors
+    /// [`StoreError::Database`] when the query fails or its first column is not text.
+    pub async fn list_by_query(&self, query: &str) -> Result<Vec<String>, StoreError> {
+        sqlx::query_scalar(sqlx::AssertSqlSafe(query.to_owned()))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| crate::store::database_error("run schemas_query", e))
+    }
+
     /// How long [`PgStore::enqueue`] waits for a lock on the outbox table before it gives up
     /// with [`EnqueueError::Timeout`]; `None` waits as long as the server lets it
     /// (`lock_timeout` of the session). Default [`DEFAULT_ENQUEUE_TIMEOUT`] (10 s).
