@@ -14,6 +14,7 @@ use sqlx::PgPool;
 
 mod dashboard;
 mod databases;
+mod failover;
 mod lifecycle;
 mod logs;
 mod messages;

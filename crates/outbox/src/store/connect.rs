@@ -114,7 +114,8 @@ async fn open(
 }
 
 /// A store's pool of 10 connections ([`POOL_SIZE`], all opened at once in the background and
-/// kept) to the database server at `url` (PostgreSQL, MySQL):
+/// kept) to the database server at `url` (PostgreSQL, MySQL; `other_hosts`: the URLs of other
+/// hosts the pool may be moved to, for `TCP_NODELAY`):
 /// one direct connection first, so an unreachable server or a bad URL is reported with its cause
 /// instead of as a pool timeout; each connection sets `TCP_NODELAY` towards the server
 /// ([`nodelay`](super::nodelay)) and is dropped when the returned guard says so (a server that
@@ -125,6 +126,7 @@ async fn open(
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) async fn server_pool<DB: sqlx::Database>(
     url: &str,
+    other_hosts: &[String],
 ) -> Result<(sqlx::Pool<DB>, std::sync::Arc<super::ReadOnlyGuard>), StoreError>
 where
     <DB::Connection as sqlx::Connection>::Options: ServerAddress,
@@ -134,13 +136,14 @@ where
         .await
         .map_err(connect_error)?;
     let _ = sqlx::Connection::close(conn).await;
-    let peers = match url.parse::<<DB::Connection as sqlx::Connection>::Options>() {
-        Ok(o) => {
+    // `TCP_NODELAY` towards the server, and towards every other host the pool may move to.
+    let mut peers = Vec::new();
+    for u in std::iter::once(url).chain(other_hosts.iter().map(String::as_str)) {
+        if let Ok(o) = u.parse::<<DB::Connection as sqlx::Connection>::Options>() {
             let (host, port) = o.address();
-            super::nodelay::resolve(host, port).await
+            peers.extend(super::nodelay::resolve(host, port).await);
         }
-        Err(_) => Vec::new(),
-    };
+    }
     let read_only = super::ReadOnlyGuard::new();
     let (on_acquire, on_release) = (read_only.clone(), read_only.clone());
     let pool = sqlx::pool::PoolOptions::<DB>::new()

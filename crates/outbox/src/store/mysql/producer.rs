@@ -85,7 +85,7 @@ impl MySqlStore {
             Some(rest) => format!("mysql://{rest}"),
             None => url.to_owned(),
         };
-        let (pool, read_only) = crate::store::server_pool(&url).await?;
+        let (pool, read_only) = crate::store::server_pool(&url, &[]).await?;
         let mut store = MySqlStore::from_pool(pool, options)?;
         store.read_only = read_only;
         Ok(store)

@@ -30,6 +30,7 @@
 //!   producers).
 
 pub(crate) mod errors;
+pub mod hosts;
 mod listen;
 pub(crate) mod migrations;
 mod partitions;
@@ -107,6 +108,8 @@ pub struct PgStore {
     hook: Option<Arc<dyn RejectionHook<sqlx::Postgres>>>,
     /// Read-only refusals seen; the pool of [`PgStore::connect`] drops older connections.
     read_only: Arc<super::ReadOnlyGuard>,
+    /// The failover watcher of a multi-host URL ([`hosts`]), stopped with the last clone.
+    failover: Option<Arc<hosts::Watcher>>,
     /// How long an enqueue waits for a lock on the table ([`PgStore::with_enqueue_timeout`]).
     enqueue_timeout: Option<Duration>,
     /// Interval of the listener's liveness ping ([`PgStore::with_listener_check`]).

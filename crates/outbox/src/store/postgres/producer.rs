@@ -17,9 +17,33 @@ impl PgStore {
     /// # Errors
     /// [`StoreError::Config`] for an invalid table name, [`StoreError::Database`] when the server
     /// cannot be reached (the error names the cause).
+    ///
+    /// `url` may name several hosts, as libpq does:
+    /// `postgres://user@h1:5432,h2:5432/db?target_session_attrs=read-write` (`any`, the default,
+    /// `read-write` or `primary`). The pool then connects to the first host that qualifies and a
+    /// watcher moves it to another when its host stops answering or turns read-only (a
+    /// failover), without a restart (see `store::postgres::hosts`, docs/scaling.md).
     pub async fn connect(url: &str, options: StoreOptions) -> Result<PgStore, StoreError> {
-        let (pool, read_only) = crate::store::server_pool(url).await?;
-        let mut store = PgStore::from_pool(pool, options)?;
+        let hosts = super::hosts::Hosts::parse(url)?;
+        let (url, all) = match &hosts {
+            None => (url.to_owned(), Vec::new()),
+            Some(h) => {
+                let i = h.select().await.map_err(|reasons| StoreError::Database {
+                    op: "connect",
+                    transient: true,
+                    source: sqlx::Error::Io(std::io::Error::other(format!(
+                        "no host of the URL qualifies (target_session_attrs): {reasons}"
+                    ))),
+                })?;
+                (h.urls[i].clone(), h.urls.clone())
+            }
+        };
+        let (pool, read_only) = crate::store::server_pool(&url, &all).await?;
+        let mut store = PgStore::from_pool(pool.clone(), options)?;
+        if let Some(h) = hosts {
+            let i = h.urls.iter().position(|u| *u == url).unwrap_or(0);
+            store.failover = Some(super::hosts::watch(pool, h, i, read_only.clone()));
+        }
         store.read_only = read_only;
         Ok(store)
     }
@@ -216,6 +240,7 @@ impl PgStore {
             notifier: Arc::new(std::sync::OnceLock::new()),
             hook: None,
             read_only: crate::store::ReadOnlyGuard::new(),
+            failover: None,
             enqueue_timeout: Some(DEFAULT_ENQUEUE_TIMEOUT),
             listener_check: DEFAULT_LISTENER_CHECK,
         })
@@ -232,6 +257,7 @@ impl PgStore {
     pub fn for_tables(&self, options: StoreOptions) -> Result<PgStore, StoreError> {
         let mut store = PgStore::from_pool(self.pool.clone(), options)?;
         store.read_only = self.read_only.clone();
+        store.failover = self.failover.clone();
         store.enqueue_timeout = self.enqueue_timeout;
         store.listener_check = self.listener_check;
         Ok(store)
