@@ -313,6 +313,10 @@ async fn serve_admin(
         .route("/readyz", axum::routing::get(ready))
         .route("/readyz/{name}", axum::routing::get(ready_one))
         .route("/", axum::routing::get(index))
+        .route(
+            "/favicon.ico",
+            axum::routing::get(|| async { StatusCode::NO_CONTENT }),
+        )
         .route("/databases/{name}", axum::routing::get(add_slash))
         .merge(
             axum::Router::new()

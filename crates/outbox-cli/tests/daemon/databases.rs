@@ -467,6 +467,16 @@ async fn daemon_discovers_tenant_schemas_without_a_restart() {
     for t in ["a", "b", "c"] {
         assert!(page.contains(&format!("app/{}", schema(t))), "{page}");
     }
+    // The list of databases and a tenant's dashboard opened from it, in a real browser.
+    browse_databases(
+        &addr,
+        &f,
+        &["a", "b", "c"].map(|t| format!("app/{}", schema(t))),
+        &format!("app/{}", schema("b")),
+        &schema("b"),
+        &schema("c"),
+    )
+    .await;
     // A tenant dropped: its member goes.
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "DROP SCHEMA {} CASCADE",
@@ -487,4 +497,51 @@ async fn daemon_discovers_tenant_schemas_without_a_restart() {
         .execute(&pool)
         .await;
     }
+}
+
+/// Drive `tests/browser/databases.mjs` through the admin listener `addr`: the list names
+/// `members`, all running; `open`'s dashboard, opened from it, shows `topic` and not `other`.
+async fn browse_databases(
+    addr: &str,
+    f: &Fixture,
+    members: &[String],
+    open: &str,
+    topic: &str,
+    other: &str,
+) {
+    let browser_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/browser");
+    let chromium = std::env::var("CHROMIUM").unwrap_or_else(|_| "/usr/bin/chromium".into());
+    assert!(
+        Path::new(&chromium).exists() && browser_dir.join("node_modules/playwright-core").exists(),
+        "chromium ({chromium}) and playwright-core in {} are required: run .ci/services/browser.sh",
+        browser_dir.display()
+    );
+    let shots = f.dir.join("shots");
+    std::fs::create_dir_all(&shots).unwrap();
+    let out = tokio::process::Command::new("node")
+        .arg("databases.mjs")
+        .current_dir(&browser_dir)
+        .env("DBS_URL", format!("http://{addr}"))
+        .env("DBS_MEMBERS", members.join(","))
+        .env("DBS_OPEN", open)
+        .env("DBS_TOPIC", topic)
+        .env("DBS_OTHER", other)
+        .env("DBS_SHOTS", &shots)
+        .env("CHROMIUM", &chromium)
+        .output()
+        .await
+        .expect("node is required to drive the browser (Debian's nodejs)");
+    assert!(
+        out.status.success(),
+        "the databases page test failed:\n{}\n{}\nrelay log in {}, screenshots in {}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+        f.dir.display(),
+        shots.display()
+    );
+    eprintln!(
+        "{}screenshots in {}",
+        String::from_utf8_lossy(&out.stdout),
+        shots.display()
+    );
 }

@@ -476,3 +476,14 @@ async function route() {
 
 window.addEventListener("hashchange", route);
 route();
+
+// Served by a daemon relaying several databases, under /databases/<name>/: say which, with a way
+// back to the list.
+(function () {
+  const m = location.pathname.match(/\/databases\/([^/]+)\/$/);
+  if (!m) return;
+  const name = decodeURIComponent(m[1]).replace("~", "/");
+  const brand = document.querySelector("header .brand");
+  brand.innerHTML = `<a href="../../" class="back" title="all databases">outbox</a> · <span class="db">${esc(name)}</span>`;
+  document.title = `outbox · ${name}`;
+})();
