@@ -13,18 +13,7 @@ use super::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dashboard_in_a_real_browser() {
-    let browser_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/browser");
-    let chromium = std::env::var("CHROMIUM").unwrap_or_else(|_| "/usr/bin/chromium".into());
-    assert!(
-        Path::new(&chromium).exists(),
-        "chromium is required at {chromium} (set CHROMIUM; .ci/services/browser.sh installs Debian's chromium)"
-    );
-    assert!(
-        browser_dir.join("node_modules/playwright-core").exists(),
-        "playwright-core is required in {}: run .ci/services/browser.sh (npm ci there)",
-        browser_dir.display()
-    );
-
+    browser_ready();
     let (f, pool, js) = Fixture::started("dash").await;
     let t = &f.table;
     for i in 0..6 {
@@ -110,27 +99,75 @@ async fn dashboard_in_a_real_browser() {
     ]);
     wait_until_sent(&pool, t, 6, Duration::from_secs(20)).await;
 
+    run_browser(
+        "dashboard.mjs",
+        &[
+            ("DASH_URL", format!("http://{addr}")),
+            ("DASH_TOKEN", "dash-token".into()),
+            ("DASH_FAILED_ID", dead[0].0.to_string()),
+            ("DASH_FAILED_MID", dead[0].1.to_string()),
+            ("DASH_UNDECIDED_ID", undecided.0.to_string()),
+            ("DASH_KEY", "order-42".into()),
+            ("DASH_INBOX_DISCARD", inbox_dead[0].to_string()),
+            ("DASH_INBOX_REPLAY", inbox_dead[1].to_string()),
+        ],
+        "DASH_SHOTS",
+        &f,
+    )
+    .await;
+    // What the browser did is in the table: one dead letter left, the other published.
+    assert_eq!(count(&pool, t, Status::Failed).await, 1);
+    assert_eq!(count(&pool, t, Status::Sent).await, 7);
+    // And in the inbox: one dead letter discarded, the other waiting for its replay.
+    let left = inbox.dead_letters(10).await.unwrap();
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert_eq!(left[0].message.message_id, inbox_dead[1]);
+    assert!(left[0].replay_requested, "{left:?}");
+    js.delete_stream(&f.stream).await.unwrap();
+}
+
+/// Chromium and playwright-core are installed (`.ci/services/browser.sh`), or the test fails
+/// naming them.
+pub(super) fn browser_ready() {
+    let browser_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/browser");
+    let chromium = std::env::var("CHROMIUM").unwrap_or_else(|_| "/usr/bin/chromium".into());
+    assert!(
+        Path::new(&chromium).exists(),
+        "chromium is required at {chromium} (set CHROMIUM; .ci/services/browser.sh installs Debian's chromium)"
+    );
+    assert!(
+        browser_dir.join("node_modules/playwright-core").exists(),
+        "playwright-core is required in {}: run .ci/services/browser.sh (npm ci there)",
+        browser_dir.display()
+    );
+}
+
+/// Run `tests/browser/<script>` with `env`, its screenshots going to `<fixture dir>/shots`
+/// (passed as `shots_var`); fails with its output, the relay log and the screenshots' place
+/// unless it succeeds.
+pub(super) async fn run_browser(
+    script: &str,
+    env: &[(&str, String)],
+    shots_var: &str,
+    f: &Fixture,
+) {
+    browser_ready();
+    let browser_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/browser");
+    let chromium = std::env::var("CHROMIUM").unwrap_or_else(|_| "/usr/bin/chromium".into());
     let shots = f.dir.join("shots");
     std::fs::create_dir_all(&shots).unwrap();
     let out = tokio::process::Command::new("node")
-        .arg("dashboard.mjs")
+        .arg(script)
         .current_dir(&browser_dir)
-        .env("DASH_URL", format!("http://{addr}"))
-        .env("DASH_TOKEN", "dash-token")
-        .env("DASH_FAILED_ID", dead[0].0.to_string())
-        .env("DASH_FAILED_MID", dead[0].1.to_string())
-        .env("DASH_UNDECIDED_ID", undecided.0.to_string())
-        .env("DASH_KEY", "order-42")
-        .env("DASH_INBOX_DISCARD", inbox_dead[0].to_string())
-        .env("DASH_INBOX_REPLAY", inbox_dead[1].to_string())
-        .env("DASH_SHOTS", &shots)
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .env(shots_var, &shots)
         .env("CHROMIUM", &chromium)
         .output()
         .await
         .expect("node is required to drive the browser (Debian's nodejs)");
     assert!(
         out.status.success(),
-        "the dashboard test failed:\n{}\n{}\nrelay log in {}, screenshots in {}",
+        "{script} failed:\n{}\n{}\nrelay log in {}, screenshots in {}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr),
         f.dir.display(),
@@ -141,13 +178,4 @@ async fn dashboard_in_a_real_browser() {
         String::from_utf8_lossy(&out.stdout),
         shots.display()
     );
-    // What the browser did is in the table: one dead letter left, the other published.
-    assert_eq!(count(&pool, t, Status::Failed).await, 1);
-    assert_eq!(count(&pool, t, Status::Sent).await, 7);
-    // And in the inbox: one dead letter discarded, the other waiting for its replay.
-    let left = inbox.dead_letters(10).await.unwrap();
-    assert_eq!(left.len(), 1, "{left:?}");
-    assert_eq!(left[0].message.message_id, inbox_dead[1]);
-    assert!(left[0].replay_requested, "{left:?}");
-    js.delete_stream(&f.stream).await.unwrap();
 }

@@ -509,39 +509,17 @@ async fn browse_databases(
     topic: &str,
     other: &str,
 ) {
-    let browser_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/browser");
-    let chromium = std::env::var("CHROMIUM").unwrap_or_else(|_| "/usr/bin/chromium".into());
-    assert!(
-        Path::new(&chromium).exists() && browser_dir.join("node_modules/playwright-core").exists(),
-        "chromium ({chromium}) and playwright-core in {} are required: run .ci/services/browser.sh",
-        browser_dir.display()
-    );
-    let shots = f.dir.join("shots");
-    std::fs::create_dir_all(&shots).unwrap();
-    let out = tokio::process::Command::new("node")
-        .arg("databases.mjs")
-        .current_dir(&browser_dir)
-        .env("DBS_URL", format!("http://{addr}"))
-        .env("DBS_MEMBERS", members.join(","))
-        .env("DBS_OPEN", open)
-        .env("DBS_TOPIC", topic)
-        .env("DBS_OTHER", other)
-        .env("DBS_SHOTS", &shots)
-        .env("CHROMIUM", &chromium)
-        .output()
-        .await
-        .expect("node is required to drive the browser (Debian's nodejs)");
-    assert!(
-        out.status.success(),
-        "the databases page test failed:\n{}\n{}\nrelay log in {}, screenshots in {}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-        f.dir.display(),
-        shots.display()
-    );
-    eprintln!(
-        "{}screenshots in {}",
-        String::from_utf8_lossy(&out.stdout),
-        shots.display()
-    );
+    super::dashboard::run_browser(
+        "databases.mjs",
+        &[
+            ("DBS_URL", format!("http://{addr}")),
+            ("DBS_MEMBERS", members.join(",")),
+            ("DBS_OPEN", open.to_owned()),
+            ("DBS_TOPIC", topic.to_owned()),
+            ("DBS_OTHER", other.to_owned()),
+        ],
+        "DBS_SHOTS",
+        f,
+    )
+    .await;
 }
