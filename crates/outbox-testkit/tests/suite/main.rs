@@ -90,6 +90,7 @@ mod crash;
 mod crash_mysql;
 mod db_roles;
 mod dead_client;
+mod group;
 mod inbox;
 mod inbox_batch;
 mod kafka;
