@@ -738,7 +738,7 @@ impl Collector for GroupCollector {
             MetricType::Gauge,
         )?;
         for (labels, r) in &relays {
-            let healthy = r.stalled().is_none();
+            let healthy = r.wedged().is_none();
             ConstGauge::new(i64::from(healthy)).encode(family.encode_family(labels)?)?;
         }
         let mut family = encoder.encode_descriptor(

@@ -273,6 +273,16 @@ async fn daemon_relays_many_databases_and_one_away_delays_no_other() {
     );
     assert_eq!(get(&addr, "/readyz/pg1").await.map(|(c, _)| c), Some(200));
     tokio::time::sleep(Duration::from_secs(6)).await; // a stretch of traffic with pg4 away
+    // By now pg4's batch in flight waits for its database past lease - publish_timeout: still
+    // no liveness problem (the database is away, not the process wedged), and still named by
+    // readiness.
+    assert_eq!(
+        get(&addr, "/healthz").await.map(|(c, _)| c),
+        Some(200),
+        "a batch waiting for a database that went away is no liveness problem"
+    );
+    let body = get(&addr, "/readyz/pg4").await.unwrap();
+    assert_eq!(body.0, 503, "{body:?}");
     // Everything the others wrote so far arrives while pg4 is still away.
     let marks: BTreeMap<String, u64> = written.lock().unwrap().clone();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);

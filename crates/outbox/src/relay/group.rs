@@ -219,14 +219,14 @@ impl RelayGroup {
     }
 
     /// Liveness of the process (the daemon's `/healthz`): a running relay whose batch is stuck
-    /// past `lease - publish_timeout` ([`Relay::stalled`]), named `database <name>: …`. A
-    /// database that does not answer is not a liveness problem here (restarting the process
-    /// would not bring it back and would disturb the others): [`RelayGroup::readiness`] reports
-    /// it.
+    /// past `lease - publish_timeout` while its database answers ([`Relay::wedged`]), named
+    /// `database <name>: …`. A database that does not answer is not a liveness problem here,
+    /// nor a batch waiting for it (restarting the process would not bring the database back and
+    /// would disturb the others): [`RelayGroup::readiness`] reports them.
     pub fn health(&self) -> RelayHealth {
         let mut problems = Vec::new();
         for (name, relay) in self.relays() {
-            if let Some(age) = relay.stalled() {
+            if let Some(age) = relay.wedged() {
                 problems.push(format!(
                     "database {name}: a batch has been in flight for {:.1} s, past lease - publish_timeout: the relay makes no progress",
                     age.as_secs_f64()

@@ -61,6 +61,10 @@ pub(super) async fn membership_loop(relay: Relay, cancel: CancellationToken) {
                     .last_membership
                     .lock()
                     .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Instant::now());
+                *inner
+                    .last_membership_sent
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(started);
                 let change = {
                     let mut own = inner.ownership.lock().expect("ownership lock");
                     own.apply_round(

@@ -158,6 +158,9 @@ struct Inner {
     /// When the relay was built, and when its last membership round succeeded.
     created: Instant,
     last_membership: Mutex<Option<Instant>>,
+    /// When the last successful membership round was sent (the database answered a request
+    /// made at that time): [`Relay::wedged`].
+    last_membership_sent: Mutex<Option<Instant>>,
     /// In-process check-backs of two-phase messages, by name.
     check_back_hooks: crate::two_phase::Hooks,
     /// Asks HTTP check-backs.
@@ -267,6 +270,7 @@ impl RelayBuilder {
                 handoffs: Mutex::new(BTreeMap::new()),
                 created: Instant::now(),
                 last_membership: Mutex::new(None),
+                last_membership_sent: Mutex::new(None),
                 check_back_hooks: self.check_back_hooks,
                 #[cfg(feature = "webhook")]
                 http_checker,
@@ -623,5 +627,23 @@ impl Relay {
             .map(Instant::elapsed)
             .max()
             .filter(|age| *age > cfg.lease.saturating_sub(cfg.publish_timeout))
+    }
+
+    /// [`Relay::stalled`], but only when a membership round succeeded after the stalled batch
+    /// began: the database answered the relay meanwhile, so the batch is stuck in the process
+    /// (a hung hook or transport), which a restart cures. `None` when the relay makes progress
+    /// or when its database stopped answering too (the batch waits for the database: a
+    /// readiness problem, not a liveness one). What [`RelayGroup::health`](group::RelayGroup::health)
+    /// reports, so one database going away does not fail the liveness of a process relaying
+    /// several.
+    pub fn wedged(&self) -> Option<Duration> {
+        let age = self.stalled()?;
+        let began = Instant::now().checked_sub(age)?;
+        let sent = *self
+            .inner
+            .last_membership_sent
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        sent.filter(|s| *s > began).map(|_| age)
     }
 }
