@@ -13,7 +13,7 @@ use axum::extract::{Path, Request, State};
 use axum::http::StatusCode;
 use axum::response::{Html, IntoResponse, Response};
 use outbox::relay::group::{MemberState, Opener, RelayGroup};
-use outbox::{RelayConfig, Router, Status, StoreOptions, Transport};
+use outbox::{RelayConfig, Router, StoreOptions, Transport};
 use tokio_util::sync::CancellationToken;
 use tower::ServiceExt;
 
@@ -476,8 +476,10 @@ async fn member_api(State(apis): State<Arc<MemberApis>>, mut req: Request) -> Re
     }
 }
 
-/// Every `every`, one INFO line per running database: what its relay did since the last line
-/// and its backlog (`[logging] summary_interval`).
+/// Every `every`, one INFO line per database (`[logging] summary_interval`): for a running one
+/// what its relay did since the last line and its backlog ([`crate::summary_text`]), taken for
+/// every database at once so one that does not answer delays no other's line; for one not
+/// running, its last error.
 async fn log_summaries(group: RelayGroup, every: Duration, cancel: CancellationToken) {
     let mut last: BTreeMap<String, outbox::MetricsSnapshot> = BTreeMap::new();
     loop {
@@ -485,45 +487,42 @@ async fn log_summaries(group: RelayGroup, every: Duration, cancel: CancellationT
             _ = cancel.cancelled() => return,
             _ = tokio::time::sleep(every) => {}
         }
-        for (name, state) in group.members() {
-            let relay = match state {
-                MemberState::Running(r) => r,
-                MemberState::Opening {
-                    failures,
-                    last_error,
-                } => {
-                    tracing::info!(database = %name, failures, "summary: not running: {}", last_error.unwrap_or_else(|| "being opened".into()));
-                    continue;
+        let lines = futures::future::join_all(group.members().into_iter().map(|(name, state)| {
+            let before = last.get(&name).copied().unwrap_or_default();
+            async move {
+                match state {
+                    MemberState::Running(relay) => {
+                        let now = relay.metrics().snapshot();
+                        let problems = relay.readiness().problems;
+                        let text = crate::summary_text(
+                            &relay,
+                            &before,
+                            &now,
+                            every,
+                            "not ready",
+                            &problems,
+                        )
+                        .await;
+                        (name, Some(now), text)
+                    }
+                    MemberState::Opening {
+                        failures,
+                        last_error,
+                    } => {
+                        let error = last_error.unwrap_or_else(|| "being opened".into());
+                        let text =
+                            format!("summary: not running ({failures} failed attempts): {error}");
+                        (name, None, text)
+                    }
                 }
-            };
-            let now = relay.metrics().snapshot();
-            let before = last.get(&name).cloned().unwrap_or_default();
-            let backlog = match tokio::time::timeout(every, relay.store().stats()).await {
-                Ok(Ok(s)) => format!(
-                    "pending={} oldest_pending_age={:.1}s failed={}",
-                    s.counts.get(&Status::Pending).copied().unwrap_or(0),
-                    s.oldest_pending_age.unwrap_or_default().as_secs_f64(),
-                    s.counts.get(&Status::Failed).copied().unwrap_or(0)
-                ),
-                Ok(Err(e)) => format!("backlog unknown ({e})"),
-                Err(_) => "backlog unknown (timed out)".to_owned(),
-            };
-            let problems = relay.readiness().problems;
-            tracing::info!(
-                database = %name,
-                "summary of the last {:.0}s: published={} retried={} dead_lettered={} buckets={} {backlog}{}",
-                every.as_secs_f64(),
-                now.sent.saturating_sub(before.sent),
-                now.retried.saturating_sub(before.retried),
-                now.failed.saturating_sub(before.failed),
-                relay.held_buckets().len(),
-                if problems.is_empty() {
-                    String::new()
-                } else {
-                    format!(" not ready: {}", problems.join("; "))
-                }
-            );
-            last.insert(name, now);
+            }
+        }))
+        .await;
+        for (name, now, text) in lines {
+            tracing::info!(database = %name, "{text}");
+            if let Some(now) = now {
+                last.insert(name, now);
+            }
         }
     }
 }

@@ -308,7 +308,6 @@ async fn relay(config: PathBuf, database: Option<String>) -> anyhow::Result<()> 
     if !file.logging.summary_interval.is_zero() {
         tokio::spawn(log_summaries(
             relay.clone(),
-            store.clone(),
             file.logging.summary_interval,
             cancel.clone(),
         ));
@@ -404,12 +403,7 @@ async fn serve_admin(
 
 /// Every `every`, one INFO line: what the relay did since the last line and where the table
 /// stands (`[logging] summary_interval`), so a plain log shows progress or its absence.
-async fn log_summaries(
-    relay: outbox::Relay,
-    store: Arc<dyn outbox::Store>,
-    every: Duration,
-    cancel: CancellationToken,
-) {
+async fn log_summaries(relay: outbox::Relay, every: Duration, cancel: CancellationToken) {
     let mut last = relay.metrics().snapshot();
     loop {
         tokio::select! {
@@ -417,31 +411,47 @@ async fn log_summaries(
             _ = tokio::time::sleep(every) => {}
         }
         let now = relay.metrics().snapshot();
-        let backlog = match store.stats().await {
-            Ok(s) => format!(
-                "pending={} oldest_pending_age={:.1}s failed={}",
-                s.counts.get(&Status::Pending).copied().unwrap_or(0),
-                s.oldest_pending_age.unwrap_or_default().as_secs_f64(),
-                s.counts.get(&Status::Failed).copied().unwrap_or(0)
-            ),
-            Err(e) => format!("backlog unknown ({e})"),
-        };
         let problems = relay.health().problems;
-        tracing::info!(
-            "summary of the last {:.0}s: published={} retried={} dead_lettered={} buckets={} {backlog}{}",
-            every.as_secs_f64(),
-            now.sent - last.sent,
-            now.retried - last.retried,
-            now.failed - last.failed,
-            relay.held_buckets().len(),
-            if problems.is_empty() {
-                String::new()
-            } else {
-                format!(" unhealthy: {}", problems.join("; "))
-            }
-        );
+        let text = summary_text(&relay, &last, &now, every, "unhealthy", &problems).await;
+        tracing::info!("{text}");
         last = now;
     }
+}
+
+/// The text of one summary line (`[logging] summary_interval`): what `relay` did between the
+/// snapshots `last` and `now`, the buckets it holds, its table's backlog (one `outbox status`
+/// query, given at most `every`), then `problems` after `label`, if any.
+pub(crate) async fn summary_text(
+    relay: &outbox::Relay,
+    last: &outbox::MetricsSnapshot,
+    now: &outbox::MetricsSnapshot,
+    every: Duration,
+    label: &str,
+    problems: &[String],
+) -> String {
+    let backlog = match tokio::time::timeout(every, relay.store().stats()).await {
+        Ok(Ok(s)) => format!(
+            "pending={} oldest_pending_age={:.1}s failed={}",
+            s.counts.get(&Status::Pending).copied().unwrap_or(0),
+            s.oldest_pending_age.unwrap_or_default().as_secs_f64(),
+            s.counts.get(&Status::Failed).copied().unwrap_or(0)
+        ),
+        Ok(Err(e)) => format!("backlog unknown ({e})"),
+        Err(_) => "backlog unknown (timed out)".to_owned(),
+    };
+    format!(
+        "summary of the last {:.0}s: published={} retried={} dead_lettered={} buckets={} {backlog}{}",
+        every.as_secs_f64(),
+        now.sent.saturating_sub(last.sent),
+        now.retried.saturating_sub(last.retried),
+        now.failed.saturating_sub(last.failed),
+        relay.held_buckets().len(),
+        if problems.is_empty() {
+            String::new()
+        } else {
+            format!(" {label}: {}", problems.join("; "))
+        }
+    )
 }
 
 /// Start the confirmation listener of `[confirmations]`.

@@ -412,15 +412,16 @@ async fn daemon_discovers_tenant_schemas_without_a_restart() {
         "[[databases]]\nname = \"app\"\nurl = \"{}\"\nschemas = \"tn_{suffix}_%\"\nrediscover_interval = \"1s\"\n",
         pg_url()
     );
-    let toml = f.toml(relay, &f.route("*")).replace(
-        &format!(
-            "[database]\nurl = \"{}\"\ntable = \"{}\"\ninbox_table = \"{}_inbox\"\n",
-            pg_url(),
-            f.table,
-            f.table
-        ),
-        &entry,
-    ) + &format!("\n[admin]\nlisten = \"{addr}\"\n");
+    let toml =
+        f.toml(relay, &f.route("*")).replace(
+            &format!(
+                "[database]\nurl = \"{}\"\ntable = \"{}\"\ninbox_table = \"{}_inbox\"\n",
+                pg_url(),
+                f.table,
+                f.table
+            ),
+            &entry,
+        ) + &format!("\n[admin]\nlisten = \"{addr}\"\n\n[logging]\nsummary_interval = \"1s\"\n");
     let config = f.write("tenants.toml", &toml);
     let _relays = Relays(vec![f.spawn_relay_logged(&config, "tenants")]);
     let member = |t: &str| format!("app~{}", schema(t));
@@ -487,6 +488,27 @@ async fn daemon_discovers_tenant_schemas_without_a_restart() {
         &schema("c"),
     )
     .await;
+    // One summary line per tenant, each naming its database.
+    let log_path = f.dir.join("tenants.log");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let log = std::fs::read_to_string(&log_path).unwrap();
+        let summarised = |t: &str| {
+            log.lines().any(|l| {
+                l.contains("summary of the last 1s: published=")
+                    && l.contains(&format!("database=app/{}", schema(t)))
+            })
+        };
+        if ["a", "b", "c"].iter().all(|t| summarised(t)) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no summary line per tenant within 10 s; log in {}",
+            log_path.display()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     // A tenant dropped: its member goes.
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "DROP SCHEMA {} CASCADE",

@@ -327,7 +327,10 @@ async fn supervise(open: Opener, state: Arc<Mutex<MemberState>>, stop: Cancellat
                     ),
                 }
             }
-            Ok(Err(e)) => format!("cannot open: {}", report(e.as_ref())),
+            Ok(Err(e)) => format!(
+                "cannot open: {}",
+                crate::error::with_sources(e.to_string(), e.source())
+            ),
             Err(p) => format!("opening panicked: {}", crate::inbox::panic_text(p.as_ref())),
         };
         failures = failures.saturating_add(1);
@@ -347,19 +350,4 @@ async fn supervise(open: Opener, state: Arc<Mutex<MemberState>>, stop: Cancellat
             _ = tokio::time::sleep(wait) => {}
         }
     }
-}
-
-/// `e` and its sources, joined by `: `.
-fn report(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        let t = c.to_string();
-        if !s.contains(&t) {
-            s.push_str(": ");
-            s.push_str(&t);
-        }
-        cur = c.source();
-    }
-    s
 }
