@@ -7,6 +7,8 @@
 # Usage: .ci/clusters.sh up [nats|rabbitmq|redis]...   start what is not running (idempotent)
 #        .ci/clusters.sh stop KIND N                   kill node N (1-based) at once (SIGKILL)
 #        .ci/clusters.sh start KIND N                  start node N again (its data is kept)
+#        .ci/clusters.sh leader rabbitmq QUEUE         print the node number of a quorum queue's leader
+#        .ci/clusters.sh leader redis KEY              print the node number of the primary of KEY's slot
 #        .ci/clusters.sh urls                          print the seed URLs (one export per kind)
 #        .ci/clusters.sh down                          stop every node and delete the data
 # Runs as root; each node's data and log live under $OUTBOX_CLUSTERS_DIR
@@ -134,6 +136,40 @@ redis_up() {
   fi
 }
 
+rabbit_leader() { # queue
+  local n leader
+  for n in 1 2 3; do
+    port_open "568$n" || continue
+    leader="$(rabbitctl "$n" list_queues -q --no-table-headers name leader 2>/dev/null | awk -v q="$1" '$1 == q { print $2 }')"
+    [ -n "$leader" ] || continue
+    leader="${leader#outbox}"
+    echo "${leader%@*}"
+    return 0
+  done
+  echo "error: no RabbitMQ node names a leader for queue $1" >&2
+  return 1
+}
+redis_leader() { # key
+  local n slot
+  for n in 1 2 3 4 5 6; do
+    port_open "700$n" || continue
+    slot="$(redis-cli -p "700$n" cluster keyslot "$1")"
+    redis-cli -p "700$n" cluster nodes | awk -v slot="$slot" '
+      $3 ~ /master/ && $3 !~ /fail/ {
+        for (i = 9; i <= NF; i++) {
+          split($i, r, "-")
+          if (r[2] == "") r[2] = r[1]
+          if (slot + 0 >= r[1] + 0 && slot + 0 <= r[2] + 0) {
+            split($2, a, "[:@]"); print a[2] - 7000; exit
+          }
+        }
+      }'
+    return 0
+  done
+  echo "error: no Redis cluster node answers" >&2
+  return 1
+}
+
 urls() {
   echo "export OUTBOX_TEST_NATS_CLUSTER_URL=nats://127.0.0.1:4241,nats://127.0.0.1:4242,nats://127.0.0.1:4243"
   echo "export OUTBOX_TEST_RABBITMQ_CLUSTER_URL=amqp://guest:guest@127.0.0.1:5681/%2f,amqp://guest:guest@127.0.0.1:5682/%2f,amqp://guest:guest@127.0.0.1:5683/%2f"
@@ -158,11 +194,12 @@ up)
   for kind in "${kinds[@]}"; do "$(node_fn "$kind" up)"; done
   ;;
 stop | start) "$(node_fn "$1" "$cmd")" "$2" ;;
+leader) "$(node_fn "$1" leader)" "$2" ;;
 urls) urls ;;
 down)
   for n in 1 2 3; do nats_stop "$n"; rabbit_stop "$n"; done
   for n in 1 2 3 4 5 6; do redis_stop "$n"; done
   rm -rf "$BASE"
   ;;
-*) echo "usage: $0 up [KIND...] | stop KIND N | start KIND N | urls | down" >&2; exit 2 ;;
+*) echo "usage: $0 up [KIND...] | stop KIND N | start KIND N | leader KIND NAME | urls | down" >&2; exit 2 ;;
 esac

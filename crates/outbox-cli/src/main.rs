@@ -466,10 +466,9 @@ async fn spawn_confirmations(
             subject,
             queue,
         } => {
-            let client = outbox::transport::nats::connect_options(&url)
-                .connect(url.as_str())
+            let client = outbox::transport::nats::connect_client(&url)
                 .await
-                .with_context(|| format!("confirmations.url: cannot connect to NATS at {url}"))?;
+                .map_err(|e| anyhow::anyhow!("confirmations.url: {e}"))?;
             tracing::info!(subject, queue, "listening for confirmations on NATS");
             let stop = cancel.clone();
             supervise_listener("NATS", stop, async move {

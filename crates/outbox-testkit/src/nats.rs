@@ -23,9 +23,10 @@ pub async fn nats_client() -> async_nats::Client {
 /// # Panics
 /// As [`nats_client`].
 pub async fn nats_client_at(url: &str) -> async_nats::Client {
+    let seeds = outbox::transport::nats::seeds(url).unwrap_or_else(|e| panic!("{e}"));
     let connect = outbox::transport::nats::connect_options(url)
         .connection_timeout(Duration::from_secs(5))
-        .connect(url);
+        .connect(seeds);
     match tokio::time::timeout(Duration::from_secs(5), connect).await {
         Ok(Ok(c)) => c,
         Ok(Err(e)) => panic!(
@@ -70,6 +71,7 @@ impl NatsFixture {
             name: stream.clone(),
             subjects: vec![format!("{prefix}.>")],
             create: true,
+            replicas: 1,
         });
         let transport = NatsTransport::from_client(client, config)
             .await

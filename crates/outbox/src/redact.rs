@@ -8,14 +8,29 @@ pub(crate) fn plain<T>(value: &T) -> &T {
 }
 
 /// A URL with any password replaced by `***` (`scheme://user:***@host…`); a URL without one
-/// unchanged.
+/// unchanged. A seed list (URLs separated by commas) has each of its URLs redacted.
 #[cfg(any(
     feature = "webhook",
     feature = "redis",
     feature = "mqtt",
-    feature = "rabbitmq"
+    feature = "rabbitmq",
+    feature = "nats"
 ))]
 pub(crate) fn url(url: &str) -> String {
+    if url.matches("://").count() > 1 {
+        return url.split(',').map(one_url).collect::<Vec<_>>().join(",");
+    }
+    one_url(url)
+}
+
+#[cfg(any(
+    feature = "webhook",
+    feature = "redis",
+    feature = "mqtt",
+    feature = "rabbitmq",
+    feature = "nats"
+))]
+fn one_url(url: &str) -> String {
     match (url.find("://"), url.rfind('@')) {
         (Some(s), Some(at)) if at > s => match url[s + 3..at].split_once(':') {
             Some((user, _)) => format!("{}{user}:***{}", &url[..s + 3], &url[at..]),
@@ -66,6 +81,10 @@ mod tests {
         assert_eq!(url("mqtt://user@h"), "mqtt://user@h");
         assert_eq!(url("nats://h:4222"), "nats://h:4222");
         assert_eq!(url("garbage"), "garbage");
+        assert_eq!(
+            url("amqp://u:p1@a:5681/%2f,amqp://u:p2@b:5682/%2f"),
+            "amqp://u:***@a:5681/%2f,amqp://u:***@b:5682/%2f"
+        );
     }
 
     /// Every configuration that can hold a secret prints none of it.

@@ -302,6 +302,7 @@ impl Nats {
                 name: stream.clone(),
                 subjects: vec![subjects.clone()],
                 create: true,
+                replicas: 1,
             }),
             ..NatsConfig::new(url)
         };

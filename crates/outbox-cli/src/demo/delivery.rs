@@ -214,10 +214,9 @@ impl Delivery {
                 Ok(Delivery::Webhook { secret })
             }
             Some(url) if url.starts_with("nats://") => {
-                let client = outbox::transport::nats::connect_options(url)
-                    .connect(url)
+                let client = outbox::transport::nats::connect_client(url)
                     .await
-                    .with_context(|| format!("cannot connect to NATS at {url}"))?;
+                    .map_err(anyhow::Error::msg)?;
                 // Start from an empty stream so runs are independent; a missing stream is fine.
                 // (The library creates streams, it does not delete them.)
                 let _ = async_nats::jetstream::new(client.clone())
@@ -229,6 +228,7 @@ impl Delivery {
                     name: NATS_STREAM.into(),
                     subjects: vec![NATS_SUBJECTS.into()],
                     create: true,
+                    replicas: 1,
                 });
                 let stream = NatsTransport::from_client(client, config)
                     .await

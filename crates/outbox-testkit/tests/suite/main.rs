@@ -83,6 +83,7 @@ mod cases_faults;
 mod cases_fencing;
 mod cases_mysql;
 mod cases_mysql_locks;
+mod clusters;
 mod confirm;
 mod confirm_upgrade;
 mod consumer_suite;

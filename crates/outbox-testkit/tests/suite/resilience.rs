@@ -595,6 +595,7 @@ async fn defect_09_nats_permission_violation_pauses_without_dead_letters() {
         name: "PERM".into(),
         subjects: vec![],
         create: false,
+        replicas: 1,
     });
     let transport = Arc::new(
         NatsTransport::connect(config)

@@ -17,6 +17,7 @@ pub async fn start_relay(store: PgStore, nats_url: &str) -> Result<RelayHandle, 
         name: "ORDERS".into(),
         subjects: vec!["orders.>".into()],
         create: true,
+        replicas: 1, // 3 on a JetStream cluster
     });
     let nats = Arc::new(NatsTransport::connect(nats).await?);
     let relay = Relay::builder(Arc::new(store))

@@ -13,7 +13,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use redis::aio::ConnectionManager;
 use tokio_util::sync::CancellationToken;
 
 use super::{ConfirmReport, Confirmation, ConfirmationSender};
@@ -21,7 +20,7 @@ use crate::Store;
 use crate::consumer::redis::{RedisConsumerConfig, RedisSource};
 use crate::consumer::source::RunOptions;
 use crate::error::{ConfigError, TransportError};
-use crate::transport::redis::classify;
+use crate::transport::redis::{RedisConnection, classify};
 
 /// Entry field holding a confirmation's JSON.
 pub const FIELD_CONFIRMATION: &str = "confirmation";
@@ -29,7 +28,7 @@ pub const FIELD_CONFIRMATION: &str = "confirmation";
 /// `XADD`s confirmations to the reply stream and waits for the server's reply.
 #[derive(Clone)]
 pub struct RedisConfirmationSender {
-    conn: ConnectionManager,
+    conn: RedisConnection,
 }
 
 impl std::fmt::Debug for RedisConfirmationSender {
@@ -40,9 +39,10 @@ impl std::fmt::Debug for RedisConfirmationSender {
 }
 
 impl RedisConfirmationSender {
-    /// A sender over `conn` (for example [`RedisTransport::connection`](crate::RedisTransport::connection)).
-    pub fn new(conn: ConnectionManager) -> Self {
-        RedisConfirmationSender { conn }
+    /// A sender over `conn` (for example [`RedisTransport::connection`](crate::RedisTransport::connection),
+    /// or a [`ConnectionManager`](redis::aio::ConnectionManager)).
+    pub fn new(conn: impl Into<RedisConnection>) -> Self {
+        RedisConfirmationSender { conn: conn.into() }
     }
 }
 

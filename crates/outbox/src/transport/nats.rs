@@ -58,16 +58,39 @@ use super::wire::{self, Broker, Field, HeaderRules, WireError};
 use super::{Acks, Outgoing, Transport};
 use crate::error::{ConfigError, TransportError, TransportErrorKind};
 
-/// Connection options for `url` with the credentials it carries: `nats://user:password@host`
-/// (user and password) or `nats://token@host` (a token). async-nats 0.51 does not read
-/// credentials from the URL by itself: a URL with credentials connected without them, and the
-/// server refused it with "authorization violation".
+/// The servers of `url`: one server URL, or a seed list of several separated by commas
+/// (`nats://a:4222,nats://b:4222,nats://c:4222`, the form of the NATS CLI's `--server`). The
+/// client connects to one of them and, once connected, also learns the cluster's other servers
+/// from the server it reached; after a lost connection it reconnects to any server it knows
+/// (see the NATS documentation, "Connecting to a cluster").
+///
+/// # Errors
+/// A message naming the first entry that is not a NATS server URL.
+pub fn seeds(url: &str) -> Result<Vec<async_nats::ServerAddr>, String> {
+    url.split(',')
+        .map(str::trim)
+        .map(|u| {
+            u.parse::<async_nats::ServerAddr>()
+                .map_err(|e| format!("{:?} is not a NATS server URL: {e}", crate::redact::url(u)))
+        })
+        .collect()
+}
+
+/// Connection options for `url` (one server or a seed list, see [`seeds`]) with the credentials
+/// its first server carries: `nats://user:password@host` (user and password) or
+/// `nats://token@host` (a token). async-nats 0.51 does not read credentials from the URL by
+/// itself: a URL with credentials connected without them, and the server refused it with
+/// "authorization violation".
 ///
 /// # Errors
 /// None: a URL that does not parse is left to `connect`, which names it.
 pub fn connect_options(url: &str) -> async_nats::ConnectOptions {
     let options = async_nats::ConnectOptions::new();
-    let Ok(addr) = url.parse::<async_nats::ServerAddr>() else {
+    let Some(Ok(addr)) = url
+        .split(',')
+        .next()
+        .map(|u| u.trim().parse::<async_nats::ServerAddr>())
+    else {
         return options;
     };
     match (addr.username(), addr.password()) {
@@ -77,16 +100,37 @@ pub fn connect_options(url: &str) -> async_nats::ConnectOptions {
     }
 }
 
+/// Connect a client to `url` (one server or a seed list, see [`seeds`]) with
+/// [`connect_options`] and a 5 s connection timeout per server.
+///
+/// # Errors
+/// A message naming the URL (without its password) and the client's reason, with its sources.
+pub async fn connect_client(url: &str) -> Result<async_nats::Client, String> {
+    let servers = seeds(url)?;
+    connect_options(url)
+        .connection_timeout(Duration::from_secs(5))
+        .connect(servers)
+        .await
+        .map_err(|e| {
+            format!(
+                "cannot connect to NATS at {}: {}",
+                crate::redact::url(url),
+                crate::error::with_sources(e.to_string(), std::error::Error::source(&e))
+            )
+        })
+}
+
 /// NATS transport settings; the `[transports.<name>] kind = "nats"` table of the configuration
 /// file (see [`TransportConfig`](super::config::TransportConfig)), where the stream is written
 /// flat: `url`, `stream` (its name), `subjects` (default `["<stream lower-cased>.>"]`),
-/// `create_stream` (default true), `ack_timeout` (`"5s"`).
+/// `create_stream` (default true), `replicas` (default 1), `ack_timeout` (`"5s"`).
 #[derive(Clone, serde::Deserialize, serde::Serialize)]
 #[serde(from = "NatsFile", into = "NatsFile")]
 pub struct NatsConfig {
-    /// Server URL, e.g. `nats://127.0.0.1:4222`; credentials may be given in it
-    /// (`nats://user:password@host:4222`, `nats://token@host:4222`, see [`connect_options`]).
-    /// Required.
+    /// Server URL, e.g. `nats://127.0.0.1:4222`, or a seed list of a cluster's servers separated
+    /// by commas (`nats://a:4222,nats://b:4222`, see [`seeds`]); credentials may be given in the
+    /// first (`nats://user:password@host:4222`, `nats://token@host:4222`, see
+    /// [`connect_options`]). Required.
     pub url: String,
     /// The stream that captures the published subjects, if the transport should check or create it.
     /// Default: none (the stream is managed elsewhere).
@@ -117,7 +161,10 @@ impl NatsConfig {
     /// [`ConfigError`] naming `url` (not `nats://` or `tls://`), `stream` (an empty name or
     /// subject list, or a subject that is not valid) or `ack_timeout` (zero).
     pub fn validate(&self) -> Result<(), ConfigError> {
-        super::config::check_url(&self.url, &["nats", "tls"])?;
+        for url in self.url.split(',') {
+            super::config::check_url(url.trim(), &["nats", "tls"])?;
+        }
+        seeds(&self.url).map_err(|e| ConfigError::new("url", e))?;
         if let Some(s) = &self.stream {
             if s.name.is_empty() || s.name.contains(['.', '*', '>', ' ']) {
                 return Err(ConfigError::new(
@@ -130,6 +177,12 @@ impl NatsConfig {
             }
             if s.subjects.is_empty() {
                 return Err(ConfigError::new("subjects", "must not be empty"));
+            }
+            if !(1..=5).contains(&s.replicas) {
+                return Err(ConfigError::new(
+                    "replicas",
+                    format!("{} is not 1 to 5 (JetStream's range)", s.replicas),
+                ));
             }
         }
         if self.ack_timeout.is_zero() {
@@ -153,6 +206,16 @@ struct NatsFile {
     create_stream: bool,
     #[serde(default, with = "humantime_serde")]
     ack_timeout: Option<Duration>,
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    replicas: usize,
+}
+
+fn one() -> usize {
+    1
+}
+
+fn is_one(n: &usize) -> bool {
+    *n == 1
 }
 
 fn yes() -> bool {
@@ -170,6 +233,7 @@ impl From<NatsFile> for NatsConfig {
             },
             name,
             create: f.create_stream,
+            replicas: f.replicas,
         });
         if let Some(t) = f.ack_timeout {
             c.ack_timeout = t;
@@ -188,6 +252,7 @@ impl From<NatsConfig> for NatsFile {
                 .as_ref()
                 .map(|s| s.subjects.clone())
                 .unwrap_or_default(),
+            replicas: c.stream.as_ref().map_or(1, |s| s.replicas),
             stream: c.stream.map(|s| s.name),
             ack_timeout: Some(c.ack_timeout),
         }
@@ -203,6 +268,10 @@ pub struct StreamSetup {
     pub subjects: Vec<String>,
     /// Create the stream (file storage, duplicate window 2 min) when it does not exist. Default true.
     pub create: bool,
+    /// Replicas of a stream it creates, 1 to 5: on a cluster, 3 keeps every acknowledged message
+    /// through the loss of one server (JetStream acknowledges a publish once a majority of the
+    /// replicas stored it; see the NATS documentation, "JetStream clustering"). Default 1.
+    pub replicas: usize,
 }
 
 /// Publishes to JetStream (see the module docs).
@@ -294,6 +363,7 @@ impl NatsTransport {
         // client's reason (connection refused, TLS, authorization).
         let refusals = Arc::new(Refusals::default());
         let watcher = refusals.clone();
+        let servers = seeds(&config.url).map_err(|e| ConfigError::new("url", e))?;
         let client = connect_options(&config.url)
             .connection_timeout(Duration::from_secs(5))
             .event_callback(move |event| {
@@ -303,16 +373,19 @@ impl NatsTransport {
                 }
                 async {}
             })
-            .connect(config.url.as_str())
+            .connect(servers)
             .await
             .map_err(|e| {
-                let mut reason = format!("cannot connect to NATS at {}: {e}", config.url);
-                let mut src = std::error::Error::source(&e);
-                while let Some(s) = src {
-                    reason.push_str(&format!(": {s}"));
-                    src = s.source();
-                }
-                ConfigError::new("url", reason)
+                ConfigError::new(
+                    "url",
+                    crate::error::with_sources(
+                        format!(
+                            "cannot connect to NATS at {}: {e}",
+                            crate::redact::url(&config.url)
+                        ),
+                        std::error::Error::source(&e),
+                    ),
+                )
             })?;
         let mut transport = Self::from_client(client, config).await?;
         transport.refusals = refusals;
@@ -342,6 +415,7 @@ impl NatsTransport {
                         name: s.name.clone(),
                         subjects: s.subjects.clone(),
                         duplicate_window: Duration::from_secs(120),
+                        num_replicas: s.replicas,
                         ..Default::default()
                     })
                     .await

@@ -72,15 +72,20 @@ pub const HEADER_FIELD_PREFIX: &str = "h:";
 
 /// Redis Streams transport settings; the `[transports.<name>] kind = "redis"` table of the
 /// configuration file (see [`TransportConfig`](super::config::TransportConfig)), where the
-/// replica wait is written flat: `url`, `password_env`, `max_len`, `wait_replicas` (a count),
+/// replica wait is written flat: `url`, `cluster`, `password_env`, `max_len`, `wait_replicas` (a count),
 /// `wait_timeout` (default `"1s"`, only with `wait_replicas`), `response_timeout`,
 /// `connect_timeout`.
 #[derive(Clone, serde::Deserialize, serde::Serialize)]
 #[serde(try_from = "RedisFile", into = "RedisFile")]
 pub struct RedisConfig {
     /// Server URL: `redis://[user[:password]@]host[:port][/db]`, or `rediss://…` for TLS
-    /// (rustls with the platform's root certificates). Required.
+    /// (rustls with the platform's root certificates). For a Redis Cluster, the URLs of some of
+    /// its nodes separated by commas (a seed list, which implies `cluster`), or one node's URL
+    /// with `cluster = true`. Required.
     pub url: String,
+    /// Connect to a Redis Cluster ([`RedisConnection::Cluster`]) instead of one server. Implied
+    /// by a seed list in `url`. Default false.
+    pub cluster: bool,
     /// Password (ACL or `requirepass`), overriding one in the URL. Default: none (the URL's).
     /// Never read from nor written to a file: see `password_env`.
     pub password: Option<String>,
@@ -102,6 +107,7 @@ pub struct RedisConfig {
 
 crate::redact::redacted_debug!(RedisConfig {
     url: url,
+    cluster: plain,
     password: secret,
     password_env: plain,
     max_len: plain,
@@ -125,6 +131,7 @@ impl RedisConfig {
     pub fn new(url: impl Into<String>) -> Self {
         RedisConfig {
             url: url.into(),
+            cluster: false,
             password: None,
             password_env: None,
             max_len: None,
@@ -159,7 +166,9 @@ impl RedisConfig {
     /// `response_timeout`.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let resolved = self.resolve_secrets()?;
-        connection_info(&self.url, resolved.password.as_deref())?;
+        for url in self.url.split(',') {
+            connection_info(url.trim(), resolved.password.as_deref())?;
+        }
         if self.max_len == Some(0) {
             return Err(ConfigError::new(
                 "max_len",
@@ -209,6 +218,8 @@ impl RedisConfig {
 struct RedisFile {
     #[serde(default)]
     url: String,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    cluster: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     password_env: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -232,6 +243,7 @@ impl TryFrom<RedisFile> for RedisConfig {
 
     fn try_from(f: RedisFile) -> Result<Self, String> {
         let mut c = RedisConfig::new(f.url);
+        c.cluster = f.cluster;
         c.password_env = f.password_env;
         c.max_len = f.max_len;
         c.wait_replicas = match (f.wait_replicas, f.wait_timeout) {
@@ -252,6 +264,7 @@ impl From<RedisConfig> for RedisFile {
     fn from(c: RedisConfig) -> Self {
         RedisFile {
             url: c.url,
+            cluster: c.cluster,
             password_env: c.password_env,
             max_len: c.max_len,
             wait_replicas: c.wait_replicas.map(|w| w.replicas),
@@ -325,10 +338,120 @@ pub async fn connect_manager(
     }
 }
 
+/// A connection to one Redis server or to a Redis Cluster, shared by the transport, the consumer
+/// runner and the confirmations (cheap to clone; it reconnects by itself).
+///
+/// A [`ClusterConnection`](redis::cluster_async::ClusterConnection) keeps a connection to every
+/// primary, routes each command by the slot of its key, follows `MOVED`/`ASK` redirections and
+/// reads the cluster's slot map again when a node goes away, so a replica promoted after its
+/// primary died takes the stream's writes without a restart (see the Redis documentation,
+/// "Scale with Redis Cluster"). A stream key lives in one slot, so each stream is on one primary.
+#[derive(Clone)]
+pub enum RedisConnection {
+    /// One server, through a [`ConnectionManager`].
+    Single(ConnectionManager),
+    /// A Redis Cluster.
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+impl From<ConnectionManager> for RedisConnection {
+    fn from(c: ConnectionManager) -> Self {
+        RedisConnection::Single(c)
+    }
+}
+
+impl redis::aio::ConnectionLike for RedisConnection {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, Value> {
+        match self {
+            RedisConnection::Single(c) => c.req_packed_command(cmd),
+            RedisConnection::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<Value>> {
+        match self {
+            RedisConnection::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            RedisConnection::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            RedisConnection::Single(c) => c.get_db(),
+            RedisConnection::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// Whether `url` with `cluster` set means a Redis Cluster: `cluster` is true, or the URL is a
+/// seed list (several URLs separated by commas).
+pub fn is_cluster(url: &str, cluster: bool) -> bool {
+    cluster || url.contains(',')
+}
+
+/// Connect to `url`: one server through [`connect_manager`], or, when [`is_cluster`], a Redis
+/// Cluster through the seed list of `url` (each `redis://host:port`; one reachable node is
+/// enough, the others are learnt from it), with the same timeouts.
+///
+/// # Errors
+/// [`ConfigError`] naming `url` when a URL is invalid or no node answers, or `password` when the
+/// server refuses the credentials.
+pub async fn connect_redis(
+    url: &str,
+    password: Option<&str>,
+    cluster: bool,
+    connect_timeout: Duration,
+    response_timeout: Duration,
+) -> Result<RedisConnection, ConfigError> {
+    if !is_cluster(url, cluster) {
+        return connect_manager(url, password, connect_timeout, response_timeout)
+            .await
+            .map(RedisConnection::Single);
+    }
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let seeds = url
+        .split(',')
+        .map(|u| connection_info(u.trim(), password))
+        .collect::<Result<Vec<_>, _>>()?;
+    let shown = crate::redact::url(url);
+    let client = redis::cluster::ClusterClientBuilder::new(seeds)
+        .connection_timeout(connect_timeout)
+        .response_timeout(response_timeout)
+        .build()
+        .map_err(|e| {
+            ConfigError::new("url", format!("invalid Redis Cluster seeds {shown}: {e}"))
+        })?;
+    match tokio::time::timeout(
+        connect_timeout + Duration::from_secs(1),
+        client.get_async_connection(),
+    )
+    .await
+    {
+        Ok(Ok(c)) => Ok(RedisConnection::Cluster(c)),
+        Ok(Err(e)) if e.kind() == redis::ErrorKind::AuthenticationFailed => Err(ConfigError::new(
+            "password",
+            format!("Redis Cluster at {shown} refused the credentials: {e}"),
+        )),
+        Ok(Err(e)) => Err(ConfigError::new(
+            "url",
+            format!("cannot connect to the Redis Cluster at {shown}: {e}"),
+        )),
+        Err(_) => Err(ConfigError::new(
+            "url",
+            format!("the Redis Cluster at {shown} did not answer within {connect_timeout:?}"),
+        )),
+    }
+}
+
 /// Publishes to Redis Streams (see the module docs).
 #[derive(Clone)]
 pub struct RedisTransport {
-    conn: ConnectionManager,
+    conn: RedisConnection,
     config: RedisConfig,
 }
 
@@ -350,15 +473,16 @@ impl RedisTransport {
     /// be reached, `password` when it refuses the credentials.
     pub async fn connect(config: RedisConfig) -> Result<Self, ConfigError> {
         config.validate()?;
-        let conn = connect_manager(
+        let conn = connect_redis(
             &config.url,
             config.password.as_deref(),
+            config.cluster,
             config.connect_timeout,
             config.response_timeout,
         )
         .await?;
         for w in config.warnings() {
-            tracing::warn!(url = %config.url, "{w}");
+            tracing::warn!(url = %crate::redact::url(&config.url), "{w}");
         }
         Ok(RedisTransport { conn, config })
     }
@@ -369,7 +493,7 @@ impl RedisTransport {
     }
 
     /// A handle on the connection (cheap clone; it reconnects by itself).
-    pub fn connection(&self) -> ConnectionManager {
+    pub fn connection(&self) -> RedisConnection {
         self.conn.clone()
     }
 
@@ -532,6 +656,30 @@ pub(crate) fn classify(e: &RedisError) -> TransportErrorKind {
     }
 }
 
+/// The reply to each command of `pipe` sent on its own over the cluster connection `conn`: the
+/// commands before the trailing `WAIT` (when `ends_with_wait`) at once, then the `WAIT`.
+async fn cluster_replies(
+    conn: &RedisConnection,
+    pipe: &redis::Pipeline,
+    ends_with_wait: bool,
+) -> Vec<redis::RedisResult<Value>> {
+    let cmds: Vec<&redis::Cmd> = pipe.cmd_iter().collect();
+    let (wait, writes) = match cmds.split_last() {
+        Some((last, rest)) if ends_with_wait => (Some(*last), rest),
+        _ => (None, &cmds[..]),
+    };
+    let mut replies = futures::future::join_all(writes.iter().map(|cmd| {
+        let mut conn = conn.clone();
+        async move { cmd.query_async::<Value>(&mut conn).await }
+    }))
+    .await;
+    if let Some(wait) = wait {
+        let mut conn = conn.clone();
+        replies.push(wait.query_async::<Value>(&mut conn).await);
+    }
+    replies
+}
+
 fn error(e: RedisError, what: &str) -> TransportError {
     TransportError::new(classify(&e), format!("{what}: {e}")).with_source(e)
 }
@@ -581,8 +729,15 @@ impl Transport for RedisTransport {
                 .arg(w.timeout.as_millis() as u64);
         }
         let mut conn = self.conn.clone();
-        let replies: Result<Vec<redis::RedisResult<Value>>, RedisError> =
-            pipe.query_async(&mut conn).await;
+        let replies: Result<Vec<redis::RedisResult<Value>>, RedisError> = match &conn {
+            RedisConnection::Single(_) => pipe.query_async(&mut conn).await,
+            // A cluster pipeline must stay within one slot: each command is sent on its own,
+            // all at once (the connection to each primary multiplexes them), and `WAIT` after
+            // every XADD has its reply (it goes to every primary, the smallest count wins).
+            RedisConnection::Cluster(_) => {
+                Ok(cluster_replies(&conn, &pipe, self.config.wait_replicas.is_some()).await)
+            }
+        };
         let mut replies = match replies {
             Ok(r) => r.into_iter(),
             Err(e) => {

@@ -40,7 +40,6 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use redis::aio::ConnectionManager;
 use redis::{RedisError, Value};
 use tokio::time::Instant;
 
@@ -49,7 +48,7 @@ use crate::consumer::source::{
 };
 use crate::consumer::{ConsumerMetrics, RunnerSettings};
 use crate::error::ConfigError;
-use crate::transport::redis::{FIELD_PAYLOAD, connect_manager, decode_fields_with};
+use crate::transport::redis::{FIELD_PAYLOAD, RedisConnection, connect_redis, decode_fields_with};
 use crate::verdict::ConfirmationSender;
 
 mod streams;
@@ -60,8 +59,12 @@ use streams::{
 /// Settings of a Redis Streams consumer runner.
 #[derive(Clone)]
 pub struct RedisConsumerConfig {
-    /// Server URL, `redis://…` or `rediss://…`. Required.
+    /// Server URL, `redis://…` or `rediss://…`; for a Redis Cluster, a seed list or one node
+    /// with `cluster` (as [`RedisConfig::url`](crate::transport::redis::RedisConfig::url)).
+    /// Required.
     pub url: String,
+    /// Connect to a Redis Cluster; implied by a seed list in `url`. Default false.
+    pub cluster: bool,
     /// Password, overriding one in the URL. Default none.
     pub password: Option<String>,
     /// Stream key to consume. Required.
@@ -117,6 +120,7 @@ impl RedisConsumerConfig {
     ) -> Self {
         RedisConsumerConfig {
             url: url.into(),
+            cluster: false,
             password: None,
             stream: stream.into(),
             group: group.into(),
@@ -189,7 +193,7 @@ struct Fetched {
 /// The Redis Streams [`Source`]: a consumer group member with retries by `XCLAIM` and takeover
 /// of stuck entries by `XAUTOCLAIM` (see the module docs).
 pub struct RedisSource {
-    conn: Option<ConnectionManager>,
+    conn: Option<RedisConnection>,
     config: RedisConsumerConfig,
     /// The field holding the payload; the others named `h:…` are headers.
     payload_field: String,
@@ -235,7 +239,7 @@ impl RedisSource {
         (c.stream.clone(), c.group.clone(), c.consumer.clone())
     }
 
-    fn conn(&mut self) -> Result<&mut ConnectionManager, RedisError> {
+    fn conn(&mut self) -> Result<&mut RedisConnection, RedisError> {
         self.conn
             .as_mut()
             .ok_or_else(|| RedisError::from((redis::ErrorKind::Io, "not connected")))
@@ -477,9 +481,10 @@ impl Source for RedisSource {
         if self.conn.is_none() {
             // The blocking read needs replies later than `block`.
             self.conn = Some(
-                connect_manager(
+                connect_redis(
                     &c.url,
                     c.password.as_deref(),
+                    c.cluster,
                     c.connect_timeout,
                     c.block + Duration::from_secs(5),
                 )

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use redis::aio::ConnectionManager;
+use crate::transport::redis::RedisConnection;
 use redis::{RedisError, Value};
 
 /// One stream entry as read: its id and fields, `None` when the entry was trimmed away (a nil
@@ -97,7 +97,7 @@ pub(crate) fn parse_read(v: Value) -> Vec<RawEntry> {
 
 /// `XREADGROUP GROUP group consumer COUNT count [BLOCK ms] STREAMS stream id`.
 pub(crate) async fn read_group(
-    conn: &mut ConnectionManager,
+    conn: &mut RedisConnection,
     stream: &str,
     group: &str,
     consumer: &str,
@@ -121,7 +121,7 @@ pub(crate) async fn read_group(
 
 /// `XGROUP CREATE stream group start MKSTREAM`; an existing group (`BUSYGROUP`) is fine.
 pub(crate) async fn ensure_group(
-    conn: &mut ConnectionManager,
+    conn: &mut RedisConnection,
     stream: &str,
     group: &str,
     start: &str,
@@ -143,7 +143,7 @@ pub(crate) async fn ensure_group(
 
 /// `XACK stream group ids…`.
 pub(crate) async fn ack(
-    conn: &mut ConnectionManager,
+    conn: &mut RedisConnection,
     stream: &str,
     group: &str,
     ids: &[String],

@@ -25,7 +25,11 @@ pub enum Unroutable {
 pub struct RabbitMqConfig {
     /// `amqp://user:password@host:5672/vhost` or `amqps://…` (TLS); the vhost is percent-encoded
     /// (`%2f` is `/`). Query parameters of the AMQP URI spec (`heartbeat`, `frame_max`,
-    /// `channel_max`, `connection_timeout`) are honoured. Required.
+    /// `channel_max`, `connection_timeout`) are honoured. A cluster's nodes may be given as a seed
+    /// list, URIs separated by commas: a connection goes to the node that answered last, and
+    /// when it is lost (or cannot be opened) the next nodes are tried in turn, each within
+    /// `connect_timeout` (RabbitMQ's clients take a list of endpoints the same way; see the
+    /// RabbitMQ documentation, "Clustering and client connections"). Required.
     pub url: String,
     /// User name, overriding the one in the URL. Default: the URL's (`guest` without one).
     pub username: Option<String>,
@@ -159,7 +163,7 @@ impl RabbitMqConfig {
     /// `confirm_timeout`, `connect_timeout`, `max_message_bytes` (zero) or `exchange` (not an
     /// exchange name).
     pub fn validate(&self) -> Result<(), ConfigError> {
-        self.uri().map(|_| ())?;
+        self.uris().map(|_| ())?;
         let resolved = self.resolve_secrets()?;
         match (
             self.url.starts_with("amqps://"),
@@ -208,22 +212,30 @@ impl RabbitMqConfig {
         Ok(())
     }
 
-    /// The parsed URI with the credentials and heartbeat applied.
-    pub(super) fn uri(&self) -> Result<AMQPUri, ConfigError> {
-        let scheme_ok = self.url.starts_with("amqp://") || self.url.starts_with("amqps://");
+    /// The parsed URIs of `url` (one, or each of a seed list), with the credentials and heartbeat
+    /// applied.
+    pub(super) fn uris(&self) -> Result<Vec<AMQPUri>, ConfigError> {
+        self.url
+            .split(',')
+            .map(|u| self.one_uri(u.trim()))
+            .collect()
+    }
+
+    fn one_uri(&self, url: &str) -> Result<AMQPUri, ConfigError> {
+        let scheme_ok = url.starts_with("amqp://") || url.starts_with("amqps://");
         if !scheme_ok {
             return Err(ConfigError::new(
                 "url",
                 format!(
-                    "{:?} is not an AMQP URI (amqp://user:password@host:5672/vhost or amqps://…)",
-                    redact(&self.url)
+                    "{:?} is not an AMQP URI (amqp://user:password@host:5672/vhost or amqps://…; several separated by commas)",
+                    redact(url)
                 ),
             ));
         }
-        let mut uri: AMQPUri = self.url.parse().map_err(|e| {
+        let mut uri: AMQPUri = url.parse().map_err(|e| {
             ConfigError::new(
                 "url",
-                format!("{:?} is not a valid AMQP URI: {e}", redact(&self.url)),
+                format!("{:?} is not a valid AMQP URI: {e}", redact(url)),
             )
         })?;
         if let Some(u) = &self.username {

@@ -154,7 +154,10 @@ const MAX_IDLE_CHANNELS: usize = 32;
 /// checked exchanges. Shared by the transport, the confirmation sender and the consumer runner.
 pub(crate) struct Link {
     config: RabbitMqConfig,
-    uri: AMQPUri,
+    /// The node URIs of `config.url` (one, or a seed list).
+    uris: Vec<AMQPUri>,
+    /// Index in `uris` of the node tried first: the one that answered last.
+    preferred: std::sync::atomic::AtomicUsize,
     current: tokio::sync::Mutex<Option<Arc<Session>>>,
     exchanges: Mutex<HashMap<String, Instant>>,
 }
@@ -220,10 +223,11 @@ impl Link {
     pub(crate) fn new(config: RabbitMqConfig) -> Result<Link, ConfigError> {
         config.validate()?;
         let config = config.resolve_secrets()?;
-        let uri = config.uri()?;
+        let uris = config.uris()?;
         Ok(Link {
             config,
-            uri,
+            uris,
+            preferred: std::sync::atomic::AtomicUsize::new(0),
             current: tokio::sync::Mutex::new(None),
             exchanges: Mutex::new(HashMap::new()),
         })
@@ -238,8 +242,51 @@ impl Link {
         redact(&self.config.url)
     }
 
-    /// Open a new connection.
+    /// Open a new connection: to the node that answered last, else to each other node of the
+    /// seed list in turn, each within `connect_timeout`.
+    ///
+    /// # Errors
+    /// `Unavailable`, with the reason of every node tried.
     pub(crate) async fn open_connection(&self) -> Result<Connection, TransportError> {
+        use std::sync::atomic::Ordering;
+        let first = self.preferred.load(Ordering::Relaxed);
+        let mut reasons = Vec::new();
+        let mut last = None;
+        for i in (0..self.uris.len()).map(|k| (first + k) % self.uris.len()) {
+            match self.open_one(&self.uris[i]).await {
+                Ok(c) => {
+                    if i != first {
+                        tracing::info!(
+                            node = %self.describe_node(i),
+                            "RabbitMQ: connected to another node of the seed list"
+                        );
+                    }
+                    self.preferred.store(i, Ordering::Relaxed);
+                    return Ok(c);
+                }
+                Err(e) => {
+                    reasons.push(e.to_string());
+                    last = Some(e);
+                }
+            }
+        }
+        match (last, reasons.len()) {
+            (Some(e), 1) => Err(e),
+            _ => Err(TransportError::unavailable(format!(
+                "no RabbitMQ node of the seed list answered: {}",
+                reasons.join("; ")
+            ))),
+        }
+    }
+
+    /// The URL of node `i` of the seed list, without its password.
+    fn describe_node(&self, i: usize) -> String {
+        let urls: Vec<&str> = self.config.url.split(',').map(str::trim).collect();
+        redact(urls.get(i).copied().unwrap_or(&self.config.url))
+    }
+
+    /// Open a connection to one node.
+    async fn open_one(&self, uri: &AMQPUri) -> Result<Connection, TransportError> {
         let runtime = lapin::runtime::default_runtime().map_err(|e| {
             TransportError::unavailable("no async runtime for the RabbitMQ client").with_source(e)
         })?;
@@ -249,17 +296,16 @@ impl Link {
         };
         let props = ConnectionProperties::default()
             .with_connection_name(self.config.connection_name.clone().into());
-        let connect = Connection::connect_uri_with_config(self.uri.clone(), props, tls, runtime);
+        let connect = Connection::connect_uri_with_config(uri.clone(), props, tls, runtime);
+        let node = format!("{}:{}", uri.authority.host, uri.authority.port);
         match tokio::time::timeout(self.config.connect_timeout, connect).await {
             Ok(Ok(c)) => Ok(c),
             Ok(Err(e)) => Err(TransportError::unavailable(format!(
-                "cannot connect to RabbitMQ at {}: {e}",
-                self.describe()
+                "cannot connect to RabbitMQ at {node}: {e}"
             ))
             .with_source(e)),
             Err(_) => Err(TransportError::unavailable(format!(
-                "RabbitMQ at {} did not complete the connection within {:?}",
-                self.describe(),
+                "RabbitMQ at {node} did not complete the connection within {:?}",
                 self.config.connect_timeout
             ))),
         }

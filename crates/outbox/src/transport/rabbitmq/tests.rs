@@ -94,11 +94,24 @@ fn config_is_validated_and_redacted() {
     let c = RabbitMqConfig::new("amqp://u:secret@h:5672/%2f");
     c.validate().unwrap();
     assert!(!format!("{c:?}").contains("secret"));
-    assert_eq!(c.uri().unwrap().query.heartbeat, Some(10));
+    assert_eq!(c.uris().unwrap()[0].query.heartbeat, Some(10));
+    // A seed list: every node parsed, with the same overrides; a bad entry is named.
+    let mut seeds = RabbitMqConfig::new("amqp://u:s1@a:5681/%2f, amqp://u:s2@b:5682/%2f");
+    seeds.username = Some("app".into());
+    let uris = seeds.uris().unwrap();
+    assert_eq!(uris.len(), 2);
+    assert_eq!(uris[1].authority.port, 5682);
+    assert_eq!(uris[1].authority.userinfo.username, "app");
+    assert!(!format!("{seeds:?}").contains("s2"));
+    let bad = RabbitMqConfig::new("amqp://a:5681/%2f,nats://b:4222")
+        .validate()
+        .unwrap_err();
+    assert_eq!(bad.field, "url");
+    assert!(bad.reason.contains("nats://b:4222"), "{}", bad.reason);
     let mut c = RabbitMqConfig::new("amqp://h/%2f?heartbeat=3");
     c.username = Some("app".into());
     c.password = Some("pw".into());
-    let uri = c.uri().unwrap();
+    let uri = c.uris().unwrap().remove(0);
     assert_eq!(uri.query.heartbeat, Some(3));
     assert_eq!(uri.authority.userinfo.username, "app");
     assert_eq!(uri.authority.userinfo.password, "pw");

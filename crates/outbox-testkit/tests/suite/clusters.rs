@@ -1,0 +1,502 @@
+//! Clustered brokers (issue 18; docs/scaling.md): a relay and a consumer runner, both given the
+//! cluster's seed list, go on while the node the relay is connected to and then the leader of
+//! the stream, queue or slot are killed in the middle of a drain. Nothing is lost, nothing is
+//! dead-lettered, every message is applied once through the inbox.
+//!
+//! The clusters run on loopback, started by `.ci/clusters.sh up` (`.ci/run` does it through
+//! `.ci/services/clusters.sh`): NATS 4241-4243 (JetStream, a stream of 3 replicas), RabbitMQ
+//! 5681-5683 (a quorum queue), Redis Cluster 7001-7006 (3 primaries, 3 replicas). The tests kill
+//! and restart nodes through that script (`OUTBOX_TEST_CLUSTERS`, default the checkout's copy).
+//! Size: `OUTBOX_CLUSTER_MESSAGES` (default 5,000; the full-size run is 100,000).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use outbox::consumer::ConsumerMetrics;
+use outbox::transport::config::TransportConfig;
+use outbox::{Backoff, Inbox, Relay, RelayConfig, Router, Status, Transport};
+use outbox_testkit::{PgFixture, StoreFixture as _, unique, wait_until};
+use tokio_util::sync::CancellationToken;
+
+use crate::inbox::{EffectHandler, pg_count, pg_effects};
+
+/// Messages per drain: `OUTBOX_CLUSTER_MESSAGES`, default 5,000.
+fn messages() -> i64 {
+    std::env::var("OUTBOX_CLUSTER_MESSAGES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(5_000)
+}
+
+/// The seed list in `var`, or `default`, after checking that one of its nodes listens.
+async fn seeds(var: &str, default: &str, kind: &str) -> String {
+    let url = std::env::var(var).unwrap_or_else(|_| default.to_owned());
+    for seed in url.split(',') {
+        let host_port = outbox_testkit::host_port(seed.trim());
+        if tokio::net::TcpStream::connect(&host_port).await.is_ok() {
+            return url;
+        }
+    }
+    panic!(
+        "the {kind} cluster is not reachable at {url}: start it with `.ci/clusters.sh up {kind}` \
+         or set {var}"
+    );
+}
+
+/// Run `.ci/clusters.sh ARGS` (path in `OUTBOX_TEST_CLUSTERS`) and return its output.
+async fn clusters(args: &[&str]) -> String {
+    let script = std::env::var("OUTBOX_TEST_CLUSTERS").unwrap_or_else(|_| {
+        concat!(env!("CARGO_MANIFEST_DIR"), "/../../.ci/clusters.sh").to_owned()
+    });
+    let out = tokio::process::Command::new("bash")
+        .arg(&script)
+        .args(args)
+        .output()
+        .await
+        .unwrap_or_else(|e| panic!("cannot run {script}: {e}"));
+    assert!(
+        out.status.success(),
+        "{script} {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// One node of a cluster, as `.ci/clusters.sh` numbers them.
+struct Node {
+    kind: &'static str,
+    n: usize,
+}
+
+impl Node {
+    async fn stop(&self) {
+        clusters(&["stop", self.kind, &self.n.to_string()]).await;
+    }
+
+    async fn start(&self) {
+        clusters(&["start", self.kind, &self.n.to_string()]).await;
+    }
+}
+
+/// What one kill did to the drain: seconds from the kill until the relay had marked 200 more
+/// messages SENT.
+struct Kill {
+    what: String,
+    resumed: Duration,
+}
+
+/// A PostgreSQL outbox with `n` pending messages of topic `order-created`, and an effects table.
+async fn backlog(n: i64) -> (PgFixture, String) {
+    let fx = PgFixture::new().await;
+    let effects = format!("{}.effects", fx.schema);
+    pg_effects(fx.store.pool(), &effects).await;
+    fx.exec(&format!(
+        "INSERT INTO {} (topic, payload) \
+         SELECT 'order-created', convert_to(g::text, 'UTF8') FROM generate_series(1, {n}) g",
+        fx.table()
+    ))
+    .await;
+    (fx, effects)
+}
+
+/// The production relay over `fx`, routing every topic to `destination` on `transport`, with
+/// its default attempts and dead-letter rules and backoff capped at 2 s.
+fn relay(fx: &PgFixture, transport: Arc<dyn Transport>, destination: &str) -> Relay {
+    Relay::builder(fx.store())
+        .router(Router::new().route("*", transport, destination))
+        .config(RelayConfig {
+            name: unique("cluster-relay"),
+            batch_size: 500,
+            poll_interval: Duration::from_millis(100),
+            backoff: Backoff {
+                max: Duration::from_secs(2),
+                ..Backoff::default()
+            },
+            ..RelayConfig::default()
+        })
+        .build()
+        .expect("relay builds")
+}
+
+async fn sent(fx: &PgFixture) -> i64 {
+    fx.count(&format!(
+        "{} WHERE status = {}",
+        fx.table(),
+        Status::Sent.as_i16()
+    ))
+    .await
+}
+
+/// Wait until `fx` holds at least `at_least` SENT rows (or all of them); panics after `within`.
+async fn wait_sent(fx: &PgFixture, at_least: i64, within: Duration) {
+    let total = messages();
+    wait_until(
+        &format!("{} of {total} rows SENT", at_least.min(total)),
+        within,
+        || async { sent(fx).await >= at_least.min(total) },
+    )
+    .await;
+}
+
+/// Kill `node` once the drain is under way and measure how soon it goes on; the node is
+/// restarted afterwards (a second kill with one node of three already down would take the
+/// majority away).
+async fn kill_and_measure(fx: &PgFixture, node: Node, role: &str) -> Kill {
+    let before = sent(fx).await;
+    let killed = Instant::now();
+    node.stop().await;
+    wait_sent(fx, before + 200, Duration::from_secs(90)).await;
+    let resumed = killed.elapsed();
+    node.start().await;
+    Kill {
+        what: format!("{} node {} ({role})", node.kind, node.n),
+        resumed,
+    }
+}
+
+/// After the kills: every row SENT, none FAILED, every message applied once by the consumer.
+async fn check_and_report(
+    kind: &str,
+    fx: &PgFixture,
+    effects: &str,
+    started: Instant,
+    kills: &[Kill],
+) {
+    let n = messages();
+    wait_sent(fx, n, Duration::from_secs(300)).await;
+    let drained = started.elapsed();
+    assert_eq!(
+        fx.count(&format!(
+            "{} WHERE status = {}",
+            fx.table(),
+            Status::Failed.as_i16()
+        ))
+        .await,
+        0,
+        "nothing is dead-lettered"
+    );
+    let pool = fx.store.pool();
+    wait_until(
+        &format!("the consumer applied {n} messages"),
+        Duration::from_secs(300),
+        || async { pg_count(pool, &format!("SELECT COUNT(*) FROM {effects}")).await >= n },
+    )
+    .await;
+    let applied = started.elapsed();
+    assert_eq!(
+        pg_count(pool, &format!("SELECT COUNT(*) FROM {effects}")).await,
+        n,
+        "every message applied once"
+    );
+    assert_eq!(
+        pg_count(
+            pool,
+            &format!(
+                "SELECT COUNT(*) FROM {effects} e JOIN {} o ON o.message_id = e.message_id",
+                fx.table()
+            )
+        )
+        .await,
+        n,
+        "the applied messages are the outbox's"
+    );
+    let kills: Vec<String> = kills
+        .iter()
+        .map(|k| {
+            format!(
+                "{} killed: resumed after {:.1} s",
+                k.what,
+                k.resumed.as_secs_f64()
+            )
+        })
+        .collect();
+    eprintln!(
+        "cluster figures: {kind}: {n} messages; {}; drained in {:.1} s, all applied by the consumer after {:.1} s",
+        kills.join("; "),
+        drained.as_secs_f64(),
+        applied.as_secs_f64()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_cluster_loses_nothing_when_the_connected_node_and_the_stream_leader_die() {
+    use outbox::consumer::nats::NatsConsumerConfig;
+    use outbox::{NatsConfig, NatsTransport, StreamSetup};
+
+    crate::init_tracing();
+    let url = seeds(
+        "OUTBOX_TEST_NATS_CLUSTER_URL",
+        "nats://127.0.0.1:4241,nats://127.0.0.1:4242,nats://127.0.0.1:4243",
+        "nats",
+    )
+    .await;
+    let (fx, effects) = backlog(messages()).await;
+    let prefix = unique("cl");
+    let stream = prefix.to_ascii_uppercase();
+    let mut config = NatsConfig::new(url.clone());
+    config.stream = Some(StreamSetup {
+        name: stream.clone(),
+        subjects: vec![format!("{prefix}.>")],
+        create: true,
+        replicas: 3,
+    });
+    // Built from its configuration, as the daemon builds it.
+    TransportConfig::Nats(config.clone()).validate().unwrap();
+    let transport = Arc::new(NatsTransport::connect(config).await.unwrap());
+    let consumer_client = outbox::transport::nats::connect_client(&url).await.unwrap();
+    let js = async_nats::jetstream::new(consumer_client);
+    let cancel = CancellationToken::new();
+    let consumer = tokio::spawn(outbox::consumer::nats::run(
+        js.clone(),
+        NatsConsumerConfig::new(stream.clone(), "billing"),
+        Inbox::<sqlx::Postgres>::new(fx.store.pool().clone(), &fx.inbox_table(), "billing")
+            .unwrap(),
+        Arc::new(EffectHandler::new(&effects)),
+        Arc::new(ConsumerMetrics::default()),
+        cancel.clone(),
+    ));
+    let started = Instant::now();
+    let handle = relay(&fx, transport.clone(), &format!("{prefix}.{{topic}}")).spawn();
+    let n = messages();
+    let mut kills = Vec::new();
+
+    wait_sent(&fx, n / 4, Duration::from_secs(60)).await;
+    let connected = transport.client().server_info().port as usize - 4240;
+    kills.push(
+        kill_and_measure(
+            &fx,
+            Node {
+                kind: "nats",
+                n: connected,
+            },
+            "the relay's connection",
+        )
+        .await,
+    );
+
+    wait_sent(&fx, n / 2, Duration::from_secs(60)).await;
+    let leader = js
+        .get_stream(&stream)
+        .await
+        .expect("stream info")
+        .cached_info()
+        .cluster
+        .as_ref()
+        .and_then(|c| c.leader.clone())
+        .expect("the stream has a leader");
+    let leader: usize = leader
+        .trim_start_matches("nats-")
+        .parse()
+        .expect("leader named nats-N");
+    kills.push(
+        kill_and_measure(
+            &fx,
+            Node {
+                kind: "nats",
+                n: leader,
+            },
+            "the stream leader",
+        )
+        .await,
+    );
+
+    check_and_report("NATS JetStream, R3 stream", &fx, &effects, started, &kills).await;
+    let info = js.get_stream(&stream).await.unwrap().cached_info().clone();
+    assert_eq!(
+        info.state.messages, n as u64,
+        "the stream holds each message once (Nats-Msg-Id deduplication)"
+    );
+    cancel.cancel();
+    let _ = consumer.await;
+    handle.shutdown().await.unwrap();
+    let _ = js.delete_stream(&stream).await;
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_cluster_loses_nothing_when_the_connected_node_and_the_queue_leader_die() {
+    use outbox::RabbitMqTransport;
+    use outbox::consumer::rabbitmq::{QueueSetup, RabbitMqConsumerConfig};
+    use outbox_testkit::rabbitmq_config;
+
+    crate::init_tracing();
+    let url = seeds(
+        "OUTBOX_TEST_RABBITMQ_CLUSTER_URL",
+        "amqp://guest:guest@127.0.0.1:5681/%2f,amqp://guest:guest@127.0.0.1:5682/%2f,amqp://guest:guest@127.0.0.1:5683/%2f",
+        "rabbitmq",
+    )
+    .await;
+    let (fx, effects) = backlog(messages()).await;
+    let queue = unique("cluster_orders");
+    // The consumer declares the quorum queue through the second node of its list (so the
+    // queue's leader and the relay's connection start on different nodes).
+    let mut nodes: Vec<&str> = url.split(',').collect();
+    nodes.rotate_left(1);
+    let mut consumer_config =
+        RabbitMqConsumerConfig::new(rabbitmq_config(&nodes.join(",")), &queue);
+    consumer_config.declare = Some(QueueSetup {
+        bindings: Vec::new(),
+        quorum: true,
+    });
+    let cancel = CancellationToken::new();
+    let consumer = tokio::spawn(outbox::consumer::rabbitmq::run(
+        consumer_config,
+        Inbox::<sqlx::Postgres>::new(fx.store.pool().clone(), &fx.inbox_table(), "billing")
+            .unwrap(),
+        Arc::new(EffectHandler::new(&effects)),
+        Arc::new(ConsumerMetrics::default()),
+        cancel.clone(),
+    ));
+    wait_until(
+        "the quorum queue has a leader",
+        Duration::from_secs(30),
+        || async {
+            clusters(&["leader", "rabbitmq", &queue])
+                .await
+                .parse::<usize>()
+                .is_ok()
+        },
+    )
+    .await;
+    let config = rabbitmq_config(&url);
+    TransportConfig::Rabbitmq(config.clone())
+        .validate()
+        .unwrap();
+    let transport = Arc::new(RabbitMqTransport::connect(config).await.unwrap());
+    let started = Instant::now();
+    // The default exchange routes to the queue named by the routing key.
+    let handle = relay(&fx, transport, &queue).spawn();
+    let n = messages();
+    let mut kills = Vec::new();
+
+    wait_sent(&fx, n / 4, Duration::from_secs(60)).await;
+    // The relay's seed list starts with node 1, which answered: its connection is there.
+    kills.push(
+        kill_and_measure(
+            &fx,
+            Node {
+                kind: "rabbitmq",
+                n: 1,
+            },
+            "the relay's connection",
+        )
+        .await,
+    );
+
+    wait_sent(&fx, n / 2, Duration::from_secs(60)).await;
+    let leader: usize = clusters(&["leader", "rabbitmq", &queue])
+        .await
+        .parse()
+        .expect("leader node number");
+    kills.push(
+        kill_and_measure(
+            &fx,
+            Node {
+                kind: "rabbitmq",
+                n: leader,
+            },
+            "the queue leader",
+        )
+        .await,
+    );
+
+    check_and_report("RabbitMQ, quorum queue", &fx, &effects, started, &kills).await;
+    cancel.cancel();
+    let _ = consumer.await;
+    handle.shutdown().await.unwrap();
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_loses_nothing_when_the_stream_primary_and_the_seed_node_die() {
+    use outbox::consumer::redis::RedisConsumerConfig;
+    use outbox::transport::redis::WaitReplicas;
+    use outbox::{RedisConfig, RedisTransport};
+
+    crate::init_tracing();
+    let url = seeds(
+        "OUTBOX_TEST_REDIS_CLUSTER_URL",
+        "redis://127.0.0.1:7001,redis://127.0.0.1:7002,redis://127.0.0.1:7003",
+        "redis",
+    )
+    .await;
+    let (fx, effects) = backlog(messages()).await;
+    let key = unique("cluster-orders");
+    let mut config = RedisConfig::new(url.clone());
+    // An entry counts as published once a replica has it too: a failover keeps it.
+    config.wait_replicas = Some(WaitReplicas {
+        replicas: 1,
+        timeout: Duration::from_secs(1),
+    });
+    TransportConfig::Redis(config.clone()).validate().unwrap();
+    let transport = Arc::new(RedisTransport::connect(config).await.unwrap());
+    let mut consumer_config = RedisConsumerConfig::new(url.clone(), &key, "billing");
+    consumer_config.consumer = "billing-1".into();
+    consumer_config.block = Duration::from_millis(200);
+    let cancel = CancellationToken::new();
+    let consumer = tokio::spawn(outbox::consumer::redis::run(
+        consumer_config,
+        Inbox::<sqlx::Postgres>::new(fx.store.pool().clone(), &fx.inbox_table(), "billing")
+            .unwrap(),
+        Arc::new(EffectHandler::new(&effects)),
+        Arc::new(ConsumerMetrics::default()),
+        cancel.clone(),
+    ));
+    let started = Instant::now();
+    let handle = relay(&fx, transport, &key).spawn();
+    let n = messages();
+    let mut kills = Vec::new();
+
+    wait_sent(&fx, n / 4, Duration::from_secs(60)).await;
+    let primary: usize = clusters(&["leader", "redis", &key])
+        .await
+        .parse()
+        .expect("primary node number");
+    kills.push(
+        kill_and_measure(
+            &fx,
+            Node {
+                kind: "redis",
+                n: primary,
+            },
+            "the stream's primary",
+        )
+        .await,
+    );
+
+    wait_sent(&fx, n / 2, Duration::from_secs(60)).await;
+    // The first seed, where the client learnt the cluster's layout (or, when that was the
+    // stream's primary, the stream's new primary).
+    let second = if primary == 1 {
+        clusters(&["leader", "redis", &key])
+            .await
+            .parse()
+            .expect("primary node number")
+    } else {
+        1
+    };
+    kills.push(
+        kill_and_measure(
+            &fx,
+            Node {
+                kind: "redis",
+                n: second,
+            },
+            "a seed node",
+        )
+        .await,
+    );
+
+    check_and_report(
+        "Redis Cluster, WAIT 1 replica",
+        &fx,
+        &effects,
+        started,
+        &kills,
+    )
+    .await;
+    cancel.cancel();
+    let _ = consumer.await;
+    handle.shutdown().await.unwrap();
+    fx.cleanup().await;
+}
