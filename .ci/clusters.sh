@@ -9,6 +9,7 @@
 #        .ci/clusters.sh start KIND N                  start node N again (its data is kept)
 #        .ci/clusters.sh leader rabbitmq QUEUE         print the node number of a quorum queue's leader
 #        .ci/clusters.sh leader redis KEY              print the node number of the primary of KEY's slot
+#        .ci/clusters.sh info redis N                  print node N's replication section
 #        .ci/clusters.sh urls                          print the seed URLs (one export per kind)
 #        .ci/clusters.sh down                          stop every node and delete the data
 # Runs as root; each node's data and log live under $OUTBOX_CLUSTERS_DIR
@@ -195,6 +196,10 @@ up)
   ;;
 stop | start) "$(node_fn "$1" "$cmd")" "$2" ;;
 leader) "$(node_fn "$1" leader)" "$2" ;;
+info)
+  [ "$1" = redis ] || { echo "error: info is for redis" >&2; exit 2; }
+  redis-cli -p "700$2" info replication
+  ;;
 urls) urls ;;
 down)
   for n in 1 2 3; do nats_stop "$n"; rabbit_stop "$n"; done

@@ -7,7 +7,7 @@
 //! `.ci/services/clusters.sh`): NATS 4241-4243 (JetStream, a stream of 3 replicas), RabbitMQ
 //! 5681-5683 (a quorum queue), Redis Cluster 7001-7006 (3 primaries, 3 replicas). The tests kill
 //! and restart nodes through that script (`OUTBOX_TEST_CLUSTERS`, default the checkout's copy).
-//! Size: `OUTBOX_CLUSTER_MESSAGES` (default 5,000; the full-size run is 100,000).
+//! Size: `OUTBOX_CLUSTER_MESSAGES` (default 6,000; the full-size run is 100,000).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,20 +20,24 @@ use tokio_util::sync::CancellationToken;
 
 use crate::inbox::{EffectHandler, pg_count, pg_effects};
 
-/// Messages per drain: `OUTBOX_CLUSTER_MESSAGES`, default 5,000.
+/// Messages per drain: `OUTBOX_CLUSTER_MESSAGES`, default (and at least) 6,000: each kill
+/// waits for [`RESUMED_AFTER`] more, the second from the half-way mark.
 fn messages() -> i64 {
     std::env::var("OUTBOX_CLUSTER_MESSAGES")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(5_000)
+        .unwrap_or(6_000)
+        .max(6_000)
 }
 
 /// The seed list in `var`, or `default`, after checking that one of its nodes listens.
 async fn seeds(var: &str, default: &str, kind: &str) -> String {
     let url = std::env::var(var).unwrap_or_else(|_| default.to_owned());
     for seed in url.split(',') {
-        let host_port = outbox_testkit::host_port(seed.trim());
-        if tokio::net::TcpStream::connect(&host_port).await.is_ok() {
+        let rest = seed.trim().split_once("://").map_or(seed, |(_, r)| r);
+        let rest = rest.rsplit_once('@').map_or(rest, |(_, r)| r);
+        let host_port = rest.split(['/', '?']).next().unwrap_or(rest);
+        if tokio::net::TcpStream::connect(host_port).await.is_ok() {
             return url;
         }
     }
@@ -78,8 +82,12 @@ impl Node {
     }
 }
 
-/// What one kill did to the drain: seconds from the kill until the relay had marked 200 more
-/// messages SENT.
+/// Messages the relay must mark SENT after a kill for the drain to count as resumed: three
+/// batches, more than the batches in flight at the kill (which may still be acknowledged).
+const RESUMED_AFTER: i64 = 1_500;
+
+/// What one kill did to the drain: seconds from the kill until the relay had marked
+/// [`RESUMED_AFTER`] more messages SENT.
 struct Kill {
     what: String,
     resumed: Duration,
@@ -145,12 +153,38 @@ async fn kill_and_measure(fx: &PgFixture, node: Node, role: &str) -> Kill {
     let before = sent(fx).await;
     let killed = Instant::now();
     node.stop().await;
-    wait_sent(fx, before + 200, Duration::from_secs(90)).await;
+    wait_sent(fx, before + RESUMED_AFTER, Duration::from_secs(90)).await;
     let resumed = killed.elapsed();
     node.start().await;
     Kill {
         what: format!("{} node {} ({role})", node.kind, node.n),
         resumed,
+    }
+}
+
+/// Kill `node`, the primary of `key`'s slot, restart it as soon as its replica took the slot
+/// over (with one replica per primary and `WAIT 1`, the new primary can acknowledge nothing
+/// until a replica is back), and measure how soon the drain goes on.
+async fn fail_over_and_measure(fx: &PgFixture, node: Node, key: &str, role: &str) -> Kill {
+    let before = sent(fx).await;
+    let killed = Instant::now();
+    node.stop().await;
+    wait_until(
+        "a replica took the slot over",
+        Duration::from_secs(30),
+        || async {
+            clusters(&["leader", "redis", key])
+                .await
+                .parse::<usize>()
+                .is_ok_and(|now| now != node.n)
+        },
+    )
+    .await;
+    node.start().await;
+    wait_sent(fx, before + RESUMED_AFTER, Duration::from_secs(90)).await;
+    Kill {
+        what: format!("{} node {} ({role})", node.kind, node.n),
+        resumed: killed.elapsed(),
     }
 }
 
@@ -408,7 +442,7 @@ async fn rabbitmq_cluster_loses_nothing_when_the_connected_node_and_the_queue_le
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_cluster_loses_nothing_when_the_stream_primary_and_the_seed_node_die() {
+async fn redis_cluster_loses_nothing_when_the_stream_primary_dies_twice() {
     use outbox::consumer::redis::RedisConsumerConfig;
     use outbox::transport::redis::WaitReplicas;
     use outbox::{RedisConfig, RedisTransport};
@@ -453,36 +487,44 @@ async fn redis_cluster_loses_nothing_when_the_stream_primary_and_the_seed_node_d
         .parse()
         .expect("primary node number");
     kills.push(
-        kill_and_measure(
+        fail_over_and_measure(
             &fx,
             Node {
                 kind: "redis",
                 n: primary,
             },
+            &key,
             "the stream's primary",
         )
         .await,
     );
 
+    // The killed primary came back as a replica of the promoted one: once it has caught up,
+    // kill the stream's new primary, so the stream fails over a second time.
     wait_sent(&fx, n / 2, Duration::from_secs(60)).await;
-    // The first seed, where the client learnt the cluster's layout (or, when that was the
-    // stream's primary, the stream's new primary).
-    let second = if primary == 1 {
-        clusters(&["leader", "redis", &key])
-            .await
-            .parse()
-            .expect("primary node number")
-    } else {
-        1
-    };
+    let second: usize = clusters(&["leader", "redis", &key])
+        .await
+        .parse()
+        .expect("primary node number");
+    assert_ne!(second, primary, "the stream's primary moved to the replica");
+    wait_until(
+        "the old primary is an in-sync replica",
+        Duration::from_secs(30),
+        || async {
+            let info = clusters(&["info", "redis", &primary.to_string()]).await;
+            info.contains("role:slave") && info.contains("master_link_status:up")
+        },
+    )
+    .await;
     kills.push(
-        kill_and_measure(
+        fail_over_and_measure(
             &fx,
             Node {
                 kind: "redis",
                 n: second,
             },
-            "a seed node",
+            &key,
+            "the stream's new primary",
         )
         .await,
     );

@@ -449,9 +449,10 @@ async fn length_cap_is_warned_about_and_trims() {
 }
 
 /// `WAIT` for a replica this server does not have: the entries were added, but the batch is not
-/// acknowledged (retryable), so the relay publishes it again rather than calling it durable.
+/// acknowledged (`Unavailable`: the cluster's state, no attempt counted), so the relay publishes
+/// it again rather than calling it durable, and dead-letters nothing while the replica is away.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn wait_for_missing_replicas_is_retryable() {
+async fn wait_for_missing_replicas_is_unavailable() {
     let mut config = RedisConfig::new(redis_url());
     config.wait_replicas = Some(WaitReplicas {
         replicas: 1,
@@ -475,7 +476,7 @@ async fn wait_for_missing_replicas_is_retryable() {
         ])
         .await;
     let e = results[0].as_ref().unwrap_err();
-    assert_eq!(e.kind(), TransportErrorKind::Retryable, "{e:?}");
+    assert_eq!(e.kind(), TransportErrorKind::Unavailable, "{e:?}");
     assert!(e.message().contains("replicas"), "{e:?}");
     let e = results[1].as_ref().unwrap_err();
     assert_eq!(e.kind(), TransportErrorKind::Permanent, "WRONGTYPE: {e:?}");

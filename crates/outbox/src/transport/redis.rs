@@ -31,7 +31,8 @@
 //! since the last snapshot. [`RedisConfig::wait_replicas`] adds `WAIT numreplicas timeout`
 //! (<https://redis.io/docs/latest/commands/wait/>) after the batch: the batch counts as
 //! acknowledged only when that many replicas have it in memory, otherwise every entry of the
-//! batch is reported retryable (and re-published: duplicates, absorbed by the inbox).
+//! batch is reported `Unavailable` (no attempt counted; re-published once replicas are back:
+//! duplicates, absorbed by the inbox).
 //! `WAITAOF` (Redis 7.2+) is not used: the supported server here is 7.0.
 //!
 //! # Trimming (shared case C38)
@@ -48,7 +49,7 @@
 //! (`NOAUTH`, `WRONGPASS`, authentication failed, `NOPERM`: the ACL user may not `XADD` to the
 //! key) → `Unavailable` (the relay pauses the transport, counts no attempt, and publishes once
 //! the credentials or the ACL are fixed); response timeout, `OOM`, `LOADING`, `READONLY`, `BUSY`,
-//! `MASTERDOWN`, `TRYAGAIN`, a `WAIT` short of replicas → retryable; `WRONGTYPE` (the destination
+//! `MASTERDOWN`, `TRYAGAIN` → retryable; a `WAIT` short of replicas → `Unavailable`; `WRONGTYPE` (the destination
 //! key exists and is not a stream), `ERR` (a command the server refuses as written), an invalid
 //! stream key → permanent. One
 //! refused entry does not fail the others: the pipeline reports one result per command.
@@ -419,9 +420,16 @@ pub async fn connect_redis(
         .map(|u| connection_info(u.trim(), password))
         .collect::<Result<Vec<_>, _>>()?;
     let shown = crate::redact::url(url);
+    // The client retries a command that meets a dead node or a moved slot, with a backoff from
+    // 1.28 s growing to 655 s over 16 retries by default: a publish would hang for minutes while
+    // a failover takes seconds. A few quick retries cover a redirection or a slot-map refresh;
+    // beyond them the relay's own backoff takes over (with a classified error).
     let client = redis::cluster::ClusterClientBuilder::new(seeds)
         .connection_timeout(connect_timeout)
         .response_timeout(response_timeout)
+        .retries(4)
+        .min_retry_wait(100)
+        .max_retry_wait(1000)
         .build()
         .map_err(|e| {
             ConfigError::new("url", format!("invalid Redis Cluster seeds {shown}: {e}"))
@@ -451,7 +459,9 @@ pub async fn connect_redis(
 /// Publishes to Redis Streams (see the module docs).
 #[derive(Clone)]
 pub struct RedisTransport {
-    conn: RedisConnection,
+    /// The connection; in cluster mode replaced by a new one when a probe fails (see
+    /// [`Transport::probe`]).
+    conn: std::sync::Arc<std::sync::Mutex<RedisConnection>>,
     config: RedisConfig,
 }
 
@@ -484,7 +494,15 @@ impl RedisTransport {
         for w in config.warnings() {
             tracing::warn!(url = %crate::redact::url(&config.url), "{w}");
         }
-        Ok(RedisTransport { conn, config })
+        Ok(RedisTransport {
+            conn: std::sync::Arc::new(std::sync::Mutex::new(conn)),
+            config,
+        })
+    }
+
+    /// The current connection.
+    fn current(&self) -> RedisConnection {
+        self.conn.lock().expect("poisoned").clone()
     }
 
     /// The start-up warnings of this transport's settings ([`RedisConfig::warnings`]).
@@ -494,7 +512,7 @@ impl RedisTransport {
 
     /// A handle on the connection (cheap clone; it reconnects by itself).
     pub fn connection(&self) -> RedisConnection {
-        self.conn.clone()
+        self.current()
     }
 
     /// Trim `stream` only below what every consumer group is done with (shared case C38's safe
@@ -509,7 +527,7 @@ impl RedisTransport {
     /// # Errors
     /// A classified [`TransportError`] when Redis fails.
     pub async fn trim_delivered(&self, stream: &str) -> Result<u64, TransportError> {
-        let mut conn = self.conn.clone();
+        let mut conn = self.current();
         let groups: Value = redis::cmd("XINFO")
             .arg("GROUPS")
             .arg(stream)
@@ -728,7 +746,7 @@ impl Transport for RedisTransport {
                 .arg(w.replicas)
                 .arg(w.timeout.as_millis() as u64);
         }
-        let mut conn = self.conn.clone();
+        let mut conn = self.current();
         let replies: Result<Vec<redis::RedisResult<Value>>, RedisError> = match &conn {
             RedisConnection::Single(_) => pipe.query_async(&mut conn).await,
             // A cluster pipeline must stay within one slot: each command is sent on its own,
@@ -778,21 +796,50 @@ impl Transport for RedisTransport {
                 )),
                 Err(e) => Some(e),
             };
+            // Too few replicas is the cluster's state, not the message's: `Unavailable` (the
+            // relay pauses the transport and counts no attempt), so a primary left without its
+            // replica after a failover dead-letters nothing while the replica is away.
             if let Some(reason) = short {
                 for r in out.iter_mut().filter(|r| r.is_ok()) {
-                    *r = Err(TransportError::retryable(reason.clone()));
+                    *r = Err(TransportError::unavailable(reason.clone()));
                 }
             }
         }
         out
     }
 
+    /// `PING` (in cluster mode, every primary). When it fails in cluster mode, a new cluster
+    /// connection is made from the seed list: after a primary was killed and its replica
+    /// promoted, redis 1.8's cluster connection was seen timing out every command for minutes
+    /// (suite `clusters::redis_cluster_loses_nothing_when_the_stream_primary_dies_twice`).
     async fn probe(&self) -> Result<(), TransportError> {
-        let mut conn = self.conn.clone();
+        let mut conn = self.current();
         let pong: Result<String, RedisError> = redis::cmd("PING").query_async(&mut conn).await;
-        pong.map(|_| ()).map_err(|e| {
-            TransportError::unavailable(format!("Redis PING failed: {e}")).with_source(e)
-        })
+        let failed = match pong {
+            Ok(_) => return Ok(()),
+            Err(e) => TransportError::unavailable(format!("Redis PING failed: {e}")).with_source(e),
+        };
+        if matches!(conn, RedisConnection::Cluster(_)) {
+            match connect_redis(
+                &self.config.url,
+                self.config.password.as_deref(),
+                true,
+                self.config.connect_timeout,
+                self.config.response_timeout,
+            )
+            .await
+            {
+                Ok(fresh) => {
+                    tracing::info!(
+                        url = %crate::redact::url(&self.config.url),
+                        "Redis Cluster: a new connection replaces the one that stopped answering"
+                    );
+                    *self.conn.lock().expect("poisoned") = fresh;
+                }
+                Err(e) => tracing::debug!(error = %e, "Redis Cluster: reconnection failed"),
+            }
+        }
+        Err(failed)
     }
 }
 
