@@ -43,10 +43,10 @@ nats_start() {
   local n=$1 dir="$BASE/nats-$1"
   port_open "424$n" && return 0
   mkdir -p "$dir"
-  nohup nats-server -a 127.0.0.1 -p "424$n" -n "nats-$n" -js -sd "$dir/store" \
+  setsid nohup nats-server -a 127.0.0.1 -p "424$n" -n "nats-$n" -js -sd "$dir/store" \
     --cluster_name outbox --cluster "nats://127.0.0.1:624$n" \
     --routes nats://127.0.0.1:6241,nats://127.0.0.1:6242,nats://127.0.0.1:6243 \
-    -m "824$n" -P "$dir/pid" -l "$dir/log" >/dev/null 2>&1 &
+    -m "824$n" -P "$dir/pid" -l "$dir/log" </dev/null >/dev/null 2>&1 &
   wait_port "NATS node $n" "424$n" 20
 }
 nats_stop() { kill_pidfile "$BASE/nats-$1/pid"; }
@@ -90,7 +90,10 @@ rabbit_start() {
   echo 'loopback_users = none' >"$BASE/rabbitmq-home/rabbitmq.conf"
   echo '[].' >"$BASE/rabbitmq-home/advanced.config"
   # shellcheck disable=SC2046
-  (cd "$dir" && env $(rabbit_env "$n") nohup "$RABBIT_BIN/rabbitmq-server" >"$dir/console.log" 2>&1 &)
+  # In a session of its own with no descriptor of the caller's: a caller that reads this
+  # script's output (the tests) sees it end, and the node outlives the caller.
+  (cd "$dir" && env $(rabbit_env "$n") setsid nohup "$RABBIT_BIN/rabbitmq-server" \
+    </dev/null >"$dir/console.log" 2>&1 &)
   wait_port "RabbitMQ node $n" "568$n" 120
 }
 rabbit_stop() { kill_pidfile "$BASE/rabbitmq-$1/pid"; }

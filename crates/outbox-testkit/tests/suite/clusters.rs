@@ -55,6 +55,7 @@ async fn clusters(args: &[&str]) -> String {
     let out = tokio::process::Command::new("bash")
         .arg(&script)
         .args(args)
+        .stdin(std::process::Stdio::null())
         .output()
         .await
         .unwrap_or_else(|e| panic!("cannot run {script}: {e}"));
@@ -77,8 +78,27 @@ impl Node {
         clusters(&["stop", self.kind, &self.n.to_string()]).await;
     }
 
+    /// Start the node again. The script's output is not read: a RabbitMQ node it starts was seen
+    /// keeping the pipe open, so reading to its end would wait for the node to stop.
     async fn start(&self) {
-        clusters(&["start", self.kind, &self.n.to_string()]).await;
+        let script = std::env::var("OUTBOX_TEST_CLUSTERS").unwrap_or_else(|_| {
+            concat!(env!("CARGO_MANIFEST_DIR"), "/../../.ci/clusters.sh").to_owned()
+        });
+        let status = tokio::process::Command::new("bash")
+            .arg(&script)
+            .args(["start", self.kind, &self.n.to_string()])
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .await
+            .unwrap_or_else(|e| panic!("cannot run {script}: {e}"));
+        assert!(
+            status.success(),
+            "{script} start {} {} failed",
+            self.kind,
+            self.n
+        );
     }
 }
 
