@@ -47,11 +47,16 @@ async fn seeds(var: &str, default: &str, kind: &str) -> String {
     );
 }
 
+/// The path of `.ci/clusters.sh`: `OUTBOX_TEST_CLUSTERS`, default the checkout's copy.
+fn script() -> String {
+    std::env::var("OUTBOX_TEST_CLUSTERS").unwrap_or_else(|_| {
+        concat!(env!("CARGO_MANIFEST_DIR"), "/../../.ci/clusters.sh").to_owned()
+    })
+}
+
 /// Run `.ci/clusters.sh ARGS` (path in `OUTBOX_TEST_CLUSTERS`) and return its output.
 async fn clusters(args: &[&str]) -> String {
-    let script = std::env::var("OUTBOX_TEST_CLUSTERS").unwrap_or_else(|_| {
-        concat!(env!("CARGO_MANIFEST_DIR"), "/../../.ci/clusters.sh").to_owned()
-    });
+    let script = script();
     let out = tokio::process::Command::new("bash")
         .arg(&script)
         .args(args)
@@ -81,9 +86,7 @@ impl Node {
     /// Start the node again. The script's output is not read: a RabbitMQ node it starts was seen
     /// keeping the pipe open, so reading to its end would wait for the node to stop.
     async fn start(&self) {
-        let script = std::env::var("OUTBOX_TEST_CLUSTERS").unwrap_or_else(|_| {
-            concat!(env!("CARGO_MANIFEST_DIR"), "/../../.ci/clusters.sh").to_owned()
-        });
+        let script = script();
         let status = tokio::process::Command::new("bash")
             .arg(&script)
             .args(["start", self.kind, &self.n.to_string()])
