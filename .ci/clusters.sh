@@ -29,6 +29,15 @@ wait_port() { # what port seconds
   echo "error: $1 is not listening on 127.0.0.1:$2 after $3 s (log under $BASE)" >&2
   return 1
 }
+alive() { # pidfile: is the process it names running?
+  [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null
+}
+fresh_if_all_dead() { # kind count: after a machine restart no node of KIND is alive and its
+  # data are stale (a clustered node may wait for peers that never come): start a new cluster.
+  local n
+  for ((n = 1; n <= $2; n++)); do alive "$BASE/$1-$n/pid" && return 0; done
+  for ((n = 1; n <= $2; n++)); do rm -rf "${BASE:?}/$1-$n"; done
+}
 kill_pidfile() {
   local pid
   [ -f "$1" ] || return 0
@@ -52,6 +61,7 @@ nats_start() {
 nats_stop() { kill_pidfile "$BASE/nats-$1/pid"; }
 nats_up() {
   local n
+  fresh_if_all_dead nats 3
   for n in 1 2 3; do nats_start "$n"; done
   # JetStream is ready once the meta group has a leader: /jsz on any node names it.
   for _ in $(seq 1 300); do
@@ -76,9 +86,11 @@ rabbitctl() { # n args...: rabbitmqctl against node n
   shift
   env HOME="$BASE/rabbitmq-home" "$RABBIT_BIN/rabbitmqctl" -n "outbox$n@localhost" "$@"
 }
-rabbit_start() {
+rabbit_alive() { alive "$BASE/rabbitmq-$1/pid"; } # n: node n's VM runs (booting or up)
+rabbit_launch() { # n: start node n in the background, not waiting for it
   local n=$1 dir="$BASE/rabbitmq-$1"
   port_open "568$n" && return 0
+  rabbit_alive "$n" && return 0
   mkdir -p "$dir/mnesia" "$dir/log" "$BASE/rabbitmq-home"
   chmod 700 "$BASE/rabbitmq-home"
   if [ ! -f "$BASE/rabbitmq-home/.erlang.cookie" ]; then
@@ -94,12 +106,19 @@ rabbit_start() {
   # script's output (the tests) sees it end, and the node outlives the caller.
   (cd "$dir" && env $(rabbit_env "$n") setsid nohup "$RABBIT_BIN/rabbitmq-server" \
     </dev/null >"$dir/console.log" 2>&1 &)
-  wait_port "RabbitMQ node $n" "568$n" 120
+}
+rabbit_start() {
+  rabbit_launch "$1"
+  wait_port "RabbitMQ node $1" "568$1" 120
 }
 rabbit_stop() { kill_pidfile "$BASE/rabbitmq-$1/pid"; }
 rabbit_up() {
   local n
-  for n in 1 2 3; do rabbit_start "$n"; done
+  # A clustered node that restarts waits (up to 5 minutes) for the peers that were running when
+  # it stopped before it opens its port: start every missing node before waiting for any.
+  fresh_if_all_dead rabbitmq 3
+  for n in 1 2 3; do rabbit_launch "$n"; done
+  for n in 1 2 3; do wait_port "RabbitMQ node $n" "568$n" 120; done
   for n in 2 3; do
     if ! rabbitctl 1 cluster_status 2>/dev/null | grep -q "outbox$n@localhost"; then
       rabbitctl "$n" stop_app >/dev/null
@@ -125,6 +144,7 @@ redis_start() {
 redis_stop() { kill_pidfile "$BASE/redis-$1/pid"; }
 redis_up() {
   local n
+  fresh_if_all_dead redis 6
   for n in 1 2 3 4 5 6; do redis_start "$n"; done
   if ! redis-cli -p 7001 cluster info | grep -q 'cluster_state:ok'; then
     if [ "$(redis-cli -p 7001 cluster info | sed -n 's/^cluster_known_nodes:\([0-9]*\).*/\1/p')" = 1 ]; then
