@@ -333,6 +333,11 @@ const CONSUMER_COUNTERS: &[ConsumerCounterSpec] = &[
         |m| &m.inbox_batch_splits,
     ),
     (
+        "outbox_consumer_reconnects",
+        "Times the runner lost its broker connection or consumer and opened it again.",
+        |m| &m.reconnects,
+    ),
+    (
         "outbox_consumer_confirmations_sent",
         "Confirmations sent to the producer.",
         |m| &m.confirmations_sent,

@@ -72,6 +72,10 @@ async fn clusters(args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_owned()
 }
 
+/// Held by each NATS cluster test: one kills nodes the other needs (the test harness runs tests
+/// in parallel).
+static NATS_CLUSTER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// One node of a cluster, as `.ci/clusters.sh` numbers them.
 struct Node {
     kind: &'static str,
@@ -211,15 +215,20 @@ async fn fail_over_and_measure(fx: &PgFixture, node: Node, key: &str, role: &str
     }
 }
 
-/// After the kills: every row SENT, none FAILED, every message applied once by the consumer.
+/// A consumer runner in its task: it returns only when cancelled or refused.
+type Runner = tokio::task::JoinHandle<Result<(), outbox::ConfigError>>;
+
+/// After the kills: every row SENT, none FAILED, every message applied once by `consumer`,
+/// which is still running (a runner that stopped early fails the test at once, with its error).
 async fn check_and_report(
     kind: &str,
+    n: i64,
     fx: &PgFixture,
     effects: &str,
+    consumer: &mut Runner,
     started: Instant,
     kills: &[Kill],
 ) {
-    let n = messages();
     wait_sent(fx, n, Duration::from_secs(300)).await;
     let drained = started.elapsed();
     assert_eq!(
@@ -233,12 +242,18 @@ async fn check_and_report(
         "nothing is dead-lettered"
     );
     let pool = fx.store.pool();
-    wait_until(
-        &format!("the consumer applied {n} messages"),
-        Duration::from_secs(300),
-        || async { pg_count(pool, &format!("SELECT COUNT(*) FROM {effects}")).await >= n },
-    )
-    .await;
+    let applied_all = async {
+        wait_until(
+            &format!("the consumer applied {n} messages"),
+            Duration::from_secs(300),
+            || async { pg_count(pool, &format!("SELECT COUNT(*) FROM {effects}")).await >= n },
+        )
+        .await
+    };
+    tokio::select! {
+        () = applied_all => {}
+        stopped = &mut *consumer => panic!("the consumer runner stopped before applying every message: {stopped:?}"),
+    }
     let applied = started.elapsed();
     assert_eq!(
         pg_count(pool, &format!("SELECT COUNT(*) FROM {effects}")).await,
@@ -257,44 +272,34 @@ async fn check_and_report(
         n,
         "the applied messages are the outbox's"
     );
-    let kills: Vec<String> = kills
+    let kills: String = kills
         .iter()
         .map(|k| {
             format!(
-                "{} killed: resumed after {:.1} s",
+                "{} killed: resumed after {:.1} s; ",
                 k.what,
                 k.resumed.as_secs_f64()
             )
         })
         .collect();
     eprintln!(
-        "cluster figures: {kind}: {n} messages; {}; drained in {:.1} s, all applied by the consumer after {:.1} s",
-        kills.join("; "),
+        "cluster figures: {kind}: {n} messages; {kills}drained in {:.1} s, all applied by the consumer after {:.1} s",
         drained.as_secs_f64(),
         applied.as_secs_f64()
     );
 }
 
-// Ignored in CI: in the CI run of 2026-12-04 the relay drained everything after both kills,
-// but the NATS consumer runner stopped applying (300 s without finishing) once the stream's
-// leader was killed; it passed in a local run. Not understood yet (the durable consumer's own
-// leader was probably on the killed node): issue 18 stays open for it. Run it with
-// `--ignored clusters::nats`.
-#[ignore = "the NATS consumer runner can stall after the stream leader is killed (issue 18)"]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nats_cluster_loses_nothing_when_the_connected_node_and_the_stream_leader_die() {
-    use outbox::consumer::nats::NatsConsumerConfig;
+/// The NATS cluster's pieces for one test: the seed list, an R3 stream named after `prefix` (its
+/// subjects `prefix.>`), created by the production transport built from its configuration as the
+/// daemon builds it, and the stream's name.
+async fn nats_stream(prefix: &str) -> (String, Arc<outbox::NatsTransport>, String) {
     use outbox::{NatsConfig, NatsTransport, StreamSetup};
-
-    crate::init_tracing();
     let url = seeds(
         "OUTBOX_TEST_NATS_CLUSTER_URL",
         "nats://127.0.0.1:4241,nats://127.0.0.1:4242,nats://127.0.0.1:4243",
         "nats",
     )
     .await;
-    let (fx, effects) = backlog(messages()).await;
-    let prefix = unique("cl");
     let stream = prefix.to_ascii_uppercase();
     let mut config = NatsConfig::new(url.clone());
     config.stream = Some(StreamSetup {
@@ -303,21 +308,51 @@ async fn nats_cluster_loses_nothing_when_the_connected_node_and_the_stream_leade
         create: true,
         replicas: 3,
     });
-    // Built from its configuration, as the daemon builds it.
     TransportConfig::Nats(config.clone()).validate().unwrap();
     let transport = Arc::new(NatsTransport::connect(config).await.unwrap());
-    let consumer_client = outbox::transport::nats::connect_client(&url).await.unwrap();
-    let js = async_nats::jetstream::new(consumer_client);
-    let cancel = CancellationToken::new();
-    let consumer = tokio::spawn(outbox::consumer::nats::run(
+    (url, transport, stream)
+}
+
+/// The production NATS consumer runner (durable `billing`) over the seed list `url`, applying
+/// `stream` into `effects` through `fx`'s inbox; with its JetStream context.
+async fn nats_runner(
+    url: &str,
+    stream: &str,
+    fx: &PgFixture,
+    effects: &str,
+    metrics: Arc<ConsumerMetrics>,
+    cancel: &CancellationToken,
+) -> (Runner, async_nats::jetstream::Context) {
+    use outbox::consumer::nats::NatsConsumerConfig;
+    let client = outbox::transport::nats::connect_client(url).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    let runner = tokio::spawn(outbox::consumer::nats::run(
         js.clone(),
-        NatsConsumerConfig::new(stream.clone(), "billing"),
+        NatsConsumerConfig::new(stream, "billing"),
         Inbox::<sqlx::Postgres>::new(fx.store.pool().clone(), &fx.inbox_table(), "billing")
             .unwrap(),
-        Arc::new(EffectHandler::new(&effects)),
-        Arc::new(ConsumerMetrics::default()),
+        Arc::new(EffectHandler::new(effects)),
+        metrics,
         cancel.clone(),
     ));
+    (runner, js)
+}
+
+// In a CI run of 2026-12-04 the consumer runner of this test applied nothing: it started
+// while a node was being killed, took the stream lookup's timeout for a missing stream and
+// stopped with a set-up error. The runner now retries such errors
+// (`nats_consumer_started_without_a_majority_waits_for_the_cluster`), and a runner that stops
+// fails the test at once with its error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_cluster_loses_nothing_when_the_connected_node_and_the_stream_leader_die() {
+    let _cluster = NATS_CLUSTER.lock().await;
+    crate::init_tracing();
+    let (fx, effects) = backlog(messages()).await;
+    let prefix = unique("cl");
+    let (url, transport, stream) = nats_stream(&prefix).await;
+    let cancel = CancellationToken::new();
+    let metrics = Arc::new(ConsumerMetrics::default());
+    let (mut consumer, js) = nats_runner(&url, &stream, &fx, &effects, metrics, &cancel).await;
     let started = Instant::now();
     let handle = relay(&fx, transport.clone(), &format!("{prefix}.{{topic}}")).spawn();
     let n = messages();
@@ -363,7 +398,16 @@ async fn nats_cluster_loses_nothing_when_the_connected_node_and_the_stream_leade
         .await,
     );
 
-    check_and_report("NATS JetStream, R3 stream", &fx, &effects, started, &kills).await;
+    check_and_report(
+        "NATS JetStream, R3 stream",
+        n,
+        &fx,
+        &effects,
+        &mut consumer,
+        started,
+        &kills,
+    )
+    .await;
     let info = js.get_stream(&stream).await.unwrap().cached_info().clone();
     assert_eq!(
         info.state.messages, n as u64,
@@ -402,7 +446,7 @@ async fn rabbitmq_cluster_loses_nothing_when_the_connected_node_and_the_queue_le
         quorum: true,
     });
     let cancel = CancellationToken::new();
-    let consumer = tokio::spawn(outbox::consumer::rabbitmq::run(
+    let mut consumer: Runner = tokio::spawn(outbox::consumer::rabbitmq::run(
         consumer_config,
         Inbox::<sqlx::Postgres>::new(fx.store.pool().clone(), &fx.inbox_table(), "billing")
             .unwrap(),
@@ -463,7 +507,16 @@ async fn rabbitmq_cluster_loses_nothing_when_the_connected_node_and_the_queue_le
         .await,
     );
 
-    check_and_report("RabbitMQ, quorum queue", &fx, &effects, started, &kills).await;
+    check_and_report(
+        "RabbitMQ, quorum queue",
+        n,
+        &fx,
+        &effects,
+        &mut consumer,
+        started,
+        &kills,
+    )
+    .await;
     cancel.cancel();
     let _ = consumer.await;
     handle.shutdown().await.unwrap();
@@ -497,7 +550,7 @@ async fn redis_cluster_loses_nothing_when_the_stream_primary_dies_twice() {
     consumer_config.consumer = "billing-1".into();
     consumer_config.block = Duration::from_millis(200);
     let cancel = CancellationToken::new();
-    let consumer = tokio::spawn(outbox::consumer::redis::run(
+    let mut consumer: Runner = tokio::spawn(outbox::consumer::redis::run(
         consumer_config,
         Inbox::<sqlx::Postgres>::new(fx.store.pool().clone(), &fx.inbox_table(), "billing")
             .unwrap(),
@@ -560,8 +613,10 @@ async fn redis_cluster_loses_nothing_when_the_stream_primary_dies_twice() {
 
     check_and_report(
         "Redis Cluster, WAIT 1 replica",
+        n,
         &fx,
         &effects,
+        &mut consumer,
         started,
         &kills,
     )
@@ -570,4 +625,62 @@ async fn redis_cluster_loses_nothing_when_the_stream_primary_dies_twice() {
     let _ = consumer.await;
     handle.shutdown().await.unwrap();
     fx.cleanup().await;
+}
+
+/// A consumer runner started while its NATS cluster has no majority (two of three nodes down:
+/// no JetStream meta leader, so the stream cannot be looked up) waits and retries, counting
+/// each attempt in `reconnects`, instead of stopping with a set-up error; once the nodes are
+/// back it applies every message once. (Before the fix, the runner took the lookup's timeout
+/// for a missing stream and returned: the CI stall of 2026-12-04, issue 18.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_consumer_started_without_a_majority_waits_for_the_cluster() {
+    use std::sync::atomic::Ordering;
+
+    let _cluster = NATS_CLUSTER.lock().await;
+    crate::init_tracing();
+    let n = 300;
+    let (fx, effects) = backlog(n).await;
+    let prefix = unique("nq");
+    let (url, transport, stream) = nats_stream(&prefix).await;
+    let handle = relay(&fx, transport.clone(), &format!("{prefix}.{{topic}}")).spawn();
+    wait_sent(&fx, n, Duration::from_secs(60)).await;
+    handle.shutdown().await.unwrap();
+
+    // Nodes 2 and 3 down: node 1 alone has no majority.
+    let down = [Node { kind: "nats", n: 2 }, Node { kind: "nats", n: 3 }];
+    for node in &down {
+        node.stop().await;
+    }
+    let metrics = Arc::new(ConsumerMetrics::default());
+    let cancel = CancellationToken::new();
+    let (mut consumer, js) =
+        nats_runner(&url, &stream, &fx, &effects, metrics.clone(), &cancel).await;
+    let retried = async {
+        wait_until(
+            "the runner retried its set-up",
+            Duration::from_secs(60),
+            || async { metrics.reconnects.load(Ordering::Relaxed) >= 1 },
+        )
+        .await
+    };
+    tokio::select! {
+        () = retried => {}
+        stopped = &mut consumer => panic!("the consumer runner stopped while the cluster had no majority: {stopped:?}"),
+    }
+    for node in &down {
+        node.start().await;
+    }
+    check_and_report(
+        "NATS JetStream, runner started without a majority",
+        n,
+        &fx,
+        &effects,
+        &mut consumer,
+        Instant::now(),
+        &[],
+    )
+    .await;
+    cancel.cancel();
+    consumer.await.unwrap().unwrap();
+    let _ = js.delete_stream(&stream).await;
 }

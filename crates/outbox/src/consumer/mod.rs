@@ -113,6 +113,9 @@ pub struct ConsumerMetrics {
     /// Batches rolled back because one message's handler failed, rejected or panicked; the
     /// messages before it were applied again as a batch and it alone.
     pub inbox_batch_splits: AtomicU64,
+    /// Times the runner lost its broker connection or consumer (or had its set-up refused
+    /// after the first) and opened it again after a backoff.
+    pub reconnects: AtomicU64,
     /// Seconds each delivery spent in the inbox: the duplicate check, the handler and the
     /// commit of the inbox transaction (a panicking handler included; for a batch, the whole
     /// batch's transaction, once per message).

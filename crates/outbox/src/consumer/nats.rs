@@ -74,6 +74,30 @@ impl NatsConsumerConfig {
 /// Acknowledgements of one settled batch in flight at once.
 const SETTLE_IN_FLIGHT: usize = 256;
 
+/// How long the server holds a pull request open when it has no message for it.
+const FETCH_EXPIRES: Duration = Duration::from_millis(500);
+
+/// Whether a JetStream API error is a passing state of the cluster (no meta or stream leader,
+/// placement in progress, a member change) rather than a refusal of the set-up: the consumer
+/// retries it with backoff instead of stopping with a [`ConfigError`]. Codes from the server's
+/// `server/errors.json` (as named by async-nats' `ErrorCode`).
+fn transient(error: &async_nats::jetstream::Error) -> bool {
+    use async_nats::jetstream::ErrorCode;
+    [
+        ErrorCode::CLUSTER_INCOMPLETE,
+        ErrorCode::CLUSTER_NO_PEERS,
+        ErrorCode::CLUSTER_NOT_ASSIGNED,
+        ErrorCode::CLUSTER_NOT_AVAILABLE,
+        ErrorCode::CLUSTER_NOT_LEADER,
+        ErrorCode::CLUSTER_PEER_NOT_MEMBER,
+        ErrorCode::CLUSTER_SERVER_NOT_MEMBER,
+        ErrorCode::CLUSTER_SERVER_MEMBER_CHANGE_INFLIGHT,
+        ErrorCode::INSUFFICIENT_RESOURCES,
+    ]
+    .contains(&error.error_code())
+        || error.code() >= 500
+}
+
 /// The JetStream [`Source`]: a durable pull consumer on `config.stream`.
 pub struct NatsSource {
     js: jetstream::Context,
@@ -104,9 +128,20 @@ impl Source for NatsSource {
     }
 
     async fn open(&mut self) -> Result<(), SourceError> {
+        use async_nats::jetstream::context::GetStreamErrorKind;
+        use async_nats::jetstream::stream::ConsumerErrorKind;
         let c = &self.config;
         let stream = self.js.get_stream(&c.stream).await.map_err(|e| {
-            ConfigError::new("stream", format!("stream {} not found: {e}", c.stream))
+            let refused = match e.kind() {
+                GetStreamErrorKind::JetStream(api) => !transient(&api),
+                GetStreamErrorKind::EmptyName | GetStreamErrorKind::InvalidStreamName => true,
+                _ => false,
+            };
+            if refused {
+                ConfigError::new("stream", format!("stream {} not found: {e}", c.stream)).into()
+            } else {
+                SourceError::Lost(format!("cannot look up stream {}: {e}", c.stream))
+            }
         })?;
         let consumer = stream
             .get_or_create_consumer(
@@ -122,10 +157,20 @@ impl Source for NatsSource {
             )
             .await
             .map_err(|e| {
-                ConfigError::new(
-                    "durable",
-                    format!("cannot create consumer {}: {e}", c.durable),
-                )
+                let refused = match e.kind() {
+                    ConsumerErrorKind::JetStream(api) => !transient(&api),
+                    ConsumerErrorKind::InvalidConsumerType | ConsumerErrorKind::InvalidName => true,
+                    _ => false,
+                };
+                if refused {
+                    ConfigError::new(
+                        "durable",
+                        format!("cannot create consumer {}: {e}", c.durable),
+                    )
+                    .into()
+                } else {
+                    SourceError::Lost(format!("cannot create consumer {}: {e}", c.durable))
+                }
             })?;
         self.consumer = Some(consumer);
         Ok(())
@@ -139,7 +184,7 @@ impl Source for NatsSource {
         let mut messages = consumer
             .fetch()
             .max_messages(max)
-            .expires(Duration::from_millis(500))
+            .expires(FETCH_EXPIRES)
             .messages()
             .await
             .map_err(|e| SourceError::Lost(format!("JetStream fetch failed: {e}")))?;
@@ -147,8 +192,14 @@ impl Source for NatsSource {
         while let Some(msg) = messages.next().await {
             let msg = match msg {
                 Ok(m) => m,
+                // A status in place of messages: the consumer has no leader (503), was deleted
+                // (409), ... With nothing fetched it is a lost consumer, opened again after a
+                // backoff; otherwise the batch is delivered and the next pull will tell.
+                Err(e) if out.is_empty() => {
+                    return Err(SourceError::Lost(format!("JetStream pull failed: {e}")));
+                }
                 Err(e) => {
-                    tracing::warn!(error = %e, "JetStream message error");
+                    tracing::warn!(error = %e, "JetStream pull ended with an error");
                     break;
                 }
             };

@@ -150,6 +150,11 @@ pub trait Source: Send {
 pub trait BatchHandler: Send + Sync {
     /// Handle `batch` and return one [`Settle`] per message, in the same order.
     async fn handle(&self, batch: &[&Envelope]) -> Vec<Settle>;
+
+    /// Called by [`run`] each time the source was lost (or its set-up refused, once it had
+    /// started), before the backoff and the new [`Source::open`]. Default: nothing (the consumer
+    /// runners' [`InboxHandler`] counts it in [`ConsumerMetrics::reconnects`]).
+    fn lost(&self) {}
 }
 
 /// How [`run`] drives a source.
@@ -240,6 +245,7 @@ where
                 tracing::warn!(reason, source = %what, "consumer lost its connection; reconnecting")
             }
         }
+        handler.lost();
         open = false;
         failures = failures.saturating_add(1);
         tokio::select! {
@@ -274,6 +280,10 @@ where
     DB: InboxBackend,
     H: Handler<DB> + ?Sized,
 {
+    fn lost(&self) {
+        self.metrics.reconnects.fetch_add(1, Ordering::Relaxed);
+    }
+
     async fn handle(&self, batch: &[&Envelope]) -> Vec<Settle> {
         let mut out: Vec<Option<Settle>> = vec![None; batch.len()];
         let mut inbound = Vec::with_capacity(batch.len());
