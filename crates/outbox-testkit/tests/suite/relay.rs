@@ -179,6 +179,33 @@ async fn postgres_nats_consumer_inbox_end_to_end() {
     fx.cleanup().await;
 }
 
+/// A misnamed stream still stops the NATS consumer runner at its first set-up, with a
+/// [`outbox::ConfigError`] naming `stream` (the server's "stream not found" is a refusal; only
+/// timeouts and cluster errors are retried, `clusters::nats_consumer_started_without_a_majority_waits_for_the_cluster`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_consumer_refuses_a_missing_stream_at_start() {
+    crate::init_tracing();
+    let fx = PgFixture::new().await;
+    let nats = NatsFixture::new().await;
+    let refused = within(
+        "the runner's first set-up",
+        Duration::from_secs(30),
+        outbox::consumer::nats::run(
+            nats.transport.jetstream().clone(),
+            NatsConsumerConfig::new(format!("{}_MISSING", nats.stream), "billing"),
+            Inbox::<sqlx::Postgres>::new(fx.store.pool().clone(), &fx.inbox_table(), "billing")
+                .unwrap(),
+            Arc::new(EffectHandler::new("unused")),
+            Arc::new(ConsumerMetrics::default()),
+            CancellationToken::new(),
+        ),
+    )
+    .await
+    .expect_err("a missing stream is refused");
+    assert_eq!(refused.field, "stream", "{refused}");
+    assert!(refused.reason.contains("stream not found"), "{refused}");
+}
+
 /// Wait (up to 10 s) until a session LISTENs on the fixture's channel.
 async fn wait_for_listen(fx: &PgFixture) {
     let channel = fx.store.channel().to_owned();

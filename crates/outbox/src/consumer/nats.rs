@@ -98,6 +98,16 @@ fn transient(error: &async_nats::jetstream::Error) -> bool {
         || error.code() >= 500
 }
 
+/// A set-up error: refused by the server (`refused`) → a [`ConfigError`] naming `field`, which
+/// stops a runner at its first set-up; otherwise lost, retried with backoff.
+fn set_up_error(refused: bool, field: &str, reason: String) -> SourceError {
+    if refused {
+        ConfigError::new(field, reason).into()
+    } else {
+        SourceError::Lost(reason)
+    }
+}
+
 /// The JetStream [`Source`]: a durable pull consumer on `config.stream`.
 pub struct NatsSource {
     js: jetstream::Context,
@@ -137,11 +147,11 @@ impl Source for NatsSource {
                 GetStreamErrorKind::EmptyName | GetStreamErrorKind::InvalidStreamName => true,
                 _ => false,
             };
-            if refused {
-                ConfigError::new("stream", format!("stream {} not found: {e}", c.stream)).into()
-            } else {
-                SourceError::Lost(format!("cannot look up stream {}: {e}", c.stream))
-            }
+            set_up_error(
+                refused,
+                "stream",
+                format!("cannot look up stream {}: {e}", c.stream),
+            )
         })?;
         let consumer = stream
             .get_or_create_consumer(
@@ -162,15 +172,11 @@ impl Source for NatsSource {
                     ConsumerErrorKind::InvalidConsumerType | ConsumerErrorKind::InvalidName => true,
                     _ => false,
                 };
-                if refused {
-                    ConfigError::new(
-                        "durable",
-                        format!("cannot create consumer {}: {e}", c.durable),
-                    )
-                    .into()
-                } else {
-                    SourceError::Lost(format!("cannot create consumer {}: {e}", c.durable))
-                }
+                set_up_error(
+                    refused,
+                    "durable",
+                    format!("cannot create consumer {}: {e}", c.durable),
+                )
             })?;
         self.consumer = Some(consumer);
         Ok(())
