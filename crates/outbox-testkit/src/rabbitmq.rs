@@ -11,7 +11,7 @@ use lapin::options::{
     BasicAckOptions, BasicGetOptions, BasicPublishOptions, ExchangeDeclareOptions,
     ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
-use lapin::types::FieldTable;
+use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 use outbox::transport::Transport;
 use outbox::{RabbitMqConfig, RabbitMqTransport};
@@ -166,14 +166,36 @@ impl RabbitMqFixture {
     /// # Panics
     /// When the broker refuses.
     pub async fn declare_queue(&self, name: &str, bindings: &[(&str, &str)]) {
+        self.declare_queue_with(name, bindings, FieldTable::default())
+            .await;
+    }
+
+    /// Declare a durable queue that holds at most `max_length` messages and nacks publishes
+    /// beyond that (`x-max-length`, `x-overflow = reject-publish`), bound to each
+    /// `(exchange, key)`, deleted at cleanup.
+    ///
+    /// # Panics
+    /// When the broker refuses.
+    pub async fn declare_bounded_queue(
+        &self,
+        name: &str,
+        bindings: &[(&str, &str)],
+        max_length: i64,
+    ) {
+        let mut args = FieldTable::default();
+        args.insert("x-max-length".into(), AMQPValue::LongLongInt(max_length));
+        args.insert(
+            "x-overflow".into(),
+            AMQPValue::LongString("reject-publish".into()),
+        );
+        self.declare_queue_with(name, bindings, args).await;
+    }
+
+    async fn declare_queue_with(&self, name: &str, bindings: &[(&str, &str)], args: FieldTable) {
         let ch = self.channel().await;
-        ch.queue_declare(
-            name.into(),
-            QueueDeclareOptions::durable(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("declare queue {name}: {e}"));
+        ch.queue_declare(name.into(), QueueDeclareOptions::durable(), args)
+            .await
+            .unwrap_or_else(|e| panic!("declare queue {name}: {e}"));
         for (exchange, key) in bindings {
             ch.queue_bind(
                 name.into(),

@@ -369,13 +369,28 @@ pub enum TransportErrorKind {
     /// [`TransportError::missing_destination`]). The relay releases the message without counting
     /// the attempt, pauses the transport and probes it with backoff (the probe rebuilds a dead
     /// client); it never dead-letters for this kind, except a destination missing for longer
-    /// than its grace period.
+    /// than its grace period. A destination that refuses messages for now
+    /// ([`TransportError::destination_busy`]) is backed off alone, without pausing the
+    /// transport.
     Unavailable,
-    /// This publish failed but a later one may succeed (timeout, nack, 5xx, 429).
+    /// This publish failed but a later one may succeed (timeout, 5xx). A destination that
+    /// refuses every message for a while (a RabbitMQ nack, an HTTP 429) is
+    /// [`TransportError::destination_busy`] instead, which spends no attempt.
     Retryable,
     /// This message can never be published as it is (too large, unknown destination, 4xx).
     /// The message goes to FAILED at once.
     Permanent,
+}
+
+/// What an [`Unavailable`](TransportErrorKind::Unavailable) error is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Scope {
+    /// The transport, or an error of another kind.
+    Any,
+    /// [`TransportError::missing_destination`].
+    MissingDestination,
+    /// [`TransportError::destination_busy`].
+    DestinationBusy,
 }
 
 /// An error from a transport: the broker did not acknowledge the message.
@@ -384,7 +399,7 @@ pub enum TransportErrorKind {
 pub struct TransportError {
     kind: TransportErrorKind,
     message: String,
-    missing_destination: bool,
+    scope: Scope,
     #[source]
     source: Option<BoxError>,
 }
@@ -395,7 +410,7 @@ impl TransportError {
         TransportError {
             kind,
             message: message.into(),
-            missing_destination: false,
+            scope: Scope::Any,
             source: None,
         }
     }
@@ -408,14 +423,36 @@ impl TransportError {
     /// [`RelayConfig::missing_destination_grace`](crate::RelayConfig::missing_destination_grace).
     pub fn missing_destination(message: impl Into<String>) -> Self {
         let mut e = Self::new(TransportErrorKind::Unavailable, message);
-        e.missing_destination = true;
+        e.scope = Scope::MissingDestination;
         e
     }
 
     /// Whether this error says the destination does not exist
     /// ([`TransportError::missing_destination`]).
     pub fn is_missing_destination(&self) -> bool {
-        self.missing_destination
+        self.scope == Scope::MissingDestination
+    }
+
+    /// The destination exists but refuses messages for now, whatever the message: a RabbitMQ
+    /// `basic.nack` (a quorum queue electing a new leader after its leader's node went down, or
+    /// a queue at its `x-max-length` with `x-overflow=reject-publish`: RabbitMQ's publisher
+    /// confirms documentation), an HTTP 429 or 503. An
+    /// [`Unavailable`](TransportErrorKind::Unavailable) error scoped to one destination: the
+    /// relay releases the message without counting the attempt and tries that destination
+    /// again with [`RelayConfig::probe_backoff`](crate::RelayConfig::probe_backoff), growing
+    /// per destination while it stays busy, and never dead-letters for it; the transport is
+    /// not paused, so other destinations go on. (Counted as attempts, a minute of nacks after a
+    /// node failure dead-lettered thousands of messages: docs/scaling.md.)
+    pub fn destination_busy(message: impl Into<String>) -> Self {
+        let mut e = Self::new(TransportErrorKind::Unavailable, message);
+        e.scope = Scope::DestinationBusy;
+        e
+    }
+
+    /// Whether this error says the destination refuses messages for now
+    /// ([`TransportError::destination_busy`]).
+    pub fn is_destination_busy(&self) -> bool {
+        self.scope == Scope::DestinationBusy
     }
 
     /// Shorthand for [`TransportErrorKind::Unavailable`].

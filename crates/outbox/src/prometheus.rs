@@ -160,6 +160,11 @@ const COUNTERS: &[CounterSpec] = &[
         |m| m.outages.load(Ordering::Relaxed),
     ),
     (
+        "outbox_relay_destination_busy",
+        "Publishes a destination refused for now (a RabbitMQ nack, an HTTP 429 or 503), released without counting the attempt.",
+        |m| m.busy.load(Ordering::Relaxed),
+    ),
+    (
         "outbox_relay_publish_timeouts",
         "Batches whose publish exceeded publish_timeout.",
         |m| m.publish_timeouts.load(Ordering::Relaxed),

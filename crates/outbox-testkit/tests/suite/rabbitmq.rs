@@ -479,6 +479,113 @@ async fn limits_destinations_and_unroutable_policy() {
     fx.cleanup().await;
 }
 
+/// A queue that cannot take messages now nacks them (here a full queue with
+/// `x-overflow = reject-publish`; in a cluster, a quorum queue electing a leader, which nacked
+/// for over a minute in the full-size cluster run): through the production relay, its messages
+/// are released without spending attempts (`max_attempts = 2` would dead-letter them after two
+/// refusals), the transport is not paused (another exchange on the same transport goes on), and
+/// once the queue has room every message arrives once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nacking_queue_is_backed_off_alone_without_spending_attempts() {
+    crate::init_tracing();
+    let fx = RabbitMqFixture::new().await;
+    let full = fx.extra_exchange("full").await;
+    let full_queue = format!("{full}_q");
+    fx.declare_bounded_queue(&full_queue, &[(&full, "#")], 5)
+        .await;
+    let db = SqliteFixture::new().await;
+    let transport: Arc<dyn Transport> = fx.transport.clone();
+    let relay = Relay::builder(db.store())
+        .router(
+            Router::new()
+                .route("full.*", transport.clone(), format!("{full}/{{topic}}"))
+                .route("*", transport, format!("{}/{{topic}}", fx.exchange)),
+        )
+        .config(RelayConfig {
+            max_attempts: 2,
+            probe_backoff: outbox::Backoff {
+                base: Duration::from_millis(20),
+                factor: 2.0,
+                max: Duration::from_millis(200),
+                jitter: 0.0,
+            },
+            ..fast_config("nack")
+        })
+        .build()
+        .unwrap()
+        .spawn();
+    let full_ids = db
+        .enqueue_commit(
+            (0..20)
+                .map(|i| NewMessage::new("full.orders", format!("full {i}")))
+                .collect(),
+        )
+        .await
+        .unwrap();
+    // Refused several times over: with attempts counted, every refused row would be FAILED.
+    wait_until(
+        "the full queue to refuse 15 messages 4 times",
+        Duration::from_secs(20),
+        || async { relay.metrics().snapshot().busy >= 60 },
+    )
+    .await;
+    let open_ids = db
+        .enqueue_commit(
+            (0..10)
+                .map(|i| NewMessage::new("orders", format!("open {i}")))
+                .collect(),
+        )
+        .await
+        .unwrap();
+    wait_status(&db, &open_ids, Status::Sent, Duration::from_secs(10)).await;
+    assert_eq!(fx.ready(&full_queue).await, 5);
+    let rows = db.rows().await;
+    let refused: Vec<_> = rows
+        .iter()
+        .filter(|r| full_ids.contains(&r.message_id) && r.status == Status::Pending.as_i16())
+        .collect();
+    assert_eq!(refused.len(), 15, "{rows:?}");
+    for r in &refused {
+        assert_eq!(r.attempts, 0, "a refusal spends no attempt: {r:?}");
+    }
+    let m = relay.metrics().snapshot();
+    assert_eq!((m.failed, m.outages), (0, 0), "{m:?}");
+
+    // Room again: a consumer takes what the queue holds until all twenty arrived.
+    let mut got = Vec::new();
+    within(
+        "every refused message to arrive",
+        Duration::from_secs(30),
+        async {
+            while got.len() < 20 {
+                got.extend(fx.take_all(&full_queue).await);
+                if got.len() < 20 {
+                    wait_until(
+                        "more messages in the queue",
+                        Duration::from_secs(10),
+                        || async { fx.ready(&full_queue).await > 0 },
+                    )
+                    .await;
+                }
+            }
+        },
+    )
+    .await;
+    wait_status(&db, &full_ids, Status::Sent, Duration::from_secs(10)).await;
+    let mut ids: Vec<String> = got
+        .iter()
+        .filter_map(|s| s.received.native_id.clone())
+        .collect();
+    ids.sort();
+    ids.dedup();
+    let mut want: Vec<String> = full_ids.iter().map(Uuid::to_string).collect();
+    want.sort();
+    assert_eq!((got.len(), ids), (20, want), "each message once");
+    assert_eq!(relay.metrics().snapshot().failed, 0);
+    relay.shutdown().await.unwrap();
+    fx.cleanup().await;
+}
+
 /// Connection refused or cut: publishes fail `Unavailable` (not permanent, no burned attempt),
 /// the probe says unavailable, and both recover when the broker is reachable again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

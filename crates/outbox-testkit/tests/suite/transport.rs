@@ -46,7 +46,8 @@ async fn webhook_classifies_answers() {
     let e = publish_one(t.as_ref(), &fx.receiver.url("/unavailable"))
         .await
         .unwrap_err();
-    assert_eq!(e.kind(), TransportErrorKind::Retryable, "503: {e:?}");
+    assert_eq!(e.kind(), TransportErrorKind::Unavailable, "503: {e:?}");
+    assert!(e.is_destination_busy(), "503 is a busy destination: {e:?}");
     let e = publish_one(t.as_ref(), &fx.receiver.url("/bad"))
         .await
         .unwrap_err();

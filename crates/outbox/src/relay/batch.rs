@@ -514,6 +514,8 @@ impl Relay {
         for (ti, res) in results {
             let mut unavailable = None;
             let mut accepted = false;
+            // Destinations that refused messages for now: how many, and the last reason.
+            let mut busy: HashMap<String, (u64, String)> = HashMap::new();
             for (&i, r) in groups[ti].iter().zip(res) {
                 let r = match r {
                     Published::Done(r) => r,
@@ -545,6 +547,7 @@ impl Relay {
                     max,
                     confirm,
                     || self.missing_too_long(ti, dest),
+                    || self.busy_delay(ti, dest),
                     cfg,
                 );
                 match signal {
@@ -553,9 +556,17 @@ impl Relay {
                         self.destination_found(ti, dest);
                     }
                     decide::Signal::Unavailable(reason) => unavailable = Some(reason),
+                    decide::Signal::Busy(reason) => {
+                        let b = busy.entry(dest.clone()).or_insert((0, String::new()));
+                        b.0 += 1;
+                        b.1 = reason;
+                    }
                     decide::Signal::Nothing => {}
                 }
                 work[i].outcome = Some(outcome);
+            }
+            for (dest, (refused, reason)) in busy {
+                self.destination_busy(ti, &dest, refused, &reason);
             }
             if let Some(reason) = unavailable {
                 self.mark_down(ti, reason, background.clone());

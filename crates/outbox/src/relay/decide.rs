@@ -18,6 +18,9 @@ pub(super) enum Signal {
     Accepted,
     /// The transport is unavailable, with the reason: pause it and probe.
     Unavailable(String),
+    /// The destination refuses messages for now, with the reason: back it off alone
+    /// ([`TransportError::destination_busy`]).
+    Busy(String),
     /// Nothing about the transport (a message's own failure).
     Nothing,
 }
@@ -29,6 +32,9 @@ pub(super) enum Signal {
 /// - `Unavailable` → released without counting the attempt (due again in 500 ms) and the
 ///   transport paused; a missing destination past `missing_destination_grace`
 ///   (`missing_too_long`, asked only for a missing destination) → FAILED naming the grace;
+///   a busy destination (`TransportError::destination_busy`) → released without counting the
+///   attempt, due again after `busy_delay` (the destination's backoff, asked only for a busy
+///   destination), the transport not paused;
 /// - `Permanent` → FAILED with the error;
 /// - `Retryable` → PENDING again after `cfg.backoff.delay(attempt)`, or FAILED ("attempts
 ///   exhausted") when `attempt >= max_attempts`.
@@ -38,6 +44,7 @@ pub(super) fn after_publish(
     max_attempts: u32,
     confirm: Option<Duration>,
     missing_too_long: impl FnOnce() -> bool,
+    busy_delay: impl FnOnce() -> Duration,
     cfg: &RelayConfig,
 ) -> (Outcome, Signal) {
     let e = match result {
@@ -59,6 +66,14 @@ pub(super) fn after_publish(
                     e.report()
                 ),
             }
+        }
+        TransportErrorKind::Unavailable if e.is_destination_busy() => {
+            return (
+                Outcome::Release {
+                    delay: busy_delay(),
+                },
+                Signal::Busy(e.report()),
+            );
         }
         TransportErrorKind::Unavailable => {
             return (
@@ -168,16 +183,43 @@ mod tests {
         panic!("asked about a missing destination for another error")
     }
 
+    fn no_busy() -> Duration {
+        panic!("asked for a busy destination's delay for another error")
+    }
+
+    #[test]
+    fn a_busy_destination_releases_without_pausing_the_transport() {
+        let c = cfg();
+        // Even at the last attempt: a busy destination never dead-letters and spends nothing.
+        let (o, s) = after_publish(
+            Err(TransportError::destination_busy("nacked")),
+            5,
+            5,
+            None,
+            never,
+            || Duration::from_millis(800),
+            &c,
+        );
+        assert_eq!(
+            o,
+            Outcome::Release {
+                delay: Duration::from_millis(800)
+            }
+        );
+        assert!(matches!(s, Signal::Busy(r) if r.contains("nacked")));
+        assert_eq!(attempts_to_store(4, 5, &o), 4);
+    }
+
     #[test]
     fn acknowledged_is_sent_or_awaits_its_confirmation() {
         let c = cfg();
         assert_eq!(
-            after_publish(Ok(()), 1, 5, None, never, &c),
+            after_publish(Ok(()), 1, 5, None, never, no_busy, &c),
             (Outcome::Sent, Signal::Accepted)
         );
         let within = Duration::from_secs(30);
         assert_eq!(
-            after_publish(Ok(()), 3, 5, Some(within), never, &c),
+            after_publish(Ok(()), 3, 5, Some(within), never, no_busy, &c),
             (
                 Outcome::SentAwaitingConfirmation { within },
                 Signal::Accepted
@@ -194,6 +236,7 @@ mod tests {
             5,
             None,
             never,
+            no_busy,
             &c,
         );
         // Even at the last attempt: an outage never dead-letters.
@@ -210,10 +253,10 @@ mod tests {
     fn a_missing_destination_fails_only_past_the_grace() {
         let c = cfg();
         let missing = || Err(TransportError::missing_destination("no stream"));
-        let (o, s) = after_publish(missing(), 1, 5, None, || false, &c);
+        let (o, s) = after_publish(missing(), 1, 5, None, || false, no_busy, &c);
         assert!(matches!(o, Outcome::Release { .. }), "{o:?}");
         assert!(matches!(s, Signal::Unavailable(_)));
-        let (o, s) = after_publish(missing(), 1, 5, None, || true, &c);
+        let (o, s) = after_publish(missing(), 1, 5, None, || true, no_busy, &c);
         match o {
             Outcome::Failed { reason } => {
                 assert!(
@@ -235,6 +278,7 @@ mod tests {
             5,
             None,
             never,
+            no_busy,
             &cfg(),
         );
         assert!(
@@ -249,7 +293,7 @@ mod tests {
         let c = cfg();
         let err = || Err(TransportError::retryable("nack"));
         for (attempt, ms) in [(1, 100), (2, 200), (3, 400)] {
-            let (o, s) = after_publish(err(), attempt, 5, None, never, &c);
+            let (o, s) = after_publish(err(), attempt, 5, None, never, no_busy, &c);
             assert_eq!(s, Signal::Nothing);
             match o {
                 Outcome::Retry { delay, error } => {
@@ -259,7 +303,7 @@ mod tests {
                 o => panic!("attempt {attempt}: {o:?}"),
             }
         }
-        let (o, _) = after_publish(err(), 5, 5, None, never, &c);
+        let (o, _) = after_publish(err(), 5, 5, None, never, no_busy, &c);
         assert!(
             matches!(&o, Outcome::Failed { reason } if reason.starts_with("attempts exhausted (5)")),
             "{o:?}"

@@ -226,11 +226,89 @@ impl Relay {
         since.elapsed() >= grace
     }
 
-    /// `destination` of transport `ti` accepted a message: it exists (again).
+    /// `destination` of transport `ti` accepted a message: it exists (again), and takes
+    /// messages (again, after refusing them: one info line).
     pub(super) fn destination_found(&self, ti: usize, destination: &str) {
-        let mut missing = self.inner.missing.lock().expect("missing lock");
-        if !missing.is_empty() {
-            missing.remove(&(ti, destination.to_owned()));
+        {
+            let mut missing = self.inner.missing.lock().expect("missing lock");
+            if !missing.is_empty() {
+                missing.remove(&(ti, destination.to_owned()));
+            }
+        }
+        let ended = {
+            let mut busy = self.inner.busy.lock().expect("busy lock");
+            if busy.is_empty() {
+                return;
+            }
+            busy.remove(&(ti, destination.to_owned()))
+        };
+        if let Some(b) = ended {
+            tracing::info!(
+                transport = self.inner.transports[ti].name(),
+                destination,
+                busy_for = ?b.since.elapsed(),
+                rounds = b.rounds,
+                "destination accepts messages again"
+            );
         }
     }
+
+    /// How long a message that `destination` of transport `ti` refused for now waits before it
+    /// is tried again: `probe_backoff` at the destination's next round (the first delay when it
+    /// was not busy).
+    pub(super) fn busy_delay(&self, ti: usize, destination: &str) -> Duration {
+        let rounds = self
+            .inner
+            .busy
+            .lock()
+            .expect("busy lock")
+            .get(&(ti, destination.to_owned()))
+            .map_or(0, |b| b.rounds);
+        self.inner.config.probe_backoff.delay(rounds + 1)
+    }
+
+    /// `destination` of transport `ti` refused `refused` messages of one batch for now
+    /// (`reason`, the last one's error): one more round of its backoff, and a warning when it
+    /// starts.
+    pub(super) fn destination_busy(
+        &self,
+        ti: usize,
+        destination: &str,
+        refused: u64,
+        reason: &str,
+    ) {
+        add(&self.inner.metrics.busy, refused);
+        let started = {
+            let mut busy = self.inner.busy.lock().expect("busy lock");
+            if busy.len() >= 10_000 {
+                // Bounded: a flood of distinct busy destinations restarts their backoff.
+                busy.clear();
+            }
+            let b = busy
+                .entry((ti, destination.to_owned()))
+                .or_insert_with(|| Busy {
+                    since: Instant::now(),
+                    rounds: 0,
+                });
+            b.rounds = b.rounds.saturating_add(1);
+            b.rounds == 1
+        };
+        if started {
+            tracing::warn!(
+                transport = self.inner.transports[ti].name(),
+                destination,
+                reason,
+                "destination refuses messages for now; its messages are released and tried again with backoff, no attempt counted"
+            );
+        }
+    }
+}
+
+/// A destination refusing messages for now ([`crate::TransportError::destination_busy`]).
+#[derive(Debug)]
+pub(super) struct Busy {
+    /// Since the first refusal.
+    since: Instant,
+    /// Batches refused since then; the next delay is `probe_backoff.delay(rounds + 1)`.
+    rounds: u32,
 }

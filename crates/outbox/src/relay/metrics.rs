@@ -44,6 +44,10 @@ pub struct RelayMetrics {
     pub store_errors_by_kind: [AtomicU64; StoreErrorKind::ALL.len()],
     /// Times a transport was found unavailable.
     pub outages: AtomicU64,
+    /// Publishes a destination refused for now ([`crate::TransportError::destination_busy`]:
+    /// a RabbitMQ nack, an HTTP 429 or 503); each message was released without counting the
+    /// attempt.
+    pub busy: AtomicU64,
     /// Messages of ordered routes held back because an earlier message of their key is unfinished.
     pub held_back: AtomicU64,
     /// Buckets acquired (free or taken over).
@@ -115,6 +119,8 @@ pub struct MetricsSnapshot {
     pub store_errors: u64,
     /// See [`RelayMetrics::outages`].
     pub outages: u64,
+    /// See [`RelayMetrics::busy`].
+    pub busy: u64,
     /// See [`RelayMetrics::held_back`].
     pub held_back: u64,
     /// See [`RelayMetrics::buckets_acquired`].
@@ -175,6 +181,7 @@ impl RelayMetrics {
             archived: g(&self.archived),
             store_errors: self.store_errors_by_kind.iter().map(g).sum(),
             outages: g(&self.outages),
+            busy: g(&self.busy),
             held_back: g(&self.held_back),
             buckets_acquired: g(&self.buckets_acquired),
             takeovers: g(&self.takeovers),

@@ -69,6 +69,12 @@
 //!   again; a probe that succeeds while publishes keep failing is the same outage (debug lines,
 //!   the probe backoff keeps growing). A destination missing for longer than
 //!   [`RelayConfig::missing_destination_grace`] is dead-lettered.
+//! - A destination that refuses messages for now ([`TransportError::destination_busy`]: a
+//!   RabbitMQ nack while a quorum queue elects a leader, an HTTP 429): the message is released
+//!   without counting the attempt, due again after the destination's own backoff
+//!   ([`RelayConfig::probe_backoff`], one step per batch it refused); the transport is not
+//!   paused, so other destinations go on. One warning when it starts refusing, one info line
+//!   when it accepts again.
 //! - A completion that fails (deadlock, lost connection) is retried with backoff until the lease
 //!   runs out; the relay loop never dies of it (shared case C21).
 //! - A publish cut by `publish_timeout`: each message keeps the result its transport recorded
@@ -146,6 +152,8 @@ struct Inner {
     held_back: Mutex<keys::KeyHolds>,
     /// Destinations found missing, by transport index and destination: since when.
     missing: Mutex<HashMap<(usize, String), Instant>>,
+    /// Destinations refusing messages for now, by transport index and destination.
+    busy: Mutex<HashMap<(usize, String), health::Busy>>,
     /// Buckets acquired or batches finished: the reader may have work.
     changed: Notify,
     /// A completion was refused: run a membership round now to learn which buckets were lost.
@@ -264,6 +272,7 @@ impl RelayBuilder {
                 ownership: Mutex::new(Ownership::default()),
                 held_back: Mutex::new(keys::KeyHolds::default()),
                 missing: Mutex::new(HashMap::new()),
+                busy: Mutex::new(HashMap::new()),
                 changed: Notify::new(),
                 renew_now: Notify::new(),
                 routes,

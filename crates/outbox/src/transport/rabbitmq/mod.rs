@@ -62,8 +62,13 @@
 //!   transport pauses until the exchange exists again (deleted and re-created under load loses
 //!   nothing), and the relay dead-letters its messages only after `missing_destination_grace`
 //!   (default 5 min);
-//! - `basic.nack` (e.g. a queue with `x-overflow = reject-publish` is full), no confirm within
-//!   `confirm_timeout`, a channel closed for another reason → `Retryable`; a timeout while the
+//! - `basic.nack` → a busy destination ([`TransportError::destination_busy`]): RabbitMQ nacks
+//!   when a queue cannot take messages now (a quorum queue without a leader, for over a minute
+//!   after its leader's node died under a large backlog; a full queue with
+//!   `x-overflow = reject-publish`; an internal error), never for the message itself, so the
+//!   relay backs that destination off without counting attempts and never dead-letters for it;
+//! - no confirm within `confirm_timeout`, a channel closed for another reason → `Retryable`; a
+//!   timeout while the
 //!   broker blocks the connection (`connection.blocked`: memory or disk alarm) → `Unavailable`,
 //!   so an alarm pauses the relay instead of burning attempts;
 //! - precondition failed (`406`, e.g. over the server's `max_message_size`), a payload over [`RabbitMqConfig::max_message_bytes`], headers
@@ -632,9 +637,10 @@ impl Link {
                         ),
                     ))
                 }
-                Ok(Ok(Confirmation::Nack(None))) => Err(TransportError::retryable(format!(
-                    "RabbitMQ nacked the message ({d}): the broker could not take it (full queue \
-                     with x-overflow=reject-publish, or an internal error)"
+                Ok(Ok(Confirmation::Nack(None))) => Err(TransportError::destination_busy(format!(
+                    "RabbitMQ nacked the message ({d}): a queue it routes to cannot take \
+                         messages now (a quorum queue without a leader, a full queue with \
+                         x-overflow=reject-publish)"
                 ))),
                 Ok(Ok(Confirmation::NotRequested)) => Err(TransportError::retryable(
                     "the RabbitMQ channel is not in confirm mode",
