@@ -21,6 +21,9 @@
 //!   ([`search`]);
 //! - `retention` (not run unless named; PostgreSQL): `--search-rows` rows removed past their
 //!   retention row by row and by dropping day partitions ([`retention`]);
+//! - `databases` (not run unless named; needs `--databases`): one relay group drains
+//!   `--messages` in each of 1, 2, 4, … databases at once, with the CPU each side spent
+//!   ([`databases`]);
 //! - `metrics`: the cost of the Prometheus metrics: one relay drains `--messages` four times,
 //!   without and with its metrics exported ([`outbox::prometheus::register`], the backlog
 //!   sampled every second, `/metrics` encoded every 100 ms), in the order off, on, on, off.
@@ -34,6 +37,7 @@
 
 mod broker;
 mod consume;
+mod databases;
 mod db;
 mod drain;
 mod producers;
@@ -106,6 +110,9 @@ pub enum Scenario {
     /// The consumer side: a raw consumer (acknowledge, no database) against the inbox runner
     /// with one transaction per message and with `--inbox-batch` messages per transaction.
     Consume,
+    /// One relay group (the daemon's `[[databases]]`) drains `--messages` in each of 1, 2, 4, …
+    /// databases at once (`--database`, then each `--databases`), with the CPU each side spent.
+    Databases,
 }
 
 /// Options of `outbox bench`.
@@ -196,6 +203,13 @@ pub struct BenchArgs {
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     pub idle_duration: Duration,
 
+    /// More databases for the `databases` scenario, after `--database` (each `postgres://…`,
+    /// `mysql://…` or `sqlite://FILE`; repeat the option or give several after it). A database
+    /// may be listed twice: each gets its own schema or tables. `.ci/pg-fleet.sh up N` makes N
+    /// PostgreSQL clusters on this machine and prints their URLs.
+    #[arg(long, num_args = 1..)]
+    pub databases: Vec<String>,
+
     /// Where to write the JSON report.
     #[arg(long, default_value = "outbox-bench.json")]
     pub json: PathBuf,
@@ -272,6 +286,18 @@ impl BenchArgs {
         }
         broker::Kind::parse(&self.transport).map_err(|e| format!("--transport: {e}"))?;
         db::dialect_of(&self.database).map_err(|e| e.to_string())?;
+        for url in &self.databases {
+            db::dialect_of(url).map_err(|e| format!("--databases: {e}"))?;
+        }
+        if self.runs(Scenario::Databases) && self.databases.is_empty() {
+            return Err(
+                "--only databases needs --databases: the databases to drain beside --database"
+                    .into(),
+            );
+        }
+        if self.databases.len() > 63 {
+            return Err("--databases: at most 63 (64 with --database)".into());
+        }
         Ok(())
     }
 
@@ -414,6 +440,8 @@ struct Watched {
 struct Bench {
     args: BenchArgs,
     db: Arc<Db>,
+    /// `--databases`, opened (the `databases` scenario).
+    extra: Vec<Arc<Db>>,
     broker: Box<dyn Broker>,
     run_id: String,
     payload: Vec<u8>,
@@ -430,11 +458,31 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     args.validate().map_err(anyhow::Error::msg)?;
     let run_id = format!("{:08x}", rand::random::<u32>());
     let db = Arc::new(Db::open(&args.database, &run_id, args.tcp_nodelay == "on").await?);
-    let broker = match broker::open(&args.transport, &run_id).await {
+    let mut extra: Vec<Arc<Db>> = Vec::new();
+    let mut opened = Ok(());
+    for (i, url) in args.databases.iter().enumerate() {
+        // A run id of its own: the same server may be listed twice.
+        match Db::open(
+            url,
+            &format!("{run_id}d{}", i + 1),
+            args.tcp_nodelay == "on",
+        )
+        .await
+        {
+            Ok(d) => extra.push(Arc::new(d)),
+            Err(e) => {
+                opened = Err(e);
+                break;
+            }
+        }
+    }
+    let broker = match opened.and(broker::open(&args.transport, &run_id).await) {
         Ok(b) => b,
         Err(e) => {
-            if let Err(c) = db.cleanup().await {
-                tracing::warn!(error = %c, "cleanup failed");
+            for d in std::iter::once(&db).chain(&extra) {
+                if let Err(c) = d.cleanup().await {
+                    tracing::warn!(error = %c, "cleanup failed");
+                }
             }
             return Err(e);
         }
@@ -451,6 +499,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         },
         args,
         db,
+        extra,
         broker,
         run_id,
         payload,
@@ -467,7 +516,10 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         );
         Ok(())
     } else {
-        let a = bench.db.cleanup().await;
+        let mut a = bench.db.cleanup().await;
+        for d in &bench.extra {
+            a = a.and(d.cleanup().await);
+        }
         let b = bench.broker.cleanup().await;
         a.and(b)
     };
@@ -591,6 +643,9 @@ impl Bench {
         if self.args.runs(Scenario::Consume) {
             self.report.consume = self.consume_run().await?;
         }
+        if self.args.runs(Scenario::Databases) {
+            self.databases_run().await?;
+        }
         Ok(())
     }
 
@@ -611,6 +666,15 @@ impl Bench {
             ),
         );
         put("messages", a.messages.into());
+        put(
+            "databases",
+            serde_json::json!(
+                std::iter::once(&a.database)
+                    .chain(&a.databases)
+                    .map(|u| crate::redact(u))
+                    .collect::<Vec<_>>()
+            ),
+        );
         put("payload_bytes", a.payload_bytes.into());
         put("batch_size", a.batch_size.into());
         put("in_flight_batches", a.in_flight().into());

@@ -207,3 +207,66 @@ async fn bench_runs_every_scenario_and_reports_each_section() {
         "stream left behind"
     );
 }
+
+/// The `databases` scenario: one relay group drains PostgreSQL twice over (two schemas of the
+/// test server) and a SQLite file at once, after the same with one and two of them; every
+/// message arrives (checked by the bench itself), and the report gives each run's rate, each
+/// database's, the ratio to one database and the CPU each side spent.
+#[tokio::test]
+async fn bench_drains_many_databases_through_one_relay_group() {
+    let pg = outbox_testkit::pg_pool(1).await;
+    drop(outbox_testkit::nats_client().await);
+    let dir = std::env::temp_dir().join(format!(
+        "outbox-bench-databases-{:08x}",
+        rand::random::<u32>()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let sqlite = format!("sqlite://{}", dir.join("third.db").display());
+    let json = dir.join("report.json");
+    let messages = 2_000u64;
+    let out = Command::new(env!("CARGO_BIN_EXE_outbox"))
+        .args(["bench", "--database", &outbox_testkit::postgres_url()])
+        .args(["--databases", &outbox_testkit::postgres_url(), &sqlite])
+        .args(["--transport", &outbox_testkit::nats_url()])
+        .args(["--messages", &messages.to_string(), "--only", "databases"])
+        .args(["--no-progress", "--json"])
+        .arg(&json)
+        .output()
+        .expect("run outbox bench");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "bench failed:\n{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("One relay group, many databases"),
+        "{stdout}"
+    );
+    let r: Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let runs = r["databases"].as_array().unwrap();
+    assert_eq!(runs.len(), 3, "1, 2 and 3 databases: {runs:?}");
+    for (i, k) in [1u64, 2, 3].into_iter().enumerate() {
+        assert_eq!(num(&r, &format!("databases.{i}.databases")), k as f64);
+        assert_eq!(
+            num(&r, &format!("databases.{i}.messages")),
+            (k * messages) as f64
+        );
+        positive(&r, &format!("databases.{i}.rate"));
+        positive(&r, &format!("databases.{i}.vs_one_database"));
+        let each = r["databases"][i]["per_database"].as_array().unwrap();
+        assert_eq!(each.len() as u64, k);
+        assert!(each.iter().all(|v| v.as_f64().unwrap() > 0.0), "{each:?}");
+        positive(&r, &format!("databases.{i}.cpu_seconds.relays"));
+        positive(&r, &format!("databases.{i}.messages_per_cpu_second.relays"));
+    }
+    // PostgreSQL runs on this machine: its CPU is counted.
+    positive(&r, "databases.2.cpu_seconds.postgres");
+    // Nothing left behind: neither schema.
+    let run = r["run_id"].as_str().unwrap();
+    let schemas: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM pg_namespace WHERE nspname LIKE $1")
+            .bind(format!("bench_{run}%"))
+            .fetch_one(&pg)
+            .await
+            .unwrap();
+    assert_eq!(schemas, 0, "a schema bench_{run}* left behind");
+}

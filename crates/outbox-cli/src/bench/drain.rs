@@ -6,10 +6,14 @@ use super::*;
 impl Bench {
     /// Create outbox table `table` and fill it with `--messages` messages.
     pub(super) async fn backlog(&self, table: &str) -> anyhow::Result<()> {
-        self.db.migrate(table).await?;
+        self.backlog_in(&self.db, table).await
+    }
+
+    /// Create outbox table `table` in `db` and fill it with `--messages` messages.
+    pub(super) async fn backlog_in(&self, db: &Db, table: &str) -> anyhow::Result<()> {
+        db.migrate(table).await?;
         let bar = self.bar(self.args.messages, &format!("load {table}"));
-        self.db
-            .load(table, self.args.messages, &self.payload, TOPIC, false, &bar)
+        db.load(table, self.args.messages, &self.payload, TOPIC, false, &bar)
             .await?;
         bar.finish_and_clear();
         Ok(())
@@ -65,10 +69,19 @@ impl Bench {
     /// Check a drain of `table` left nothing behind and the broker holds every message.
     pub(super) async fn verify(&self, name: &str, table: &str) -> anyhow::Result<Option<u64>> {
         let n = self.args.messages;
-        let stats = Outbox::open(&self.db.control, table)?
-            .store()
-            .stats()
-            .await?;
+        self.verify_in(&self.db, name, table).await?;
+        let stored = self.broker.stored().await?;
+        if let Some(s) = stored
+            && s < n
+        {
+            bail!("{name}: the broker holds {s} of the {n} messages published");
+        }
+        Ok(stored)
+    }
+
+    /// Check a drain of `table` in `db` left nothing pending, sending or failed.
+    pub(super) async fn verify_in(&self, db: &Db, name: &str, table: &str) -> anyhow::Result<()> {
+        let stats = Outbox::open(&db.control, table)?.store().stats().await?;
         let count = |s| stats.counts.get(&s).copied().unwrap_or(0);
         let left = count(Status::Pending) + count(Status::Sending);
         let failed = count(Status::Failed);
@@ -77,13 +90,7 @@ impl Bench {
                 "{name}: {left} message(s) still pending or sending and {failed} failed after the drain"
             );
         }
-        let stored = self.broker.stored().await?;
-        if let Some(s) = stored
-            && s < n
-        {
-            bail!("{name}: the broker holds {s} of the {n} messages published");
-        }
-        Ok(stored)
+        Ok(())
     }
 
     /// The raw broker publish run: `--messages` through the transport, no database.

@@ -375,6 +375,52 @@ pub(super) fn render(r: &Report) -> String {
         );
     }
 
+    let mut t = Table::new([
+        "databases",
+        "msg/s",
+        "x 1 database",
+        "each database (msg/s)",
+        "msg per CPU s: relays",
+        "database",
+        "broker",
+        "seconds",
+        "load",
+    ]);
+    for d in &r.databases {
+        let per_cpu = |side: &str| {
+            d.messages_per_cpu_second
+                .get(side)
+                .map_or("-".into(), |v| fmt_count(*v))
+        };
+        let database = ["postgres", "mariadb"]
+            .iter()
+            .find_map(|s| d.messages_per_cpu_second.get(*s))
+            .map_or("-".into(), |v| fmt_count(*v));
+        let broker = ["nats", "redis", "rabbitmq"]
+            .iter()
+            .find_map(|s| d.messages_per_cpu_second.get(*s))
+            .map_or("-".into(), |v| fmt_count(*v));
+        t.row([
+            d.databases.to_string(),
+            fmt_count(d.rate),
+            fmt_ratio(d.vs_one_database),
+            d.per_database
+                .iter()
+                .map(|v| fmt_count(*v))
+                .collect::<Vec<_>>()
+                .join(" / "),
+            per_cpu("relays"),
+            database,
+            broker,
+            format!("{:.1}", d.seconds),
+            fmt_load(d.load),
+        ]);
+    }
+    section(
+        "One relay group, many databases (CPU of the servers on this machine)",
+        &t,
+    );
+
     let mut t = Table::new(["target (issue 6)", "goal", "measured", "met"]);
     for g in &r.targets {
         t.row([

@@ -59,6 +59,8 @@ pub struct Report {
     pub search: Option<super::search::SearchRun>,
     /// Row-wise against partition-drop retention (`retention` scenario).
     pub retention: Option<super::retention::RetentionRun>,
+    /// One relay group draining 1, 2, 4, … databases at once (`databases` scenario).
+    pub databases: Vec<super::databases::DatabasesRun>,
     /// The targets, met or not, from the figures above.
     pub targets: Vec<Target>,
     /// What a reader must know to interpret the figures (skipped scenarios, caveats).

@@ -68,6 +68,22 @@ fn bad_options_are_named() {
         let e = parse(args).unwrap_err();
         assert!(e.contains(name), "{args:?}: {e}");
     }
+    // The databases scenario needs its databases, each a database URL.
+    let e = parse(&["--only", "databases"]).unwrap_err();
+    assert!(e.contains("--databases"), "{e}");
+    let e = parse(&["--databases", "redis://x"]).unwrap_err();
+    assert!(e.contains("--databases"), "{e}");
+    let a = parse(&[
+        "--only",
+        "databases",
+        "--databases",
+        "postgres://u@h2/db",
+        "sqlite://b.db",
+        "--databases",
+        "mysql://u@h3/db",
+    ])
+    .unwrap();
+    assert_eq!(a.databases.len(), 3);
     let mut argv = vec!["bench", "--database", "redis://x"];
     argv.push("--messages");
     argv.push("100");
