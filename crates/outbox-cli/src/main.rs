@@ -83,10 +83,26 @@ enum Command {
         #[arg(long, env = "OUTBOX_DATABASE_URL")]
         database: Option<String>,
     },
-    /// Show counts per state, the oldest pending age and the latest dead letters.
+    /// Show counts per state, the oldest pending age and the latest dead letters; with
+    /// `--config`, of every database of the daemon's configuration (`[[databases]]`, each
+    /// tenant schema, or `[database]`), each named.
     Status {
-        #[command(flatten)]
-        db: DbArgs,
+        /// Database URL: `postgres://…`, `mysql://…` (`mariadb://…`) or `sqlite://path`.
+        /// Required unless `--config` is given; with a `--config` whose file has `[database]`,
+        /// it overrides its `url` (as for `outbox relay`).
+        #[arg(long, env = "OUTBOX_DATABASE_URL", required_unless_present = "config")]
+        database: Option<String>,
+        /// Outbox table (optionally `schema.table` on PostgreSQL); with `--config`, the file's.
+        #[arg(long, default_value = "outbox", conflicts_with = "config")]
+        table: String,
+        /// Inbox table; with `--config`, the file's.
+        #[arg(long, default_value = "outbox_inbox", conflicts_with = "config")]
+        inbox_table: String,
+        /// The daemon's TOML configuration file: the status of each of its databases, read
+        /// concurrently (each within 10 s; one that does not answer is reported beside the
+        /// others, and the command then fails).
+        #[arg(long, short)]
+        config: Option<PathBuf>,
         /// How many dead letters to list.
         #[arg(long, default_value_t = 10)]
         failed: u32,
@@ -717,7 +733,24 @@ async fn main() -> std::process::ExitCode {
             .await
         }
         Command::Relay { config, database } => relay(config, database).await,
-        Command::Status { db, failed, json } => messages::status(db, failed, json).await,
+        Command::Status {
+            database,
+            table,
+            inbox_table,
+            config,
+            failed,
+            json,
+        } => match config {
+            Some(path) => messages::status_of_config(&path, database, failed, json).await,
+            None => {
+                let db = DbArgs {
+                    database: database.expect("clap requires --database without --config"),
+                    table,
+                    inbox_table,
+                };
+                messages::status(db, failed, json).await
+            }
+        },
         Command::Requeue { db, ids, all } => requeue(db, ids, all).await,
         Command::Messages(cmd) => messages::run(cmd).await,
         Command::Admin(args) => messages::serve(args).await,

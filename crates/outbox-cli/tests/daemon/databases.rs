@@ -462,6 +462,25 @@ async fn daemon_discovers_tenant_schemas_without_a_restart() {
     )
     .await;
     assert_eq!(stream_ids(&js, &f.stream, 15).await.len(), 15);
+    // `outbox status --config`: one status per tenant, named as the daemon's members.
+    let out = succeeds(outbox().args(["status", "--json", "--config"]).arg(&config));
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let sent: std::collections::BTreeMap<String, i64> = v["databases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| {
+            (
+                d["name"].as_str().unwrap().to_owned(),
+                d["counts"]["SENT"].as_i64().unwrap_or(0),
+            )
+        })
+        .collect();
+    let want: std::collections::BTreeMap<String, i64> = [("a", 5), ("b", 7), ("c", 3)]
+        .into_iter()
+        .map(|(t, n)| (format!("app/{}", schema(t)), n))
+        .collect();
+    assert_eq!(sent, want, "{out}");
     // Each tenant's admin API, and the page listing them.
     let (code, body) = get(&addr, &format!("/databases/{}/api/overview", member("b")))
         .await

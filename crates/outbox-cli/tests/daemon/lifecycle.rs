@@ -137,6 +137,89 @@ fn bad_configuration_is_named_and_exits_non_zero() {
     );
 }
 
+/// `outbox status --config` over a daemon's `[[databases]]`: each database's status, named; a
+/// database that does not answer is reported beside the others (not instead of them), and the
+/// command fails naming it.
+#[test]
+fn status_of_a_configuration_shows_every_database_and_names_the_unreachable() {
+    let f = Fixture::new("status-config");
+    let one = sqlite_with_rows(&f, "one.db", &[(Status::Pending, 0, None)]);
+    let two = sqlite_with_rows(
+        &f,
+        "two.db",
+        &[
+            (Status::Sent, 1, None),
+            (
+                Status::Failed,
+                16,
+                Some("attempts exhausted: broker said no"),
+            ),
+        ],
+    );
+    let away = format!("mysql://root@127.0.0.1:{}/test", closed_port());
+    let databases = |with_away: bool| {
+        let mut t = format!(
+            "[[databases]]\nname = \"orders\"\nurl = \"{one}\"\n\n[[databases]]\nname = \"billing\"\nurl = \"{two}\"\n"
+        );
+        if with_away {
+            t += &format!("\n[[databases]]\nname = \"away\"\nurl = \"{away}\"\n");
+        }
+        t + "\n[transports.t]\nkind = \"webhook\"\nurl = \"http://127.0.0.1:9/\"\n[[routes]]\ntopics = \"*\"\ntransport = \"t\"\n"
+    };
+    let all_up = f.dir.join("up.toml");
+    std::fs::write(&all_up, databases(false)).unwrap();
+    let out = succeeds(
+        outbox()
+            .env_remove("OUTBOX_DATABASE_URL")
+            .args(["status", "--config"])
+            .arg(&all_up),
+    );
+    assert!(
+        out.contains("database orders: outbox table outbox (sqlite)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("database billing: outbox table outbox (sqlite)"),
+        "{out}"
+    );
+    assert!(out.contains("broker said no"), "{out}");
+
+    let with_away = f.dir.join("away.toml");
+    std::fs::write(&with_away, databases(true)).unwrap();
+    let out = outbox()
+        .env_remove("OUTBOX_DATABASE_URL")
+        .args(["status", "--json", "--config"])
+        .arg(&with_away)
+        .output()
+        .unwrap();
+    assert!(
+        !out.status.success(),
+        "an unreachable database fails the command"
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("1 of 3 database(s) did not answer: away"),
+        "{stderr}"
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let dbs = v["databases"].as_array().unwrap();
+    let names: Vec<&str> = dbs.iter().map(|d| d["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["orders", "billing", "away"]);
+    assert_eq!(dbs[0]["counts"]["PENDING"], 1);
+    assert_eq!(dbs[1]["counts"]["FAILED"], 1);
+    assert_eq!(dbs[1]["failed"][0]["attempts"], 16);
+    let e = dbs[2]["error"].as_str().unwrap();
+    assert!(e.contains("cannot open mysql://root@127.0.0.1"), "{e}");
+
+    // A database URL beside [[databases]] is refused, naming both.
+    let err = fails(
+        outbox()
+            .args(["status", "--database", &one, "--config"])
+            .arg(&all_up),
+    );
+    assert!(err.contains("give one or the other"), "{err}");
+}
+
 #[test]
 fn requeue_moves_dead_letters_back_to_pending() {
     let f = Fixture::new("requeue");
