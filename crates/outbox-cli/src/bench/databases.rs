@@ -145,6 +145,7 @@ impl Bench {
         let group = RelayGroup::new();
         let mut pools = Vec::new();
         let mut metrics = Vec::new();
+        let mut relays = Vec::new();
         for (i, (db, table)) in dbs.iter().zip(&tables).enumerate() {
             let pool = db.pool(&format!("db{i}"), true, 10).await?;
             let store = Outbox::open(&pool.pool, table)?.store();
@@ -153,8 +154,15 @@ impl Bench {
                 .config(self.relay_config(format!("bench-{}-db{i}", self.run_id)))
                 .build()?;
             metrics.push(relay.metrics().clone());
-            // Built up front: the opener hands the same relay to the group, which runs and
-            // supervises it as it does a daemon's member.
+            relays.push(relay);
+            pools.push(pool);
+        }
+        let cpu_before = cpu_now();
+        let start = Instant::now();
+        // Built up front, added together once the clock runs (a member starts at once): the
+        // opener hands the same relay to the group, which runs and supervises it as it does a
+        // daemon's member.
+        for (i, relay) in relays.into_iter().enumerate() {
             group.add(
                 format!("db{i}"),
                 Arc::new(move || {
@@ -162,10 +170,7 @@ impl Bench {
                     Box::pin(async move { Ok(relay) })
                 }),
             )?;
-            pools.push(pool);
         }
-        let cpu_before = cpu_now();
-        let start = Instant::now();
         let finished_at: Arc<std::sync::Mutex<Vec<Option<f64>>>> =
             Arc::new(std::sync::Mutex::new(vec![None; k]));
         let count = |m: &Arc<RelayMetrics>| {

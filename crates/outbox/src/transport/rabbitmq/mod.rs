@@ -587,6 +587,7 @@ impl Link {
         let deadline = tokio::time::Instant::now() + self.config.confirm_timeout;
         let mut pending = Vec::with_capacity(todo.len());
         let mut closed = Vec::new();
+        let mut nacked = false;
         for i in todo {
             let p = &pubs[*i];
             let d = dests[*i].as_ref().expect("parsed");
@@ -637,11 +638,14 @@ impl Link {
                         ),
                     ))
                 }
-                Ok(Ok(Confirmation::Nack(None))) => Err(TransportError::destination_busy(format!(
-                    "RabbitMQ nacked the message ({d}): a queue it routes to cannot take \
+                Ok(Ok(Confirmation::Nack(None))) => Err({
+                    nacked = true;
+                    TransportError::destination_busy(format!(
+                        "RabbitMQ nacked the message ({d}): a queue it routes to cannot take \
                          messages now (a quorum queue without a leader, a full queue with \
                          x-overflow=reject-publish)"
-                ))),
+                    ))
+                }),
                 Ok(Ok(Confirmation::NotRequested)) => Err(TransportError::retryable(
                     "the RabbitMQ channel is not in confirm mode",
                 )),
@@ -658,7 +662,16 @@ impl Link {
                 )),
             });
         }
-        self.give_back(s, ch);
+        if nacked {
+            // Not reused: a channel whose first publishes to a quorum queue were nacked while
+            // the queue elected a leader went on nacking every publish after the election (seen
+            // here for over 90 s, RabbitMQ 3.10), while a new channel finds the new leader.
+            tokio::spawn(async move {
+                let _ = ch.close(200, "nacked".into()).await;
+            });
+        } else {
+            self.give_back(s, ch);
+        }
         closed
     }
 
