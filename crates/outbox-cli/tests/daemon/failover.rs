@@ -196,29 +196,8 @@ async fn daemon_follows_a_promoted_standby_without_a_restart() {
     .fetch_all(&standby)
     .await
     .unwrap();
-    let payloads: HashSet<String> = rows
-        .iter()
-        .map(|(_, p)| String::from_utf8_lossy(p).into_owned())
-        .collect();
     let committed = committed.lock().unwrap().clone();
-    let lost: Vec<&String> = committed
-        .iter()
-        .filter(|p| !payloads.contains(*p))
-        .collect();
-    assert!(
-        lost.is_empty(),
-        "committed messages missing on the promoted standby: {lost:?}"
-    );
-    assert!(
-        committed.len() > 100,
-        "the producer wrote on both sides of the failover"
-    );
-    let ids = stream_ids(&js, &f.stream, rows.len()).await;
-    let in_table: HashSet<String> = rows.iter().map(|(id, _)| id.clone()).collect();
-    assert_eq!(
-        ids, in_table,
-        "every message of the table in the stream, each once"
-    );
+    nothing_lost(&rows, &committed, &js, &f.stream).await;
     let log = std::fs::read_to_string(&log_path).unwrap();
     assert!(
         log.contains("database failover"),
@@ -469,29 +448,8 @@ async fn daemon_follows_a_promoted_mariadb_replica_behind_a_proxy() {
     .fetch_all(&replica)
     .await
     .unwrap();
-    let payloads: HashSet<String> = rows
-        .iter()
-        .map(|(_, p)| String::from_utf8_lossy(p).into_owned())
-        .collect();
     let committed = committed.lock().unwrap().clone();
-    let lost: Vec<&String> = committed
-        .iter()
-        .filter(|p| !payloads.contains(*p))
-        .collect();
-    assert!(
-        lost.is_empty(),
-        "committed messages missing on the promoted replica: {lost:?}"
-    );
-    assert!(
-        committed.len() > 100,
-        "the producer wrote on both sides of the failover"
-    );
-    let ids = stream_ids(&js, &f.stream, rows.len()).await;
-    let in_table: HashSet<String> = rows.iter().map(|(id, _)| id.clone()).collect();
-    assert_eq!(
-        ids, in_table,
-        "every message of the table in the stream, each once"
-    );
+    nothing_lost(&rows, &committed, &js, &f.stream).await;
     assert_eq!(get(&addr, "/healthz").await.map(|(c, _)| c), Some(200));
     eprintln!(
         "MariaDB failover: {} messages ({} live), not ready {:.1} s and the read-only server named {:.1} s after the crash, ready {:.1} s and drained {:.1} s after the promotion",
@@ -506,4 +464,37 @@ async fn daemon_follows_a_promoted_mariadb_replica_behind_a_proxy() {
     replica.close().await;
     js.delete_stream(&f.stream).await.unwrap();
     maria("drop");
+}
+
+/// After a failover: every payload in `committed` (commits the producer saw return) is among
+/// `rows` (`(message_id, payload)` of the new primary's table), the producer wrote on both sides
+/// of it, and the stream holds every message of the table exactly once.
+async fn nothing_lost(
+    rows: &[(String, Vec<u8>)],
+    committed: &[String],
+    js: &async_nats::jetstream::Context,
+    stream: &str,
+) {
+    let payloads: HashSet<String> = rows
+        .iter()
+        .map(|(_, p)| String::from_utf8_lossy(p).into_owned())
+        .collect();
+    let lost: Vec<&String> = committed
+        .iter()
+        .filter(|p| !payloads.contains(*p))
+        .collect();
+    assert!(
+        lost.is_empty(),
+        "committed messages missing on the promoted server: {lost:?}"
+    );
+    assert!(
+        committed.len() > 100,
+        "the producer wrote on both sides of the failover"
+    );
+    let ids = stream_ids(js, stream, rows.len()).await;
+    let in_table: HashSet<String> = rows.iter().map(|(id, _)| id.clone()).collect();
+    assert_eq!(
+        ids, in_table,
+        "every message of the table in the stream, each once"
+    );
 }
