@@ -47,8 +47,8 @@ pub struct DatabasesRun {
     /// CPU seconds spent during the drain: `relays` (this process), and each server on this
     /// machine by name (`postgres`, `mariadb`, `nats`, `redis`, `rabbitmq`) when it runs here.
     pub cpu_seconds: BTreeMap<String, f64>,
-    /// Messages per CPU second of each side (`messages / cpu_seconds`): the fleet arithmetic's
-    /// inputs (docs/scaling.md).
+    /// Messages per CPU second of each side that used a tenth of a core or more during the
+    /// drain (`messages / cpu_seconds`): the fleet arithmetic's inputs (docs/scaling.md).
     pub messages_per_cpu_second: BTreeMap<String, f64>,
     /// Load at the end.
     pub load: Option<[f64; 3]>,
@@ -240,9 +240,11 @@ impl Bench {
                 (side.clone(), spent.max(0.0))
             })
             .collect();
+        // Only the sides that worked for the drain (a tenth of a core or more): a server on
+        // the machine that took no part would show a meaningless figure.
         let messages_per_cpu_second = cpu_seconds
             .iter()
-            .filter(|(_, s)| **s > 0.0)
+            .filter(|(_, s)| **s > 0.0 && **s >= 0.1 * w.seconds)
             .map(|(side, s)| (side.clone(), total as f64 / s))
             .collect();
         let per_database = finished_at
