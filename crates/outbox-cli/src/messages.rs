@@ -510,7 +510,17 @@ pub async fn status_of_config(
     failed: u32,
     json: bool,
 ) -> anyhow::Result<()> {
-    let file = crate::config::FileConfig::load(Some(config))?;
+    let mut file = crate::config::FileConfig::load(Some(config))?;
+    if file.databases.is_empty()
+        && let Some(url) = &database
+    {
+        file.database.url = url.clone();
+    }
+    // The checks `outbox relay` makes of the same file (names, tenant options, routes).
+    if file.databases.is_empty() || database.is_none() {
+        file.validate()
+            .with_context(|| format!("{} is not a valid configuration", config.display()))?;
+    }
     let targets: Vec<(String, String, String, String, bool)> = if file.databases.is_empty() {
         let url = database.unwrap_or_else(|| file.database.url.clone());
         anyhow::ensure!(
@@ -519,7 +529,7 @@ pub async fn status_of_config(
             config.display()
         );
         vec![(
-            "database".to_owned(),
+            "[database]".to_owned(),
             url,
             file.database.table.clone(),
             file.database.inbox_table.clone(),
@@ -602,13 +612,13 @@ pub async fn status_of_config(
         for (name, r) in &results {
             match r {
                 Ok(s) => print!("database {name}: {}", s.text("  ")),
-                Err(e) => println!("database {name}: UNREACHABLE: {e}"),
+                Err(e) => println!("database {name}: ERROR: {e}"),
             }
         }
     }
     if !failing.is_empty() {
         anyhow::bail!(
-            "{} of {} database(s) did not answer: {}",
+            "the status of {} of {} database(s) could not be read: {}",
             failing.len(),
             results.len(),
             failing.join(", ")

@@ -198,7 +198,7 @@ fn status_of_a_configuration_shows_every_database_and_names_the_unreachable() {
     );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
-        stderr.contains("1 of 3 database(s) did not answer: away"),
+        stderr.contains("the status of 1 of 3 database(s) could not be read: away"),
         "{stderr}"
     );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -210,6 +210,21 @@ fn status_of_a_configuration_shows_every_database_and_names_the_unreachable() {
     assert_eq!(dbs[1]["failed"][0]["attempts"], 16);
     let e = dbs[2]["error"].as_str().unwrap();
     assert!(e.contains("cannot open mysql://root@127.0.0.1"), "{e}");
+
+    // The file is checked as `outbox relay` checks it: two databases of one name are refused.
+    let twice = f.dir.join("twice.toml");
+    std::fs::write(
+        &twice,
+        databases(false).replace("\"billing\"", "\"orders\""),
+    )
+    .unwrap();
+    let err = fails(
+        outbox()
+            .env_remove("OUTBOX_DATABASE_URL")
+            .args(["status", "--config"])
+            .arg(&twice),
+    );
+    assert!(err.contains("names two databases"), "{err}");
 
     // A database URL beside [[databases]] is refused, naming both.
     let err = fails(
