@@ -84,7 +84,7 @@ pub fn header_message_id(r: &Received) -> Option<Uuid> {
 pub type RawDelivery = (axum::http::HeaderMap, Vec<u8>, String);
 
 /// An axum server that records webhook deliveries and answers by path:
-/// `/ok` 200, `/unavailable` 503, `/bad` 400, anything else 404.
+/// `/ok` 200, `/unavailable` 503, `/busy` 429, `/bad` 400, anything else 404.
 pub struct WebhookReceiver {
     /// Where it listens.
     pub addr: SocketAddr,
@@ -112,6 +112,7 @@ impl WebhookReceiver {
                     match path.as_str() {
                         "/ok" => (StatusCode::OK, "ok"),
                         "/unavailable" => (StatusCode::SERVICE_UNAVAILABLE, "try later"),
+                        "/busy" => (StatusCode::TOO_MANY_REQUESTS, "slow down"),
                         "/bad" => (StatusCode::BAD_REQUEST, "refused"),
                         _ => (StatusCode::NOT_FOUND, "no such endpoint"),
                     }

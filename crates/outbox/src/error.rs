@@ -436,7 +436,8 @@ impl TransportError {
     /// The destination exists but refuses messages for now, whatever the message: a RabbitMQ
     /// `basic.nack` (a quorum queue electing a new leader after its leader's node went down, or
     /// a queue at its `x-max-length` with `x-overflow=reject-publish`: RabbitMQ's publisher
-    /// confirms documentation), an HTTP 429 or 503. An
+    /// confirms documentation), an HTTP 429 (Too Many Requests; not a 503, which receivers, this
+    /// crate's webhook consumer among them, also answer for one message's transient failure). An
     /// [`Unavailable`](TransportErrorKind::Unavailable) error scoped to one destination: the
     /// relay releases the message without counting the attempt and tries that destination
     /// again with [`RelayConfig::probe_backoff`](crate::RelayConfig::probe_backoff), growing

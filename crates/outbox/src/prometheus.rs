@@ -161,7 +161,7 @@ const COUNTERS: &[CounterSpec] = &[
     ),
     (
         "outbox_relay_destination_busy",
-        "Publishes a destination refused for now (a RabbitMQ nack, an HTTP 429 or 503), released without counting the attempt.",
+        "Publishes a destination refused for now (a RabbitMQ nack, an HTTP 429), released without counting the attempt.",
         |m| m.busy.load(Ordering::Relaxed),
     ),
     (

@@ -45,7 +45,7 @@ pub struct RelayMetrics {
     /// Times a transport was found unavailable.
     pub outages: AtomicU64,
     /// Publishes a destination refused for now ([`crate::TransportError::destination_busy`]:
-    /// a RabbitMQ nack, an HTTP 429 or 503); each message was released without counting the
+    /// a RabbitMQ nack, an HTTP 429); each message was released without counting the
     /// attempt.
     pub busy: AtomicU64,
     /// Messages of ordered routes held back because an earlier message of their key is unfinished.

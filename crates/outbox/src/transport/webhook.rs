@@ -19,9 +19,10 @@
 //! for the relay's own on an unsigned transport), and a destination that is not a URL.
 //! `Content-Type` and the other representation headers stay the user's.
 //!
-//! Classification of the answer: `2xx` acknowledged; `429` and `503` a busy destination
+//! Classification of the answer: `2xx` acknowledged; `429` a busy destination
 //! ([`TransportError::destination_busy`]: the receiver sheds load; no attempt is counted and the
-//! relay backs that URL off alone); `408`, `425` and the other `5xx` retryable;
+//! relay backs that URL off alone); `408`, `425` and `5xx` retryable (a `503` too: receivers
+//! answer it for one message's transient failure);
 //! `401` and `403` `Unavailable` (the receiver refuses the transport's credentials or signature: a
 //! configuration fault, not the message's; the relay pauses the transport, counts no attempt and
 //! publishes once the receiver accepts again); `404` a missing destination (`Unavailable`; the
@@ -406,7 +407,10 @@ impl WebhookTransport {
         let snippet: String = body.chars().take(200).collect();
         let msg = format!("POST {url} answered {status}: {snippet}");
         match status.as_u16() {
-            429 | 503 => Err(TransportError::destination_busy(format!(
+            // Not 503: receivers (this crate's webhook consumer among them) answer it for one
+            // message's transient failure, which must spend its attempts to reach the
+            // receiver's `max_deliveries` and its dead letters.
+            429 => Err(TransportError::destination_busy(format!(
                 "{msg} (the receiver sheds load)"
             ))),
             408 | 425 | 500..=599 => Err(TransportError::retryable(msg)),
