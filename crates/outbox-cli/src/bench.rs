@@ -24,6 +24,10 @@
 //! - `databases` (not run unless named; needs `--databases`): one relay group drains
 //!   `--messages` in each of 1, 2, 4, … databases at once, with the CPU each side spent
 //!   ([`databases`]);
+//! - `consume` (not run unless named): a raw consumer against the inbox runner with one
+//!   transaction per message and with `--inbox-batch` per transaction ([`consume`]);
+//! - `pipeline` (not run unless named): end to end, producers → relay → broker → batched inbox
+//!   consumer, at the producers' maximum and paced at half the end-to-end rate ([`pipeline`]);
 //! - `metrics`: the cost of the Prometheus metrics: one relay drains `--messages` four times,
 //!   without and with its metrics exported ([`outbox::prometheus::register`], the backlog
 //!   sampled every second, `/metrics` encoded every 100 ms), in the order off, on, on, off.
@@ -40,6 +44,7 @@ mod consume;
 mod databases;
 mod db;
 mod drain;
+mod pipeline;
 mod producers;
 mod raw;
 mod render;
@@ -110,6 +115,9 @@ pub enum Scenario {
     /// The consumer side: a raw consumer (acknowledge, no database) against the inbox runner
     /// with one transaction per message and with `--inbox-batch` messages per transaction.
     Consume,
+    /// End to end: producers → relay → broker → batched inbox consumer, at the producers'
+    /// maximum and paced at half the end-to-end rate.
+    Pipeline,
     /// One relay group (the daemon's `[[databases]]`) drains `--messages` in each of 1, 2, 4, …
     /// databases at once (`--database`, then each `--databases`), with the CPU each side spent.
     Databases,
@@ -165,16 +173,16 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 20_000)]
     pub broker_window: usize,
 
-    /// Lanes (by partition key) of the consumers of the `consume` scenario
+    /// Lanes (by partition key) of the consumers of the `consume` and `pipeline` scenarios
     /// (`runner.concurrency`).
     #[arg(long, default_value_t = 4)]
     pub consumer_lanes: usize,
 
-    /// Messages per fetch of the consumers of the `consume` scenario.
+    /// Messages per fetch of the consumers of the `consume` and `pipeline` scenarios.
     #[arg(long, default_value_t = 500)]
     pub consumer_fetch: usize,
 
-    /// Most messages per inbox transaction of the batched consumer of the `consume` scenario
+    /// Most messages per inbox transaction of the batched consumer of the `consume` and `pipeline` scenarios
     /// (`runner.inbox_batch`).
     #[arg(long, default_value_t = 100)]
     pub inbox_batch: usize,
@@ -602,7 +610,10 @@ impl Bench {
             }
         }
         let business = self.db.table("orders");
-        if self.args.runs(Scenario::Latency) || self.args.runs(Scenario::Enqueue) {
+        if self.args.runs(Scenario::Latency)
+            || self.args.runs(Scenario::Enqueue)
+            || self.args.runs(Scenario::Pipeline)
+        {
             self.db.create_business_table(&business).await?;
         }
         if self.args.runs(Scenario::Latency) {
@@ -642,6 +653,9 @@ impl Bench {
         }
         if self.args.runs(Scenario::Consume) {
             self.report.consume = self.consume_run().await?;
+        }
+        if self.args.runs(Scenario::Pipeline) {
+            self.report.pipeline = self.pipeline_runs(&business).await?;
         }
         if self.args.runs(Scenario::Databases) {
             self.databases_run().await?;

@@ -43,7 +43,7 @@ async fn bench_runs_every_scenario_and_reports_each_section() {
         .args(["--latency-duration", "2s", "--enqueue-duration", "2s"])
         .args([
             "--only",
-            "broker,baseline,drain,scaling,latency,enqueue,idle,metrics,consume",
+            "broker,baseline,drain,scaling,latency,enqueue,idle,metrics,consume,pipeline",
         ])
         .args(["--idle-duration", "2s", "--no-progress", "--json"])
         .arg(&json)
@@ -61,6 +61,7 @@ async fn bench_runs_every_scenario_and_reports_each_section() {
         "Idle cost",
         "Cost of the Prometheus metrics",
         "Consumers",
+        "End to end",
         "Targets",
     ] {
         assert!(stdout.contains(section), "no {section} table:\n{stdout}");
@@ -171,6 +172,23 @@ async fn bench_runs_every_scenario_and_reports_each_section() {
     positive(&r, "consume.2.inbox_batches");
     positive(&r, "consume.2.vs_inbox_1");
     positive(&r, "consume.2.vs_raw_consumer");
+    // End to end: the producers at their maximum, then paced at half the end-to-end rate; every
+    // message applied (the run fails otherwise), in inbox batches, with ordered percentiles.
+    let pipeline = r["pipeline"].as_array().unwrap();
+    assert_eq!(pipeline.len(), 2);
+    assert!(pipeline[0]["offered_rate"].is_null());
+    let half = (num(&r, "pipeline.0.end_to_end_rate") / 2.0)
+        .round()
+        .max(1.0);
+    assert_eq!(num(&r, "pipeline.1.offered_rate"), half);
+    for i in 0..2 {
+        positive(&r, &format!("pipeline.{i}.messages"));
+        positive(&r, &format!("pipeline.{i}.inbox_batches"));
+        let effect = |q: &str| num(&r, &format!("pipeline.{i}.commit_to_effect.{q}"));
+        assert!(effect("p50_ms") <= effect("p99_ms") && effect("p99_ms") <= effect("max_ms"));
+        // The consumer acknowledges after the broker acknowledged to the relay.
+        assert!(effect("p50_ms") >= num(&r, &format!("pipeline.{i}.commit_to_ack.p50_ms")));
+    }
     // Where each latency run's slowest messages were.
     for run in r["latency"].as_array().unwrap() {
         assert_eq!(run["slowest"].as_array().unwrap().len(), 10, "{run}");
@@ -181,7 +199,7 @@ async fn bench_runs_every_scenario_and_reports_each_section() {
     }
     // Every target was measured.
     let targets = r["targets"].as_array().unwrap();
-    assert_eq!(targets.len(), 13);
+    assert_eq!(targets.len(), 15);
     assert!(targets.iter().all(|t| t["met"].is_boolean()), "{targets:?}");
 
     // Nothing left behind: the schema, the migration records, the stream.

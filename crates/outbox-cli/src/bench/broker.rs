@@ -10,8 +10,8 @@
 //! | `memory` | in-process sink | `{topic}` | acknowledged count | none |
 //! | `nats://` | [`NatsTransport`] | stream `BENCH_<RUN>`, subjects `bench.<run>.{topic}` | stream messages | ordered push consumer |
 //! | `redis://`, `rediss://` (feature `redis`) | `RedisTransport` | stream key `bench:<run>` | `XLEN` | `XREAD BLOCK` on a connection of its own |
-//! | `amqp://`, `amqps://` (feature `rabbitmq`) | `RabbitMqTransport` | durable queue `bench.<run>` through the default exchange | queue message count | none (a consumer would take messages off the counted queue) |
-//! | `kafka://` (feature `kafka`) | `KafkaTransport` | topic `bench-<run>` (1 partition, created) | not counted | none; the topic is left on the broker |
+//! | `amqp://`, `amqps://` (feature `rabbitmq`) | `RabbitMqTransport` | durable queue `bench.<run>` through the default exchange | queue message count | none for latency (a consumer would take messages off the counted queue); the queue's consumer for `consume` |
+//! | `kafka://` (feature `kafka`) | `KafkaTransport` | topic `bench-<run>-<k>` (1 partition, a new one per scenario) | not counted | none for latency; a consumer group for `consume`; the topics are left on the broker |
 //!
 //! To add a broker: add its scheme to [`Kind::parse`], write a struct implementing [`Broker`]
 //! around the library's transport for it, and add one arm to [`open`].
@@ -127,11 +127,20 @@ pub trait Broker: Send + Sync {
     /// The library transport under test.
     fn transport(&self) -> Arc<dyn Transport>;
 
-    /// The route's destination template (`{topic}` is replaced by the message's topic).
-    fn destination(&self) -> &str;
+    /// The route's destination template (`{topic}` is replaced by the message's topic), as of
+    /// the last [`Broker::reset`].
+    fn destination(&self) -> String;
 
-    /// Forget what earlier scenarios published, so [`Broker::stored`] counts one scenario.
+    /// Forget what earlier scenarios published, so [`Broker::stored`] counts one scenario and a
+    /// consumer reading the destination from the first sees only what comes after.
     async fn reset(&self) -> anyhow::Result<()>;
+
+    /// Whether a consumer takes the messages off the destination (a queue), so that each
+    /// consumer of the `consume` scenario needs the backlog published again. Default `false`
+    /// (a log or stream every consumer group reads from the first).
+    fn consuming_removes(&self) -> bool {
+        false
+    }
 
     /// Messages the broker holds now, `None` when it cannot tell.
     async fn stored(&self) -> anyhow::Result<Option<u64>>;
@@ -163,7 +172,7 @@ pub trait Broker: Send + Sync {
         _cancel: CancellationToken,
     ) -> anyhow::Result<JoinHandle<anyhow::Result<()>>> {
         anyhow::bail!(
-            "--only consume: no consumer for {} in the bench yet (NATS and Redis have one)",
+            "--only consume: no consumer for {} in the bench",
             self.describe()
         )
     }
@@ -265,8 +274,8 @@ impl Broker for Sink {
         self.transport.clone()
     }
 
-    fn destination(&self) -> &str {
-        "{topic}"
+    fn destination(&self) -> String {
+        "{topic}".into()
     }
 
     async fn reset(&self) -> anyhow::Result<()> {
@@ -340,8 +349,8 @@ impl Broker for Nats {
         self.transport.clone()
     }
 
-    fn destination(&self) -> &str {
-        &self.destination
+    fn destination(&self) -> String {
+        self.destination.clone()
     }
 
     async fn reset(&self) -> anyhow::Result<()> {
@@ -490,8 +499,8 @@ mod redis_arm {
             self.transport.clone()
         }
 
-        fn destination(&self) -> &str {
-            &self.key
+        fn destination(&self) -> String {
+            self.key.clone()
         }
 
         async fn reset(&self) -> anyhow::Result<()> {
@@ -621,7 +630,10 @@ mod rabbitmq_arm {
 
     /// The RabbitMQ arm.
     pub(super) struct Rabbit {
+        /// The URL redacted, for the report.
         url: String,
+        /// The URL as given, for the consumer.
+        raw_url: String,
         /// The bench's own connection, for declaring, purging, counting and deleting the queue.
         conn: lapin::Connection,
         transport: Arc<RabbitMqTransport>,
@@ -651,6 +663,7 @@ mod rabbitmq_arm {
                 .with_context(|| format!("--transport {redacted}"))?;
             Ok(Rabbit {
                 url: redacted.to_string(),
+                raw_url: url.to_owned(),
                 conn,
                 transport: Arc::new(transport),
                 queue,
@@ -681,8 +694,8 @@ mod rabbitmq_arm {
             self.transport.clone()
         }
 
-        fn destination(&self) -> &str {
-            &self.queue
+        fn destination(&self) -> String {
+            self.queue.clone()
         }
 
         async fn reset(&self) -> anyhow::Result<()> {
@@ -716,6 +729,30 @@ mod rabbitmq_arm {
         // the one queue named by its routing key, so a consumer could only read the queue that
         // `Broker::stored` counts, and would take the messages off it (the drain check would
         // then see a loss).
+
+        fn consuming_removes(&self) -> bool {
+            true
+        }
+
+        /// The queue's consumer (`group` does not apply: a queue is one group).
+        async fn consume(
+            &self,
+            _group: &str,
+            apply: crate::bench::consume::Apply,
+            runner: outbox::consumer::RunnerSettings,
+            fetch: usize,
+            metrics: Arc<outbox::consumer::ConsumerMetrics>,
+            cancel: CancellationToken,
+        ) -> anyhow::Result<JoinHandle<anyhow::Result<()>>> {
+            let mut config = outbox::consumer::rabbitmq::RabbitMqConsumerConfig::new(
+                RabbitMqConfig::new(&self.raw_url),
+                &self.queue,
+            );
+            config.batch = u16::try_from(fetch).context("--consumer-fetch above 65535")?;
+            config.runner = runner;
+            crate::bench::consume::spawn(config, apply, metrics, cancel)
+        }
+
         async fn cleanup(&self) -> anyhow::Result<()> {
             let ch = self.channel().await?;
             let r = ch
@@ -729,11 +766,14 @@ mod rabbitmq_arm {
     }
 }
 
-/// `kafka://`: a topic `bench-<run>` (1 partition, replication 1) created with the library's
+/// `kafka://`: a topic `bench-<run>-<k>` (1 partition, replication 1) created with the library's
 /// admin helper, as `outbox relay` does for `create_topics`; `KafkaTransport` never creates it.
+/// Each [`Broker::reset`] creates the next topic (`k` + 1), so that a scenario's consumers
+/// reading from the first record see only that scenario's messages.
 #[cfg(feature = "kafka")]
 mod kafka_arm {
     use super::*;
+    use outbox::consumer::kafka::KafkaConsumerConfig;
     use outbox::transport::kafka::{KafkaTopic, create_topics};
     use outbox::{KafkaConfig, KafkaTransport};
 
@@ -741,25 +781,26 @@ mod kafka_arm {
     pub(super) struct Kafka {
         config: KafkaConfig,
         transport: Arc<KafkaTransport>,
-        topic: String,
+        run_id: String,
+        /// The current topic and how many were created.
+        topic: Mutex<(String, u32)>,
     }
 
     impl Kafka {
-        /// Create the run's topic and connect the producer.
+        /// Create the run's first topic and connect the producer.
         pub(super) async fn open(url: &str, run_id: &str) -> anyhow::Result<Kafka> {
             let config = KafkaConfig::new(url);
-            let topic = format!("bench-{run_id}");
-            create_topics(&config, &[KafkaTopic::new(topic.clone())])
-                .await
-                .with_context(|| format!("create the topic {topic} on Kafka at {url}"))?;
             let transport = KafkaTransport::connect(config.clone())
                 .await
                 .with_context(|| format!("--transport {url}"))?;
-            Ok(Kafka {
+            let kafka = Kafka {
                 config,
                 transport: Arc::new(transport),
-                topic,
-            })
+                run_id: run_id.to_owned(),
+                topic: Mutex::new((String::new(), 0)),
+            };
+            kafka.reset().await?;
+            Ok(kafka)
         }
     }
 
@@ -767,11 +808,13 @@ mod kafka_arm {
     impl Broker for Kafka {
         fn describe(&self) -> String {
             format!(
-                "Kafka protocol at {} (topic {}, 1 partition, idempotent producer, acks=all, \
-                 linger {:?}); the messages stored are not counted (the client's high \
-                 watermarks are not trusted on Tansu) and the topic is left on the broker (the \
-                 library has no topic deletion)",
-                self.config.bootstrap_servers, self.topic, self.config.linger
+                "Kafka protocol at {} (topics {}, a new one per scenario, 1 partition, \
+                 idempotent producer, acks=all, linger {:?}); the messages stored are not \
+                 counted (the client's high watermarks are not trusted on Tansu) and the topics \
+                 are left on the broker (the library has no topic deletion)",
+                self.config.bootstrap_servers,
+                self.topic.lock().expect("poisoned").0,
+                self.config.linger
             )
         }
 
@@ -779,13 +822,23 @@ mod kafka_arm {
             self.transport.clone()
         }
 
-        fn destination(&self) -> &str {
-            &self.topic
+        fn destination(&self) -> String {
+            self.topic.lock().expect("poisoned").0.clone()
         }
 
-        /// Nothing to do: [`Broker::stored`] does not count, so earlier scenarios' records do
-        /// not matter.
+        /// Create the next topic and publish to it from now on.
         async fn reset(&self) -> anyhow::Result<()> {
+            let k = self.topic.lock().expect("poisoned").1 + 1;
+            let topic = format!("bench-{}-{k}", self.run_id);
+            create_topics(&self.config, &[KafkaTopic::new(topic.clone())])
+                .await
+                .with_context(|| {
+                    format!(
+                        "create the topic {topic} on Kafka at {}",
+                        self.config.bootstrap_servers
+                    )
+                })?;
+            *self.topic.lock().expect("poisoned") = (topic, k);
             Ok(())
         }
 
@@ -793,10 +846,27 @@ mod kafka_arm {
             Ok(None)
         }
 
-        /// Leaves the topic: the library offers topic creation only, and the CLI does not
+        async fn consume(
+            &self,
+            group: &str,
+            apply: crate::bench::consume::Apply,
+            runner: outbox::consumer::RunnerSettings,
+            fetch: usize,
+            metrics: Arc<outbox::consumer::ConsumerMetrics>,
+            cancel: CancellationToken,
+        ) -> anyhow::Result<JoinHandle<anyhow::Result<()>>> {
+            let mut config =
+                KafkaConsumerConfig::new(self.config.clone(), group, [self.destination()]);
+            config.batch = fetch;
+            config.runner = runner;
+            crate::bench::consume::spawn(config, apply, metrics, cancel)
+        }
+
+        /// Leaves the topics: the library offers topic creation only, and the CLI does not
         /// depend on the Kafka client directly.
         async fn cleanup(&self) -> anyhow::Result<()> {
-            tracing::info!(topic = %self.topic, "the bench topic is left on the Kafka broker");
+            let (topic, k) = self.topic.lock().expect("poisoned").clone();
+            tracing::info!(last = %topic, topics = k, "the bench topics are left on the Kafka broker");
             Ok(())
         }
     }

@@ -1,6 +1,7 @@
 //! The `consume` scenario of `outbox bench`: the consumer side. `--messages` messages are
 //! published to the broker once; then, each as a consumer group of its own reading them all from
-//! the first, with the same fetch size and lanes:
+//! the first, with the same fetch size and lanes (on a queue, RabbitMQ's, which a consumer
+//! empties, the backlog is published again before each):
 //!
 //! - `consume-raw`: the broker's consumer source acknowledging each message, no database (what
 //!   the broker and its client allow);
@@ -20,8 +21,18 @@ use outbox::{HandlerError, InboundMessage, Inbox};
 use super::db::Pool;
 use super::*;
 
-/// How a consumer of the `consume` scenario applies what it receives.
-pub enum Apply {
+/// How a consumer of the `consume` and `pipeline` scenarios applies what it receives, and
+/// whether it stamps each acknowledgement.
+pub struct Apply {
+    /// Raw or through an inbox.
+    pub how: How,
+    /// When set, each acknowledged message's id is recorded here when its acknowledgement is
+    /// sent: after its inbox transaction committed (the `pipeline` scenario's commit → effect).
+    pub stamp: Option<Arc<Receipts>>,
+}
+
+/// Raw or through an inbox on one of the databases.
+pub enum How {
     /// Acknowledge each message, no database.
     Raw,
     /// Through an inbox on PostgreSQL, the handler inserting into the business table.
@@ -76,6 +87,29 @@ impl BatchHandler for AckAll {
 }
 
 impl Apply {
+    /// Drive `source` until `cancel` (see [`How::run`]), through [`Stamping`] when
+    /// [`Apply::stamp`] is set.
+    pub async fn run<S: Source>(
+        self,
+        source: S,
+        options: ConsumeOptions,
+        metrics: Arc<ConsumerMetrics>,
+        cancel: CancellationToken,
+    ) -> anyhow::Result<()> {
+        match self.stamp {
+            Some(receipts) => {
+                let source = Stamping {
+                    inner: source,
+                    receipts,
+                };
+                self.how.run(source, options, metrics, cancel).await
+            }
+            None => self.how.run(source, options, metrics, cancel).await,
+        }
+    }
+}
+
+impl How {
     /// Drive `source` until `cancel` as this variant: [`source::run`] with an acknowledging
     /// handler (raw), or the production runner [`source::consume`] with the inbox.
     pub async fn run<S: Source>(
@@ -86,21 +120,112 @@ impl Apply {
         cancel: CancellationToken,
     ) -> anyhow::Result<()> {
         match self {
-            Apply::Raw => {
+            How::Raw => {
                 source::run(source, &AckAll(metrics), &options.run, &cancel).await?;
             }
-            Apply::Pg(inbox, h) => {
+            How::Pg(inbox, h) => {
                 source::consume(source, inbox, h, options, metrics, cancel).await?
             }
-            Apply::My(inbox, h) => {
+            How::My(inbox, h) => {
                 source::consume(source, inbox, h, options, metrics, cancel).await?
             }
-            Apply::Lite(inbox, h) => {
+            How::Lite(inbox, h) => {
                 source::consume(source, inbox, h, options, metrics, cancel).await?
             }
         }
         Ok(())
     }
+
+    /// An inbox consumer group `group` on `pool`'s database (inbox table `table`, migrated
+    /// here), applying `effect`.
+    ///
+    /// # Errors
+    /// An invalid table name or a failed migration.
+    pub async fn inbox(
+        pool: &Pool,
+        table: &str,
+        group: &str,
+        effect: Arc<Effect>,
+    ) -> anyhow::Result<How> {
+        Ok(match pool {
+            Pool::Pg(p) => {
+                let inbox = Inbox::new(p.clone(), table, group)?;
+                inbox.migrate().await?;
+                How::Pg(inbox, effect)
+            }
+            Pool::My(p) => {
+                let inbox = Inbox::new(p.clone(), table, group)?;
+                inbox.migrate().await?;
+                How::My(inbox, effect)
+            }
+            Pool::Lite(p) => {
+                let inbox = Inbox::new(p.clone(), table, group)?;
+                inbox.migrate().await?;
+                How::Lite(inbox, effect)
+            }
+        })
+    }
+}
+
+/// A source that records, in `receipts`, the id (the `outbox-message-id` header) of each
+/// message it acknowledges, when the acknowledgement is sent: the runner settles a batch only
+/// after its inbox transaction committed.
+pub struct Stamping<S> {
+    inner: S,
+    receipts: Arc<Receipts>,
+}
+
+#[async_trait::async_trait]
+impl<S: Source> Source for Stamping<S> {
+    type Token = S::Token;
+
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+
+    async fn open(&mut self) -> Result<(), source::SourceError> {
+        self.inner.open().await
+    }
+
+    async fn fetch(
+        &mut self,
+        max: usize,
+    ) -> Result<Vec<source::Delivery<Self::Token>>, source::SourceError> {
+        self.inner.fetch(max).await
+    }
+
+    async fn settle(
+        &mut self,
+        batch: Vec<(source::Delivery<Self::Token>, Settle)>,
+    ) -> Result<(), source::SourceError> {
+        let at = now_us();
+        for (d, settle) in &batch {
+            if *settle == Settle::Ack {
+                let id = d
+                    .envelope
+                    .headers
+                    .get(outbox::message::HEADER_MESSAGE_ID)
+                    .and_then(|v| Uuid::parse_str(v).ok());
+                if let Some(id) = id {
+                    self.receipts.record(id, at);
+                }
+            }
+        }
+        self.inner.settle(batch).await
+    }
+
+    async fn close(&mut self) {
+        self.inner.close().await
+    }
+}
+
+/// An effect inserting into business table `table` (`customer`, `amount`) of `dialect`.
+pub fn effect(dialect: Dialect, table: &str) -> Arc<Effect> {
+    let insert = match dialect {
+        Dialect::Postgres => format!("INSERT INTO {table} (customer, amount) VALUES ($1, $2)"),
+        _ => format!("INSERT INTO {table} (customer, amount) VALUES (?, ?)"),
+    };
+    Arc::new(Effect { insert })
 }
 
 /// Build the source of a broker's consumer `config` and drive it as `apply` in a task (the
@@ -119,7 +244,48 @@ pub fn spawn<C: source::SourceConfig + 'static>(
     Ok(tokio::spawn(apply.run(source, options, metrics, cancel)))
 }
 
+/// A running consumer of the bench: its counters, what stops it, its task.
+pub type Running = (
+    Arc<ConsumerMetrics>,
+    CancellationToken,
+    JoinHandle<anyhow::Result<()>>,
+);
+
 impl Bench {
+    /// Start the broker's consumer as group `group`, applying through `apply`, with
+    /// `--consumer-lanes` lanes, `--consumer-fetch` messages per fetch, `inbox_batch` messages
+    /// at most per inbox transaction and no deduplication window.
+    ///
+    /// # Errors
+    /// A broker without a consumer in the bench, or a failed set-up.
+    pub(super) async fn start_consumer(
+        &self,
+        group: &str,
+        apply: Apply,
+        inbox_batch: usize,
+    ) -> anyhow::Result<Running> {
+        let runner = RunnerSettings {
+            concurrency: self.args.consumer_lanes,
+            inbox_batch,
+            dedup_window: None,
+            ..RunnerSettings::default()
+        };
+        let metrics = Arc::new(ConsumerMetrics::default());
+        let cancel = CancellationToken::new();
+        let consumer = self
+            .broker
+            .consume(
+                group,
+                apply,
+                runner,
+                self.args.consumer_fetch,
+                metrics.clone(),
+                cancel.clone(),
+            )
+            .await?;
+        Ok((metrics, cancel, consumer))
+    }
+
     /// The `consume` scenario (see the module docs).
     pub(super) async fn consume_run(&mut self) -> anyhow::Result<Vec<Drain>> {
         let n = self.args.messages;
@@ -128,60 +294,34 @@ impl Bench {
         let effects = self.db.table("consumer_effects");
         self.db.create_business_table(&effects).await?;
         let inbox_table = self.db.table("consumer_inbox");
-        let insert = match self.db.dialect {
-            Dialect::Postgres => {
-                format!("INSERT INTO {effects} (customer, amount) VALUES ($1, $2)")
-            }
-            _ => format!("INSERT INTO {effects} (customer, amount) VALUES (?, ?)"),
-        };
-        let effect = Arc::new(Effect { insert });
+        let effect = effect(self.db.dialect, &effects);
         // The consumers' pool: one connection per lane and one for the maintenance task.
         let lanes = self.args.consumer_lanes;
         let pool = self.db.pool("consumer", false, lanes as u32 + 2).await?;
         let mut out = Vec::new();
-        for (name, batch) in [
+        for (k, (name, batch)) in [
             ("consume-raw", None),
             ("consume-inbox-1", Some(1)),
             ("consume-inbox-batch", Some(self.args.inbox_batch)),
-        ] {
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            if k > 0 && self.broker.consuming_removes() {
+                // A queue: the consumer before took the backlog off it.
+                self.broker.reset().await?;
+                self.publish_backlog("publish again for the next consumer")
+                    .await?;
+            }
             let group = format!("bench-{}-{name}", self.run_id);
-            let apply = match (batch, &pool.pool) {
-                (None, _) => Apply::Raw,
-                (Some(_), Pool::Pg(p)) => {
-                    let inbox = Inbox::new(p.clone(), &inbox_table, &group)?;
-                    inbox.migrate().await?;
-                    Apply::Pg(inbox, effect.clone())
-                }
-                (Some(_), Pool::My(p)) => {
-                    let inbox = Inbox::new(p.clone(), &inbox_table, &group)?;
-                    inbox.migrate().await?;
-                    Apply::My(inbox, effect.clone())
-                }
-                (Some(_), Pool::Lite(p)) => {
-                    let inbox = Inbox::new(p.clone(), &inbox_table, &group)?;
-                    inbox.migrate().await?;
-                    Apply::Lite(inbox, effect.clone())
-                }
+            let how = match batch {
+                None => How::Raw,
+                Some(_) => How::inbox(&pool.pool, &inbox_table, &group, effect.clone()).await?,
             };
-            let runner = RunnerSettings {
-                concurrency: lanes,
-                inbox_batch: batch.unwrap_or(1),
-                dedup_window: None,
-                ..RunnerSettings::default()
-            };
-            let metrics = Arc::new(ConsumerMetrics::default());
-            let cancel = CancellationToken::new();
+            let apply = Apply { how, stamp: None };
             let load_start = loadavg();
-            let consumer = self
-                .broker
-                .consume(
-                    &group,
-                    apply,
-                    runner,
-                    self.args.consumer_fetch,
-                    metrics.clone(),
-                    cancel.clone(),
-                )
+            let (metrics, cancel, consumer) = self
+                .start_consumer(&group, apply, batch.unwrap_or(1))
                 .await?;
             let work = {
                 let metrics = metrics.clone();

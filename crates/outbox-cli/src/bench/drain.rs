@@ -240,10 +240,7 @@ impl Bench {
         let done = Arc::new(AtomicU64::new(0));
         let work = {
             let (pool, table) = (pool.pool.clone(), table.to_owned());
-            let (transport, destination) = (
-                self.broker.transport(),
-                self.broker.destination().to_owned(),
-            );
+            let (transport, destination) = (self.broker.transport(), self.broker.destination());
             let (batch, done) = (self.args.batch_size, done.clone());
             tokio::spawn(async move {
                 raw::run(&pool, &table, batch, &*transport, &destination, &done).await

@@ -28,71 +28,23 @@ impl Bench {
             .observe(received.clone(), cancel.clone())
             .await?;
         let pool = self.db.pool("latency-relay", true, 10).await?;
-        let store = Outbox::open(&pool.pool, &table)?.store();
-        let relay = Relay::builder(store.clone())
-            .router(self.router(Arc::new(Stamped::new(
-                self.broker.transport(),
-                acks.clone(),
-            ))))
-            .config(self.relay_config(format!("bench-{}-latency", self.run_id)))
-            .build()?;
+        let (store, relay) = self.stamped_relay(&pool.pool, &table, &acks, "latency")?;
         let s0 = StatementCounter::read();
         let handle = relay.spawn();
 
-        let duration = self.args.latency_duration;
         let producers = self.args.producers;
-        let start = Instant::now();
-        let deadline = start + duration;
         let warm_us = now_us() + self.args.warmup().as_micros() as i64;
-        let mut tasks = Vec::new();
-        for i in 0..producers {
-            let (db, outbox, store) = (self.db.clone(), outbox.clone(), store.clone());
-            let (business, payload) = (business.to_owned(), self.payload.clone());
-            tasks.push(tokio::spawn(async move {
-                let mut out: Vec<TxTimes> = Vec::new();
-                for k in 0u64.. {
-                    if !pace(start, deadline, offered, producers, i, k).await {
-                        break;
-                    }
-                    let msg = NewMessage::new(TOPIC, payload.clone());
-                    let t = db
-                        .business_tx(
-                            &outbox,
-                            &business,
-                            &format!("customer-{i}"),
-                            Some(msg),
-                            wakeup.tx_mode(),
-                        )
-                        .await?;
-                    if wakeup == Wakeup::Embedded {
-                        store.wake();
-                    }
-                    out.push(t);
-                }
-                anyhow::Ok(out)
-            }));
-        }
-        let bar = self.bar(duration.as_secs(), &format!("latency {label}"));
-        let txs: Vec<TxTimes> = {
-            let mut tick = tokio::time::interval(Duration::from_millis(200));
-            let all = futures::future::try_join_all(tasks);
-            tokio::pin!(all);
-            let results = loop {
-                tokio::select! {
-                    r = &mut all => break r?,
-                    _ = tick.tick() => {
-                        bar.set_position(start.elapsed().as_secs().min(duration.as_secs()));
-                        bar.set_message(format!("{} acked, load {}", acks.count(), fmt_load(loadavg())));
-                    }
-                }
-            };
-            let mut txs = Vec::new();
-            for r in results {
-                txs.extend(r?);
-            }
-            txs
-        };
-        bar.finish_and_clear();
+        let txs = self
+            .produce(
+                &outbox,
+                &store,
+                business,
+                wakeup,
+                offered,
+                &format!("latency {label}"),
+                || format!("{} acked", acks.count()),
+            )
+            .await?;
         let total = txs.len() as u64;
         // Wait for the last messages to be acknowledged (and received, when observed).
         let settle_deadline = Instant::now() + SETTLE;
@@ -167,6 +119,96 @@ impl Bench {
                     .map(|w| [(w[1] - warm_us) as f64 / 1e6, (w[1] - w[0]) as f64 / 1e3])
             },
         })
+    }
+
+    /// A relay (not started) on `table` over `pool`, named `bench-<run>-<name>`, publishing to
+    /// the broker through a transport that records each acknowledgement in `acks`; and its
+    /// store.
+    ///
+    /// # Errors
+    /// An invalid table name or relay configuration.
+    pub(super) fn stamped_relay(
+        &self,
+        pool: &db::Pool,
+        table: &str,
+        acks: &Arc<Receipts>,
+        name: &str,
+    ) -> anyhow::Result<(Arc<dyn outbox::Store>, Relay)> {
+        let store = Outbox::open(pool, table)?.store();
+        let transport = Arc::new(Stamped::new(self.broker.transport(), acks.clone()));
+        let relay = Relay::builder(store.clone())
+            .router(self.router(transport))
+            .config(self.relay_config(format!("bench-{}-{name}", self.run_id)))
+            .build()?;
+        Ok((store, relay))
+    }
+
+    /// `--producers` producers commit business transactions of one message each for
+    /// `--latency-duration`, at `offered` transactions/s in total (open loop) or at their
+    /// maximum, calling `store.wake()` after each commit with the in-process wake-up. A progress
+    /// bar shows `label` and `status()`. Returns every transaction's times.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn produce(
+        &self,
+        outbox: &db::Outbox,
+        store: &Arc<dyn outbox::Store>,
+        business: &str,
+        wakeup: Wakeup,
+        offered: Option<f64>,
+        label: &str,
+        status: impl Fn() -> String,
+    ) -> anyhow::Result<Vec<TxTimes>> {
+        let duration = self.args.latency_duration;
+        let producers = self.args.producers;
+        let start = Instant::now();
+        let deadline = start + duration;
+        let mut tasks = Vec::new();
+        for i in 0..producers {
+            let (db, outbox, store) = (self.db.clone(), outbox.clone(), store.clone());
+            let (business, payload) = (business.to_owned(), self.payload.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut out: Vec<TxTimes> = Vec::new();
+                for k in 0u64.. {
+                    if !pace(start, deadline, offered, producers, i, k).await {
+                        break;
+                    }
+                    let msg = NewMessage::new(TOPIC, payload.clone());
+                    let t = db
+                        .business_tx(
+                            &outbox,
+                            &business,
+                            &format!("customer-{i}"),
+                            Some(msg),
+                            wakeup.tx_mode(),
+                        )
+                        .await?;
+                    if wakeup == Wakeup::Embedded {
+                        store.wake();
+                    }
+                    out.push(t);
+                }
+                anyhow::Ok(out)
+            }));
+        }
+        let bar = self.bar(duration.as_secs(), label);
+        let mut tick = tokio::time::interval(Duration::from_millis(200));
+        let all = futures::future::try_join_all(tasks);
+        tokio::pin!(all);
+        let results = loop {
+            tokio::select! {
+                r = &mut all => break r?,
+                _ = tick.tick() => {
+                    bar.set_position(start.elapsed().as_secs().min(duration.as_secs()));
+                    bar.set_message(format!("{}, load {}", status(), fmt_load(loadavg())));
+                }
+            }
+        };
+        bar.finish_and_clear();
+        let mut txs = Vec::new();
+        for r in results {
+            txs.extend(r?);
+        }
+        Ok(txs)
     }
 
     /// Alternating rounds of business transactions without and with the outbox insert (with

@@ -174,6 +174,43 @@ pub(super) fn render(r: &Report) -> String {
         &t,
     );
 
+    let mut t = Table::new([
+        "pipeline",
+        "commits/s",
+        "end-to-end msg/s",
+        "ack p50",
+        "ack p99",
+        "effect p50",
+        "effect p90",
+        "effect p99",
+        "effect max",
+        "inbox txs",
+        "load",
+    ]);
+    for p in &r.pipeline {
+        let (a, e) = (p.commit_to_ack, p.commit_to_effect);
+        t.row([
+            p.offered_rate.map_or("producers at max".into(), |r| {
+                format!("paced at {}/s", fmt_count(r))
+            }),
+            fmt_count(p.commit_rate),
+            fmt_count(p.end_to_end_rate),
+            fmt_ms(a.map(|p| p.p50_ms)),
+            fmt_ms(a.map(|p| p.p99_ms)),
+            fmt_ms(e.map(|p| p.p50_ms)),
+            fmt_ms(e.map(|p| p.p90_ms)),
+            fmt_ms(e.map(|p| p.p99_ms)),
+            fmt_ms(e.map(|p| p.max_ms)),
+            fmt_count(p.inbox_batches as f64),
+            fmt_load(p.load),
+        ]);
+    }
+    section(
+        "End to end: producers -> relay -> broker -> inbox consumer (ms from the database clock \
+         before COMMIT to the broker ack / to the consumer's ack after its inbox commit)",
+        &t,
+    );
+
     for e in [&r.enqueue_fixed_rate, &r.enqueue].into_iter().flatten() {
         let mut t = Table::new([
             "business transaction",

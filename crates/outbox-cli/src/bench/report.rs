@@ -45,6 +45,9 @@ pub struct Report {
     pub consume: Vec<Drain>,
     /// Commit → broker-ack latency under producers at a fixed rate and at their maximum.
     pub latency: Vec<LatencyRun>,
+    /// The `pipeline` scenario, end to end: producers at their maximum, then paced at half
+    /// the end-to-end rate.
+    pub pipeline: Vec<PipelineRun>,
     /// Business transaction latency with and without the outbox insert, producers at their
     /// maximum (closed loop: the database is saturated).
     pub enqueue: Option<Enqueue>,
@@ -306,6 +309,34 @@ pub struct LatencyRun {
     pub longest_commit_pause: Option<[f64; 2]>,
 }
 
+/// One run of the `pipeline` scenario: producers → relay → broker → batched inbox consumer.
+#[derive(Debug, Clone, Serialize, Default)]
+pub struct PipelineRun {
+    /// Offered commit rate per second (half the run at the maximum's `end_to_end_rate`);
+    /// `None` for producers at their maximum.
+    pub offered_rate: Option<f64>,
+    /// Producer tasks.
+    pub producers: usize,
+    /// Messages measured (committed after the warm-up).
+    pub messages: u64,
+    /// From the end of the warm-up to the last measured commit, seconds.
+    pub seconds: f64,
+    /// `messages` over `seconds`: what the producers committed.
+    pub commit_rate: f64,
+    /// `messages` over the time from the end of the warm-up to the last of them applied by the
+    /// consumer: what the whole pipeline sustains.
+    pub end_to_end_rate: f64,
+    /// Database clock before `COMMIT` → the broker's acknowledgement to the relay.
+    pub commit_to_ack: Option<Percentiles>,
+    /// Database clock before `COMMIT` → the consumer's acknowledgement, sent after the inbox
+    /// transaction that applied the message committed. The headline latency.
+    pub commit_to_effect: Option<Percentiles>,
+    /// Inbox transactions the consumer committed.
+    pub inbox_batches: u64,
+    /// Load at the end.
+    pub load: Option<[f64; 3]>,
+}
+
 /// Business transaction latency with and without the outbox insert, measured in alternating
 /// rounds by the same producers, no relay running.
 #[derive(Debug, Clone, Serialize, Default)]
@@ -539,6 +570,8 @@ pub fn targets(report: &Report) -> Vec<Target> {
         .filter_map(|l| l.commit_to_ack)
         .reduce(|a, b| if b.p99_ms > a.p99_ms { b } else { a });
     let four = report.scaling.iter().find(|d| d.relays == 4);
+    let pipeline_max = report.pipeline.iter().find(|p| p.offered_rate.is_none());
+    let pipeline_paced = report.pipeline.iter().find(|p| p.offered_rate.is_some());
     let batch = report
         .consume
         .iter()
@@ -623,6 +656,20 @@ pub fn targets(report: &Report) -> Vec<Target> {
             ">= 0.8x where the broker bounds",
             batch.and_then(|d| d.vs_raw_consumer),
             |v| v >= 0.8,
+        ),
+        t(
+            "end to end, producers -> relay -> broker -> inbox consumer (issue 17)",
+            ">= 8,000 msg/s sustained on PostgreSQL + NATS",
+            pipeline_max.map(|p| p.end_to_end_rate),
+            |v| v >= 8_000.0,
+        ),
+        t(
+            "commit -> effect p99 at half the end-to-end rate",
+            "<= 50 ms",
+            pipeline_paced
+                .and_then(|p| p.commit_to_effect)
+                .map(|p| p.p99_ms),
+            |v| v <= 50.0,
         ),
         t(
             "4 relays vs 1",

@@ -89,6 +89,16 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 16)]
     pub clients: usize,
 
+    /// Orders/s of the paced phase, which follows the burst of `--orders` once it drained: its
+    /// commit-to-effect latency is what a user sees at a load the services sustain (the burst's
+    /// is mostly queueing behind the burst). 0 skips the paced phase.
+    #[arg(long, default_value_t = 100.0, value_parser = parse_rate)]
+    pub rate: f64,
+
+    /// Orders of the paced phase.
+    #[arg(long, default_value_t = 500)]
+    pub paced_orders: usize,
+
     /// Directory of the two SQLite databases (orders.db, inventory.db; with --two-phase
     /// outbox-2pc.db, orders-2pc.db and consumer-2pc.db); the demo's files in it are deleted at
     /// start.
@@ -164,6 +174,33 @@ pub struct DemoArgs {
     pub timeout: Duration,
 }
 
+fn parse_rate(s: &str) -> Result<f64, String> {
+    let f: f64 = s
+        .parse()
+        .map_err(|e| format!("{s:?} is not a number: {e}"))?;
+    if f.is_finite() && (0.0..=1_000_000.0).contains(&f) {
+        Ok(f)
+    } else {
+        Err(format!("{f} is not a rate from 0 to 1000000 orders/s"))
+    }
+}
+
+impl DemoArgs {
+    /// Orders of the paced phase: `--paced-orders`, or 0 when `--rate` is 0.
+    pub(crate) fn paced(&self) -> usize {
+        if self.rate > 0.0 {
+            self.paced_orders
+        } else {
+            0
+        }
+    }
+
+    /// Orders of both phases: the burst's `--orders`, then the paced phase's.
+    pub(crate) fn total_orders(&self) -> usize {
+        self.orders + self.paced()
+    }
+}
+
 fn parse_fraction(s: &str) -> Result<f64, String> {
     let f: f64 = s
         .parse()
@@ -190,9 +227,14 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     let services = Services::open(&args).await?;
     let delivery = Delivery::open(args.transport.as_deref()).await?;
     println!(
-        "outbox demo: {} orders from {} clients; order and inventory services on {}, delivery over {}",
+        "outbox demo: {} orders from {} clients at full speed{}; order and inventory services on \
+         {}, delivery over {}",
         args.orders,
         args.clients,
+        match args.paced() {
+            0 => String::new(),
+            n => format!(", then {n} at {} orders/s", args.rate),
+        },
         services.describe(&args),
         delivery.describe()
     );
@@ -213,7 +255,8 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         args.max_check_backs
     );
 
-    let timeline = Arc::new(Timeline::new(args.orders));
+    let total = args.total_orders();
+    let timeline = Arc::new(Timeline::new(total));
     let consumer_metrics = Arc::new(ConsumerMetrics::default());
     let fault_stats = Arc::new(FaultStats::default());
     let cancel = CancellationToken::new();
@@ -283,12 +326,15 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     };
     relays.start().await?;
 
-    // The clients: each order is one local transaction (order row + outbox row).
+    // The clients: each order is one local transaction (order row + outbox row). First the
+    // burst of `--orders` at full speed; once it drained, the paced phase.
     let placed = Arc::new(AtomicUsize::new(0));
-    let mut clients = scenario::spawn_clients(&args, &services, &timeline, &placed);
+    let mut clients =
+        scenario::spawn_clients(&args, &services, &timeline, &placed, 1..=args.orders, None);
+    let mut burst: Option<Duration> = None;
 
-    // Monitor: progress bars, scheduled relay kills, and the drain check.
-    let bars = Bars::new(args.orders);
+    // Monitor: progress bars, scheduled relay kills (during the burst), and the drain checks.
+    let bars = Bars::new(total);
     let deadline = started + args.timeout;
     let mut tick = tokio::time::interval(TICK);
     let mut kills_done = 0;
@@ -314,7 +360,8 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
             kills_done,
             args.kills,
         );
-        // Kill k of n when (k / (n + 1)) of the orders have been processed by the consumer.
+        // Kill k of n when (k / (n + 1)) of the burst's orders have been processed by the
+        // consumer.
         if kills_done < args.kills
             && (applied + refused) as usize >= args.orders * (kills_done + 1) / (args.kills + 1)
         {
@@ -323,14 +370,27 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         }
         // Drained: every order placed, nothing left to publish (orders and cancellations), and no
         // order-created message still waiting for its consumer's verdict.
-        if placed_now == args.orders
+        let target = if burst.is_some() { total } else { args.orders };
+        if placed_now == target
             && clients.is_empty()
             && count(Status::Pending) == 0
             && count(Status::Sending) == 0
             && stats.awaiting_confirmation == 0
-            && verdicts >= args.orders as u64
+            && verdicts >= target as u64
         {
-            break true;
+            if burst.is_some() || args.paced() == 0 {
+                burst.get_or_insert_with(|| started.elapsed());
+                break true;
+            }
+            burst = Some(started.elapsed());
+            clients = scenario::spawn_clients(
+                &args,
+                &services,
+                &timeline,
+                &placed,
+                args.orders + 1..=total,
+                Some(args.rate),
+            );
         }
         if Instant::now() >= deadline {
             break false;
@@ -352,7 +412,13 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         &fault_stats,
         &relays.metrics,
         kills_done,
-        elapsed,
+        report::Phases {
+            burst: args.orders,
+            burst_elapsed: burst.unwrap_or(elapsed),
+            rate: args.rate,
+            paced: args.paced(),
+            elapsed,
+        },
     )
     .await?;
     report.print(&delivery);

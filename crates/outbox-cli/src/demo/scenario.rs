@@ -8,6 +8,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use outbox::{
@@ -65,25 +66,35 @@ pub(super) fn initial_stock(orders: usize) -> i64 {
     3 * orders as i64
 }
 
-/// Start `--clients` clients placing `--orders` orders between them, each order one local
-/// transaction (order row + outbox row); `placed` counts the orders committed.
+/// Start `--clients` clients placing orders `numbers` between them, each order one local
+/// transaction (order row + outbox row), at full speed or, with `rate`, order `k` of the range
+/// placed `k / rate` seconds after the start (open loop); `placed` counts the orders committed.
 pub(super) fn spawn_clients(
     args: &DemoArgs,
     services: &Services,
     timeline: &Arc<Timeline>,
     placed: &Arc<AtomicUsize>,
+    numbers: std::ops::RangeInclusive<usize>,
+    rate: Option<f64>,
 ) -> JoinSet<anyhow::Result<()>> {
-    let next_order = Arc::new(AtomicUsize::new(1));
+    let first = *numbers.start();
+    let last = *numbers.end();
+    let next_order = Arc::new(AtomicUsize::new(first));
+    let start = Instant::now();
     let mut clients = JoinSet::new();
     for _ in 0..args.clients {
         let services = services.clone();
         let (placed, next_order, timeline) = (placed.clone(), next_order.clone(), timeline.clone());
-        let (orders, oversized) = (args.orders, args.oversized);
+        let (orders, oversized) = (args.total_orders(), args.oversized);
         clients.spawn(async move {
             loop {
                 let n = next_order.fetch_add(1, Ordering::Relaxed);
-                if n > orders {
+                if n > last {
                     return anyhow::Ok(());
+                }
+                if let Some(rate) = rate {
+                    let due = start + Duration::from_secs_f64((n - first) as f64 / rate);
+                    tokio::time::sleep_until(due).await;
                 }
                 let too_big = rand::rng().random_bool(oversized);
                 let order = Order::number(n, orders, too_big);
@@ -330,10 +341,19 @@ impl Timeline {
         }
     }
 
-    /// Commit-to-effect latencies in microseconds.
-    pub(super) fn latencies(&self) -> anyhow::Result<hdrhistogram::Histogram<u64>> {
+    /// Commit-to-effect latencies in microseconds of orders `numbers` (numbered from 1).
+    pub(super) fn latencies(
+        &self,
+        numbers: std::ops::Range<usize>,
+    ) -> anyhow::Result<hdrhistogram::Histogram<u64>> {
         let mut h = hdrhistogram::Histogram::<u64>::new(3)?;
-        for (c, a) in self.committed.iter().zip(&self.applied) {
+        // Order n is slot n - 1.
+        let end = numbers.end.saturating_sub(1).min(self.committed.len());
+        let start = numbers.start.saturating_sub(1).min(end);
+        for (c, a) in self.committed[start..end]
+            .iter()
+            .zip(&self.applied[start..end])
+        {
             let (c, a) = (c.load(Ordering::Relaxed), a.load(Ordering::Relaxed));
             if c > 0 && a > 0 {
                 h.record(a.saturating_sub(c).max(1))?;

@@ -128,7 +128,7 @@ impl Services {
                 ),
             },
         };
-        services.prepare(args.orders).await
+        services.prepare(args.total_orders()).await
     }
 
     async fn open_sqlite(dir: &Path) -> anyhow::Result<Services> {
