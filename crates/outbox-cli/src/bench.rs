@@ -438,11 +438,13 @@ impl Wakeup {
     }
 }
 
-/// A drain watched to its end: wall time and progress samples.
+/// A drain watched to its end: wall time, progress samples and the CPU seconds each side spent
+/// meanwhile (`databases::cpu_now`).
 struct Watched {
     seconds: f64,
     samples: Vec<(f64, u64)>,
     at_decile: Vec<report::TableStats>,
+    cpu_seconds: BTreeMap<String, f64>,
 }
 
 struct Bench {

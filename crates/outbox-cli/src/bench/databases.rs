@@ -24,6 +24,7 @@ const SERVERS: &[(&str, &str)] = &[
     ("nats-server", "nats"),
     ("redis-server", "redis"),
     ("beam.smp", "rabbitmq"),
+    ("tansu", "kafka"),
 ];
 
 /// Clock ticks per second of `/proc/<pid>/stat` (`USER_HZ`, 100 on Linux).
@@ -54,10 +55,10 @@ pub struct DatabasesRun {
     pub load: Option<[f64; 3]>,
 }
 
-/// CPU seconds so far of this process (`relays`) and of the servers on this machine.
-fn cpu_now() -> BTreeMap<String, f64> {
+/// CPU seconds so far of this process (named `me`) and of the servers on this machine.
+pub(super) fn cpu_now(me: &str) -> BTreeMap<String, f64> {
     let mut out = BTreeMap::new();
-    let me = std::process::id();
+    let own = std::process::id();
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return out;
     };
@@ -75,8 +76,8 @@ fn cpu_now() -> BTreeMap<String, f64> {
         let Some((comm, ticks)) = parse_stat(&stat) else {
             continue;
         };
-        let side = if pid == me {
-            "relays"
+        let side = if pid == own {
+            me
         } else if let Some((_, side)) = SERVERS.iter().find(|(name, _)| *name == comm) {
             side
         } else {
@@ -157,7 +158,7 @@ impl Bench {
             relays.push(relay);
             pools.push(pool);
         }
-        let cpu_before = cpu_now();
+        let cpu_before = cpu_now("relays");
         let start = Instant::now();
         // Built up front, added together once the clock runs (a member starts at once): the
         // opener hands the same relay to the group, which runs and supervises it as it does a
@@ -216,7 +217,7 @@ impl Bench {
             .watch(&bar, total, None, || metrics.iter().map(count).sum(), work)
             .await;
         // The servers' CPU before their backends exit with the pools.
-        let cpu_after = cpu_now();
+        let cpu_after = cpu_now("relays");
         group.shutdown().await;
         let w = w?;
         for (db, pool) in dbs.iter().zip(pools) {
@@ -294,7 +295,7 @@ mod tests {
 
     #[test]
     fn this_process_cpu_is_seen() {
-        let cpu = cpu_now();
+        let cpu = cpu_now("relays");
         assert!(cpu.contains_key("relays"), "{cpu:?}");
     }
 }

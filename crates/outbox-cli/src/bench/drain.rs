@@ -3,6 +3,9 @@
 
 use super::*;
 
+/// The name of this process's side in [`Drain::cpu_us_per_message`].
+const PROCESS: &str = "process";
+
 impl Bench {
     /// Create outbox table `table` and fill it with `--messages` messages.
     pub(super) async fn backlog(&self, table: &str) -> anyhow::Result<()> {
@@ -30,6 +33,7 @@ impl Bench {
         work: JoinHandle<anyhow::Result<()>>,
     ) -> anyhow::Result<Watched> {
         let start = Instant::now();
+        let cpu_before = databases::cpu_now(PROCESS);
         let mut work = work;
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -56,6 +60,13 @@ impl Bench {
             }
         };
         let seconds = start.elapsed().as_secs_f64();
+        let cpu_seconds = databases::cpu_now(PROCESS)
+            .into_iter()
+            .map(|(side, after)| {
+                let spent = after - cpu_before.get(&side).copied().unwrap_or(0.0);
+                (side, spent)
+            })
+            .collect();
         result.context("drain task panicked")??;
         samples.push((seconds, progress()));
         bar.finish_and_clear();
@@ -63,6 +74,7 @@ impl Bench {
             seconds,
             samples,
             at_decile,
+            cpu_seconds,
         })
     }
 
@@ -195,6 +207,13 @@ impl Bench {
             broker_stored,
             cost,
             table,
+            cpu_us_per_message: w
+                .cpu_seconds
+                .iter()
+                // A side that used less than a tenth of a core is not worth a figure.
+                .filter(|(_, s)| **s >= 0.1 * w.seconds)
+                .map(|(side, s)| (side.clone(), s * 1e6 / n.max(1) as f64))
+                .collect(),
             ..Drain::default()
         }
     }

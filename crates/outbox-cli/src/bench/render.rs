@@ -61,6 +61,34 @@ pub(super) fn render(r: &Report) -> String {
     }
     section("Rate in each tenth of the drain", &t);
 
+    // CPU per message of each side, for every drain and consumer that measured it.
+    let measured: Vec<(String, &Drain)> = drains
+        .iter()
+        .map(|d| (label(d), *d))
+        .chain(r.consume.iter().map(|d| (d.name.clone(), d)))
+        .filter(|(_, d)| !d.cpu_us_per_message.is_empty())
+        .collect();
+    let sides: std::collections::BTreeSet<&String> = measured
+        .iter()
+        .flat_map(|(_, d)| d.cpu_us_per_message.keys())
+        .collect();
+    let mut t = Table::new(
+        std::iter::once("CPU per message (µs)".to_owned())
+            .chain(sides.iter().map(|s| s.to_string())),
+    );
+    for (name, d) in &measured {
+        t.row(std::iter::once(name.clone()).chain(sides.iter().map(|s| {
+            d.cpu_us_per_message
+                .get(*s)
+                .map_or("-".into(), |us| format!("{us:.1}"))
+        })));
+    }
+    section(
+        "CPU per message (process: the relay, the raw loop or the consumer, with the bench's \
+         sampling; servers on this machine by name; sides under a tenth of a core left out)",
+        &t,
+    );
+
     let mut t = Table::new([
         "consumer",
         "msg/s",

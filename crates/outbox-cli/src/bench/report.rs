@@ -163,6 +163,11 @@ pub struct Drain {
     pub vs_inbox_1: Option<f64>,
     /// Inbox transactions that committed several messages (`consume`).
     pub inbox_batches: Option<u64>,
+    /// CPU microseconds per message of each side that used a tenth of a core or more: `process`
+    /// (the bench's own process: the relay, the raw loop or the consumer, plus the bench's
+    /// sampling) and each server on this machine (`postgres`, `mariadb`, `nats`, `redis`,
+    /// `rabbitmq`), from `/proc/<pid>/stat` over the drain.
+    pub cpu_us_per_message: BTreeMap<String, f64>,
     /// Messages the broker held afterwards (checked against `messages`), where it can tell.
     pub broker_stored: Option<u64>,
     /// What the drain cost the database.
