@@ -36,7 +36,7 @@
 //! Kafka-protocol broker) or an in-process sink, each through the library's own transport.
 //!
 //! Everything the run creates (a schema or `bench_<run>_*` tables, a JetStream stream, a Redis
-//! stream key, a RabbitMQ queue) is removed at the end unless `--keep`; a Kafka topic is left
+//! stream key, a RabbitMQ queue) is removed at the end unless `--keep`; the Kafka topics are left
 //! on the broker (the library has no topic deletion).
 
 mod broker;
@@ -134,8 +134,8 @@ pub struct BenchArgs {
     /// Broker under test: `nats://host:port` (JetStream; a stream `BENCH_<RUN>` is created and
     /// deleted), `redis://host:port` (Redis Streams; stream key `bench:<run>`, deleted),
     /// `amqp://user:password@host:port/vhost` (RabbitMQ; a durable queue `bench.<run>` through
-    /// the default exchange, deleted), `kafka://host:port` (topic `bench-<run>`, created and
-    /// left on the broker; not counted) or `memory` (an in-process sink that acknowledges at
+    /// the default exchange, deleted), `kafka://host:port` (topics `bench-<run>-<k>`, one per
+    /// scenario, created and left on the broker; not counted) or `memory` (an in-process sink that acknowledges at
     /// once).
     #[arg(long, default_value = "nats://127.0.0.1:4222")]
     pub transport: String,
@@ -445,6 +445,17 @@ struct Watched {
     samples: Vec<(f64, u64)>,
     at_decile: Vec<report::TableStats>,
     cpu_seconds: BTreeMap<String, f64>,
+}
+
+impl Watched {
+    /// The sides that worked for the drain, a tenth of a core or more, with their CPU seconds:
+    /// a server on the machine that took no part would show a meaningless figure.
+    fn working_sides(&self) -> impl Iterator<Item = (&str, f64)> {
+        self.cpu_seconds
+            .iter()
+            .filter(|(_, s)| **s > 0.0 && **s >= 0.1 * self.seconds)
+            .map(|(side, s)| (side.as_str(), *s))
+    }
 }
 
 struct Bench {

@@ -100,6 +100,8 @@ async fn bench_runs_every_scenario_and_reports_each_section() {
     assert!(num(&r, "drain.cost.pg.rows_written_per_message") >= 1.0);
     positive(&r, "drain.table.before.live_tuples");
     positive(&r, "drain.table.after.index_bytes");
+    // The CPU each side spent per message: the relay's process at least (a busy drain).
+    positive(&r, "drain.cpu_us_per_message.process");
     // Scaling: one entry per instance count, compared with one relay.
     let scaling = r["scaling"].as_array().unwrap();
     assert_eq!(scaling.len(), 2);
@@ -224,6 +226,58 @@ async fn bench_runs_every_scenario_and_reports_each_section() {
             .is_err(),
         "stream left behind"
     );
+}
+
+/// The consumer side on the brokers whose consumer the bench drives besides NATS: RabbitMQ (the
+/// queue is emptied by each consumer, so the backlog is published again for each) and Kafka (a
+/// new topic per scenario, each consumer a new group). Every consumer of `consume` applies every
+/// message, and `pipeline` applies every committed message exactly once (checked by the bench
+/// itself: it fails otherwise).
+#[tokio::test]
+async fn bench_consumes_on_rabbitmq_and_kafka() {
+    drop(outbox_testkit::pg_pool(1).await);
+    for transport in [
+        outbox_testkit::rabbitmq::rabbitmq_url(),
+        outbox_testkit::kafka::kafka_url(),
+    ] {
+        let json = std::env::temp_dir().join(format!(
+            "outbox-bench-consume-{:08x}.json",
+            rand::random::<u32>()
+        ));
+        let messages = 1_000u64;
+        let out = Command::new(env!("CARGO_BIN_EXE_outbox"))
+            .args(["bench", "--database", &outbox_testkit::postgres_url()])
+            .args(["--transport", &transport])
+            .args(["--messages", &messages.to_string(), "--producers", "2"])
+            .args(["--latency-duration", "2s", "--only", "consume,pipeline"])
+            .args(["--no-progress", "--json"])
+            .arg(&json)
+            .output()
+            .expect("run outbox bench");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success(),
+            "bench on {transport} failed:\n{stdout}\n{stderr}"
+        );
+        let r: Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+        let _ = std::fs::remove_file(&json);
+        assert_eq!(r["consume"].as_array().unwrap().len(), 3, "{transport}");
+        for i in 0..3 {
+            assert_eq!(
+                num(&r, &format!("consume.{i}.messages")),
+                messages as f64,
+                "{transport}"
+            );
+            positive(&r, &format!("consume.{i}.rate"));
+        }
+        positive(&r, "consume.2.inbox_batches");
+        assert_eq!(r["pipeline"].as_array().unwrap().len(), 2, "{transport}");
+        for i in 0..2 {
+            positive(&r, &format!("pipeline.{i}.messages"));
+            positive(&r, &format!("pipeline.{i}.end_to_end_rate"));
+        }
+    }
 }
 
 /// The `databases` scenario: one relay group drains PostgreSQL twice over (two schemas of the

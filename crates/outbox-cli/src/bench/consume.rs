@@ -87,8 +87,9 @@ impl BatchHandler for AckAll {
 }
 
 impl Apply {
-    /// Drive `source` until `cancel` (see [`How::run`]), through [`Stamping`] when
-    /// [`Apply::stamp`] is set.
+    /// Drive `source` until `cancel` as [`Apply::how`] says: [`source::run`] with an
+    /// acknowledging handler (raw), or the production runner [`source::consume`] with the
+    /// inbox; through [`Stamping`], which records acknowledgements when [`Apply::stamp`] is set.
     pub async fn run<S: Source>(
         self,
         source: S,
@@ -96,30 +97,11 @@ impl Apply {
         metrics: Arc<ConsumerMetrics>,
         cancel: CancellationToken,
     ) -> anyhow::Result<()> {
-        match self.stamp {
-            Some(receipts) => {
-                let source = Stamping {
-                    inner: source,
-                    receipts,
-                };
-                self.how.run(source, options, metrics, cancel).await
-            }
-            None => self.how.run(source, options, metrics, cancel).await,
-        }
-    }
-}
-
-impl How {
-    /// Drive `source` until `cancel` as this variant: [`source::run`] with an acknowledging
-    /// handler (raw), or the production runner [`source::consume`] with the inbox.
-    pub async fn run<S: Source>(
-        self,
-        source: S,
-        options: ConsumeOptions,
-        metrics: Arc<ConsumerMetrics>,
-        cancel: CancellationToken,
-    ) -> anyhow::Result<()> {
-        match self {
+        let source = Stamping {
+            inner: source,
+            receipts: self.stamp,
+        };
+        match self.how {
             How::Raw => {
                 source::run(source, &AckAll(metrics), &options.run, &cancel).await?;
             }
@@ -135,7 +117,9 @@ impl How {
         }
         Ok(())
     }
+}
 
+impl How {
     /// An inbox consumer group `group` on `pool`'s database (inbox table `table`, migrated
     /// here), applying `effect`.
     ///
@@ -167,12 +151,12 @@ impl How {
     }
 }
 
-/// A source that records, in `receipts`, the id (the `outbox-message-id` header) of each
-/// message it acknowledges, when the acknowledgement is sent: the runner settles a batch only
-/// after its inbox transaction committed.
+/// A source that records, in `receipts` when set, the id (the `outbox-message-id` header) of
+/// each message it acknowledges, when the acknowledgement is sent: the runner settles a batch
+/// only after its inbox transaction committed.
 pub struct Stamping<S> {
     inner: S,
-    receipts: Arc<Receipts>,
+    receipts: Option<Arc<Receipts>>,
 }
 
 #[async_trait::async_trait]
@@ -198,16 +182,16 @@ impl<S: Source> Source for Stamping<S> {
         &mut self,
         batch: Vec<(source::Delivery<Self::Token>, Settle)>,
     ) -> Result<(), source::SourceError> {
-        let at = now_us();
-        for (d, settle) in &batch {
-            if *settle == Settle::Ack {
+        if let Some(receipts) = &self.receipts {
+            let at = now_us();
+            for (d, settle) in &batch {
                 let id = d
                     .envelope
                     .headers
                     .get(outbox::message::HEADER_MESSAGE_ID)
                     .and_then(|v| Uuid::parse_str(v).ok());
-                if let Some(id) = id {
-                    self.receipts.record(id, at);
+                if let (Settle::Ack, Some(id)) = (settle, id) {
+                    receipts.record(id, at);
                 }
             }
         }

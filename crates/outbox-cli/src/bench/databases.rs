@@ -55,8 +55,11 @@ pub struct DatabasesRun {
     pub load: Option<[f64; 3]>,
 }
 
-/// CPU seconds so far of this process (named `me`) and of the servers on this machine.
-pub(super) fn cpu_now(me: &str) -> BTreeMap<String, f64> {
+/// The name of this process's side in [`cpu_now`].
+pub(super) const PROCESS: &str = "process";
+
+/// CPU seconds so far of this process ([`PROCESS`]) and of the servers on this machine.
+pub(super) fn cpu_now() -> BTreeMap<String, f64> {
     let mut out = BTreeMap::new();
     let own = std::process::id();
     let Ok(dir) = std::fs::read_dir("/proc") else {
@@ -77,7 +80,7 @@ pub(super) fn cpu_now(me: &str) -> BTreeMap<String, f64> {
             continue;
         };
         let side = if pid == own {
-            me
+            PROCESS
         } else if let Some((_, side)) = SERVERS.iter().find(|(name, _)| *name == comm) {
             side
         } else {
@@ -158,7 +161,6 @@ impl Bench {
             relays.push(relay);
             pools.push(pool);
         }
-        let cpu_before = cpu_now("relays");
         let start = Instant::now();
         // Built up front, added together once the clock runs (a member starts at once): the
         // opener hands the same relay to the group, which runs and supervises it as it does a
@@ -216,8 +218,6 @@ impl Bench {
         let w = self
             .watch(&bar, total, None, || metrics.iter().map(count).sum(), work)
             .await;
-        // The servers' CPU before their backends exit with the pools.
-        let cpu_after = cpu_now("relays");
         group.shutdown().await;
         let w = w?;
         for (db, pool) in dbs.iter().zip(pools) {
@@ -234,19 +234,21 @@ impl Bench {
                 .await?;
             db.drop_outbox(table).await?;
         }
-        let cpu_seconds: BTreeMap<String, f64> = cpu_after
+        // This process is the relays here.
+        let cpu_seconds: BTreeMap<String, f64> = w
+            .cpu_seconds
             .iter()
-            .map(|(side, after)| {
-                let spent = after - cpu_before.get(side).copied().unwrap_or(0.0);
-                (side.clone(), spent.max(0.0))
+            .map(|(side, s)| {
+                let side = if side == PROCESS { "relays" } else { side };
+                (side.to_owned(), *s)
             })
             .collect();
-        // Only the sides that worked for the drain (a tenth of a core or more): a server on
-        // the machine that took no part would show a meaningless figure.
-        let messages_per_cpu_second = cpu_seconds
-            .iter()
-            .filter(|(_, s)| **s > 0.0 && **s >= 0.1 * w.seconds)
-            .map(|(side, s)| (side.clone(), total as f64 / s))
+        let messages_per_cpu_second = w
+            .working_sides()
+            .map(|(side, s)| {
+                let side = if side == PROCESS { "relays" } else { side };
+                (side.to_owned(), total as f64 / s)
+            })
             .collect();
         let per_database = finished_at
             .lock()
@@ -295,7 +297,7 @@ mod tests {
 
     #[test]
     fn this_process_cpu_is_seen() {
-        let cpu = cpu_now("relays");
-        assert!(cpu.contains_key("relays"), "{cpu:?}");
+        let cpu = cpu_now();
+        assert!(cpu.contains_key(PROCESS), "{cpu:?}");
     }
 }

@@ -3,9 +3,6 @@
 
 use super::*;
 
-/// The name of this process's side in [`Drain::cpu_us_per_message`].
-const PROCESS: &str = "process";
-
 impl Bench {
     /// Create outbox table `table` and fill it with `--messages` messages.
     pub(super) async fn backlog(&self, table: &str) -> anyhow::Result<()> {
@@ -33,7 +30,7 @@ impl Bench {
         work: JoinHandle<anyhow::Result<()>>,
     ) -> anyhow::Result<Watched> {
         let start = Instant::now();
-        let cpu_before = databases::cpu_now(PROCESS);
+        let cpu_before = databases::cpu_now();
         let mut work = work;
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -60,11 +57,12 @@ impl Bench {
             }
         };
         let seconds = start.elapsed().as_secs_f64();
-        let cpu_seconds = databases::cpu_now(PROCESS)
+        // The servers' CPU is read before their backends exit with the caller's pools.
+        let cpu_seconds = databases::cpu_now()
             .into_iter()
             .map(|(side, after)| {
                 let spent = after - cpu_before.get(&side).copied().unwrap_or(0.0);
-                (side, spent)
+                (side, spent.max(0.0))
             })
             .collect();
         result.context("drain task panicked")??;
@@ -208,11 +206,8 @@ impl Bench {
             cost,
             table,
             cpu_us_per_message: w
-                .cpu_seconds
-                .iter()
-                // A side that used less than a tenth of a core is not worth a figure.
-                .filter(|(_, s)| **s >= 0.1 * w.seconds)
-                .map(|(side, s)| (side.clone(), s * 1e6 / n.max(1) as f64))
+                .working_sides()
+                .map(|(side, s)| (side.to_owned(), s * 1e6 / n.max(1) as f64))
                 .collect(),
             ..Drain::default()
         }
