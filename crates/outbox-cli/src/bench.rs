@@ -187,6 +187,12 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 100)]
     pub inbox_batch: usize,
 
+    /// Outbox messages per business transaction of the `pipeline` scenario's producers (the
+    /// latency and enqueue scenarios commit one). Above 1 it shows how far the rest of the
+    /// pipeline goes when the producers' commit rate is not what bounds it.
+    #[arg(long, default_value_t = 1)]
+    pub messages_per_transaction: usize,
+
     /// Relay instance counts of the scaling scenario, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
     pub relays: Vec<usize>,
@@ -270,6 +276,9 @@ impl BenchArgs {
         }
         if !(1..=10_000).contains(&self.inbox_batch) {
             return Err("--inbox-batch must be 1 to 10000".into());
+        }
+        if !(1..=1_000).contains(&self.messages_per_transaction) {
+            return Err("--messages-per-transaction must be 1 to 1000".into());
         }
         if self.broker_window == 0 {
             return Err("--broker-window must be at least 1".into());
@@ -709,6 +718,10 @@ impl Bench {
         put("consumer_lanes", a.consumer_lanes.into());
         put("consumer_fetch", a.consumer_fetch.into());
         put("inbox_batch", a.inbox_batch.into());
+        put(
+            "messages_per_transaction",
+            a.messages_per_transaction.into(),
+        );
         put("relays", serde_json::json!(a.relays));
         put("rate", a.rate.into());
         put("producers", a.producers.into());

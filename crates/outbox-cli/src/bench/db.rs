@@ -150,8 +150,8 @@ impl Outbox {
 /// Timings of one business transaction.
 #[derive(Debug, Clone, Copy)]
 pub struct TxTimes {
-    /// The outbox message's id, when the transaction enqueued one.
-    pub message_id: Option<Uuid>,
+    /// The ids of the outbox messages the transaction enqueued (none, one, or more).
+    pub message_ids: Vec<Uuid>,
     /// The database clock in the transaction's last statement before `COMMIT`, µs since the
     /// Unix epoch.
     pub db_clock_us: i64,
@@ -714,8 +714,8 @@ impl Db {
         .await
     }
 
-    /// One business transaction on a connection of the control pool: `BEGIN`, the outbox row
-    /// (`enqueue`, when `msg` is given), the business row, whose statement also reads the
+    /// One business transaction on a connection of the control pool: `BEGIN`, the outbox rows
+    /// (`enqueue_many`, one statement, when `msgs` is not empty), the business row, whose statement also reads the
     /// database clock, `COMMIT`; opened and committed as `mode` says.
     ///
     /// # Errors
@@ -725,7 +725,7 @@ impl Db {
         outbox: &Outbox,
         business: &str,
         customer: &str,
-        msg: Option<NewMessage>,
+        msgs: Vec<NewMessage>,
         mode: TxMode,
     ) -> anyhow::Result<TxTimes> {
         let clock = clock_sql(self.dialect);
@@ -739,9 +739,9 @@ impl Db {
                     TxMode::Plain => $pool.begin().await?,
                     TxMode::Store => $store.begin().await?,
                 };
-                let id = match msg {
-                    Some(m) => Some($store.enqueue(&mut $tx, m).await?),
-                    None => None,
+                let ids = match msgs.len() {
+                    0 => Vec::new(),
+                    _ => $store.enqueue_many(&mut $tx, msgs).await?,
                 };
                 let db: i64 = $clock;
                 let t = Instant::now();
@@ -749,7 +749,7 @@ impl Db {
                     TxMode::Plain => $tx.commit().await?,
                     TxMode::Store => $store.commit($tx).await?,
                 }
-                (id, db, t)
+                (ids, db, t)
             }};
         }
         let insert = |placeholders: &str, returning: &str| {
@@ -758,7 +758,7 @@ impl Db {
             ))
         };
         let returning = format!(" RETURNING {clock}");
-        let (message_id, db_clock_us, before_commit) = match (&self.control, outbox) {
+        let (message_ids, db_clock_us, before_commit) = match (&self.control, outbox) {
             (Pool::Pg(p), Outbox::Pg(s)) => transaction!(p, s, |tx| {
                 sqlx::query_scalar(insert("$1, $2", &returning))
                     .bind(customer)
@@ -788,7 +788,7 @@ impl Db {
         };
         let committed_us = now_us();
         Ok(TxTimes {
-            message_id,
+            message_ids,
             db_clock_us,
             committed_us,
             transaction_us: started.elapsed().as_micros() as u64,

@@ -41,6 +41,7 @@ impl Bench {
                 business,
                 wakeup,
                 offered,
+                1,
                 &format!("latency {label}"),
                 || format!("{} acked", acks.count()),
             )
@@ -77,7 +78,7 @@ impl Bench {
         let series = |f: &dyn Fn(&TxTimes) -> Option<u64>| {
             Percentiles::of_micros(measured.iter().filter_map(|t| f(t)))
         };
-        let id = |t: &TxTimes| t.message_id.expect("latency transactions enqueue");
+        let id = |t: &TxTimes| t.message_ids[0];
         // From the end of the warm-up to the last commit: producers that fell behind during the
         // warm-up catch up after it, and the last ones may commit after the deadline.
         let last = measured
@@ -143,8 +144,8 @@ impl Bench {
         Ok((store, relay))
     }
 
-    /// `--producers` producers commit business transactions of one message each for
-    /// `--latency-duration`, at `offered` transactions/s in total (open loop) or at their
+    /// `--producers` producers commit business transactions of `per_transaction` messages each
+    /// for `--latency-duration`, at `offered` transactions/s in total (open loop) or at their
     /// maximum, calling `store.wake()` after each commit with the in-process wake-up. A progress
     /// bar shows `label` and `status()`. Returns every transaction's times.
     #[allow(clippy::too_many_arguments)]
@@ -155,6 +156,7 @@ impl Bench {
         business: &str,
         wakeup: Wakeup,
         offered: Option<f64>,
+        per_transaction: usize,
         label: &str,
         status: impl Fn() -> String,
     ) -> anyhow::Result<Vec<TxTimes>> {
@@ -172,13 +174,15 @@ impl Bench {
                     if !pace(start, deadline, offered, producers, i, k).await {
                         break;
                     }
-                    let msg = NewMessage::new(TOPIC, payload.clone());
+                    let msgs = (0..per_transaction)
+                        .map(|_| NewMessage::new(TOPIC, payload.clone()))
+                        .collect();
                     let t = db
                         .business_tx(
                             &outbox,
                             &business,
                             &format!("customer-{i}"),
-                            Some(msg),
+                            msgs,
                             wakeup.tx_mode(),
                         )
                         .await?;
@@ -256,7 +260,10 @@ impl Bench {
                             if !pace(start, deadline, offered, producers, i, k).await {
                                 break;
                             }
-                            let msg = enqueue.then(|| NewMessage::new(TOPIC, payload.clone()));
+                            let msg: Vec<NewMessage> = enqueue
+                                .then(|| NewMessage::new(TOPIC, payload.clone()))
+                                .into_iter()
+                                .collect();
                             let customer = format!("customer-{i}");
                             out.push(
                                 db.business_tx(&outbox, &business, &customer, msg, mode)

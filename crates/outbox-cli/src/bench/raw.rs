@@ -14,7 +14,9 @@
 //!
 //! Each loop runs on a copy of the outbox table (same rows, same columns) with only a primary
 //! key and its claim index: **naive**, `(status, available_at)`; **tuned**, a partial index
-//! `(available_at, id) WHERE status = 0`. MySQL/MariaDB has no `UPDATE … RETURNING` (the claim is
+//! `(available_at, id) WHERE status = 0`. On SQLite and MySQL/MariaDB a third copy keeps every
+//! index of the relay's table beside the naive claim index (**relay-indexes**): what the index
+//! set alone costs the same loop. MySQL/MariaDB has no `UPDATE … RETURNING` (the claim is
 //! `SELECT … FOR UPDATE SKIP LOCKED` then `UPDATE` in one transaction) and no partial index (no
 //! tuned loop); SQLite has no `SKIP LOCKED` (one writer at a time anyway).
 
@@ -38,6 +40,9 @@ pub enum Index {
     Naive,
     /// `(available_at, id) WHERE status = 0`.
     Tuned,
+    /// `(status, available_at)` and every index of the relay's table (search, retention,
+    /// two-phase, key heads).
+    RelayIndexes,
 }
 
 impl Index {
@@ -46,6 +51,7 @@ impl Index {
         match self {
             Index::Naive => "raw-naive",
             Index::Tuned => "raw-tuned",
+            Index::RelayIndexes => "raw-relay-indexes",
         }
     }
 }
@@ -119,27 +125,66 @@ fn copy_list(columns: &[String], new_uuid: &str) -> String {
 pub async fn prepare(db: &Db, src: &str, dst: &str, index: Index) -> anyhow::Result<bool> {
     let flat = dst.rsplit('.').next().unwrap_or(dst);
     let claim_index = match index {
-        Index::Naive => "(status, available_at)",
+        Index::Naive | Index::RelayIndexes => "(status, available_at)",
         Index::Tuned => "(available_at, id) WHERE status = 0",
     };
-    if (db.dialect, index) == (Dialect::MySql, Index::Tuned) {
-        return Ok(false);
+    match (db.dialect, index) {
+        (Dialect::MySql, Index::Tuned) | (Dialect::Postgres, Index::RelayIndexes) => {
+            return Ok(false);
+        }
+        _ => {}
     }
+    let cols = columns(db, src).await?;
     let select = format!(
         "SELECT {} FROM {src}",
-        copy_list(&columns(db, src).await?, new_uuid_sql(db.dialect))
+        copy_list(&cols, new_uuid_sql(db.dialect))
     );
-    let sql = match db.dialect {
-        Dialect::MySql => vec![format!(
+    let sql = match (db.dialect, index) {
+        (Dialect::MySql, Index::RelayIndexes) => {
+            // `LIKE` keeps the indexes and the generated `bucket`, which takes no value.
+            let Pool::My(p) = &db.control else {
+                bail!("not a MySQL database");
+            };
+            let generated: Vec<String> = sqlx::query_scalar(
+                "SELECT CAST(column_name AS CHAR) FROM information_schema.columns \
+                 WHERE table_schema = DATABASE() AND table_name = ? AND extra LIKE '%GENERATED%'",
+            )
+            .bind(src)
+            .fetch_all(p)
+            .await?;
+            let cols: Vec<String> = cols
+                .into_iter()
+                .filter(|c| !generated.contains(c))
+                .collect();
+            vec![
+                format!("CREATE TABLE {dst} LIKE {src}"),
+                format!("ALTER TABLE {dst} ADD KEY {flat}_claim (status, available_at)"),
+                format!(
+                    "INSERT INTO {dst} ({}) SELECT {} FROM {src}",
+                    cols.join(", "),
+                    copy_list(&cols, new_uuid_sql(db.dialect))
+                ),
+            ]
+        }
+        (Dialect::Sqlite, Index::RelayIndexes) => {
+            let mut sql = vec![
+                format!("CREATE TABLE {dst} AS {select}"),
+                format!("CREATE UNIQUE INDEX {flat}_id ON {dst} (id)"),
+                format!("CREATE INDEX {flat}_claim ON {dst} {claim_index}"),
+            ];
+            sql.extend(sqlite_indexes(db, src, dst).await?);
+            sql
+        }
+        (Dialect::MySql, _) => vec![format!(
             "CREATE TABLE {dst} (PRIMARY KEY (id), KEY {flat}_claim (status, available_at)) \
              ENGINE=InnoDB {select}"
         )],
-        Dialect::Postgres => vec![
+        (Dialect::Postgres, _) => vec![
             format!("CREATE TABLE {dst} AS {select}"),
             format!("ALTER TABLE {dst} ADD PRIMARY KEY (id)"),
             format!("CREATE INDEX {flat}_claim ON {dst} {claim_index}"),
         ],
-        Dialect::Sqlite => vec![
+        (Dialect::Sqlite, _) => vec![
             format!("CREATE TABLE {dst} AS {select}"),
             format!("CREATE UNIQUE INDEX {flat}_id ON {dst} (id)"),
             format!("CREATE INDEX {flat}_claim ON {dst} {claim_index}"),
@@ -157,6 +202,44 @@ pub async fn prepare(db: &Db, src: &str, dst: &str, index: Index) -> anyhow::Res
     }
     db.retire(pool).await?;
     Ok(true)
+}
+
+/// `CREATE INDEX` statements giving SQLite table `dst` every index of `src`: each declared
+/// index's own text (partial ones keep their `WHERE`) on `dst` under a new name, and each index
+/// behind a `UNIQUE` constraint as a unique index of the same columns.
+async fn sqlite_indexes(db: &Db, src: &str, dst: &str) -> anyhow::Result<Vec<String>> {
+    let Pool::Lite(p) = &db.control else {
+        bail!("not a SQLite database");
+    };
+    let indexes: Vec<(String, bool, Option<String>, String)> = sqlx::query_as(
+        "SELECT il.name, il.\"unique\", m.sql, \
+                (SELECT group_concat(ii.name, ', ') FROM pragma_index_info(il.name) ii) \
+         FROM pragma_index_list(?1) il LEFT JOIN sqlite_master m ON m.name = il.name \
+         ORDER BY il.seq",
+    )
+    .bind(src)
+    .fetch_all(p)
+    .await?;
+    let mut out = Vec::new();
+    for (k, (name, unique, sql, columns)) in indexes.into_iter().enumerate() {
+        let unique = if unique { "UNIQUE " } else { "" };
+        // `CREATE [UNIQUE] INDEX name ON table (columns) [WHERE …]`: keep from the `(`.
+        let tail = match &sql {
+            Some(sql) => {
+                let on = sql
+                    .find(" ON ")
+                    .with_context(|| format!("index {name}: no ON in {sql}"))?;
+                let open = sql[on..]
+                    .find('(')
+                    .with_context(|| format!("index {name}: no column list in {sql}"))?;
+                sql[on + open..].to_owned()
+            }
+            None => format!("({columns})"),
+        };
+        let flat = dst.rsplit('.').next().unwrap_or(dst);
+        out.push(format!("CREATE {unique}INDEX {flat}_r{k} ON {dst} {tail}"));
+    }
+    Ok(out)
 }
 
 /// Claimed rows: id, message id, topic, payload.

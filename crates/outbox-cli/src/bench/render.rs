@@ -14,12 +14,21 @@ pub(super) fn render(r: &Report) -> String {
         "broker" => "broker publish, no database".to_owned(),
         "raw-naive" => "raw SQL loop, index (status, available_at)".to_owned(),
         "raw-tuned" => "raw SQL loop, partial index on pending".to_owned(),
+        "raw-relay-indexes" => {
+            "raw SQL loop, (status, available_at) + the relay's indexes".to_owned()
+        }
         _ => format!("outbox::Relay x{}", d.relays),
     };
-    let mut drains: Vec<&Drain> = [&r.broker, &r.baseline_naive, &r.baseline_tuned, &r.drain]
-        .into_iter()
-        .flatten()
-        .collect();
+    let mut drains: Vec<&Drain> = [
+        &r.broker,
+        &r.baseline_naive,
+        &r.baseline_tuned,
+        &r.baseline_relay_indexes,
+        &r.drain,
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
     drains.extend(
         r.scaling
             .iter()
@@ -204,7 +213,7 @@ pub(super) fn render(r: &Report) -> String {
 
     let mut t = Table::new([
         "pipeline",
-        "commits/s",
+        "committed msg/s",
         "end-to-end msg/s",
         "ack p50",
         "ack p99",
@@ -218,9 +227,16 @@ pub(super) fn render(r: &Report) -> String {
     for p in &r.pipeline {
         let (a, e) = (p.commit_to_ack, p.commit_to_effect);
         t.row([
-            p.offered_rate.map_or("producers at max".into(), |r| {
-                format!("paced at {}/s", fmt_count(r))
-            }),
+            format!(
+                "{}{}",
+                p.offered_rate.map_or("producers at max".into(), |r| {
+                    format!("paced at {}/s", fmt_count(r))
+                }),
+                match p.messages_per_transaction {
+                    1 => String::new(),
+                    n => format!(", {n} msgs/tx"),
+                }
+            ),
             fmt_count(p.commit_rate),
             fmt_count(p.end_to_end_rate),
             fmt_ms(a.map(|p| p.p50_ms)),

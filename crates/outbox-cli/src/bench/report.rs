@@ -37,6 +37,9 @@ pub struct Report {
     pub baseline_naive: Option<Drain>,
     /// Raw-SQL relay loop on a table with a partial index on pending rows.
     pub baseline_tuned: Option<Drain>,
+    /// Raw-SQL relay loop (the naive claim) on a table with every index of the relay's table
+    /// too: what the index set costs the loop. SQLite and MySQL/MariaDB only.
+    pub baseline_relay_indexes: Option<Drain>,
     /// `outbox::Relay` draining the backlog, one instance.
     pub drain: Option<Drain>,
     /// `outbox::Relay` instances draining the same backlog size, one entry per instance count.
@@ -322,11 +325,13 @@ pub struct PipelineRun {
     pub offered_rate: Option<f64>,
     /// Producer tasks.
     pub producers: usize,
+    /// Outbox messages per business transaction (`--messages-per-transaction`, default 1).
+    pub messages_per_transaction: usize,
     /// Messages measured (committed after the warm-up).
     pub messages: u64,
     /// From the end of the warm-up to the last measured commit, seconds.
     pub seconds: f64,
-    /// `messages` over `seconds`: what the producers committed.
+    /// `messages` over `seconds`: what the producers committed, messages/s.
     pub commit_rate: f64,
     /// `messages` over the time from the end of the warm-up to the last of them applied by the
     /// consumer: what the whole pipeline sustains.
@@ -525,6 +530,7 @@ pub fn fill_ratios(report: &mut Report) {
         &mut report.broker,
         &mut report.baseline_naive,
         &mut report.baseline_tuned,
+        &mut report.baseline_relay_indexes,
         &mut report.drain,
     ]
     .into_iter()

@@ -340,11 +340,54 @@ async fn nats_runner(
     (runner, js)
 }
 
+/// The stream's info, asked again while the cluster does not answer (a request times out while a
+/// node restarts or a leader is elected); panics with the last error after 60 s.
+async fn stream_info(
+    js: &async_nats::jetstream::Context,
+    stream: &str,
+) -> async_nats::jetstream::stream::Info {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match js.get_stream(stream).await {
+            Ok(s) => return s.cached_info().clone(),
+            Err(e) if Instant::now() >= deadline => {
+                panic!("no info of stream {stream} within 60 s: {e}")
+            }
+            Err(_) => {}
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Wait until the stream has a leader and both other replicas are online and current (a
+/// restarted node has caught up); panics after 60 s.
+async fn wait_replicas_current(js: &async_nats::jetstream::Context, stream: &str) {
+    wait_until(
+        &format!("stream {stream}: a leader and two current replicas"),
+        Duration::from_secs(60),
+        || async {
+            let Ok(s) = js.get_stream(stream).await else {
+                return false;
+            };
+            s.cached_info().cluster.as_ref().is_some_and(|c| {
+                c.leader.is_some()
+                    && c.replicas.len() == 2
+                    && c.replicas.iter().all(|p| p.current && !p.offline)
+            })
+        },
+    )
+    .await;
+}
+
 // In a CI run of 2026-12-04 the consumer runner of this test applied nothing: it started
 // while a node was being killed, took the stream lookup's timeout for a missing stream and
 // stopped with a set-up error. The runner now retries such errors
 // (`nats_consumer_started_without_a_majority_waits_for_the_cluster`), and a runner that stops
-// fails the test at once with its error.
+// fails the test at once with its error. In a later CI run it failed again, without its message
+// in the excerpt kept: the second kill came right after the first node's restart, before that
+// node had caught up with the stream, and the stream-info requests around the kills had no
+// retry. The test now waits for both replicas to be current before each kill and the last
+// count, and asks for the stream's info again while the cluster does not answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_cluster_loses_nothing_when_the_connected_node_and_the_stream_leader_die() {
     let _cluster = NATS_CLUSTER.lock().await;
@@ -374,15 +417,14 @@ async fn nats_cluster_loses_nothing_when_the_connected_node_and_the_stream_leade
         .await,
     );
 
+    // The restarted node catches up before the next kill: killing the leader while the other
+    // replica still lags would leave the stream without a current majority.
+    wait_replicas_current(&js, &stream).await;
     wait_sent(&fx, n / 2, Duration::from_secs(60)).await;
-    let leader = js
-        .get_stream(&stream)
+    let leader = stream_info(&js, &stream)
         .await
-        .expect("stream info")
-        .cached_info()
         .cluster
-        .as_ref()
-        .and_then(|c| c.leader.clone())
+        .and_then(|c| c.leader)
         .expect("the stream has a leader");
     let leader: usize = leader
         .trim_start_matches("nats-")
@@ -410,10 +452,12 @@ async fn nats_cluster_loses_nothing_when_the_connected_node_and_the_stream_leade
         &kills,
     )
     .await;
-    let info = js.get_stream(&stream).await.unwrap().cached_info().clone();
+    wait_replicas_current(&js, &stream).await;
+    let info = stream_info(&js, &stream).await;
     assert_eq!(
         info.state.messages, n as u64,
-        "the stream holds each message once (Nats-Msg-Id deduplication)"
+        "the stream holds each message once (Nats-Msg-Id deduplication): {:?}",
+        info.state
     );
     cancel.cancel();
     let _ = consumer.await;

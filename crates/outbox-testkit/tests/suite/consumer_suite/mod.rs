@@ -16,6 +16,10 @@
 //! - `survives_a_crash_between_commit_and_ack`: the consumer dies (its task aborted and its
 //!   connections cut) after the inbox commit and before the ack; the broker delivers the message
 //!   again, the inbox recognises it, the effect stays single and the verdict is confirmed again;
+//! - `survives_crashes_in_an_inbox_batch`: with `inbox_batch` 16, the consumer dies inside a
+//!   batch's transaction (its handler hangs on the batch's fifth message), then again after a
+//!   batch's commit and before its acks; after the second restart every message is applied once,
+//!   the committed batch comes back as duplicates and each message's verdict is confirmed;
 //! - `contains_a_panicking_handler`: a handler that panics on one message is contained: that
 //!   message is dead-lettered at `max_deliveries` with the panic as its error, the runner goes on,
 //!   and the messages behind it (its own key's included) are applied;
@@ -98,6 +102,10 @@ struct Script {
     reject: Mutex<Vec<Uuid>>,
     panic: Mutex<Vec<Uuid>>,
     seen: Mutex<HashMap<Uuid, Vec<u32>>>,
+    /// Hang (for ever) in the handler of this message, once, after telling `hung`: the moment
+    /// inside an inbox transaction, before its commit.
+    hang: Mutex<Option<Uuid>>,
+    hung: Notify,
 }
 
 impl Script {
@@ -124,6 +132,14 @@ impl outbox::Handler<sqlx::Sqlite> for Script {
             .entry(msg.message_id)
             .or_default()
             .push(msg.delivery_count);
+        let hang = {
+            let mut hang = self.hang.lock().unwrap();
+            *hang == Some(msg.message_id) && hang.take().is_some()
+        };
+        if hang {
+            self.hung.notify_one();
+            std::future::pending::<()>().await;
+        }
         if self.panic.lock().unwrap().contains(&msg.message_id) {
             panic!("scripted panic in the handler");
         }
@@ -536,12 +552,7 @@ async fn survives_a_crash_between_commit_and_ack<B: Broker>() {
     within("the commit", WAIT, reached).await;
     // Committed, not acknowledged: the process dies.
     assert_eq!(c.effects_of(m.message_id).await, 1);
-    runner.abort();
-    let _ = runner.await;
-    if let Some(proxy) = b.proxy() {
-        proxy.set_blocked(true);
-        proxy.set_blocked(false);
-    }
+    crash(&b, runner).await;
     let mut s = Settings::new();
     s.confirmations = Some(recorder.clone());
     let runner = b.spawn(s.clone_settings(), c.inbox.clone(), script.clone());
@@ -559,6 +570,99 @@ async fn survives_a_crash_between_commit_and_ack<B: Broker>() {
         script.deliveries(m.message_id).len(),
         1,
         "the handler ran again"
+    );
+}
+
+/// Abort `runner` as a dying process would end: its task dropped mid-await (an open inbox
+/// transaction rolls back with its connection) and its broker connections cut.
+async fn crash<B: Broker>(b: &B, runner: Runner) {
+    runner.abort();
+    let _ = runner.await;
+    if let Some(proxy) = b.proxy() {
+        proxy.set_blocked(true);
+        proxy.set_blocked(false);
+    }
+}
+
+async fn survives_crashes_in_an_inbox_batch<B: Broker>() {
+    let b = B::new().await;
+    let c = Consumer::new().await;
+    let script = Arc::new(Script::default());
+    let msgs: Vec<Message> = (0..24)
+        .map(|i| {
+            let mut m = message(None, &format!("{i:02}"));
+            m.headers.insert(HEADER_REPLY_TO.into(), "replies".into());
+            m
+        })
+        .collect();
+    publish(&b, &msgs).await;
+    let recorder = Arc::new(Recorder::default());
+    let settings = || {
+        let mut s = Settings::new();
+        s.inbox_batch = 16;
+        s.confirmations = Some(recorder.clone() as Arc<dyn ConfirmationSender>);
+        s
+    };
+
+    // 1. Death inside a batch's transaction: nothing of it is committed.
+    *script.hang.lock().unwrap() = Some(msgs[4].message_id);
+    let hung = script.hung.notified();
+    let s = settings();
+    let runner = b.spawn(s.clone_settings(), c.inbox.clone(), script.clone());
+    within("the handler of the fifth message", WAIT, hung).await;
+    crash(&b, runner).await;
+    assert!(
+        c.effects().await.is_empty(),
+        "a batch that never committed left effects"
+    );
+
+    // 2. Death after a batch's commit, before its acks (the first confirmation hangs).
+    recorder.hang_first.store(true, Ordering::SeqCst);
+    let reached = recorder.reached.notified();
+    let s = settings();
+    let runner = b.spawn(s.clone_settings(), c.inbox.clone(), script.clone());
+    within("a batch's commit", WAIT, reached).await;
+    let committed = c.effects().await.len();
+    crash(&b, runner).await;
+    assert!(
+        committed >= 2 && s.metrics.inbox_batches.load(Ordering::Relaxed) >= 1,
+        "the commit before the crash was not a batch ({committed} effects, {} batches)",
+        s.metrics.inbox_batches.load(Ordering::Relaxed)
+    );
+
+    // 3. The restart applies the rest and recognises the committed batch.
+    let s = settings();
+    let runner = b.spawn(s.clone_settings(), c.inbox.clone(), script.clone());
+    wait_until(
+        "every message confirmed",
+        Duration::from_secs(60),
+        || async {
+            msgs.iter()
+                .all(|m| !recorder.verdicts(m.message_id).is_empty())
+        },
+    )
+    .await;
+    stop(&s, runner).await;
+    for m in &msgs {
+        assert_eq!(
+            c.effects_of(m.message_id).await,
+            1,
+            "effects of {:?}",
+            String::from_utf8_lossy(&m.payload)
+        );
+        assert!(
+            recorder
+                .verdicts(m.message_id)
+                .iter()
+                .all(|v| *v == Verdict::Processed),
+            "verdicts of {:?}",
+            String::from_utf8_lossy(&m.payload)
+        );
+    }
+    assert!(
+        s.metrics.duplicates.load(Ordering::Relaxed) >= committed as u64,
+        "{} duplicates after the restart, {committed} messages committed but not acknowledged",
+        s.metrics.duplicates.load(Ordering::Relaxed)
     );
 }
 
@@ -689,6 +793,12 @@ macro_rules! conformance {
             async fn survives_a_crash_between_commit_and_ack() {
                 crate::init_tracing();
                 super::survives_a_crash_between_commit_and_ack::<$broker>().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn survives_crashes_in_an_inbox_batch() {
+                crate::init_tracing();
+                super::survives_crashes_in_an_inbox_batch::<$broker>().await;
             }
         }
     };
