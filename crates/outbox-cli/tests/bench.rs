@@ -250,6 +250,7 @@ async fn bench_consumes_on_rabbitmq_and_kafka() {
             .args(["--transport", &transport])
             .args(["--messages", &messages.to_string(), "--producers", "2"])
             .args(["--latency-duration", "2s", "--only", "consume,pipeline"])
+            .args(["--messages-per-transaction", "3"])
             .args(["--no-progress", "--json"])
             .arg(&json)
             .output()
@@ -274,10 +275,61 @@ async fn bench_consumes_on_rabbitmq_and_kafka() {
         positive(&r, "consume.2.inbox_batches");
         assert_eq!(r["pipeline"].as_array().unwrap().len(), 2, "{transport}");
         for i in 0..2 {
-            positive(&r, &format!("pipeline.{i}.messages"));
+            // Three messages per producer transaction, each applied once (the bench checks).
+            assert_eq!(
+                num(&r, &format!("pipeline.{i}.messages_per_transaction")),
+                3.0
+            );
+            let measured = positive(&r, &format!("pipeline.{i}.messages"));
+            assert_eq!(
+                measured % 3.0,
+                0.0,
+                "{transport}: whole transactions measured"
+            );
             positive(&r, &format!("pipeline.{i}.end_to_end_rate"));
         }
     }
+}
+
+/// The baselines on SQLite and MariaDB, the two databases where the relay's index set is part of
+/// what bounds it: the raw loop runs on a copy with only its claim index, then on a copy with
+/// every index of the relay's table too, and the relay drains the original; each drained every
+/// message (the bench checks), and the ratios of the same run are filled.
+#[tokio::test]
+async fn bench_runs_the_raw_loop_with_the_relays_indexes_on_sqlite_and_mariadb() {
+    drop(outbox_testkit::mysql_pool(1).await);
+    let dir = std::env::temp_dir().join(format!(
+        "outbox-bench-baselines-{:08x}",
+        rand::random::<u32>()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let sqlite = format!("sqlite://{}", dir.join("baseline.db").display());
+    for database in [sqlite, outbox_testkit::mysql_url()] {
+        let json = dir.join("report.json");
+        let out = Command::new(env!("CARGO_BIN_EXE_outbox"))
+            .args(["bench", "--database", &database, "--transport", "memory"])
+            .args(["--messages", "2000", "--only", "baseline,drain"])
+            .args(["--no-progress", "--json"])
+            .arg(&json)
+            .output()
+            .expect("run outbox bench");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success(),
+            "bench on {database} failed:\n{stdout}\n{stderr}"
+        );
+        assert!(
+            stdout.contains("the relay's indexes"),
+            "no row of the raw loop with the relay's indexes:\n{stdout}"
+        );
+        let r: Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+        assert_eq!(r["baseline_relay_indexes"]["name"], "raw-relay-indexes");
+        positive(&r, "baseline_relay_indexes.rate");
+        positive(&r, "baseline_relay_indexes.vs_naive");
+        positive(&r, "drain.vs_naive");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// The `databases` scenario: one relay group drains PostgreSQL twice over (two schemas of the
