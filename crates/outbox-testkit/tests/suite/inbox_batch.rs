@@ -2,7 +2,8 @@
 //! consumer runner calls with each fetched batch, on PostgreSQL: many messages per inbox
 //! transaction, and a message whose handler fails, rejects or panics in the middle of a batch
 //! costs the others nothing (each applied exactly once, per key in order), while the failing
-//! ones end as they would alone.
+//! ones end as they would alone; and, on each of the three databases, a batch's multi-row inbox
+//! insert tells new messages from recorded and repeated ones.
 
 use std::sync::Mutex;
 use std::sync::atomic::Ordering;
@@ -161,4 +162,126 @@ async fn deliver_batch_in_inbox_batches_isolates_failures_and_keeps_order() {
     assert_eq!(metrics.applied.load(Ordering::Relaxed), 78);
     assert_eq!(metrics.dead_lettered.load(Ordering::Relaxed), 1);
     fx.cleanup().await;
+}
+
+/// The batch's inbox rows go in multi-row statements on every database (PostgreSQL `unnest`,
+/// SQLite `VALUES … RETURNING`, MySQL/MariaDB `INSERT IGNORE … VALUES` after a savepoint, back to
+/// one row per message when some were recorded already). Through `deliver_batch`: a batch of new
+/// messages is applied in one transaction; a second batch mixing recorded messages, two copies
+/// of one new message and another new one applies only the new ones, once each, and answers
+/// the rest as duplicates. `count` runs a `SELECT COUNT(*)` on the database.
+async fn batch_recognises_recorded_and_repeated<DB>(
+    inbox: &Inbox<DB>,
+    effects: &str,
+    count: impl AsyncFn(String) -> i64,
+) where
+    DB: outbox::InboxBackend,
+    crate::inbox::EffectHandler: outbox::Handler<DB>,
+{
+    use crate::inbox::{EffectHandler, inbound};
+    let h = EffectHandler::new(effects);
+    let policy = DeliveryPolicy {
+        inbox_batch: 16,
+        ..DeliveryPolicy::default()
+    };
+    let metrics = ConsumerMetrics::default();
+    let m: Vec<InboundMessage> = (0..7).map(|_| inbound(Uuid::now_v7())).collect();
+    let d = deliver_batch(inbox, &h, &m[..5], 1, &policy, &metrics).await;
+    assert!(
+        d.iter().all(|d| *d == Disposition::Ack(Verdict::Processed)),
+        "{d:?}"
+    );
+    assert_eq!(metrics.inbox_batches.load(Ordering::Relaxed), 1);
+    assert_eq!(metrics.applied.load(Ordering::Relaxed), 5);
+
+    let second = [
+        m[2].clone(),
+        m[5].clone(),
+        m[5].clone(),
+        m[0].clone(),
+        m[6].clone(),
+    ];
+    let d = deliver_batch(inbox, &h, &second, 1, &policy, &metrics).await;
+    assert!(
+        d.iter().all(|d| *d == Disposition::Ack(Verdict::Processed)),
+        "{d:?}"
+    );
+    assert_eq!(metrics.inbox_batches.load(Ordering::Relaxed), 2);
+    assert_eq!(metrics.applied.load(Ordering::Relaxed), 7);
+    assert_eq!(metrics.duplicates.load(Ordering::Relaxed), 3);
+    assert_eq!(
+        h.calls.load(Ordering::SeqCst),
+        7,
+        "a duplicate ran the handler"
+    );
+    for msg in &m {
+        assert_eq!(
+            count(format!(
+                "SELECT COUNT(*) FROM {effects} WHERE message_id = '{}'",
+                msg.message_id
+            ))
+            .await,
+            1,
+            "effects of {}",
+            msg.message_id
+        );
+        assert_eq!(
+            count(format!(
+                "SELECT COUNT(*) FROM {} WHERE message_id = '{}'",
+                inbox.table(),
+                msg.message_id
+            ))
+            .await,
+            1,
+            "inbox rows of {}",
+            msg.message_id
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_batch_recognises_recorded_and_repeated_messages() {
+    let (fx, pool, effects) = crate::inbox::pg_with_effects().await;
+    let inbox = Inbox::<sqlx::Postgres>::new(pool.clone(), &fx.inbox_table(), "batched").unwrap();
+    inbox.migrate().await.unwrap();
+    batch_recognises_recorded_and_repeated(&inbox, &effects, async |sql| {
+        crate::inbox::pg_count(&pool, &sql).await
+    })
+    .await;
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_batch_recognises_recorded_and_repeated_messages() {
+    let fx = outbox_testkit::MySqlFixture::new().await;
+    let pool = fx.store.pool().clone();
+    let effects = format!("{}_effects", fx.table);
+    crate::inbox::mysql_effects(&pool, &effects).await;
+    let inbox = Inbox::<sqlx::MySql>::new(pool.clone(), &fx.inbox_table(), "batched").unwrap();
+    inbox.migrate().await.unwrap();
+    batch_recognises_recorded_and_repeated(&inbox, &effects, async |sql| {
+        crate::inbox::mysql_count(&pool, &sql).await
+    })
+    .await;
+    fx.exec(&format!("DROP TABLE IF EXISTS {effects}")).await;
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_batch_recognises_recorded_and_repeated_messages() {
+    let fx = outbox_testkit::SqliteFixture::new().await;
+    let pool = fx.store.pool().clone();
+    sqlx::query("CREATE TABLE effects (message_id TEXT NOT NULL, payload BLOB)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let inbox = Inbox::<sqlx::Sqlite>::new(pool.clone(), "outbox_inbox", "batched").unwrap();
+    inbox.migrate().await.unwrap();
+    batch_recognises_recorded_and_repeated(&inbox, "effects", async |sql| {
+        sqlx::query_scalar::<_, i64>(AssertSqlSafe(sql))
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    })
+    .await;
 }

@@ -37,9 +37,11 @@ pub struct InboxSql {
     /// Insert `consumer, message_id, topic, outcome (0 processed, 1 rejected), reason` unless
     /// the key `(consumer, message_id)` is present: one row affected when new, none when not.
     pub(crate) insert: Arc<str>,
-    /// Insert the rows of many messages at once, returning the message ids inserted, where the
-    /// dialect has such a statement (PostgreSQL: `consumer`, then arrays of message ids and
-    /// topics); `None` inserts one by one ([`InboxBackend::insert_many`]).
+    /// Insert the rows of many messages at once. PostgreSQL: the whole statement (`consumer`,
+    /// then arrays of message ids and topics; returns the ids inserted). MySQL/MariaDB and
+    /// SQLite: the statement up to its `VALUES` list, which [`values_rows`] completes (one
+    /// `(consumer, message_id, topic)` row per message). `None` inserts one by one
+    /// ([`InboxBackend::insert_many`]).
     pub(crate) insert_many: Option<Arc<str>>,
     /// `outcome, reason` of `consumer, message_id`.
     pub(crate) verdict: Arc<str>,
@@ -61,6 +63,16 @@ pub struct InboxSql {
     pub(crate) purge: Arc<str>,
 }
 
+/// Rows per multi-row inbox insert on MySQL/MariaDB and SQLite: 3 parameters each, well under
+/// both databases' limits on bound parameters (65,535 and 32,766).
+pub(crate) const INSERT_ROWS: usize = 1_000;
+
+/// `n` rows `(?, ?, ?, 0, NULL)` of a multi-row inbox insert (consumer, message id, topic; outcome
+/// processed, no reason).
+pub(crate) fn values_rows(n: usize) -> String {
+    vec!["(?, ?, ?, 0, NULL)"; n].join(", ")
+}
+
 /// The SQL a database needs for the inbox. Implemented for `sqlx::Postgres`, `sqlx::Sqlite` and
 /// `sqlx::MySql`; each method but [`InboxBackend::sql`] and [`InboxBackend::migrate`] is one
 /// statement of [`InboxSql`] on `conn` or `pool`.
@@ -78,7 +90,9 @@ pub trait InboxBackend: sqlx::Database {
     ) -> BoxFuture<'c, Result<bool, sqlx::Error>>;
     /// Insert the rows of `msgs` (outcome processed) unless present, in order: one `bool` per
     /// message, `true` when new (for two copies of one id in `msgs`, the first). Default:
-    /// [`InboxBackend::insert`] for each; PostgreSQL overrides it with one statement.
+    /// [`InboxBackend::insert`] for each; every dialect overrides it with multi-row statements
+    /// (PostgreSQL `unnest … RETURNING`, SQLite `VALUES … RETURNING`, MySQL/MariaDB
+    /// `INSERT IGNORE … VALUES` after a savepoint).
     fn insert_many<'c>(
         conn: &'c mut Self::Connection,
         sql: &'c InboxSql,

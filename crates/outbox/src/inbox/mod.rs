@@ -273,7 +273,9 @@ impl<DB: InboxBackend> Inbox<DB> {
     }
 
     /// Apply `batch` in **one** transaction, each message once: insert the batch's inbox rows
-    /// (one statement on PostgreSQL), then, in order, run `handler` for each message whose row
+    /// (multi-row statements: one on PostgreSQL, one per 1,000 rows on SQLite, and on
+    /// MySQL/MariaDB one per 1,000 rows after a savepoint, or one per message when some were
+    /// recorded already), then, in order, run `handler` for each message whose row
     /// is new (in that message's `outbox.consume` span, feature `otel`); commit once at the
     /// end. One commit (one WAL
     /// flush) for the batch instead of one per message is what makes a batched consumer fast.

@@ -5,7 +5,62 @@ use uuid::Uuid;
 use super::InboxSql;
 use crate::ident::TableName;
 
-super::backend::inbox_backend!(sqlx::MySql, sqlx::MySqlConnection, mysql);
+super::backend::inbox_backend!(
+    sqlx::MySql,
+    sqlx::MySqlConnection,
+    mysql,
+    insert_many = insert_many
+);
+
+/// The inbox rows of `msgs` in multi-row `INSERT IGNORE` statements (of up to
+/// [`INSERT_ROWS`](super::backend::INSERT_ROWS) rows) after a savepoint, two round trips for a
+/// batch of new messages instead of one per message. MySQL has no `RETURNING`: when the
+/// statements inserted a row for every distinct id, every message is new (the first of two
+/// copies of one id); when they inserted fewer (some messages were recorded already, or a
+/// concurrent copy committed first), the transaction goes back to the savepoint and inserts one
+/// row per message, which tells each one apart.
+async fn insert_many(
+    conn: &mut sqlx::MySqlConnection,
+    sql: &InboxSql,
+    consumer: &str,
+    msgs: &[&crate::InboundMessage],
+) -> Result<Vec<bool>, sqlx::Error> {
+    use sqlx::Executor as _;
+    let prefix = sql.insert_many.as_deref().expect("MySQL has insert_many");
+    let mut seen = std::collections::HashSet::new();
+    let first: Vec<bool> = msgs.iter().map(|m| seen.insert(m.message_id)).collect();
+    let distinct: Vec<&crate::InboundMessage> = msgs
+        .iter()
+        .zip(&first)
+        .filter_map(|(m, f)| f.then_some(*m))
+        .collect();
+    conn.execute("SAVEPOINT outbox_inbox_batch").await?;
+    let mut inserted = 0;
+    for chunk in distinct.chunks(super::backend::INSERT_ROWS) {
+        let statement = format!("{prefix} {}", super::backend::values_rows(chunk.len()));
+        let mut q = sqlx::query(sqlx::AssertSqlSafe(statement));
+        for m in chunk {
+            q = q
+                .bind(consumer)
+                .bind(message_id(m.message_id))
+                .bind(&m.topic);
+        }
+        inserted += q.execute(&mut *conn).await?.rows_affected();
+    }
+    if inserted == distinct.len() as u64 {
+        return Ok(first);
+    }
+    conn.execute("ROLLBACK TO SAVEPOINT outbox_inbox_batch")
+        .await?;
+    let mut fresh = Vec::with_capacity(msgs.len());
+    for m in msgs {
+        fresh.push(
+            <sqlx::MySql as super::InboxBackend>::insert(&mut *conn, sql, consumer, m, None)
+                .await?,
+        );
+    }
+    Ok(fresh)
+}
 
 /// MySQL stores message ids as `CHAR(36)`, hyphenated.
 fn message_id(id: Uuid) -> String {
@@ -23,7 +78,10 @@ fn sql(table: &TableName) -> InboxSql {
             "INSERT IGNORE INTO {t} (consumer, message_id, topic, outcome, reason) VALUES (?, ?, ?, ?, ?)"
         )
         .into(),
-        insert_many: None,
+        insert_many: Some(
+            format!("INSERT IGNORE INTO {t} (consumer, message_id, topic, outcome, reason) VALUES")
+                .into(),
+        ),
         verdict: format!("SELECT outcome, reason FROM {t} {by_key}").into(),
         insert_dead_letter: format!(
             "INSERT INTO {t}_dlq (consumer, message_id, topic, partition_key, headers, payload, error, deliveries) \

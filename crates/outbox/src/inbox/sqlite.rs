@@ -5,7 +5,43 @@ use uuid::Uuid;
 use super::InboxSql;
 use crate::ident::TableName;
 
-super::backend::inbox_backend!(sqlx::Sqlite, sqlx::SqliteConnection, sqlite);
+super::backend::inbox_backend!(
+    sqlx::Sqlite,
+    sqlx::SqliteConnection,
+    sqlite,
+    insert_many = insert_many
+);
+
+/// The inbox rows of `msgs` in multi-row inserts (of up to
+/// [`INSERT_ROWS`](super::backend::INSERT_ROWS) rows, `ON CONFLICT DO NOTHING RETURNING
+/// message_id`): which messages are new, the first of two copies of one id.
+async fn insert_many(
+    conn: &mut sqlx::SqliteConnection,
+    sql: &InboxSql,
+    consumer: &str,
+    msgs: &[&crate::InboundMessage],
+) -> Result<Vec<bool>, sqlx::Error> {
+    let prefix = sql.insert_many.as_deref().expect("SQLite has insert_many");
+    let mut new = std::collections::HashSet::new();
+    for chunk in msgs.chunks(super::backend::INSERT_ROWS) {
+        let statement = format!(
+            "{prefix} {} ON CONFLICT DO NOTHING RETURNING message_id",
+            super::backend::values_rows(chunk.len())
+        );
+        let mut q = sqlx::query_scalar::<_, String>(sqlx::AssertSqlSafe(statement));
+        for m in chunk {
+            q = q
+                .bind(consumer)
+                .bind(message_id(m.message_id))
+                .bind(&m.topic);
+        }
+        new.extend(q.fetch_all(&mut *conn).await?);
+    }
+    Ok(msgs
+        .iter()
+        .map(|m| new.remove(&message_id(m.message_id)))
+        .collect())
+}
 
 /// SQLite stores message ids as text.
 fn message_id(id: Uuid) -> String {
@@ -24,7 +60,10 @@ fn sql(table: &TableName) -> InboxSql {
              ON CONFLICT DO NOTHING"
         )
         .into(),
-        insert_many: None,
+        insert_many: Some(
+            format!("INSERT INTO {t} (consumer, message_id, topic, outcome, reason) VALUES")
+                .into(),
+        ),
         verdict: format!("SELECT outcome, reason FROM {t} {by_key}").into(),
         insert_dead_letter: format!(
             "INSERT INTO {t}_dlq (consumer, message_id, topic, partition_key, headers, payload, error, deliveries) \
