@@ -25,6 +25,31 @@ fn positive(v: &Value, path: &str) -> f64 {
     n
 }
 
+/// Run `outbox bench ARGS --no-progress --json FILE`; fails the test with its output unless it
+/// succeeded. Returns its standard output and the JSON report.
+fn run_bench(args: &[&str]) -> (String, Value) {
+    let json = std::env::temp_dir().join(format!(
+        "outbox-bench-run-{:08x}.json",
+        rand::random::<u32>()
+    ));
+    let out = Command::new(env!("CARGO_BIN_EXE_outbox"))
+        .arg("bench")
+        .args(args)
+        .args(["--no-progress", "--json"])
+        .arg(&json)
+        .output()
+        .expect("run outbox bench");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "outbox bench {args:?} failed:\n{stdout}\n{stderr}"
+    );
+    let r: Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&json);
+    (stdout, r)
+}
+
 #[tokio::test]
 async fn bench_runs_every_scenario_and_reports_each_section() {
     // A missing service fails here, naming its environment variable.
@@ -240,29 +265,23 @@ async fn bench_consumes_on_rabbitmq_and_kafka() {
         outbox_testkit::rabbitmq::rabbitmq_url(),
         outbox_testkit::kafka::kafka_url(),
     ] {
-        let json = std::env::temp_dir().join(format!(
-            "outbox-bench-consume-{:08x}.json",
-            rand::random::<u32>()
-        ));
         let messages = 1_000u64;
-        let out = Command::new(env!("CARGO_BIN_EXE_outbox"))
-            .args(["bench", "--database", &outbox_testkit::postgres_url()])
-            .args(["--transport", &transport])
-            .args(["--messages", &messages.to_string(), "--producers", "2"])
-            .args(["--latency-duration", "2s", "--only", "consume,pipeline"])
-            .args(["--messages-per-transaction", "3"])
-            .args(["--no-progress", "--json"])
-            .arg(&json)
-            .output()
-            .expect("run outbox bench");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(
-            out.status.success(),
-            "bench on {transport} failed:\n{stdout}\n{stderr}"
-        );
-        let r: Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
-        let _ = std::fs::remove_file(&json);
+        let (_, r) = run_bench(&[
+            "--database",
+            &outbox_testkit::postgres_url(),
+            "--transport",
+            &transport,
+            "--messages",
+            &messages.to_string(),
+            "--producers",
+            "2",
+            "--latency-duration",
+            "2s",
+            "--only",
+            "consume,pipeline",
+            "--messages-per-transaction",
+            "3",
+        ]);
         assert_eq!(r["consume"].as_array().unwrap().len(), 3, "{transport}");
         for i in 0..3 {
             assert_eq!(
@@ -305,25 +324,20 @@ async fn bench_runs_the_raw_loop_with_the_relays_indexes_on_sqlite_and_mariadb()
     std::fs::create_dir_all(&dir).unwrap();
     let sqlite = format!("sqlite://{}", dir.join("baseline.db").display());
     for database in [sqlite, outbox_testkit::mysql_url()] {
-        let json = dir.join("report.json");
-        let out = Command::new(env!("CARGO_BIN_EXE_outbox"))
-            .args(["bench", "--database", &database, "--transport", "memory"])
-            .args(["--messages", "2000", "--only", "baseline,drain"])
-            .args(["--no-progress", "--json"])
-            .arg(&json)
-            .output()
-            .expect("run outbox bench");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(
-            out.status.success(),
-            "bench on {database} failed:\n{stdout}\n{stderr}"
-        );
+        let (stdout, r) = run_bench(&[
+            "--database",
+            &database,
+            "--transport",
+            "memory",
+            "--messages",
+            "2000",
+            "--only",
+            "baseline,drain",
+        ]);
         assert!(
             stdout.contains("the relay's indexes"),
             "no row of the raw loop with the relay's indexes:\n{stdout}"
         );
-        let r: Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
         assert_eq!(r["baseline_relay_indexes"]["name"], "raw-relay-indexes");
         positive(&r, "baseline_relay_indexes.rate");
         positive(&r, "baseline_relay_indexes.vs_naive");

@@ -88,16 +88,29 @@ pub async fn pg_count(pool: &PgPool, sql: &str) -> i64 {
         .unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sqlite_duplicate_skips_handler_and_error_rolls_back() {
+/// A fresh SQLite fixture with an `effects` table and the migrated inbox `outbox_inbox` of
+/// `consumer`: the fixture (which keeps the file), its pool and the inbox.
+pub async fn sqlite_with_effects(
+    consumer: &str,
+) -> (
+    outbox_testkit::SqliteFixture,
+    sqlx::SqlitePool,
+    Inbox<sqlx::Sqlite>,
+) {
     let fx = outbox_testkit::SqliteFixture::new().await;
     let pool = fx.store.pool().clone();
     sqlx::query("CREATE TABLE effects (message_id TEXT NOT NULL, payload BLOB)")
         .execute(&pool)
         .await
         .unwrap();
-    let inbox = Inbox::<sqlx::Sqlite>::new(pool.clone(), "outbox_inbox", "billing").unwrap();
+    let inbox = Inbox::<sqlx::Sqlite>::new(pool.clone(), "outbox_inbox", consumer).unwrap();
     inbox.migrate().await.unwrap();
+    (fx, pool, inbox)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_duplicate_skips_handler_and_error_rolls_back() {
+    let (_fx, pool, inbox) = sqlite_with_effects("billing").await;
     let h = EffectHandler::new("effects");
     let m = inbound(Uuid::now_v7());
     assert_eq!(inbox.process(&m, &h).await.unwrap(), Processed::Applied);

@@ -269,14 +269,7 @@ async fn mysql_batch_recognises_recorded_and_repeated_messages() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_batch_recognises_recorded_and_repeated_messages() {
-    let fx = outbox_testkit::SqliteFixture::new().await;
-    let pool = fx.store.pool().clone();
-    sqlx::query("CREATE TABLE effects (message_id TEXT NOT NULL, payload BLOB)")
-        .execute(&pool)
-        .await
-        .unwrap();
-    let inbox = Inbox::<sqlx::Sqlite>::new(pool.clone(), "outbox_inbox", "batched").unwrap();
-    inbox.migrate().await.unwrap();
+    let (_fx, pool, inbox) = crate::inbox::sqlite_with_effects("batched").await;
     batch_recognises_recorded_and_repeated(&inbox, "effects", async |sql| {
         sqlx::query_scalar::<_, i64>(AssertSqlSafe(sql))
             .fetch_one(&pool)
