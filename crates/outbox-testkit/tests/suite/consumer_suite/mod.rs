@@ -17,9 +17,10 @@
 //!   connections cut) after the inbox commit and before the ack; the broker delivers the message
 //!   again, the inbox recognises it, the effect stays single and the verdict is confirmed again;
 //! - `survives_crashes_in_an_inbox_batch`: with `inbox_batch` 16, the consumer dies inside a
-//!   batch's transaction (its handler hangs on the batch's fifth message), then again after a
-//!   batch's commit and before its acks; after the second restart every message is applied once,
-//!   the committed batch comes back as duplicates and each message's verdict is confirmed;
+//!   batch's transaction (its handler hangs on the fifth message; what ran with it in that
+//!   transaction leaves nothing), then again after a commit and before its acks; after the
+//!   second restart every message is applied once, what was committed comes back as duplicates
+//!   and each message's verdict is confirmed;
 //! - `contains_a_panicking_handler`: a handler that panics on one message is contained: that
 //!   message is dead-lettered at `max_deliveries` with the panic as its error, the runner goes on,
 //!   and the messages behind it (its own key's included) are applied;
