@@ -148,7 +148,7 @@ impl Outbox {
 }
 
 /// Timings of one business transaction.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct TxTimes {
     /// The ids of the outbox messages the transaction enqueued (none, one, or more).
     pub message_ids: Vec<Uuid>,
