@@ -167,12 +167,12 @@ pub async fn prepare(db: &Db, src: &str, dst: &str, index: Index) -> anyhow::Res
             ]
         }
         (Dialect::Sqlite, Index::RelayIndexes) => {
-            let mut sql = vec![
-                format!("CREATE TABLE {dst} AS {select}"),
-                format!("CREATE UNIQUE INDEX {flat}_id ON {dst} (id)"),
-                format!("CREATE INDEX {flat}_claim ON {dst} {claim_index}"),
-            ];
-            sql.extend(sqlite_indexes(db, src, dst).await?);
+            // The table's own definition (its generated `bucket` and constraints), its
+            // indexes, the claim index, then the rows (`pragma_table_info` leaves the
+            // generated column out of `cols`).
+            let mut sql = sqlite_schema(db, src, dst).await?;
+            sql.push(format!("CREATE INDEX {flat}_claim ON {dst} {claim_index}"));
+            sql.push(format!("INSERT INTO {dst} ({}) {select}", cols.join(", ")));
             sql
         }
         (Dialect::MySql, _) => vec![format!(
