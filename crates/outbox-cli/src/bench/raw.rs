@@ -204,40 +204,47 @@ pub async fn prepare(db: &Db, src: &str, dst: &str, index: Index) -> anyhow::Res
     Ok(true)
 }
 
-/// `CREATE INDEX` statements giving SQLite table `dst` every index of `src`: each declared
-/// index's own text (partial ones keep their `WHERE`) on `dst` under a new name, and each index
-/// behind a `UNIQUE` constraint as a unique index of the same columns.
-async fn sqlite_indexes(db: &Db, src: &str, dst: &str) -> anyhow::Result<Vec<String>> {
+/// The statements that give SQLite table `dst` the definition of `src` (its `CREATE TABLE`
+/// text under the new name: columns, generated columns, constraints) and every index declared
+/// on it (each one's own text, partial ones keeping their `WHERE`, under a new name). Indexes
+/// behind constraints come with the table.
+async fn sqlite_schema(db: &Db, src: &str, dst: &str) -> anyhow::Result<Vec<String>> {
     let Pool::Lite(p) = &db.control else {
         bail!("not a SQLite database");
     };
-    let indexes: Vec<(String, bool, Option<String>, String)> = sqlx::query_as(
-        "SELECT il.name, il.\"unique\", m.sql, \
-                (SELECT group_concat(ii.name, ', ') FROM pragma_index_info(il.name) ii) \
-         FROM pragma_index_list(?1) il LEFT JOIN sqlite_master m ON m.name = il.name \
-         ORDER BY il.seq",
+    let objects: Vec<(String, String, String)> = sqlx::query_as(
+        "SELECT type, name, sql FROM sqlite_master \
+         WHERE tbl_name = ?1 AND type IN ('table', 'index') AND sql IS NOT NULL \
+         ORDER BY type = 'index', name",
     )
     .bind(src)
     .fetch_all(p)
     .await?;
+    let flat = dst.rsplit('.').next().unwrap_or(dst);
     let mut out = Vec::new();
-    for (k, (name, unique, sql, columns)) in indexes.into_iter().enumerate() {
-        let unique = if unique { "UNIQUE " } else { "" };
-        // `CREATE [UNIQUE] INDEX name ON table (columns) [WHERE …]`: keep from the `(`.
-        let tail = match &sql {
-            Some(sql) => {
-                let on = sql
-                    .find(" ON ")
-                    .with_context(|| format!("index {name}: no ON in {sql}"))?;
-                let open = sql[on..]
-                    .find('(')
-                    .with_context(|| format!("index {name}: no column list in {sql}"))?;
-                sql[on + open..].to_owned()
-            }
-            None => format!("({columns})"),
+    for (k, (kind, name, sql)) in objects.into_iter().enumerate() {
+        // `CREATE TABLE name (…)` / `CREATE [UNIQUE] INDEX name ON table (…) [WHERE …]`: keep
+        // from the `(` (of the column list, after `ON` for an index).
+        let from = if kind == "index" {
+            sql.find(" ON ")
+                .with_context(|| format!("index {name}: no ON in {sql}"))?
+        } else {
+            0
         };
-        let flat = dst.rsplit('.').next().unwrap_or(dst);
-        out.push(format!("CREATE {unique}INDEX {flat}_r{k} ON {dst} {tail}"));
+        let open = sql[from..]
+            .find('(')
+            .with_context(|| format!("{kind} {name}: no column list in {sql}"))?;
+        let tail = &sql[from + open..];
+        out.push(if kind == "index" {
+            let unique = if sql.to_ascii_uppercase().starts_with("CREATE UNIQUE") {
+                "UNIQUE "
+            } else {
+                ""
+            };
+            format!("CREATE {unique}INDEX {flat}_r{k} ON {dst} {tail}")
+        } else {
+            format!("CREATE TABLE {dst} {tail}")
+        });
     }
     Ok(out)
 }
