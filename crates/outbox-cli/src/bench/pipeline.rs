@@ -35,7 +35,8 @@ impl Bench {
         Ok(vec![max, half])
     }
 
-    /// One run of the pipeline at `offered` commits/s in total, or at the producers' maximum.
+    /// One run of the pipeline at `offered` messages/s in total (`offered` over
+    /// `--messages-per-transaction` transactions/s), or at the producers' maximum.
     async fn pipeline_run(
         &self,
         business: &str,
@@ -81,7 +82,7 @@ impl Bench {
                 &store,
                 business,
                 Wakeup::Embedded,
-                offered,
+                offered.map(|r| r / self.args.messages_per_transaction as f64),
                 self.args.messages_per_transaction,
                 &label.replace('_', " "),
                 || format!("{} applied", applied.count()),

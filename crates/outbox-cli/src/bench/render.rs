@@ -230,7 +230,7 @@ pub(super) fn render(r: &Report) -> String {
             format!(
                 "{}{}",
                 p.offered_rate.map_or("producers at max".into(), |r| {
-                    format!("paced at {}/s", fmt_count(r))
+                    format!("paced at {} msg/s", fmt_count(r))
                 }),
                 match p.messages_per_transaction {
                     1 => String::new(),

@@ -320,8 +320,9 @@ pub struct LatencyRun {
 /// One run of the `pipeline` scenario: producers → relay → broker → batched inbox consumer.
 #[derive(Debug, Clone, Serialize, Default)]
 pub struct PipelineRun {
-    /// Offered commit rate per second (half the run at the maximum's `end_to_end_rate`);
-    /// `None` for producers at their maximum.
+    /// Offered rate, messages per second (half the run at the maximum's `end_to_end_rate`;
+    /// the producers commit it over `messages_per_transaction` transactions); `None` for
+    /// producers at their maximum.
     pub offered_rate: Option<f64>,
     /// Producer tasks.
     pub producers: usize,
