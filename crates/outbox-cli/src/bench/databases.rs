@@ -91,9 +91,13 @@ pub(super) fn cpu_now() -> BTreeMap<String, f64> {
     out
 }
 
-/// The command name and user + system ticks of a `/proc/<pid>/stat` line
-/// (`"1234 (postgres) S 1 … utime stime …"`; the name may hold spaces and parentheses, so the
-/// fields are counted after the last `)`: utime and stime are the 12th and 13th).
+/// The command name and user + system ticks of a `/proc/<pid>/stat` line, the process's own and
+/// those of its children it has reaped (`"1234 (postgres) S 1 … utime stime cutime cstime …"`;
+/// the name may hold spaces and parentheses, so the fields are counted after the last `)`:
+/// utime, stime, cutime and cstime are the 12th to 15th). The children's part keeps a server's
+/// CPU whole when its workers exit during a measurement: a PostgreSQL backend that exits takes
+/// its ticks out of its own line and the postmaster, which reaps it, adds them to its `cutime`
+/// (without it a drain during which other connections closed could count less than nothing).
 fn parse_stat(stat: &str) -> Option<(&str, u64)> {
     let open = stat.find('(')?;
     let close = stat.rfind(')')?;
@@ -101,7 +105,9 @@ fn parse_stat(stat: &str) -> Option<(&str, u64)> {
     let fields: Vec<&str> = stat.get(close + 1..)?.split_whitespace().collect();
     let utime: u64 = fields.get(11)?.parse().ok()?;
     let stime: u64 = fields.get(12)?.parse().ok()?;
-    Some((comm, utime + stime))
+    let cutime: u64 = fields.get(13)?.parse().ok()?;
+    let cstime: u64 = fields.get(14)?.parse().ok()?;
+    Some((comm, utime + stime + cutime + cstime))
 }
 
 /// The database counts of the scenario: 1, 2, 4, … below `total`, then `total`.
@@ -284,6 +290,10 @@ mod tests {
         assert_eq!(parse_stat(odd), Some(("a b) c", 7)));
         assert_eq!(parse_stat("garbage"), None);
         assert_eq!(parse_stat("1 (x) S 1 2"), None);
+        // The reaped children's ticks count: a postmaster whose backends exited.
+        let postmaster = "99 (postgres) S 1 99 99 0 -1 4194560 300 0 0 0 10 5 700 40 20 0 1 0 1 \
+                          1000 10 18446744073709551615";
+        assert_eq!(parse_stat(postmaster), Some(("postgres", 755)));
     }
 
     #[test]
