@@ -40,9 +40,8 @@ pub struct InboxSql {
     /// Insert the rows of many messages at once. PostgreSQL: the whole statement (`consumer`,
     /// then arrays of message ids and topics; returns the ids inserted). MySQL/MariaDB and
     /// SQLite: the statement up to its `VALUES` list, which [`values_rows`] completes (one
-    /// `(consumer, message_id, topic)` row per message). `None` inserts one by one
-    /// ([`InboxBackend::insert_many`]).
-    pub(crate) insert_many: Option<Arc<str>>,
+    /// `(consumer, message_id, topic)` row per message).
+    pub(crate) insert_many: Arc<str>,
     /// `outcome, reason` of `consumer, message_id`.
     pub(crate) verdict: Arc<str>,
     /// Upsert the dead letter `consumer, message_id, topic, partition_key, headers (JSON text),
@@ -89,24 +88,15 @@ pub trait InboxBackend: sqlx::Database {
         rejected: Option<&'c str>,
     ) -> BoxFuture<'c, Result<bool, sqlx::Error>>;
     /// Insert the rows of `msgs` (outcome processed) unless present, in order: one `bool` per
-    /// message, `true` when new (for two copies of one id in `msgs`, the first). Default:
-    /// [`InboxBackend::insert`] for each; every dialect overrides it with multi-row statements
-    /// (PostgreSQL `unnest … RETURNING`, SQLite `VALUES … RETURNING`, MySQL/MariaDB
-    /// `INSERT IGNORE … VALUES` after a savepoint).
+    /// message, `true` when new (for two copies of one id in `msgs`, the first). Multi-row
+    /// statements: PostgreSQL `unnest … RETURNING`, SQLite `VALUES … RETURNING`, MySQL/MariaDB
+    /// `INSERT IGNORE … VALUES` after a savepoint.
     fn insert_many<'c>(
         conn: &'c mut Self::Connection,
         sql: &'c InboxSql,
         consumer: &'c str,
         msgs: &'c [&'c InboundMessage],
-    ) -> BoxFuture<'c, Result<Vec<bool>, sqlx::Error>> {
-        Box::pin(async move {
-            let mut fresh = Vec::with_capacity(msgs.len());
-            for m in msgs {
-                fresh.push(Self::insert(&mut *conn, sql, consumer, m, None).await?);
-            }
-            Ok(fresh)
-        })
-    }
+    ) -> BoxFuture<'c, Result<Vec<bool>, sqlx::Error>>;
     /// The recorded `(outcome, reason)`.
     fn verdict<'c>(
         pool: &'c Pool<Self>,
@@ -163,25 +153,23 @@ pub trait InboxBackend: sqlx::Database {
 /// module, from the module's `fn sql(&TableName) -> InboxSql` and `fn message_id(Uuid) -> T`
 /// (how the dialect binds a message id), migrating with `store::$dialect::migrations`.
 ///
-/// `insert_many = f` overrides [`InboxBackend::insert_many`] with the module's `f` (same
-/// signature).
+/// `insert_many = f` implements [`InboxBackend::insert_many`] with the module's `f` (same
+/// signature): the multi-row insert is the one statement each dialect writes differently.
 macro_rules! inbox_backend {
-    ($db:ty, $conn:ty, $dialect:ident $(, insert_many = $many:path)?) => {
+    ($db:ty, $conn:ty, $dialect:ident, insert_many = $many:path) => {
         impl $crate::inbox::InboxBackend for $db {
             fn sql(table: &$crate::ident::TableName) -> $crate::inbox::InboxSql {
                 sql(table)
             }
 
-            $(
-                fn insert_many<'c>(
-                    conn: &'c mut $conn,
-                    sql: &'c $crate::inbox::InboxSql,
-                    consumer: &'c str,
-                    msgs: &'c [&'c $crate::InboundMessage],
-                ) -> ::futures::future::BoxFuture<'c, Result<Vec<bool>, ::sqlx::Error>> {
-                    Box::pin($many(conn, sql, consumer, msgs))
-                }
-            )?
+            fn insert_many<'c>(
+                conn: &'c mut $conn,
+                sql: &'c $crate::inbox::InboxSql,
+                consumer: &'c str,
+                msgs: &'c [&'c $crate::InboundMessage],
+            ) -> ::futures::future::BoxFuture<'c, Result<Vec<bool>, ::sqlx::Error>> {
+                Box::pin($many(conn, sql, consumer, msgs))
+            }
 
             fn insert<'c>(
                 conn: &'c mut $conn,

@@ -26,7 +26,7 @@ async fn insert_many(
     msgs: &[&crate::InboundMessage],
 ) -> Result<Vec<bool>, sqlx::Error> {
     use sqlx::Executor as _;
-    let prefix = sql.insert_many.as_deref().expect("MySQL has insert_many");
+    let prefix = &*sql.insert_many;
     let mut seen = std::collections::HashSet::new();
     let first: Vec<bool> = msgs.iter().map(|m| seen.insert(m.message_id)).collect();
     let distinct: Vec<&crate::InboundMessage> = msgs
@@ -78,10 +78,7 @@ fn sql(table: &TableName) -> InboxSql {
             "INSERT IGNORE INTO {t} (consumer, message_id, topic, outcome, reason) VALUES (?, ?, ?, ?, ?)"
         )
         .into(),
-        insert_many: Some(
-            format!("INSERT IGNORE INTO {t} (consumer, message_id, topic, outcome, reason) VALUES")
-                .into(),
-        ),
+        insert_many: format!("INSERT IGNORE INTO {t} (consumer, message_id, topic, outcome, reason) VALUES").into(),
         verdict: format!("SELECT outcome, reason FROM {t} {by_key}").into(),
         insert_dead_letter: format!(
             "INSERT INTO {t}_dlq (consumer, message_id, topic, partition_key, headers, payload, error, deliveries) \

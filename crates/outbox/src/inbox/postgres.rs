@@ -20,13 +20,9 @@ async fn insert_many(
     consumer: &str,
     msgs: &[&crate::InboundMessage],
 ) -> Result<Vec<bool>, sqlx::Error> {
-    let statement = sql
-        .insert_many
-        .as_deref()
-        .expect("PostgreSQL has insert_many");
     let ids: Vec<Uuid> = msgs.iter().map(|m| m.message_id).collect();
     let topics: Vec<&str> = msgs.iter().map(|m| m.topic.as_str()).collect();
-    let inserted: Vec<Uuid> = sqlx::query_scalar(sqlx::AssertSqlSafe(statement))
+    let inserted: Vec<Uuid> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.insert_many.clone()))
         .bind(consumer)
         .bind(&ids)
         .bind(&topics)
@@ -50,14 +46,12 @@ fn sql(table: &TableName) -> InboxSql {
              ON CONFLICT DO NOTHING"
         )
         .into(),
-        insert_many: Some(
-            format!(
-                "INSERT INTO {t} (consumer, message_id, topic, outcome, reason) \
-                 SELECT $1, m, tp, 0, NULL FROM unnest($2::uuid[], $3::text[]) AS u(m, tp) \
-                 ON CONFLICT DO NOTHING RETURNING message_id"
-            )
-            .into(),
-        ),
+        insert_many: format!(
+            "INSERT INTO {t} (consumer, message_id, topic, outcome, reason) \
+             SELECT $1, m, tp, 0, NULL FROM unnest($2::uuid[], $3::text[]) AS u(m, tp) \
+             ON CONFLICT DO NOTHING RETURNING message_id"
+        )
+        .into(),
         verdict: format!("SELECT outcome::int8, reason FROM {t} {by_key}").into(),
         insert_dead_letter: format!(
             "INSERT INTO {t}_dlq (consumer, message_id, topic, partition_key, headers, payload, error, deliveries) \

@@ -21,7 +21,7 @@ async fn insert_many(
     consumer: &str,
     msgs: &[&crate::InboundMessage],
 ) -> Result<Vec<bool>, sqlx::Error> {
-    let prefix = sql.insert_many.as_deref().expect("SQLite has insert_many");
+    let prefix = &*sql.insert_many;
     let mut new = std::collections::HashSet::new();
     for chunk in msgs.chunks(super::backend::INSERT_ROWS) {
         let statement = format!(
@@ -60,10 +60,7 @@ fn sql(table: &TableName) -> InboxSql {
              ON CONFLICT DO NOTHING"
         )
         .into(),
-        insert_many: Some(
-            format!("INSERT INTO {t} (consumer, message_id, topic, outcome, reason) VALUES")
-                .into(),
-        ),
+        insert_many: format!("INSERT INTO {t} (consumer, message_id, topic, outcome, reason) VALUES").into(),
         verdict: format!("SELECT outcome, reason FROM {t} {by_key}").into(),
         insert_dead_letter: format!(
             "INSERT INTO {t}_dlq (consumer, message_id, topic, partition_key, headers, payload, error, deliveries) \
