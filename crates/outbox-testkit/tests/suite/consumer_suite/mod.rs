@@ -589,9 +589,11 @@ async fn survives_crashes_in_an_inbox_batch<B: Broker>() {
     let b = B::new().await;
     let c = Consumer::new().await;
     let script = Arc::new(Script::default());
+    // One partition key: in order on every broker (one Kafka partition, one lane), so the four
+    // messages before the fifth reach the handler before it.
     let msgs: Vec<Message> = (0..24)
         .map(|i| {
-            let mut m = message(None, &format!("{i:02}"));
+            let mut m = message(Some("batch"), &format!("{i:02}"));
             m.headers.insert(HEADER_REPLY_TO.into(), "replies".into());
             m
         })
@@ -613,8 +615,8 @@ async fn survives_crashes_in_an_inbox_batch<B: Broker>() {
     within("the handler of the fifth message", WAIT, hung).await;
     crash(&b, runner).await;
     assert_eq!(c.effects_of(msgs[4].message_id).await, 0);
-    // One lane: the four before it ran first, in its batch or in batches of their own that
-    // committed. Those of its batch left nothing.
+    // The four before it ran first, in its batch or in batches of their own that committed.
+    // Those of its batch left nothing.
     let mut rolled_back = 0;
     for m in &msgs[..4] {
         assert!(!script.deliveries(m.message_id).is_empty());
