@@ -645,6 +645,12 @@ pub(crate) async fn shutdown_signal() {
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
+    if !matches!(
+        cli.command,
+        Command::Relay { .. } | Command::Admin(_) | Command::Demo(_) | Command::Bench(_)
+    ) {
+        quiet_on_closed_pipe();
+    }
     // The demo and the bench draw progress bars: only warnings unless RUST_LOG says otherwise.
     let default_filter = match cli.command {
         Command::Demo(_) => "warn",
@@ -771,6 +777,20 @@ async fn main() -> std::process::ExitCode {
             eprintln!("error: {e:#}");
             std::process::ExitCode::FAILURE
         }
+    }
+}
+
+/// A one-shot command whose reader goes away (`outbox status --json | head -1`) ends as
+/// coreutils do, killed quietly by `SIGPIPE`, instead of panicking in `println!` on "Broken
+/// pipe": Rust's runtime ignores `SIGPIPE`, this puts its default action back. The long-running
+/// commands (the relay, the admin server, the demo, the bench) keep ignoring it, so a closed log
+/// pipe never kills a relay; they print nothing on stdout once running.
+fn quiet_on_closed_pipe() {
+    #[cfg(unix)]
+    // SAFETY: `signal` with `SIG_DFL` installs no handler (no code runs in signal context); the
+    // disposition is process-wide and set before any command prints.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
 }
 

@@ -211,6 +211,27 @@ fn status_of_a_configuration_shows_every_database_and_names_the_unreachable() {
     let e = dbs[2]["error"].as_str().unwrap();
     assert!(e.contains("cannot open mysql://root@127.0.0.1"), "{e}");
 
+    // A reader that went away (`outbox status --json | head -0`) ends the command quietly,
+    // killed by SIGPIPE as coreutils are, not with a panic on "Broken pipe" (exit 101). The
+    // pipe's reading end is closed before the command starts, so its first write fails.
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let out = outbox()
+        .env_remove("OUTBOX_DATABASE_URL")
+        .args(["status", "--json", "--config"])
+        .arg(&all_up)
+        .stdout(writer)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&out.status),
+        Some(libc::SIGPIPE),
+        "killed by SIGPIPE: {:?} {stderr}",
+        out.status
+    );
+
     // The file is checked as `outbox relay` checks it: two databases of one name are refused.
     let twice = f.dir.join("twice.toml");
     std::fs::write(
