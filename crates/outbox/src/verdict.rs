@@ -177,6 +177,19 @@ pub trait ConfirmationSender: Send + Sync + 'static {
     /// A [`TransportError`]; the runner logs and counts it, and the producer's check-back recovers.
     async fn send(&self, reply_to: &str, confirmation: &Confirmation)
     -> Result<(), TransportError>;
+
+    /// Send `confirmations`, all to `reply_to`: one result per confirmation, in order. The
+    /// batched inbox (`runner.inbox_batch` above 1, the webhook receiver's group commit) sends a
+    /// committed batch's confirmations through this. Default: [`ConfirmationSender::send`] for
+    /// each, concurrently; the webhook sender posts them as one JSON array (one request, and one
+    /// transaction on the producer's side).
+    async fn send_all(
+        &self,
+        reply_to: &str,
+        confirmations: &[Confirmation],
+    ) -> Vec<Result<(), TransportError>> {
+        futures::future::join_all(confirmations.iter().map(|c| self.send(reply_to, c))).await
+    }
 }
 
 /// Parse a confirmation body: one JSON object or an array of them.

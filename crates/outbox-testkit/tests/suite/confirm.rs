@@ -84,6 +84,8 @@ pub struct FaultySender {
     pub lost: AtomicU64,
     /// Confirmations passed on.
     pub sent: Mutex<Vec<Confirmation>>,
+    /// `send_all` calls that passed on more than one confirmation at once.
+    pub together: AtomicU64,
 }
 
 impl FaultySender {
@@ -95,6 +97,7 @@ impl FaultySender {
             hung: tokio::sync::Notify::new(),
             lost: AtomicU64::new(0),
             sent: Mutex::default(),
+            together: AtomicU64::new(0),
         })
     }
 
@@ -123,6 +126,45 @@ impl ConfirmationSender for FaultySender {
         self.inner.send(reply_to, c).await?;
         self.sent.lock().unwrap().push(c.clone());
         Ok(())
+    }
+
+    /// Loses as `send` does; passes the rest on through the inner sender's `send_all`.
+    async fn send_all(
+        &self,
+        reply_to: &str,
+        cs: &[Confirmation],
+    ) -> Vec<Result<(), TransportError>> {
+        let lost: Vec<bool> = cs
+            .iter()
+            .map(|c| self.lose.lock().unwrap().remove(&c.message_id))
+            .collect();
+        let kept: Vec<Confirmation> = cs
+            .iter()
+            .zip(&lost)
+            .filter(|(_, l)| !**l)
+            .map(|(c, _)| c.clone())
+            .collect();
+        self.lost
+            .fetch_add((cs.len() - kept.len()) as u64, Ordering::SeqCst);
+        if kept.len() > 1 {
+            self.together.fetch_add(1, Ordering::SeqCst);
+        }
+        let results = self.inner.send_all(reply_to, &kept).await;
+        for (c, r) in kept.iter().zip(&results) {
+            if r.is_ok() {
+                self.sent.lock().unwrap().push(c.clone());
+            }
+        }
+        let mut results = results.into_iter();
+        lost.iter()
+            .map(|l| {
+                if *l {
+                    Ok(())
+                } else {
+                    results.next().unwrap_or(Ok(()))
+                }
+            })
+            .collect()
     }
 }
 
@@ -577,6 +619,27 @@ async fn nats_poison_messages_dead_lettered_and_replayed() {
 /// the effect once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn webhook_sqlite_confirmed_rejected_and_lost_confirmation() {
+    webhook_sqlite_confirmations(1).await;
+}
+
+/// As above with the receiver's group commit (`inbox_batch` 16): the requests the relay posts
+/// at once are applied in shared inbox transactions, and each group's confirmations go to the
+/// producer's endpoint as one JSON array (`WebhookConfirmationSender::send_all`), applied there
+/// in one transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn webhook_sqlite_group_commit_confirms_each_group_in_one_request() {
+    let (sender, metrics) = webhook_sqlite_confirmations(16).await;
+    assert!(
+        sender.together.load(Ordering::SeqCst) >= 1,
+        "no group's confirmations went out together"
+    );
+    assert!(metrics.inbox_batches.load(Ordering::Relaxed) >= 1);
+}
+
+/// The body of the two tests above: returns the confirmation sender and the consumer's metrics.
+async fn webhook_sqlite_confirmations(
+    inbox_batch: usize,
+) -> (Arc<FaultySender>, Arc<ConsumerMetrics>) {
     crate::init_tracing();
     let producer = SqliteFixture::new().await;
     let consumer_db = SqliteFixture::new().await;
@@ -613,7 +676,7 @@ async fn webhook_sqlite_confirmed_rejected_and_lost_confirmation() {
         max_deliveries: 3,
         retry: fast_retry(),
         confirmations: Some(sender.clone()),
-        inbox_batch: 1,
+        inbox_batch,
     };
     let app = outbox::consumer::webhook::router_with(
         "/in",
@@ -719,6 +782,7 @@ async fn webhook_sqlite_confirmed_rejected_and_lost_confirmation() {
 
     relay.shutdown().await.unwrap();
     shutdown.cancel();
+    (sender, metrics)
 }
 
 /// Finding D2 (docs/lease-model.md) through the relay: a message acknowledged at its last

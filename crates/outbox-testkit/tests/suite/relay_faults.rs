@@ -472,6 +472,53 @@ impl outbox::Handler<sqlx::Sqlite> for FailingHandler {
     }
 }
 
+/// Serve the production webhook receiver of `inbox` at `/in` (3 deliveries before a dead
+/// letter, retries `retry_ms` apart, up to `inbox_batch` messages per inbox transaction) until
+/// the returned token is cancelled: its URL, the token and its metrics.
+async fn serve_receiver<H: outbox::Handler<sqlx::Sqlite>>(
+    inbox: Inbox<sqlx::Sqlite>,
+    handler: Arc<H>,
+    retry_ms: u64,
+    inbox_batch: usize,
+) -> (
+    String,
+    CancellationToken,
+    Arc<outbox::consumer::ConsumerMetrics>,
+) {
+    let retry = Duration::from_millis(retry_ms);
+    let policy = outbox::consumer::DeliveryPolicy {
+        max_deliveries: 3,
+        retry: Backoff {
+            base: retry,
+            factor: 1.0,
+            max: retry,
+            jitter: 0.0,
+        },
+        confirmations: None,
+        inbox_batch,
+    };
+    let metrics = Arc::new(outbox::consumer::ConsumerMetrics::default());
+    let app = outbox::consumer::webhook::router_with(
+        "/in",
+        inbox,
+        handler,
+        None,
+        metrics.clone(),
+        policy,
+    )
+    .unwrap();
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/in", l.local_addr().unwrap());
+    let stop = CancellationToken::new();
+    let s = stop.clone();
+    tokio::spawn(async move {
+        axum::serve(l, app)
+            .with_graceful_shutdown(async move { s.cancelled().await })
+            .await
+    });
+    (url, stop, metrics)
+}
+
 /// Item 11: through the real relay (PostgreSQL) and the webhook consumer (SQLite inbox), the
 /// first delivery carries `outbox-attempt: 1`, each retry one more, and the consumer with
 /// `max_deliveries = 3` dead-letters at the third delivery. Before: the first delivery said 0,
@@ -489,35 +536,7 @@ async fn defect_11_attempt_header_counts_from_one() {
     .unwrap();
     inbox.migrate().await.unwrap();
     let handler = Arc::new(FailingHandler::default());
-    let policy = outbox::consumer::DeliveryPolicy {
-        max_deliveries: 3,
-        retry: Backoff {
-            base: Duration::from_millis(50),
-            factor: 1.0,
-            max: Duration::from_millis(50),
-            jitter: 0.0,
-        },
-        confirmations: None,
-        inbox_batch: 1,
-    };
-    let app = outbox::consumer::webhook::router_with(
-        "/in",
-        inbox.clone(),
-        handler.clone(),
-        None,
-        Arc::new(outbox::consumer::ConsumerMetrics::default()),
-        policy,
-    )
-    .unwrap();
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap();
-    let stop = CancellationToken::new();
-    let s = stop.clone();
-    tokio::spawn(async move {
-        axum::serve(l, app)
-            .with_graceful_shutdown(async move { s.cancelled().await })
-            .await
-    });
+    let (url, stop, _) = serve_receiver(inbox.clone(), handler.clone(), 50, 1).await;
     let ids = fx
         .enqueue_commit(vec![
             NewMessage::new("orders", "ok"),
@@ -527,7 +546,7 @@ async fn defect_11_attempt_header_counts_from_one() {
         .unwrap();
     let relay = relay_to_webhook(
         &fx,
-        webhook(&format!("http://{addr}/in"), Duration::from_secs(5), 8),
+        webhook(&url, Duration::from_secs(5), 8),
         fast_config("attempts"),
     )
     .spawn();
@@ -560,6 +579,102 @@ async fn defect_11_attempt_header_counts_from_one() {
     assert_eq!(fx.row(ids[0]).await.attempts, 1);
     relay.shutdown().await.unwrap();
     stop.cancel();
+    fx.cleanup().await;
+    consumer_db.cleanup().await;
+}
+
+/// Writes each message's effect into `effects` on the inbox's connection, then fails a payload
+/// `fail` transiently and panics on a payload `panic` (both after their effect, which must roll
+/// back).
+#[derive(Default)]
+struct GroupedHandler {
+    calls: AtomicUsize,
+}
+
+#[async_trait]
+impl outbox::Handler<sqlx::Sqlite> for GroupedHandler {
+    async fn handle(
+        &self,
+        conn: &mut sqlx::SqliteConnection,
+        msg: &InboundMessage,
+    ) -> Result<(), HandlerError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        sqlx::query("INSERT INTO effects (message_id, payload) VALUES (?1, ?2)")
+            .bind(msg.message_id.to_string())
+            .bind(&msg.payload)
+            .execute(&mut *conn)
+            .await
+            .map_err(HandlerError::transient)?;
+        match &msg.payload[..] {
+            b"fail" => Err(HandlerError::transient("always failing")),
+            b"panic" => panic!("scripted panic after the effect"),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Group commit of the webhook receiver (`inbox_batch` 32): the production relay (PostgreSQL)
+/// posts 300 messages with 64 requests in flight to the production router (SQLite inbox); the
+/// requests that arrive while a transaction runs are applied together in the next. Every message
+/// has exactly one effect, at far fewer transactions than messages; a message whose handler
+/// fails or panics inside a group costs the others nothing, leaves no effect and is
+/// dead-lettered at its third delivery (answered 200 then), so every row ends SENT.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhook_group_commit_applies_concurrent_requests_together_and_isolates_failures() {
+    crate::init_tracing();
+    let fx = PgFixture::new().await;
+    let (consumer_db, pool, inbox) = crate::inbox::sqlite_with_effects("grouped").await;
+    let handler = Arc::new(GroupedHandler::default());
+    let (url, stop, metrics) = serve_receiver(inbox.clone(), handler, 20, 32).await;
+    let mut msgs = batch_of(300, "g");
+    msgs.insert(100, NewMessage::new("orders", "fail"));
+    msgs.insert(200, NewMessage::new("orders", "panic"));
+    let (fail, panicked) = (msgs[100].message_id(), msgs[200].message_id());
+    fx.enqueue_commit(msgs).await.unwrap();
+    let relay = relay_to_webhook(
+        &fx,
+        webhook(&url, Duration::from_secs(5), 64),
+        fast_config("grouped"),
+    )
+    .spawn();
+    wait_all_status(&fx, Status::Sent, Duration::from_secs(60)).await;
+    relay.shutdown().await.unwrap();
+    stop.cancel();
+
+    let effects: Vec<(String, i64)> =
+        sqlx::query_as("SELECT message_id, COUNT(*) FROM effects GROUP BY message_id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(effects.len(), 300, "one effect per message that succeeds");
+    assert!(
+        effects.iter().all(|(_, n)| *n == 1),
+        "a message applied twice: {effects:?}"
+    );
+    for id in [fail, panicked] {
+        assert!(
+            !effects.iter().any(|(e, _)| *e == id.to_string()),
+            "the effect of {id} was not rolled back"
+        );
+    }
+    let mut dead: Vec<(Uuid, u32)> = inbox
+        .dead_letters(10)
+        .await
+        .unwrap()
+        .iter()
+        .map(|d| (d.message.message_id, d.deliveries))
+        .collect();
+    dead.sort();
+    let mut want = vec![(fail, 3), (panicked, 3)];
+    want.sort();
+    assert_eq!(dead, want, "the failing messages end dead-lettered");
+    let batches = metrics.inbox_batches.load(Ordering::Relaxed);
+    let applied = metrics.applied.load(Ordering::Relaxed);
+    assert_eq!(applied, 300, "applied counter");
+    assert!(
+        batches > 0 && batches < 150,
+        "300 messages in {batches} multi-message transactions: the requests were not grouped"
+    );
     fx.cleanup().await;
     consumer_db.cleanup().await;
 }

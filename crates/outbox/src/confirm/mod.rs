@@ -394,14 +394,14 @@ pub mod webhook {
         }
     }
 
-    #[async_trait]
-    impl ConfirmationSender for WebhookConfirmationSender {
-        async fn send(&self, reply_to: &str, c: &Confirmation) -> Result<(), TransportError> {
+    impl WebhookConfirmationSender {
+        /// `POST` `body` (one confirmation or an array of them) to `reply_to`.
+        async fn post(&self, reply_to: &str, body: Vec<u8>) -> Result<(), TransportError> {
             let resp = self
                 .client
                 .post(reply_to)
                 .header("content-type", "application/json")
-                .body(serde_json::to_vec(c).expect("confirmation serializes"))
+                .body(body)
                 .send()
                 .await
                 .map_err(|e| {
@@ -415,6 +415,39 @@ pub mod webhook {
                     resp.status()
                 )))
             }
+        }
+    }
+
+    #[async_trait]
+    impl ConfirmationSender for WebhookConfirmationSender {
+        async fn send(&self, reply_to: &str, c: &Confirmation) -> Result<(), TransportError> {
+            self.post(
+                reply_to,
+                serde_json::to_vec(c).expect("confirmation serializes"),
+            )
+            .await
+        }
+
+        /// One request with a JSON array ([`router`] applies it in one transaction): every
+        /// confirmation shares its result.
+        async fn send_all(
+            &self,
+            reply_to: &str,
+            cs: &[Confirmation],
+        ) -> Vec<Result<(), TransportError>> {
+            if cs.is_empty() {
+                return Vec::new();
+            }
+            let r = self
+                .post(
+                    reply_to,
+                    serde_json::to_vec(cs).expect("confirmations serialize"),
+                )
+                .await
+                .map_err(|e| e.report());
+            cs.iter()
+                .map(|_| r.clone().map_err(TransportError::retryable))
+                .collect()
         }
     }
 

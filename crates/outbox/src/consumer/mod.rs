@@ -33,7 +33,7 @@ use tokio_util::sync::CancellationToken;
 use futures::FutureExt;
 use tracing::Instrument;
 
-use crate::error::{HandlerError, InboxError};
+use crate::error::{HandlerError, InboxError, TransportError};
 use crate::histogram::{Histogram, Seconds};
 use crate::inbox::{BatchOutcome, Handler, Inbox, InboxBackend, Processed};
 use crate::message::InboundMessage;
@@ -233,7 +233,8 @@ pub struct DeliveryPolicy {
     /// Where confirmations go out; `None` sends none. Default none.
     pub confirmations: Option<Arc<dyn ConfirmationSender>>,
     /// Most messages of a lane in one inbox transaction ([`deliver_batch`];
-    /// [`RunnerSettings::inbox_batch`]). Default 1; 0 is treated as 1.
+    /// [`RunnerSettings::inbox_batch`]); for the webhook receiver, above 1 turns on group
+    /// commit of concurrent requests ([`webhook`]). Default 1; 0 is treated as 1.
     pub inbox_batch: usize,
 }
 
@@ -510,6 +511,7 @@ where
     metrics.inbox_batches.fetch_add(1, Ordering::Relaxed);
     let elapsed = started.elapsed();
     let mut out = Vec::with_capacity(msgs.len());
+    let mut to_confirm = Vec::new();
     for (msg, p) in msgs.iter().zip(processed) {
         metrics.handler_duration.observe_duration(elapsed);
         let verdict = match p {
@@ -536,12 +538,63 @@ where
                 Verdict::Rejected { reason }
             }
         };
-        confirm(inbox.consumer(), msg, &verdict, policy, metrics).await;
+        to_confirm.push((*msg, verdict.clone()));
         out.push(Disposition::Ack(verdict));
     }
+    confirm_all(inbox.consumer(), &to_confirm, policy, metrics).await;
     Ok(out)
 }
 
+/// Send the confirmations of a committed batch that ask for one, with one
+/// [`ConfirmationSender::send_all`] per reply destination, concurrently (a batch's messages
+/// usually share one: one request or publish round instead of one per message).
+async fn confirm_all(
+    consumer: &str,
+    verdicts: &[(&InboundMessage, Verdict)],
+    policy: &DeliveryPolicy,
+    metrics: &ConsumerMetrics,
+) {
+    let Some(sender) = &policy.confirmations else {
+        return;
+    };
+    let mut by_reply_to: Vec<(&str, Vec<Confirmation>)> = Vec::new();
+    for (msg, verdict) in verdicts {
+        let Some(reply_to) = msg.headers.get(HEADER_REPLY_TO) else {
+            continue;
+        };
+        let mut c = Confirmation::new(msg.message_id, consumer, verdict.clone());
+        (c.traceparent, c.tracestate) = crate::otel::current_context();
+        match by_reply_to.iter_mut().find(|(r, _)| r == reply_to) {
+            Some((_, cs)) => cs.push(c),
+            None => by_reply_to.push((reply_to, vec![c])),
+        }
+    }
+    let sends = by_reply_to
+        .iter()
+        .map(|(reply_to, cs)| async move { (*reply_to, sender.send_all(reply_to, cs).await) });
+    for (reply_to, results) in futures::future::join_all(sends).await {
+        for r in results {
+            count_sent(r, reply_to, metrics);
+        }
+    }
+}
+
+/// Count a confirmation's send in `metrics`, logging a failure (the producer's check-back
+/// recovers the confirmation).
+fn count_sent(r: Result<(), TransportError>, reply_to: &str, metrics: &ConsumerMetrics) {
+    match r {
+        Ok(()) => metrics.confirmations_sent.fetch_add(1, Ordering::Relaxed),
+        Err(e) => {
+            tracing::warn!(error = %e.report(), reply_to, "confirmation not sent; the producer's check-back will ask again");
+            metrics
+                .confirmation_failures
+                .fetch_add(1, Ordering::Relaxed)
+        }
+    };
+}
+
+/// Send `msg`'s confirmation when it asks for one and `policy` has a sender: one
+/// [`ConfirmationSender::send`] (a single JSON object on the webhook sender).
 async fn confirm(
     consumer: &str,
     msg: &InboundMessage,
@@ -555,15 +608,7 @@ async fn confirm(
     };
     let mut c = Confirmation::new(msg.message_id, consumer, verdict.clone());
     (c.traceparent, c.tracestate) = crate::otel::current_context();
-    match sender.send(reply_to, &c).await {
-        Ok(()) => metrics.confirmations_sent.fetch_add(1, Ordering::Relaxed),
-        Err(e) => {
-            tracing::warn!(error = %e.report(), reply_to, "confirmation not sent; the producer's check-back will ask again");
-            metrics
-                .confirmation_failures
-                .fetch_add(1, Ordering::Relaxed)
-        }
-    };
+    count_sent(sender.send(reply_to, &c).await, reply_to, metrics);
 }
 
 /// Consumer maintenance until `cancel`: every `interval`, run the dead letters an operator asked

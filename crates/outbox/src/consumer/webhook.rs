@@ -11,9 +11,23 @@
 //!
 //! Run [`maintenance`](crate::consumer::maintenance) beside the server for operator replays and
 //! inbox retention.
+//!
+//! **Group commit** ([`DeliveryPolicy::inbox_batch`] above 1): each request carries one message,
+//! so the router groups the requests that arrive while an inbox transaction runs and applies
+//! them in the next one ([`deliver_batch`], one lane, up to `inbox_batch` messages per
+//! transaction), then answers each request with its own message's outcome. A lone request is
+//! applied at once, as without grouping; under load one transaction serves many requests (on
+//! SQLite's single writer, one transaction per request is what bounds a webhook receiver). The
+//! batch's rules apply: a message whose handler fails, rejects or panics costs the others nothing
+//! (they commit without it and it ends as it would alone), and a later message of a key whose
+//! earlier message must be retried is answered `503` with it. Handlers of one group run one after
+//! another in one transaction: a handler that waits on a remote call waits for the whole group,
+//! so keep `inbox_batch` at 1 (every request in its own transaction, concurrently) for such
+//! handlers. A request whose client hangs up is still applied; a panic outside the handlers (a
+//! confirmation sender, say) answers `500` to the requests of its group, which the relay retries.
 
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use axum::Router;
@@ -22,7 +36,10 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
 
-use crate::consumer::{ConsumerMetrics, DeliveryPolicy, Disposition, deliver};
+use futures::FutureExt as _;
+use tokio::sync::oneshot;
+
+use crate::consumer::{ConsumerMetrics, DeliveryPolicy, Disposition, deliver, deliver_batch};
 use crate::error::ConfigError;
 use crate::inbox::{Handler, Inbox, InboxBackend};
 use crate::message::{HEADER_MESSAGE_ID, HEADER_TOPIC, Headers, InboundMessage};
@@ -35,6 +52,17 @@ struct AppState<DB: InboxBackend, H: ?Sized + 'static> {
     signer: Option<WebhookSigner>,
     metrics: Arc<ConsumerMetrics>,
     policy: DeliveryPolicy,
+    /// Requests waiting for the next inbox transaction (group commit).
+    pending: Mutex<Pending>,
+}
+
+/// The requests of the next group: each message with where its outcome goes, and whether a
+/// task is applying groups now (it takes the next group when its transaction ends, and stops
+/// when none is waiting).
+#[derive(Default)]
+struct Pending {
+    queue: Vec<(InboundMessage, oneshot::Sender<Disposition>)>,
+    draining: bool,
 }
 
 /// An axum router that accepts deliveries at `path` (see the module docs).
@@ -85,6 +113,7 @@ where
         signer,
         metrics,
         policy,
+        pending: Mutex::default(),
     });
     Ok(Router::new()
         .route(path, post(receive::<DB, H>))
@@ -110,34 +139,107 @@ where
             return (status, reason);
         }
     };
-    // Processed on its own task: a client that hangs up mid-request (a relay crash, a timeout)
-    // must not cancel the inbox transaction or the counters half-way.
-    let task = tokio::spawn(async move {
-        match deliver(
+    let disposition = if state.policy.inbox_batch > 1 {
+        grouped(&state, msg).await
+    } else {
+        // Processed on its own task: a client that hangs up mid-request (a relay crash, a
+        // timeout) must not cancel the inbox transaction or the counters half-way.
+        let state = state.clone();
+        tokio::spawn(async move {
+            deliver(
+                &state.inbox,
+                state.handler.as_ref(),
+                &msg,
+                &state.policy,
+                &state.metrics,
+            )
+            .await
+        })
+        .await
+        .map_err(|e| format!("handler task failed: {e}"))
+    };
+    match disposition {
+        Ok(Disposition::Ack(Verdict::Processed)) => (StatusCode::OK, "processed".to_owned()),
+        Ok(Disposition::Ack(Verdict::Rejected { reason })) => {
+            (StatusCode::OK, format!("rejected: {reason}"))
+        }
+        Ok(Disposition::Retry(delay)) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not applied; retry in {} ms", delay.as_millis()),
+        ),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e),
+    }
+}
+
+/// Queue `msg` for the next group and wait for its outcome, starting the task that applies
+/// groups when none runs (see the module docs).
+///
+/// # Errors
+/// The reason when the group's task failed before deciding (a panic outside the handlers).
+async fn grouped<DB, H>(
+    state: &Arc<AppState<DB, H>>,
+    msg: InboundMessage,
+) -> Result<Disposition, String>
+where
+    DB: InboxBackend,
+    H: Handler<DB> + ?Sized,
+{
+    let (tx, rx) = oneshot::channel();
+    let start = {
+        let mut p = state.pending.lock().unwrap_or_else(PoisonError::into_inner);
+        p.queue.push((msg, tx));
+        !std::mem::replace(&mut p.draining, true)
+    };
+    if start {
+        tokio::spawn(drain(state.clone()));
+    }
+    rx.await
+        .map_err(|_| "the inbox group failed before deciding this message".to_owned())
+}
+
+/// Apply the waiting requests group by group (up to `inbox_batch` each, in arrival order) until
+/// none waits. Runs on its own task, so a client that hangs up cancels nothing.
+async fn drain<DB, H>(state: Arc<AppState<DB, H>>)
+where
+    DB: InboxBackend,
+    H: Handler<DB> + ?Sized,
+{
+    loop {
+        let group: Vec<_> = {
+            let mut p = state.pending.lock().unwrap_or_else(PoisonError::into_inner);
+            if p.queue.is_empty() {
+                p.draining = false;
+                return;
+            }
+            let n = p.queue.len().min(state.policy.inbox_batch);
+            p.queue.drain(..n).collect()
+        };
+        let (msgs, replies): (Vec<InboundMessage>, Vec<_>) = group.into_iter().unzip();
+        let decided = std::panic::AssertUnwindSafe(deliver_batch(
             &state.inbox,
             state.handler.as_ref(),
-            &msg,
+            &msgs,
+            1,
             &state.policy,
             &state.metrics,
-        )
-        .await
-        {
-            Disposition::Ack(Verdict::Processed) => (StatusCode::OK, "processed".to_owned()),
-            Disposition::Ack(Verdict::Rejected { reason }) => {
-                (StatusCode::OK, format!("rejected: {reason}"))
+        ))
+        .catch_unwind()
+        .await;
+        match decided {
+            Ok(dispositions) => {
+                for (reply, d) in replies.into_iter().zip(dispositions) {
+                    // A client that hung up no longer waits; its message is decided all the same.
+                    let _ = reply.send(d);
+                }
             }
-            Disposition::Retry(delay) => (
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!("not applied; retry in {} ms", delay.as_millis()),
+            // Dropping the replies answers 500 to the group's requests; the relay retries them.
+            Err(panic) => tracing::error!(
+                panic = %crate::inbox::panic_text(panic.as_ref()),
+                group = msgs.len(),
+                "an inbox group panicked outside its handlers; its requests are answered 500"
             ),
         }
-    });
-    task.await.unwrap_or_else(|e| {
-        (
-            StatusCode::INTERNAL_SERVER_ERROR,
-            format!("handler task failed: {e}"),
-        )
-    })
+    }
 }
 
 /// The message of a delivery request, before the inbox: the signature checked when `signer` is
