@@ -36,8 +36,8 @@ where
 }
 
 impl Delivery {
-    /// Start the inventory service's receiver, confirming through `confirmations`; it runs until
-    /// `cancel`. Returns where the relay delivers (the webhook URL; nothing for a broker, whose
+    /// Start the inventory service's receiver, confirming through `confirmations` and applying up
+    /// to `inbox_batch` messages per inbox transaction; it runs until `cancel`. Returns where the relay delivers (the webhook URL; nothing for a broker, whose
     /// route names the destination) and the receiver's tasks.
     pub(super) async fn start_consumer<DB, H>(
         &self,
@@ -45,6 +45,7 @@ impl Delivery {
         handler: Arc<H>,
         confirmations: Arc<dyn ConfirmationSender>,
         metrics: Arc<ConsumerMetrics>,
+        inbox_batch: usize,
         cancel: &CancellationToken,
     ) -> anyhow::Result<(Endpoint, Vec<ServiceTask>)>
     where
@@ -65,6 +66,7 @@ impl Delivery {
                 let path = "/inventory/order-events";
                 let policy = DeliveryPolicy {
                     confirmations: Some(confirmations),
+                    inbox_batch,
                     ..DeliveryPolicy::default()
                 };
                 let app = outbox::consumer::webhook::router_with(
@@ -96,6 +98,7 @@ impl Delivery {
                 let mut config = NatsConsumerConfig::new(NATS_STREAM, CONSUMER)
                     .with_confirmations(confirmations);
                 config.runner.dedup_window = None;
+                config.runner.inbox_batch = inbox_batch;
                 // Create the durable once, so the runners below do not race to create it.
                 js.get_stream(NATS_STREAM)
                     .await?
@@ -128,6 +131,7 @@ impl Delivery {
                 )
                 .with_confirmations(confirmations);
                 config.runner.dedup_window = None;
+                config.runner.inbox_batch = inbox_batch;
                 config.runner.concurrency = 4;
                 // Several runners share the group, as instances of one service would.
                 let tasks = runners(4, "Redis consumer failed", |i| {
@@ -149,6 +153,7 @@ impl Delivery {
                 config.group = Some(format!("{CONSUMER}-{run}"));
                 config.session_expiry = Duration::from_secs(60);
                 config.runner.dedup_window = None;
+                config.runner.inbox_batch = inbox_batch;
                 config.runner.concurrency = 4;
                 let tasks = runners(4, "MQTT consumer failed", |i| {
                     let mut config = config.clone();
@@ -167,6 +172,7 @@ impl Delivery {
                 )
                 .with_confirmations(confirmations);
                 config.runner.dedup_window = None;
+                config.runner.inbox_batch = inbox_batch;
                 config.batch = 32;
                 config.runner.concurrency = 8;
                 config.route_refresh = Duration::from_secs(10);
@@ -186,6 +192,7 @@ impl Delivery {
                 )
                 .with_confirmations(confirmations);
                 config.runner.dedup_window = None;
+                config.runner.inbox_batch = inbox_batch;
                 config.runner.concurrency = 1;
                 // Four instances of the service share the queue (competing consumers).
                 let tasks = runners(4, "RabbitMQ consumer failed", |_| {
@@ -203,6 +210,7 @@ impl Delivery {
                 )
                 .with_confirmations(confirmations);
                 consumer.runner.dedup_window = None;
+                consumer.runner.inbox_batch = inbox_batch;
                 consumer.runner.concurrency = 4;
                 // The broker minimum, so a new group starts quickly (Tansu holds a new group's
                 // first join for about half the session timeout).

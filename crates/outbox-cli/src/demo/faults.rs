@@ -68,6 +68,38 @@ impl ConfirmationSender for LossyConfirmations {
         }
         self.inner.send(reply_to, confirmation).await
     }
+
+    /// As [`LossyConfirmations::send`] for each, the kept ones through the real sender's
+    /// `send_all` (one request for a batch on the webhook sender).
+    async fn send_all(
+        &self,
+        reply_to: &str,
+        confirmations: &[Confirmation],
+    ) -> Vec<Result<(), TransportError>> {
+        let lost: Vec<bool> = confirmations
+            .iter()
+            .map(|_| rand::rng().random_bool(self.rate))
+            .collect();
+        let kept: Vec<Confirmation> = confirmations
+            .iter()
+            .zip(&lost)
+            .filter(|(_, lost)| !**lost)
+            .map(|(c, _)| c.clone())
+            .collect();
+        let mut sent = self.inner.send_all(reply_to, &kept).await.into_iter();
+        lost.iter()
+            .map(|lost| {
+                if *lost {
+                    self.stats
+                        .confirmations_lost
+                        .fetch_add(1, Ordering::Relaxed);
+                    Ok(())
+                } else {
+                    sent.next().unwrap_or(Ok(()))
+                }
+            })
+            .collect()
+    }
 }
 
 /// A transport wrapper that injects faults: a delivery lost before the broker (a retryable

@@ -169,6 +169,12 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 5)]
     pub max_check_backs: u32,
 
+    /// Most messages the inventory service applies in one inbox transaction: the broker
+    /// consumers' `runner.inbox_batch`, and group commit of concurrent requests for the webhook
+    /// receiver (`DeliveryPolicy::inbox_batch`). 1 applies each message in its own transaction.
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u16).range(1..=1000))]
+    pub inbox_batch: u16,
+
     /// Longest time to wait for every order to take effect before giving up.
     #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
     pub timeout: Duration,
@@ -281,6 +287,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
                 handler,
                 confirmations,
                 consumer_metrics.clone(),
+                usize::from(args.inbox_batch),
                 &cancel,
             )
             .await?

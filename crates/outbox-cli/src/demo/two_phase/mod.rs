@@ -304,6 +304,7 @@ pub(super) async fn run(args: &DemoArgs) -> anyhow::Result<()> {
             consumer.recorder.clone(),
             delivery.confirmation_sender(),
             consumer.metrics.clone(),
+            usize::from(args.inbox_batch),
             &cancel,
         )
         .await?;
