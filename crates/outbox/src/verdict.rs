@@ -181,14 +181,18 @@ pub trait ConfirmationSender: Send + Sync + 'static {
     /// Send `confirmations`, all to `reply_to`: one result per confirmation, in order. The
     /// batched inbox (`runner.inbox_batch` above 1, the webhook receiver's group commit) sends a
     /// committed batch's confirmations through this. Default: [`ConfirmationSender::send`] for
-    /// each, concurrently; the webhook sender posts them as one JSON array (one request, and one
+    /// each, one after another; the webhook sender posts them as one JSON array (one request, and one
     /// transaction on the producer's side).
     async fn send_all(
         &self,
         reply_to: &str,
         confirmations: &[Confirmation],
     ) -> Vec<Result<(), TransportError>> {
-        futures::future::join_all(confirmations.iter().map(|c| self.send(reply_to, c))).await
+        let mut results = Vec::with_capacity(confirmations.len());
+        for c in confirmations {
+            results.push(self.send(reply_to, c).await);
+        }
+        results
     }
 }
 
