@@ -20,14 +20,19 @@ BASE="${OUTBOX_CLUSTERS_DIR:-/var/lib/outbox-clusters}"
 RABBIT_BIN=/usr/lib/rabbitmq/bin
 
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
-wait_port() { # what port seconds
-  local i
-  for ((i = 0; i < $3 * 10; i++)); do
-    if port_open "$2"; then return 0; fi
+poll() { # seconds error command...: run the command every 0.1 s until it succeeds; after
+  # `seconds`, print the error and fail
+  local seconds=$1 error=$2 i
+  shift 2
+  for ((i = 0; i < seconds * 10; i++)); do
+    if "$@"; then return 0; fi
     sleep 0.1
   done
-  echo "error: $1 is not listening on 127.0.0.1:$2 after $3 s (log under $BASE)" >&2
+  echo "error: $error" >&2
   return 1
+}
+wait_port() { # what port seconds
+  poll "$3" "$1 is not listening on 127.0.0.1:$2 after $3 s (log under $BASE)" port_open "$2"
 }
 alive() { # pidfile: is the process it names running?
   [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null
@@ -37,6 +42,9 @@ fresh_if_all_dead() { # kind count: after a machine restart no node of KIND is a
   local n
   for ((n = 1; n <= $2; n++)); do alive "$BASE/$1-$n/pid" && return 0; done
   for ((n = 1; n <= $2; n++)); do rm -rf "${BASE:?}/$1-$n"; done
+}
+node_stop() { # kind n: kill node n of KIND at once
+  kill_pidfile "$BASE/$1-$2/pid"
 }
 kill_pidfile() {
   local pid
@@ -58,18 +66,14 @@ nats_start() {
     -m "824$n" -P "$dir/pid" -l "$dir/log" </dev/null >/dev/null 2>&1 &
   wait_port "NATS node $n" "424$n" 20
 }
-nats_stop() { kill_pidfile "$BASE/nats-$1/pid"; }
+jetstream_leader() { # JetStream is ready once the meta group has a leader: /jsz on any node names it
+  curl -fsS "http://127.0.0.1:8241/jsz" 2>/dev/null | grep -q '"leader"'
+}
 nats_up() {
   local n
   fresh_if_all_dead nats 3
   for n in 1 2 3; do nats_start "$n"; done
-  # JetStream is ready once the meta group has a leader: /jsz on any node names it.
-  for _ in $(seq 1 300); do
-    if curl -fsS "http://127.0.0.1:8241/jsz" 2>/dev/null | grep -q '"leader"'; then return 0; fi
-    sleep 0.1
-  done
-  echo "error: the NATS cluster elected no JetStream meta leader within 30 s" >&2
-  return 1
+  poll 30 "the NATS cluster elected no JetStream meta leader within 30 s" jetstream_leader
 }
 
 # ---- RabbitMQ ---------------------------------------------------------------------------------
@@ -111,7 +115,6 @@ rabbit_start() {
   rabbit_launch "$1"
   wait_port "RabbitMQ node $1" "568$1" 120
 }
-rabbit_stop() { kill_pidfile "$BASE/rabbitmq-$1/pid"; }
 rabbit_up() {
   local n
   # A clustered node that restarts waits (up to 5 minutes) for the peers that were running when
@@ -141,22 +144,17 @@ redis_start() {
     --appendonly yes --save "" --pidfile "$dir/pid" --logfile "$dir/log"
   wait_port "Redis node $n" "700$n" 20
 }
-redis_stop() { kill_pidfile "$BASE/redis-$1/pid"; }
+redis_ok() { redis-cli -p 7001 cluster info | grep -q 'cluster_state:ok'; }
 redis_up() {
   local n
   fresh_if_all_dead redis 6
   for n in 1 2 3 4 5 6; do redis_start "$n"; done
-  if ! redis-cli -p 7001 cluster info | grep -q 'cluster_state:ok'; then
+  if ! redis_ok; then
     if [ "$(redis-cli -p 7001 cluster info | sed -n 's/^cluster_known_nodes:\([0-9]*\).*/\1/p')" = 1 ]; then
       redis-cli --cluster create 127.0.0.1:7001 127.0.0.1:7002 127.0.0.1:7003 \
         127.0.0.1:7004 127.0.0.1:7005 127.0.0.1:7006 --cluster-replicas 1 --cluster-yes >/dev/null
     fi
-    for _ in $(seq 1 300); do
-      redis-cli -p 7001 cluster info | grep -q 'cluster_state:ok' && return 0
-      sleep 0.1
-    done
-    echo "error: the Redis cluster is not in state ok after 30 s" >&2
-    return 1
+    poll 30 "the Redis cluster is not in state ok after 30 s" redis_ok
   fi
 }
 
@@ -217,7 +215,8 @@ up)
   [ ${#kinds[@]} -gt 0 ] || kinds=(nats rabbitmq redis)
   for kind in "${kinds[@]}"; do "$(node_fn "$kind" up)"; done
   ;;
-stop | start) "$(node_fn "$1" "$cmd")" "$2" ;;
+stop) node_fn "$1" stop >/dev/null && node_stop "$1" "$2" ;;
+start) "$(node_fn "$1" start)" "$2" ;;
 leader) "$(node_fn "$1" leader)" "$2" ;;
 info)
   [ "$1" = redis ] || { echo "error: info is for redis" >&2; exit 2; }
@@ -225,8 +224,8 @@ info)
   ;;
 urls) urls ;;
 down)
-  for n in 1 2 3; do nats_stop "$n"; rabbit_stop "$n"; done
-  for n in 1 2 3 4 5 6; do redis_stop "$n"; done
+  for n in 1 2 3; do node_stop nats "$n"; node_stop rabbitmq "$n"; done
+  for n in 1 2 3 4 5 6; do node_stop redis "$n"; done
   rm -rf "$BASE"
   ;;
 *) echo "usage: $0 up [KIND...] | stop KIND N | start KIND N | leader KIND NAME | urls | down" >&2; exit 2 ;;

@@ -10,17 +10,11 @@
 #   pg-fleet.sh drop     stop and drop every cluster of the fleet
 set -euo pipefail
 
-if [ "$(id -u)" != 0 ]; then
-  echo "error: pg-fleet.sh creates PostgreSQL clusters and must run as root" >&2
-  exit 1
-fi
-for tool in pg_createcluster pg_ctlcluster pg_dropcluster pg_lsclusters psql pg_isready; do
-  command -v "$tool" >/dev/null || { echo "error: $tool is required (Debian postgresql-common, postgresql)" >&2; exit 1; }
-done
-V="$(ls /etc/postgresql | sort -n | tail -n 1)"
+# shellcheck source=pg-clusters.sh
+. "$(dirname "$0")/pg-clusters.sh"
+pg_clusters_init pg-fleet.sh pg_isready
 BASE=5440
 
-exists() { pg_lsclusters -h | awk '{print $1, $2}' | grep -qx "$V $1"; }
 url() { echo "postgres://postgres@127.0.0.1:$((BASE + $1))/test"; }
 
 count() {
@@ -40,10 +34,7 @@ case "${1:-}" in
       port=$((BASE + i))
       if ! exists "$c"; then
         pg_createcluster "$V" "$c" -p "$port" >/dev/null
-        cat > "/etc/postgresql/$V/$c/pg_hba.conf" <<HBA
-local all all trust
-host all all 127.0.0.1/32 trust
-HBA
+        trust_loopback "$c"
         cat >> "/etc/postgresql/$V/$c/postgresql.conf" <<CONF
 listen_addresses = '127.0.0.1'
 max_connections = 100

@@ -11,20 +11,13 @@
 #   pg-pair.sh drop           stop and drop both
 set -euo pipefail
 
-if [ "$(id -u)" != 0 ]; then
-  echo "error: pg-pair.sh creates PostgreSQL clusters and must run as root" >&2
-  exit 1
-fi
-for tool in pg_createcluster pg_ctlcluster pg_dropcluster pg_lsclusters pg_basebackup psql; do
-  command -v "$tool" >/dev/null || { echo "error: $tool is required (Debian postgresql-common, postgresql)" >&2; exit 1; }
-done
-V="$(ls /etc/postgresql | sort -n | tail -n 1)"
+# shellcheck source=pg-clusters.sh
+. "$(dirname "$0")/pg-clusters.sh"
+pg_clusters_init pg-pair.sh pg_basebackup
 P=outbox_primary
 S=outbox_standby
 PP=5433
 SP=5434
-
-exists() { pg_lsclusters -h | awk '{print $1, $2}' | grep -qx "$V $1"; }
 
 drop_all() {
   for c in "$S" "$P"; do
@@ -32,13 +25,7 @@ drop_all() {
   done
 }
 
-hba() {
-  cat > "/etc/postgresql/$V/$1/pg_hba.conf" <<HBA
-local all all trust
-host all all 127.0.0.1/32 trust
-host replication all 127.0.0.1/32 trust
-HBA
-}
+hba() { trust_loopback "$1" "host replication all 127.0.0.1/32 trust"; }
 
 case "${1:-}" in
   reset)

@@ -3,6 +3,7 @@
 mod admin;
 mod bench;
 mod config;
+mod confirmations;
 mod demo;
 mod group;
 mod inbox;
@@ -307,7 +308,7 @@ async fn relay(config: PathBuf, database: Option<String>) -> anyhow::Result<()> 
     }
     let listener = match &file.confirmations {
         None => None,
-        Some(c) => Some(spawn_confirmations(c, store.clone(), cancel.clone()).await?),
+        Some(c) => Some(confirmations::spawn(c, store.clone(), cancel.clone()).await?),
     };
     if let Some(admin) = &file.admin {
         let confirmations = file.confirmations.is_some();
@@ -468,164 +469,6 @@ pub(crate) async fn summary_text(
             format!(" {label}: {}", problems.join("; "))
         }
     )
-}
-
-/// Start the confirmation listener of `[confirmations]`.
-async fn spawn_confirmations(
-    c: &config::ConfirmationsSection,
-    store: Arc<dyn Store>,
-    cancel: CancellationToken,
-) -> anyhow::Result<tokio::task::JoinHandle<anyhow::Result<()>>> {
-    Ok(match c.clone() {
-        config::ConfirmationsSection::Nats {
-            url,
-            subject,
-            queue,
-        } => {
-            let client = outbox::transport::nats::connect_client(&url)
-                .await
-                .map_err(|e| anyhow::anyhow!("confirmations.url: {e}"))?;
-            tracing::info!(subject, queue, "listening for confirmations on NATS");
-            let stop = cancel.clone();
-            supervise_listener("NATS", stop, async move {
-                Ok(outbox::confirm::nats::listen(client, subject, queue, store, cancel).await?)
-            })
-        }
-        #[cfg(feature = "kafka")]
-        config::ConfirmationsSection::Kafka(k) => {
-            let kafka = k.kafka_config()?;
-            tracing::info!(
-                topic = k.topic,
-                group = k.group,
-                "listening for confirmations on Kafka"
-            );
-            let stop = cancel.clone();
-            supervise_listener("Kafka", stop, async move {
-                Ok(outbox::confirm::kafka::listen(kafka, k.topic, k.group, store, cancel).await?)
-            })
-        }
-        #[cfg(feature = "rabbitmq")]
-        ref section @ config::ConfirmationsSection::Rabbitmq { ref queue, .. } => {
-            let connection = section.rabbitmq()?.context("confirmations: not rabbitmq")?;
-            let queue = queue.clone();
-            tracing::info!(queue, "listening for confirmations on RabbitMQ");
-            let stop = cancel.clone();
-            supervise_listener("RabbitMQ", stop, async move {
-                Ok(outbox::confirm::rabbitmq::listen(connection, queue, store, cancel).await?)
-            })
-        }
-        #[cfg(feature = "redis")]
-        config::ConfirmationsSection::Redis {
-            url,
-            password_env,
-            stream,
-            group,
-            consumer,
-        } => {
-            let mut lc = outbox::confirm::redis::RedisListenConfig::new(url, stream.clone());
-            lc.password = outbox::transport::config::env_secret(
-                "confirmations.password_env",
-                password_env.as_deref(),
-            )?;
-            lc.group = group;
-            if let Some(c) = consumer {
-                lc.consumer = c;
-            }
-            tracing::info!(stream, group = %lc.group, "listening for confirmations on Redis");
-            let stop = cancel.clone();
-            supervise_listener("Redis", stop, async move {
-                Ok(outbox::confirm::redis::listen(lc, store, cancel).await?)
-            })
-        }
-        #[cfg(feature = "mqtt")]
-        config::ConfirmationsSection::Mqtt {
-            url,
-            topic,
-            group,
-            client_id,
-            username,
-            password_env,
-        } => {
-            let mut lc = outbox::confirm::mqtt::MqttListenConfig::new(url, topic.clone());
-            lc.password = outbox::transport::config::env_secret(
-                "confirmations.password_env",
-                password_env.as_deref(),
-            )?;
-            lc.username = username;
-            lc.group = group;
-            if let Some(c) = client_id {
-                lc.client_id = c;
-            }
-            tracing::info!(topic, group = %lc.group, "listening for confirmations on MQTT");
-            let stop = cancel.clone();
-            supervise_listener("MQTT", stop, async move {
-                Ok(outbox::confirm::mqtt::listen(lc, store, cancel).await?)
-            })
-        }
-        #[cfg(feature = "rocketmq")]
-        ref section @ config::ConfirmationsSection::Rocketmq {
-            ref destination,
-            ref group,
-            ..
-        } => {
-            let listen = section.rocketmq()?.context("confirmations: not rocketmq")?;
-            let (destination, group) = (destination.clone(), group.clone());
-            tracing::info!(
-                destination,
-                group,
-                "listening for confirmations on RocketMQ"
-            );
-            let stop = cancel.clone();
-            supervise_listener("RocketMQ", stop, async move {
-                Ok(outbox::confirm::rocketmq::listen(listen, store, cancel).await?)
-            })
-        }
-        #[cfg(not(feature = "rocketmq"))]
-        config::ConfirmationsSection::Rocketmq { .. } => {
-            anyhow::bail!(
-                "confirmations.kind: RocketMQ support is not compiled in: build outbox-cli with --features rocketmq"
-            )
-        }
-        config::ConfirmationsSection::Http { listen, path } => {
-            let socket = tokio::net::TcpListener::bind(&listen)
-                .await
-                .with_context(|| format!("confirmations.listen: cannot bind {listen}"))?;
-            tracing::info!(listen, path, "listening for confirmations over HTTP");
-            let app = outbox::confirm::webhook::router(&path, store);
-            tokio::spawn(async move {
-                axum::serve(socket, app)
-                    .with_graceful_shutdown(async move { cancel.cancelled().await })
-                    .await
-                    .context("confirmation endpoint failed")
-            })
-        }
-    })
-}
-
-/// Run a confirmation listener in a task: log its totals when it stops, and make its stopping
-/// an error ("the <broker> confirmation listener ended") unless `stop` was cancelled. Every
-/// broker's listener goes through it.
-fn supervise_listener(
-    broker: &'static str,
-    stop: CancellationToken,
-    listen: impl std::future::Future<Output = anyhow::Result<outbox::ConfirmReport>> + Send + 'static,
-) -> tokio::task::JoinHandle<anyhow::Result<()>> {
-    tokio::spawn(async move {
-        let total = listen.await?;
-        tracing::info!(
-            broker,
-            confirmed = total.confirmed,
-            rejected = total.rejected,
-            duplicates = total.duplicates,
-            unknown = total.unknown,
-            "confirmation listener stopped"
-        );
-        if stop.is_cancelled() {
-            Ok(())
-        } else {
-            anyhow::bail!("the {broker} confirmation listener ended")
-        }
-    })
 }
 
 pub(crate) async fn shutdown_signal() {

@@ -50,33 +50,65 @@ fn run_bench(args: &[&str]) -> (String, Value) {
     (stdout, r)
 }
 
+/// The `consume` scenario's report: its three consumers each applied (or acknowledged) all
+/// `messages`, at a rate; the batched inbox committed batches (`what` names the run).
+fn every_consumer_applied_all(r: &Value, messages: u64, what: &str) {
+    let names: Vec<&str> = r["consume"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        ["consume-raw", "consume-inbox-1", "consume-inbox-batch"],
+        "{what}"
+    );
+    for i in 0..3 {
+        let applied = num(r, &format!("consume.{i}.messages"));
+        assert_eq!(applied, messages as f64, "{what}");
+        positive(r, &format!("consume.{i}.rate"));
+    }
+    positive(r, "consume.2.inbox_batches");
+}
+
+/// The schemas of the PostgreSQL test server whose name is `LIKE` `pattern`.
+async fn schemas_like(pg: &sqlx::PgPool, pattern: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM pg_namespace WHERE nspname LIKE $1")
+        .bind(pattern)
+        .fetch_one(pg)
+        .await
+        .unwrap()
+}
+
 #[tokio::test]
 async fn bench_runs_every_scenario_and_reports_each_section() {
     // A missing service fails here, naming its environment variable.
     let pg = outbox_testkit::pg_pool(1).await;
     drop(outbox_testkit::nats_client().await);
-    let json = std::env::temp_dir().join(format!(
-        "outbox-bench-test-{:08x}.json",
-        rand::random::<u32>()
-    ));
     let messages = 2_000u64;
-    let out = Command::new(env!("CARGO_BIN_EXE_outbox"))
-        .args(["bench", "--database", &outbox_testkit::postgres_url()])
-        .args(["--transport", &outbox_testkit::nats_url()])
-        .args(["--messages", &messages.to_string(), "--relays", "1,4"])
-        .args(["--rate", "200", "--producers", "2"])
-        .args(["--latency-duration", "2s", "--enqueue-duration", "2s"])
-        .args([
-            "--only",
-            "broker,baseline,drain,scaling,latency,enqueue,idle,metrics,consume,pipeline",
-        ])
-        .args(["--idle-duration", "2s", "--no-progress", "--json"])
-        .arg(&json)
-        .output()
-        .expect("run outbox bench");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "bench failed:\n{stdout}\n{stderr}");
+    let (stdout, r) = run_bench(&[
+        "--database",
+        &outbox_testkit::postgres_url(),
+        "--transport",
+        &outbox_testkit::nats_url(),
+        "--messages",
+        &messages.to_string(),
+        "--relays",
+        "1,4",
+        "--rate",
+        "200",
+        "--producers",
+        "2",
+        "--latency-duration",
+        "2s",
+        "--enqueue-duration",
+        "2s",
+        "--only",
+        "broker,baseline,drain,scaling,latency,enqueue,idle,metrics,consume,pipeline",
+        "--idle-duration",
+        "2s",
+    ]);
     for section in [
         "Throughput",
         "Rate in each tenth",
@@ -91,9 +123,6 @@ async fn bench_runs_every_scenario_and_reports_each_section() {
     ] {
         assert!(stdout.contains(section), "no {section} table:\n{stdout}");
     }
-    let r: Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
-    let _ = std::fs::remove_file(&json);
-
     assert_eq!(r["database"]["backend"], "postgres");
     assert!(num(&r, "clock.uncertainty_us") >= 0.0);
     // The raw broker run and the baselines: every message arrived, at a rate.
@@ -183,20 +212,7 @@ async fn bench_runs_every_scenario_and_reports_each_section() {
     positive(&r, "metrics_cost.ratio");
     // The consumers: each applied (or acknowledged) every message; the batched inbox committed
     // batches; the ratios of the same run.
-    let consume = r["consume"].as_array().unwrap();
-    let names: Vec<&str> = consume
-        .iter()
-        .map(|d| d["name"].as_str().unwrap())
-        .collect();
-    assert_eq!(
-        names,
-        ["consume-raw", "consume-inbox-1", "consume-inbox-batch"]
-    );
-    for i in 0..3 {
-        assert_eq!(num(&r, &format!("consume.{i}.messages")), messages as f64);
-        positive(&r, &format!("consume.{i}.rate"));
-    }
-    positive(&r, "consume.2.inbox_batches");
+    every_consumer_applied_all(&r, messages, "NATS");
     positive(&r, "consume.2.vs_inbox_1");
     positive(&r, "consume.2.vs_raw_consumer");
     // End to end: the producers at their maximum, then paced at half the end-to-end rate; every
@@ -231,11 +247,7 @@ async fn bench_runs_every_scenario_and_reports_each_section() {
 
     // Nothing left behind: the schema, the migration records, the stream.
     let run = r["run_id"].as_str().unwrap();
-    let schemas: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_namespace WHERE nspname = $1")
-        .bind(format!("bench_{run}"))
-        .fetch_one(&pg)
-        .await
-        .unwrap();
+    let schemas = schemas_like(&pg, &format!("bench_{run}")).await;
     assert_eq!(schemas, 0, "schema bench_{run} left behind");
     let records: i64 =
         sqlx::query_scalar("SELECT count(*) FROM outbox_migrations WHERE table_name LIKE $1")
@@ -282,16 +294,7 @@ async fn bench_consumes_on_rabbitmq_and_kafka() {
             "--messages-per-transaction",
             "3",
         ]);
-        assert_eq!(r["consume"].as_array().unwrap().len(), 3, "{transport}");
-        for i in 0..3 {
-            assert_eq!(
-                num(&r, &format!("consume.{i}.messages")),
-                messages as f64,
-                "{transport}"
-            );
-            positive(&r, &format!("consume.{i}.rate"));
-        }
-        positive(&r, "consume.2.inbox_batches");
+        every_consumer_applied_all(&r, messages, &transport);
         assert_eq!(r["pipeline"].as_array().unwrap().len(), 2, "{transport}");
         for i in 0..2 {
             // Three messages per producer transaction, each applied once (the bench checks).
@@ -360,25 +363,24 @@ async fn bench_drains_many_databases_through_one_relay_group() {
     ));
     std::fs::create_dir_all(&dir).unwrap();
     let sqlite = format!("sqlite://{}", dir.join("third.db").display());
-    let json = dir.join("report.json");
     let messages = 2_000u64;
-    let out = Command::new(env!("CARGO_BIN_EXE_outbox"))
-        .args(["bench", "--database", &outbox_testkit::postgres_url()])
-        .args(["--databases", &outbox_testkit::postgres_url(), &sqlite])
-        .args(["--transport", &outbox_testkit::nats_url()])
-        .args(["--messages", &messages.to_string(), "--only", "databases"])
-        .args(["--no-progress", "--json"])
-        .arg(&json)
-        .output()
-        .expect("run outbox bench");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "bench failed:\n{stdout}\n{stderr}");
+    let (stdout, r) = run_bench(&[
+        "--database",
+        &outbox_testkit::postgres_url(),
+        "--databases",
+        &outbox_testkit::postgres_url(),
+        &sqlite,
+        "--transport",
+        &outbox_testkit::nats_url(),
+        "--messages",
+        &messages.to_string(),
+        "--only",
+        "databases",
+    ]);
     assert!(
         stdout.contains("One relay group, many databases"),
         "{stdout}"
     );
-    let r: Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
     let runs = r["databases"].as_array().unwrap();
     assert_eq!(runs.len(), 3, "1, 2 and 3 databases: {runs:?}");
@@ -400,11 +402,6 @@ async fn bench_drains_many_databases_through_one_relay_group() {
     positive(&r, "databases.2.cpu_seconds.postgres");
     // Nothing left behind: neither schema.
     let run = r["run_id"].as_str().unwrap();
-    let schemas: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM pg_namespace WHERE nspname LIKE $1")
-            .bind(format!("bench_{run}%"))
-            .fetch_one(&pg)
-            .await
-            .unwrap();
+    let schemas = schemas_like(&pg, &format!("bench_{run}%")).await;
     assert_eq!(schemas, 0, "a schema bench_{run}* left behind");
 }

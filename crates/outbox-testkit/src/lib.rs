@@ -73,7 +73,7 @@ pub use stores::{
 };
 pub use transport::{
     RawDelivery, Received, TransportFixture, WebhookFixture, WebhookReceiver, claimed_message,
-    header_message_id, publish_to,
+    header_message_id, publish_all, publish_to,
 };
 
 /// Default PostgreSQL URL when `OUTBOX_TEST_POSTGRES_URL` is unset.

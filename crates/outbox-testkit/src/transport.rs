@@ -73,6 +73,15 @@ pub async fn publish_to<'a>(
     t.publish(&batch).await
 }
 
+/// Publish `msgs` in one batch, every one to `destination`.
+pub async fn publish_all(
+    t: &dyn Transport,
+    msgs: &[Message],
+    destination: &str,
+) -> Vec<Result<(), TransportError>> {
+    publish_to(t, msgs, |_| destination).await
+}
+
 /// The message id header of a received message (`outbox-message-id`).
 pub fn header_message_id(r: &Received) -> Option<Uuid> {
     r.headers

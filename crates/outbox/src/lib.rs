@@ -28,6 +28,7 @@
 #![cfg_attr(feature = "rocketmq", recursion_limit = "256")]
 
 pub mod admin;
+mod admin_model;
 pub mod confirm;
 pub mod consumer;
 pub mod error;
@@ -49,6 +50,7 @@ pub mod retry;
 pub mod store;
 pub mod transport;
 pub mod two_phase;
+mod two_phase_model;
 pub mod verdict;
 
 pub use confirm::{

@@ -293,20 +293,6 @@ impl Limits {
     }
 }
 
-impl Limits {
-    /// Validate every message of an enqueue ([`Limits::validate`]) and record the current trace
-    /// context in their headers (feature `otel`, [`crate::otel`]).
-    pub(crate) fn prepare(&self, msgs: &mut [NewMessage]) -> Result<(), EnqueueError> {
-        for m in msgs.iter() {
-            self.validate(m)?;
-        }
-        for m in msgs.iter_mut() {
-            crate::otel::inject_current(&mut m.headers, self);
-        }
-        Ok(())
-    }
-}
-
 /// Check a topic name: 1 to 255 characters, none of them whitespace or control characters.
 ///
 /// # Errors
@@ -333,6 +319,15 @@ fn validate_header_name(name: &str) -> Result<(), EnqueueError> {
     }
     Ok(())
 }
+
+/// Buckets per outbox table: a constant of the schema (migration v4). Every row's `bucket`
+/// column is a stored generated column, a hash of its partition key (of its message id when it
+/// has none) modulo this number, so plain-SQL producers get it for free and every message of one
+/// key lands in one bucket.
+pub const BUCKETS: u16 = 64;
+
+/// A bucket number, `0..BUCKETS`.
+pub type Bucket = i16;
 
 /// A message read by a relay, as handed to a [`Transport`](crate::transport::Transport).
 #[derive(Debug, Clone, PartialEq, Eq)]

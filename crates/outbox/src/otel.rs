@@ -290,6 +290,24 @@ mod imp {
     }
 }
 
+impl Limits {
+    /// Validate every message of an enqueue ([`Limits::validate`]) and record the current trace
+    /// context in their headers (feature `otel`, [`inject_current`]). Here rather than in
+    /// `message`, so that the contracts do not depend on tracing.
+    pub(crate) fn prepare(
+        &self,
+        msgs: &mut [crate::message::NewMessage],
+    ) -> Result<(), crate::error::EnqueueError> {
+        for m in msgs.iter() {
+            self.validate(m)?;
+        }
+        for m in msgs.iter_mut() {
+            inject_current(&mut m.headers, self);
+        }
+        Ok(())
+    }
+}
+
 /// Write the current span's W3C context into `headers` (enqueue), as the module docs describe.
 pub(crate) fn inject_current(headers: &mut Headers, limits: &Limits) {
     imp::inject_current(headers, limits)

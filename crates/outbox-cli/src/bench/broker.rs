@@ -14,7 +14,8 @@
 //! | `kafka://` (feature `kafka`) | `KafkaTransport` | topic `bench-<run>-<k>` (1 partition, a new one per scenario) | not counted | none for latency; a consumer group for `consume`; the topics are left on the broker |
 //!
 //! To add a broker: add its scheme to [`Kind::parse`], write a struct implementing [`Broker`]
-//! around the library's transport for it, and add one arm to [`open`].
+//! around the library's transport for it (a module of its own under `broker/`, as the Redis,
+//! RabbitMQ and Kafka arms), and add one arm to [`open`].
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -29,6 +30,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use super::consume::{ConsumerRun, ConsumerTask};
 use super::now_us;
 
 /// The broker families the bench knows.
@@ -157,20 +159,12 @@ pub trait Broker: Send + Sync {
     }
 
     /// Start this broker's consumer source as consumer group `group` (reading every message of
-    /// the destination from the first, `fetch` per fetch), applying through `apply` with
-    /// `runner`, in a task that ends at `cancel` (the `consume` scenario).
+    /// the destination from the first, `run.fetch` per fetch), applying through `run.apply` with
+    /// `run.runner`, in a task that ends at `run.cancel` (the `consume` scenario).
     ///
     /// # Errors
     /// A broker the scenario has no consumer for (the default), or a failed set-up.
-    async fn consume(
-        &self,
-        _group: &str,
-        _apply: super::consume::Apply,
-        _runner: outbox::consumer::RunnerSettings,
-        _fetch: usize,
-        _metrics: Arc<outbox::consumer::ConsumerMetrics>,
-        _cancel: CancellationToken,
-    ) -> anyhow::Result<JoinHandle<anyhow::Result<()>>> {
+    async fn consume(&self, _group: &str, _run: ConsumerRun) -> anyhow::Result<ConsumerTask> {
         anyhow::bail!(
             "--only consume: no consumer for {} in the bench",
             self.describe()
@@ -199,6 +193,20 @@ pub async fn open(url: &str, run_id: &str) -> anyhow::Result<Box<dyn Broker>> {
         #[allow(unreachable_patterns)]
         other => anyhow::bail!("--transport {url}: {other:?} is not built in"),
     }
+}
+
+/// The library transport `connect` makes, its error naming `--transport <url>`.
+async fn connect<T, E>(
+    url: impl std::fmt::Display,
+    connect: impl std::future::Future<Output = Result<T, E>>,
+) -> anyhow::Result<Arc<T>>
+where
+    E: std::error::Error + Send + Sync + 'static,
+{
+    let transport = connect
+        .await
+        .with_context(|| format!("--transport {url}"))?;
+    Ok(Arc::new(transport))
 }
 
 /// Wraps a transport and records when each message's acknowledgement came back to the caller
@@ -315,12 +323,9 @@ impl Nats {
             }),
             ..NatsConfig::new(url)
         };
-        let transport = NatsTransport::connect(config)
-            .await
-            .with_context(|| format!("--transport {url}"))?;
         Ok(Nats {
             url: url.to_owned(),
-            transport: Arc::new(transport),
+            transport: connect(url, NatsTransport::connect(config)).await?,
             stream,
             subjects,
             destination: format!("bench.{run_id}.{{topic}}"),
@@ -412,22 +417,14 @@ impl Broker for Nats {
         })))
     }
 
-    async fn consume(
-        &self,
-        group: &str,
-        apply: super::consume::Apply,
-        runner: outbox::consumer::RunnerSettings,
-        fetch: usize,
-        metrics: Arc<outbox::consumer::ConsumerMetrics>,
-        cancel: CancellationToken,
-    ) -> anyhow::Result<JoinHandle<anyhow::Result<()>>> {
+    async fn consume(&self, group: &str, run: ConsumerRun) -> anyhow::Result<ConsumerTask> {
         use outbox::consumer::nats::{NatsConsumerConfig, NatsSource};
         let mut config = NatsConsumerConfig::new(&self.stream, group);
-        config.batch = fetch;
-        config.runner = runner;
-        let options = outbox::consumer::source::ConsumeOptions::new(&config.runner, fetch);
+        config.batch = run.fetch;
+        config.runner = run.runner.clone();
+        let options = outbox::consumer::source::ConsumeOptions::new(&config.runner, run.fetch);
         let source = NatsSource::new(self.transport.jetstream().clone(), config);
-        Ok(tokio::spawn(apply.run(source, options, metrics, cancel)))
+        Ok(run.run(source, options))
     }
 
     async fn cleanup(&self) -> anyhow::Result<()> {
@@ -440,437 +437,14 @@ impl Broker for Nats {
     }
 }
 
-/// `redis://`: every message is `XADD`ed to the stream key `bench:<run>` by `RedisTransport`.
 #[cfg(feature = "redis")]
-mod redis_arm {
-    use super::*;
-    use outbox::transport::redis::{FIELD_ID, connect_manager};
-    use outbox::{RedisConfig, RedisTransport};
-    use redis::aio::ConnectionManager;
-    use redis::streams::StreamReadReply;
+mod redis_arm;
 
-    /// How long one `XREAD` of the latency subscriber blocks for new entries.
-    const BLOCK: Duration = Duration::from_millis(500);
-
-    /// The Redis Streams arm.
-    pub(super) struct Redis {
-        config: RedisConfig,
-        transport: Arc<RedisTransport>,
-        key: String,
-    }
-
-    impl Redis {
-        /// Connect the transport and empty the run's stream key.
-        pub(super) async fn open(url: &str, run_id: &str) -> anyhow::Result<Redis> {
-            let config = RedisConfig::new(url);
-            let transport = RedisTransport::connect(config.clone())
-                .await
-                .with_context(|| format!("--transport {url}"))?;
-            let r = Redis {
-                config,
-                transport: Arc::new(transport),
-                key: format!("bench:{run_id}"),
-            };
-            r.delete().await?;
-            Ok(r)
-        }
-
-        async fn delete(&self) -> anyhow::Result<()> {
-            redis::cmd("DEL")
-                .arg(&self.key)
-                .query_async::<i64>(&mut self.transport.connection())
-                .await
-                .with_context(|| format!("DEL {}", self.key))?;
-            Ok(())
-        }
-    }
-
-    #[async_trait]
-    impl Broker for Redis {
-        fn describe(&self) -> String {
-            format!(
-                "Redis Streams at {} (stream key {}, XADD without MAXLEN; durability as the \
-                 server's persistence settings)",
-                self.config.url, self.key
-            )
-        }
-
-        fn transport(&self) -> Arc<dyn Transport> {
-            self.transport.clone()
-        }
-
-        fn destination(&self) -> String {
-            self.key.clone()
-        }
-
-        async fn reset(&self) -> anyhow::Result<()> {
-            self.delete().await
-        }
-
-        async fn stored(&self) -> anyhow::Result<Option<u64>> {
-            let n: u64 = redis::cmd("XLEN")
-                .arg(&self.key)
-                .query_async(&mut self.transport.connection())
-                .await
-                .with_context(|| format!("XLEN {}", self.key))?;
-            Ok(Some(n))
-        }
-
-        async fn observe(
-            &self,
-            receipts: Arc<Receipts>,
-            cancel: CancellationToken,
-        ) -> anyhow::Result<Option<JoinHandle<()>>> {
-            // A connection of its own: a blocking XREAD on the transport's multiplexed
-            // connection would hold the relay's XADDs behind it.
-            let mut conn: ConnectionManager = connect_manager(
-                &self.config.url,
-                self.config.password.as_deref(),
-                self.config.connect_timeout,
-                BLOCK + self.config.response_timeout,
-            )
-            .await
-            .context("connect the latency subscriber")?;
-            // Everything after the last entry there now (none right after `reset`), read from
-            // that id on so no entry published before the first XREAD is missed.
-            let last: Vec<(String, Vec<(String, Vec<u8>)>)> = redis::cmd("XREVRANGE")
-                .arg(&self.key)
-                .arg("+")
-                .arg("-")
-                .arg("COUNT")
-                .arg(1)
-                .query_async(&mut conn)
-                .await
-                .with_context(|| format!("XREVRANGE {}", self.key))?;
-            let mut from = last
-                .into_iter()
-                .next()
-                .map(|(id, _)| id)
-                .unwrap_or_else(|| "0-0".into());
-            let key = self.key.clone();
-            Ok(Some(tokio::spawn(async move {
-                loop {
-                    let mut cmd = redis::cmd("XREAD");
-                    cmd.arg("COUNT")
-                        .arg(10_000)
-                        .arg("BLOCK")
-                        .arg(BLOCK.as_millis() as u64)
-                        .arg("STREAMS")
-                        .arg(&key)
-                        .arg(&from);
-                    let read = tokio::select! {
-                        _ = cancel.cancelled() => return,
-                        r = cmd.query_async::<Option<StreamReadReply>>(&mut conn) => r,
-                    };
-                    match read {
-                        Ok(reply) => {
-                            let at = now_us();
-                            for entry in reply.into_iter().flat_map(|r| r.keys).flat_map(|k| k.ids)
-                            {
-                                let id = entry
-                                    .get::<String>(FIELD_ID)
-                                    .and_then(|v| Uuid::parse_str(&v).ok());
-                                if let Some(id) = id {
-                                    receipts.record(id, at);
-                                }
-                                from = entry.id;
-                            }
-                        }
-                        Err(e) => {
-                            tracing::warn!(error = %e, "latency subscriber: XREAD failed");
-                            tokio::time::sleep(Duration::from_millis(50)).await;
-                        }
-                    }
-                }
-            })))
-        }
-
-        async fn consume(
-            &self,
-            group: &str,
-            apply: crate::bench::consume::Apply,
-            runner: outbox::consumer::RunnerSettings,
-            fetch: usize,
-            metrics: Arc<outbox::consumer::ConsumerMetrics>,
-            cancel: CancellationToken,
-        ) -> anyhow::Result<JoinHandle<anyhow::Result<()>>> {
-            let mut config = outbox::consumer::redis::RedisConsumerConfig::new(
-                &self.config.url,
-                &self.key,
-                group,
-            );
-            config.password = self.config.password.clone();
-            config.batch = fetch;
-            config.runner = runner;
-            crate::bench::consume::spawn(config, apply, metrics, cancel)
-        }
-
-        async fn cleanup(&self) -> anyhow::Result<()> {
-            self.delete().await
-        }
-    }
-}
-
-/// `amqp://`: a durable queue `bench.<run>`, published to through the default exchange by
-/// `RabbitMqTransport` (destination = the bare queue name).
 #[cfg(feature = "rabbitmq")]
-mod rabbitmq_arm {
-    use super::*;
-    use lapin::options::{QueueDeclareOptions, QueueDeleteOptions, QueuePurgeOptions};
-    use lapin::types::FieldTable;
-    use outbox::{RabbitMqConfig, RabbitMqTransport};
+mod rabbitmq_arm;
 
-    /// Close a channel the bench opened for one operation (a channel left open is closed with
-    /// the connection, which lapin logs as an error when it was already closing).
-    async fn close(ch: lapin::Channel) {
-        if ch.status().connected() {
-            let _ = ch.close(200, "done".into()).await;
-        }
-    }
-
-    /// The RabbitMQ arm.
-    pub(super) struct Rabbit {
-        /// The URL redacted, for the report.
-        url: String,
-        /// The URL as given, for the consumer.
-        raw_url: String,
-        /// The bench's own connection, for declaring, purging, counting and deleting the queue.
-        conn: lapin::Connection,
-        transport: Arc<RabbitMqTransport>,
-        queue: String,
-    }
-
-    impl Rabbit {
-        /// Declare the run's queue (durable, classic) and connect the transport.
-        pub(super) async fn open(url: &str, run_id: &str) -> anyhow::Result<Rabbit> {
-            let redacted = crate::redact(url);
-            let conn = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
-                .await
-                .with_context(|| format!("cannot connect to RabbitMQ at {redacted}"))?;
-            let queue = format!("bench.{run_id}");
-            let ch = conn.create_channel().await?;
-            let r = ch
-                .queue_declare(
-                    queue.as_str().into(),
-                    QueueDeclareOptions::durable(),
-                    FieldTable::default(),
-                )
-                .await;
-            close(ch).await;
-            r.with_context(|| format!("declare the queue {queue}"))?;
-            let transport = RabbitMqTransport::connect(RabbitMqConfig::new(url))
-                .await
-                .with_context(|| format!("--transport {redacted}"))?;
-            Ok(Rabbit {
-                url: redacted.to_string(),
-                raw_url: url.to_owned(),
-                conn,
-                transport: Arc::new(transport),
-                queue,
-            })
-        }
-
-        /// A fresh channel (a refused operation closes the channel it ran on).
-        async fn channel(&self) -> anyhow::Result<lapin::Channel> {
-            self.conn
-                .create_channel()
-                .await
-                .context("open a RabbitMQ channel")
-        }
-    }
-
-    #[async_trait]
-    impl Broker for Rabbit {
-        fn describe(&self) -> String {
-            format!(
-                "RabbitMQ at {} (durable classic queue {} through the default exchange, \
-                 persistent messages, publisher confirms; no consumer, so the count stays \
-                 exact)",
-                self.url, self.queue
-            )
-        }
-
-        fn transport(&self) -> Arc<dyn Transport> {
-            self.transport.clone()
-        }
-
-        fn destination(&self) -> String {
-            self.queue.clone()
-        }
-
-        async fn reset(&self) -> anyhow::Result<()> {
-            let ch = self.channel().await?;
-            let r = ch
-                .queue_purge(self.queue.as_str().into(), QueuePurgeOptions::default())
-                .await;
-            close(ch).await;
-            r.with_context(|| format!("purge the queue {}", self.queue))?;
-            Ok(())
-        }
-
-        async fn stored(&self) -> anyhow::Result<Option<u64>> {
-            let ch = self.channel().await?;
-            let q = ch
-                .queue_declare(
-                    self.queue.as_str().into(),
-                    QueueDeclareOptions {
-                        passive: true,
-                        ..Default::default()
-                    },
-                    FieldTable::default(),
-                )
-                .await;
-            close(ch).await;
-            let q = q.with_context(|| format!("count the queue {}", self.queue))?;
-            Ok(Some(u64::from(q.message_count())))
-        }
-
-        // `observe` is the default (no subscriber): the default exchange routes a message to
-        // the one queue named by its routing key, so a consumer could only read the queue that
-        // `Broker::stored` counts, and would take the messages off it (the drain check would
-        // then see a loss).
-
-        fn consuming_removes(&self) -> bool {
-            true
-        }
-
-        /// The queue's consumer (`group` does not apply: a queue is one group).
-        async fn consume(
-            &self,
-            _group: &str,
-            apply: crate::bench::consume::Apply,
-            runner: outbox::consumer::RunnerSettings,
-            fetch: usize,
-            metrics: Arc<outbox::consumer::ConsumerMetrics>,
-            cancel: CancellationToken,
-        ) -> anyhow::Result<JoinHandle<anyhow::Result<()>>> {
-            let mut config = outbox::consumer::rabbitmq::RabbitMqConsumerConfig::new(
-                RabbitMqConfig::new(&self.raw_url),
-                &self.queue,
-            );
-            config.batch = u16::try_from(fetch).context("--consumer-fetch above 65535")?;
-            config.runner = runner;
-            crate::bench::consume::spawn(config, apply, metrics, cancel)
-        }
-
-        async fn cleanup(&self) -> anyhow::Result<()> {
-            let ch = self.channel().await?;
-            let r = ch
-                .queue_delete(self.queue.as_str().into(), QueueDeleteOptions::default())
-                .await;
-            close(ch).await;
-            let _ = self.conn.close(200, "bench done".into()).await;
-            r.with_context(|| format!("delete the queue {}", self.queue))?;
-            Ok(())
-        }
-    }
-}
-
-/// `kafka://`: a topic `bench-<run>-<k>` (1 partition, replication 1) created with the library's
-/// admin helper, as `outbox relay` does for `create_topics`; `KafkaTransport` never creates it.
-/// Each [`Broker::reset`] creates the next topic (`k` + 1), so that a scenario's consumers
-/// reading from the first record see only that scenario's messages.
 #[cfg(feature = "kafka")]
-mod kafka_arm {
-    use super::*;
-    use outbox::consumer::kafka::KafkaConsumerConfig;
-    use outbox::transport::kafka::{KafkaTopic, create_topics};
-    use outbox::{KafkaConfig, KafkaTransport};
-
-    /// The Kafka arm.
-    pub(super) struct Kafka {
-        config: KafkaConfig,
-        transport: Arc<KafkaTransport>,
-        run_id: String,
-        /// The current topic and how many were created.
-        topic: Mutex<(String, u32)>,
-    }
-
-    impl Kafka {
-        /// Create the run's first topic and connect the producer.
-        pub(super) async fn open(url: &str, run_id: &str) -> anyhow::Result<Kafka> {
-            let config = KafkaConfig::new(url);
-            let transport = KafkaTransport::connect(config.clone())
-                .await
-                .with_context(|| format!("--transport {url}"))?;
-            let kafka = Kafka {
-                config,
-                transport: Arc::new(transport),
-                run_id: run_id.to_owned(),
-                topic: Mutex::new((String::new(), 0)),
-            };
-            kafka.reset().await?;
-            Ok(kafka)
-        }
-    }
-
-    #[async_trait]
-    impl Broker for Kafka {
-        fn describe(&self) -> String {
-            format!(
-                "Kafka protocol at {} (topics {}, a new one per scenario, 1 partition, \
-                 idempotent producer, acks=all, linger {:?}); the messages stored are not \
-                 counted (the client's high watermarks are not trusted on Tansu) and the topics \
-                 are left on the broker (the library has no topic deletion)",
-                self.config.bootstrap_servers,
-                self.topic.lock().expect("poisoned").0,
-                self.config.linger
-            )
-        }
-
-        fn transport(&self) -> Arc<dyn Transport> {
-            self.transport.clone()
-        }
-
-        fn destination(&self) -> String {
-            self.topic.lock().expect("poisoned").0.clone()
-        }
-
-        /// Create the next topic and publish to it from now on.
-        async fn reset(&self) -> anyhow::Result<()> {
-            let k = self.topic.lock().expect("poisoned").1 + 1;
-            let topic = format!("bench-{}-{k}", self.run_id);
-            create_topics(&self.config, &[KafkaTopic::new(topic.clone())])
-                .await
-                .with_context(|| {
-                    format!(
-                        "create the topic {topic} on Kafka at {}",
-                        self.config.bootstrap_servers
-                    )
-                })?;
-            *self.topic.lock().expect("poisoned") = (topic, k);
-            Ok(())
-        }
-
-        async fn stored(&self) -> anyhow::Result<Option<u64>> {
-            Ok(None)
-        }
-
-        async fn consume(
-            &self,
-            group: &str,
-            apply: crate::bench::consume::Apply,
-            runner: outbox::consumer::RunnerSettings,
-            fetch: usize,
-            metrics: Arc<outbox::consumer::ConsumerMetrics>,
-            cancel: CancellationToken,
-        ) -> anyhow::Result<JoinHandle<anyhow::Result<()>>> {
-            let mut config =
-                KafkaConsumerConfig::new(self.config.clone(), group, [self.destination()]);
-            config.batch = fetch;
-            config.runner = runner;
-            crate::bench::consume::spawn(config, apply, metrics, cancel)
-        }
-
-        /// Leaves the topics: the library offers topic creation only, and the CLI does not
-        /// depend on the Kafka client directly.
-        async fn cleanup(&self) -> anyhow::Result<()> {
-            let (topic, k) = self.topic.lock().expect("poisoned").clone();
-            tracing::info!(last = %topic, topics = k, "the bench topics are left on the Kafka broker");
-            Ok(())
-        }
-    }
-}
+mod kafka_arm;
 
 #[cfg(test)]
 mod tests {

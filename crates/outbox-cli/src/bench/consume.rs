@@ -212,28 +212,46 @@ pub fn effect(dialect: Dialect, table: &str) -> Arc<Effect> {
     Arc::new(Effect { insert })
 }
 
-/// Build the source of a broker's consumer `config` and drive it as `apply` in a task (the
-/// brokers whose consumer is built from its config alone).
-///
-/// # Errors
-/// The config's [`outbox::ConfigError`].
-pub fn spawn<C: source::SourceConfig + 'static>(
-    config: C,
-    apply: Apply,
-    metrics: Arc<ConsumerMetrics>,
-    cancel: CancellationToken,
-) -> anyhow::Result<JoinHandle<anyhow::Result<()>>> {
-    let options = config.options();
-    let source = config.into_source(&metrics)?;
-    Ok(tokio::spawn(apply.run(source, options, metrics, cancel)))
+/// What [`Broker::consume`](super::broker::Broker::consume) starts a consumer source with.
+pub struct ConsumerRun {
+    /// How the consumer applies what it receives.
+    pub apply: Apply,
+    /// The runner's lanes, inbox batch and deduplication window.
+    pub runner: RunnerSettings,
+    /// Messages per fetch.
+    pub fetch: usize,
+    /// The consumer's counters.
+    pub metrics: Arc<ConsumerMetrics>,
+    /// Ends the consumer's task.
+    pub cancel: CancellationToken,
+}
+
+/// A consumer's task: ends at its cancellation or on an error.
+pub type ConsumerTask = JoinHandle<anyhow::Result<()>>;
+
+impl ConsumerRun {
+    /// Drive `source`, read with `options`, as `apply` in a task.
+    pub fn run<S: Source + 'static>(self, source: S, options: ConsumeOptions) -> ConsumerTask {
+        tokio::spawn(self.apply.run(source, options, self.metrics, self.cancel))
+    }
+
+    /// Build the source of a broker's consumer `config` and drive it in a task (the brokers
+    /// whose consumer is built from its config alone).
+    ///
+    /// # Errors
+    /// The config's [`outbox::ConfigError`].
+    pub fn spawn<C: source::SourceConfig + 'static>(
+        self,
+        config: C,
+    ) -> anyhow::Result<ConsumerTask> {
+        let options = config.options();
+        let source = config.into_source(&self.metrics)?;
+        Ok(self.run(source, options))
+    }
 }
 
 /// A running consumer of the bench: its counters, what stops it, its task.
-pub type Running = (
-    Arc<ConsumerMetrics>,
-    CancellationToken,
-    JoinHandle<anyhow::Result<()>>,
-);
+pub type Running = (Arc<ConsumerMetrics>, CancellationToken, ConsumerTask);
 
 impl Bench {
     /// Start the broker's consumer as group `group`, applying through `apply`, with
@@ -256,17 +274,14 @@ impl Bench {
         };
         let metrics = Arc::new(ConsumerMetrics::default());
         let cancel = CancellationToken::new();
-        let consumer = self
-            .broker
-            .consume(
-                group,
-                apply,
-                runner,
-                self.args.consumer_fetch,
-                metrics.clone(),
-                cancel.clone(),
-            )
-            .await?;
+        let run = ConsumerRun {
+            apply,
+            runner,
+            fetch: self.args.consumer_fetch,
+            metrics: metrics.clone(),
+            cancel: cancel.clone(),
+        };
+        let consumer = self.broker.consume(group, run).await?;
         Ok((metrics, cancel, consumer))
     }
 

@@ -71,12 +71,12 @@ impl Bench {
             .await?;
 
         let acks = Arc::new(Receipts::default());
-        let pool = self.db.pool("pipeline-relay", true, 10).await?;
-        let (store, relay) = self.stamped_relay(&pool.pool, &table, &acks, &label)?;
+        let (pool, store, relay) = self
+            .stamped_relay("pipeline-relay", &table, &acks, &label)
+            .await?;
         let handle = relay.spawn();
 
-        let warm_us = now_us() + self.args.warmup().as_micros() as i64;
-        let txs = self
+        let (warm_us, txs) = self
             .produce(
                 &outbox,
                 &store,

@@ -27,14 +27,14 @@ impl Bench {
             .broker
             .observe(received.clone(), cancel.clone())
             .await?;
-        let pool = self.db.pool("latency-relay", true, 10).await?;
-        let (store, relay) = self.stamped_relay(&pool.pool, &table, &acks, "latency")?;
+        let (pool, store, relay) = self
+            .stamped_relay("latency-relay", &table, &acks, "latency")
+            .await?;
         let s0 = StatementCounter::read();
         let handle = relay.spawn();
 
         let producers = self.args.producers;
-        let warm_us = now_us() + self.args.warmup().as_micros() as i64;
-        let txs = self
+        let (warm_us, txs) = self
             .produce(
                 &outbox,
                 &store,
@@ -122,32 +122,34 @@ impl Bench {
         })
     }
 
-    /// A relay (not started) on `table` over `pool`, named `bench-<run>-<name>`, publishing to
-    /// the broker through a transport that records each acknowledgement in `acks`; and its
-    /// store.
+    /// A relay (not started) on `table` over a pool of its own (10 connections, statements
+    /// counted, labelled `pool_label`), named `bench-<run>-<name>`, publishing to the broker
+    /// through a transport that records each acknowledgement in `acks`; its pool and store.
     ///
     /// # Errors
-    /// An invalid table name or relay configuration.
-    pub(super) fn stamped_relay(
+    /// A failed connection, an invalid table name or relay configuration.
+    pub(super) async fn stamped_relay(
         &self,
-        pool: &db::Pool,
+        pool_label: &str,
         table: &str,
         acks: &Arc<Receipts>,
         name: &str,
-    ) -> anyhow::Result<(Arc<dyn outbox::Store>, Relay)> {
-        let store = Outbox::open(pool, table)?.store();
+    ) -> anyhow::Result<(db::Labeled, Arc<dyn outbox::Store>, Relay)> {
+        let pool = self.db.pool(pool_label, true, 10).await?;
+        let store = Outbox::open(&pool.pool, table)?.store();
         let transport = Arc::new(Stamped::new(self.broker.transport(), acks.clone()));
         let relay = Relay::builder(store.clone())
             .router(self.router(transport))
             .config(self.relay_config(format!("bench-{}-{name}", self.run_id)))
             .build()?;
-        Ok((store, relay))
+        Ok((pool, store, relay))
     }
 
     /// `--producers` producers commit business transactions of `per_transaction` messages each
     /// for `--latency-duration`, at `offered` transactions/s in total (open loop) or at their
     /// maximum, calling `store.wake()` after each commit with the in-process wake-up. A progress
-    /// bar shows `label` and `status()`. Returns every transaction's times.
+    /// bar shows `label` and `status()`. Returns the end of the warm-up (µs since the Unix
+    /// epoch, this process's clock: `--warmup` after the start) and every transaction's times.
     #[allow(clippy::too_many_arguments)]
     pub(super) async fn produce(
         &self,
@@ -159,7 +161,8 @@ impl Bench {
         per_transaction: usize,
         label: &str,
         status: impl Fn() -> String,
-    ) -> anyhow::Result<Vec<TxTimes>> {
+    ) -> anyhow::Result<(i64, Vec<TxTimes>)> {
+        let warm_us = now_us() + self.args.warmup().as_micros() as i64;
         let duration = self.args.latency_duration;
         let producers = self.args.producers;
         let start = Instant::now();
@@ -212,7 +215,7 @@ impl Bench {
         for r in results {
             txs.extend(r?);
         }
-        Ok(txs)
+        Ok((warm_us, txs))
     }
 
     /// Alternating rounds of business transactions without and with the outbox insert (with

@@ -11,6 +11,21 @@ fn invalid_field(toml: &str) -> String {
     parse(toml).unwrap().validate().unwrap_err().field
 }
 
+/// `toml`, which reads and validates.
+fn valid(toml: &str) -> FileConfig {
+    let c = parse(toml).unwrap();
+    c.validate().unwrap();
+    c
+}
+
+/// For each `(bad, field)`: `base` with `good` replaced by `bad` reads, and `validate` refuses
+/// it naming `field`.
+fn assert_invalid_fields(base: &str, good: &str, cases: &[(&str, &str)]) {
+    for (bad, field) in cases {
+        assert_eq!(invalid_field(&base.replace(good, bad)), *field, "{bad}");
+    }
+}
+
 /// Assert that `toml` is refused as the file is read, by an error naming `name`.
 fn assert_unreadable(toml: &str, name: &str) {
     let e = parse(toml).unwrap_err().to_string();
@@ -41,8 +56,7 @@ const GOOD: &str = r#"
 
 #[test]
 fn good_file_parses_and_validates() {
-    let c = parse(GOOD).unwrap();
-    c.validate().unwrap();
+    let c = valid(GOOD);
     assert_eq!(c.relay_config().unwrap().batch_size, 100);
     assert_eq!(c.database.table, "outbox");
 }
@@ -57,8 +71,7 @@ fn confirmations_and_retention_parse() {
         "lease = \"30s\"",
         "lease = \"30s\"\nretention = \"forever\"\nmax_check_backs = 7",
     );
-    let c = parse(&with).unwrap();
-    c.validate().unwrap();
+    let c = valid(&with);
     let r = c.relay_config().unwrap();
     assert_eq!(r.retention, outbox::retention::Retention::keep_all());
     assert_eq!(r.max_check_backs, 7);
@@ -112,8 +125,7 @@ fn rabbitmq_sections_validate_and_name_the_field() {
     let mq = "[transports.mq]\nkind = \"rabbitmq\"\nurl = \"amqp://127.0.0.1:5672/%2f\"\n\
                   exchange = \"orders\"\nconfirm_timeout = \"3s\"\nunroutable = \"fail\"\n";
     let base = format!("{GOOD}\n{mq}");
-    let c = parse(&base).unwrap();
-    c.validate().unwrap();
+    let c = valid(&base);
     let t = &c.transports["mq"];
     assert_eq!(t.default_destination(), "orders/{topic}");
     let TransportConfig::Rabbitmq(m) = t else {
@@ -165,8 +177,7 @@ fn rabbitmq_sections_validate_and_name_the_field() {
     let confirm = format!(
         "{base}\n[confirmations]\nkind = \"rabbitmq\"\nurl = \"amqp://127.0.0.1/%2f\"\nqueue = \"orders.confirmations\"\n"
     );
-    let c = parse(&confirm).unwrap();
-    c.validate().unwrap();
+    let c = valid(&confirm);
     let cfg = c
         .confirmations
         .as_ref()
@@ -213,8 +224,7 @@ const KAFKA: &str = r#"
 #[test]
 fn kafka_section_parses_and_names_bad_fields() {
     let good = format!("{GOOD}{KAFKA}");
-    let c = parse(&good).unwrap();
-    c.validate().unwrap();
+    let c = valid(&good);
     let TransportConfig::Kafka(k) = &c.transports["k"] else {
         panic!("kafka section");
     };
@@ -274,8 +284,7 @@ fn kafka_confirmations_parse_and_validate() {
     let with = format!(
         "{GOOD}\n[confirmations]\nkind = \"kafka\"\nbootstrap_servers = \"127.0.0.1:19092\"\ntopic = \"orders.confirm\"\n"
     );
-    let c = parse(&with).unwrap();
-    c.validate().unwrap();
+    let c = valid(&with);
     let Some(ConfirmationsSection::Kafka(k)) = &c.confirmations else {
         panic!("kafka confirmations");
     };
@@ -318,36 +327,35 @@ fn redis_section_is_validated() {
         "kind = \"nats\"\n        url = \"nats://127.0.0.1:4222\"\n        stream = \"ORDERS\"",
         "kind = \"redis\"\n        url = \"redis://127.0.0.1:6379\"",
     );
-    let c = parse(&base).unwrap();
-    c.validate().unwrap();
+    let c = valid(&base);
     assert!(matches!(c.transports["bus"], TransportConfig::Redis(_)));
     let capped = base.replace(
             "url = \"redis://127.0.0.1:6379\"",
             "url = \"rediss://127.0.0.1:6380\"\nmax_len = 1000\nwait_replicas = 1\nwait_timeout = \"200ms\"",
         );
-    let c = parse(&capped).unwrap();
-    c.validate().unwrap();
+    let c = valid(&capped);
     let TransportConfig::Redis(r) = &c.transports["bus"] else {
         panic!()
     };
     let rc = r.resolve_secrets().unwrap();
     assert_eq!(rc.max_len, Some(1000));
     assert_eq!(rc.warnings().len(), 1, "a cap is warned about");
-    for (bad, field) in [
-        ("url = \"http://127.0.0.1:6379\"", "transports.bus.url"),
-        ("url = \"redis://x\"\nmax_len = 0", "transports.bus.max_len"),
-        (
-            "url = \"redis://x\"\npassword_env = \"OUTBOX_TEST_UNSET_VARIABLE_4711\"",
-            "transports.bus.password_env",
-        ),
-        (
-            "url = \"redis://x\"\nwait_replicas = 1\nwait_timeout = \"10s\"",
-            "transports.bus.wait_replicas",
-        ),
-    ] {
-        let toml = base.replace("url = \"redis://127.0.0.1:6379\"", bad);
-        assert_eq!(invalid_field(&toml), field, "{bad}");
-    }
+    assert_invalid_fields(
+        &base,
+        "url = \"redis://127.0.0.1:6379\"",
+        &[
+            ("url = \"http://127.0.0.1:6379\"", "transports.bus.url"),
+            ("url = \"redis://x\"\nmax_len = 0", "transports.bus.max_len"),
+            (
+                "url = \"redis://x\"\npassword_env = \"OUTBOX_TEST_UNSET_VARIABLE_4711\"",
+                "transports.bus.password_env",
+            ),
+            (
+                "url = \"redis://x\"\nwait_replicas = 1\nwait_timeout = \"10s\"",
+                "transports.bus.wait_replicas",
+            ),
+        ],
+    );
     // A wait timeout without replicas is refused as the file is read, naming the key.
     assert_unreadable(
         &base.replace(
@@ -365,8 +373,7 @@ fn redis_section_is_validated() {
     );
     let with = base.clone()
         + "\n[confirmations]\nkind = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\nstream = \"orders:confirm\"\n";
-    let c = parse(&with).unwrap();
-    c.validate().unwrap();
+    let c = valid(&with);
     assert!(
         matches!(c.confirmations, Some(ConfirmationsSection::Redis { ref group, .. }) if group == "outbox-confirmations")
     );
@@ -383,35 +390,34 @@ fn mqtt_section_is_validated() {
         "kind = \"nats\"\n        url = \"nats://127.0.0.1:4222\"\n        stream = \"ORDERS\"",
         "kind = \"mqtt\"\n        url = \"mqtt://127.0.0.1:1883\"",
     );
-    let c = parse(&base).unwrap();
-    c.validate().unwrap();
+    let c = valid(&base);
     let TransportConfig::Mqtt(m) = &c.transports["bus"] else {
         panic!()
     };
     assert_eq!(m.no_subscribers, outbox::NoSubscribers::Retry);
-    for (bad, field) in [
-        ("url = \"nats://127.0.0.1:1883\"", "transports.bus.url"),
-        ("url = \"mqtt://h:port\"", "transports.bus.url"),
-        (
-            "url = \"mqtt://h\"\nmax_inflight = 0",
-            "transports.bus.max_inflight",
-        ),
-        (
-            "url = \"mqtt://h\"\nclient_id = \"\"",
-            "transports.bus.client_id",
-        ),
-        (
-            "url = \"mqtt://h\"\npassword_env = \"OUTBOX_TEST_UNSET_VARIABLE_4711\"",
-            "transports.bus.password_env",
-        ),
-    ] {
-        let toml = base.replace("url = \"mqtt://127.0.0.1:1883\"", bad);
-        assert_eq!(invalid_field(&toml), field, "{bad}");
-    }
+    assert_invalid_fields(
+        &base,
+        "url = \"mqtt://127.0.0.1:1883\"",
+        &[
+            ("url = \"nats://127.0.0.1:1883\"", "transports.bus.url"),
+            ("url = \"mqtt://h:port\"", "transports.bus.url"),
+            (
+                "url = \"mqtt://h\"\nmax_inflight = 0",
+                "transports.bus.max_inflight",
+            ),
+            (
+                "url = \"mqtt://h\"\nclient_id = \"\"",
+                "transports.bus.client_id",
+            ),
+            (
+                "url = \"mqtt://h\"\npassword_env = \"OUTBOX_TEST_UNSET_VARIABLE_4711\"",
+                "transports.bus.password_env",
+            ),
+        ],
+    );
     let with = base.clone()
         + "\n[confirmations]\nkind = \"mqtt\"\nurl = \"mqtt://127.0.0.1:1883\"\ntopic = \"orders/confirm\"\n";
-    let c = parse(&with).unwrap();
-    c.validate().unwrap();
+    valid(&with);
     assert_eq!(
         invalid_field(&with.replace("topic = \"orders/confirm\"", "topic = \"orders/#\"")),
         "confirmations.topic"
@@ -452,8 +458,7 @@ const RMQ: &str = r#"
 #[cfg(feature = "rocketmq")]
 #[test]
 fn rocketmq_section_parses_and_validates() {
-    let c = parse(RMQ).unwrap();
-    c.validate().unwrap();
+    let c = valid(RMQ);
     let TransportConfig::Rocketmq(s) = &c.transports["mq"] else {
         panic!("not a rocketmq section")
     };
@@ -570,8 +575,7 @@ fn databases_parse_validate_and_name_bad_entries() {
          routes = [{ topics = \"*\", transport = \"hooks\" }]\n\
          [[databases]]\nname = \"tenants\"\nurl = \"postgres://h/c\"\nschemas = \"tenant_%\"\nrediscover_interval = \"5s\"\n",
     );
-    let c = parse(&ok).unwrap();
-    c.validate().unwrap();
+    let c = valid(&ok);
     assert_eq!(c.databases.len(), 3);
     assert_eq!(c.databases[1].routes(&c).len(), 1);
     assert_eq!(c.databases[0].routes(&c).len(), 2, "the file's routes");

@@ -22,6 +22,13 @@ use super::delivery::{Delivery, Endpoint, NATS_STREAM, ServiceTask, serve, spawn
 #[cfg(feature = "kafka")]
 use super::{CANCELLED_TOPIC, TOPIC};
 
+/// The demo consumers' runner settings on `runner`: no deduplication window (the inbox
+/// deduplicates), at most `inbox_batch` messages per inbox transaction.
+fn demo_runner(runner: &mut outbox::consumer::RunnerSettings, inbox_batch: usize) {
+    runner.dedup_window = None;
+    runner.inbox_batch = inbox_batch;
+}
+
 /// Start `n` runners of one consumer (`start(i)` is runner `i`); a runner's error is reported as
 /// `what`.
 fn runners<F, Fut>(n: usize, what: &'static str, start: F) -> Vec<ServiceTask>
@@ -97,8 +104,7 @@ impl Delivery {
             Delivery::Nats { js, .. } => {
                 let mut config = NatsConsumerConfig::new(NATS_STREAM, CONSUMER)
                     .with_confirmations(confirmations);
-                config.runner.dedup_window = None;
-                config.runner.inbox_batch = inbox_batch;
+                demo_runner(&mut config.runner, inbox_batch);
                 // Create the durable once, so the runners below do not race to create it.
                 js.get_stream(NATS_STREAM)
                     .await?
@@ -130,8 +136,7 @@ impl Delivery {
                     CONSUMER,
                 )
                 .with_confirmations(confirmations);
-                config.runner.dedup_window = None;
-                config.runner.inbox_batch = inbox_batch;
+                demo_runner(&mut config.runner, inbox_batch);
                 config.runner.concurrency = 4;
                 // Several runners share the group, as instances of one service would.
                 let tasks = runners(4, "Redis consumer failed", |i| {
@@ -152,8 +157,7 @@ impl Delivery {
                 .with_confirmations(confirmations);
                 config.group = Some(format!("{CONSUMER}-{run}"));
                 config.session_expiry = Duration::from_secs(60);
-                config.runner.dedup_window = None;
-                config.runner.inbox_batch = inbox_batch;
+                demo_runner(&mut config.runner, inbox_batch);
                 config.runner.concurrency = 4;
                 let tasks = runners(4, "MQTT consumer failed", |i| {
                     let mut config = config.clone();
@@ -171,8 +175,7 @@ impl Delivery {
                     r.orders_topic.clone(),
                 )
                 .with_confirmations(confirmations);
-                config.runner.dedup_window = None;
-                config.runner.inbox_batch = inbox_batch;
+                demo_runner(&mut config.runner, inbox_batch);
                 config.batch = 32;
                 config.runner.concurrency = 8;
                 config.route_refresh = Duration::from_secs(10);
@@ -191,8 +194,7 @@ impl Delivery {
                     RABBIT_QUEUE,
                 )
                 .with_confirmations(confirmations);
-                config.runner.dedup_window = None;
-                config.runner.inbox_batch = inbox_batch;
+                demo_runner(&mut config.runner, inbox_batch);
                 config.runner.concurrency = 1;
                 // Four instances of the service share the queue (competing consumers).
                 let tasks = runners(4, "RabbitMQ consumer failed", |_| {
@@ -209,8 +211,7 @@ impl Delivery {
                     [format!("{run}.{TOPIC}"), format!("{run}.{CANCELLED_TOPIC}")],
                 )
                 .with_confirmations(confirmations);
-                consumer.runner.dedup_window = None;
-                consumer.runner.inbox_batch = inbox_batch;
+                demo_runner(&mut consumer.runner, inbox_batch);
                 consumer.runner.concurrency = 4;
                 // The broker minimum, so a new group starts quickly (Tansu holds a new group's
                 // first join for about half the session timeout).

@@ -42,6 +42,28 @@ pub(super) struct FaultStats {
     pub(super) confirmations_lost: AtomicU64,
 }
 
+/// The demos' relay settings: batches of 100, a 3 s lease, 1 s publish timeout, a poll every
+/// 500 ms, retries from 100 ms doubling to 2 s, maintenance every second, and every finished row
+/// kept (the report and the checks read them).
+pub(super) fn demo_relay_config(name: String) -> RelayConfig {
+    RelayConfig {
+        name,
+        batch_size: 100,
+        lease: Duration::from_secs(3),
+        publish_timeout: Duration::from_secs(1),
+        poll_interval: Duration::from_millis(500),
+        backoff: Backoff {
+            base: Duration::from_millis(100),
+            factor: 2.0,
+            max: Duration::from_secs(2),
+            jitter: 0.2,
+        },
+        maintenance_interval: Duration::from_secs(1),
+        retention: outbox::retention::Retention::keep_all(),
+        ..RelayConfig::default()
+    }
+}
+
 /// A confirmation sender that drops a share of the consumer's confirmations silently, as a
 /// network would (the consumer believes it sent them); the producer's check-back recovers them.
 pub(super) struct LossyConfirmations {
@@ -247,24 +269,10 @@ impl RelaySupervisor<'_> {
             stats: self.fault_stats.clone(),
         });
         let config = RelayConfig {
-            name: format!("demo-relay-{}", self.metrics.len() + 1),
-            batch_size: 100,
-            lease: Duration::from_secs(3),
-            publish_timeout: Duration::from_secs(1),
-            poll_interval: Duration::from_millis(500),
             max_attempts: 50,
-            backoff: Backoff {
-                base: Duration::from_millis(100),
-                factor: 2.0,
-                max: Duration::from_secs(2),
-                jitter: 0.2,
-            },
-            maintenance_interval: Duration::from_secs(1),
             in_flight_batches: 4,
             max_check_backs: self.max_check_backs,
-            // Keep every finished row: the report reads them.
-            retention: outbox::retention::Retention::keep_all(),
-            ..RelayConfig::default()
+            ..demo_relay_config(format!("demo-relay-{}", self.metrics.len() + 1))
         };
         // Orders need the consumer's verdict; cancellations are plain notifications (SENT is
         // final) over the same faulty transport.

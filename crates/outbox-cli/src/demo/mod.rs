@@ -407,10 +407,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     let elapsed = started.elapsed();
 
     relays.shutdown().await?;
-    cancel.cancel();
-    for t in tasks {
-        t.await.context("service task panicked")??;
-    }
+    stop_services(&cancel, tasks).await?;
 
     let report = Report::gather(
         &services,
@@ -429,11 +426,34 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     )
     .await?;
     report.print(&delivery);
+    conclude(drained, args.timeout, "", || report.verdict())
+}
+
+/// Stop the demo's services (`cancel`) and wait for their tasks: the first error of one.
+async fn stop_services(
+    cancel: &CancellationToken,
+    tasks: Vec<delivery::ServiceTask>,
+) -> anyhow::Result<()> {
+    cancel.cancel();
+    for t in tasks {
+        t.await.context("service task panicked")??;
+    }
+    Ok(())
+}
+
+/// The end of a demo run whose report is printed: an error when it did not drain within
+/// `timeout` (`note` after it), else the report's `verdict`.
+fn conclude(
+    drained: bool,
+    timeout: Duration,
+    note: &str,
+    verdict: impl FnOnce() -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
     if !drained {
         bail!(
-            "the run did not drain within {}",
-            humantime::format_duration(args.timeout)
+            "the run did not drain within {}{note}",
+            humantime::format_duration(timeout)
         );
     }
-    report.verdict()
+    verdict()
 }

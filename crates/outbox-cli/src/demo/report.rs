@@ -355,6 +355,15 @@ impl Report {
                 )
             }
         };
+        // A check over a list of orders: how many, ok when none, the first of them.
+        let id_row = |label: &str, v: &[i64]| {
+            println!(
+                "{label:<27}{:>10}  {}{}",
+                v.len(),
+                check(v.is_empty()),
+                ids(v)
+            );
+        };
         let failed = self.statuses.get(&Status::Failed).copied().unwrap_or(0);
         println!();
         println!("== outbox demo report ==");
@@ -435,29 +444,14 @@ impl Report {
                 )
             }
         );
-        println!(
-            "refused though stock fit   {:>10}  {}{}",
-            self.refused_but_fit.len(),
-            check(self.refused_but_fit.is_empty()),
-            ids(&self.refused_but_fit)
-        );
+        id_row("refused though stock fit", &self.refused_but_fit);
         println!(
             "dead letters (FAILED)      {:>10}  {}",
             failed,
             check(failed == 0)
         );
-        println!(
-            "lost                       {:>10}  {}{}",
-            self.lost.len(),
-            check(self.lost.is_empty()),
-            ids(&self.lost)
-        );
-        println!(
-            "applied twice              {:>10}  {}{}",
-            self.applied_twice.len(),
-            check(self.applied_twice.is_empty()),
-            ids(&self.applied_twice)
-        );
+        id_row("lost", &self.lost);
+        id_row("applied twice", &self.applied_twice);
         println!(
             "stock consistency          {:>10}  {}",
             check(self.stock_problems.is_empty()),

@@ -10,13 +10,8 @@
 //   DASH_SHOTS      where to write a screenshot of each page
 //   CHROMIUM        the browser (default /usr/bin/chromium)
 // Exits 0 when every step holds; otherwise prints the step that failed and exits 1.
-import { chromium } from "playwright-core";
+import { check, confirm, drive, env, toastSays } from "./harness.mjs";
 
-const env = (k) => {
-  const v = process.env[k];
-  if (!v) throw new Error(`${k} is not set`);
-  return v;
-};
 const base = env("DASH_URL");
 const token = env("DASH_TOKEN");
 const failedId = env("DASH_FAILED_ID");
@@ -27,18 +22,7 @@ const shots = env("DASH_SHOTS");
 const inboxDiscard = env("DASH_INBOX_DISCARD");
 const inboxReplay = env("DASH_INBOX_REPLAY");
 
-function check(cond, what) {
-  if (!cond) throw new Error(`check failed: ${what}`);
-  console.log(`ok: ${what}`);
-}
-
-const browser = await chromium.launch({
-  executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
-  args: ["--headless", "--no-sandbox"],
-});
-let step = "start";
-try {
-  const page = await browser.newPage({ viewport: { width: 1280, height: 900 } });
+await drive("dashboard ", async (page, step) => {
   const consoleErrors = [];
   page.on("pageerror", (e) => consoleErrors.push(String(e)));
   // Script errors only: a refused request (the 401 below) is logged as a failed resource load.
@@ -47,7 +31,7 @@ try {
   });
   page.on("response", (r) => { if (r.status() === 404) consoleErrors.push(`404 for ${r.url()}`); });
 
-  step = "overview";
+  step("overview");
   await page.goto(base + "/");
   await page.waitForSelector("#state-cards .card");
   const failedCount = async () => Number((await page.textContent('#state-cards [data-state="FAILED"] .n')).replace(/\D/g, ""));
@@ -56,7 +40,7 @@ try {
   check((await page.textContent("main")).includes("orders.created"), "the overview lists the topic");
   await page.screenshot({ path: `${shots}/overview.png`, fullPage: true });
 
-  step = "search by message id";
+  step("search by message id");
   await page.click('a[data-nav="messages"]');
   await page.waitForSelector("#filters");
   await page.fill('input[name="message_id"]', failedMid);
@@ -67,7 +51,7 @@ try {
   }, failedId);
   check(true, `the search by message id finds row ${failedId} alone`);
 
-  step = "search by key";
+  step("search by key");
   await page.click("#clear");
   await page.waitForFunction(() => !document.querySelector('input[name="message_id"]').value);
   await page.fill('input[name="key"]', key);
@@ -84,7 +68,7 @@ try {
   check(keys.length >= 2 && keys.every((k) => k === key), `the search by key finds ${keys.length} messages of key ${key}`);
   await page.screenshot({ path: `${shots}/messages.png`, fullPage: true });
 
-  step = "open the dead letter";
+  step("open the dead letter");
   await page.goto(`${base}/#/messages/${failedId}`);
   await page.waitForSelector("dl.fields");
   const detail = await page.textContent("main");
@@ -92,7 +76,7 @@ try {
   check((await page.textContent("#payload")).includes('"order"'), "the payload is shown (JSON, pretty-printed)");
   await page.screenshot({ path: `${shots}/message.png`, fullPage: true });
 
-  step = "requeue without a token is refused";
+  step("requeue without a token is refused");
   await page.click('button[data-one="requeue"]');
   await page.waitForSelector("#modal:not([hidden])");
   await page.screenshot({ path: `${shots}/confirm.png` });
@@ -100,19 +84,15 @@ try {
   await page.waitForSelector("#toast.error:not([hidden])");
   check((await page.textContent("#toast")).includes("token"), "without the token the requeue is refused, naming the token");
 
-  step = "requeue with the token";
+  step("requeue with the token");
   await page.fill("#token", token);
   await page.dispatchEvent("#token", "change");
   await page.click('button[data-one="requeue"]');
-  await page.waitForSelector("#modal:not([hidden])");
-  await page.click("#modal-ok");
-  await page.waitForFunction(() => {
-    const t = document.getElementById("toast");
-    return !t.hidden && !t.classList.contains("error") && t.textContent.includes("1 changed");
-  });
+  await confirm(page);
+  await toastSays(page, "1 changed");
   check(true, "the requeue reports 1 changed");
 
-  step = "the counts change";
+  step("the counts change");
   const deadline = Date.now() + 20000;
   let after = before;
   while (Date.now() < deadline) {
@@ -125,7 +105,7 @@ try {
   check(after === before - 1, `the FAILED count went from ${before} to ${after}`);
   await page.screenshot({ path: `${shots}/overview-after.png`, fullPage: true });
 
-  step = "the relay published it";
+  step("the relay published it");
   let state = "";
   const published = Date.now() + 20000;
   while (Date.now() < published) {
@@ -136,23 +116,19 @@ try {
   }
   check(state === "SENT", `the requeued message is ${state}`);
 
-  step = "an undecided two-phase message";
+  step("an undecided two-phase message");
   await page.goto(`${base}/#/messages/${undecidedId}`);
   await page.waitForSelector("dl.fields");
   check((await page.textContent("main")).includes("UNDECIDED"), "the detail shows UNDECIDED");
   check((await page.textContent("main")).includes("15 check-backs answered UNKNOWN"), "and why it was parked");
   await page.screenshot({ path: `${shots}/undecided.png`, fullPage: true });
   await page.click('button[data-one="resume"]');
-  await page.waitForSelector("#modal:not([hidden])");
-  await page.click("#modal-ok");
-  await page.waitForFunction(() => {
-    const t = document.getElementById("toast");
-    return !t.hidden && !t.classList.contains("error") && t.textContent.includes("Resume: 1 changed");
-  });
+  await confirm(page);
+  await toastSays(page, "Resume: 1 changed");
   const resumed = await (await page.request.get(`${base}/api/messages/${undecidedId}`)).json();
   check(resumed.status === "PREPARED", `the resumed message is ${resumed.status}, checked back again`);
 
-  step = "the overview's charts";
+  step("the overview's charts");
   // The daemon samples its relay's counters every 10 s: wait for a sample that saw the publishes.
   const sampled = Date.now() + 30000;
   let points = [];
@@ -171,7 +147,7 @@ try {
   check((await page.textContent("#charts")).includes("Commit → ack"), "the overview shows the throughput and latency charts");
   await page.screenshot({ path: `${shots}/overview-charts.png`, fullPage: true });
 
-  step = "relays";
+  step("relays");
   await page.click('a[data-nav="relays"]');
   await page.waitForSelector("main table");
   check((await page.textContent("#relays")).includes("dash-relay"), "the relays page lists the running relay");
@@ -181,12 +157,12 @@ try {
   check((await page.textContent("#buckets")).includes("dash-relay"), "the buckets show their owner");
   await page.screenshot({ path: `${shots}/relays.png`, fullPage: true });
 
-  step = "blocked keys";
+  step("blocked keys");
   await page.click('a[data-nav="keys"]');
   await page.waitForSelector("#keys");
   check((await page.textContent("#keys")).includes("No key is held back"), "no key is held back (the route skips dead letters)");
 
-  step = "inbox dead letters";
+  step("inbox dead letters");
   await page.click('a[data-nav="inbox"]');
   await page.waitForSelector("#dead-letters");
   check((await page.textContent("#consumers")).includes("inventory"), "the inbox page lists the consumer with dead letters");
@@ -194,7 +170,7 @@ try {
   check(listed.includes(inboxDiscard) && listed.includes(inboxReplay), "both dead letters are listed");
   await page.screenshot({ path: `${shots}/inbox.png`, fullPage: true });
 
-  step = "open an inbox dead letter and discard it";
+  step("open an inbox dead letter and discard it");
   await page.click(`a[href="#/inbox/inventory/${inboxDiscard}"]`);
   await page.waitForSelector("dl.fields");
   const dl = await page.textContent("main");
@@ -202,16 +178,12 @@ try {
   check((await page.textContent("#payload")).includes('"order"'), "its payload is shown");
   await page.screenshot({ path: `${shots}/inbox-dead-letter.png`, fullPage: true });
   await page.click('button[data-dl="discard"]');
-  await page.waitForSelector("#modal:not([hidden])");
-  await page.click("#modal-ok");
+  await confirm(page);
   await page.waitForSelector("#dead-letters");
-  await page.waitForFunction(() => {
-    const t = document.getElementById("toast");
-    return !t.hidden && !t.classList.contains("error") && t.textContent.includes("1 changed");
-  });
+  await toastSays(page, "1 changed");
   check(true, "the discard reports 1 changed");
 
-  step = "replay the other";
+  step("replay the other");
   await page.goto(`${base}/#/inbox?consumer=inventory`);
   await page.waitForFunction((id) => {
     const ids = [...document.querySelectorAll("#dead-letters input.dl-pick")].map((i) => i.value);
@@ -220,15 +192,9 @@ try {
   check(true, "one dead letter is left");
   await page.check(`#dead-letters input.dl-pick[value="${inboxReplay}"]`);
   await page.click("#dl-replay");
-  await page.waitForSelector("#modal:not([hidden])");
-  await page.click("#modal-ok");
+  await confirm(page);
   await page.waitForFunction(() => (document.querySelector("#dead-letters")?.textContent || "").includes("replay requested"));
   check(true, "the dead letter shows its replay requested");
 
   check(consoleErrors.length === 0, `no script errors (${consoleErrors.join("; ")})`);
-} catch (e) {
-  console.error(`dashboard step "${step}": ${e.message}`);
-  await browser.close();
-  process.exit(1);
-}
-await browser.close();
+});

@@ -9,13 +9,8 @@
 //   DBS_SHOTS    where to write a screenshot of each page
 //   CHROMIUM     the browser (default /usr/bin/chromium)
 // Exits 0 when every step holds; otherwise prints the step that failed and exits 1.
-import { chromium } from "playwright-core";
+import { check, drive, env } from "./harness.mjs";
 
-const env = (k) => {
-  const v = process.env[k];
-  if (!v) throw new Error(`${k} is not set`);
-  return v;
-};
 const base = env("DBS_URL");
 const members = env("DBS_MEMBERS").split(",");
 const open = env("DBS_OPEN");
@@ -23,24 +18,13 @@ const topic = env("DBS_TOPIC");
 const other = env("DBS_OTHER");
 const shots = env("DBS_SHOTS");
 
-function check(cond, what) {
-  if (!cond) throw new Error(`check failed: ${what}`);
-  console.log(`ok: ${what}`);
-}
-
-const browser = await chromium.launch({
-  executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
-  args: ["--headless", "--no-sandbox"],
-});
-let step = "start";
-try {
-  const page = await browser.newPage({ viewport: { width: 1280, height: 900 } });
+await drive("", async (page, step) => {
   const errors = [];
   page.on("pageerror", (e) => errors.push(String(e)));
   page.on("console", (m) => { if (m.type() === "error") errors.push(m.text()); });
   page.on("response", (r) => { if (r.status() >= 400) errors.push(`${r.status()} for ${r.url()}`); });
 
-  step = "the list of databases";
+  step("the list of databases");
   await page.goto(base + "/");
   const rows = await page.$$eval("table tr td:first-child", (tds) => tds.map((td) => td.textContent.trim()));
   for (const m of members) check(rows.includes(m), `the list names ${m}`);
@@ -48,7 +32,7 @@ try {
   check(states === members.length, `every database is running (${states} of ${members.length})`);
   await page.screenshot({ path: `${shots}/databases.png`, fullPage: true });
 
-  step = "a database's dashboard, opened from the list";
+  step("a database's dashboard, opened from the list");
   await page.click(`text=${open}`);
   await page.waitForSelector("#state-cards .card");
   check(page.url().endsWith(`/databases/${open.replace("/", "~")}/`), `at ${page.url()}`);
@@ -58,23 +42,18 @@ try {
   check(!main.includes(other), `and not another database's topic ${other}`);
   await page.screenshot({ path: `${shots}/member-overview.png`, fullPage: true });
 
-  step = "its messages";
+  step("its messages");
   await page.click('a[data-nav="messages"]');
   await page.waitForSelector("#filters");
   await page.waitForSelector("tr[data-id]");
   check((await page.textContent("main")).includes(topic), "its messages are listed");
   await page.screenshot({ path: `${shots}/member-messages.png`, fullPage: true });
 
-  step = "back to the list";
+  step("back to the list");
   await page.click("header .brand a.back");
   await page.waitForSelector("table td.ok");
   check(page.url() === base + "/", `back at ${page.url()}`);
 
-  step = "no errors";
+  step("no errors");
   check(errors.length === 0, `no script error or failed request (${errors.join("; ")})`);
-} catch (e) {
-  console.error(`step "${step}": ${e.message}`);
-  await browser.close();
-  process.exit(1);
-}
-await browser.close();
+});

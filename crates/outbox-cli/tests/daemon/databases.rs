@@ -32,6 +32,24 @@ fn pg_url_of(db: &str, host: Option<&str>) -> String {
     format!("{server}/{db}")
 }
 
+impl Fixture {
+    /// The daemon's TOML as [`Fixture::toml`] with the route of every topic, its `[database]`
+    /// section replaced by `databases` (`[[databases]]` entries).
+    fn toml_with_databases(&self, relay: &str, databases: &str) -> String {
+        let database = format!(
+            "[database]\nurl = \"{}\"\ntable = \"{}\"\ninbox_table = \"{}_inbox\"\n",
+            pg_url(),
+            self.table,
+            self.table
+        );
+        let toml = self
+            .toml(relay, &self.route("*"))
+            .replace(&database, databases);
+        assert!(toml.contains("[[databases]]"), "{toml}");
+        toml
+    }
+}
+
 /// One received message: its database, sequence number, and commit → receipt in ms.
 #[derive(Clone, Debug)]
 struct Receipt {
@@ -144,17 +162,8 @@ async fn daemon_relays_many_databases_and_one_away_delays_no_other() {
     let addr = free_addr();
     let relay =
         "name = \"dbs\"\npoll_interval = \"200ms\"\nlease = \"3s\"\npublish_timeout = \"1s\"\n";
-    let toml =
-        f.toml(relay, &f.route("*")).replace(
-            &format!(
-                "[database]\nurl = \"{}\"\ntable = \"{}\"\ninbox_table = \"{}_inbox\"\n",
-                pg_url(),
-                f.table,
-                f.table
-            ),
-            &entries,
-        ) + &format!("\n[admin]\nlisten = \"{addr}\"\nbacklog_sample_interval = \"200ms\"\n");
-    assert!(toml.contains("[[databases]]"), "{toml}");
+    let toml = f.toml_with_databases(relay, &entries)
+        + &format!("\n[admin]\nlisten = \"{addr}\"\nbacklog_sample_interval = \"200ms\"\n");
     let config = f.write("dbs.toml", &toml);
     let _relays = Relays(vec![f.spawn_relay_logged(&config, "dbs")]);
 
@@ -175,12 +184,7 @@ async fn daemon_relays_many_databases_and_one_away_delays_no_other() {
             let mut messages = consumer.messages().await.unwrap();
             while let Some(m) = messages.next().await {
                 let m = m.unwrap();
-                let id = m
-                    .headers
-                    .as_ref()
-                    .and_then(|h| h.get("Nats-Msg-Id"))
-                    .unwrap()
-                    .to_string();
+                let id = header(&m, "Nats-Msg-Id");
                 assert!(
                     ids.insert(id.clone()),
                     "message {id} is in the stream twice"
@@ -285,21 +289,9 @@ async fn daemon_relays_many_databases_and_one_away_delays_no_other() {
     assert_eq!(body.0, 503, "{body:?}");
     // Everything the others wrote so far arrives while pg4 is still away.
     let marks: BTreeMap<String, u64> = written.lock().unwrap().clone();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    for (db, n) in &marks {
-        if db == "pg4" {
-            continue;
-        }
-        while received(db, *n) < *n {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "{db}: {} of its first {n} messages arrived while pg4 was away; log in {}",
-                received(db, *n),
-                f.dir.display()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
+    let others = marks.into_iter().filter(|(db, _)| db != "pg4");
+    let (within, every) = (Duration::from_secs(30), Duration::from_millis(50));
+    wait_received(&received, others, within, every, " while pg4 was away", &f).await;
     let metrics = samples(&get(&addr, "/metrics").await.unwrap().1);
     assert_eq!(
         metrics.get("outbox_database_ready{database=pg4}"),
@@ -323,18 +315,8 @@ async fn daemon_relays_many_databases_and_one_away_delays_no_other() {
         t.await.unwrap();
     }
     let totals: BTreeMap<String, u64> = written.lock().unwrap().clone();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    for (db, n) in &totals {
-        while received(db, *n) < *n {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "{db}: {} of {n} messages arrived; log in {}",
-                received(db, *n),
-                f.dir.display()
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
+    let (within, every) = (Duration::from_secs(60), Duration::from_millis(100));
+    wait_received(&received, totals.clone(), within, every, "", &f).await;
     assert!(!reader.is_finished(), "the reader stopped (a duplicate?)");
     reader.abort();
     let r = receipts.lock().unwrap().clone();
@@ -364,6 +346,29 @@ async fn daemon_relays_many_databases_and_one_away_delays_no_other() {
         )))
         .execute(&admin_pool)
         .await;
+    }
+}
+
+/// Wait until each `(db, n)` of `counts` had its first `n` messages `received` (`received(db,
+/// n)` counts them), all within `within`, looking every `every`; `when` ends the failure.
+async fn wait_received(
+    received: impl Fn(&str, u64) -> u64,
+    counts: impl IntoIterator<Item = (String, u64)>,
+    within: Duration,
+    every: Duration,
+    when: &str,
+    f: &Fixture,
+) {
+    let deadline = tokio::time::Instant::now() + within;
+    for (db, n) in counts {
+        eventually!(
+            until deadline,
+            every,
+            received(&db, n) >= n,
+            "{db}: {} of its first {n} messages arrived{when}; log in {}",
+            received(&db, n),
+            f.dir.display()
+        );
     }
 }
 
@@ -412,16 +417,8 @@ async fn daemon_discovers_tenant_schemas_without_a_restart() {
         "[[databases]]\nname = \"app\"\nurl = \"{}\"\nschemas = \"tn_{suffix}_%\"\nrediscover_interval = \"1s\"\n",
         pg_url()
     );
-    let toml =
-        f.toml(relay, &f.route("*")).replace(
-            &format!(
-                "[database]\nurl = \"{}\"\ntable = \"{}\"\ninbox_table = \"{}_inbox\"\n",
-                pg_url(),
-                f.table,
-                f.table
-            ),
-            &entry,
-        ) + &format!("\n[admin]\nlisten = \"{addr}\"\n\n[logging]\nsummary_interval = \"1s\"\n");
+    let toml = f.toml_with_databases(relay, &entry)
+        + &format!("\n[admin]\nlisten = \"{addr}\"\n\n[logging]\nsummary_interval = \"1s\"\n");
     let config = f.write("tenants.toml", &toml);
     let _relays = Relays(vec![f.spawn_relay_logged(&config, "tenants")]);
     let member = |t: &str| format!("app~{}", schema(t));
@@ -509,25 +506,22 @@ async fn daemon_discovers_tenant_schemas_without_a_restart() {
     .await;
     // One summary line per tenant, each naming its database.
     let log_path = f.dir.join("tenants.log");
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let log = std::fs::read_to_string(&log_path).unwrap();
-        let summarised = |t: &str| {
-            log.lines().any(|l| {
+    let summarised = |t: &str| {
+        std::fs::read_to_string(&log_path)
+            .unwrap()
+            .lines()
+            .any(|l| {
                 l.contains("summary of the last 1s: published=")
                     && l.contains(&format!("database=app/{}", schema(t)))
             })
-        };
-        if ["a", "b", "c"].iter().all(|t| summarised(t)) {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "no summary line per tenant within 10 s; log in {}",
-            log_path.display()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    };
+    eventually!(
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        ["a", "b", "c"].iter().all(|t| summarised(t)),
+        "no summary line per tenant within 10 s; log in {}",
+        log_path.display()
+    );
     // A tenant dropped: its member goes.
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "DROP SCHEMA {} CASCADE",

@@ -15,6 +15,7 @@
 //! Needs root (to create the servers), PostgreSQL's and MariaDB's server packages and NATS
 //! JetStream.
 
+use std::future::Future;
 use std::sync::{Arc, Mutex};
 
 use super::metrics::{free_addr, get, wait_status};
@@ -50,33 +51,174 @@ fn script(name: &str, what: &str, action: &str) {
     );
 }
 
-/// A connection to whichever of the pair accepts writes now, if any.
-async fn writable() -> Option<sqlx::PgConnection> {
-    use sqlx::Connection as _;
-    for port in [PRIMARY, STANDBY] {
-        if let Ok(Ok(mut c)) = tokio::time::timeout(
-            Duration::from_secs(2),
-            sqlx::PgConnection::connect(&url(port)),
-        )
+/// The backlog the drain starts from: `OUTBOX_FAILOVER_MESSAGES`, 5,000 by default.
+fn backlog() -> i64 {
+    std::env::var("OUTBOX_FAILOVER_MESSAGES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(5_000)
+}
+
+/// The daemon's configuration `<name>.toml` for a failover test: the fixture's stream, the
+/// database at `database`, quick polls and leases, the admin listener on `addr`.
+fn failover_config(f: &Fixture, name: &str, database: &str, addr: &str) -> PathBuf {
+    let relay = format!(
+        "name = \"{name}\"\npoll_interval = \"200ms\"\nlease = \"3s\"\npublish_timeout = \"1s\"\nbatch_size = 200\n"
+    );
+    let toml = f
+        .toml(&relay, &f.route("*"))
+        .replacen(&pg_url(), database, 1)
+        + &format!("\n[admin]\nlisten = \"{addr}\"\n");
+    f.write(&format!("{name}.toml"), &toml)
+}
+
+/// Wait until the log at `path` contains `needle` (30 s at most; `what` names it).
+async fn wait_logged(path: &Path, needle: &str, what: &str) {
+    eventually!(
+        Duration::from_secs(30),
+        Duration::from_millis(50),
+        std::fs::read_to_string(path).unwrap().contains(needle),
+        "no {what} within 30 s; log in {}",
+        path.display()
+    );
+}
+
+/// A connection to a server of a primary/replica pair, as the live producer uses it.
+trait PairServer: sqlx::Connection + Send + 'static {
+    /// The pair's ports, primary first.
+    const PORTS: [u16; 2];
+
+    /// The URL of the server on `port`.
+    fn url(port: u16) -> String;
+
+    /// Whether the server accepts writes now.
+    fn accepts_writes(&mut self) -> impl Future<Output = bool> + Send;
+
+    /// Insert one message of topic `order-live` with `payload` into `table`.
+    fn insert_live(
+        &mut self,
+        table: &str,
+        payload: &str,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+}
+
+impl PairServer for sqlx::PgConnection {
+    const PORTS: [u16; 2] = [PRIMARY, STANDBY];
+
+    fn url(port: u16) -> String {
+        url(port)
+    }
+
+    async fn accepts_writes(&mut self) -> bool {
+        let recovery: Result<bool, _> = sqlx::query_scalar("SELECT pg_is_in_recovery()")
+            .fetch_one(self)
+            .await;
+        matches!(recovery, Ok(false))
+    }
+
+    async fn insert_live(&mut self, table: &str, payload: &str) -> Result<(), sqlx::Error> {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO {table} (topic, payload) VALUES ('order-live', $1)"
+        )))
+        .bind(payload.as_bytes())
+        .execute(self)
         .await
+        .map(drop)
+    }
+}
+
+impl PairServer for sqlx::MySqlConnection {
+    const PORTS: [u16; 2] = [MARIA_PRIMARY, MARIA_REPLICA];
+
+    fn url(port: u16) -> String {
+        maria_url(port)
+    }
+
+    /// Not `read_only`.
+    async fn accepts_writes(&mut self) -> bool {
+        let read_only: Result<i64, _> = sqlx::query_scalar("SELECT @@global.read_only")
+            .fetch_one(self)
+            .await;
+        matches!(read_only, Ok(0))
+    }
+
+    async fn insert_live(&mut self, table: &str, payload: &str) -> Result<(), sqlx::Error> {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO {table} (topic, payload) VALUES ('order-live', ?)"
+        )))
+        .bind(payload.as_bytes())
+        .execute(self)
+        .await
+        .map(drop)
+    }
+}
+
+/// A connection to whichever server of the pair accepts writes now, if any.
+async fn writable<C: PairServer>() -> Option<C> {
+    for port in C::PORTS {
+        if let Ok(Ok(mut c)) =
+            tokio::time::timeout(Duration::from_secs(2), C::connect(&C::url(port))).await
+            && c.accepts_writes().await
         {
-            let recovery: Result<bool, _> = sqlx::query_scalar("SELECT pg_is_in_recovery()")
-                .fetch_one(&mut c)
-                .await;
-            if matches!(recovery, Ok(false)) {
-                return Some(c);
-            }
+            return Some(c);
         }
     }
     None
 }
 
+/// A producer writing one message every 5 ms to whichever server of the pair accepts writes,
+/// keeping the payloads of the commits that returned (the replica has them: replication is
+/// synchronous or semi-synchronous).
+struct LiveProducer {
+    committed: Arc<Mutex<Vec<String>>>,
+    stop: tokio_util::sync::CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl LiveProducer {
+    fn start<C: PairServer>(table: &str) -> LiveProducer {
+        let committed: Arc<Mutex<Vec<String>>> = Arc::default();
+        let stop = tokio_util::sync::CancellationToken::new();
+        let task = {
+            let (committed, stop, table) = (committed.clone(), stop.clone(), table.to_owned());
+            tokio::spawn(async move {
+                let mut conn: Option<C> = None;
+                let mut seq = 0u64;
+                while !stop.is_cancelled() {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    let Some(c) = conn.as_mut() else {
+                        conn = writable().await;
+                        continue;
+                    };
+                    let payload = format!("live-{seq}");
+                    let r = c.insert_live(&table, &payload).await;
+                    seq += 1;
+                    match r {
+                        Ok(()) => committed.lock().unwrap().push(payload),
+                        // The outcome of this one is unknown; the table tells at the end.
+                        Err(_) => conn = None,
+                    }
+                }
+            })
+        };
+        LiveProducer {
+            committed,
+            stop,
+            task,
+        }
+    }
+
+    /// Stop the producer: the payloads of its commits that returned.
+    async fn stop(self) -> Vec<String> {
+        self.stop.cancel();
+        self.task.await.unwrap();
+        self.committed.lock().unwrap().clone()
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn daemon_follows_a_promoted_standby_without_a_restart() {
-    let backlog: i64 = std::env::var("OUTBOX_FAILOVER_MESSAGES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(5_000);
+    let backlog = backlog();
     pair("reset");
     let f = Fixture::new("failover");
     let table = &f.table;
@@ -92,81 +234,34 @@ async fn daemon_follows_a_promoted_standby_without_a_restart() {
     primary.close().await;
 
     let addr = free_addr();
-    let relay = "name = \"failover\"\npoll_interval = \"200ms\"\nlease = \"3s\"\npublish_timeout = \"1s\"\nbatch_size = 200\n";
     let multi = format!(
         "postgres://postgres@127.0.0.1:{PRIMARY},127.0.0.1:{STANDBY}/postgres?target_session_attrs=read-write"
     );
-    let toml = f.toml(relay, &f.route("*")).replacen(&pg_url(), &multi, 1)
-        + &format!("\n[admin]\nlisten = \"{addr}\"\n");
-    let config = f.write("failover.toml", &toml);
+    let config = failover_config(&f, "failover", &multi, &addr);
     let mut relays = Relays(vec![f.spawn_relay_logged(&config, "failover")]);
     wait_status(&addr, "/readyz", 200, &f.dir).await;
-
-    // A producer writing one message every 5 ms to whichever server accepts writes: the payloads
-    // of the commits that returned (the standby has them: replication is synchronous).
-    let committed: Arc<Mutex<Vec<String>>> = Arc::default();
-    let stop = tokio_util::sync::CancellationToken::new();
-    let producer = {
-        let (committed, stop, table) = (committed.clone(), stop.clone(), table.clone());
-        tokio::spawn(async move {
-            let mut conn = None;
-            let mut seq = 0u64;
-            while !stop.is_cancelled() {
-                tokio::time::sleep(Duration::from_millis(5)).await;
-                if conn.is_none() {
-                    conn = writable().await;
-                    continue;
-                }
-                let payload = format!("live-{seq}");
-                let r = sqlx::query(sqlx::AssertSqlSafe(format!(
-                    "INSERT INTO {table} (topic, payload) VALUES ('order-live', $1)"
-                )))
-                .bind(payload.as_bytes())
-                .execute(conn.as_mut().unwrap())
-                .await;
-                match r {
-                    Ok(_) => {
-                        committed.lock().unwrap().push(payload);
-                        seq += 1;
-                    }
-                    // The outcome of this one is unknown; the table tells at the end.
-                    Err(_) => {
-                        conn = None;
-                        seq += 1;
-                    }
-                }
-            }
-        })
-    };
+    let producer = LiveProducer::start::<sqlx::PgConnection>(table);
 
     // The drain is under way: then the primary crashes.
     let standby = PgPool::connect(&url(STANDBY)).await.unwrap();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while count(&standby, table, Status::Sent).await < backlog / 4 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the drain did not start; log in {}",
-            f.dir.display()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually!(
+        Duration::from_secs(60),
+        Duration::from_millis(20),
+        count(&standby, table, Status::Sent).await >= backlog / 4,
+        "the drain did not start; log in {}",
+        f.dir.display()
+    );
     pair("stop-primary");
     let crashed = std::time::Instant::now();
     // No host accepts writes: the watcher says so once, the relay is not ready (the standby
     // does not qualify: the relay does not write to it).
     let log_path = f.dir.join("failover.log");
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while !std::fs::read_to_string(&log_path)
-        .unwrap()
-        .contains("no database host qualifies")
-    {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "no warning that no host qualifies within 30 s; log in {}",
-            log_path.display()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_logged(
+        &log_path,
+        "no database host qualifies",
+        "warning that no host qualifies",
+    )
+    .await;
     let stranded_after = crashed.elapsed();
     let body = wait_status(&addr, "/readyz", 503, &f.dir).await;
     eprintln!("not ready after the crash: {body}");
@@ -181,23 +276,17 @@ async fn daemon_follows_a_promoted_standby_without_a_restart() {
     let ready_after = promoted_at.elapsed();
     // A while of traffic on the new primary, then the producer stops.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    stop.cancel();
-    producer.await.unwrap();
+    let committed = producer.stop().await;
     wait_all_sent_none_failed(&standby, table, Duration::from_secs(120)).await;
     let drained_after = promoted_at.elapsed();
 
-    assert!(
-        relays.0[0].try_wait().unwrap().is_none(),
-        "the daemon is the one started before the failover (no restart)"
-    );
     let rows: Vec<(String, Vec<u8>)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "SELECT message_id::text, payload FROM {table}"
     )))
     .fetch_all(&standby)
     .await
     .unwrap();
-    let committed = committed.lock().unwrap().clone();
-    nothing_lost(&rows, &committed, &js, &f.stream).await;
+    nothing_lost(&mut relays, &rows, &committed, &js, &f.stream).await;
     let log = std::fs::read_to_string(&log_path).unwrap();
     assert!(
         log.contains("database failover"),
@@ -229,27 +318,6 @@ const MARIA_REPLICA: u16 = 3318;
 
 fn maria_url(port: u16) -> String {
     format!("mysql://relay@127.0.0.1:{port}/test")
-}
-
-/// A connection to whichever MariaDB server accepts writes now (not `read_only`), if any.
-async fn maria_writable() -> Option<sqlx::MySqlConnection> {
-    use sqlx::Connection as _;
-    for port in [MARIA_PRIMARY, MARIA_REPLICA] {
-        if let Ok(Ok(mut c)) = tokio::time::timeout(
-            Duration::from_secs(2),
-            sqlx::MySqlConnection::connect(&maria_url(port)),
-        )
-        .await
-        {
-            let read_only: Result<i64, _> = sqlx::query_scalar("SELECT @@global.read_only")
-                .fetch_one(&mut c)
-                .await;
-            if matches!(read_only, Ok(0)) {
-                return Some(c);
-            }
-        }
-    }
-    None
 }
 
 /// A TCP proxy on a free port forwarding each new connection to the port in `upstream`
@@ -287,10 +355,7 @@ async fn maria_unsent(pool: &sqlx::MySqlPool, table: &str) -> Vec<(i16, Option<S
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn daemon_follows_a_promoted_mariadb_replica_behind_a_proxy() {
     use std::sync::atomic::{AtomicU16, Ordering};
-    let backlog: i64 = std::env::var("OUTBOX_FAILOVER_MESSAGES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(5_000);
+    let backlog = backlog();
     let maria = |action: &str| script("mariadb-pair.sh", "MariaDB primary/replica pair", action);
     maria("reset");
     let f = Fixture::new("mfailover");
@@ -321,47 +386,11 @@ async fn daemon_follows_a_promoted_mariadb_replica_behind_a_proxy() {
     let upstream = Arc::new(AtomicU16::new(MARIA_PRIMARY));
     let proxy = switchable_proxy(upstream.clone()).await;
     let addr = free_addr();
-    let relay = "name = \"mfailover\"\npoll_interval = \"200ms\"\nlease = \"3s\"\npublish_timeout = \"1s\"\nbatch_size = 200\n";
-    let toml = f.toml(relay, &f.route("*")).replacen(
-        &pg_url(),
-        &format!("mysql://relay@127.0.0.1:{proxy}/test"),
-        1,
-    ) + &format!("\n[admin]\nlisten = \"{addr}\"\n");
-    let config = f.write("mfailover.toml", &toml);
+    let through_proxy = format!("mysql://relay@127.0.0.1:{proxy}/test");
+    let config = failover_config(&f, "mfailover", &through_proxy, &addr);
     let mut relays = Relays(vec![f.spawn_relay_logged(&config, "mfailover")]);
     wait_status(&addr, "/readyz", 200, &f.dir).await;
-
-    // A producer writing one message every 5 ms to whichever server accepts writes: the payloads
-    // of the commits that returned (semi-synchronous: the replica received them).
-    let committed: Arc<Mutex<Vec<String>>> = Arc::default();
-    let stop = tokio_util::sync::CancellationToken::new();
-    let producer = {
-        let (committed, stop, table) = (committed.clone(), stop.clone(), table.clone());
-        tokio::spawn(async move {
-            let mut conn = None;
-            let mut seq = 0u64;
-            while !stop.is_cancelled() {
-                tokio::time::sleep(Duration::from_millis(5)).await;
-                if conn.is_none() {
-                    conn = maria_writable().await;
-                    continue;
-                }
-                let payload = format!("live-{seq}");
-                let r = sqlx::query(sqlx::AssertSqlSafe(format!(
-                    "INSERT INTO {table} (topic, payload) VALUES ('order-live', ?)"
-                )))
-                .bind(payload.as_bytes())
-                .execute(conn.as_mut().unwrap())
-                .await;
-                seq += 1;
-                match r {
-                    Ok(_) => committed.lock().unwrap().push(payload),
-                    // The outcome of this one is unknown; the table tells at the end.
-                    Err(_) => conn = None,
-                }
-            }
-        })
-    };
+    let producer = LiveProducer::start::<sqlx::MySqlConnection>(table);
 
     let replica = sqlx::MySqlPool::connect(&maria_url(MARIA_REPLICA))
         .await
@@ -378,15 +407,13 @@ async fn daemon_follows_a_promoted_mariadb_replica_behind_a_proxy() {
             .unwrap()
         }
     };
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while sent(replica.clone()).await < backlog / 4 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the drain did not start; log in {}",
-            f.dir.display()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually!(
+        Duration::from_secs(60),
+        Duration::from_millis(20),
+        sent(replica.clone()).await >= backlog / 4,
+        "the drain did not start; log in {}",
+        f.dir.display()
+    );
     maria("stop-primary");
     let crashed = std::time::Instant::now();
     // The proxy follows the surviving server before it is promoted: the relay meets a
@@ -396,18 +423,7 @@ async fn daemon_follows_a_promoted_mariadb_replica_behind_a_proxy() {
     eprintln!("not ready after the crash: {body}");
     let unready_after = crashed.elapsed();
     let log_path = f.dir.join("mfailover.log");
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    while !std::fs::read_to_string(&log_path)
-        .unwrap()
-        .contains("read-only")
-    {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "no error naming the read-only server within 30 s; log in {}",
-            log_path.display()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_logged(&log_path, "read-only", "error naming the read-only server").await;
     let read_only_after = crashed.elapsed();
     maria("promote");
     let promoted_at = std::time::Instant::now();
@@ -415,8 +431,7 @@ async fn daemon_follows_a_promoted_mariadb_replica_behind_a_proxy() {
     let ready_after = promoted_at.elapsed();
     // A while of traffic on the new primary, then the producer stops.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    stop.cancel();
-    producer.await.unwrap();
+    let committed = producer.stop().await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
     loop {
         let unsent = maria_unsent(&replica, table).await;
@@ -438,18 +453,13 @@ async fn daemon_follows_a_promoted_mariadb_replica_behind_a_proxy() {
     }
     let drained_after = promoted_at.elapsed();
 
-    assert!(
-        relays.0[0].try_wait().unwrap().is_none(),
-        "the daemon is the one started before the failover (no restart)"
-    );
     let rows: Vec<(String, Vec<u8>)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "SELECT message_id, payload FROM {table}"
     )))
     .fetch_all(&replica)
     .await
     .unwrap();
-    let committed = committed.lock().unwrap().clone();
-    nothing_lost(&rows, &committed, &js, &f.stream).await;
+    nothing_lost(&mut relays, &rows, &committed, &js, &f.stream).await;
     assert_eq!(get(&addr, "/healthz").await.map(|(c, _)| c), Some(200));
     eprintln!(
         "MariaDB failover: {} messages ({} live), not ready {:.1} s and the read-only server named {:.1} s after the crash, ready {:.1} s and drained {:.1} s after the promotion",
@@ -466,15 +476,21 @@ async fn daemon_follows_a_promoted_mariadb_replica_behind_a_proxy() {
     maria("drop");
 }
 
-/// After a failover: every payload in `committed` (commits the producer saw return) is among
-/// `rows` (`(message_id, payload)` of the new primary's table), the producer wrote on both sides
-/// of it, and the stream holds every message of the table exactly once.
+/// After a failover: the daemon is the one started before it (no restart), every payload in
+/// `committed` (commits the producer saw return) is among `rows` (`(message_id, payload)` of the
+/// new primary's table), the producer wrote on both sides of it, and the stream holds every
+/// message of the table exactly once.
 async fn nothing_lost(
+    relays: &mut Relays,
     rows: &[(String, Vec<u8>)],
     committed: &[String],
     js: &async_nats::jetstream::Context,
     stream: &str,
 ) {
+    assert!(
+        relays.0[0].try_wait().unwrap().is_none(),
+        "the daemon is the one started before the failover (no restart)"
+    );
     let payloads: HashSet<String> = rows
         .iter()
         .map(|(_, p)| String::from_utf8_lossy(p).into_owned())

@@ -95,12 +95,16 @@ async fn relay_killed_with_sigkill_mid_stream_loses_nothing() {
 #[test]
 fn bad_configuration_is_named_and_exits_non_zero() {
     let f = Fixture::new("badcfg");
-    let path = f.write("bad.toml", "[database]\nurl = \"sqlite://x.db\"\n[relay]\nlease = \"1s\"\n[transports.t]\nkind = \"webhook\"\nurl = \"http://127.0.0.1:9/\"\n[[routes]]\ntopics = \"*\"\ntransport = \"t\"\n");
-    let err = fails(&mut relay_cmd(&path));
-    assert!(err.contains("relay.lease"), "{err}");
-
-    std::fs::write(&path, "[database]\nurl = \"sqlite://x.db\"\nbogus = 1\n").unwrap();
-    assert!(fails(&mut relay_cmd(&path)).contains("bogus"));
+    let path = relay_refuses(
+        &f,
+        "[database]\nurl = \"sqlite://x.db\"\n[relay]\nlease = \"1s\"\n[transports.t]\nkind = \"webhook\"\nurl = \"http://127.0.0.1:9/\"\n[[routes]]\ntopics = \"*\"\ntransport = \"t\"\n",
+        "relay.lease",
+    );
+    relay_refuses(
+        &f,
+        "[database]\nurl = \"sqlite://x.db\"\nbogus = 1\n",
+        "bogus",
+    );
 
     // Environment overrides use OUTBOX_<SECTION>__<FIELD>, upper case as documented.
     std::fs::write(
@@ -448,14 +452,13 @@ async fn defect_06_daemon_starts_while_the_broker_is_down_and_publishes_once_it_
         .spawn()
         .expect("start outbox relay");
     for i in 0..30 {
-        sqlx::query(sqlx::AssertSqlSafe(format!(
-            "INSERT INTO {} (topic, payload) VALUES ('order-created', $1)",
-            f.table
-        )))
-        .bind(format!("{{\"order\":{i}}}").into_bytes())
-        .execute(&pool)
-        .await
-        .unwrap();
+        insert_message(
+            &pool,
+            &f.table,
+            "order-created",
+            format!("{{\"order\":{i}}}"),
+        )
+        .await;
     }
     // The cause is logged, and the daemon is still running after it.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
@@ -512,7 +515,18 @@ async fn defect_06_daemon_starts_while_the_broker_is_down_and_publishes_once_it_
 #[test]
 fn defect_06_config_error_still_exits_non_zero_naming_the_field() {
     let f = Fixture::new("badurl");
-    let path = f.write("bad.toml", "[database]\nurl = \"sqlite://x.db\"\n[transports.bus]\nkind = \"nats\"\nurl = \"127.0.0.1:4222\"\n[[routes]]\ntopics = \"*\"\ntransport = \"bus\"\n");
+    relay_refuses(
+        &f,
+        "[database]\nurl = \"sqlite://x.db\"\n[transports.bus]\nkind = \"nats\"\nurl = \"127.0.0.1:4222\"\n[[routes]]\ntopics = \"*\"\ntransport = \"bus\"\n",
+        "transports.bus.url",
+    );
+}
+
+/// `outbox relay` with `toml` as its file (`<dir>/bad.toml`) exits non-zero, its error naming
+/// `named`: the file's path.
+fn relay_refuses(f: &Fixture, toml: &str, named: &str) -> PathBuf {
+    let path = f.write("bad.toml", toml);
     let err = fails(&mut relay_cmd(&path));
-    assert!(err.contains("transports.bus.url"), "{err}");
+    assert!(err.contains(named), "{err}");
+    path
 }

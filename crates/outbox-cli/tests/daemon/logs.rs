@@ -52,14 +52,7 @@ async fn the_daemon_logs_a_periodic_summary() {
     let config = f.write("summary.toml", &toml);
     let _relays = Relays(vec![f.spawn_relay_logged(&config, "summary")]);
     for i in 0..5 {
-        sqlx::query(sqlx::AssertSqlSafe(format!(
-            "INSERT INTO {} (topic, payload) VALUES ('order-created', $1)",
-            f.table
-        )))
-        .bind(format!("{i}").into_bytes())
-        .execute(&pool)
-        .await
-        .unwrap();
+        insert_message(&pool, &f.table, "order-created", format!("{i}")).await;
     }
     wait_until_sent(&pool, &f.table, 5, Duration::from_secs(20)).await;
     let log = f.dir.join("summary.log");

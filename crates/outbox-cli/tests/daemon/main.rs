@@ -12,6 +12,22 @@ use futures::StreamExt;
 use outbox::Status;
 use sqlx::PgPool;
 
+/// Poll until `$cond` (which may `.await`) holds, every `$every`; past `$within` (or the instant
+/// after `until`), fail with the message (`assert!`'s format arguments). Defined before the
+/// modules, which use it.
+macro_rules! eventually {
+    (until $deadline:expr, $every:expr, $cond:expr, $($msg:tt)+) => {{
+        let deadline: tokio::time::Instant = $deadline;
+        while !$cond {
+            assert!(tokio::time::Instant::now() < deadline, $($msg)+);
+            tokio::time::sleep($every).await;
+        }
+    }};
+    ($within:expr, $every:expr, $cond:expr, $($msg:tt)+) => {
+        eventually!(until tokio::time::Instant::now() + $within, $every, $cond, $($msg)+)
+    };
+}
+
 mod dashboard;
 mod databases;
 mod failover;
@@ -241,6 +257,32 @@ async fn unacked_consumer(
         .unwrap()
 }
 
+/// Up to `max` messages of `consumer`, as they come within `expires`.
+async fn fetch(
+    consumer: &async_nats::jetstream::consumer::Consumer<
+        async_nats::jetstream::consumer::pull::Config,
+    >,
+    max: usize,
+    expires: Duration,
+) -> async_nats::jetstream::consumer::pull::Batch {
+    consumer
+        .fetch()
+        .max_messages(max)
+        .expires(expires)
+        .messages()
+        .await
+        .unwrap()
+}
+
+/// Header `name` of `m`, which must carry it.
+fn header(m: &async_nats::Message, name: &str) -> String {
+    m.headers
+        .as_ref()
+        .and_then(|h| h.get(name))
+        .map(|v| v.to_string())
+        .unwrap_or_else(|| panic!("no {name} header on the message"))
+}
+
 /// The message ids in the stream, read with an ephemeral consumer; panics on a duplicate.
 async fn stream_ids(
     js: &async_nats::jetstream::Context,
@@ -250,21 +292,9 @@ async fn stream_ids(
     let stream = js.get_stream(stream).await.unwrap();
     let consumer = unacked_consumer(&stream).await;
     let mut ids = HashSet::new();
-    let mut messages = consumer
-        .fetch()
-        .max_messages(expected + 10)
-        .expires(Duration::from_secs(2))
-        .messages()
-        .await
-        .unwrap();
+    let mut messages = fetch(&consumer, expected + 10, Duration::from_secs(2)).await;
     while let Some(m) = messages.next().await {
-        let m = m.unwrap();
-        let id = m
-            .headers
-            .as_ref()
-            .and_then(|h| h.get("Nats-Msg-Id"))
-            .map(|v| v.to_string())
-            .expect("Nats-Msg-Id");
+        let id = header(&m.unwrap(), "Nats-Msg-Id");
         assert!(
             ids.insert(id.clone()),
             "message {id} is in the stream twice"
@@ -357,6 +387,24 @@ async fn wait_live(pool: &PgPool, table: &str, names: &[&str]) {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// A plain-SQL message on `topic` with `payload`, written through `executor` (a pool or a
+/// transaction).
+async fn insert_message<'c>(
+    executor: impl sqlx::PgExecutor<'c>,
+    table: &str,
+    topic: &str,
+    payload: impl Into<Vec<u8>>,
+) {
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {table} (topic, payload) VALUES ($1, $2)"
+    )))
+    .bind(topic)
+    .bind(payload.into())
+    .execute(executor)
+    .await
+    .unwrap();
 }
 
 /// Plain-SQL `n` messages on each of `topics`, without partition key (spread over the buckets).

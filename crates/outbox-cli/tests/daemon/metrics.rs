@@ -77,15 +77,7 @@ async fn metrics_endpoint_serves_relay_counters_and_backlog() {
     // 30 routed messages, 2 on a topic no relay routes (dead-lettered).
     for (topic, n) in [("order-created", 30), ("unrouted", 2)] {
         for i in 0..n {
-            sqlx::query(sqlx::AssertSqlSafe(format!(
-                "INSERT INTO {} (topic, payload) VALUES ($1, $2)",
-                f.table
-            )))
-            .bind(topic)
-            .bind(format!("{i}").into_bytes())
-            .execute(&pool)
-            .await
-            .unwrap();
+            insert_message(&pool, &f.table, topic, format!("{i}")).await;
         }
     }
     wait_until_sent(&pool, &f.table, 30, Duration::from_secs(20)).await;
@@ -248,13 +240,7 @@ async fn healthz_reports_a_wedged_batch_and_recovers() {
     .fetch_all(&mut *stranger)
     .await
     .unwrap();
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "INSERT INTO {} (topic, payload) VALUES ('order-created', 'x')",
-        f.table
-    )))
-    .execute(&pool)
-    .await
-    .unwrap();
+    insert_message(&pool, &f.table, "order-created", "x").await;
     let body = wait_status(&addr, "/healthz", 503, &f.dir).await;
     let ready = get(&addr, "/readyz").await.expect("/readyz answers");
     assert_eq!(ready.0, 503, "/readyz: {}", ready.1);

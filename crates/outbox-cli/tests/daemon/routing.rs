@@ -27,14 +27,7 @@ async fn daemon_applies_confirmations_and_checks_back_the_unconfirmed() {
     std::fs::write(&config, toml).unwrap();
     let mut relay = f.spawn_relay(&config);
     for payload in ["confirm-me", "reject-me", "ignore-me"] {
-        sqlx::query(sqlx::AssertSqlSafe(format!(
-            "INSERT INTO {} (topic, payload) VALUES ('order-created', $1)",
-            f.table
-        )))
-        .bind(payload.as_bytes())
-        .execute(&pool)
-        .await
-        .unwrap();
+        insert_message(&pool, &f.table, "order-created", payload).await;
     }
     // A consumer reading the stream: answers the first two, never the third.
     let client = async_nats::connect(nats_url()).await.unwrap();
@@ -72,21 +65,11 @@ async fn daemon_applies_confirmations_and_checks_back_the_unconfirmed() {
             tokio::time::Instant::now() < deadline,
             "confirmations not applied in time"
         );
-        let mut batch = consumer
-            .fetch()
-            .max_messages(10)
-            .expires(Duration::from_millis(300))
-            .messages()
-            .await
-            .unwrap();
+        let mut batch = fetch(&consumer, 10, Duration::from_millis(300)).await;
         while let Some(m) = batch.next().await {
             let m = m.unwrap();
-            let h = m.headers.clone().unwrap();
-            let id = h.get("outbox-message-id").unwrap().to_string();
-            let reply_to = h
-                .get("outbox-reply-to")
-                .expect("reply-to header")
-                .to_string();
+            let id = header(&m, "outbox-message-id");
+            let reply_to = header(&m, "outbox-reply-to");
             assert_eq!(reply_to, reply);
             let body = match &m.payload[..] {
                 b"confirm-me" => format!(
@@ -158,15 +141,7 @@ async fn one_relay_routes_two_topics_to_two_brokers() {
     let mut tx = pool.begin().await.unwrap();
     for (topic, n) in [("order-created", 20), ("audit", 15)] {
         for i in 0..n {
-            sqlx::query(sqlx::AssertSqlSafe(format!(
-                "INSERT INTO {} (topic, payload) VALUES ($1, $2)",
-                f.table
-            )))
-            .bind(topic)
-            .bind(format!("{{\"n\":{i}}}").into_bytes())
-            .execute(&mut *tx)
-            .await
-            .unwrap();
+            insert_message(&mut *tx, &f.table, topic, format!("{{\"n\":{i}}}")).await;
         }
     }
     tx.commit().await.unwrap();

@@ -87,21 +87,10 @@ async fn the_daemon_exports_publish_spans_over_otlp_in_the_producers_trace() {
 
     // The broker's copy continues the trace with the publish span as the parent.
     let stream = js.get_stream(&f.stream).await.unwrap();
-    let mut messages = unacked_consumer(&stream)
-        .await
-        .fetch()
-        .max_messages(1)
-        .expires(Duration::from_secs(2))
-        .messages()
-        .await
-        .unwrap();
+    let consumer = unacked_consumer(&stream).await;
+    let mut messages = fetch(&consumer, 1, Duration::from_secs(2)).await;
     let m = messages.next().await.expect("the message").unwrap();
-    let sent = m
-        .headers
-        .as_ref()
-        .and_then(|h| h.get("traceparent"))
-        .map(|v| v.to_string())
-        .expect("traceparent on the wire");
+    let sent = header(&m, "traceparent");
     let parts: Vec<&str> = sent.split('-').collect();
     assert_eq!(parts.len(), 4, "{sent}");
     assert_eq!(parts[1], trace_id, "same trace: {sent}");

@@ -22,12 +22,13 @@ use outbox::{
 };
 use outbox_testkit::{
     ConfirmFixture, HookControl, NatsFixture, PgFixture, SqliteFixture, StoreFixture,
-    TransportFixture as _, wait_until, within,
+    TransportFixture, wait_until, within,
 };
 use sqlx::AssertSqlSafe;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use crate::broker_support::{EFFECTS, Listener, Running, pg_effects, pg_inbox};
 use crate::relay::fast_config;
 
 /// A consumer handler driven by the payload: writes an effect row (no unique key, so a second
@@ -232,31 +233,29 @@ impl PgProducer {
         destination: String,
         reply_to: String,
     ) -> PgProducer {
+        PgProducer::start_with_timeout(transport, destination, reply_to, Duration::from_secs(1))
+            .await
+    }
+
+    /// `start` with a confirmation timeout of `timeout`.
+    pub(crate) async fn start_with_timeout(
+        transport: Arc<dyn outbox::Transport>,
+        destination: String,
+        reply_to: String,
+        timeout: Duration,
+    ) -> PgProducer {
         let fx = PgFixture::new().await;
         let ctl = Arc::new(HookControl::default());
         let store = fx.store_with_hook(ctl.clone()).await;
-        let effects = format!("{}.effects", fx.schema);
-        fx.exec(&format!(
-            "CREATE TABLE {effects} (message_id text NOT NULL, payload bytea)"
-        ))
-        .await;
-        let policy = ConfirmPolicy {
-            reply_to,
-            timeout: Duration::from_secs(1),
-        };
+        let effects = pg_effects(&fx, EFFECTS).await;
+        let policy = ConfirmPolicy { reply_to, timeout };
         let relay = Relay::builder(store.clone())
             .router(Router::new().route_confirmed("*", transport, destination, policy))
             .config(confirm_config("r1"))
             .build()
             .expect("relay")
             .spawn();
-        let inbox = Inbox::<sqlx::Postgres>::new(
-            fx.store.pool().clone(),
-            &format!("{}.consumer_inbox", fx.schema),
-            "billing",
-        )
-        .unwrap();
-        inbox.migrate().await.unwrap();
+        let inbox = pg_inbox(&fx).await;
         PgProducer {
             fx,
             ctl,
@@ -306,10 +305,34 @@ pub(crate) async fn check_lost_confirmation_outcome(
     sender: &FaultySender,
     metrics: &ConsumerMetrics,
 ) {
+    check_lost_confirmation_outcome_within(p, ids, sender, metrics, LostVerdict::Once).await;
+}
+
+/// Where the wait is long and the lost message's verdict may be sent more than once (a broker
+/// that delivers the copy again).
+pub(crate) enum LostVerdict {
+    /// Sent once, `Processed`.
+    Once,
+    /// Sent at least once, always `Processed`; the statuses awaited up to this long.
+    Repeated(Duration),
+}
+
+/// [`check_lost_confirmation_outcome`], the lost verdict checked as `verdict` says.
+pub(crate) async fn check_lost_confirmation_outcome_within(
+    p: &PgProducer,
+    ids: &[Uuid],
+    sender: &FaultySender,
+    metrics: &ConsumerMetrics,
+    verdict: LostVerdict,
+) {
     let (ok, rejected, lost) = (&ids[..10], &ids[10..13], ids[13]);
-    wait_status(&p.fx, ok, Status::Confirmed, Duration::from_secs(15)).await;
-    wait_status(&p.fx, rejected, Status::Rejected, Duration::from_secs(15)).await;
-    wait_status(&p.fx, &[lost], Status::Confirmed, Duration::from_secs(15)).await;
+    let timeout = match verdict {
+        LostVerdict::Once => Duration::from_secs(15),
+        LostVerdict::Repeated(timeout) => timeout,
+    };
+    wait_status(&p.fx, ok, Status::Confirmed, timeout).await;
+    wait_status(&p.fx, rejected, Status::Rejected, timeout).await;
+    wait_status(&p.fx, &[lost], Status::Confirmed, timeout).await;
 
     for id in rejected {
         assert_eq!(p.fx.compensations(*id).await, 1, "compensation ran once");
@@ -327,7 +350,14 @@ pub(crate) async fn check_lost_confirmation_outcome(
         p.fx.confirm_state(lost).await.check_backs >= 1,
         "the lost confirmation was recovered by a check-back"
     );
-    assert_eq!(sender.sent_for(lost), vec![Verdict::Processed]);
+    let verdicts = sender.sent_for(lost);
+    match verdict {
+        LostVerdict::Once => assert_eq!(verdicts, vec![Verdict::Processed]),
+        LostVerdict::Repeated(_) => assert!(
+            !verdicts.is_empty() && verdicts.iter().all(|v| *v == Verdict::Processed),
+            "{verdicts:?}"
+        ),
+    }
     assert!(metrics.duplicates.load(Ordering::Relaxed) >= 1);
     assert_eq!(metrics.applied.load(Ordering::Relaxed), 11);
     assert_eq!(metrics.rejected.load(Ordering::Relaxed), 3);
@@ -336,16 +366,15 @@ pub(crate) async fn check_lost_confirmation_outcome(
     assert_eq!(stats.awaiting_confirmation, 0);
 }
 
-/// The NATS side of a test: a [`PgProducer`] publishing to a stream of its own, and the
-/// producer's confirmation listener.
-pub(crate) struct NatsSetup {
+/// The broker side of an end-to-end test: a [`PgProducer`] publishing through the broker
+/// fixture `F`, and the producer's confirmation listener.
+pub(crate) struct BrokerSetup<F> {
     producer: PgProducer,
-    pub(crate) nats: NatsFixture,
-    stop_listener: CancellationToken,
-    listener: tokio::task::JoinHandle<Result<outbox::ConfirmReport, outbox::ConfigError>>,
+    pub(crate) broker: F,
+    listener: Listener,
 }
 
-impl std::ops::Deref for NatsSetup {
+impl<F> std::ops::Deref for BrokerSetup<F> {
     type Target = PgProducer;
 
     fn deref(&self) -> &PgProducer {
@@ -353,39 +382,62 @@ impl std::ops::Deref for NatsSetup {
     }
 }
 
+impl<F: TransportFixture> BrokerSetup<F> {
+    /// Start the producer publishing through `broker` to `destination` (replies to `reply_to`)
+    /// and the listener `listen` makes with the producer's store and the stop token.
+    pub(crate) async fn start<L>(
+        broker: F,
+        destination: String,
+        reply_to: &str,
+        listen: impl FnOnce(Arc<dyn Store>, CancellationToken) -> L,
+    ) -> BrokerSetup<F>
+    where
+        L: std::future::Future<Output = Result<outbox::ConfirmReport, outbox::ConfigError>>
+            + Send
+            + 'static,
+    {
+        let producer =
+            PgProducer::start(broker.transport(), destination, reply_to.to_owned()).await;
+        let store = producer.store.clone();
+        let listener = Listener::spawn(|stop| listen(store, stop));
+        BrokerSetup {
+            producer,
+            broker,
+            listener,
+        }
+    }
+
+    /// Stop the listener (it must have confirmed or rejected something), clean the broker's
+    /// resources and the producer's.
+    pub(crate) async fn finish(self) {
+        let report = self.listener.report().await;
+        assert!(report.confirmed + report.rejected > 0, "{report:?}");
+        self.broker.cleanup().await;
+        self.producer.finish().await;
+    }
+}
+
+/// The NATS side of a test: a stream of its own.
+pub(crate) type NatsSetup = BrokerSetup<NatsFixture>;
+
 impl NatsSetup {
     pub(crate) async fn new() -> NatsSetup {
         let nats = NatsFixture::new().await;
         let reply = format!("{}_confirm.producer", nats.prefix);
-        let producer = PgProducer::start(
-            nats.transport.clone(),
-            format!("{}.{{topic}}", nats.prefix),
-            reply.clone(),
-        )
-        .await;
-        let stop_listener = CancellationToken::new();
+        let destination = format!("{}.{{topic}}", nats.prefix);
         let client = outbox_testkit::nats_client().await;
-        let listener = tokio::spawn(outbox::confirm::nats::listen(
-            client,
-            reply,
-            "producer".into(),
-            producer.store.clone(),
-            stop_listener.clone(),
-        ));
-        NatsSetup {
-            producer,
-            nats,
-            stop_listener,
-            listener,
-        }
+        BrokerSetup::start(nats, destination, &reply.clone(), |store, stop| {
+            outbox::confirm::nats::listen(client, reply, "producer".into(), store, stop)
+        })
+        .await
     }
 
     pub(crate) fn consumer_config(
         &self,
         sender: Arc<dyn ConfirmationSender>,
     ) -> NatsConsumerConfig {
-        let mut c =
-            NatsConsumerConfig::new(self.nats.stream.clone(), "billing").with_confirmations(sender);
+        let mut c = NatsConsumerConfig::new(self.broker.stream.clone(), "billing")
+            .with_confirmations(sender);
         c.runner.retry = fast_retry();
         c.ack_wait = Duration::from_secs(1);
         c.runner.maintenance_interval = Duration::from_millis(200);
@@ -396,24 +448,17 @@ impl NatsSetup {
         &self,
         config: NatsConsumerConfig,
         handler: Arc<ScriptedHandler>,
-        metrics: Arc<ConsumerMetrics>,
-        cancel: CancellationToken,
-    ) -> tokio::task::JoinHandle<Result<(), outbox::ConfigError>> {
-        tokio::spawn(outbox::consumer::nats::run(
-            self.nats.transport.jetstream().clone(),
-            config,
-            self.inbox.clone(),
-            handler,
-            metrics,
-            cancel,
-        ))
-    }
-
-    pub(crate) async fn finish(self) {
-        self.stop_listener.cancel();
-        let _ = within("listener to stop", Duration::from_secs(5), self.listener).await;
-        self.nats.cleanup().await;
-        self.producer.finish().await;
+    ) -> Running {
+        Running::start(|metrics, cancel| {
+            tokio::spawn(outbox::consumer::nats::run(
+                self.broker.transport.jetstream().clone(),
+                config,
+                self.inbox.clone(),
+                handler,
+                metrics,
+                cancel,
+            ))
+        })
     }
 }
 
@@ -429,21 +474,10 @@ async fn nats_postgres_confirmed_rejected_and_lost_confirmation() {
     let sender = FaultySender::new(Arc::new(NatsConfirmationSender::new(client)));
     let msgs = lost_confirmation_messages(&sender);
     let handler = ScriptedHandler::new(&s.effects);
-    let metrics = Arc::new(ConsumerMetrics::default());
-    let cancel = CancellationToken::new();
-    let consumer = s.spawn_consumer(
-        s.consumer_config(sender.clone()),
-        handler.clone(),
-        metrics.clone(),
-        cancel.clone(),
-    );
+    let consumer = s.spawn_consumer(s.consumer_config(sender.clone()), handler);
     let ids = s.fx.enqueue_commit(msgs).await.unwrap();
-    check_lost_confirmation_outcome(&s, &ids, &sender, &metrics).await;
-    cancel.cancel();
-    within("consumer to stop", Duration::from_secs(5), consumer)
-        .await
-        .unwrap()
-        .unwrap();
+    check_lost_confirmation_outcome(&s, &ids, &sender, &consumer.metrics).await;
+    consumer.stop().await;
     s.finish().await;
 }
 
@@ -461,13 +495,7 @@ async fn nats_consumer_crash_between_commit_and_ack() {
     let id = msg.message_id();
     sender.hang.lock().unwrap().insert(id);
     let handler = ScriptedHandler::new(&s.effects);
-    let metrics = Arc::new(ConsumerMetrics::default());
-    let consumer = s.spawn_consumer(
-        s.consumer_config(sender.clone()),
-        handler.clone(),
-        metrics.clone(),
-        CancellationToken::new(),
-    );
+    let consumer = s.spawn_consumer(s.consumer_config(sender.clone()), handler.clone());
     s.fx.enqueue_commit(vec![msg]).await.unwrap();
     within(
         "the consumer to commit and reach its confirmation",
@@ -475,8 +503,7 @@ async fn nats_consumer_crash_between_commit_and_ack() {
         sender.hung.notified(),
     )
     .await;
-    consumer.abort();
-    let _ = consumer.await;
+    consumer.abort().await;
     assert_eq!(s.effects_of(id).await, 1, "the commit happened");
     assert_eq!(
         s.inbox.verdict(id).await.unwrap(),
@@ -492,24 +519,13 @@ async fn nats_consumer_crash_between_commit_and_ack() {
     );
 
     // Restart with a working sender: the unacked copy comes back after ack_wait.
-    let metrics2 = Arc::new(ConsumerMetrics::default());
-    let cancel = CancellationToken::new();
-    let consumer = s.spawn_consumer(
-        s.consumer_config(real),
-        handler.clone(),
-        metrics2.clone(),
-        cancel.clone(),
-    );
+    let consumer = s.spawn_consumer(s.consumer_config(real), handler.clone());
     wait_status(&s.fx, &[id], Status::Confirmed, Duration::from_secs(15)).await;
     assert_eq!(s.effects_of(id).await, 1, "effect exactly once");
     assert_eq!(handler.calls.load(Ordering::SeqCst), 1, "handler ran once");
-    assert!(metrics2.duplicates.load(Ordering::Relaxed) >= 1);
-    assert!(metrics2.confirmations_sent.load(Ordering::Relaxed) >= 1);
-    cancel.cancel();
-    within("consumer to stop", Duration::from_secs(5), consumer)
-        .await
-        .unwrap()
-        .unwrap();
+    assert!(consumer.metrics.duplicates.load(Ordering::Relaxed) >= 1);
+    assert!(consumer.metrics.confirmations_sent.load(Ordering::Relaxed) >= 1);
+    consumer.stop().await;
     s.finish().await;
 }
 
@@ -524,11 +540,10 @@ async fn nats_poison_messages_dead_lettered_and_replayed() {
     let client = outbox_testkit::nats_client().await;
     let sender = FaultySender::new(Arc::new(NatsConfirmationSender::new(client)));
     let handler = ScriptedHandler::new(&s.effects);
-    let metrics = Arc::new(ConsumerMetrics::default());
-    let cancel = CancellationToken::new();
     let mut config = s.consumer_config(sender.clone());
     config.runner.max_deliveries = 3;
-    let consumer = s.spawn_consumer(config, handler.clone(), metrics.clone(), cancel.clone());
+    let consumer = s.spawn_consumer(config, handler.clone());
+    let metrics = consumer.metrics.clone();
     let mut msgs = vec![
         NewMessage::new("orders", "poison-1"),
         NewMessage::new("orders", "flaky-1"),
@@ -605,11 +620,7 @@ async fn nats_poison_messages_dead_lettered_and_replayed() {
     assert!(!s.inbox.request_replay(poison).await.unwrap());
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(s.effects_of(poison).await, 1);
-    cancel.cancel();
-    within("consumer to stop", Duration::from_secs(5), consumer)
-        .await
-        .unwrap()
-        .unwrap();
+    consumer.stop().await;
     s.finish().await;
 }
 

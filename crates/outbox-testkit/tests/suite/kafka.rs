@@ -17,8 +17,8 @@ use outbox::confirm::kafka::KafkaConfirmationSender;
 use outbox::consumer::ConsumerMetrics;
 use outbox::consumer::kafka::KafkaConsumerConfig;
 use outbox::store::Store;
+use outbox::transport::Transport;
 use outbox::transport::kafka::KafkaTopic;
-use outbox::transport::{Outgoing, Transport};
 use outbox::{
     ConfirmPolicy, HandlerError, InboundMessage, Inbox, KafkaConfig, KafkaTransport, Limits,
     NewMessage, PgStore, Relay, RelayConfig, RelayHandle, Router, Status, StoreOptions,
@@ -27,12 +27,13 @@ use outbox::{
 use outbox_testkit::kafka::{kafka_config, read_keyed, read_partition};
 use outbox_testkit::{
     ConfirmFixture, HookControl, KafkaFixture, PgFixture, StoreFixture, TransportFixture as _,
-    claimed_message, unique, wait_until, within,
+    claimed_message, publish_all, unique, wait_until,
 };
 use sqlx::{AssertSqlSafe, PgConnection};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use crate::broker_support::{Listener, Running, pg_effects, pg_inbox};
 use crate::confirm::{ScriptedHandler, confirm_config, fast_retry, pg_count, wait_status};
 
 /// First deliveries through a consumer group on Tansu can take this long.
@@ -46,21 +47,6 @@ fn kafka_relay_config(name: &str) -> RelayConfig {
         lease: Duration::from_secs(21),
         ..confirm_config(name)
     }
-}
-
-async fn publish(
-    t: &dyn Transport,
-    msgs: &[outbox::Message],
-    dest: &str,
-) -> Vec<Result<(), outbox::TransportError>> {
-    let batch: Vec<Outgoing<'_>> = msgs
-        .iter()
-        .map(|m| Outgoing {
-            message: m,
-            destination: dest,
-        })
-        .collect();
-    t.publish(&batch).await
 }
 
 /// The record key is the partition key, or the message id for a message without one; every
@@ -78,7 +64,7 @@ async fn kafka_partition_key_is_the_record_key() {
         })
         .collect();
     msgs.push(claimed_message("orders", "unkeyed"));
-    for r in publish(fx.transport().as_ref(), &msgs, &topic).await {
+    for r in publish_all(fx.transport().as_ref(), &msgs, &topic).await {
         r.expect("acknowledged");
     }
     let mut keyed_partitions = Vec::new();
@@ -123,7 +109,7 @@ async fn kafka_too_large_is_permanent_and_unknown_topic_a_missing_destination() 
     let dest = fx.good_destination();
     let big = claimed_message("t", vec![7u8; 1_100_000]);
     let small = claimed_message("t", "small");
-    let r = publish(fx.transport().as_ref(), &[big, small], &dest).await;
+    let r = publish_all(fx.transport().as_ref(), &[big, small], &dest).await;
     let e = r[0].as_ref().unwrap_err();
     assert_eq!(e.kind(), TransportErrorKind::Permanent, "{e:?}");
     assert!(e.report().contains("too large"), "{}", e.report());
@@ -131,7 +117,7 @@ async fn kafka_too_large_is_permanent_and_unknown_topic_a_missing_destination() 
     assert_eq!(fx.received().await.len(), 1);
 
     let unknown = format!("{}.never_created", fx.prefix);
-    let r = publish(
+    let r = publish_all(
         fx.transport().as_ref(),
         &[claimed_message("t", "x")],
         &unknown,
@@ -158,7 +144,7 @@ async fn kafka_broker_down_is_unavailable() {
     let e = KafkaTransport::connect(config.clone()).await.unwrap_err();
     assert_eq!(e.field, "bootstrap_servers", "{e}");
     let t = KafkaTransport::new(config).unwrap();
-    let r = publish(&t, &[claimed_message("t", "x")], "orders").await;
+    let r = publish_all(&t, &[claimed_message("t", "x")], "orders").await;
     let e = r[0].as_ref().unwrap_err();
     assert_eq!(e.kind(), TransportErrorKind::Unavailable, "{e:?}");
     let e = t.probe().await.unwrap_err();
@@ -175,7 +161,7 @@ async fn kafka_idempotent_producer_is_on() {
         .properties
         .insert("statistics.interval.ms".into(), "100".into());
     let fx = KafkaFixture::with_config(config).await;
-    let r = publish(
+    let r = publish_all(
         fx.transport().as_ref(),
         &[claimed_message("t", "x")],
         &fx.good_destination(),
@@ -332,9 +318,6 @@ impl outbox::Handler<sqlx::Postgres> for KeyedHandler {
     }
 }
 
-/// A running consumer runner.
-type ConsumerTask = tokio::task::JoinHandle<Result<(), outbox::ConfigError>>;
-
 /// The consumer side of a test: PostgreSQL producer with a compensation hook, a relay routing
 /// every topic to one Kafka topic with confirmations over a reply topic, the producer's Kafka
 /// confirmation listener, and an inbox plus an effects table in the same database.
@@ -346,8 +329,7 @@ struct KafkaSetup {
     inbox: Inbox<sqlx::Postgres>,
     effects: String,
     topic: String,
-    stop: CancellationToken,
-    listener: tokio::task::JoinHandle<Result<outbox::ConfirmReport, outbox::ConfigError>>,
+    listener: Listener,
 }
 
 impl KafkaSetup {
@@ -358,11 +340,11 @@ impl KafkaSetup {
         let reply = kafka.topic("confirm", 2).await;
         let ctl = Arc::new(HookControl::default());
         let store = fx.store_with_hook(ctl.clone()).await;
-        let effects = format!("{}.effects", fx.schema);
-        fx.exec(&format!(
-            "CREATE TABLE {effects} (n bigserial PRIMARY KEY, message_id text NOT NULL, \
-             key text, payload text, delivery int)"
-        ))
+        let effects = pg_effects(
+            &fx,
+            "n bigserial PRIMARY KEY, message_id text NOT NULL, key text, payload text, \
+             delivery int",
+        )
         .await;
         // Long enough that a slow consumer-group start is not mistaken for a lost confirmation.
         let policy = ConfirmPolicy {
@@ -380,21 +362,10 @@ impl KafkaSetup {
             .build()
             .expect("relay")
             .spawn();
-        let stop = CancellationToken::new();
-        let listener = tokio::spawn(outbox::confirm::kafka::listen(
-            kafka_config(),
-            reply,
-            unique("producer"),
-            store,
-            stop.clone(),
-        ));
-        let inbox = Inbox::<sqlx::Postgres>::new(
-            fx.store.pool().clone(),
-            &format!("{}.consumer_inbox", fx.schema),
-            "billing",
-        )
-        .unwrap();
-        inbox.migrate().await.unwrap();
+        let listener = Listener::spawn(|stop| {
+            outbox::confirm::kafka::listen(kafka_config(), reply, unique("producer"), store, stop)
+        });
+        let inbox = pg_inbox(&fx).await;
         KafkaSetup {
             fx,
             kafka,
@@ -403,7 +374,6 @@ impl KafkaSetup {
             inbox,
             effects,
             topic,
-            stop,
             listener,
         }
     }
@@ -425,17 +395,8 @@ impl KafkaSetup {
         &self,
         config: KafkaConsumerConfig,
         handler: Arc<H>,
-        metrics: Arc<ConsumerMetrics>,
-    ) -> (CancellationToken, ConsumerTask) {
-        let cancel = CancellationToken::new();
-        let task = tokio::spawn(outbox::consumer::kafka::run(
-            config,
-            self.inbox.clone(),
-            handler,
-            metrics,
-            cancel.clone(),
-        ));
-        (cancel, task)
+    ) -> Running {
+        Running::spawn(config, &self.inbox, handler)
     }
 
     /// Effects rows `(key, payload, delivery)` in application order.
@@ -451,14 +412,9 @@ impl KafkaSetup {
 
     /// Stop the consumer (it must stop cleanly), the listener and the relay; drop the topics and
     /// the schema.
-    async fn finish(self, consumer_cancel: CancellationToken, consumer: ConsumerTask) {
-        consumer_cancel.cancel();
-        within("consumer to stop", Duration::from_secs(15), consumer)
-            .await
-            .unwrap()
-            .unwrap();
-        self.stop.cancel();
-        let _ = within("listener to stop", Duration::from_secs(10), self.listener).await;
+    async fn finish(self, consumer: Running) {
+        consumer.stop().await;
+        self.listener.stop().await;
         self.relay.shutdown().await.unwrap();
         self.kafka.cleanup().await;
         self.fx.cleanup().await;
@@ -496,9 +452,8 @@ async fn kafka_consumer_end_to_end_with_confirmations() {
         s.fx.schema
     ))
     .await;
-    let metrics = Arc::new(ConsumerMetrics::default());
-    let (cancel, consumer) =
-        s.spawn_consumer(s.consumer_config(4), handler.clone(), metrics.clone());
+    let consumer = s.spawn_consumer(s.consumer_config(4), handler.clone());
+    let metrics = consumer.metrics.clone();
     let ids = s.fx.enqueue_commit(msgs).await.unwrap();
     let (ok, rejected) = (&ids[..12], &ids[12..]);
     wait_status(&s.fx, ok, Status::Confirmed, GROUP_START).await;
@@ -525,7 +480,7 @@ async fn kafka_consumer_end_to_end_with_confirmations() {
     assert_eq!(metrics.malformed.load(Ordering::Relaxed), 1);
     assert!(metrics.confirmations_sent.load(Ordering::Relaxed) >= 15);
     assert_eq!(s.fx.store().stats().await.unwrap().awaiting_confirmation, 0);
-    s.finish(cancel, consumer).await;
+    s.finish(consumer).await;
 }
 
 /// A transient handler failure is redelivered with backoff (the partition is paused and sought
@@ -546,9 +501,8 @@ async fn kafka_transient_failure_is_retried_then_applied_in_order() {
                 .map(|p| NewMessage::new("orders", *p).with_partition_key("J")),
         )
         .collect();
-    let metrics = Arc::new(ConsumerMetrics::default());
-    let (cancel, consumer) =
-        s.spawn_consumer(s.consumer_config(2), handler.clone(), metrics.clone());
+    let consumer = s.spawn_consumer(s.consumer_config(2), handler.clone());
+    let metrics = consumer.metrics.clone();
     // One transaction, one claim, one batch: the relay publishes them in this order.
     let ids = s.fx.enqueue_commit(msgs).await.unwrap();
     wait_status(&s.fx, &ids, Status::Confirmed, GROUP_START).await;
@@ -574,7 +528,7 @@ async fn kafka_transient_failure_is_retried_then_applied_in_order() {
     assert!(metrics.failures.load(Ordering::Relaxed) >= 2);
     assert_eq!(metrics.applied.load(Ordering::Relaxed), 5);
     assert_eq!(metrics.dead_lettered.load(Ordering::Relaxed), 0);
-    s.finish(cancel, consumer).await;
+    s.finish(consumer).await;
 }
 
 /// With 4 lanes over 3 partitions, 240 messages of 12 keys are applied concurrently (more than
@@ -584,11 +538,11 @@ async fn kafka_per_key_order_with_concurrency() {
     crate::init_tracing();
     let s = KafkaSetup::new(3).await;
     let handler = KeyedHandler::new(&s.effects, Duration::from_millis(3));
-    let metrics = Arc::new(ConsumerMetrics::default());
     let mut config = s.consumer_config(4);
     config.batch = 60;
     config.runner.confirmations = None;
-    let (cancel, consumer) = s.spawn_consumer(config, handler.clone(), metrics.clone());
+    let consumer = s.spawn_consumer(config, handler.clone());
+    let metrics = consumer.metrics.clone();
     // Published straight through the transport, batch after batch, so the topic holds each key's
     // messages in sequence order.
     let msgs: Vec<outbox::Message> = (0..240)
@@ -599,7 +553,7 @@ async fn kafka_per_key_order_with_concurrency() {
         })
         .collect();
     for chunk in msgs.chunks(80) {
-        for r in publish(s.kafka.transport().as_ref(), chunk, &s.topic).await {
+        for r in publish_all(s.kafka.transport().as_ref(), chunk, &s.topic).await {
             r.expect("acknowledged");
         }
     }
@@ -623,7 +577,7 @@ async fn kafka_per_key_order_with_concurrency() {
         "applications ran concurrently"
     );
     assert_eq!(metrics.applied.load(Ordering::Relaxed), 240);
-    s.finish(cancel, consumer).await;
+    s.finish(consumer).await;
 }
 
 /// Compile-time check: the Kafka transport, runner and listener futures are `Send`.

@@ -78,6 +78,7 @@ macro_rules! effect_handler {
 
 mod admin;
 mod admin_inbox;
+mod broker_support;
 mod cases;
 mod cases_faults;
 mod cases_fencing;

@@ -14,17 +14,18 @@ use std::time::Duration;
 use outbox::confirm::mqtt::{MqttConfirmationSender, MqttListenConfig};
 use outbox::consumer::ConsumerMetrics;
 use outbox::consumer::mqtt::MqttConsumerConfig;
-use outbox::transport::{Outgoing, Transport};
-use outbox::{ConfirmPolicy, MqttConfig, NoSubscribers, Relay, Router, TransportErrorKind};
+use outbox::transport::Transport;
+use outbox::{MqttConfig, NoSubscribers, TransportErrorKind};
 use outbox_testkit::mqtt::mqtt_transport;
 use outbox_testkit::{
-    ConfirmFixture, FaultProxy, HookControl, MqttFixture, PgFixture, StoreFixture as _,
-    TransportFixture as _, claimed_message, host_port, mqtt_url, unique, wait_until, within,
+    FaultProxy, MqttFixture, PgFixture, StoreFixture as _, TransportFixture as _, claimed_message,
+    host_port, mqtt_url, publish_all, unique, wait_until, within,
 };
 use tokio_util::sync::CancellationToken;
 
-use crate::confirm::{ScriptedHandler, confirm_config, fast_retry};
-use crate::redis::{Recorder, inbox, stop};
+use crate::broker_support::{Listener, Running, pg_inbox, spawn_consumer, stop_consumer};
+use crate::confirm::{PgProducer, ScriptedHandler, fast_retry};
+use crate::redis::{Recorder, Recording};
 use crate::redis_consumer::{
     check_retried_and_dead_lettered, orders_confirmed_and_rejected, retry_messages,
 };
@@ -38,35 +39,12 @@ fn consumer_config(client_id: &str, filter: &str) -> MqttConsumerConfig {
     c
 }
 
-fn spawn<H: outbox::Handler<sqlx::Postgres>>(
-    config: MqttConsumerConfig,
-    inbox: &outbox::Inbox<sqlx::Postgres>,
-    handler: Arc<H>,
-    metrics: Arc<ConsumerMetrics>,
-    cancel: CancellationToken,
-) -> tokio::task::JoinHandle<Result<(), outbox::ConfigError>> {
-    tokio::spawn(outbox::consumer::mqtt::run(
-        config,
-        inbox.clone(),
-        handler,
-        metrics,
-        cancel,
-    ))
-}
-
 async fn publish(
     t: &dyn Transport,
     topic: &str,
     msgs: &[outbox::Message],
 ) -> Vec<Result<(), outbox::TransportError>> {
-    let batch: Vec<Outgoing<'_>> = msgs
-        .iter()
-        .map(|m| Outgoing {
-            message: m,
-            destination: topic,
-        })
-        .collect();
-    t.publish(&batch).await
+    publish_all(t, msgs, topic).await
 }
 
 /// Publish until the broker routes to a subscriber (the consumer's subscription may still be on
@@ -92,42 +70,21 @@ async fn publish_when_subscribed(t: &dyn Transport, topic: &str, msgs: &[outbox:
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn consumer_end_to_end_with_confirmations() {
     crate::init_tracing();
-    let fx = PgFixture::new().await;
     let prefix = unique("obx");
-    let ctl = Arc::new(HookControl::default());
-    let store = fx.store_with_hook(ctl.clone()).await;
-    let effects = format!("{}.effects", fx.schema);
-    fx.exec(&format!(
-        "CREATE TABLE {effects} (message_id text NOT NULL, payload bytea)"
-    ))
-    .await;
     let reply = format!("{prefix}/confirmations");
-    let stop_listener = CancellationToken::new();
+    let transport = Arc::new(mqtt_transport(MqttConfig::new(mqtt_url())).await);
+    let p = PgProducer::start_with_timeout(
+        transport,
+        format!("{prefix}/orders/{{topic}}"),
+        reply.clone(),
+        Duration::from_secs(5),
+    )
+    .await;
     let mut lc = MqttListenConfig::new(mqtt_url(), &reply);
     lc.group = prefix.clone();
     lc.session_expiry = Duration::from_secs(60);
-    let listener = tokio::spawn(outbox::confirm::mqtt::listen(
-        lc,
-        store.clone(),
-        stop_listener.clone(),
-    ));
-    let transport = Arc::new(mqtt_transport(MqttConfig::new(mqtt_url())).await);
-    let relay = Relay::builder(store)
-        .router(Router::new().route_confirmed(
-            "*",
-            transport.clone(),
-            format!("{prefix}/orders/{{topic}}"),
-            ConfirmPolicy {
-                reply_to: reply.clone(),
-                timeout: Duration::from_secs(5),
-            },
-        ))
-        .config(confirm_config("mqtt-e2e"))
-        .build()
-        .expect("relay")
-        .spawn();
-    let inbox = inbox(&fx).await;
-    let handler = ScriptedHandler::new(&effects);
+    let listener = Listener::spawn(|stop| outbox::confirm::mqtt::listen(lc, p.store.clone(), stop));
+    let handler = ScriptedHandler::new(&p.effects);
     let metrics = Arc::new(ConsumerMetrics::default());
     let cancel = CancellationToken::new();
     let sender = Arc::new(
@@ -141,26 +98,21 @@ async fn consumer_end_to_end_with_confirmations() {
             .with_confirmations(sender.clone());
         config.group = Some(prefix.clone());
         config.runner.concurrency = 3;
-        consumers.push(spawn(
+        consumers.push(spawn_consumer(
             config,
-            &inbox,
+            &p.inbox,
             handler.clone(),
             metrics.clone(),
             cancel.clone(),
         ));
     }
-    orders_confirmed_and_rejected(&fx, &effects, &metrics).await;
+    orders_confirmed_and_rejected(&p.fx, &p.effects, &metrics).await;
     for c in consumers {
-        stop(cancel.clone(), c).await;
+        stop_consumer(cancel.clone(), c).await;
     }
-    stop_listener.cancel();
-    let report = within("listener to stop", Duration::from_secs(10), listener)
-        .await
-        .unwrap()
-        .unwrap();
+    let report = listener.report().await;
     assert_eq!((report.confirmed, report.rejected), (20, 3), "{report:?}");
-    relay.shutdown().await.unwrap();
-    fx.cleanup().await;
+    p.finish().await;
 }
 
 /// A failing handler: MQTT has no negative ack, so the runner applies the unacknowledged message
@@ -171,25 +123,16 @@ async fn failing_handler_retried_then_applied_or_dead_lettered() {
     crate::init_tracing();
     let fx = PgFixture::new().await;
     let prefix = unique("obx");
-    let inbox = inbox(&fx).await;
-    let handler = Arc::new(Recorder::default());
-    let metrics = Arc::new(ConsumerMetrics::default());
-    let cancel = CancellationToken::new();
+    let inbox = pg_inbox(&fx).await;
     let mut config = consumer_config(&format!("{prefix}-c"), &format!("{prefix}/#"));
     config.runner.max_deliveries = 3;
     config.runner.concurrency = 2;
-    let consumer = spawn(
-        config,
-        &inbox,
-        handler.clone(),
-        metrics.clone(),
-        cancel.clone(),
-    );
+    let consumer = Recording::spawn(config, &inbox);
     let transport = mqtt_transport(MqttConfig::new(mqtt_url())).await;
     let msgs = retry_messages();
     publish_when_subscribed(&transport, &format!("{prefix}/flaky"), &msgs).await;
-    check_retried_and_dead_lettered(&inbox, &handler, &metrics, &msgs).await;
-    stop(cancel, consumer).await;
+    check_retried_and_dead_lettered(&inbox, &consumer, &msgs).await;
+    consumer.runner.stop().await;
     fx.cleanup().await;
 }
 
@@ -306,27 +249,19 @@ async fn persistent_session_keeps_messages_for_an_offline_consumer() {
     crate::init_tracing();
     let fx = PgFixture::new().await;
     let prefix = unique("obx");
-    let inbox = inbox(&fx).await;
+    let inbox = pg_inbox(&fx).await;
     let topic = format!("{prefix}/orders");
     let config = consumer_config(&format!("{prefix}-c"), &topic);
     let handler = Arc::new(Recorder::default());
-    let metrics = Arc::new(ConsumerMetrics::default());
-    let cancel = CancellationToken::new();
-    let consumer = spawn(
-        config.clone(),
-        &inbox,
-        handler.clone(),
-        metrics.clone(),
-        cancel.clone(),
-    );
+    let consumer = Running::spawn(config.clone(), &inbox, handler.clone());
     let t = mqtt_transport(MqttConfig::new(mqtt_url())).await;
     let first = claimed_message("t", "first");
     publish_when_subscribed(&t, &topic, std::slice::from_ref(&first)).await;
     wait_until("the first message", Duration::from_secs(10), || async {
-        metrics.applied.load(Ordering::Relaxed) >= 1
+        consumer.metrics.applied.load(Ordering::Relaxed) >= 1
     })
     .await;
-    stop(cancel, consumer).await;
+    consumer.stop().await;
     // Offline: the session's subscription still matches.
     let msgs: Vec<_> = (0..5)
         .map(|i| claimed_message("t", format!("offline-{i}")))
@@ -334,17 +269,9 @@ async fn persistent_session_keeps_messages_for_an_offline_consumer() {
     for r in publish(&t, &topic, &msgs).await {
         r.expect("acknowledged for the offline session");
     }
-    let metrics2 = Arc::new(ConsumerMetrics::default());
-    let cancel = CancellationToken::new();
-    let consumer = spawn(
-        config,
-        &inbox,
-        handler.clone(),
-        metrics2.clone(),
-        cancel.clone(),
-    );
+    let consumer = Running::spawn(config, &inbox, handler.clone());
     wait_until("the offline messages", Duration::from_secs(15), || async {
-        metrics2.applied.load(Ordering::Relaxed) == 5
+        consumer.metrics.applied.load(Ordering::Relaxed) == 5
     })
     .await;
     let applied: Vec<String> = handler
@@ -357,7 +284,7 @@ async fn persistent_session_keeps_messages_for_an_offline_consumer() {
         applied,
         (0..5).map(|i| format!("offline-{i}")).collect::<Vec<_>>()
     );
-    stop(cancel, consumer).await;
+    consumer.stop().await;
     fx.cleanup().await;
 }
 

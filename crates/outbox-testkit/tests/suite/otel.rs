@@ -18,18 +18,17 @@ use opentelemetry::trace::{SpanId, SpanKind, TraceId, TracerProvider as _};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
 use outbox::confirm::nats::NatsConfirmationSender;
 use outbox::confirm::rabbitmq::RabbitMqConfirmationSender;
-use outbox::consumer::ConsumerMetrics;
 use outbox::store::Store as _;
 use outbox::{NewMessage, Status};
 use outbox_testkit::{
-    ConfirmFixture as _, StoreFixture as _, rabbitmq_config, rabbitmq_url, wait_until, within,
+    ConfirmFixture as _, StoreFixture as _, rabbitmq_config, rabbitmq_url, wait_until,
 };
-use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 use tracing_subscriber::Layer as _;
 use tracing_subscriber::layer::SubscriberExt;
 use uuid::Uuid;
 
+use crate::broker_support::Running;
 use crate::confirm::{NatsSetup, PgProducer, ScriptedHandler, wait_status};
 use crate::rabbitmq_consumer::RabbitSetup;
 
@@ -48,24 +47,19 @@ impl Broker {
         }
     }
 
-    async fn spawn_consumer(
-        &self,
-        handler: Arc<ScriptedHandler>,
-        metrics: Arc<ConsumerMetrics>,
-        cancel: CancellationToken,
-    ) -> tokio::task::JoinHandle<Result<(), outbox::ConfigError>> {
+    async fn spawn_consumer(&self, handler: Arc<ScriptedHandler>) -> Running {
         match self {
             Broker::Nats(s) => {
                 let client = outbox_testkit::nats_client().await;
                 let sender = Arc::new(NatsConfirmationSender::new(client));
-                s.spawn_consumer(s.consumer_config(sender), handler, metrics, cancel)
+                s.spawn_consumer(s.consumer_config(sender), handler)
             }
             Broker::Rabbit(s) => {
                 let sender = Arc::new(
                     RabbitMqConfirmationSender::new(rabbitmq_config(&rabbitmq_url())).unwrap(),
                 );
-                let config = crate::rabbitmq::consumer_config(&s.mq).with_confirmations(sender);
-                crate::rabbitmq::spawn_runner(config, s.inbox.clone(), handler, metrics, cancel)
+                let config = crate::rabbitmq::consumer_config(&s.broker).with_confirmations(sender);
+                Running::spawn(config, &s.inbox, handler)
             }
         }
     }
@@ -173,11 +167,8 @@ where
     let broker = setup().await;
     let s = broker.producer();
     let handler = ScriptedHandler::new(&s.effects);
-    let metrics = Arc::new(ConsumerMetrics::default());
-    let cancel = CancellationToken::new();
-    let consumer = broker
-        .spawn_consumer(handler.clone(), metrics.clone(), cancel.clone())
-        .await;
+    let consumer = broker.spawn_consumer(handler.clone()).await;
+    let metrics = consumer.metrics.clone();
 
     let ok = NewMessage::new("orders", "ok-1");
     let rejected = NewMessage::new("orders", "reject-1");
@@ -235,11 +226,7 @@ where
     );
     assert_eq!(request_trace(&stored_headers(s, untraced).await), None);
 
-    cancel.cancel();
-    within("consumer to stop", Duration::from_secs(5), consumer)
-        .await
-        .unwrap()
-        .unwrap();
+    consumer.stop().await;
     broker.finish().await;
 
     let spans = exporter.get_finished_spans().unwrap();

@@ -9,7 +9,6 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use outbox::consumer::ConsumerMetrics;
 use outbox::consumer::rabbitmq::RabbitMqConsumerConfig;
 use outbox::transport::Transport;
 use outbox::{
@@ -20,9 +19,9 @@ use outbox_testkit::{
     claimed_message, publish_to, rabbitmq_config, rabbitmq_host_port, rabbitmq_url, wait_until,
     within,
 };
-use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use crate::broker_support::Running;
 use crate::confirm::{fast_retry, wait_status};
 use crate::inbox::EffectHandler;
 use crate::relay::fast_config;
@@ -54,33 +53,6 @@ pub(crate) fn consumer_config(fx: &RabbitMqFixture) -> RabbitMqConsumerConfig {
     c.runner.maintenance_interval = Duration::from_millis(200);
     c.runner.dedup_window = None;
     c
-}
-
-pub(crate) fn spawn_runner<DB, H>(
-    config: RabbitMqConsumerConfig,
-    inbox: Inbox<DB>,
-    handler: Arc<H>,
-    metrics: Arc<ConsumerMetrics>,
-    cancel: CancellationToken,
-) -> tokio::task::JoinHandle<Result<(), outbox::ConfigError>>
-where
-    DB: outbox::InboxBackend,
-    H: outbox::Handler<DB> + ?Sized,
-{
-    tokio::spawn(outbox::consumer::rabbitmq::run(
-        config, inbox, handler, metrics, cancel,
-    ))
-}
-
-pub(crate) async fn stop(
-    cancel: CancellationToken,
-    runner: tokio::task::JoinHandle<Result<(), outbox::ConfigError>>,
-) {
-    cancel.cancel();
-    within("the runner to stop", Duration::from_secs(10), runner)
-        .await
-        .unwrap()
-        .unwrap();
 }
 
 /// C04 (a): a message routed to an exchange that does not exist is not SENT: it is FAILED at once
@@ -270,15 +242,8 @@ async fn c04c_cut_before_confirm_republished_with_same_id_applied_once() {
     }
     let (consumer_db, inbox) = sqlite_consumer("c04c").await;
     let handler = Arc::new(EffectHandler::new("effects"));
-    let metrics = Arc::new(ConsumerMetrics::default());
-    let cancel = CancellationToken::new();
-    let runner = spawn_runner(
-        consumer_config(&fx),
-        inbox,
-        handler.clone(),
-        metrics.clone(),
-        cancel.clone(),
-    );
+    let runner = Running::spawn(consumer_config(&fx), &inbox, handler.clone());
+    let metrics = runner.metrics.clone();
     let n = copies.len() as u64;
     wait_until("every copy consumed", Duration::from_secs(10), || async {
         metrics.applied.load(Ordering::Relaxed) + metrics.duplicates.load(Ordering::Relaxed) == n
@@ -286,7 +251,7 @@ async fn c04c_cut_before_confirm_republished_with_same_id_applied_once() {
     .await;
     assert_eq!(metrics.applied.load(Ordering::Relaxed), 1);
     assert_eq!(sqlite_effects(&consumer_db, id).await, 1, "applied once");
-    stop(cancel, runner).await;
+    runner.stop().await;
     fx.cleanup().await;
 }
 

@@ -13,77 +13,42 @@ use outbox::consumer::rabbitmq::{RabbitMqConsumerConfig, retry_queue, retry_tier
 use outbox::{HandlerError, InboundMessage, Inbox, NewMessage, Verdict};
 use outbox_testkit::{
     PgFixture, RabbitMqFixture, StoreFixture, TransportFixture as _, claimed_message, publish_to,
-    rabbitmq_config, rabbitmq_url, wait_until, within,
+    rabbitmq_config, rabbitmq_url, wait_until,
 };
 use sqlx::{AssertSqlSafe, PgConnection};
 use tokio_util::sync::CancellationToken;
 
+use crate::broker_support::Running;
 use crate::confirm::{
-    FaultySender, PgProducer, ScriptedHandler, check_lost_confirmation_outcome, fast_retry,
+    BrokerSetup, FaultySender, ScriptedHandler, check_lost_confirmation_outcome, fast_retry,
     lost_confirmation_messages, pg_count,
 };
 use crate::inbox::EffectHandler;
-use crate::rabbitmq::{consumer_config, spawn_runner, sqlite_consumer, sqlite_effects, stop};
+use crate::rabbitmq::{consumer_config, sqlite_consumer, sqlite_effects};
 
-/// The RabbitMQ side of an end-to-end test: a [`PgProducer`] publishing to the fixture's
-/// exchange, and the producer's confirmation listener on a queue of its own.
-pub(crate) struct RabbitSetup {
-    producer: PgProducer,
-    pub(crate) mq: RabbitMqFixture,
-    stop_listener: CancellationToken,
-    listener: tokio::task::JoinHandle<Result<outbox::ConfirmReport, outbox::ConfigError>>,
-}
-
-impl std::ops::Deref for RabbitSetup {
-    type Target = PgProducer;
-
-    fn deref(&self) -> &PgProducer {
-        &self.producer
-    }
-}
+/// The RabbitMQ side of an end-to-end test: the fixture's exchange, and the producer's
+/// confirmation listener on a queue of its own.
+pub(crate) type RabbitSetup = BrokerSetup<RabbitMqFixture>;
 
 impl RabbitSetup {
     pub(crate) async fn new() -> RabbitSetup {
         let mq = RabbitMqFixture::new().await;
         let reply = format!("{}.confirmations", mq.queue);
-        let producer = PgProducer::start(
-            mq.transport.clone(),
-            format!("{}/{{topic}}", mq.exchange),
-            reply.clone(),
-        )
+        let destination = format!("{}/{{topic}}", mq.exchange);
+        let queue = reply.clone();
+        let s = BrokerSetup::start(mq, destination, &reply, |store, stop| {
+            outbox::confirm::rabbitmq::listen(rabbitmq_config(&rabbitmq_url()), queue, store, stop)
+        })
         .await;
-        let stop_listener = CancellationToken::new();
-        let listener = tokio::spawn(outbox::confirm::rabbitmq::listen(
-            rabbitmq_config(&rabbitmq_url()),
-            reply.clone(),
-            producer.store.clone(),
-            stop_listener.clone(),
-        ));
         // The listener declares its queue; delete it at cleanup.
         wait_until(
             "the confirmation queue",
             Duration::from_secs(10),
-            || async { mq.queue_exists(&reply).await },
+            || async { s.broker.queue_exists(&reply).await },
         )
         .await;
-        mq.delete_at_cleanup(&reply);
-        RabbitSetup {
-            producer,
-            mq,
-            stop_listener,
-            listener,
-        }
-    }
-
-    pub(crate) async fn finish(self) {
-        self.stop_listener.cancel();
-        let report = within("listener to stop", Duration::from_secs(10), self.listener)
-            .await
-            .unwrap()
-            .unwrap();
-        assert!(report.confirmed + report.rejected > 0, "{report:?}");
-        self.mq.cleanup().await;
-        self.producer.finish().await;
+        s.broker.delete_at_cleanup(&reply);
+        s
     }
 }
 
@@ -105,20 +70,13 @@ async fn consumer_end_to_end_with_confirmations() {
         .map(|(i, m)| m.with_partition_key(format!("k{}", i % 3)))
         .collect();
     let handler = ScriptedHandler::new(&s.effects);
-    let metrics = Arc::new(ConsumerMetrics::default());
-    let cancel = CancellationToken::new();
-    let mut config = consumer_config(&s.mq).with_confirmations(sender.clone());
+    let mut config = consumer_config(&s.broker).with_confirmations(sender.clone());
     config.runner.concurrency = 4;
-    let runner = spawn_runner(
-        config,
-        s.inbox.clone(),
-        handler.clone(),
-        metrics.clone(),
-        cancel.clone(),
-    );
+    let runner = Running::spawn(config, &s.inbox, handler.clone());
+    let metrics = runner.metrics.clone();
     let ids = s.fx.enqueue_commit(msgs).await.unwrap();
     check_lost_confirmation_outcome(&s, &ids, &sender, &metrics).await;
-    stop(cancel, runner).await;
+    runner.stop().await;
     s.finish().await;
 }
 
@@ -165,15 +123,8 @@ async fn consumer_transient_failure_redelivered_with_backoff_then_applied() {
         fail_until: 3,
         seen: Mutex::new(Vec::new()),
     });
-    let metrics = Arc::new(ConsumerMetrics::default());
-    let cancel = CancellationToken::new();
-    let runner = spawn_runner(
-        consumer_config(&fx),
-        inbox,
-        handler.clone(),
-        metrics.clone(),
-        cancel.clone(),
-    );
+    let runner = Running::spawn(consumer_config(&fx), &inbox, handler.clone());
+    let metrics = runner.metrics.clone();
     let m = claimed_message("orders", "flaky");
     let good = fx.good_destination();
     let r = publish_to(fx.transport.as_ref(), std::slice::from_ref(&m), |_| &good).await;
@@ -190,7 +141,7 @@ async fn consumer_transient_failure_redelivered_with_backoff_then_applied() {
     let first = retry_queue(&fx.queue, retry_tier(fast_retry().delay_with(1, 0.0)));
     assert!(fx.queue_exists(&first).await, "{first} was used");
     assert_eq!(fx.ready(&first).await, 0);
-    stop(cancel, runner).await;
+    runner.stop().await;
     fx.cleanup().await;
 }
 
@@ -203,17 +154,10 @@ async fn consumer_poison_messages_dead_lettered() {
     let fx = RabbitMqFixture::new().await;
     let (_db, inbox) = sqlite_consumer("poison").await;
     let handler = ScriptedHandler::new("effects");
-    let metrics = Arc::new(ConsumerMetrics::default());
-    let cancel = CancellationToken::new();
     let mut config = consumer_config(&fx);
     config.runner.max_deliveries = 3;
-    let runner = spawn_runner(
-        config,
-        inbox.clone(),
-        handler.clone(),
-        metrics.clone(),
-        cancel.clone(),
-    );
+    let runner = Running::spawn(config, &inbox, handler.clone());
+    let metrics = runner.metrics.clone();
     let mut msgs = vec![
         claimed_message("orders", "poison-1"),
         claimed_message("orders", "flaky-1"),
@@ -252,7 +196,7 @@ async fn consumer_poison_messages_dead_lettered() {
         fx.ready(&fx.queue).await == 0
     })
     .await;
-    stop(cancel, runner).await;
+    runner.stop().await;
     fx.cleanup().await;
 }
 
@@ -269,15 +213,8 @@ async fn consumer_malformed_message_rejected_without_blocking() {
     let r = publish_to(fx.transport.as_ref(), std::slice::from_ref(&m), |_| &good).await;
     assert!(r[0].is_ok());
     let handler = Arc::new(EffectHandler::new("effects"));
-    let metrics = Arc::new(ConsumerMetrics::default());
-    let cancel = CancellationToken::new();
-    let runner = spawn_runner(
-        consumer_config(&fx),
-        inbox,
-        handler,
-        metrics.clone(),
-        cancel.clone(),
-    );
+    let runner = Running::spawn(consumer_config(&fx), &inbox, handler);
+    let metrics = runner.metrics.clone();
     wait_until(
         "the good message to apply",
         Duration::from_secs(10),
@@ -286,7 +223,7 @@ async fn consumer_malformed_message_rejected_without_blocking() {
     .await;
     assert_eq!(metrics.malformed.load(Ordering::Relaxed), 1);
     assert_eq!(sqlite_effects(&db, m.message_id).await, 1);
-    stop(cancel, runner).await;
+    runner.stop().await;
     // With the consumer gone, anything unacknowledged would be ready again: nothing is.
     wait_until("the consumer to leave", Duration::from_secs(10), || async {
         fx.consumers(&fx.queue).await == 0
@@ -381,18 +318,11 @@ async fn consumer_per_key_order_with_concurrency_4() {
         most: AtomicUsize::new(0),
         calls: AtomicU64::new(0),
     });
-    let metrics = Arc::new(ConsumerMetrics::default());
-    let cancel = CancellationToken::new();
     let mut config = consumer_config(&fx);
     config.runner.concurrency = 4;
     config.batch = 50;
-    let runner = spawn_runner(
-        config,
-        inbox,
-        handler.clone(),
-        metrics.clone(),
-        cancel.clone(),
-    );
+    let runner = Running::spawn(config, &inbox, handler.clone());
+    let metrics = runner.metrics.clone();
     let total = u64::from(keys * per_key);
     wait_until("every message applied", Duration::from_secs(30), || async {
         metrics.applied.load(Ordering::Relaxed) == total
@@ -417,7 +347,7 @@ async fn consumer_per_key_order_with_concurrency_4() {
         .await,
         total as i64
     );
-    stop(cancel, runner).await;
+    runner.stop().await;
     db.cleanup().await;
     fx.cleanup().await;
 }

@@ -10,21 +10,21 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox::consumer::ConsumerMetrics;
 use outbox::consumer::redis::RedisConsumerConfig;
+use outbox::consumer::source::SourceConfig;
 use outbox::transport::{Outgoing, Transport};
 use outbox::{
     HandlerError, InboundMessage, Inbox, NewMessage, RedisConfig, Relay, Router,
     TransportErrorKind, WaitReplicas,
 };
 use outbox_testkit::{
-    PgFixture, RedisFixture, StoreFixture as _, TransportFixture as _, claimed_message, redis_url,
-    wait_until, within,
+    PgFixture, RedisFixture, StoreFixture as _, TransportFixture as _, claimed_message,
+    publish_all, redis_url, wait_until, within,
 };
 use sqlx::PgConnection;
-use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use crate::broker_support::{EFFECTS, Running, pg_effects, pg_inbox};
 use crate::confirm::{ScriptedHandler, fast_retry, pg_count};
 use crate::relay::fast_config;
 
@@ -107,77 +107,28 @@ pub(crate) fn consumer_config(stream: &str, consumer: &str) -> RedisConsumerConf
     c
 }
 
-pub(crate) fn spawn<H: outbox::Handler<sqlx::Postgres>>(
-    config: RedisConsumerConfig,
-    inbox: &Inbox<sqlx::Postgres>,
-    handler: Arc<H>,
-    metrics: Arc<ConsumerMetrics>,
-    cancel: CancellationToken,
-) -> tokio::task::JoinHandle<Result<(), outbox::ConfigError>> {
-    tokio::spawn(outbox::consumer::redis::run(
-        config,
-        inbox.clone(),
-        handler,
-        metrics,
-        cancel,
-    ))
-}
-
-/// A consumer [`spawn`]ed with a fresh [`Recorder`] and metrics.
+/// A consumer [`Running`] with a fresh [`Recorder`].
 pub(crate) struct Recording {
     pub(crate) handler: Arc<Recorder>,
-    pub(crate) metrics: Arc<ConsumerMetrics>,
-    cancel: CancellationToken,
-    task: tokio::task::JoinHandle<Result<(), outbox::ConfigError>>,
+    pub(crate) runner: Running,
 }
 
 impl Recording {
-    /// Run `config` over `inbox`.
-    pub(crate) fn spawn(config: RedisConsumerConfig, inbox: &Inbox<sqlx::Postgres>) -> Recording {
+    /// Run `config`'s broker runner over `inbox`.
+    pub(crate) fn spawn<C: SourceConfig + 'static>(
+        config: C,
+        inbox: &Inbox<sqlx::Postgres>,
+    ) -> Recording {
         let handler = Arc::new(Recorder::default());
-        let metrics = Arc::new(ConsumerMetrics::default());
-        let cancel = CancellationToken::new();
-        let task = spawn(
-            config,
-            inbox,
-            handler.clone(),
-            metrics.clone(),
-            cancel.clone(),
-        );
         Recording {
+            runner: Running::spawn(config, inbox, handler.clone()),
             handler,
-            metrics,
-            cancel,
-            task,
         }
     }
-
-    /// Cancel it and wait until it stopped ([`stop`]).
-    pub(crate) async fn stop(self) {
-        stop(self.cancel, self.task).await;
-    }
-}
-
-pub(crate) async fn inbox(fx: &PgFixture) -> Inbox<sqlx::Postgres> {
-    let inbox = Inbox::<sqlx::Postgres>::new(
-        fx.store.pool().clone(),
-        &format!("{}.consumer_inbox", fx.schema),
-        "billing",
-    )
-    .unwrap();
-    inbox.migrate().await.unwrap();
-    inbox
 }
 
 pub(crate) async fn publish(rx: &RedisFixture, stream: &str, msgs: &[outbox::Message]) {
-    let batch: Vec<Outgoing<'_>> = msgs
-        .iter()
-        .map(|m| Outgoing {
-            message: m,
-            destination: stream,
-        })
-        .collect();
-    for r in rx.transport.publish(&batch).await {
+    for r in publish_all(rx.transport.as_ref(), msgs, stream).await {
         r.expect("published");
     }
 }
@@ -195,17 +146,6 @@ pub(crate) async fn pending(rx: &RedisFixture, stream: &str) -> i64 {
     }
 }
 
-pub(crate) async fn stop(
-    cancel: CancellationToken,
-    task: tokio::task::JoinHandle<Result<(), outbox::ConfigError>>,
-) {
-    cancel.cancel();
-    within("consumer to stop", Duration::from_secs(10), task)
-        .await
-        .expect("consumer task")
-        .expect("consumer result");
-}
-
 /// Shared case C38 with the product's default (no length cap): 5,000 messages through a real
 /// relay and PostgreSQL store; a slow consumer (concurrency 1) crashes once in the middle of a
 /// batch, leaving pending entries; after a restart under the same consumer name every one of the
@@ -220,11 +160,7 @@ async fn c38_no_trimming_by_default_crashed_consumer_recovers_all_5000() {
         "default: no cap, no warning"
     );
     let stream = rx.key("orders");
-    let effects = format!("{}.effects", fx.schema);
-    fx.exec(&format!(
-        "CREATE TABLE {effects} (message_id text NOT NULL, payload bytea)"
-    ))
-    .await;
+    let effects = pg_effects(&fx, EFFECTS).await;
     let relay = Relay::builder(fx.store())
         .router(Router::new().route("*", rx.transport.clone(), &stream))
         .config(fast_config("c38"))
@@ -237,7 +173,7 @@ async fn c38_no_trimming_by_default_crashed_consumer_recovers_all_5000() {
         })
         .collect();
     fx.enqueue_commit(msgs).await.unwrap();
-    let inbox = inbox(&fx).await;
+    let inbox = pg_inbox(&fx).await;
 
     // A slow consumer that dies at its 1,200th message, in the middle of a batch of 100.
     let scripted = ScriptedHandler::new(&effects);
@@ -249,31 +185,21 @@ async fn c38_no_trimming_by_default_crashed_consumer_recovers_all_5000() {
     });
     let mut config = consumer_config(&stream, "slow-1");
     config.claim_idle = Duration::from_secs(600);
-    let m1 = Arc::new(ConsumerMetrics::default());
-    let c1 = spawn(
-        config.clone(),
-        &inbox,
-        gate.clone(),
-        m1.clone(),
-        CancellationToken::new(),
-    );
+    let c1 = Running::spawn(config.clone(), &inbox, gate.clone());
     within(
         "the consumer to reach its crash point",
         Duration::from_secs(120),
         gate.reached.notified(),
     )
     .await;
-    c1.abort();
-    let _ = c1.await;
+    let m1 = c1.abort().await;
     let left = pending(&rx, &stream).await;
     assert!(left > 0, "the crash left pending entries");
     let applied_before = m1.applied.load(Ordering::Relaxed);
     assert!(applied_before < 5000);
 
     // Restart under the same name: its pending entries first, then the rest.
-    let m2 = Arc::new(ConsumerMetrics::default());
-    let cancel = CancellationToken::new();
-    let c2 = spawn(config, &inbox, scripted.clone(), m2.clone(), cancel.clone());
+    let c2 = Running::spawn(config, &inbox, scripted.clone());
     wait_until("all 5,000 applied", Duration::from_secs(180), || async {
         pg_count(
             &fx,
@@ -292,15 +218,15 @@ async fn c38_no_trimming_by_default_crashed_consumer_recovers_all_5000() {
         5000,
         "each message applied exactly once"
     );
-    assert_eq!(m2.lost.load(Ordering::Relaxed), 0);
+    assert_eq!(c2.metrics.lost.load(Ordering::Relaxed), 0);
     let xlen: i64 = rx.query(redis::cmd("XLEN").arg(&stream)).await;
     assert!(xlen >= 5000, "no entry was trimmed: {xlen}");
     assert_eq!(
-        applied_before + m2.applied.load(Ordering::Relaxed),
+        applied_before + c2.metrics.applied.load(Ordering::Relaxed),
         5000,
         "applied once each across the crash"
     );
-    stop(cancel, c2).await;
+    c2.stop().await;
     relay.shutdown().await.unwrap();
     rx.cleanup().await;
     fx.cleanup().await;
@@ -350,7 +276,7 @@ async fn trimmed_pending(other_consumer: bool) {
     let fx = PgFixture::new().await;
     let rx = RedisFixture::new().await;
     let stream = rx.key("trimmed");
-    let inbox = inbox(&fx).await;
+    let inbox = pg_inbox(&fx).await;
     let msgs: Vec<_> = (0..20)
         .map(|i| claimed_message("orders", format!("m{i}")))
         .collect();
@@ -358,21 +284,14 @@ async fn trimmed_pending(other_consumer: bool) {
     let crashing = Recorder::gated(1);
     let mut config = consumer_config(&stream, "c1");
     config.batch = 20;
-    let c1 = spawn(
-        config.clone(),
-        &inbox,
-        crashing.clone(),
-        Arc::new(ConsumerMetrics::default()),
-        CancellationToken::new(),
-    );
+    let c1 = Running::spawn(config.clone(), &inbox, crashing.clone());
     within(
         "the first delivery",
         Duration::from_secs(10),
         crashing.gate.notified(),
     )
     .await;
-    c1.abort();
-    let _ = c1.await;
+    c1.abort().await;
     assert_eq!(pending(&rx, &stream).await, 20);
     let _: i64 = rx
         .query(redis::cmd("XTRIM").arg(&stream).arg("MAXLEN").arg(5))
@@ -383,16 +302,11 @@ async fn trimmed_pending(other_consumer: bool) {
         config.claim_idle = Duration::from_millis(300);
         config.claim_interval = Duration::from_millis(100);
     }
-    let handler = Arc::new(Recorder::default());
-    let metrics = Arc::new(ConsumerMetrics::default());
-    let cancel = CancellationToken::new();
-    let c2 = spawn(
-        config,
-        &inbox,
-        handler.clone(),
-        metrics.clone(),
-        cancel.clone(),
-    );
+    let Recording {
+        handler,
+        runner: c2,
+    } = Recording::spawn(config, &inbox);
+    let metrics = &c2.metrics;
     wait_until("15 lost and 5 applied", Duration::from_secs(20), || async {
         metrics.lost.load(Ordering::Relaxed) == 15 && metrics.applied.load(Ordering::Relaxed) == 5
     })
@@ -412,8 +326,8 @@ async fn trimmed_pending(other_consumer: bool) {
         metrics.applied.load(Ordering::Relaxed) == 6
     })
     .await;
-    assert!(!c2.is_finished());
-    stop(cancel, c2).await;
+    assert!(!c2.task.is_finished());
+    c2.stop().await;
     rx.cleanup().await;
     fx.cleanup().await;
 }

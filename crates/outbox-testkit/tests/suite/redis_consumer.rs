@@ -8,16 +8,16 @@ use std::time::Duration;
 
 use outbox::confirm::redis::{RedisConfirmationSender, RedisListenConfig};
 use outbox::consumer::ConsumerMetrics;
-use outbox::{ConfirmPolicy, Inbox, NewMessage, Relay, Router, Status};
+use outbox::{Inbox, NewMessage, Status};
 use outbox_testkit::{
-    ConfirmFixture, HookControl, PgFixture, RedisFixture, StoreFixture as _, TransportFixture as _,
-    claimed_message, redis_url, wait_until, within,
+    ConfirmFixture, PgFixture, RedisFixture, StoreFixture as _, TransportFixture as _,
+    claimed_message, redis_url, wait_until,
 };
-use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::confirm::{ScriptedHandler, confirm_config, pg_count, wait_status};
-use crate::redis::{Recorder, Recording, consumer_config, inbox, pending, publish, spawn, stop};
+use crate::broker_support::{Listener, Running, pg_inbox};
+use crate::confirm::{PgProducer, ScriptedHandler, pg_count, wait_status};
+use crate::redis::{Recording, consumer_config, pending, publish};
 
 /// The runner end to end with PostgreSQL on both sides and confirmations over Redis Streams:
 /// processed messages end CONFIRMED with their effect once, rejected ones REJECTED with the
@@ -25,68 +25,43 @@ use crate::redis::{Recorder, Recording, consumer_config, inbox, pending, publish
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn consumer_end_to_end_with_confirmations() {
     crate::init_tracing();
-    let fx = PgFixture::new().await;
     let rx = RedisFixture::new().await;
-    let ctl = Arc::new(HookControl::default());
-    let store = fx.store_with_hook(ctl.clone()).await;
-    let effects = format!("{}.effects", fx.schema);
-    fx.exec(&format!(
-        "CREATE TABLE {effects} (message_id text NOT NULL, payload bytea)"
-    ))
-    .await;
     let stream = rx.key("orders");
     let reply = rx.key("confirmations");
-    let relay = Relay::builder(store.clone())
-        .router(Router::new().route_confirmed(
-            "*",
-            rx.transport.clone(),
-            &stream,
-            ConfirmPolicy {
-                reply_to: reply.clone(),
-                timeout: Duration::from_secs(5),
-            },
-        ))
-        .config(confirm_config("redis-e2e"))
-        .build()
-        .expect("relay")
-        .spawn();
-    let stop_listener = CancellationToken::new();
-    let listener = tokio::spawn(outbox::confirm::redis::listen(
-        RedisListenConfig::new(redis_url(), &reply),
-        store,
-        stop_listener.clone(),
-    ));
-    let inbox = inbox(&fx).await;
-    let handler = ScriptedHandler::new(&effects);
-    let metrics = Arc::new(ConsumerMetrics::default());
-    let cancel = CancellationToken::new();
+    let p = PgProducer::start_with_timeout(
+        rx.transport.clone(),
+        stream.clone(),
+        reply.clone(),
+        Duration::from_secs(5),
+    )
+    .await;
+    let listener = Listener::spawn(|stop| {
+        outbox::confirm::redis::listen(
+            RedisListenConfig::new(redis_url(), &reply),
+            p.store.clone(),
+            stop,
+        )
+    });
+    let handler = ScriptedHandler::new(&p.effects);
     let sender = Arc::new(RedisConfirmationSender::new(rx.transport.connection()));
     let mut config = consumer_config(&stream, "e2e").with_confirmations(sender);
     config.runner.concurrency = 4;
-    let consumer = spawn(
-        config,
-        &inbox,
-        handler.clone(),
-        metrics.clone(),
-        cancel.clone(),
+    let consumer = Running::spawn(config, &p.inbox, handler);
+    orders_confirmed_and_rejected(&p.fx, &p.effects, &consumer.metrics).await;
+    assert_eq!(
+        consumer.metrics.confirmations_sent.load(Ordering::Relaxed),
+        23
     );
-    orders_confirmed_and_rejected(&fx, &effects, &metrics).await;
-    assert_eq!(metrics.confirmations_sent.load(Ordering::Relaxed), 23);
     wait_until("nothing pending", Duration::from_secs(10), || async {
         pending(&rx, &stream).await == 0
     })
     .await;
-    stop(cancel, consumer).await;
-    stop_listener.cancel();
-    let report = within("listener to stop", Duration::from_secs(10), listener)
-        .await
-        .unwrap()
-        .unwrap();
+    consumer.stop().await;
+    let report = listener.report().await;
     assert_eq!(report.confirmed, 20);
     assert_eq!(report.rejected, 3);
-    relay.shutdown().await.unwrap();
     rx.cleanup().await;
-    fx.cleanup().await;
+    p.finish().await;
 }
 
 /// Enqueue 20 processable orders (3 partition keys) and 3 that the [`ScriptedHandler`] rejects,
@@ -132,18 +107,18 @@ async fn transient_failure_retried_then_applied_or_dead_lettered() {
     let fx = PgFixture::new().await;
     let rx = RedisFixture::new().await;
     let stream = rx.key("flaky");
-    let inbox = inbox(&fx).await;
+    let inbox = pg_inbox(&fx).await;
     let msgs = retry_messages();
     publish(&rx, &stream, &msgs).await;
     let mut config = consumer_config(&stream, "flaky");
     config.runner.max_deliveries = 3;
     let consumer = Recording::spawn(config, &inbox);
-    check_retried_and_dead_lettered(&inbox, &consumer.handler, &consumer.metrics, &msgs).await;
+    check_retried_and_dead_lettered(&inbox, &consumer, &msgs).await;
     wait_until("nothing pending", Duration::from_secs(10), || async {
         pending(&rx, &stream).await == 0
     })
     .await;
-    consumer.stop().await;
+    consumer.runner.stop().await;
     rx.cleanup().await;
     fx.cleanup().await;
 }
@@ -166,10 +141,10 @@ pub(crate) fn retry_messages() -> Vec<outbox::Message> {
 /// 3) and check the delivery counts the handler saw: 1, 2, 3 for the failing ones, 1 for `fine`.
 pub(crate) async fn check_retried_and_dead_lettered(
     inbox: &Inbox<sqlx::Postgres>,
-    handler: &Recorder,
-    metrics: &ConsumerMetrics,
+    consumer: &Recording,
     msgs: &[outbox::Message],
 ) {
+    let metrics = &consumer.runner.metrics;
     wait_until(
         "two applied and one dead-lettered",
         Duration::from_secs(20),
@@ -180,7 +155,7 @@ pub(crate) async fn check_retried_and_dead_lettered(
         },
     )
     .await;
-    let seen = handler.seen();
+    let seen = consumer.handler.seen();
     let counts = |id: Uuid| -> Vec<u32> {
         seen.iter()
             .filter(|s| s.id == id)
@@ -204,7 +179,7 @@ async fn per_key_order_with_concurrency() {
     let fx = PgFixture::new().await;
     let rx = RedisFixture::new().await;
     let stream = rx.key("ordered");
-    let inbox = inbox(&fx).await;
+    let inbox = pg_inbox(&fx).await;
     let msgs: Vec<_> = (0..400)
         .map(|i| {
             let mut m = claimed_message("t", format!("{i}"));
@@ -218,7 +193,7 @@ async fn per_key_order_with_concurrency() {
     config.batch = 50;
     let consumer = Recording::spawn(config, &inbox);
     wait_until("400 applied", Duration::from_secs(30), || async {
-        consumer.metrics.applied.load(Ordering::Relaxed) == 400
+        consumer.runner.metrics.applied.load(Ordering::Relaxed) == 400
     })
     .await;
     let mut by_key: BTreeMap<String, Vec<u32>> = BTreeMap::new();
@@ -236,7 +211,7 @@ async fn per_key_order_with_concurrency() {
             "{k} out of order: {seq:?}"
         );
     }
-    consumer.stop().await;
+    consumer.runner.stop().await;
     rx.cleanup().await;
     fx.cleanup().await;
 }

@@ -16,32 +16,30 @@ use outbox::consumer::rocketmq::RocketMqConsumerConfig;
 use outbox::transport::rocketmq::{RocketMqConfig, RocketMqTransport};
 use outbox::transport::{Outgoing, Transport};
 use outbox::{
-    ConfirmPolicy, ConfirmationSender, HandlerError, InboundMessage, Inbox, Message, NewMessage,
-    Relay, RelayHandle, Router, Status, TransportErrorKind, Verdict,
+    ConfirmationSender, HandlerError, InboundMessage, Inbox, Message, TransportErrorKind, Verdict,
 };
 use outbox_testkit::rocketmq::{
     RocketMqFixture, create_topic, rocketmq_name_server, rocketmq_transport,
 };
 use outbox_testkit::{
-    ConfirmFixture, FaultProxy, HookControl, PgFixture, StoreFixture as _, TransportFixture as _,
-    claimed_message, unique, wait_until, within,
+    FaultProxy, PgFixture, StoreFixture as _, TransportFixture as _, claimed_message, publish_all,
+    unique, wait_until,
 };
 use rocketmq_client_rust::JavaHashCode;
 use sqlx::{AssertSqlSafe, PgConnection};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::confirm::{FaultySender, ScriptedHandler, confirm_config, fast_retry, wait_status};
+use crate::broker_support::{
+    ConsumerTask, Listener, Running, pg_inbox, spawn_consumer, stop_consumer,
+};
+use crate::confirm::{
+    FaultySender, LostVerdict, PgProducer, ScriptedHandler, check_lost_confirmation_outcome_within,
+    fast_retry, lost_confirmation_messages,
+};
 
 async fn publish(t: &dyn Transport, msgs: &[Message], dest: &str) -> Vec<outbox::TransportError> {
-    let batch: Vec<Outgoing<'_>> = msgs
-        .iter()
-        .map(|m| Outgoing {
-            message: m,
-            destination: dest,
-        })
-        .collect();
-    t.publish(&batch)
+    publish_all(t, msgs, dest)
         .await
         .into_iter()
         .filter_map(Result::err)
@@ -360,13 +358,7 @@ impl ConsumerSide {
              message_id uuid NOT NULL, pkey text, payload bytea, deliveries int NOT NULL)"
         ))
         .await;
-        let inbox = Inbox::<sqlx::Postgres>::new(
-            pg.store.pool().clone(),
-            &format!("{}.consumer_inbox", pg.schema),
-            "billing",
-        )
-        .unwrap();
-        inbox.migrate().await.unwrap();
+        let inbox = pg_inbox(&pg).await;
         ConsumerSide {
             pg,
             mq,
@@ -387,22 +379,6 @@ impl ConsumerSide {
         c
     }
 
-    fn spawn(
-        &self,
-        config: RocketMqConsumerConfig,
-        handler: Arc<RecordingHandler>,
-        metrics: Arc<ConsumerMetrics>,
-        cancel: CancellationToken,
-    ) -> tokio::task::JoinHandle<Result<(), outbox::ConfigError>> {
-        tokio::spawn(outbox::consumer::rocketmq::run(
-            config,
-            self.inbox.clone(),
-            handler,
-            metrics,
-            cancel,
-        ))
-    }
-
     async fn count(&self, filter: &str) -> i64 {
         self.pg.count(&format!("{} {filter}", self.applied)).await
     }
@@ -417,7 +393,7 @@ impl ConsumerSide {
 async fn wait_running<F, Fut>(
     what: &str,
     timeout: Duration,
-    runners: &mut [&mut tokio::task::JoinHandle<Result<(), outbox::ConfigError>>],
+    runners: &mut [&mut ConsumerTask],
     mut cond: F,
 ) where
     F: FnMut() -> Fut,
@@ -440,17 +416,6 @@ async fn wait_running<F, Fut>(
     }
 }
 
-async fn stop(
-    cancel: CancellationToken,
-    consumer: tokio::task::JoinHandle<Result<(), outbox::ConfigError>>,
-) {
-    cancel.cancel();
-    within("the consumer to stop", Duration::from_secs(30), consumer)
-        .await
-        .expect("consumer task")
-        .expect("consumer run");
-}
-
 /// A transiently failing handler is retried by the broker (`CONSUMER_SEND_MSG_BACK` to the
 /// group's retry topic, delivery count from `reconsumeTimes`) until it passes at the third
 /// delivery; it is applied once, and the other message of the batch once at its first delivery.
@@ -459,9 +424,8 @@ async fn rocketmq_failing_handler_is_retried_by_the_broker_then_applied() {
     crate::init_tracing();
     let s = ConsumerSide::new().await;
     let handler = RecordingHandler::new(&s.applied, "a", 3);
-    let metrics = Arc::new(ConsumerMetrics::default());
-    let cancel = CancellationToken::new();
-    let mut consumer = s.spawn(s.config(), handler.clone(), metrics.clone(), cancel.clone());
+    let mut consumer = Running::spawn(s.config(), &s.inbox, handler.clone());
+    let metrics = consumer.metrics.clone();
     let flaky = claimed_message("orders", "flaky-1");
     let ok = claimed_message("orders", "ok-1");
     let errors = publish(
@@ -474,7 +438,7 @@ async fn rocketmq_failing_handler_is_retried_by_the_broker_then_applied() {
     wait_running(
         "both messages applied",
         Duration::from_secs(60),
-        &mut [&mut consumer],
+        &mut [&mut consumer.task],
         || async { s.count("").await == 2 },
     )
     .await;
@@ -495,7 +459,7 @@ async fn rocketmq_failing_handler_is_retried_by_the_broker_then_applied() {
     assert_eq!(metrics.failures.load(Ordering::Relaxed), 2);
     assert_eq!(metrics.applied.load(Ordering::Relaxed), 2);
     assert_eq!(metrics.dead_lettered.load(Ordering::Relaxed), 0);
-    stop(cancel, consumer).await;
+    consumer.stop().await;
     s.finish().await;
 }
 
@@ -511,8 +475,8 @@ async fn rocketmq_group_members_share_the_work_and_apply_each_message_once() {
     );
     let metrics = Arc::new(ConsumerMetrics::default());
     let cancel = CancellationToken::new();
-    let mut first = s.spawn(s.config(), a, metrics.clone(), cancel.clone());
-    let mut second = s.spawn(s.config(), b, metrics.clone(), cancel.clone());
+    let mut first = spawn_consumer(s.config(), &s.inbox, a, metrics.clone(), cancel.clone());
+    let mut second = spawn_consumer(s.config(), &s.inbox, b, metrics.clone(), cancel.clone());
     let mut sent = Vec::new();
     // Publish rounds (keys spread over the four queues) until both members applied some: the
     // second member gets its queues at the group's next rebalance.
@@ -552,8 +516,8 @@ async fn rocketmq_group_members_share_the_work_and_apply_each_message_once() {
     assert_eq!(per_message.len(), sent.len());
     assert!(per_message.iter().all(|(_, n)| *n == 1), "{per_message:?}");
     assert_eq!(metrics.applied.load(Ordering::Relaxed), sent.len() as u64);
-    stop(cancel.clone(), first).await;
-    stop(cancel, second).await;
+    stop_consumer(cancel.clone(), first).await;
+    stop_consumer(cancel, second).await;
     s.finish().await;
 }
 
@@ -585,16 +549,15 @@ async fn rocketmq_per_key_order_with_concurrency_and_malformed_consumed() {
     let errors = publish(s.mq.transport.as_ref(), &msgs, &s.mq.topic).await;
     assert!(errors.is_empty(), "{errors:?}");
     let handler = RecordingHandler::new(&s.applied, "a", 1);
-    let metrics = Arc::new(ConsumerMetrics::default());
-    let cancel = CancellationToken::new();
     let mut config = s.config();
     config.batch = 16;
     config.runner.concurrency = 4;
-    let mut consumer = s.spawn(config, handler, metrics.clone(), cancel.clone());
+    let mut consumer = Running::spawn(config, &s.inbox, handler);
+    let metrics = consumer.metrics.clone();
     wait_running(
         "all applied",
         Duration::from_secs(60),
-        &mut [&mut consumer],
+        &mut [&mut consumer.task],
         || async { s.count("").await == msgs.len() as i64 },
     )
     .await;
@@ -625,7 +588,7 @@ async fn rocketmq_per_key_order_with_concurrency_and_malformed_consumed() {
         assert_eq!(seqs.len(), 20);
     }
     assert_eq!(by_key.len(), keys.len());
-    stop(cancel, consumer).await;
+    consumer.stop().await;
     s.finish().await;
 }
 
@@ -637,48 +600,22 @@ async fn rocketmq_per_key_order_with_concurrency_and_malformed_consumed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn rocketmq_postgres_confirmed_rejected_and_lost_confirmation() {
     crate::init_tracing();
-    let fx = PgFixture::new().await;
     let mq = RocketMqFixture::new().await;
     let ns = rocketmq_name_server();
-    let ctl = Arc::new(HookControl::default());
-    let store = fx.store_with_hook(ctl.clone()).await;
-    let effects = format!("{}.effects", fx.schema);
-    fx.exec(&format!(
-        "CREATE TABLE {effects} (message_id text NOT NULL, payload bytea)"
-    ))
-    .await;
     let reply_topic = format!("{}_confirm", mq.topic);
     create_topic(&mq.transport, &reply_topic).await;
     let reply = format!("{reply_topic}:producer");
-    let relay: RelayHandle = Relay::builder(store.clone())
-        .router(Router::new().route_confirmed(
-            "*",
-            mq.transport.clone(),
-            format!("{}:{{topic}}", mq.topic),
-            ConfirmPolicy {
-                reply_to: reply.clone(),
-                timeout: Duration::from_secs(3),
-            },
-        ))
-        .config(confirm_config("rmq1"))
-        .build()
-        .expect("relay")
-        .spawn();
-    let stop_listener = CancellationToken::new();
+    let p = PgProducer::start_with_timeout(
+        mq.transport.clone(),
+        format!("{}:{{topic}}", mq.topic),
+        reply.clone(),
+        Duration::from_secs(3),
+    )
+    .await;
     let mut listen = ListenConfig::new(ns.clone(), reply.clone(), format!("{}_producer", mq.topic));
     listen.route_refresh = Duration::from_secs(10);
-    let listener = tokio::spawn(outbox::confirm::rocketmq::listen(
-        listen,
-        store.clone(),
-        stop_listener.clone(),
-    ));
-    let inbox = Inbox::<sqlx::Postgres>::new(
-        fx.store.pool().clone(),
-        &format!("{}.consumer_inbox", fx.schema),
-        "billing",
-    )
-    .unwrap();
-    inbox.migrate().await.unwrap();
+    let listener =
+        Listener::spawn(|stop| outbox::confirm::rocketmq::listen(listen, p.store.clone(), stop));
     let mut sender_config = RocketMqConfig::new(ns.clone());
     sender_config.producer_group = format!("{}_confirmer", mq.topic);
     let real: Arc<dyn ConfirmationSender> = Arc::new(
@@ -687,16 +624,8 @@ async fn rocketmq_postgres_confirmed_rejected_and_lost_confirmation() {
             .unwrap(),
     );
     let sender = FaultySender::new(real);
-    let mut msgs: Vec<NewMessage> = (0..10)
-        .map(|i| NewMessage::new("orders", format!("ok-{i}")))
-        .collect();
-    msgs.extend((0..3).map(|i| NewMessage::new("orders", format!("reject-{i}"))));
-    msgs.push(NewMessage::new("orders", "lost"));
-    let lost = msgs[13].message_id();
-    sender.lose.lock().unwrap().insert(lost);
-    let handler = ScriptedHandler::new(&effects);
-    let metrics = Arc::new(ConsumerMetrics::default());
-    let cancel = CancellationToken::new();
+    let msgs = lost_confirmation_messages(&sender);
+    let handler = ScriptedHandler::new(&p.effects);
     let mut config = RocketMqConsumerConfig::new(
         ns.clone(),
         format!("{}_billing", mq.topic),
@@ -707,67 +636,20 @@ async fn rocketmq_postgres_confirmed_rejected_and_lost_confirmation() {
     config.runner.retry = fast_retry();
     config.route_refresh = Duration::from_secs(10);
     config.runner.concurrency = 4;
-    let consumer = tokio::spawn(outbox::consumer::rocketmq::run(
-        config,
-        inbox.clone(),
-        handler.clone(),
-        metrics.clone(),
-        cancel.clone(),
-    ));
-    let ids = fx.enqueue_commit(msgs).await.unwrap();
-    let (ok, rejected) = (&ids[..10], &ids[10..13]);
-
-    wait_status(&fx, ok, Status::Confirmed, Duration::from_secs(60)).await;
-    wait_status(&fx, rejected, Status::Rejected, Duration::from_secs(60)).await;
-    wait_status(&fx, &[lost], Status::Confirmed, Duration::from_secs(60)).await;
-
-    let effects_of = |id: Uuid| {
-        let fx = &fx;
-        let effects = &effects;
-        async move {
-            fx.count(&format!("{effects} WHERE message_id = '{id}'"))
-                .await
-        }
-    };
-    for id in rejected {
-        assert_eq!(fx.compensations(*id).await, 1, "compensation ran once");
-        assert_eq!(effects_of(*id).await, 0, "a rejection leaves no effect");
-        let err = fx.row(*id).await.last_error.unwrap_or_default();
-        assert!(err.contains("refused reject-"), "{err}");
-    }
-    assert_eq!(ctl.calls.load(Ordering::SeqCst), 3);
-    for id in ok.iter().chain([&lost]) {
-        assert_eq!(effects_of(*id).await, 1, "effect exactly once");
-        assert_eq!(fx.compensations(*id).await, 0);
-    }
-    assert_eq!(sender.lost.load(Ordering::SeqCst), 1);
-    assert!(
-        fx.confirm_state(lost).await.check_backs >= 1,
-        "the lost confirmation was recovered by a check-back"
-    );
-    let verdicts = sender.sent_for(lost);
-    assert!(
-        !verdicts.is_empty() && verdicts.iter().all(|v| *v == Verdict::Processed),
-        "{verdicts:?}"
-    );
-    assert!(metrics.duplicates.load(Ordering::Relaxed) >= 1);
-    assert_eq!(metrics.applied.load(Ordering::Relaxed), 11);
-    assert_eq!(metrics.rejected.load(Ordering::Relaxed), 3);
-    assert_eq!(store.stats().await.unwrap().awaiting_confirmation, 0);
-
-    cancel.cancel();
-    within("consumer to stop", Duration::from_secs(30), consumer)
-        .await
-        .unwrap()
-        .unwrap();
-    stop_listener.cancel();
-    let report = within("listener to stop", Duration::from_secs(30), listener)
-        .await
-        .unwrap()
-        .unwrap();
+    let consumer = Running::spawn(config, &p.inbox, handler);
+    let ids = p.fx.enqueue_commit(msgs).await.unwrap();
+    check_lost_confirmation_outcome_within(
+        &p,
+        &ids,
+        &sender,
+        &consumer.metrics,
+        LostVerdict::Repeated(Duration::from_secs(60)),
+    )
+    .await;
+    consumer.stop().await;
+    let report = listener.report().await;
     assert!(report.confirmed >= 11, "{report:?}");
     assert!(report.rejected >= 3, "{report:?}");
-    relay.shutdown().await.unwrap();
     mq.cleanup().await;
-    fx.cleanup().await;
+    p.finish().await;
 }

@@ -3,9 +3,9 @@
 
 use std::time::Duration;
 
-use outbox::transport::{Outgoing, Transport};
-use outbox::{TransportErrorKind, WebhookConfig, WebhookTransport};
-use outbox_testkit::{NatsFixture, TransportFixture, WebhookFixture, claimed_message};
+use outbox::transport::Transport;
+use outbox::{Message, TransportErrorKind, WebhookConfig, WebhookTransport};
+use outbox_testkit::{NatsFixture, TransportFixture, WebhookFixture, claimed_message, publish_all};
 
 fixture_tests!(
     [
@@ -25,40 +25,36 @@ fixture_tests!(
     ],
 );
 
+/// Publish `m` alone to `dest`.
+async fn publish(t: &dyn Transport, m: &Message, dest: &str) -> Result<(), outbox::TransportError> {
+    publish_all(t, std::slice::from_ref(m), dest)
+        .await
+        .pop()
+        .expect("one result")
+}
+
 async fn publish_one(t: &dyn Transport, dest: &str) -> Result<(), outbox::TransportError> {
-    let m = claimed_message("t", "{}");
-    t.publish(&[Outgoing {
-        message: &m,
-        destination: dest,
-    }])
-    .await
-    .pop()
-    .expect("one result")
+    publish(t, &claimed_message("t", "{}"), dest).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn webhook_classifies_answers() {
     let fx = WebhookFixture::new().await;
     let t = fx.transport();
-    publish_one(t.as_ref(), &fx.receiver.url("/ok"))
-        .await
-        .expect("2xx acknowledges");
-    let e = publish_one(t.as_ref(), &fx.receiver.url("/unavailable"))
-        .await
-        .unwrap_err();
+    let t = t.as_ref();
+    let answer = |path: &str| {
+        let url = fx.receiver.url(path);
+        async move { publish_one(t, &url).await }
+    };
+    answer("/ok").await.expect("2xx acknowledges");
+    let e = answer("/unavailable").await.unwrap_err();
     // Not a busy destination: a receiver answers 503 for one message's transient failure too.
     assert_eq!(e.kind(), TransportErrorKind::Retryable, "503: {e:?}");
-    let e = publish_one(t.as_ref(), &fx.receiver.url("/busy"))
-        .await
-        .unwrap_err();
+    let e = answer("/busy").await.unwrap_err();
     assert!(e.is_destination_busy(), "429 is a busy destination: {e:?}");
-    let e = publish_one(t.as_ref(), &fx.receiver.url("/bad"))
-        .await
-        .unwrap_err();
+    let e = answer("/bad").await.unwrap_err();
     assert_eq!(e.kind(), TransportErrorKind::Permanent, "400: {e:?}");
-    let e = publish_one(t.as_ref(), &fx.receiver.url("/missing"))
-        .await
-        .unwrap_err();
+    let e = answer("/missing").await.unwrap_err();
     assert_eq!(e.kind(), TransportErrorKind::Unavailable, "404: {e:?}");
     assert!(
         e.is_missing_destination(),
@@ -90,15 +86,8 @@ async fn webhook_signature_verifies_with_standardwebhooks() {
     let mut m = claimed_message("orders.created", "{\"order\":42,\"note\":\"héllo 😀\"}");
     m.headers
         .insert("content-type".into(), "application/json".into());
-    let dest = fx.good_destination();
-    let r = fx
-        .transport()
-        .publish(&[Outgoing {
-            message: &m,
-            destination: &dest,
-        }])
-        .await;
-    assert!(r[0].is_ok(), "{r:?}");
+    let r = publish(fx.transport().as_ref(), &m, &fx.good_destination()).await;
+    assert!(r.is_ok(), "{r:?}");
     let raw = fx.receiver.raw();
     assert_eq!(raw.len(), 1);
     let (headers, body, _) = &raw[0];
@@ -124,14 +113,8 @@ async fn nats_same_message_twice_is_stored_once() {
     let dest = fx.good_destination();
     let m = claimed_message("t", "once");
     for _ in 0..2 {
-        let r = fx
-            .transport()
-            .publish(&[Outgoing {
-                message: &m,
-                destination: &dest,
-            }])
-            .await;
-        assert!(r[0].is_ok(), "{r:?}");
+        let r = publish(fx.transport().as_ref(), &m, &dest).await;
+        assert!(r.is_ok(), "{r:?}");
     }
     assert_eq!(fx.stored().await, 1);
     let received = fx.received().await;
@@ -163,19 +146,7 @@ async fn nats_payload_over_max_payload_is_permanent() {
     let m = claimed_message("t", vec![7u8; max + 1]);
     let dest = fx.good_destination();
     let small = claimed_message("t", "small");
-    let r = fx
-        .transport()
-        .publish(&[
-            Outgoing {
-                message: &m,
-                destination: &dest,
-            },
-            Outgoing {
-                message: &small,
-                destination: &dest,
-            },
-        ])
-        .await;
+    let r = publish_all(fx.transport().as_ref(), &[m, small], &dest).await;
     let e = r[0].as_ref().unwrap_err();
     assert_eq!(e.kind(), TransportErrorKind::Permanent, "{e:?}");
     assert!(r[1].is_ok(), "the next message is unaffected: {:?}", r[1]);

@@ -6,84 +6,11 @@
 //!
 //! One SQL definition for the three databases, in `store/admin/inbox.rs`.
 
-use chrono::{DateTime, Utc};
-use serde::{Deserialize, Serialize};
-
-use super::RenderedPayload;
 use crate::error::StoreError;
 use crate::ident::TableName;
 use crate::store::admin::Target;
 
-/// A consumer with dead letters.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ConsumerDeadLetters {
-    /// The consumer's name.
-    pub consumer: String,
-    /// Its dead letters.
-    pub dead_letters: u64,
-    /// Of those, replays requested and not run yet.
-    pub replay_requested: u64,
-    /// When the oldest was dead-lettered.
-    pub oldest_failed_at: Option<DateTime<Utc>>,
-    /// When the newest was dead-lettered.
-    pub newest_failed_at: Option<DateTime<Utc>>,
-}
-
-/// One dead letter.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct InboxDeadLetter {
-    /// The consumer that dead-lettered it.
-    pub consumer: String,
-    /// The message id (the producer's idempotency key).
-    pub message_id: String,
-    /// Topic.
-    pub topic: String,
-    /// Partition key.
-    pub partition_key: Option<String>,
-    /// The handler's last error.
-    pub error: String,
-    /// Deliveries before it was dead-lettered.
-    pub deliveries: i64,
-    /// When it was dead-lettered.
-    pub failed_at: Option<DateTime<Utc>>,
-    /// When an operator asked for a replay that has not run yet.
-    pub replay_requested_at: Option<DateTime<Utc>>,
-    /// Headers as stored (a JSON object of strings); only in [`InboxAdmin::dead_letter`].
-    #[serde(skip_serializing_if = "Option::is_none", default)]
-    pub headers: Option<String>,
-    /// The payload, rendered; only in [`InboxAdmin::dead_letter`].
-    #[serde(skip_serializing_if = "Option::is_none", default)]
-    pub payload: Option<RenderedPayload>,
-}
-
-/// What an operator does to dead letters.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum InboxAction {
-    /// Ask the consumer's runner to run it again (sets `replay_requested_at`).
-    Replay,
-    /// Delete it; the inbox's rejected verdict stays.
-    Discard,
-}
-
-impl InboxAction {
-    /// `replay` or `discard`.
-    pub fn name(self) -> &'static str {
-        match self {
-            InboxAction::Replay => "replay",
-            InboxAction::Discard => "discard",
-        }
-    }
-}
-
-/// What an inbox action changed, and each message id named but not changed, with why.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct InboxActionReport {
-    /// Dead letters changed.
-    pub changed: u64,
-    /// Message ids not changed: `(message id, why)`.
-    pub not_changed: Vec<(String, String)>,
-}
+pub use crate::admin_model::inbox::*;
 
 /// The dead letters of an inbox table, on the database that holds it. Cheap to clone.
 #[derive(Clone)]
@@ -108,11 +35,11 @@ impl InboxAdmin {
         let table = TableName::new(table)?.as_str().to_owned();
         let target = match store.admin_target().0 {
             #[cfg(feature = "postgres")]
-            Target::Postgres(pool, _) => Target::Postgres(pool, table),
+            Target::Postgres(pool, _, d) => Target::Postgres(pool, table, d),
             #[cfg(feature = "mysql")]
-            Target::MySql(pool, _) => Target::MySql(pool, table),
+            Target::MySql(pool, _, d) => Target::MySql(pool, table, d),
             #[cfg(feature = "sqlite")]
-            Target::Sqlite(pool, _) => Target::Sqlite(pool, table),
+            Target::Sqlite(pool, _, d) => Target::Sqlite(pool, table, d),
         };
         Ok(InboxAdmin {
             target: std::sync::Arc::new(target),
@@ -125,7 +52,10 @@ impl InboxAdmin {
     /// [`StoreError::InvalidIdentifier`] for a bad table name.
     #[cfg(feature = "postgres")]
     pub fn postgres(pool: sqlx::PgPool, table: &str) -> Result<Self, StoreError> {
-        Self::of(|t| Target::Postgres(pool, t), table)
+        Self::of(
+            |t| Target::Postgres(pool, t, &crate::store::postgres::ADMIN),
+            table,
+        )
     }
 
     /// The inbox `table` on a MySQL/MariaDB pool.
@@ -134,7 +64,10 @@ impl InboxAdmin {
     /// [`StoreError::InvalidIdentifier`] for a bad table name.
     #[cfg(feature = "mysql")]
     pub fn mysql(pool: sqlx::MySqlPool, table: &str) -> Result<Self, StoreError> {
-        Self::of(|t| Target::MySql(pool, t), table)
+        Self::of(
+            |t| Target::MySql(pool, t, &crate::store::mysql::ADMIN),
+            table,
+        )
     }
 
     /// The inbox `table` on a SQLite pool.
@@ -143,7 +76,10 @@ impl InboxAdmin {
     /// [`StoreError::InvalidIdentifier`] for a bad table name.
     #[cfg(feature = "sqlite")]
     pub fn sqlite(pool: sqlx::SqlitePool, table: &str) -> Result<Self, StoreError> {
-        Self::of(|t| Target::Sqlite(pool, t), table)
+        Self::of(
+            |t| Target::Sqlite(pool, t, &crate::store::sqlite::ADMIN),
+            table,
+        )
     }
 
     fn of(make: impl FnOnce(String) -> Target, table: &str) -> Result<Self, StoreError> {

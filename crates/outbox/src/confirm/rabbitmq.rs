@@ -23,23 +23,16 @@ use crate::Store;
 use crate::consumer::rabbitmq::{QueueSetup, RabbitMqConsumerConfig, RabbitMqSource};
 use crate::consumer::source::RunOptions;
 use crate::error::{ConfigError, TransportError};
-use crate::transport::rabbitmq::{Link, Publication, RabbitMqConfig, RabbitMqTransport, now_secs};
+use crate::transport::rabbitmq::{Publication, RabbitMqConfig, RabbitMqTransport, now_secs};
 
 /// Largest batch of confirmations applied in one producer transaction.
 const BATCH: u16 = 500;
 
-/// Publishes confirmations to RabbitMQ with publisher confirms.
-#[derive(Clone)]
+/// Publishes confirmations to RabbitMQ with publisher confirms, through a transport's
+/// connection (its own, or one shared with the relay's transport).
+#[derive(Debug, Clone)]
 pub struct RabbitMqConfirmationSender {
-    link: Arc<Link>,
-}
-
-impl std::fmt::Debug for RabbitMqConfirmationSender {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RabbitMqConfirmationSender")
-            .field("url", &self.link.describe())
-            .finish()
-    }
+    transport: RabbitMqTransport,
 }
 
 impl RabbitMqConfirmationSender {
@@ -49,14 +42,14 @@ impl RabbitMqConfirmationSender {
     /// [`ConfigError`] naming the invalid field of `config`.
     pub fn new(config: RabbitMqConfig) -> Result<Self, ConfigError> {
         Ok(RabbitMqConfirmationSender {
-            link: Arc::new(Link::new(config)?),
+            transport: RabbitMqTransport::lazy(config)?,
         })
     }
 
     /// A sender sharing the connection of `transport`.
     pub fn from_transport(transport: &RabbitMqTransport) -> Self {
         RabbitMqConfirmationSender {
-            link: transport.link(),
+            transport: transport.clone(),
         }
     }
 }
@@ -79,7 +72,8 @@ impl ConfirmationSender for RabbitMqConfirmationSender {
             payload: &body,
             properties,
         };
-        self.link
+        self.transport
+            .link()
             .publish(std::slice::from_ref(&p))
             .await
             .pop()

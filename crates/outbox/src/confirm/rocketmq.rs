@@ -21,7 +21,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::{ConfirmReport, Confirmation, ConfirmationSender};
 use crate::Store;
-use crate::consumer::rocketmq::{RocketMqConsumerConfig, RocketMqSource};
+use crate::consumer::rocketmq::{
+    RocketMqConsumerConfig, RocketMqSource, validate_batch, validate_route_refresh,
+};
 use crate::consumer::source::RunOptions;
 use crate::error::{ConfigError, TransportError};
 use crate::message::Headers;
@@ -132,17 +134,8 @@ impl ListenConfig {
         parse_name_servers(&self.name_server).map_err(|r| ConfigError::new("name_server", r))?;
         Destination::parse(&self.destination).map_err(|r| ConfigError::new("destination", r))?;
         validate_group(&self.group).map_err(|r| ConfigError::new("group", r))?;
-        if !(1..=1024).contains(&self.batch) {
-            return Err(ConfigError::new("batch", "must be between 1 and 1024"));
-        }
-        let refresh = std::time::Duration::from_secs(10)..=std::time::Duration::from_secs(600);
-        if !refresh.contains(&self.route_refresh) {
-            return Err(ConfigError::new(
-                "route_refresh",
-                "must be between 10 s and 10 min (the client's pollNameServerInterval bounds)",
-            ));
-        }
-        Ok(())
+        validate_batch(self.batch)?;
+        validate_route_refresh(self.route_refresh)
     }
 }
 

@@ -65,7 +65,6 @@ use crate::consumer::{ConsumerMetrics, RunnerSettings};
 use crate::error::ConfigError;
 use crate::message::Headers;
 use crate::transport::kafka::{KafkaConfig, config_error};
-use crate::verdict::ConfirmationSender;
 
 /// Default `session.timeout.ms` of the runner and the confirmation listener: 10 s.
 pub const DEFAULT_SESSION_TIMEOUT: Duration = Duration::from_secs(10);
@@ -115,6 +114,8 @@ impl std::fmt::Debug for KafkaConsumerConfig {
     }
 }
 
+crate::consumer::with_confirmations!(KafkaConsumerConfig);
+
 impl KafkaConsumerConfig {
     /// Settings for group `group_id` on `topics` with the defaults.
     pub fn new(
@@ -133,12 +134,6 @@ impl KafkaConsumerConfig {
             session_timeout: DEFAULT_SESSION_TIMEOUT,
             properties: BTreeMap::new(),
         }
-    }
-
-    /// Send confirmations through `sender`.
-    pub fn with_confirmations(mut self, sender: Arc<dyn ConfirmationSender>) -> Self {
-        self.runner.confirmations = Some(sender);
-        self
     }
 
     /// Check the fields without connecting.

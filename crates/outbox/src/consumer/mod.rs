@@ -222,6 +222,24 @@ impl RunnerSettings {
     }
 }
 
+/// The builder method every broker's consumer config has: `with_confirmations(sender)` sets
+/// its `runner.confirmations` ([`RunnerSettings::confirmations`]).
+macro_rules! with_confirmations {
+    ($config:ty) => {
+        impl $config {
+            /// Send confirmations through `sender`.
+            pub fn with_confirmations(
+                mut self,
+                sender: ::std::sync::Arc<dyn $crate::verdict::ConfirmationSender>,
+            ) -> Self {
+                self.runner.confirmations = Some(sender);
+                self
+            }
+        }
+    };
+}
+pub(crate) use with_confirmations;
+
 /// What [`deliver`] needs: dead letters, retries and confirmations ([`RunnerSettings::policy`]
 /// of a runner; the webhook receiver takes one directly).
 #[derive(Clone)]

@@ -51,7 +51,6 @@ use crate::consumer::{ConsumerMetrics, RunnerSettings};
 use crate::error::ConfigError;
 use crate::message::HEADER_PARTITION_KEY;
 use crate::transport::mqtt::{decode, explain, first_connack, options};
-use crate::verdict::ConfirmationSender;
 
 /// Settings of an MQTT consumer runner.
 #[derive(Clone)]
@@ -84,18 +83,21 @@ pub struct MqttConsumerConfig {
     pub connect_timeout: Duration,
 }
 
-impl std::fmt::Debug for MqttConsumerConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MqttConsumerConfig")
-            .field("url", &crate::redact::url(&self.url))
-            .field("client_id", &self.client_id)
-            .field("filter", &self.filter)
-            .field("group", &self.group)
-            .field("receive_maximum", &self.receive_maximum)
-            .field("runner", &self.runner)
-            .finish_non_exhaustive()
-    }
-}
+crate::redact::redacted_debug!(MqttConsumerConfig {
+    url: url,
+    client_id: plain,
+    username: plain,
+    password: secret,
+    filter: plain,
+    group: plain,
+    session_expiry: plain,
+    receive_maximum: plain,
+    runner: plain,
+    keep_alive: plain,
+    connect_timeout: plain
+});
+
+crate::consumer::with_confirmations!(MqttConsumerConfig);
 
 impl MqttConsumerConfig {
     /// Settings with the defaults.
@@ -117,12 +119,6 @@ impl MqttConsumerConfig {
             keep_alive: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(5),
         }
-    }
-
-    /// Send confirmations through `sender`.
-    pub fn with_confirmations(mut self, sender: Arc<dyn ConfirmationSender>) -> Self {
-        self.runner.confirmations = Some(sender);
-        self
     }
 
     /// The subscription's topic filter: `$share/<group>/<filter>` or `filter`.
@@ -180,39 +176,31 @@ pub fn validate_filter(filter: &str) -> Result<(), String> {
     }
 }
 
-/// Start the persistent session's event loop and subscribe: returns the client, the event loop
-/// and whether the broker had the session.
+/// Start the persistent session of `c` (its event loop) and subscribe to `subscription`:
+/// returns the client and the event loop.
 ///
 /// # Errors
-/// [`ConfigError`] naming `url`, `client_id` or `password`.
-#[allow(clippy::too_many_arguments)]
+/// [`ConfigError`] naming `url`, `client_id`, `password` or `filter`.
 pub(crate) async fn open_session(
-    url: &str,
-    client_id: &str,
-    username: Option<&str>,
-    password: Option<&str>,
-    keep_alive: Duration,
-    connect_timeout: Duration,
-    session_expiry: Duration,
-    receive_maximum: u16,
+    c: &MqttConsumerConfig,
     subscription: &str,
 ) -> Result<(AsyncClient, EventLoop), ConfigError> {
     let mut o = options(
-        url,
-        client_id,
-        username,
-        password,
-        keep_alive,
-        connect_timeout,
+        &c.url,
+        &c.client_id,
+        c.username.as_deref(),
+        c.password.as_deref(),
+        c.keep_alive,
+        c.connect_timeout,
     )?;
     o.set_clean_start(false);
     o.set_session_expiry_interval(Some(
-        u32::try_from(session_expiry.as_secs()).unwrap_or(u32::MAX),
+        u32::try_from(c.session_expiry.as_secs()).unwrap_or(u32::MAX),
     ));
     o.set_manual_acks(true);
-    o.set_receive_maximum(Some(receive_maximum.max(1)));
+    o.set_receive_maximum(Some(c.receive_maximum.max(1)));
     let (client, mut eventloop) = AsyncClient::new(o, 10_000);
-    first_connack(&mut eventloop, url, connect_timeout).await?;
+    first_connack(&mut eventloop, &c.url, c.connect_timeout).await?;
     client
         .subscribe(subscription, QoS::AtLeastOnce)
         .await
@@ -389,18 +377,7 @@ impl Source for MqttSource {
         self.pump_task = None;
         let c = &self.config;
         let subscription = c.subscription();
-        let (client, mut eventloop) = open_session(
-            &c.url,
-            &c.client_id,
-            c.username.as_deref(),
-            c.password.as_deref(),
-            c.keep_alive,
-            c.connect_timeout,
-            c.session_expiry,
-            c.receive_maximum,
-            &subscription,
-        )
-        .await?;
+        let (client, mut eventloop) = open_session(c, &subscription).await?;
         let (tx, rx) = mpsc::channel(usize::from(c.receive_maximum.max(1)));
         let stop = CancellationToken::new();
         let pump = {
@@ -539,6 +516,16 @@ impl SourceConfig for MqttConsumerConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The URL's password and the `password` field print as `***`.
+    #[test]
+    fn debug_prints_no_secret() {
+        let mut c = MqttConsumerConfig::new("mqtt://u:hunter2@x", "c1", "t");
+        c.password = Some("hunter2".into());
+        let printed = format!("{c:?}");
+        assert!(!printed.contains("hunter2"), "{printed}");
+        assert!(printed.contains("***"), "{printed}");
+    }
 
     #[test]
     fn filters_and_config_are_validated() {

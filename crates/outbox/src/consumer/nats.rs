@@ -31,7 +31,6 @@ use crate::consumer::{ConsumerMetrics, RunnerSettings};
 use crate::error::ConfigError;
 use crate::inbox::{Handler, Inbox, InboxBackend};
 use crate::message::Headers;
-use crate::verdict::ConfirmationSender;
 
 /// Settings of a JetStream consumer runner.
 #[derive(Debug, Clone)]
@@ -51,6 +50,8 @@ pub struct NatsConsumerConfig {
     pub ack_wait: Duration,
 }
 
+crate::consumer::with_confirmations!(NatsConsumerConfig);
+
 impl NatsConsumerConfig {
     /// Settings with the defaults.
     pub fn new(stream: impl Into<String>, durable: impl Into<String>) -> Self {
@@ -62,12 +63,6 @@ impl NatsConsumerConfig {
             runner: RunnerSettings::default(),
             ack_wait: Duration::from_secs(30),
         }
-    }
-
-    /// Send confirmations through `sender`.
-    pub fn with_confirmations(mut self, sender: Arc<dyn ConfirmationSender>) -> Self {
-        self.runner.confirmations = Some(sender);
-        self
     }
 }
 

@@ -66,7 +66,6 @@ use crate::message::Headers;
 use crate::transport::rabbitmq::{
     Link, Publication, RabbitMqConfig, Session, connection_lost, received_headers,
 };
-use crate::verdict::ConfirmationSender;
 
 /// Header the runner sets on the copy it moves to a retry queue: the number of the next delivery
 /// (2 for the first retry).
@@ -102,6 +101,8 @@ pub struct RabbitMqConsumerConfig {
     pub runner: RunnerSettings,
 }
 
+crate::consumer::with_confirmations!(RabbitMqConsumerConfig);
+
 impl RabbitMqConsumerConfig {
     /// Settings consuming `queue` over `connection`, with the defaults.
     pub fn new(connection: RabbitMqConfig, queue: impl Into<String>) -> Self {
@@ -113,12 +114,6 @@ impl RabbitMqConsumerConfig {
             batch_wait: Duration::from_millis(10),
             runner: RunnerSettings::default(),
         }
-    }
-
-    /// Send confirmations through `sender`.
-    pub fn with_confirmations(mut self, sender: Arc<dyn ConfirmationSender>) -> Self {
-        self.runner.confirmations = Some(sender);
-        self
     }
 
     /// Check the settings without connecting.

@@ -70,7 +70,6 @@ use crate::transport::rocketmq::{
     Credentials, LISTENER_TIMEOUT, acl_hook, any_reachable, client_config, client_runtime,
     parse_name_servers, validate_group, validate_topic,
 };
-use crate::verdict::ConfirmationSender;
 
 /// RocketMQ's default delay levels (`messageDelayLevel` of the broker):
 /// `1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h`.
@@ -135,6 +134,8 @@ impl std::fmt::Debug for RocketMqConsumerConfig {
     }
 }
 
+crate::consumer::with_confirmations!(RocketMqConsumerConfig);
+
 impl RocketMqConsumerConfig {
     /// Settings with the defaults.
     pub fn new(
@@ -157,12 +158,6 @@ impl RocketMqConsumerConfig {
         }
     }
 
-    /// Send confirmations through `sender`.
-    pub fn with_confirmations(mut self, sender: Arc<dyn ConfirmationSender>) -> Self {
-        self.runner.confirmations = Some(sender);
-        self
-    }
-
     /// Check the settings without connecting.
     ///
     /// # Errors
@@ -173,16 +168,9 @@ impl RocketMqConsumerConfig {
         validate_group(&self.group).map_err(|r| ConfigError::new("group", r))?;
         validate_topic(&self.topic).map_err(|r| ConfigError::new("topic", r))?;
         validate_tags(&self.tags).map_err(|r| ConfigError::new("tags", r))?;
-        if !(1..=1024).contains(&self.batch) {
-            return Err(ConfigError::new("batch", "must be between 1 and 1024"));
-        }
+        validate_batch(self.batch)?;
         self.runner.validate()?;
-        if !(Duration::from_secs(10)..=Duration::from_secs(600)).contains(&self.route_refresh) {
-            return Err(ConfigError::new(
-                "route_refresh",
-                "must be between 10 s and 10 min (the client's pollNameServerInterval bounds)",
-            ));
-        }
+        validate_route_refresh(self.route_refresh)?;
         if self.delay_levels.is_empty() || self.delay_levels.windows(2).any(|w| w[0] > w[1]) {
             return Err(ConfigError::new(
                 "delay_levels",
@@ -191,6 +179,33 @@ impl RocketMqConsumerConfig {
         }
         Ok(())
     }
+}
+
+/// Check a push consumer's `batch` (`consumeMessageBatchMaxSize`): 1 to 1024 (the runner's and
+/// the confirmation listener's).
+///
+/// # Errors
+/// [`ConfigError`] naming `batch`.
+pub(crate) fn validate_batch(batch: usize) -> Result<(), ConfigError> {
+    if !(1..=1024).contains(&batch) {
+        return Err(ConfigError::new("batch", "must be between 1 and 1024"));
+    }
+    Ok(())
+}
+
+/// Check a push consumer's `route_refresh` (`pollNameServerInterval`): 10 s to 10 min (the
+/// runner's and the confirmation listener's).
+///
+/// # Errors
+/// [`ConfigError`] naming `route_refresh`.
+pub(crate) fn validate_route_refresh(route_refresh: Duration) -> Result<(), ConfigError> {
+    if !(Duration::from_secs(10)..=Duration::from_secs(600)).contains(&route_refresh) {
+        return Err(ConfigError::new(
+            "route_refresh",
+            "must be between 10 s and 10 min (the client's pollNameServerInterval bounds)",
+        ));
+    }
+    Ok(())
 }
 
 /// Check a subscription expression: `*`, or non-empty tags without whitespace inside, joined by

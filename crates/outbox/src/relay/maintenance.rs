@@ -70,7 +70,7 @@ pub(super) async fn maintenance_loop(relay: Relay, cancel: CancellationToken) {
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 async fn retention(inner: &Inner, limit: u32) -> Result<(u64, u64, bool), StoreError> {
     let r = &inner.config.retention;
-    let chunk = u64::from(limit).min(crate::admin::ACTION_CHUNK as u64);
+    let chunk = u64::from(limit).min(crate::admin_model::ACTION_CHUNK as u64);
     let (mut purged, mut archived, mut full) = (0, 0, false);
     // A partitioned table: whole day partitions instead of rows.
     if let Some(round) = inner.store.retire_partitions(r).await? {

@@ -7,14 +7,7 @@ use std::time::Duration;
 use super::{LeaseToken, Outcome, millis};
 use crate::message::{Message, Status};
 
-/// Buckets per outbox table: a constant of the schema (migration v4). Every row's `bucket`
-/// column is a stored generated column, a hash of its partition key (of its message id when it
-/// has none) modulo this number, so plain-SQL producers get it for free and every message of one
-/// key lands in one bucket.
-pub const BUCKETS: u16 = 64;
-
-/// A bucket number, `0..BUCKETS`.
-pub type Bucket = i16;
+pub use crate::message::{BUCKETS, Bucket};
 
 /// A bucket lease acquired in a [`Store::membership`](super::Store::membership) round.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -189,6 +182,39 @@ pub(crate) fn membership_round(live: i64, renewed: Vec<Bucket>) -> MembershipRou
     }
 }
 
+impl MembershipRound {
+    /// Record the buckets handed over to this relay and taken with `token`: acquired (not as
+    /// takeovers), and listed, sorted, in [`MembershipRound::handed_over`].
+    pub(crate) fn take_handed_over(&mut self, mut handed: Vec<Bucket>, token: LeaseToken) {
+        handed.sort_unstable();
+        self.acquire(token, handed.iter().map(|&bucket| (bucket, false)));
+        self.handed_over = handed;
+    }
+
+    /// How many more buckets the relay may acquire: its fair share less the buckets renewed
+    /// and handed over.
+    pub(crate) fn need(&self) -> u32 {
+        let held = self.renewed.len() + self.handed_over.len();
+        self.fair_share
+            .saturating_sub(u32::try_from(held).unwrap_or(u32::MAX))
+    }
+
+    /// Record buckets acquired with `token`, each with whether another relay held it (a
+    /// takeover of an expired lease).
+    pub(crate) fn acquire(
+        &mut self,
+        token: LeaseToken,
+        buckets: impl IntoIterator<Item = (Bucket, bool)>,
+    ) {
+        self.acquired
+            .extend(buckets.into_iter().map(|(bucket, takeover)| BucketLease {
+                bucket,
+                token,
+                takeover,
+            }));
+    }
+}
+
 impl BucketBatch {
     /// Add one read row: decoded into [`BucketBatch::rows`] with its due age, or into
     /// [`BucketBatch::malformed`] with the reason it could not be decoded.
@@ -265,16 +291,22 @@ pub(crate) fn per_bucket_limit(limit: u32, buckets: usize) -> u32 {
 /// index range scan per bucket), then the first `remaining` of them all by id; it returns each
 /// row with its bucket and id. A bucket that filled its `k` rows may have more: while fewer than
 /// `limit` rows came, the next round reads on from the last id of each such bucket. Every
-/// bucket's rows are therefore a prefix of its due rows, in id order.
+/// bucket's rows are therefore a prefix of its due rows, in id order. The rows come back as the
+/// batch ([`BucketBatch::push`]: a row that does not decode goes to its `malformed`).
 #[cfg(any(feature = "mysql", feature = "sqlite"))]
 pub(crate) async fn read_in_rounds<R, F, Fut>(
     buckets: &[Bucket],
     limit: u32,
     mut fetch: F,
-) -> Result<Vec<(Bucket, i64, R)>, super::StoreError>
+) -> Result<super::BucketBatch, super::StoreError>
 where
     F: FnMut(Vec<(Bucket, i64)>, u32, u32) -> Fut,
     Fut: std::future::Future<Output = Result<Vec<(Bucket, i64, R)>, super::StoreError>>,
+    R: sqlx::Row,
+    usize: sqlx::ColumnIndex<R>,
+    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> Vec<u8>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
 {
     let mut seen = std::collections::HashSet::new();
     let mut parts: Vec<(Bucket, i64)> = buckets
@@ -307,7 +339,16 @@ where
             .map(|(bucket, (_, id))| (bucket, id))
             .collect();
     }
-    Ok(out)
+    let mut batch = super::BucketBatch::default();
+    for (bucket, id, row) in &out {
+        batch.push(
+            *bucket,
+            *id,
+            super::rows::decode_message(*id, row),
+            super::rows::due_age(row),
+        );
+    }
+    Ok(batch)
 }
 
 /// The status, delay (ms), error and confirmation window (ms) an outcome writes.

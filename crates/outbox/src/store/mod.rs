@@ -67,6 +67,7 @@ pub(crate) mod status_sql {
 
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub(crate) mod admin;
+mod confirming;
 mod connect;
 mod leases;
 mod rows;
@@ -372,9 +373,9 @@ pub trait Store: Send + Sync + 'static {
     #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
     async fn search(
         &self,
-        filter: &crate::admin::MessageFilter,
-        page: &crate::admin::PageRequest,
-    ) -> Result<crate::admin::MessagePage, StoreError> {
+        filter: &crate::admin_model::MessageFilter,
+        page: &crate::admin_model::PageRequest,
+    ) -> Result<crate::admin_model::MessagePage, StoreError> {
         admin::search_on(self.admin_target(), filter, page).await
     }
 
@@ -384,7 +385,7 @@ pub trait Store: Send + Sync + 'static {
     /// # Errors
     /// [`StoreError`] from the database.
     #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
-    async fn search_indexes(&self) -> Result<crate::admin::SearchIndexes, StoreError> {
+    async fn search_indexes(&self) -> Result<crate::admin_model::SearchIndexes, StoreError> {
         admin::search_indexes_on(self.admin_target()).await
     }
 
@@ -399,7 +400,7 @@ pub trait Store: Send + Sync + 'static {
     /// # Errors
     /// [`StoreError`] from the database (a build that failed leaves the others in place).
     #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
-    async fn create_search_indexes(&self) -> Result<crate::admin::SearchIndexes, StoreError> {
+    async fn create_search_indexes(&self) -> Result<crate::admin_model::SearchIndexes, StoreError> {
         admin::create_search_indexes_on(self.admin_target()).await
     }
 
@@ -408,7 +409,10 @@ pub trait Store: Send + Sync + 'static {
     /// # Errors
     /// [`StoreError`] from the database.
     #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
-    async fn message(&self, id: i64) -> Result<Option<crate::admin::MessageDetail>, StoreError> {
+    async fn message(
+        &self,
+        id: i64,
+    ) -> Result<Option<crate::admin_model::MessageDetail>, StoreError> {
         admin::message_on(self.admin_target(), id).await
     }
 
@@ -419,17 +423,17 @@ pub trait Store: Send + Sync + 'static {
     #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
     async fn find_message(
         &self,
-        message: crate::admin::MessageRef,
-    ) -> Result<Option<crate::admin::MessageDetail>, StoreError> {
+        message: crate::admin_model::MessageRef,
+    ) -> Result<Option<crate::admin_model::MessageDetail>, StoreError> {
         let row = match message {
-            crate::admin::MessageRef::Row(row) => row,
-            crate::admin::MessageRef::Id(id) => {
-                let filter = crate::admin::MessageFilter {
+            crate::admin_model::MessageRef::Row(row) => row,
+            crate::admin_model::MessageRef::Id(id) => {
+                let filter = crate::admin_model::MessageFilter {
                     message_id: Some(id),
-                    ..crate::admin::MessageFilter::default()
+                    ..crate::admin_model::MessageFilter::default()
                 };
                 let page = self
-                    .search(&filter, &crate::admin::PageRequest::default())
+                    .search(&filter, &crate::admin_model::PageRequest::default())
                     .await?;
                 match page.messages.first() {
                     Some(m) => m.id,
@@ -446,7 +450,10 @@ pub trait Store: Send + Sync + 'static {
     /// # Errors
     /// [`StoreError`] from the database.
     #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
-    async fn topic_counts(&self, limit: u32) -> Result<Vec<crate::admin::TopicCounts>, StoreError> {
+    async fn topic_counts(
+        &self,
+        limit: u32,
+    ) -> Result<Vec<crate::admin_model::TopicCounts>, StoreError> {
         admin::topic_counts_on(self.admin_target(), limit).await
     }
 
@@ -455,7 +462,7 @@ pub trait Store: Send + Sync + 'static {
     /// # Errors
     /// [`StoreError`] from the database.
     #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
-    async fn leases(&self) -> Result<crate::admin::Leases, StoreError> {
+    async fn leases(&self) -> Result<crate::admin_model::Leases, StoreError> {
         admin::leases_on(self.admin_target()).await
     }
 
@@ -465,7 +472,10 @@ pub trait Store: Send + Sync + 'static {
     /// # Errors
     /// [`StoreError`] from the database.
     #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
-    async fn blocked_keys(&self, limit: u32) -> Result<Vec<crate::admin::BlockedKey>, StoreError> {
+    async fn blocked_keys(
+        &self,
+        limit: u32,
+    ) -> Result<Vec<crate::admin_model::BlockedKey>, StoreError> {
         admin::blocked_keys_on(self.admin_target(), limit).await
     }
 
@@ -525,9 +535,9 @@ pub trait Store: Send + Sync + 'static {
     #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
     async fn act(
         &self,
-        action: crate::admin::Action,
-        selection: &crate::admin::Selection,
-    ) -> Result<crate::admin::ActionReport, StoreError> {
+        action: crate::admin_model::Action,
+        selection: &crate::admin_model::Selection,
+    ) -> Result<crate::admin_model::ActionReport, StoreError> {
         admin::act_on(self.admin_target(), action, selection).await
     }
 

@@ -29,6 +29,7 @@ pub mod rabbitmq;
 pub mod redis;
 #[cfg(feature = "rocketmq")]
 pub mod rocketmq;
+mod settings;
 #[cfg(feature = "webhook")]
 pub mod webhook;
 pub mod wire;
@@ -237,14 +238,22 @@ pub trait Transport: Send + Sync + 'static {
     }
 
     /// Publish the batch, pipelined; one result per message, in order.
-    async fn publish(&self, batch: &[Outgoing<'_>]) -> Vec<Result<(), TransportError>>;
+    ///
+    /// Implement this or [`Transport::publish_each`]; each one's default is written over the
+    /// other (like `PartialEq`'s `eq` and `ne`), so a transport that implements neither never
+    /// returns. Default: [`Transport::publish_each`] into fresh [`Acks`], then their results.
+    async fn publish(&self, batch: &[Outgoing<'_>]) -> Vec<Result<(), TransportError>> {
+        let acks = Acks::new(batch.len());
+        self.publish_each(batch, &acks).await;
+        acks.into_results()
+    }
 
     /// Publish the batch, pipelined, recording each message's result in `acks` (index = position
     /// in `batch`) as soon as it is known: what the relay calls. The future may be dropped at any
     /// point (the relay's `publish_timeout`); what was recorded by then counts.
     ///
-    /// Default: [`Transport::publish`], then every result at once (a transport that learns
-    /// results one by one overrides this and implements `publish` over it).
+    /// Default: [`Transport::publish`], then every result at once. A transport that learns
+    /// results one by one (every broker transport here) implements this instead of `publish`.
     async fn publish_each(&self, batch: &[Outgoing<'_>], acks: &Acks) {
         acks.record_all(self.publish(batch).await);
     }

@@ -52,6 +52,7 @@ use sha2::Sha256;
 use super::wire::{self, Broker, HeaderRules};
 use super::{Acks, Outgoing, Transport};
 use crate::error::{ConfigError, TransportError};
+use crate::transport::settings::fill_secret;
 
 /// The header rules of HTTP as the `http` crate enforces them: a name is a token, a value has no
 /// control character but tab.
@@ -126,7 +127,7 @@ impl WebhookConfig {
     /// # Errors
     /// [`ConfigError`] naming `url`, `secret_env`, `secret`, `timeout` or `concurrency`.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        super::config::check_url(&self.url, &["http", "https"])?;
+        crate::transport::settings::check_url(&self.url, &["http", "https"])?;
         let c = self.resolve_secrets()?;
         if c.timeout.is_zero() {
             return Err(ConfigError::new("timeout", "must be greater than zero"));
@@ -147,7 +148,7 @@ impl WebhookConfig {
     /// [`ConfigError`] naming `secret_env` when the variable is not set.
     pub fn resolve_secrets(&self) -> Result<Self, ConfigError> {
         let mut c = self.clone();
-        super::config::fill_secret(&mut c.secret, "secret_env", c.secret_env.as_deref())?;
+        fill_secret(&mut c.secret, "secret_env", c.secret_env.as_deref())?;
         Ok(c)
     }
 
@@ -433,12 +434,6 @@ impl Transport for WebhookTransport {
         self.target(out.destination)?;
         wire::check_headers(out.message, &HTTP_HEADERS)?;
         Ok(())
-    }
-
-    async fn publish(&self, batch: &[Outgoing<'_>]) -> Vec<Result<(), TransportError>> {
-        let acks = Acks::new(batch.len());
-        self.publish_each(batch, &acks).await;
-        acks.into_results()
     }
 
     /// Up to `concurrency` requests at once, each bounded by `timeout`; each answer is recorded

@@ -203,6 +203,25 @@ pub(crate) fn is_noncharacter(c: char) -> bool {
 
 /// A claimed message with these headers and partition key (topic `orders.created`, payload
 /// `p`), for the transports' unit tests of `check`.
+/// Assert that `check` refuses each `(message, text)` of `cases`, sent to `destination`, as
+/// permanent with an error whose report contains `text`: the transports' unit tests of `check`.
+#[cfg(test)]
+pub(crate) fn assert_refused<'t>(
+    check: impl Fn(&super::Outgoing<'_>) -> Result<(), TransportError>,
+    destination: &str,
+    cases: impl IntoIterator<Item = (Message, &'t str)>,
+) {
+    for (message, named) in cases {
+        let e = check(&super::Outgoing {
+            message: &message,
+            destination,
+        })
+        .unwrap_err();
+        assert_eq!(e.kind(), crate::TransportErrorKind::Permanent, "{named}");
+        assert!(e.report().contains(named), "{named}: {}", e.report());
+    }
+}
+
 #[cfg(test)]
 pub(crate) fn test_message(headers: &[(&str, &str)], key: Option<&str>) -> Message {
     Message {

@@ -36,9 +36,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use anyhow::{Context, bail, ensure};
+use anyhow::{Context, ensure};
 use outbox::two_phase::{CheckBack, CheckBackPolicy, DecideError, Decided, TwoPhase};
-use outbox::{Backoff, NewMessage, Relay, RelayConfig, Router, Status, Store};
+use outbox::{NewMessage, Relay, RelayConfig, Router, Status, Store};
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 use tokio::task::JoinSet;
@@ -311,20 +311,6 @@ pub(super) async fn run(args: &DemoArgs) -> anyhow::Result<()> {
     tasks.extend(consumer_tasks);
     let (transport, destination) = delivery.transport(&endpoint).await?;
     let config = RelayConfig {
-        name: "demo-2pc-relay".into(),
-        batch_size: 100,
-        lease: Duration::from_secs(3),
-        publish_timeout: Duration::from_secs(1),
-        poll_interval: Duration::from_millis(500),
-        backoff: Backoff {
-            base: Duration::from_millis(100),
-            factor: 2.0,
-            max: Duration::from_secs(2),
-            jitter: 0.2,
-        },
-        maintenance_interval: Duration::from_secs(1),
-        // Keep every finished row: the checks read them.
-        retention: outbox::retention::Retention::keep_all(),
         check_back: CheckBackPolicy {
             poll_interval: Duration::from_millis(100),
             interval: Duration::from_millis(500),
@@ -332,7 +318,7 @@ pub(super) async fn run(args: &DemoArgs) -> anyhow::Result<()> {
             error_backoff_max: Duration::from_secs(1),
             ..CheckBackPolicy::default()
         },
-        ..RelayConfig::default()
+        ..super::faults::demo_relay_config("demo-2pc-relay".into())
     };
     let relay = Relay::builder(store.clone())
         .router(Router::new().route(TOPIC, transport, destination))
@@ -400,10 +386,7 @@ pub(super) async fn run(args: &DemoArgs) -> anyhow::Result<()> {
         std::mem::take(&mut *producer.attempts.lock().unwrap_or_else(|e| e.into_inner()));
     let elapsed = started.elapsed();
     relay.shutdown().await?;
-    cancel.cancel();
-    for t in tasks {
-        t.await.context("service task panicked")??;
-    }
+    super::stop_services(&cancel, tasks).await?;
 
     let report = Report::gather(
         &store,
@@ -416,13 +399,9 @@ pub(super) async fn run(args: &DemoArgs) -> anyhow::Result<()> {
     )
     .await?;
     report.print();
-    if !drained {
-        bail!(
-            "the run did not drain within {} (see the report above)",
-            humantime::format_duration(args.timeout)
-        );
-    }
-    report.verdict()
+    super::conclude(drained, args.timeout, " (see the report above)", || {
+        report.verdict()
+    })
 }
 
 /// The outbox database, for the banner.

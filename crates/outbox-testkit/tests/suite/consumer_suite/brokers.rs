@@ -95,14 +95,11 @@ pub(super) mod rabbitmq {
             let url = format!("amqp://guest:guest@{}/%2f", self.proxy.addr);
             let mut config =
                 RabbitMqConsumerConfig::new(rabbitmq_config(&url), self.fx.queue.clone());
-            config.runner = c.runner();
             let queue = self.fx.queue.clone();
             for ms in [10u64, 20, 50, 100, 200, 500] {
                 self.fx.delete_at_cleanup(&format!("{queue}.retry.{ms}"));
             }
-            tokio::spawn(outbox::consumer::rabbitmq::run(
-                config, inbox, handler, c.metrics, c.cancel,
-            ))
+            spawn_runner!(outbox::consumer::rabbitmq::run, config, c, inbox, handler)
         }
 
         fn proxy(&self) -> Option<&FaultProxy> {
@@ -160,10 +157,7 @@ pub(super) mod redis {
             // A stable name: a restart resumes its own pending entries at once.
             config.consumer = format!("{}-c", self.group);
             config.block = Duration::from_millis(200);
-            config.runner = c.runner();
-            tokio::spawn(outbox::consumer::redis::run(
-                config, inbox, handler, c.metrics, c.cancel,
-            ))
+            spawn_runner!(outbox::consumer::redis::run, config, c, inbox, handler)
         }
 
         fn proxy(&self) -> Option<&FaultProxy> {
@@ -248,10 +242,7 @@ pub(super) mod mqtt {
             let url = format!("mqtt://{}", self.proxy.addr);
             let mut config = MqttConsumerConfig::new(url, self.client_id.clone(), self.filter());
             config.session_expiry = Duration::from_secs(600);
-            config.runner = c.runner();
-            tokio::spawn(outbox::consumer::mqtt::run(
-                config, inbox, handler, c.metrics, c.cancel,
-            ))
+            spawn_runner!(outbox::consumer::mqtt::run, config, c, inbox, handler)
         }
 
         fn proxy(&self) -> Option<&FaultProxy> {
@@ -313,14 +304,7 @@ pub(super) mod kafka {
                 KafkaConsumerConfig::new(kafka_config(), self.group.clone(), [self.topic.clone()]);
             // The broker minimum: Tansu holds a new group's first join for about half of it.
             config.session_timeout = Duration::from_secs(6);
-            config.runner = c.runner();
-            tokio::spawn(outbox::consumer::kafka::run(
-                config, inbox, handler, c.metrics, c.cancel,
-            ))
-        }
-
-        fn proxy(&self) -> Option<&FaultProxy> {
-            None
+            spawn_runner!(outbox::consumer::kafka::run, config, c, inbox, handler)
         }
     }
 }
@@ -373,14 +357,7 @@ pub(super) mod rocketmq {
                 self.fx.topic.clone(),
             );
             config.route_refresh = Duration::from_secs(10);
-            config.runner = c.runner();
-            tokio::spawn(outbox::consumer::rocketmq::run(
-                config, inbox, handler, c.metrics, c.cancel,
-            ))
-        }
-
-        fn proxy(&self) -> Option<&FaultProxy> {
-            None
+            spawn_runner!(outbox::consumer::rocketmq::run, config, c, inbox, handler)
         }
     }
 }

@@ -69,7 +69,9 @@ trait Broker: Send + Sync + Sized + 'static {
     /// The proxy in front of the broker for the consumer's connections, where the consumer's
     /// connections can go through one (a Kafka client connects to the brokers the cluster
     /// advertises, not to the proxy).
-    fn proxy(&self) -> Option<&FaultProxy>;
+    fn proxy(&self) -> Option<&FaultProxy> {
+        None
+    }
 }
 
 /// The settings every runner takes.
@@ -240,12 +242,11 @@ fn message(key: Option<&str>, payload: &str) -> Message {
     m
 }
 
-async fn publish<B: Broker>(b: &B, msgs: &[Message]) {
-    let dest = b.destination();
-    let results = publish_to(b.transport().as_ref(), msgs, |_| dest.as_str()).await;
-    for r in results {
-        r.expect("publish to the broker");
-    }
+/// `message` with a reply destination.
+fn replying(key: Option<&str>, payload: &str) -> Message {
+    let mut m = message(key, payload);
+    m.headers.insert(HEADER_REPLY_TO.into(), "replies".into());
+    m
 }
 
 async fn stop(s: &Settings, runner: Runner) {
@@ -258,122 +259,159 @@ async fn stop(s: &Settings, runner: Runner) {
 
 const WAIT: Duration = Duration::from_secs(30);
 
+/// One property's broker, consumer database and scripted handler.
+struct Rig<B> {
+    b: B,
+    c: Consumer,
+    script: Arc<Script>,
+}
+
+impl<B: Broker> Rig<B> {
+    async fn new() -> Rig<B> {
+        Rig {
+            b: B::new().await,
+            c: Consumer::new().await,
+            script: Arc::default(),
+        }
+    }
+
+    async fn publish(&self, msgs: &[Message]) {
+        let dest = self.b.destination();
+        let results = publish_to(self.b.transport().as_ref(), msgs, |_| dest.as_str()).await;
+        for r in results {
+            r.expect("publish to the broker");
+        }
+    }
+
+    /// Start the broker's runner with `s` (sharing its metrics and cancel token).
+    fn spawn(&self, s: &Settings) -> Runner {
+        self.b.spawn(
+            s.clone_settings(),
+            self.c.inbox.clone(),
+            self.script.clone(),
+        )
+    }
+
+    /// Run the runner with `s` until `cond` holds, then stop it.
+    async fn run_until<F, Fut>(&self, s: &Settings, what: &str, timeout: Duration, cond: F)
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = bool>,
+    {
+        let runner = self.spawn(s);
+        wait_until(what, timeout, cond).await;
+        stop(s, runner).await;
+    }
+
+    /// A restart: publish a marker, run fresh settings until the marker is applied, and return
+    /// them (their metrics show what else came back).
+    async fn restart_until_a_marker(&self) -> Settings {
+        let s = Settings::new();
+        let marker = message(None, "marker");
+        self.publish(std::slice::from_ref(&marker)).await;
+        self.run_until(&s, "the marker", WAIT, || async {
+            self.c.effects_of(marker.message_id).await == 1
+        })
+        .await;
+        s
+    }
+
+    /// The dead letters: `want` of them, each with `deliveries` deliveries.
+    async fn dead_letters(&self, want: &[&Message], deliveries: u32) -> Vec<outbox::DeadLetter> {
+        let dead = self.c.inbox.dead_letters(10).await.unwrap();
+        assert_eq!(dead.len(), want.len());
+        for (d, m) in dead.iter().zip(want) {
+            assert_eq!(d.message.message_id, m.message_id);
+            assert_eq!(d.deliveries, deliveries);
+        }
+        dead
+    }
+}
+
 async fn applies_once_and_acks_after_commit<B: Broker>() {
-    let b = B::new().await;
-    let c = Consumer::new().await;
-    let script = Arc::new(Script::default());
+    let r = Rig::<B>::new().await;
     let msgs: Vec<Message> = (0..20).map(|i| message(None, &format!("m{i}"))).collect();
-    publish(&b, &msgs).await;
-    let s = Settings::new();
-    let runner = b.spawn(s.clone_settings(), c.inbox.clone(), script.clone());
-    wait_until("20 effects", WAIT, || async {
-        c.effects().await.len() == 20
+    r.publish(&msgs).await;
+    r.run_until(&Settings::new(), "20 effects", WAIT, || async {
+        r.c.effects().await.len() == 20
     })
     .await;
-    stop(&s, runner).await;
     // A restart delivers nothing already acknowledged: only the new marker arrives.
-    let s = Settings::new();
-    let marker = message(None, "marker");
-    publish(&b, std::slice::from_ref(&marker)).await;
-    let runner = b.spawn(s.clone_settings(), c.inbox.clone(), script.clone());
-    wait_until("the marker", WAIT, || async {
-        c.effects_of(marker.message_id).await == 1
-    })
-    .await;
-    stop(&s, runner).await;
-    assert_eq!(c.effects().await.len(), 21);
+    let s = r.restart_until_a_marker().await;
+    assert_eq!(r.c.effects().await.len(), 21);
     assert_eq!(
         s.metrics.duplicates.load(Ordering::Relaxed),
         0,
         "an acknowledged message came back"
     );
     for m in &msgs {
-        assert_eq!(script.deliveries(m.message_id), vec![1], "{}", m.message_id);
+        assert_eq!(
+            r.script.deliveries(m.message_id),
+            vec![1],
+            "{}",
+            m.message_id
+        );
     }
 }
 
 async fn redelivers_after_a_transient_error<B: Broker>() {
-    let b = B::new().await;
-    let c = Consumer::new().await;
-    let script = Arc::new(Script::default());
+    let r = Rig::<B>::new().await;
     let m = message(None, "flaky");
-    script.fail_times.lock().unwrap().insert(m.message_id, 2);
-    publish(&b, std::slice::from_ref(&m)).await;
+    r.script.fail_times.lock().unwrap().insert(m.message_id, 2);
+    r.publish(std::slice::from_ref(&m)).await;
     let s = Settings::new();
-    let runner = b.spawn(s.clone_settings(), c.inbox.clone(), script.clone());
-    wait_until("the effect", WAIT, || async {
-        c.effects_of(m.message_id).await == 1
+    r.run_until(&s, "the effect", WAIT, || async {
+        r.c.effects_of(m.message_id).await == 1
     })
     .await;
-    stop(&s, runner).await;
-    assert_eq!(script.deliveries(m.message_id), vec![1, 2, 3]);
-    assert_eq!(c.effects_of(m.message_id).await, 1);
+    assert_eq!(r.script.deliveries(m.message_id), vec![1, 2, 3]);
+    assert_eq!(r.c.effects_of(m.message_id).await, 1);
     assert_eq!(s.metrics.failures.load(Ordering::Relaxed), 2);
 }
 
 async fn dead_letters_at_max_deliveries<B: Broker>() {
-    let b = B::new().await;
-    let c = Consumer::new().await;
-    let script = Arc::new(Script::default());
+    let r = Rig::<B>::new().await;
     let m = message(None, "poison");
-    script
+    r.script
         .fail_times
         .lock()
         .unwrap()
         .insert(m.message_id, u32::MAX);
-    publish(&b, std::slice::from_ref(&m)).await;
+    r.publish(std::slice::from_ref(&m)).await;
     let mut s = Settings::new();
     s.max_deliveries = 3;
-    let runner = b.spawn(s.clone_settings(), c.inbox.clone(), script.clone());
-    wait_until("the dead letter", WAIT, || async {
-        !c.inbox.dead_letters(10).await.unwrap().is_empty()
+    r.run_until(&s, "the dead letter", WAIT, || async {
+        !r.c.inbox.dead_letters(10).await.unwrap().is_empty()
     })
     .await;
-    stop(&s, runner).await;
-    let dead = c.inbox.dead_letters(10).await.unwrap();
-    assert_eq!(dead.len(), 1);
-    assert_eq!(dead[0].message.message_id, m.message_id);
-    assert_eq!(dead[0].deliveries, 3);
-    assert_eq!(script.deliveries(m.message_id), vec![1, 2, 3]);
+    r.dead_letters(&[&m], 3).await;
+    assert_eq!(r.script.deliveries(m.message_id), vec![1, 2, 3]);
     // Acknowledged: a restart does not deliver it again.
-    let s = Settings::new();
-    let marker = message(None, "marker");
-    publish(&b, std::slice::from_ref(&marker)).await;
-    let runner = b.spawn(s.clone_settings(), c.inbox.clone(), script.clone());
-    wait_until("the marker", WAIT, || async {
-        c.effects_of(marker.message_id).await == 1
-    })
-    .await;
-    stop(&s, runner).await;
+    r.restart_until_a_marker().await;
     assert_eq!(
-        script.deliveries(m.message_id).len(),
+        r.script.deliveries(m.message_id).len(),
         3,
         "the dead letter came back"
     );
 }
 
 async fn confirms_the_verdict<B: Broker>() {
-    let b = B::new().await;
-    let c = Consumer::new().await;
-    let script = Arc::new(Script::default());
-    let mut ok = message(None, "ok");
-    let mut refused = message(None, "refused");
-    for m in [&mut ok, &mut refused] {
-        m.headers.insert(HEADER_REPLY_TO.into(), "replies".into());
-    }
-    script.reject.lock().unwrap().push(refused.message_id);
+    let r = Rig::<B>::new().await;
+    let ok = replying(None, "ok");
+    let refused = replying(None, "refused");
+    r.script.reject.lock().unwrap().push(refused.message_id);
     let silent = message(None, "no reply destination");
-    publish(&b, &[ok.clone(), refused.clone(), silent.clone()]).await;
+    r.publish(&[ok.clone(), refused.clone(), silent.clone()])
+        .await;
     let recorder = Arc::new(Recorder::default());
-    let mut s = Settings::new();
-    s.confirmations = Some(recorder.clone());
-    let runner = b.spawn(s.clone_settings(), c.inbox.clone(), script.clone());
+    let s = Settings::confirming_to(&recorder);
+    let runner = r.spawn(&s);
     wait_until("two confirmations", WAIT, || async {
         recorder.sent.lock().unwrap().len() == 2
     })
     .await;
     wait_until("the silent message", WAIT, || async {
-        c.effects_of(silent.message_id).await == 1
+        r.c.effects_of(silent.message_id).await == 1
     })
     .await;
     stop(&s, runner).await;
@@ -400,51 +438,51 @@ async fn confirms_the_verdict<B: Broker>() {
 }
 
 async fn contains_a_panicking_handler<B: Broker>() {
-    let b = B::new().await;
-    let c = Consumer::new().await;
-    let script = Arc::new(Script::default());
+    let r = Rig::<B>::new().await;
     let bad = message(Some("k"), "panics");
     let after = message(Some("k"), "after the panic, same key");
     let other = message(Some("other"), "another key");
-    script.panic.lock().unwrap().push(bad.message_id);
-    publish(&b, &[bad.clone(), after.clone(), other.clone()]).await;
+    r.script.panic.lock().unwrap().push(bad.message_id);
+    r.publish(&[bad.clone(), after.clone(), other.clone()])
+        .await;
     let mut s = Settings::new();
     s.max_deliveries = 3;
-    let runner = b.spawn(s.clone_settings(), c.inbox.clone(), script.clone());
-    wait_until("the dead letter and both other effects", WAIT, || async {
-        !c.inbox.dead_letters(10).await.unwrap().is_empty()
-            && c.effects_of(after.message_id).await == 1
-            && c.effects_of(other.message_id).await == 1
-    })
+    r.run_until(
+        &s,
+        "the dead letter and both other effects",
+        WAIT,
+        || async {
+            !r.c.inbox.dead_letters(10).await.unwrap().is_empty()
+                && r.c.effects_of(after.message_id).await == 1
+                && r.c.effects_of(other.message_id).await == 1
+        },
+    )
     .await;
-    stop(&s, runner).await;
-    let dead = c.inbox.dead_letters(10).await.unwrap();
-    assert_eq!(dead.len(), 1);
-    assert_eq!(dead[0].message.message_id, bad.message_id);
-    assert_eq!(dead[0].deliveries, 3);
+    let dead = r.dead_letters(&[&bad], 3).await;
     assert!(dead[0].error.contains("panicked"), "{}", dead[0].error);
-    assert_eq!(c.effects_of(bad.message_id).await, 0);
+    assert_eq!(r.c.effects_of(bad.message_id).await, 0);
+}
+
+/// `n` messages over `keys` in turn, payloads numbered in publication order.
+fn keyed(n: usize, keys: &[&str]) -> Vec<Message> {
+    (0..n)
+        .map(|i| message(Some(keys[i % keys.len()]), &format!("{i:03}")))
+        .collect()
 }
 
 async fn keeps_per_key_order<B: Broker>() {
-    let b = B::new().await;
-    let c = Consumer::new().await;
-    let script = Arc::new(Script::default());
+    let r = Rig::<B>::new().await;
     let keys = ["k0", "k1", "k2", "k3", "k4"];
-    let msgs: Vec<Message> = (0..100)
-        .map(|i| message(Some(keys[i % keys.len()]), &format!("{i:03}")))
-        .collect();
-    publish(&b, &msgs).await;
+    let msgs = keyed(100, &keys);
+    r.publish(&msgs).await;
     let mut s = Settings::new();
     s.concurrency = 4;
-    let runner = b.spawn(s.clone_settings(), c.inbox.clone(), script.clone());
-    wait_until("100 effects", WAIT, || async {
-        c.effects().await.len() == 100
+    r.run_until(&s, "100 effects", WAIT, || async {
+        r.c.effects().await.len() == 100
     })
     .await;
-    stop(&s, runner).await;
     let mut by_key: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    for (_, key, payload) in c.effects().await {
+    for (_, key, payload) in r.c.effects().await {
         by_key
             .entry(key.expect("key"))
             .or_default()
@@ -464,65 +502,59 @@ async fn keeps_per_key_order<B: Broker>() {
 /// every other message is applied exactly once, the failing ones end as they would alone
 /// (applied after retries, rejected, dead-lettered), and a key without failures keeps its order.
 async fn applies_in_batches_around_failures<B: Broker>() {
-    let b = B::new().await;
-    let c = Consumer::new().await;
-    let script = Arc::new(Script::default());
-    let keys = ["k0", "k1", "k2"];
-    let msgs: Vec<Message> = (0..60)
-        .map(|i| message(Some(keys[i % keys.len()]), &format!("{i:03}")))
-        .collect();
+    let r = Rig::<B>::new().await;
+    let msgs = keyed(60, &["k0", "k1", "k2"]);
     let (flaky, refused, poison) = (&msgs[10], &msgs[20], &msgs[31]);
-    script
+    r.script
         .fail_times
         .lock()
         .unwrap()
         .insert(flaky.message_id, 2);
-    script.reject.lock().unwrap().push(refused.message_id);
-    script.panic.lock().unwrap().push(poison.message_id);
-    publish(&b, &msgs).await;
+    r.script.reject.lock().unwrap().push(refused.message_id);
+    r.script.panic.lock().unwrap().push(poison.message_id);
+    r.publish(&msgs).await;
     let mut s = Settings::new();
     s.inbox_batch = 16;
     s.concurrency = 2;
     s.max_deliveries = 3;
-    let runner = b.spawn(s.clone_settings(), c.inbox.clone(), script.clone());
-    wait_until(
+    r.run_until(
+        &s,
         "58 effects, one rejection, one dead letter",
         WAIT,
         || async {
-            c.effects().await.len() >= 58
+            r.c.effects().await.len() >= 58
                 && s.metrics.rejected.load(Ordering::Relaxed) == 1
                 && s.metrics.dead_lettered.load(Ordering::Relaxed) == 1
         },
     )
     .await;
-    stop(&s, runner).await;
     for m in &msgs {
         let want =
             usize::from(m.message_id != refused.message_id && m.message_id != poison.message_id);
         assert_eq!(
-            c.effects_of(m.message_id).await,
+            r.c.effects_of(m.message_id).await,
             want,
             "effects of {:?}",
             String::from_utf8_lossy(&m.payload)
         );
     }
-    assert_eq!(c.effects().await.len(), 58);
-    let k0: Vec<Vec<u8>> = c
-        .effects()
-        .await
-        .into_iter()
-        .filter(|(_, key, _)| key.as_deref() == Some("k0"))
-        .map(|(_, _, payload)| payload)
-        .collect();
+    assert_eq!(r.c.effects().await.len(), 58);
+    let k0: Vec<Vec<u8>> =
+        r.c.effects()
+            .await
+            .into_iter()
+            .filter(|(_, key, _)| key.as_deref() == Some("k0"))
+            .map(|(_, _, payload)| payload)
+            .collect();
     let mut sorted = k0.clone();
     sorted.sort();
     assert_eq!(k0, sorted, "key k0 (no failures) applied out of order");
-    let dead = c.inbox.dead_letters(10).await.unwrap();
+    let dead = r.c.inbox.dead_letters(10).await.unwrap();
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].message.message_id, poison.message_id);
     assert!(dead[0].error.contains("panicked"), "{}", dead[0].error);
     assert_eq!(
-        c.inbox.verdict(refused.message_id).await.unwrap(),
+        r.c.inbox.verdict(refused.message_id).await.unwrap(),
         Some(Verdict::Rejected {
             reason: "out of stock".into()
         })
@@ -538,37 +570,30 @@ async fn applies_in_batches_around_failures<B: Broker>() {
 }
 
 async fn survives_a_crash_between_commit_and_ack<B: Broker>() {
-    let b = B::new().await;
-    let c = Consumer::new().await;
-    let script = Arc::new(Script::default());
-    let mut m = message(None, "crash");
-    m.headers.insert(HEADER_REPLY_TO.into(), "replies".into());
-    publish(&b, std::slice::from_ref(&m)).await;
+    let r = Rig::<B>::new().await;
+    let m = replying(None, "crash");
+    r.publish(std::slice::from_ref(&m)).await;
     let recorder = Arc::new(Recorder::default());
     recorder.hang_first.store(true, Ordering::SeqCst);
-    let mut s = Settings::new();
-    s.confirmations = Some(recorder.clone());
     let reached = recorder.reached.notified();
-    let runner = b.spawn(s.clone_settings(), c.inbox.clone(), script.clone());
+    let runner = r.spawn(&Settings::confirming_to(&recorder));
     within("the commit", WAIT, reached).await;
     // Committed, not acknowledged: the process dies.
-    assert_eq!(c.effects_of(m.message_id).await, 1);
-    crash(&b, runner).await;
-    let mut s = Settings::new();
-    s.confirmations = Some(recorder.clone());
-    let runner = b.spawn(s.clone_settings(), c.inbox.clone(), script.clone());
-    wait_until(
+    assert_eq!(r.c.effects_of(m.message_id).await, 1);
+    crash(&r.b, runner).await;
+    let s = Settings::confirming_to(&recorder);
+    r.run_until(
+        &s,
         "the confirmation after the restart",
         Duration::from_secs(60),
         || async { !recorder.verdicts(m.message_id).is_empty() },
     )
     .await;
-    stop(&s, runner).await;
-    assert_eq!(c.effects_of(m.message_id).await, 1, "applied twice");
+    assert_eq!(r.c.effects_of(m.message_id).await, 1, "applied twice");
     assert_eq!(recorder.verdicts(m.message_id), vec![Verdict::Processed]);
     assert_eq!(s.metrics.duplicates.load(Ordering::Relaxed), 1);
     assert_eq!(
-        script.deliveries(m.message_id).len(),
+        r.script.deliveries(m.message_id).len(),
         1,
         "the handler ran again"
     );
@@ -586,41 +611,33 @@ async fn crash<B: Broker>(b: &B, runner: Runner) {
 }
 
 async fn survives_crashes_in_an_inbox_batch<B: Broker>() {
-    let b = B::new().await;
-    let c = Consumer::new().await;
-    let script = Arc::new(Script::default());
+    let r = Rig::<B>::new().await;
     // One partition key: in order on every broker (one Kafka partition, one lane), so the four
     // messages before the fifth reach the handler before it.
     let msgs: Vec<Message> = (0..24)
-        .map(|i| {
-            let mut m = message(Some("batch"), &format!("{i:02}"));
-            m.headers.insert(HEADER_REPLY_TO.into(), "replies".into());
-            m
-        })
+        .map(|i| replying(Some("batch"), &format!("{i:02}")))
         .collect();
-    publish(&b, &msgs).await;
+    r.publish(&msgs).await;
     let recorder = Arc::new(Recorder::default());
     let settings = || {
-        let mut s = Settings::new();
+        let mut s = Settings::confirming_to(&recorder);
         s.inbox_batch = 16;
-        s.confirmations = Some(recorder.clone() as Arc<dyn ConfirmationSender>);
         s
     };
 
     // 1. Death inside a batch's transaction: nothing of it is committed.
-    *script.hang.lock().unwrap() = Some(msgs[4].message_id);
-    let hung = script.hung.notified();
-    let s = settings();
-    let runner = b.spawn(s.clone_settings(), c.inbox.clone(), script.clone());
+    *r.script.hang.lock().unwrap() = Some(msgs[4].message_id);
+    let hung = r.script.hung.notified();
+    let runner = r.spawn(&settings());
     within("the handler of the fifth message", WAIT, hung).await;
-    crash(&b, runner).await;
-    assert_eq!(c.effects_of(msgs[4].message_id).await, 0);
+    crash(&r.b, runner).await;
+    assert_eq!(r.c.effects_of(msgs[4].message_id).await, 0);
     // The four before it ran first, in its batch or in batches of their own that committed.
     // Those of its batch left nothing.
     let mut rolled_back = 0;
     for m in &msgs[..4] {
-        assert!(!script.deliveries(m.message_id).is_empty());
-        if c.effects_of(m.message_id).await == 0 {
+        assert!(!r.script.deliveries(m.message_id).is_empty());
+        if r.c.effects_of(m.message_id).await == 0 {
             rolled_back += 1;
         }
     }
@@ -632,20 +649,20 @@ async fn survives_crashes_in_an_inbox_batch<B: Broker>() {
     // 2. Death after a batch's commit, before its acks (the first confirmation hangs). Messages
     // applied in step 1 in a batch of their own before the fifth's were acknowledged then: they
     // are not counted as committed here.
-    let applied_before = c.effects().await.len();
+    let applied_before = r.c.effects().await.len();
     recorder.hang_first.store(true, Ordering::SeqCst);
     let reached = recorder.reached.notified();
     let s = settings();
-    let runner = b.spawn(s.clone_settings(), c.inbox.clone(), script.clone());
+    let runner = r.spawn(&s);
     within("a commit", WAIT, reached).await;
-    let committed = c.effects().await.len() - applied_before;
-    crash(&b, runner).await;
+    let committed = r.c.effects().await.len() - applied_before;
+    crash(&r.b, runner).await;
     let batches = s.metrics.inbox_batches.load(Ordering::Relaxed);
 
     // 3. The restart applies the rest and recognises the committed batch.
     let s = settings();
-    let runner = b.spawn(s.clone_settings(), c.inbox.clone(), script.clone());
-    wait_until(
+    r.run_until(
+        &s,
         "every message confirmed",
         Duration::from_secs(60),
         || async {
@@ -654,10 +671,9 @@ async fn survives_crashes_in_an_inbox_batch<B: Broker>() {
         },
     )
     .await;
-    stop(&s, runner).await;
     for m in &msgs {
         assert_eq!(
-            c.effects_of(m.message_id).await,
+            r.c.effects_of(m.message_id).await,
             1,
             "effects of {:?}",
             String::from_utf8_lossy(&m.payload)
@@ -683,33 +699,26 @@ async fn survives_crashes_in_an_inbox_batch<B: Broker>() {
 }
 
 async fn rejects_malformed_input<B: Broker>() {
-    let b = B::new().await;
-    let c = Consumer::new().await;
-    let script = Arc::new(Script::default());
-    b.publish_garbage().await;
+    let r = Rig::<B>::new().await;
+    r.b.publish_garbage().await;
     let after = message(None, "after the garbage");
-    publish(&b, std::slice::from_ref(&after)).await;
+    r.publish(std::slice::from_ref(&after)).await;
     let s = Settings::new();
-    let runner = b.spawn(s.clone_settings(), c.inbox.clone(), script.clone());
     // Both, in either order: a broker with several queues per topic (RocketMQ) may deliver the
     // message before the garbage.
-    wait_until("the garbage and the message behind it", WAIT, || async {
-        c.effects_of(after.message_id).await == 1
-            && s.metrics.malformed.load(Ordering::Relaxed) == 1
-    })
+    r.run_until(
+        &s,
+        "the garbage and the message behind it",
+        WAIT,
+        || async {
+            r.c.effects_of(after.message_id).await == 1
+                && s.metrics.malformed.load(Ordering::Relaxed) == 1
+        },
+    )
     .await;
-    stop(&s, runner).await;
     assert_eq!(s.metrics.malformed.load(Ordering::Relaxed), 1);
     // Taken out of the way: a restart does not see it again.
-    let s = Settings::new();
-    let marker = message(None, "marker");
-    publish(&b, std::slice::from_ref(&marker)).await;
-    let runner = b.spawn(s.clone_settings(), c.inbox.clone(), script.clone());
-    wait_until("the marker", WAIT, || async {
-        c.effects_of(marker.message_id).await == 1
-    })
-    .await;
-    stop(&s, runner).await;
+    let s = r.restart_until_a_marker().await;
     assert_eq!(
         s.metrics.malformed.load(Ordering::Relaxed),
         0,
@@ -718,6 +727,13 @@ async fn rejects_malformed_input<B: Broker>() {
 }
 
 impl Settings {
+    /// Fresh settings sending confirmations to `recorder`.
+    fn confirming_to(recorder: &Arc<Recorder>) -> Settings {
+        let mut s = Settings::new();
+        s.confirmations = Some(recorder.clone() as Arc<dyn ConfirmationSender>);
+        s
+    }
+
     /// The runner settings of a broker's config: these, fast retries, no inbox retention.
     fn runner(&self) -> outbox::consumer::RunnerSettings {
         outbox::consumer::RunnerSettings {
@@ -744,87 +760,54 @@ impl Settings {
     }
 }
 
-/// The tests of every property but the crash, for `$broker`.
+/// One test per property named, for `$broker`: `<name>` runs `super::<name>::<$broker>()`.
 macro_rules! property_tests {
-    ($broker:ty) => {
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn applies_once_and_acks_after_commit() {
-            crate::init_tracing();
-            super::applies_once_and_acks_after_commit::<$broker>().await;
-        }
-
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn redelivers_after_a_transient_error() {
-            crate::init_tracing();
-            super::redelivers_after_a_transient_error::<$broker>().await;
-        }
-
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn dead_letters_at_max_deliveries() {
-            crate::init_tracing();
-            super::dead_letters_at_max_deliveries::<$broker>().await;
-        }
-
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn confirms_the_verdict() {
-            crate::init_tracing();
-            super::confirms_the_verdict::<$broker>().await;
-        }
-
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn keeps_per_key_order() {
-            crate::init_tracing();
-            super::keeps_per_key_order::<$broker>().await;
-        }
-
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn contains_a_panicking_handler() {
-            crate::init_tracing();
-            super::contains_a_panicking_handler::<$broker>().await;
-        }
-
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn applies_in_batches_around_failures() {
-            crate::init_tracing();
-            super::applies_in_batches_around_failures::<$broker>().await;
-        }
-
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn rejects_malformed_input() {
-            crate::init_tracing();
-            super::rejects_malformed_input::<$broker>().await;
-        }
+    ($broker:ty: $($property:ident),+ $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $property() {
+                crate::init_tracing();
+                super::$property::<$broker>().await;
+            }
+        )+
     };
 }
 
-/// One test per property for `$broker`; `without crash` leaves the crash property out.
+/// One test per property for `$broker`; `without crash` leaves the crash properties out.
 macro_rules! conformance {
-    ($module:ident, $broker:ty) => {
+    (@module $module:ident, $broker:ty $(, $extra:ident)*) => {
         mod $module {
             use super::*;
 
-            property_tests!($broker);
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn survives_a_crash_between_commit_and_ack() {
-                crate::init_tracing();
-                super::survives_a_crash_between_commit_and_ack::<$broker>().await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn survives_crashes_in_an_inbox_batch() {
-                crate::init_tracing();
-                super::survives_crashes_in_an_inbox_batch::<$broker>().await;
-            }
+            property_tests!($broker:
+                applies_once_and_acks_after_commit,
+                redelivers_after_a_transient_error,
+                dead_letters_at_max_deliveries,
+                confirms_the_verdict,
+                keeps_per_key_order,
+                contains_a_panicking_handler,
+                applies_in_batches_around_failures,
+                rejects_malformed_input,
+                $($extra,)*
+            );
         }
+    };
+    ($module:ident, $broker:ty) => {
+        conformance!(@module $module, $broker, survives_a_crash_between_commit_and_ack,
+            survives_crashes_in_an_inbox_batch);
     };
     ($module:ident, $broker:ty, without crash) => {
-        mod $module {
-            use super::*;
-
-            property_tests!($broker);
-        }
+        conformance!(@module $module, $broker);
     };
+}
+
+/// The broker's production runner `$run(config, inbox, handler, metrics, cancel)` spawned with
+/// `$config` (a `mut` binding) taking the settings `$c`'s runner settings.
+macro_rules! spawn_runner {
+    ($run:path, $config:ident, $c:ident, $inbox:ident, $handler:ident) => {{
+        $config.runner = $c.runner();
+        tokio::spawn($run($config, $inbox, $handler, $c.metrics, $c.cancel))
+    }};
 }
 
 mod brokers;

@@ -49,7 +49,6 @@ use crate::consumer::source::{
 use crate::consumer::{ConsumerMetrics, RunnerSettings};
 use crate::error::ConfigError;
 use crate::transport::redis::{FIELD_PAYLOAD, RedisConnection, connect_redis, decode_fields_with};
-use crate::verdict::ConfirmationSender;
 
 mod streams;
 use streams::{
@@ -97,19 +96,23 @@ pub struct RedisConsumerConfig {
     pub connect_timeout: Duration,
 }
 
-impl std::fmt::Debug for RedisConsumerConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RedisConsumerConfig")
-            .field("url", &crate::redact::url(&self.url))
-            .field("stream", &self.stream)
-            .field("group", &self.group)
-            .field("consumer", &self.consumer)
-            .field("batch", &self.batch)
-            .field("runner", &self.runner)
-            .field("claim_idle", &self.claim_idle)
-            .finish_non_exhaustive()
-    }
-}
+crate::redact::redacted_debug!(RedisConsumerConfig {
+    url: url,
+    cluster: plain,
+    password: secret,
+    stream: plain,
+    group: plain,
+    consumer: plain,
+    start_id: plain,
+    batch: plain,
+    block: plain,
+    runner: plain,
+    claim_idle: plain,
+    claim_interval: plain,
+    connect_timeout: plain
+});
+
+crate::consumer::with_confirmations!(RedisConsumerConfig);
 
 impl RedisConsumerConfig {
     /// Settings with the defaults.
@@ -133,12 +136,6 @@ impl RedisConsumerConfig {
             claim_interval: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(5),
         }
-    }
-
-    /// Send confirmations through `sender`.
-    pub fn with_confirmations(mut self, sender: Arc<dyn ConfirmationSender>) -> Self {
-        self.runner.confirmations = Some(sender);
-        self
     }
 
     /// Check the settings without connecting.
@@ -614,6 +611,16 @@ pub fn fields_map(fields: &[(Vec<u8>, Vec<u8>)]) -> BTreeMap<String, Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The URL's password and the `password` field print as `***`.
+    #[test]
+    fn debug_prints_no_secret() {
+        let mut c = RedisConsumerConfig::new("redis://:hunter2@x", "s", "g");
+        c.password = Some("hunter2".into());
+        let printed = format!("{c:?}");
+        assert!(!printed.contains("hunter2"), "{printed}");
+        assert!(printed.contains("***"), "{printed}");
+    }
 
     #[test]
     fn config_is_validated() {

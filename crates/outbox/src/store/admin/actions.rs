@@ -2,7 +2,9 @@
 //! discard, resume, in chunks of [`ACTION_CHUNK`] rows, each one transaction.
 
 use super::{Admin, Arg, Sql, archive_into};
-use crate::admin::{ACTION_CHUNK, Action, ActionReport, MessageFilter, NotChanged, Selection};
+use crate::admin_model::{
+    ACTION_CHUNK, Action, ActionReport, MessageFilter, NotChanged, Selection,
+};
 use crate::message::Status;
 use crate::store::StoreError;
 use crate::store::status_sql::{FAILED, PENDING, PREPARED, REJECTED, SENT, UNDECIDED};

@@ -1,7 +1,9 @@
 //! The inbox's admin statements: consumers with dead letters, the dead letters, replay and discard.
 
 use super::{ACTION_CHUNK, Admin, Arg, MAX_PAGE, RenderedPayload, Sql, at};
-use crate::admin::inbox::{ConsumerDeadLetters, InboxAction, InboxActionReport, InboxDeadLetter};
+use crate::admin_model::inbox::{
+    ConsumerDeadLetters, InboxAction, InboxActionReport, InboxDeadLetter,
+};
 use crate::store::StoreError;
 use sqlx::Row;
 

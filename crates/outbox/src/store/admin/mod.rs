@@ -72,14 +72,14 @@ impl std::fmt::Debug for AdminTarget {
     }
 }
 
-/// One database's pool, its outbox table and its [`Dialect`].
+/// One database's pool, its outbox table and its [`Dialect`] (the dialect module's `ADMIN`).
 pub(crate) enum Target {
     #[cfg(feature = "postgres")]
-    Postgres(sqlx::PgPool, String),
+    Postgres(sqlx::PgPool, String, &'static Dialect),
     #[cfg(feature = "mysql")]
-    MySql(sqlx::MySqlPool, String),
+    MySql(sqlx::MySqlPool, String, &'static Dialect),
     #[cfg(feature = "sqlite")]
-    Sqlite(sqlx::SqlitePool, String),
+    Sqlite(sqlx::SqlitePool, String, &'static Dialect),
 }
 
 /// Run [`Admin`]`::$f(args…)` on the database of `$target` (a `&Target`).
@@ -87,11 +87,11 @@ macro_rules! on_target {
     ($target:expr, $f:ident($($arg:expr),*)) => {
         match $target {
             #[cfg(feature = "postgres")]
-            Target::Postgres(pool, table) => Admin { pool, d: &$crate::store::postgres::ADMIN, table }.$f($($arg),*).await,
+            Target::Postgres(pool, table, d) => Admin { pool, d: *d, table }.$f($($arg),*).await,
             #[cfg(feature = "mysql")]
-            Target::MySql(pool, table) => Admin { pool, d: &$crate::store::mysql::ADMIN, table }.$f($($arg),*).await,
+            Target::MySql(pool, table, d) => Admin { pool, d: *d, table }.$f($($arg),*).await,
             #[cfg(feature = "sqlite")]
-            Target::Sqlite(pool, table) => Admin { pool, d: &$crate::store::sqlite::ADMIN, table }.$f($($arg),*).await,
+            Target::Sqlite(pool, table, d) => Admin { pool, d: *d, table }.$f($($arg),*).await,
         }
     };
 }
@@ -209,8 +209,10 @@ pub(crate) async fn act_on(
 
 use super::StoreError;
 use super::status_sql::{FAILED, PENDING};
-use crate::admin::inbox::{ConsumerDeadLetters, InboxAction, InboxActionReport, InboxDeadLetter};
-use crate::admin::{
+use crate::admin_model::inbox::{
+    ConsumerDeadLetters, InboxAction, InboxActionReport, InboxDeadLetter,
+};
+use crate::admin_model::{
     ACTION_CHUNK, Action, ActionReport, BlockedKey, BucketRow, Leases, MAX_PAGE, MessageDetail,
     MessageFilter, MessagePage, MessageSummary, PageRequest, RelayRow, RenderedPayload,
     SearchIndexes, Selection, TopicCounts, contains_pattern, like_pattern,

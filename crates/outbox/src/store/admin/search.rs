@@ -1,7 +1,7 @@
 //! The message search and its optional indexes ([`crate::admin::SearchIndexes`]).
 
 use super::{Admin, Arg, MAX_PAGE, Sql, summary_columns};
-use crate::admin::{MessageFilter, MessagePage, PageRequest, SearchIndexes, SearchOrder};
+use crate::admin_model::{MessageFilter, MessagePage, PageRequest, SearchIndexes, SearchOrder};
 use crate::store::StoreError;
 use sqlx::Row;
 

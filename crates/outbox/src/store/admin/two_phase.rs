@@ -7,7 +7,7 @@ use crate::error::EnqueueError;
 use crate::message::{NewMessage, Status};
 use crate::store::status_sql::{PENDING, PREPARED, ROLLED_BACK, UNDECIDED};
 use crate::store::{Bucket, LeaseToken, StoreError};
-use crate::two_phase::{
+use crate::two_phase_model::{
     CheckBack, CheckRequest, CheckUpdate, DecideError, Decided, DuePrepared, PreparedBatch,
 };
 use sqlx::Row;
@@ -24,7 +24,7 @@ fn now_plus(sql: &mut Sql<'_>, ms: i64) -> String {
 pub(crate) async fn prepare_on(
     target: AdminTarget,
     msg: &crate::message::NewMessage,
-    check_back: &crate::two_phase::CheckBack,
+    check_back: &crate::two_phase_model::CheckBack,
 ) -> Result<uuid::Uuid, crate::error::EnqueueError> {
     on_target!(&target.0, prepare(msg, check_back))
 }
@@ -35,7 +35,7 @@ pub(crate) async fn decide_on(
     target: AdminTarget,
     message_id: uuid::Uuid,
     commit: bool,
-) -> Result<crate::two_phase::Decided, crate::two_phase::DecideError> {
+) -> Result<crate::two_phase_model::Decided, crate::two_phase_model::DecideError> {
     on_target!(&target.0, decide(message_id, commit))
 }
 
@@ -44,7 +44,7 @@ pub(crate) async fn due_prepared_on(
     target: AdminTarget,
     buckets: &[Bucket],
     limit: u32,
-) -> Result<crate::two_phase::PreparedBatch, StoreError> {
+) -> Result<crate::two_phase_model::PreparedBatch, StoreError> {
     on_target!(&target.0, due_prepared(buckets, limit))
 }
 
@@ -55,7 +55,7 @@ pub(crate) async fn record_check_on(
     id: i64,
     bucket: Bucket,
     token: LeaseToken,
-    update: &crate::two_phase::CheckUpdate,
+    update: &crate::two_phase_model::CheckUpdate,
 ) -> Result<bool, StoreError> {
     on_target!(&target.0, record_check(relay, id, bucket, token, update))
 }
@@ -225,7 +225,7 @@ admin_impl! {
         let headers = crate::store::parse_headers(id, &text(4, "headers")?.unwrap_or_default())
             .map_err(|e| e.to_string())?;
         let target = text(5, "check_back")?.ok_or("no check_back target")?;
-        crate::two_phase::CheckBack::parse(&target)
+        crate::two_phase_model::CheckBack::parse(&target)
             .map_err(|e| format!("check_back {target:?}: {}", e.reason))?;
         let int = |i: usize| row.try_get::<Option<i64>, _>(i).ok().flatten().unwrap_or(0);
         Ok(DuePrepared {

@@ -97,20 +97,10 @@ impl MySqlStore {
                     q = q.bind(*b);
                 }
                 q.execute(&mut *tx).await?;
-                round.acquired = handed
-                    .iter()
-                    .map(|&bucket| BucketLease {
-                        bucket,
-                        token,
-                        takeover: false,
-                    })
-                    .collect();
-                round.handed_over = handed;
+                round.take_handed_over(handed, token);
             }
         }
-        let need = round.fair_share.saturating_sub(
-            u32::try_from(round.renewed.len() + round.handed_over.len()).unwrap_or(u32::MAX),
-        );
+        let need = round.need();
         if req.acquire && need > 0 {
             // A bucket handed over to another relay is reserved for it until its lease ends.
             let free: Vec<(Bucket, i64)> = sqlx::query_as(AssertSqlSafe(format!(
@@ -138,13 +128,7 @@ impl MySqlStore {
                     q = q.bind(*b);
                 }
                 q.execute(&mut *tx).await?;
-                round
-                    .acquired
-                    .extend(free.into_iter().map(|(bucket, was_owned)| BucketLease {
-                        bucket,
-                        token,
-                        takeover: was_owned != 0,
-                    }));
+                round.acquire(token, free.into_iter().map(|(b, owned)| (b, owned != 0)));
             }
         }
         tx.commit().await?;

@@ -63,14 +63,13 @@ use self::errors::{is_already_applied, is_lock_conflict, is_lock_wait_timeout};
 use self::migrations::{migrations, run_migrations};
 use super::status_sql::{CONFIRMED, FAILED, PENDING, REJECTED, SENDING, SENT};
 use super::{
-    Bucket, BucketBatch, BucketCompletion, BucketLease, FailedMessage, KeyHead, LeaseToken,
-    MembershipRequest, MembershipRound, RelayInfo, Stats, Store, StoreOptions, millis, new_token,
-    stats_from,
+    Bucket, BucketBatch, BucketCompletion, FailedMessage, KeyHead, LeaseToken, MembershipRequest,
+    MembershipRound, RelayInfo, Stats, Store, StoreOptions, millis, new_token, stats_from,
 };
 use crate::error::{EnqueueError, StoreError};
 use crate::ident::TableName;
 use crate::message::{Limits, NewMessage};
-use crate::verdict::{ConfirmReport, Confirmation, RejectionHook, Verdict};
+use crate::verdict::{ConfirmReport, Confirmation, RejectionHook};
 
 mod leases;
 mod producer;
@@ -361,25 +360,12 @@ impl Store for MySqlStore {
         skip_keys: &[String],
         limit: u32,
     ) -> Result<BucketBatch, StoreError> {
-        if buckets.is_empty() || limit == 0 {
-            return Ok(BucketBatch::default());
-        }
         let skip_json = (!skip_keys.is_empty())
             .then(|| serde_json::to_string(skip_keys).expect("keys serialize"));
-        let rows = super::read_in_rounds(buckets, limit, |parts, k, remaining| {
+        super::read_in_rounds(buckets, limit, |parts, k, remaining| {
             self.read_parts(parts, skip_json.as_deref(), k, remaining)
         })
-        .await?;
-        let mut batch = BucketBatch::default();
-        for (bucket, id, row) in &rows {
-            batch.push(
-                *bucket,
-                *id,
-                super::rows::decode_message(*id, row),
-                super::rows::due_age(row),
-            );
-        }
-        Ok(batch)
+        .await
     }
 
     async fn key_heads(&self, keys: &[String]) -> Result<Vec<KeyHead>, StoreError> {
@@ -498,91 +484,7 @@ impl Store for MySqlStore {
         &self,
         batch: &[Confirmation],
     ) -> Result<ConfirmReport, StoreError> {
-        let t = self.table.as_str();
-        let mut report = ConfirmReport::default();
-        let processed: Vec<String> = batch
-            .iter()
-            .filter(|c| c.verdict == Verdict::Processed)
-            .map(|c| c.message_id.hyphenated().to_string())
-            .collect();
-        let mut unmatched: Vec<String> = Vec::new();
-        if !processed.is_empty() {
-            let mut attempt = 0;
-            let moved = loop {
-                match self.confirm_processed(&processed).await {
-                    Ok(m) => break m,
-                    Err(e) if self.retry_conflict("confirm", &e, attempt).await => attempt += 1,
-                    Err(e) => return Err(self.err("confirm")(e)),
-                }
-            };
-            // Each moved row counts once; any other copy of its id in the batch is a duplicate.
-            let mut moved: std::collections::HashSet<String> = moved.into_iter().collect();
-            for id in processed {
-                if moved.remove(&id) {
-                    report.confirmed += 1;
-                } else {
-                    unmatched.push(id);
-                }
-            }
-        }
-        for c in batch {
-            let Verdict::Rejected { reason } = &c.verdict else {
-                continue;
-            };
-            let message_id = c.message_id.hyphenated().to_string();
-            let mut tx = self.begin_rc().await.map_err(self.err("confirm"))?;
-            let row: Option<super::RejectedRow> = sqlx::query_as(AssertSqlSafe(format!(
-                "SELECT id, topic, partition_key, headers, payload FROM {t} \
-                 WHERE message_id = ? AND status IN ({PENDING}, {SENDING}, {SENT}, {FAILED}) FOR UPDATE"
-            )))
-            .bind(&message_id)
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(self.err("confirm"))?;
-            let Some(row) = row else {
-                tx.rollback().await.map_err(self.err("confirm"))?;
-                unmatched.push(message_id);
-                continue;
-            };
-            sqlx::query(AssertSqlSafe(format!(
-                "UPDATE {t} SET status = {REJECTED}, confirmed_at = {NOW}, confirm_deadline = NULL, \
-                 updated_at = {NOW}, last_error = ? WHERE id = ?"
-            )))
-            .bind(format!("rejected by {}: {reason}", c.consumer))
-            .bind(row.0)
-            .execute(&mut *tx)
-            .await
-            .map_err(self.err("confirm"))?;
-            super::finish_rejection(
-                tx,
-                self.hook.as_ref(),
-                c,
-                reason,
-                row,
-                &mut report,
-                self.table.as_str(),
-            )
-            .await?;
-        }
-        if !unmatched.is_empty() {
-            // Counted per confirmation, so an id repeated in the batch counts each time.
-            let mut q = sqlx::query_scalar(AssertSqlSafe(format!(
-                "SELECT message_id FROM {t} WHERE message_id IN ({})",
-                placeholders(unmatched.len())
-            )));
-            for id in &unmatched {
-                q = q.bind(id);
-            }
-            let known: std::collections::HashSet<String> = q
-                .fetch_all(&self.pool)
-                .await
-                .map_err(self.err("confirm"))?
-                .into_iter()
-                .collect();
-            report.duplicates = unmatched.iter().filter(|id| known.contains(*id)).count() as u64;
-            report.unknown = unmatched.len() as u64 - report.duplicates;
-        }
-        Ok(report)
+        super::confirming::apply(self, batch).await
     }
 
     async fn check_back(&self, limit: u32, max_check_backs: u32) -> Result<u64, StoreError> {
@@ -657,6 +559,7 @@ impl Store for MySqlStore {
         super::admin::AdminTarget(super::admin::Target::MySql(
             self.pool.clone(),
             self.table.as_str().to_owned(),
+            &ADMIN,
         ))
     }
 
@@ -666,5 +569,74 @@ impl Store for MySqlStore {
 
     fn waker(&self) -> Arc<Notify> {
         self.waker.clone()
+    }
+}
+
+impl super::confirming::ConfirmSteps for MySqlStore {
+    type Db = sqlx::MySql;
+    type Id = String;
+
+    fn id(&self, message_id: Uuid) -> String {
+        message_id.hyphenated().to_string()
+    }
+
+    fn table(&self) -> &str {
+        self.table.as_str()
+    }
+
+    fn hook(&self) -> Option<&Arc<dyn RejectionHook<sqlx::MySql>>> {
+        self.hook.as_ref()
+    }
+
+    async fn confirm(&self, ids: &[String]) -> Result<Vec<String>, StoreError> {
+        let mut attempt = 0;
+        loop {
+            match self.confirm_processed(ids).await {
+                Ok(moved) => return Ok(moved),
+                Err(e) if self.retry_conflict("confirm", &e, attempt).await => attempt += 1,
+                Err(e) => return Err(self.err("confirm")(e)),
+            }
+        }
+    }
+
+    async fn reject(
+        &self,
+        id: &String,
+        error: String,
+    ) -> Result<Option<super::confirming::Rejection<sqlx::MySql>>, StoreError> {
+        let t = self.table.as_str();
+        let mut tx = self.begin_rc().await.map_err(self.err("confirm"))?;
+        let row: Option<super::RejectedRow> = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT id, topic, partition_key, headers, payload FROM {t} \
+             WHERE message_id = ? AND status IN ({PENDING}, {SENDING}, {SENT}, {FAILED}) FOR UPDATE"
+        )))
+        .bind(id)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(self.err("confirm"))?;
+        if let Some(row) = &row {
+            sqlx::query(AssertSqlSafe(format!(
+                "UPDATE {t} SET status = {REJECTED}, confirmed_at = {NOW}, confirm_deadline = NULL, \
+                 updated_at = {NOW}, last_error = ? WHERE id = ?"
+            )))
+            .bind(error)
+            .bind(row.0)
+            .execute(&mut *tx)
+            .await
+            .map_err(self.err("confirm"))?;
+        }
+        super::confirming::rolled_back_unless(tx, row, self.err("confirm")).await
+    }
+
+    async fn known(&self, ids: &[String]) -> Result<Vec<String>, StoreError> {
+        let t = self.table.as_str();
+        let mut q = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT message_id FROM {t} WHERE message_id IN ({})",
+            placeholders(ids.len())
+        )));
+        for id in ids {
+            q = q.bind(id);
+        }
+        q.fetch_all(&self.pool).await.map_err(self.err("confirm"))
     }
 }

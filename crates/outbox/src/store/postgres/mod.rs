@@ -49,14 +49,13 @@ use uuid::Uuid;
 
 use super::status_sql::{CONFIRMED, FAILED, PENDING, REJECTED, SENDING, SENT};
 use super::{
-    Bucket, BucketBatch, BucketCompletion, BucketLease, FailedMessage, KeyHead, LeaseToken,
-    MembershipRequest, MembershipRound, RelayInfo, Stats, Store, StoreOptions, millis, new_token,
-    stats_from,
+    Bucket, BucketBatch, BucketCompletion, FailedMessage, KeyHead, LeaseToken, MembershipRequest,
+    MembershipRound, RelayInfo, Stats, Store, StoreOptions, millis, new_token, stats_from,
 };
 use crate::error::{EnqueueError, StoreError};
 use crate::ident::TableName;
 use crate::message::{Limits, NewMessage};
-use crate::verdict::{ConfirmReport, Confirmation, RejectionHook, Verdict};
+use crate::verdict::{ConfirmReport, Confirmation, RejectionHook};
 
 mod producer;
 
@@ -293,18 +292,9 @@ impl Store for PgStore {
                     .fetch_all(&mut *tx)
                     .await
                     .map_err(&err)?;
-            round.acquired = handed
-                .iter()
-                .map(|&bucket| BucketLease {
-                    bucket,
-                    token,
-                    takeover: false,
-                })
-                .collect();
-            round.handed_over = handed;
+            round.take_handed_over(handed, token);
         }
-        let held = round.renewed.len() + round.handed_over.len();
-        let need = round.fair_share.saturating_sub(held as u32);
+        let need = round.need();
         if req.acquire && need > 0 {
             let token = new_token();
             let rows: Vec<(Bucket, bool)> = sqlx::query_as(AssertSqlSafe(self.sql.acquire.clone()))
@@ -315,13 +305,7 @@ impl Store for PgStore {
                 .fetch_all(&mut *tx)
                 .await
                 .map_err(&err)?;
-            round
-                .acquired
-                .extend(rows.into_iter().map(|(bucket, takeover)| BucketLease {
-                    bucket,
-                    token,
-                    takeover,
-                }));
+            round.acquire(token, rows);
         }
         tx.commit().await.map_err(&err)?;
         Ok(round)
@@ -520,80 +504,7 @@ impl Store for PgStore {
         &self,
         batch: &[Confirmation],
     ) -> Result<ConfirmReport, StoreError> {
-        let t = self.table.as_str();
-        let mut report = ConfirmReport::default();
-        let processed: Vec<Uuid> = batch
-            .iter()
-            .filter(|c| c.verdict == Verdict::Processed)
-            .map(|c| c.message_id)
-            .collect();
-        let mut unmatched: Vec<Uuid> = Vec::new();
-        if !processed.is_empty() {
-            let moved: Vec<Uuid> = sqlx::query_scalar(AssertSqlSafe(format!(
-                "UPDATE {t} SET status = {CONFIRMED}, confirmed_at = now(), confirm_deadline = NULL, updated_at = now() \
-                 WHERE message_id = ANY($1) AND status IN ({PENDING}, {SENDING}, {SENT}, {FAILED}) RETURNING message_id"
-            )))
-            .bind(&processed)
-            .fetch_all(&self.pool)
-            .await
-            .map_err(self.err("confirm"))?;
-            // Each moved row counts once; any other copy of its id in the batch is a duplicate.
-            let mut moved: std::collections::HashSet<Uuid> = moved.into_iter().collect();
-            for id in processed {
-                if moved.remove(&id) {
-                    report.confirmed += 1;
-                } else {
-                    unmatched.push(id);
-                }
-            }
-        }
-        for c in batch {
-            let Verdict::Rejected { reason } = &c.verdict else {
-                continue;
-            };
-            let mut tx = self.pool.begin().await.map_err(self.err("confirm"))?;
-            let row: Option<super::RejectedRow> =
-                sqlx::query_as(AssertSqlSafe(format!(
-                    "UPDATE {t} SET status = {REJECTED}, confirmed_at = now(), confirm_deadline = NULL, updated_at = now(), \
-                     last_error = $2 WHERE message_id = $1 AND status IN ({PENDING}, {SENDING}, {SENT}, {FAILED}) \
-                     RETURNING id, topic, partition_key, headers::text, payload"
-                )))
-                .bind(c.message_id)
-                .bind(format!("rejected by {}: {reason}", c.consumer))
-                .fetch_optional(&mut *tx)
-                .await
-                .map_err(self.err("confirm"))?;
-            let Some(row) = row else {
-                tx.rollback().await.map_err(self.err("confirm"))?;
-                unmatched.push(c.message_id);
-                continue;
-            };
-            super::finish_rejection(
-                tx,
-                self.hook.as_ref(),
-                c,
-                reason,
-                row,
-                &mut report,
-                self.table.as_str(),
-            )
-            .await?;
-        }
-        if !unmatched.is_empty() {
-            // Counted per confirmation, so an id repeated in the batch counts each time.
-            let known: std::collections::HashSet<Uuid> = sqlx::query_scalar(AssertSqlSafe(
-                format!("SELECT message_id FROM {t} WHERE message_id = ANY($1)"),
-            ))
-            .bind(&unmatched)
-            .fetch_all(&self.pool)
-            .await
-            .map_err(self.err("confirm"))?
-            .into_iter()
-            .collect();
-            report.duplicates = unmatched.iter().filter(|id| known.contains(id)).count() as u64;
-            report.unknown = unmatched.len() as u64 - report.duplicates;
-        }
-        Ok(report)
+        super::confirming::apply(self, batch).await
     }
 
     async fn check_back(&self, limit: u32, max_check_backs: u32) -> Result<u64, StoreError> {
@@ -656,6 +567,7 @@ impl Store for PgStore {
         super::admin::AdminTarget(super::admin::Target::Postgres(
             self.pool.clone(),
             self.table.as_str().to_owned(),
+            &ADMIN,
         ))
     }
 
@@ -720,5 +632,65 @@ impl Store for PgStore {
             found: 0,
             needed,
         })
+    }
+}
+
+impl super::confirming::ConfirmSteps for PgStore {
+    type Db = sqlx::Postgres;
+    type Id = Uuid;
+
+    fn id(&self, message_id: Uuid) -> Uuid {
+        message_id
+    }
+
+    fn table(&self) -> &str {
+        self.table.as_str()
+    }
+
+    fn hook(&self) -> Option<&Arc<dyn RejectionHook<sqlx::Postgres>>> {
+        self.hook.as_ref()
+    }
+
+    async fn confirm(&self, ids: &[Uuid]) -> Result<Vec<Uuid>, StoreError> {
+        let t = self.table.as_str();
+        sqlx::query_scalar(AssertSqlSafe(format!(
+            "UPDATE {t} SET status = {CONFIRMED}, confirmed_at = now(), confirm_deadline = NULL, updated_at = now() \
+             WHERE message_id = ANY($1) AND status IN ({PENDING}, {SENDING}, {SENT}, {FAILED}) RETURNING message_id"
+        )))
+        .bind(ids)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(self.err("confirm"))
+    }
+
+    async fn reject(
+        &self,
+        id: &Uuid,
+        error: String,
+    ) -> Result<Option<super::confirming::Rejection<sqlx::Postgres>>, StoreError> {
+        let t = self.table.as_str();
+        let mut tx = self.pool.begin().await.map_err(self.err("confirm"))?;
+        let row: Option<super::RejectedRow> = sqlx::query_as(AssertSqlSafe(format!(
+            "UPDATE {t} SET status = {REJECTED}, confirmed_at = now(), confirm_deadline = NULL, updated_at = now(), \
+             last_error = $2 WHERE message_id = $1 AND status IN ({PENDING}, {SENDING}, {SENT}, {FAILED}) \
+             RETURNING id, topic, partition_key, headers::text, payload"
+        )))
+        .bind(id)
+        .bind(error)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(self.err("confirm"))?;
+        super::confirming::rolled_back_unless(tx, row, self.err("confirm")).await
+    }
+
+    async fn known(&self, ids: &[Uuid]) -> Result<Vec<Uuid>, StoreError> {
+        let t = self.table.as_str();
+        sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT message_id FROM {t} WHERE message_id = ANY($1)"
+        )))
+        .bind(ids)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(self.err("confirm"))
     }
 }

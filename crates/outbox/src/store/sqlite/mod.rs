@@ -31,14 +31,14 @@ use self::errors::is_busy;
 use self::migrations::{migrations, run_migrations};
 use super::status_sql::{CONFIRMED, FAILED, PENDING, REJECTED, SENDING, SENT};
 use super::{
-    Bucket, BucketBatch, BucketCompletion, BucketLease, FailedMessage, KeyHead, LeaseToken,
-    MembershipRequest, MembershipRound, RelayInfo, Stats, Store, millis, new_token, stats_from,
+    Bucket, BucketBatch, BucketCompletion, FailedMessage, KeyHead, LeaseToken, MembershipRequest,
+    MembershipRound, RelayInfo, Stats, Store, millis, new_token, stats_from,
 };
 use crate::error::{EnqueueError, StoreError};
 use crate::ident::TableName;
 use crate::message::{Limits, NewMessage};
 use crate::store::StoreOptions;
-use crate::verdict::{ConfirmReport, Confirmation, RejectionHook, Verdict};
+use crate::verdict::{ConfirmReport, Confirmation, RejectionHook};
 
 mod producer;
 
@@ -308,25 +308,12 @@ impl Store for SqliteStore {
         skip_keys: &[String],
         limit: u32,
     ) -> Result<BucketBatch, StoreError> {
-        if buckets.is_empty() || limit == 0 {
-            return Ok(BucketBatch::default());
-        }
         let skip_json = (!skip_keys.is_empty())
             .then(|| serde_json::to_string(skip_keys).expect("keys serialize"));
-        let rows = super::read_in_rounds(buckets, limit, |parts, k, remaining| {
+        super::read_in_rounds(buckets, limit, |parts, k, remaining| {
             self.read_parts(parts, skip_json.as_deref(), k, remaining)
         })
-        .await?;
-        let mut batch = BucketBatch::default();
-        for (bucket, id, row) in &rows {
-            batch.push(
-                *bucket,
-                *id,
-                super::rows::decode_message(*id, row),
-                super::rows::due_age(row),
-            );
-        }
-        Ok(batch)
+        .await
     }
 
     async fn key_heads(&self, keys: &[String]) -> Result<Vec<KeyHead>, StoreError> {
@@ -432,86 +419,7 @@ impl Store for SqliteStore {
         &self,
         batch: &[Confirmation],
     ) -> Result<ConfirmReport, StoreError> {
-        let t = self.table.as_str();
-        let mut report = ConfirmReport::default();
-        let processed: Vec<String> = batch
-            .iter()
-            .filter(|c| c.verdict == Verdict::Processed)
-            .map(|c| c.message_id.to_string())
-            .collect();
-        let mut unmatched: Vec<String> = Vec::new();
-        if !processed.is_empty() {
-            let moved: Vec<String> = sqlx::query_scalar(AssertSqlSafe(format!(
-                "UPDATE {t} SET status = {CONFIRMED}, confirmed_at = {NOW_MS}, confirm_deadline = NULL, updated_at = {NOW_MS} \
-                 WHERE message_id IN (SELECT value FROM json_each(?1)) AND status IN ({PENDING}, {SENDING}, {SENT}, {FAILED}) \
-                 RETURNING message_id"
-            )))
-            .bind(serde_json::to_string(&processed).expect("ids serialize"))
-            .fetch_all(&self.pool)
-            .await
-            .map_err(self.err("confirm"))?;
-            // Each moved row counts once; any other copy of its id in the batch is a duplicate.
-            let mut moved: std::collections::HashSet<String> = moved.into_iter().collect();
-            for id in processed {
-                if moved.remove(&id) {
-                    report.confirmed += 1;
-                } else {
-                    unmatched.push(id);
-                }
-            }
-        }
-        for c in batch {
-            let Verdict::Rejected { reason } = &c.verdict else {
-                continue;
-            };
-            let mut conn = self.pool.acquire().await.map_err(self.err("confirm"))?;
-            let mut tx = sqlx::Connection::begin_with(&mut *conn, "BEGIN IMMEDIATE")
-                .await
-                .map_err(self.err("confirm"))?;
-            let row: Option<super::RejectedRow> =
-                sqlx::query_as(AssertSqlSafe(format!(
-                    "UPDATE {t} SET status = {REJECTED}, confirmed_at = {NOW_MS}, confirm_deadline = NULL, \
-                     updated_at = {NOW_MS}, last_error = ?2 WHERE message_id = ?1 AND status IN ({PENDING}, {SENDING}, {SENT}, {FAILED}) \
-                     RETURNING id, topic, partition_key, headers, CAST(payload AS BLOB)"
-                )))
-                .bind(c.message_id.to_string())
-                .bind(format!("rejected by {}: {reason}", c.consumer))
-                .fetch_optional(&mut *tx)
-                .await
-                .map_err(self.err("confirm"))?;
-            let Some(row) = row else {
-                tx.rollback().await.map_err(self.err("confirm"))?;
-                unmatched.push(c.message_id.to_string());
-                continue;
-            };
-            super::finish_rejection(
-                tx,
-                self.hook.as_ref(),
-                c,
-                reason,
-                row,
-                &mut report,
-                self.table.as_str(),
-            )
-            .await?;
-        }
-        if !unmatched.is_empty() {
-            // Counted per confirmation, so an id repeated in the batch counts each time.
-            let known: std::collections::HashSet<String> = sqlx::query_scalar(AssertSqlSafe(
-                format!(
-                    "SELECT message_id FROM {t} WHERE message_id IN (SELECT value FROM json_each(?1))"
-                ),
-            ))
-            .bind(serde_json::to_string(&unmatched).expect("ids serialize"))
-            .fetch_all(&self.pool)
-            .await
-            .map_err(self.err("confirm"))?
-            .into_iter()
-            .collect();
-            report.duplicates = unmatched.iter().filter(|id| known.contains(*id)).count() as u64;
-            report.unknown = unmatched.len() as u64 - report.duplicates;
-        }
-        Ok(report)
+        super::confirming::apply(self, batch).await
     }
 
     async fn check_back(&self, limit: u32, max_check_backs: u32) -> Result<u64, StoreError> {
@@ -568,6 +476,7 @@ impl Store for SqliteStore {
         super::admin::AdminTarget(super::admin::Target::Sqlite(
             self.pool.clone(),
             self.table.as_str().to_owned(),
+            &ADMIN,
         ))
     }
 
@@ -577,5 +486,69 @@ impl Store for SqliteStore {
 
     fn waker(&self) -> Arc<Notify> {
         self.waker.clone()
+    }
+}
+
+impl super::confirming::ConfirmSteps for SqliteStore {
+    type Db = sqlx::Sqlite;
+    type Id = String;
+
+    fn id(&self, message_id: Uuid) -> String {
+        message_id.to_string()
+    }
+
+    fn table(&self) -> &str {
+        self.table.as_str()
+    }
+
+    fn hook(&self) -> Option<&Arc<dyn RejectionHook<sqlx::Sqlite>>> {
+        self.hook.as_ref()
+    }
+
+    async fn confirm(&self, ids: &[String]) -> Result<Vec<String>, StoreError> {
+        let t = self.table.as_str();
+        sqlx::query_scalar(AssertSqlSafe(format!(
+            "UPDATE {t} SET status = {CONFIRMED}, confirmed_at = {NOW_MS}, confirm_deadline = NULL, updated_at = {NOW_MS} \
+             WHERE message_id IN (SELECT value FROM json_each(?1)) AND status IN ({PENDING}, {SENDING}, {SENT}, {FAILED}) \
+             RETURNING message_id"
+        )))
+        .bind(serde_json::to_string(ids).expect("ids serialize"))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(self.err("confirm"))
+    }
+
+    async fn reject(
+        &self,
+        id: &String,
+        error: String,
+    ) -> Result<Option<super::confirming::Rejection<sqlx::Sqlite>>, StoreError> {
+        let t = self.table.as_str();
+        let mut tx = (self.pool)
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .map_err(self.err("confirm"))?;
+        let row: Option<super::RejectedRow> = sqlx::query_as(AssertSqlSafe(format!(
+            "UPDATE {t} SET status = {REJECTED}, confirmed_at = {NOW_MS}, confirm_deadline = NULL, \
+             updated_at = {NOW_MS}, last_error = ?2 WHERE message_id = ?1 AND status IN ({PENDING}, {SENDING}, {SENT}, {FAILED}) \
+             RETURNING id, topic, partition_key, headers, CAST(payload AS BLOB)"
+        )))
+        .bind(id)
+        .bind(error)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(self.err("confirm"))?;
+        super::confirming::rolled_back_unless(tx, row, self.err("confirm")).await
+    }
+
+    async fn known(&self, ids: &[String]) -> Result<Vec<String>, StoreError> {
+        let t = self.table.as_str();
+        sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT message_id FROM {t} WHERE message_id IN (SELECT value FROM json_each(?1))"
+        )))
+        .bind(serde_json::to_string(ids).expect("ids serialize"))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(self.err("confirm"))
     }
 }

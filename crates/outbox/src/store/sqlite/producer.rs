@@ -381,7 +381,7 @@ impl SqliteStore {
         if req.acquire {
             // Buckets handed over to this relay (migration v6), even above the fair share.
             let token = new_token();
-            let mut handed: Vec<Bucket> = sqlx::query_scalar(AssertSqlSafe(format!(
+            let handed: Vec<Bucket> = sqlx::query_scalar(AssertSqlSafe(format!(
                 "UPDATE {t}_buckets SET owner = ?1, token = ?2, expires_at = {NOW_MS} + ?3, handoff = NULL \
                  WHERE owner IS NULL AND handoff = ?1 RETURNING bucket"
             )))
@@ -390,20 +390,9 @@ impl SqliteStore {
             .bind(lease)
             .fetch_all(&mut *tx)
             .await?;
-            handed.sort_unstable();
-            round.acquired = handed
-                .iter()
-                .map(|&bucket| BucketLease {
-                    bucket,
-                    token,
-                    takeover: false,
-                })
-                .collect();
-            round.handed_over = handed;
+            round.take_handed_over(handed, token);
         }
-        let need = round.fair_share.saturating_sub(
-            u32::try_from(round.renewed.len() + round.handed_over.len()).unwrap_or(u32::MAX),
-        );
+        let need = round.need();
         if req.acquire && need > 0 {
             // The transaction holds the write lock: what is read here is what is updated. A
             // bucket handed over to another relay is reserved for it until its lease ends.
@@ -429,13 +418,7 @@ impl SqliteStore {
                 .bind(serde_json::to_string(&list).expect("buckets serialize"))
                 .execute(&mut *tx)
                 .await?;
-                round
-                    .acquired
-                    .extend(free.into_iter().map(|(bucket, takeover)| BucketLease {
-                        bucket,
-                        token,
-                        takeover,
-                    }));
+                round.acquire(token, free);
             }
         }
         tx.commit().await?;

@@ -201,12 +201,12 @@ impl KafkaConfig {
         if let Some(s) = &mut c.sasl {
             if s.username.is_empty() {
                 let var = s.username_env.as_deref();
-                s.username = crate::transport::config::env_secret("sasl.username_env", var)?
+                s.username = crate::transport::settings::env_secret("sasl.username_env", var)?
                     .unwrap_or_default();
             }
             if s.password.is_empty() {
                 let var = s.password_env.as_deref();
-                s.password = crate::transport::config::env_secret("sasl.password_env", var)?
+                s.password = crate::transport::settings::env_secret("sasl.password_env", var)?
                     .unwrap_or_default();
             }
         }

@@ -346,12 +346,6 @@ impl Transport for KafkaTransport {
         check_message(out)
     }
 
-    async fn publish(&self, batch: &[Outgoing<'_>]) -> Vec<Result<(), TransportError>> {
-        let acks = Acks::new(batch.len());
-        self.publish_each(batch, &acks).await;
-        acks.into_results()
-    }
-
     async fn publish_each(&self, batch: &[Outgoing<'_>], acks: &Acks) {
         let producer = self.producer();
         // Enqueue the whole batch, then await the delivery reports.

@@ -5,6 +5,7 @@ use std::time::Duration;
 use rumqttc::v5::MqttOptions;
 
 use crate::error::ConfigError;
+use crate::transport::settings::fill_secret;
 
 /// What a PUBACK with reason 0x10 (*No matching subscribers*) means; `"retry"` or `"accept"`
 /// in a configuration file.
@@ -138,11 +139,7 @@ impl MqttConfig {
     /// [`ConfigError`] naming `password_env` when the variable is not set.
     pub fn resolve_secrets(&self) -> Result<Self, ConfigError> {
         let mut c = self.clone();
-        crate::transport::config::fill_secret(
-            &mut c.password,
-            "password_env",
-            c.password_env.as_deref(),
-        )?;
+        fill_secret(&mut c.password, "password_env", c.password_env.as_deref())?;
         Ok(c)
     }
 }

@@ -521,12 +521,6 @@ impl Transport for MqttTransport {
         check_message(out)
     }
 
-    async fn publish(&self, batch: &[Outgoing<'_>]) -> Vec<Result<(), TransportError>> {
-        let acks = Acks::new(batch.len());
-        self.publish_each(batch, &acks).await;
-        acks.into_results()
-    }
-
     async fn publish_each(&self, batch: &[Outgoing<'_>], acks: &Acks) {
         let pending: Vec<_> = batch
             .iter()

@@ -6,25 +6,21 @@ use super::*;
 fn check_refuses_what_mqtt_cannot_carry() {
     use crate::transport::wire::test_message as message;
     let long = "v".repeat(65_536);
-    for (m, named) in [
-        (
-            message(&[("a", long.as_str())], None),
-            "header \"a\": an MQTT string is at most",
-        ),
-        (message(&[("a\u{0}b", "v")], None), "header \"a\\0b\""),
-        (message(&[("a", "x\ty")], None), "tab included"),
-        (message(&[("a", "x\u{85}y")], None), "header \"a\""),
-        (message(&[("a", "x\u{FFFF}")], None), "noncharacter"),
-        (message(&[], Some("k\r\n")), "partition key \"k\\r\\n\""),
-    ] {
-        let e = check_message(&Outgoing {
-            message: &m,
-            destination: "orders/created",
-        })
-        .unwrap_err();
-        assert_eq!(e.kind(), TransportErrorKind::Permanent);
-        assert!(e.report().contains(named), "{named}: {}", e.report());
-    }
+    crate::transport::wire::assert_refused(
+        check_message,
+        "orders/created",
+        [
+            (
+                message(&[("a", long.as_str())], None),
+                "header \"a\": an MQTT string is at most",
+            ),
+            (message(&[("a\u{0}b", "v")], None), "header \"a\\0b\""),
+            (message(&[("a", "x\ty")], None), "tab included"),
+            (message(&[("a", "x\u{85}y")], None), "header \"a\""),
+            (message(&[("a", "x\u{FFFF}")], None), "noncharacter"),
+            (message(&[], Some("k\r\n")), "partition key \"k\\r\\n\""),
+        ],
+    );
     let ok = message(
         &[("a b", "x y \u{e9}😀"), ("Nats-Msg-Id", "1"), ("BCC", "q")],
         Some("order 7"),

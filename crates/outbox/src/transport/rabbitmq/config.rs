@@ -1,6 +1,7 @@
 //! RabbitMQ transport settings: the connection configuration, destinations and what an unroutable message counts as.
 
 use super::*;
+use crate::transport::settings::fill_secret;
 
 /// What a message returned as unroutable (`basic.return` with `312 NO_ROUTE`: the exchange exists
 /// but no queue is bound for the routing key) counts as; `"retry"` or `"fail"` in a
@@ -132,11 +133,7 @@ impl RabbitMqConfig {
     /// the file cannot be read or holds no PEM certificate.
     pub fn resolve_secrets(&self) -> Result<Self, ConfigError> {
         let mut c = self.clone();
-        crate::transport::config::fill_secret(
-            &mut c.password,
-            "password_env",
-            c.password_env.as_deref(),
-        )?;
+        fill_secret(&mut c.password, "password_env", c.password_env.as_deref())?;
         if let (None, Some(path)) = (&c.tls_ca_pem, &c.tls_ca_file) {
             let pem = std::fs::read_to_string(path).map_err(|e| {
                 ConfigError::new(

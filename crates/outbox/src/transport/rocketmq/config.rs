@@ -25,8 +25,10 @@ impl Credentials {
     pub fn resolved(&self) -> Result<Credentials, ConfigError> {
         let mut k = self.clone();
         if k.secret_key.is_empty()
-            && let Some(v) =
-                crate::transport::config::env_secret("secret_key_env", k.secret_key_env.as_deref())?
+            && let Some(v) = crate::transport::settings::env_secret(
+                "secret_key_env",
+                k.secret_key_env.as_deref(),
+            )?
         {
             k.secret_key = v;
         }

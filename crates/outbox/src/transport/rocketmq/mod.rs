@@ -663,12 +663,6 @@ impl Transport for RocketMqTransport {
         check_message(out, self.config.max_message_size)
     }
 
-    async fn publish(&self, batch: &[Outgoing<'_>]) -> Vec<Result<(), TransportError>> {
-        let acks = Acks::new(batch.len());
-        self.publish_each(batch, &acks).await;
-        acks.into_results()
-    }
-
     async fn publish_each(&self, batch: &[Outgoing<'_>], acks: &Acks) {
         // Chains: the messages of one partition key in batch order (sent one after the other to
         // the key's queue); every message without a key (or with key order off) is a chain of

@@ -14,7 +14,7 @@ use serde::Deserialize;
 use serde_json::json;
 use uuid::Uuid;
 
-use super::http::{Api, ApiError, bad};
+use super::{Api, ApiError, bad};
 use crate::message::NewMessage;
 use crate::two_phase::{CheckBack, DecideError, TwoPhase};
 

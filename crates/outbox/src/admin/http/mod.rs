@@ -24,6 +24,8 @@
 //! Reads need the token too when [`AdminAuth::protect_reads`]. Errors are JSON `{"error":
 //! "…"}`: 400 naming the parameter, 401, 403, 404, 503 while the database is unreachable, 500.
 
+pub mod prepared;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -151,7 +153,7 @@ fn build(api: Api) -> axum::Router {
             "/api/inbox/discard",
             axum::routing::post(|s, h, b| inbox_act(s, h, InboxAction::Discard, b)),
         )
-        .merge(super::prepared::routes())
+        .merge(prepared::routes())
         .with_state(api)
 }
 
@@ -277,9 +279,9 @@ fn search_params_api(pairs: &[(String, String)]) -> Result<(MessageFilter, PageR
 
 /// The dashboard's page, script and style sheet: plain files in `admin/ui/`, compiled in (no
 /// build step, nothing fetched from elsewhere).
-const INDEX_HTML: &str = include_str!("ui/index.html");
-const APP_JS: &str = include_str!("ui/app.js");
-const APP_CSS: &str = include_str!("ui/app.css");
+const INDEX_HTML: &str = include_str!("../ui/index.html");
+const APP_JS: &str = include_str!("../ui/app.js");
+const APP_CSS: &str = include_str!("../ui/app.css");
 
 async fn asset(content_type: &'static str, body: &'static str) -> Response {
     (
@@ -515,7 +517,7 @@ async fn inbox_act(
 }
 
 /// The OpenAPI 3.1 description of [`router`]'s routes.
-pub const OPENAPI: &str = include_str!("openapi.json");
+pub const OPENAPI: &str = include_str!("../openapi.json");
 
 #[cfg(test)]
 mod tests {
