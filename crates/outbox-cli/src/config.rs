@@ -214,33 +214,30 @@ impl DatabasesEntry {
                 .name
                 .bytes()
                 .all(|b| b.is_ascii_alphanumeric() || b"_-.".contains(&b));
-        if !name_ok {
-            return Err(ConfigError::new(
-                field("name"),
-                format!(
-                    "{:?} is not a name: 1 to 64 ASCII letters, digits, _, - or .",
-                    self.name
-                ),
-            ));
-        }
+        ConfigError::invalid_if(
+            !name_ok,
+            field("name"),
+            format!(
+                "{:?} is not a name: 1 to 64 ASCII letters, digits, _, - or .",
+                self.name
+            ),
+        )?;
         let dialect = outbox::store::Dialect::of_url(&self.url)
             .map_err(|e| ConfigError::new(field("url"), e.to_string()))?;
         for (f, t) in [("table", &self.table), ("inbox_table", &self.inbox_table)] {
             outbox::TableName::new(t).map_err(|e| ConfigError::new(field(f), e.to_string()))?;
         }
         if self.discovers() {
-            if dialect != outbox::store::Dialect::Postgres {
-                return Err(ConfigError::new(
-                    field("schemas"),
-                    "tenant schemas are discovered on PostgreSQL only",
-                ));
-            }
-            if self.schemas.is_some() && self.schemas_query.is_some() {
-                return Err(ConfigError::new(
-                    field("schemas_query"),
-                    "give schemas (a LIKE pattern) or schemas_query, not both",
-                ));
-            }
+            ConfigError::invalid_if(
+                dialect != outbox::store::Dialect::Postgres,
+                field("schemas"),
+                "tenant schemas are discovered on PostgreSQL only",
+            )?;
+            ConfigError::invalid_if(
+                self.schemas.is_some() && self.schemas_query.is_some(),
+                field("schemas_query"),
+                "give schemas (a LIKE pattern) or schemas_query, not both",
+            )?;
             if self.schemas.as_ref().is_some_and(String::is_empty)
                 || self
                     .schemas_query
@@ -250,19 +247,17 @@ impl DatabasesEntry {
                 return Err(ConfigError::new(field("schemas"), "must not be empty"));
             }
             for (f, t) in [("table", &self.table), ("inbox_table", &self.inbox_table)] {
-                if t.contains('.') {
-                    return Err(ConfigError::new(
-                        field(f),
-                        "must be unqualified with schemas: each tenant's is <schema>.<table>",
-                    ));
-                }
+                ConfigError::invalid_if(
+                    t.contains('.'),
+                    field(f),
+                    "must be unqualified with schemas: each tenant's is <schema>.<table>",
+                )?;
             }
-            if self.rediscover_interval < std::time::Duration::from_secs(1) {
-                return Err(ConfigError::new(
-                    field("rediscover_interval"),
-                    "must be at least 1s",
-                ));
-            }
+            ConfigError::invalid_if(
+                self.rediscover_interval < std::time::Duration::from_secs(1),
+                field("rediscover_interval"),
+                "must be at least 1s",
+            )?;
         }
         let transports = file.transports.iter().map(|(k, v)| (k.as_str(), v));
         check_routes(self.routes(file), &transports.collect()).map_err(|e| {
@@ -401,15 +396,16 @@ impl KafkaConfirmationsSection {
         let named = confirmations_field;
         c.validate().map_err(named)?;
         c.check_features().map_err(named)?;
-        if !outbox::transport::kafka::valid_topic(&self.topic) {
-            return Err(ConfigError::new(
-                "confirmations.topic",
-                format!("{:?} is not a Kafka topic name", self.topic),
-            ));
-        }
-        if self.group.is_empty() {
-            return Err(ConfigError::new("confirmations.group", "must not be empty"));
-        }
+        ConfigError::invalid_if(
+            !outbox::transport::kafka::valid_topic(&self.topic),
+            "confirmations.topic",
+            format!("{:?} is not a Kafka topic name", self.topic),
+        )?;
+        ConfigError::invalid_if(
+            self.group.is_empty(),
+            "confirmations.group",
+            "must not be empty",
+        )?;
         c.resolve_secrets().map_err(named)
     }
 }
@@ -533,30 +529,27 @@ impl FileConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let relay = self.relay_config()?;
         if !self.databases.is_empty() {
-            if !self.database.url.is_empty() {
-                return Err(ConfigError::new(
-                    "database.url",
-                    "give either [database] or [[databases]], not both (--database and \
+            ConfigError::invalid_if(
+                !self.database.url.is_empty(),
+                "database.url",
+                "give either [database] or [[databases]], not both (--database and \
                      OUTBOX_DATABASE_URL set [database])",
-                ));
-            }
+            )?;
             let mut names = std::collections::BTreeSet::new();
             for (i, d) in self.databases.iter().enumerate() {
                 d.validate(i, self)?;
-                if !names.insert(d.name.as_str()) {
-                    return Err(ConfigError::new(
-                        format!("databases[{i}].name"),
-                        format!("{:?} names two databases", d.name),
-                    ));
-                }
+                ConfigError::invalid_if(
+                    !names.insert(d.name.as_str()),
+                    format!("databases[{i}].name"),
+                    format!("{:?} names two databases", d.name),
+                )?;
             }
-            if self.confirmations.is_some() {
-                return Err(ConfigError::new(
-                    "confirmations",
-                    "not supported with [[databases]] yet: run one daemon per database ([database]) \
+            ConfigError::invalid_if(
+                self.confirmations.is_some(),
+                "confirmations",
+                "not supported with [[databases]] yet: run one daemon per database ([database]) \
                      for routes that require confirmation",
-                ));
-            }
+            )?;
         } else if self.database.url.is_empty() {
             return Err(ConfigError::new(
                 "database.url",
@@ -597,20 +590,18 @@ impl FileConfig {
                         || s.chars().any(|c| c.is_whitespace() || c.is_control())
                         || s.split('.').any(str::is_empty)
                 };
-                if bad(subject) {
-                    return Err(ConfigError::new(
-                        "confirmations.subject",
-                        format!(
-                            "{subject:?} is not a NATS subject (dot-separated non-empty tokens, no whitespace)"
-                        ),
-                    ));
-                }
-                if queue.is_empty() || queue.chars().any(|c| c.is_whitespace()) {
-                    return Err(ConfigError::new(
-                        "confirmations.queue",
-                        "must be a non-empty name without whitespace",
-                    ));
-                }
+                ConfigError::invalid_if(
+                    bad(subject),
+                    "confirmations.subject",
+                    format!(
+                        "{subject:?} is not a NATS subject (dot-separated non-empty tokens, no whitespace)"
+                    ),
+                )?;
+                ConfigError::invalid_if(
+                    queue.is_empty() || queue.chars().any(|c| c.is_whitespace()),
+                    "confirmations.queue",
+                    "must be a non-empty name without whitespace",
+                )?;
             }
             #[cfg(feature = "redis")]
             Some(ConfirmationsSection::Redis {
@@ -628,12 +619,11 @@ impl FileConfig {
                     ("confirmations.group", Some(group)),
                     ("confirmations.consumer", consumer.as_ref()),
                 ] {
-                    if v.is_some_and(|v| v.is_empty() || v.chars().any(char::is_whitespace)) {
-                        return Err(ConfigError::new(
-                            field,
-                            "must be non-empty, without whitespace",
-                        ));
-                    }
+                    ConfigError::invalid_if(
+                        v.is_some_and(|v| v.is_empty() || v.chars().any(char::is_whitespace)),
+                        field,
+                        "must be non-empty, without whitespace",
+                    )?;
                 }
             }
             #[cfg(feature = "mqtt")]
@@ -649,18 +639,16 @@ impl FileConfig {
                     .map_err(|e| ConfigError::new("confirmations.url", e.reason))?;
                 outbox::transport::mqtt::validate_topic(topic)
                     .map_err(|r| ConfigError::new("confirmations.topic", r))?;
-                if group.is_empty() || group.contains(['/', '+', '#']) {
-                    return Err(ConfigError::new(
-                        "confirmations.group",
-                        "must be non-empty, without / + #",
-                    ));
-                }
-                if client_id.as_ref().is_some_and(String::is_empty) {
-                    return Err(ConfigError::new(
-                        "confirmations.client_id",
-                        "must not be empty",
-                    ));
-                }
+                ConfigError::invalid_if(
+                    group.is_empty() || group.contains(['/', '+', '#']),
+                    "confirmations.group",
+                    "must be non-empty, without / + #",
+                )?;
+                ConfigError::invalid_if(
+                    client_id.as_ref().is_some_and(String::is_empty),
+                    "confirmations.client_id",
+                    "must not be empty",
+                )?;
                 env_secret("confirmations.password_env", password_env.as_deref())?;
             }
             #[cfg(feature = "rocketmq")]
@@ -677,27 +665,27 @@ impl FileConfig {
             #[cfg(feature = "rabbitmq")]
             Some(c @ ConfirmationsSection::Rabbitmq { queue, .. }) => {
                 c.rabbitmq()?;
-                if queue.is_empty() || queue.len() > 255 {
-                    return Err(ConfigError::new(
-                        "confirmations.queue",
-                        "must be a queue name of 1 to 255 bytes",
-                    ));
-                }
+                ConfigError::invalid_if(
+                    queue.is_empty() || queue.len() > 255,
+                    "confirmations.queue",
+                    "must be a queue name of 1 to 255 bytes",
+                )?;
             }
             #[cfg(feature = "kafka")]
             Some(ConfirmationsSection::Kafka(k)) => {
                 k.kafka_config()?;
             }
             Some(ConfirmationsSection::Http { listen, path }) => {
-                if listen.parse::<std::net::SocketAddr>().is_err() {
-                    return Err(ConfigError::new(
-                        "confirmations.listen",
-                        format!("{listen:?} is not a socket address such as 127.0.0.1:8081"),
-                    ));
-                }
-                if !path.starts_with('/') {
-                    return Err(ConfigError::new("confirmations.path", "must start with /"));
-                }
+                ConfigError::invalid_if(
+                    listen.parse::<std::net::SocketAddr>().is_err(),
+                    "confirmations.listen",
+                    format!("{listen:?} is not a socket address such as 127.0.0.1:8081"),
+                )?;
+                ConfigError::invalid_if(
+                    !path.starts_with('/'),
+                    "confirmations.path",
+                    "must start with /",
+                )?;
             }
             None => {}
         }

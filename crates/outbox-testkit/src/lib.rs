@@ -91,6 +91,15 @@ pub fn nats_url() -> String {
     std::env::var("OUTBOX_TEST_NATS_URL").unwrap_or_else(|_| DEFAULT_NATS_URL.into())
 }
 
+/// A loopback port that was free a moment ago (bound, then let go): for a server the test
+/// starts on it, or as an address where nothing listens (connection refused).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free loopback port")
+        .port()
+}
+
 /// A lower-case name `prefix_<16 hex digits>`, unique per call: a valid SQL identifier and NATS
 /// stream name.
 pub fn unique(prefix: &str) -> String {

@@ -517,6 +517,22 @@ impl ConfigError {
             reason: reason.into(),
         }
     }
+
+    /// `Err` for `field` with `reason` when `invalid` holds, else `Ok(())`: one rule of a
+    /// `validate()`, as in `ConfigError::invalid_if(self.batch == 0, "batch", "must be at least
+    /// 1")?`. The reason is built whether or not the rule is broken, so it must not depend on
+    /// the rule being broken (no indexing the condition guards).
+    pub fn invalid_if(
+        invalid: bool,
+        field: impl Into<String>,
+        reason: impl Into<String>,
+    ) -> Result<(), ConfigError> {
+        if invalid {
+            Err(ConfigError::new(field, reason))
+        } else {
+            Ok(())
+        }
+    }
 }
 
 /// What a consumer's handler says when it does not apply a message. In every case the inbox

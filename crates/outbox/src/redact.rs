@@ -116,6 +116,10 @@ mod tests {
             let mut l = crate::confirm::mqtt::MqttListenConfig::new(with_password("mqtt"), "t");
             l.password = Some(S.into());
             printed.push(format!("{l:?}"));
+            let mut c =
+                crate::consumer::mqtt::MqttConsumerConfig::new(with_password("mqtt"), "c1", "t");
+            c.password = Some(S.into());
+            printed.push(format!("{c:?}"));
         }
         #[cfg(feature = "redis")]
         {
@@ -125,6 +129,10 @@ mod tests {
             let mut l = crate::confirm::redis::RedisListenConfig::new(with_password("redis"), "s");
             l.password = Some(S.into());
             printed.push(format!("{l:?}"));
+            let mut c =
+                crate::consumer::redis::RedisConsumerConfig::new(with_password("redis"), "s", "g");
+            c.password = Some(S.into());
+            printed.push(format!("{c:?}"));
         }
         for p in &printed {
             assert!(!p.contains(S), "a secret in {p}");

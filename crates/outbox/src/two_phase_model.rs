@@ -53,12 +53,11 @@ impl CheckBack {
     pub fn http(url: impl Into<String>) -> Result<Self, ConfigError> {
         let url = url.into();
         let lower = url.to_ascii_lowercase();
-        if !(lower.starts_with("http://") || lower.starts_with("https://")) || url.len() < 8 {
-            return Err(ConfigError::new(
-                "check_back",
-                format!("{url:?} is not an http:// or https:// URL"),
-            ));
-        }
+        ConfigError::invalid_if(
+            !(lower.starts_with("http://") || lower.starts_with("https://")) || url.len() < 8,
+            "check_back",
+            format!("{url:?} is not an http:// or https:// URL"),
+        )?;
         CheckBack::stored(url)
     }
 
@@ -69,12 +68,11 @@ impl CheckBack {
     /// # Errors
     /// [`ConfigError`] on `check_back` when the name breaks that rule.
     pub fn hook(name: &str) -> Result<Self, ConfigError> {
-        if !valid_hook_name(name) {
-            return Err(ConfigError::new(
-                "check_back",
-                format!("hook name {name:?}: 1 to 64 of A-Z a-z 0-9 - _ ."),
-            ));
-        }
+        ConfigError::invalid_if(
+            !valid_hook_name(name),
+            "check_back",
+            format!("hook name {name:?}: 1 to 64 of A-Z a-z 0-9 - _ ."),
+        )?;
         CheckBack::stored(format!("hook:{name}"))
     }
 
@@ -144,15 +142,12 @@ impl CheckBack {
     /// The delays, checked: each at most 365 days.
     pub(crate) fn validate(&self) -> Result<(), ConfigError> {
         const YEAR: Duration = Duration::from_secs(365 * 24 * 3600);
-        if self.after > YEAR {
-            return Err(ConfigError::new("check_back.after", "at most 365 days"));
-        }
-        if self.deadline.is_some_and(|d| d > YEAR || d.is_zero()) {
-            return Err(ConfigError::new(
-                "check_back.deadline",
-                "more than zero and at most 365 days",
-            ));
-        }
+        ConfigError::invalid_if(self.after > YEAR, "check_back.after", "at most 365 days")?;
+        ConfigError::invalid_if(
+            self.deadline.is_some_and(|d| d > YEAR || d.is_zero()),
+            "check_back.deadline",
+            "more than zero and at most 365 days",
+        )?;
         Ok(())
     }
 }

@@ -301,14 +301,25 @@ pub fn relay_config(name: &str) -> RelayConfig {
     }
 }
 
-/// A relay over `fx`'s store publishing every topic to `mem`, running.
-fn spawn_relay<F: StoreFixture>(fx: &F, mem: &Arc<MemoryTransport>) -> outbox::RelayHandle {
-    Relay::builder(fx.store())
-        .router(Router::single(mem.clone()))
-        .config(relay_config("suite-relay"))
+/// A relay over `store` publishing every topic to `transport` (`Router::single`) with `config`.
+///
+/// # Panics
+/// When `config` is invalid.
+pub fn relay_over(
+    store: Arc<dyn outbox::Store>,
+    transport: Arc<dyn outbox::Transport>,
+    config: RelayConfig,
+) -> Relay {
+    Relay::builder(store)
+        .router(Router::single(transport))
+        .config(config)
         .build()
         .expect("relay config")
-        .spawn()
+}
+
+/// A relay over `fx`'s store publishing every topic to `mem`, running.
+fn spawn_relay<F: StoreFixture>(fx: &F, mem: &Arc<MemoryTransport>) -> outbox::RelayHandle {
+    relay_over(fx.store(), mem.clone(), relay_config("suite-relay")).spawn()
 }
 
 /// Wait until the row of `id` has `status`.

@@ -15,12 +15,7 @@ use tokio_util::sync::CancellationToken;
 use crate::relay::{fast_config, relay_to};
 
 fixture_tests!(
-    [
-        sqlite: outbox_testkit::SqliteFixture,
-        postgres: outbox_testkit::PgFixture,
-        postgres_partitioned: outbox_testkit::PgPartitionedFixture,
-        mysql: outbox_testkit::MySqlFixture,
-    ],
+    stores_and_partitioned,
     [crate::admin],
     [
         admin_api_finds_and_fixes_dead_letters = scenario,

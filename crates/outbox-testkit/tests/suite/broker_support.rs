@@ -58,10 +58,18 @@ where
     ))
 }
 
-/// Cancel a consumer runner and wait until it stopped, without an error.
-pub(crate) async fn stop_consumer(cancel: CancellationToken, task: ConsumerTask) {
+/// How long a consumer runner may take to stop unless its test says otherwise: 5 s.
+pub(crate) const CONSUMER_STOPS_WITHIN: Duration = Duration::from_secs(5);
+
+/// How long a confirmation listener may take to stop unless its test says otherwise: 10 s.
+pub(crate) const LISTENER_STOPS_WITHIN: Duration = Duration::from_secs(10);
+
+/// Cancel a consumer runner and wait until it stopped, without an error, for at most `bound`
+/// (each broker's tests keep the bound they had: 5 s NATS, 10 s Redis, RabbitMQ and MQTT,
+/// 15 s Kafka, 30 s RocketMQ, whose client leaves its rebalance loop slowly).
+pub(crate) async fn stop_consumer(cancel: CancellationToken, task: ConsumerTask, bound: Duration) {
     cancel.cancel();
-    within("the consumer to stop", Duration::from_secs(30), task)
+    within("the consumer to stop", bound, task)
         .await
         .expect("consumer task")
         .expect("consumer result");
@@ -72,6 +80,9 @@ pub(crate) struct Running {
     pub(crate) metrics: Arc<ConsumerMetrics>,
     pub(crate) cancel: CancellationToken,
     pub(crate) task: ConsumerTask,
+    /// How long [`Running::stop`] waits: [`CONSUMER_STOPS_WITHIN`] unless set by
+    /// [`Running::stopping_within`].
+    bound: Duration,
 }
 
 impl Running {
@@ -96,7 +107,13 @@ impl Running {
             metrics,
             cancel,
             task,
+            bound: CONSUMER_STOPS_WITHIN,
         }
+    }
+
+    /// The same runner, which [`Running::stop`] waits for at most `bound`.
+    pub(crate) fn stopping_within(self, bound: Duration) -> Running {
+        Running { bound, ..self }
     }
 
     /// End it as a dying process would (its task aborted); its metrics.
@@ -108,7 +125,7 @@ impl Running {
 
     /// Cancel it and wait until it stopped ([`stop_consumer`]).
     pub(crate) async fn stop(self) {
-        stop_consumer(self.cancel, self.task).await;
+        stop_consumer(self.cancel, self.task, self.bound).await;
     }
 }
 
@@ -117,6 +134,9 @@ impl Running {
 pub(crate) struct Listener {
     stop: CancellationToken,
     task: tokio::task::JoinHandle<Result<outbox::ConfirmReport, outbox::ConfigError>>,
+    /// How long stopping it waits: [`LISTENER_STOPS_WITHIN`] unless set by
+    /// [`Listener::stopping_within`].
+    bound: Duration,
 }
 
 impl Listener {
@@ -129,13 +149,22 @@ impl Listener {
     {
         let stop = CancellationToken::new();
         let task = tokio::spawn(listen(stop.clone()));
-        Listener { stop, task }
+        Listener {
+            stop,
+            task,
+            bound: LISTENER_STOPS_WITHIN,
+        }
+    }
+
+    /// The same listener, which stopping waits for at most `bound`.
+    pub(crate) fn stopping_within(self, bound: Duration) -> Listener {
+        Listener { bound, ..self }
     }
 
     /// Stop it and return its report (it must end without an error).
     pub(crate) async fn report(self) -> outbox::ConfirmReport {
         self.stop.cancel();
-        within("listener to stop", Duration::from_secs(30), self.task)
+        within("listener to stop", self.bound, self.task)
             .await
             .expect("listener task")
             .expect("listener result")
@@ -144,6 +173,6 @@ impl Listener {
     /// Stop it, whatever it ends with.
     pub(crate) async fn stop(self) {
         self.stop.cancel();
-        let _ = within("listener to stop", Duration::from_secs(10), self.task).await;
+        let _ = within("listener to stop", self.bound, self.task).await;
     }
 }

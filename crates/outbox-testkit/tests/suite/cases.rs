@@ -10,9 +10,9 @@ use async_trait::async_trait;
 use outbox::store::Store as _;
 use outbox::{
     Backoff, HandlerError, InboundMessage, Inbox, MemoryTransport, NewMessage, PgStore, Processed,
-    Relay, RelayConfig, Router, SqliteStore, Status, StoreErrorKind, StoreOptions,
-    TransportErrorKind,
+    RelayConfig, SqliteStore, Status, StoreErrorKind, StoreOptions, TransportErrorKind,
 };
+use outbox_testkit::store_suite::relay_over;
 use outbox_testkit::{PgFixture, SqliteFixture, StoreFixture, wait_until, within};
 use sqlx::{AssertSqlSafe, Executor as _, PgConnection};
 
@@ -332,12 +332,7 @@ async fn c24_in_memory_sqlite_pool() {
     // Idle longer than the refused pool's idle timeout.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let mem = Arc::new(MemoryTransport::new());
-    let relay = outbox::Relay::builder(Arc::new(store.clone()))
-        .router(outbox::Router::single(mem.clone()))
-        .config(fast_config("r1"))
-        .build()
-        .unwrap()
-        .spawn();
+    let relay = relay_over(Arc::new(store.clone()), mem.clone(), fast_config("r1")).spawn();
     within("10 deliveries", Duration::from_secs(5), mem.wait_for(10)).await;
     wait_until("10 SENT", Duration::from_secs(5), || {
         let store = store.clone();
@@ -369,6 +364,21 @@ async fn epoch(store: &PgStore, sql: &str, id: uuid::Uuid) -> f64 {
         .fetch_one(store.pool())
         .await
         .unwrap()
+}
+
+/// [`fast_config`] named `name` whose retries come 60 s later (no jitter, no growth): a retry's
+/// `available_at` shows the relay measured the delay on the database clock.
+pub(crate) fn retry_a_minute_later(name: &str) -> RelayConfig {
+    let minute = Duration::from_secs(60);
+    RelayConfig {
+        backoff: Backoff {
+            base: minute,
+            factor: 1.0,
+            max: minute,
+            jitter: 0.0,
+        },
+        ..fast_config(name)
+    }
 }
 
 /// C35: two instances whose sessions run in Asia/Shanghai and UTC enqueue at the same moment:
@@ -439,20 +449,12 @@ async fn c35_session_time_zones_do_not_shift_times() {
     for id in [a, b] {
         mem.fail_next(id, vec![TransportErrorKind::Retryable]);
     }
-    let relay = Relay::builder(Arc::new(shanghai.clone()))
-        .router(Router::single(mem.clone()))
-        .config(RelayConfig {
-            backoff: Backoff {
-                base: Duration::from_secs(60),
-                factor: 1.0,
-                max: Duration::from_secs(60),
-                jitter: 0.0,
-            },
-            ..fast_config("shanghai")
-        })
-        .build()
-        .unwrap()
-        .spawn();
+    let relay = relay_over(
+        Arc::new(shanghai.clone()),
+        mem.clone(),
+        retry_a_minute_later("shanghai"),
+    )
+    .spawn();
     wait_until("both to fail once", Duration::from_secs(10), || async {
         let r = relay.metrics().snapshot();
         r.retried >= 2 && r.completion_writes >= 1

@@ -139,10 +139,7 @@ async fn c17_sqlite_takeover_never_overwrites_a_completion() {
     crate::init_tracing();
     let fx = SqliteFixture::new().await;
     let pool = fx.store.pool().clone();
-    sqlx::query("CREATE TABLE effects (message_id TEXT NOT NULL, payload BLOB)")
-        .execute(&pool)
-        .await
-        .unwrap();
+    crate::inbox::sqlite_effects_table(&pool).await;
     c17_scenario(&fx, async |all| {
         let (applied, _) = apply_through_inbox(&pool, "outbox_inbox", "effects", &all).await;
         let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM effects")

@@ -7,15 +7,14 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use outbox::store::{BucketCompletion, MembershipRequest, Outcome, Store as _};
-use outbox::{
-    Backoff, MemoryTransport, MySqlStore, NewMessage, Relay, Router, Status, StoreErrorKind,
-    TransportErrorKind,
-};
+use outbox::{MemoryTransport, MySqlStore, NewMessage, Status, StoreErrorKind, TransportErrorKind};
 use outbox::{RelayConfig, StoreOptions};
 use outbox_testkit::{MySqlFixture, StoreFixture as _, wait_until, within};
 use sqlx::{AssertSqlSafe, Executor as _};
 
-use crate::cases::late_commit_published;
+use outbox_testkit::store_suite::relay_over;
+
+use crate::cases::{late_commit_published, retry_a_minute_later};
 use crate::relay::{counts_by_id, fast_config, memory_relay, relay_to, wait_all_status};
 
 /// C01 on MariaDB: session A draws the lower AUTO_INCREMENT id and commits late, a rolled-back
@@ -175,11 +174,7 @@ async fn mysql_c31_concurrent_relays_and_contending_updates_lose_nothing() {
             lease: Duration::from_secs(60),
             ..fast_config(&format!("r{r}"))
         };
-        let relay = outbox::Relay::builder(Arc::new(store.clone()))
-            .router(outbox::Router::single(mem.clone()))
-            .config(config)
-            .build()
-            .unwrap();
+        let relay = relay_over(Arc::new(store.clone()), mem.clone(), config);
         stores.push(store);
         relays.push(relay.spawn());
     }
@@ -337,20 +332,12 @@ async fn mysql_c35_session_time_zones_do_not_shift_times() {
     for id in [a, b, plain] {
         mem.fail_next(id, vec![TransportErrorKind::Retryable]);
     }
-    let relay = Relay::builder(Arc::new(shanghai.clone()))
-        .router(Router::single(mem.clone()))
-        .config(RelayConfig {
-            backoff: Backoff {
-                base: Duration::from_secs(60),
-                factor: 1.0,
-                max: Duration::from_secs(60),
-                jitter: 0.0,
-            },
-            ..fast_config("shanghai")
-        })
-        .build()
-        .unwrap()
-        .spawn();
+    let relay = relay_over(
+        Arc::new(shanghai.clone()),
+        mem.clone(),
+        retry_a_minute_later("shanghai"),
+    )
+    .spawn();
     wait_until("3 retries recorded", Duration::from_secs(10), || async {
         let rows = fx.rows().await;
         [a, b, plain].iter().all(|id| {

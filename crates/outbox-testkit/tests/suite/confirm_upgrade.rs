@@ -20,10 +20,7 @@ async fn inbox_purge_only_old_in_bounded_batches() {
     // SQLite.
     let fx = SqliteFixture::new().await;
     let pool = fx.store.pool().clone();
-    sqlx::query("CREATE TABLE effects (message_id TEXT NOT NULL, payload BLOB)")
-        .execute(&pool)
-        .await
-        .unwrap();
+    crate::inbox::sqlite_effects_table(&pool).await;
     let inbox = Inbox::<sqlx::Sqlite>::new(pool.clone(), "outbox_inbox", "c").unwrap();
     inbox.migrate().await.unwrap();
     let ids = fill_inbox(&inbox, &ScriptedHandler::new("effects")).await;

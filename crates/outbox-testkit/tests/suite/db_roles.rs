@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use outbox::store::Store;
 use outbox::{
-    EnqueueError, MemoryTransport, NewMessage, PgStore, Relay, RelayConfig, Router, StoreError,
+    EnqueueError, MemoryTransport, NewMessage, PgStore, Relay, RelayConfig, StoreError,
     StoreErrorKind, StoreOptions,
 };
 use outbox_testkit::{
@@ -94,11 +94,7 @@ fn pg_host_port() -> String {
 
 /// A relay over `store` publishing everything to `transport`.
 fn relay(store: Arc<dyn Store>, transport: Arc<MemoryTransport>, config: RelayConfig) -> Relay {
-    Relay::builder(store)
-        .router(Router::single(transport))
-        .config(config)
-        .build()
-        .expect("relay config")
+    outbox_testkit::store_suite::relay_over(store, transport, config)
 }
 
 /// Enqueue one message on `store` in a plain transaction (`tx.commit()`: the trigger's NOTIFY,

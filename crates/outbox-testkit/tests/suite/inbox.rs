@@ -99,10 +99,7 @@ pub async fn sqlite_with_effects(
 ) {
     let fx = outbox_testkit::SqliteFixture::new().await;
     let pool = fx.store.pool().clone();
-    sqlx::query("CREATE TABLE effects (message_id TEXT NOT NULL, payload BLOB)")
-        .execute(&pool)
-        .await
-        .unwrap();
+    crate::inbox::sqlite_effects_table(&pool).await;
     let inbox = Inbox::<sqlx::Sqlite>::new(pool.clone(), "outbox_inbox", consumer).unwrap();
     inbox.migrate().await.unwrap();
     (fx, pool, inbox)
@@ -257,27 +254,12 @@ async fn c27_failing_inbox_write_is_an_error_not_an_ack() {
     ))
     .await;
     let h = EffectHandler::new(&effects);
-    let msgs: Vec<InboundMessage> = (0..10).map(|_| inbound(Uuid::now_v7())).collect();
-    for m in &msgs {
-        let e = inbox.process(m, &h).await.unwrap_err();
-        assert!(matches!(e, InboxError::Store(_)), "{e:?}");
-        assert!(
-            e.is_retryable(),
-            "a failed inbox write must lead to redelivery"
-        );
-    }
-    assert_eq!(
-        h.calls.load(Ordering::SeqCst),
-        0,
-        "handler ran without its inbox row"
-    );
-    assert_eq!(fx.count(&effects).await, 0);
-    fx.exec(&format!("DROP TRIGGER refuse ON {}", fx.inbox_table()))
-        .await;
-    for m in &msgs {
-        assert_eq!(inbox.process(m, &h).await.unwrap(), Processed::Applied);
-        assert_eq!(inbox.process(m, &h).await.unwrap(), Processed::Duplicate);
-    }
+    refused_then_applied_once(&inbox, &h, async {
+        assert_eq!(fx.count(&effects).await, 0);
+        fx.exec(&format!("DROP TRIGGER refuse ON {}", fx.inbox_table()))
+            .await;
+    })
+    .await;
     assert_eq!(fx.count(&effects).await, 10);
     assert_eq!(
         pg_count(
@@ -288,6 +270,51 @@ async fn c27_failing_inbox_write_is_an_error_not_an_ack() {
         10
     );
     fx.cleanup().await;
+}
+
+/// C27's steps on an inbox whose writes are refused: ten messages each fail with a retryable
+/// store error naming the refusal ("inbox writes are refused") and the handler never runs; then
+/// `allow` (which may check that nothing was applied) lets writes through, and each message is
+/// applied once and a duplicate the second time.
+async fn refused_then_applied_once<DB>(
+    inbox: &Inbox<DB>,
+    h: &EffectHandler,
+    allow: impl std::future::Future<Output = ()>,
+) where
+    DB: outbox::InboxBackend,
+    EffectHandler: outbox::Handler<DB>,
+{
+    let msgs: Vec<InboundMessage> = (0..10).map(|_| inbound(Uuid::now_v7())).collect();
+    for m in &msgs {
+        let e = inbox.process(m, h).await.unwrap_err();
+        assert!(matches!(e, InboxError::Store(_)), "{e:?}");
+        assert!(
+            format!("{e} {e:?}").contains("refused"),
+            "the database's refusal is named: {e:?}"
+        );
+        assert!(
+            e.is_retryable(),
+            "a failed inbox write must lead to redelivery"
+        );
+    }
+    assert_eq!(
+        h.calls.load(Ordering::SeqCst),
+        0,
+        "handler ran without its inbox row"
+    );
+    allow.await;
+    for m in &msgs {
+        assert_eq!(inbox.process(m, h).await.unwrap(), Processed::Applied);
+        assert_eq!(inbox.process(m, h).await.unwrap(), Processed::Duplicate);
+    }
+}
+
+/// Create the effects table `effects` on SQLite.
+pub async fn sqlite_effects_table(pool: &sqlx::SqlitePool) {
+    sqlx::query("CREATE TABLE effects (message_id TEXT NOT NULL, payload BLOB)")
+        .execute(pool)
+        .await
+        .unwrap();
 }
 
 /// Create the effects table `name` on MySQL/MariaDB.
@@ -307,6 +334,15 @@ pub async fn mysql_count(pool: &MySqlPool, sql: &str) -> i64 {
         .unwrap()
 }
 
+/// A MySQL fixture, its pool and its effects table `<table>_effects` (created).
+async fn mysql_with_effects() -> (MySqlFixture, MySqlPool, String) {
+    let fx = MySqlFixture::new().await;
+    let pool = fx.store.pool().clone();
+    let effects = format!("{}_effects", fx.table);
+    mysql_effects(&pool, &effects).await;
+    (fx, pool, effects)
+}
+
 async fn mysql_drop(fx: &MySqlFixture, effects: &str) {
     fx.exec(&format!("DROP TABLE IF EXISTS {effects}")).await;
     fx.cleanup().await;
@@ -314,10 +350,7 @@ async fn mysql_drop(fx: &MySqlFixture, effects: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mysql_duplicate_skips_handler_and_error_rolls_back() {
-    let fx = MySqlFixture::new().await;
-    let pool = fx.store.pool().clone();
-    let effects = format!("{}_effects", fx.table);
-    mysql_effects(&pool, &effects).await;
+    let (fx, pool, effects) = mysql_with_effects().await;
     let inbox = Inbox::<sqlx::MySql>::new(pool.clone(), &fx.inbox_table(), "billing").unwrap();
     inbox.migrate().await.unwrap();
     duplicate_and_failure_scenario(&inbox, &effects, async |sql| mysql_count(&pool, &sql).await)
@@ -351,10 +384,7 @@ async fn mysql_duplicate_skips_handler_and_error_rolls_back() {
 /// handler that waits: the effect is applied once and the inbox holds one row.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mysql_c25_concurrent_copies_apply_once() {
-    let fx = MySqlFixture::new().await;
-    let pool = fx.store.pool().clone();
-    let effects = format!("{}_effects", fx.table);
-    mysql_effects(&pool, &effects).await;
+    let (fx, pool, effects) = mysql_with_effects().await;
     let pools = (pool, outbox_testkit::mysql_pool(2).await);
     c25_scenario(pools, &fx.inbox_table(), &effects).await;
     assert_eq!(fx.count(&effects).await, 1);
@@ -366,10 +396,7 @@ async fn mysql_c25_concurrent_copies_apply_once() {
 /// and nothing is applied; after the trigger is dropped each message is applied once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mysql_c27_failing_inbox_write_is_an_error_not_an_ack() {
-    let fx = MySqlFixture::new().await;
-    let pool = fx.store.pool().clone();
-    let effects = format!("{}_effects", fx.table);
-    mysql_effects(&pool, &effects).await;
+    let (fx, pool, effects) = mysql_with_effects().await;
     let inbox = Inbox::<sqlx::MySql>::new(pool.clone(), &fx.inbox_table(), "billing").unwrap();
     let trigger = format!("{}_refuse", fx.table);
     fx.exec(&format!(
@@ -379,23 +406,14 @@ async fn mysql_c27_failing_inbox_write_is_an_error_not_an_ack() {
     ))
     .await;
     let h = EffectHandler::new(&effects);
-    let msgs: Vec<InboundMessage> = (0..10).map(|_| inbound(Uuid::now_v7())).collect();
-    for m in &msgs {
-        let e = inbox.process(m, &h).await.unwrap_err();
-        assert!(matches!(e, InboxError::Store(_)), "{e:?}");
-        assert!(e.to_string().contains("refused") || format!("{e:?}").contains("refused"));
-        assert!(e.is_retryable());
-    }
-    assert_eq!(h.calls.load(Ordering::SeqCst), 0);
-    assert_eq!(
-        mysql_count(&pool, &format!("SELECT COUNT(*) FROM {effects}")).await,
-        0
-    );
-    fx.exec(&format!("DROP TRIGGER {trigger}")).await;
-    for m in &msgs {
-        assert_eq!(inbox.process(m, &h).await.unwrap(), Processed::Applied);
-        assert_eq!(inbox.process(m, &h).await.unwrap(), Processed::Duplicate);
-    }
+    refused_then_applied_once(&inbox, &h, async {
+        assert_eq!(
+            mysql_count(&pool, &format!("SELECT COUNT(*) FROM {effects}")).await,
+            0
+        );
+        fx.exec(&format!("DROP TRIGGER {trigger}")).await;
+    })
+    .await;
     assert_eq!(
         mysql_count(
             &pool,

@@ -134,10 +134,7 @@ async fn kafka_too_large_is_permanent_and_unknown_topic_a_missing_destination() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kafka_broker_down_is_unavailable() {
     crate::init_tracing();
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
+    let port = outbox_testkit::free_port();
     let mut config = KafkaConfig::new(format!("127.0.0.1:{port}"));
     config.delivery_timeout = Duration::from_millis(1500);
     config.connect_timeout = Duration::from_secs(1);
@@ -396,7 +393,7 @@ impl KafkaSetup {
         config: KafkaConsumerConfig,
         handler: Arc<H>,
     ) -> Running {
-        Running::spawn(config, &self.inbox, handler)
+        Running::spawn(config, &self.inbox, handler).stopping_within(Duration::from_secs(15))
     }
 
     /// Effects rows `(key, payload, delivery)` in application order.

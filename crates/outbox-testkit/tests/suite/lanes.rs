@@ -13,17 +13,13 @@ use outbox::{
     DeadLetterPolicy, MemoryTransport, NewMessage, Outgoing, RelayConfig, Status, Transport,
     TransportError,
 };
-use outbox_testkit::{MySqlFixture, PgFixture, SqliteFixture, StoreFixture, within};
+use outbox_testkit::{StoreFixture, within};
 use tokio::sync::Notify;
 
 use crate::ordering::ordered_relay;
 use crate::relay::{counts_by_id, fast_config, wait_all_status};
 
-fixture_tests!(
-    [sqlite: SqliteFixture, postgres: PgFixture, mysql: MySqlFixture],
-    [super],
-    [lanes_during_a_backlog],
-);
+fixture_tests!(stores, [super], [lanes_during_a_backlog],);
 
 /// Holds the first publish call until `open` is notified; every other call (and the held one,
 /// once opened) goes to the memory transport.

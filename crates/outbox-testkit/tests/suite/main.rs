@@ -13,8 +13,34 @@
 
 /// One `#[tokio::test]` per fixture and case, in a module per fixture: `<module>::<name>` runs
 /// `<suite>::<function>(&fx)` on a fresh `<Fixture>::new()`, then `fx.cleanup()`. A case is
-/// `name = function`, or `name` alone when the function has the test's name.
+/// `name = function`, or `name` alone when the function has the test's name. The fixtures are
+/// a list of `module: Fixture`, or `stores` (SQLite, PostgreSQL and MySQL/MariaDB in modules
+/// `sqlite`, `postgres`, `mysql`), or `stores_and_partitioned` (those and a time-partitioned
+/// PostgreSQL table, `postgres_partitioned`).
 macro_rules! fixture_tests {
+    (stores, $suite:tt, $cases:tt $(,)?) => {
+        fixture_tests!(
+            [
+                sqlite: outbox_testkit::SqliteFixture,
+                postgres: outbox_testkit::PgFixture,
+                mysql: outbox_testkit::MySqlFixture,
+            ],
+            $suite,
+            $cases
+        );
+    };
+    (stores_and_partitioned, $suite:tt, $cases:tt $(,)?) => {
+        fixture_tests!(
+            [
+                sqlite: outbox_testkit::SqliteFixture,
+                postgres: outbox_testkit::PgFixture,
+                postgres_partitioned: outbox_testkit::PgPartitionedFixture,
+                mysql: outbox_testkit::MySqlFixture,
+            ],
+            $suite,
+            $cases
+        );
+    };
     ([$($(#[$attr:meta])* $module:ident: $fixture:ty),+ $(,)?], $suite:tt, $cases:tt $(,)?) => {
         $(fixture_tests!(@module $(#[$attr])* $module, $fixture, $suite, $cases);)+
     };
@@ -87,6 +113,7 @@ mod cases_mysql_locks;
 mod clusters;
 mod confirm;
 mod confirm_upgrade;
+mod confirm_webhook;
 mod consumer_suite;
 mod crash;
 mod crash_mysql;

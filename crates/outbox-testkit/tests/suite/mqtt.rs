@@ -108,7 +108,7 @@ async fn consumer_end_to_end_with_confirmations() {
     }
     orders_confirmed_and_rejected(&p.fx, &p.effects, &metrics).await;
     for c in consumers {
-        stop_consumer(cancel.clone(), c).await;
+        stop_consumer(cancel.clone(), c, Duration::from_secs(10)).await;
     }
     let report = listener.report().await;
     assert_eq!((report.confirmed, report.rejected), (20, 3), "{report:?}");
@@ -253,7 +253,8 @@ async fn persistent_session_keeps_messages_for_an_offline_consumer() {
     let topic = format!("{prefix}/orders");
     let config = consumer_config(&format!("{prefix}-c"), &topic);
     let handler = Arc::new(Recorder::default());
-    let consumer = Running::spawn(config.clone(), &inbox, handler.clone());
+    let consumer = Running::spawn(config.clone(), &inbox, handler.clone())
+        .stopping_within(Duration::from_secs(10));
     let t = mqtt_transport(MqttConfig::new(mqtt_url())).await;
     let first = claimed_message("t", "first");
     publish_when_subscribed(&t, &topic, std::slice::from_ref(&first)).await;
@@ -269,7 +270,8 @@ async fn persistent_session_keeps_messages_for_an_offline_consumer() {
     for r in publish(&t, &topic, &msgs).await {
         r.expect("acknowledged for the offline session");
     }
-    let consumer = Running::spawn(config, &inbox, handler.clone());
+    let consumer =
+        Running::spawn(config, &inbox, handler.clone()).stopping_within(Duration::from_secs(10));
     wait_until("the offline messages", Duration::from_secs(15), || async {
         consumer.metrics.applied.load(Ordering::Relaxed) == 5
     })

@@ -15,7 +15,7 @@ use outbox::{
     DeadLetterPolicy, MemoryTransport, Message, NewMessage, Outgoing, Relay, RelayConfig,
     RelayHooks, Router, Status, Transport, TransportError,
 };
-use outbox_testkit::{MySqlFixture, PgFixture, SqliteFixture, StoreFixture, wait_until};
+use outbox_testkit::{PgFixture, StoreFixture, wait_until};
 use tokio::sync::Notify;
 use uuid::Uuid;
 
@@ -186,8 +186,13 @@ async fn c13_failed_head_holds_back_only_its_key(fx: &dyn StoreFixture) {
     relay.shutdown().await.expect("shutdown");
 }
 
-/// `on_dead_letter = skip`: A is dead-lettered (permanent error), B of the same key goes.
-async fn dead_letter_skip_lets_the_key_go_on(fx: &dyn StoreFixture) {
+/// A and B of key K enqueued, A refused for good by the transport, and an ordered relay named
+/// `name` with the policy `on_dead_letter` started: the transport, `[A, B]` and the relay.
+async fn poisoned_head(
+    fx: &dyn StoreFixture,
+    on_dead_letter: DeadLetterPolicy,
+    name: &str,
+) -> (Arc<MemoryTransport>, Vec<uuid::Uuid>, outbox::RelayHandle) {
     let transport = Arc::new(MemoryTransport::new());
     let ids = fx
         .enqueue_commit(vec![keyed("orders", "K", "A"), keyed("orders", "K", "B")])
@@ -197,11 +202,17 @@ async fn dead_letter_skip_lets_the_key_go_on(fx: &dyn StoreFixture) {
     let relay = ordered_relay(
         fx,
         transport.clone(),
-        DeadLetterPolicy::Skip,
-        ordered_config("skip"),
+        on_dead_letter,
+        ordered_config(name),
         None,
     )
     .spawn();
+    (transport, ids, relay)
+}
+
+/// `on_dead_letter = skip`: A is dead-lettered (permanent error), B of the same key goes.
+async fn dead_letter_skip_lets_the_key_go_on(fx: &dyn StoreFixture) {
+    let (_transport, ids, relay) = poisoned_head(fx, DeadLetterPolicy::Skip, "skip").await;
     wait_until(
         "B SENT past the dead letter",
         Duration::from_secs(20),
@@ -215,20 +226,7 @@ async fn dead_letter_skip_lets_the_key_go_on(fx: &dyn StoreFixture) {
 /// `on_dead_letter = block`: B waits while A is dead-lettered, while another key flows; after
 /// the operator requeues A, A then B are published.
 async fn dead_letter_block_waits_for_requeue(fx: &dyn StoreFixture) {
-    let transport = Arc::new(MemoryTransport::new());
-    let ids = fx
-        .enqueue_commit(vec![keyed("orders", "K", "A"), keyed("orders", "K", "B")])
-        .await
-        .expect("enqueue");
-    transport.fail_next(ids[0], vec![TransportErrorKind::Permanent]);
-    let relay = ordered_relay(
-        fx,
-        transport.clone(),
-        DeadLetterPolicy::Block,
-        ordered_config("block"),
-        None,
-    )
-    .spawn();
+    let (transport, ids, relay) = poisoned_head(fx, DeadLetterPolicy::Block, "block").await;
     wait_until("A dead-lettered", Duration::from_secs(20), || async {
         status_of(fx, ids[0]).await == Status::Failed.as_i16()
     })
@@ -412,7 +410,7 @@ async fn relays_rebalance_buckets(fx: &dyn StoreFixture) {
 }
 
 fixture_tests!(
-    [sqlite: SqliteFixture, postgres: PgFixture, mysql: MySqlFixture],
+    stores,
     [super],
     [
         c11_order_survives_relay_crash,

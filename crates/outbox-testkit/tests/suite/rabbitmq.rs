@@ -29,10 +29,7 @@ use crate::relay::fast_config;
 /// A consumer database (SQLite) with an inbox `consumer_inbox` and an `effects` table.
 pub(crate) async fn sqlite_consumer(name: &str) -> (SqliteFixture, Inbox<sqlx::Sqlite>) {
     let db = SqliteFixture::new().await;
-    sqlx::query("CREATE TABLE effects (message_id TEXT NOT NULL, payload BLOB)")
-        .execute(db.store.pool())
-        .await
-        .unwrap();
+    crate::inbox::sqlite_effects_table(db.store.pool()).await;
     let inbox =
         Inbox::<sqlx::Sqlite>::new(db.store.pool().clone(), "consumer_inbox", name).unwrap();
     inbox.migrate().await.unwrap();
@@ -242,7 +239,8 @@ async fn c04c_cut_before_confirm_republished_with_same_id_applied_once() {
     }
     let (consumer_db, inbox) = sqlite_consumer("c04c").await;
     let handler = Arc::new(EffectHandler::new("effects"));
-    let runner = Running::spawn(consumer_config(&fx), &inbox, handler.clone());
+    let runner = Running::spawn(consumer_config(&fx), &inbox, handler.clone())
+        .stopping_within(Duration::from_secs(10));
     let metrics = runner.metrics.clone();
     let n = copies.len() as u64;
     wait_until("every copy consumed", Duration::from_secs(10), || async {
@@ -588,11 +586,7 @@ async fn cut_connection_is_unavailable_then_reconnects() {
     let r = publish_to(fx.transport.as_ref(), &[one()], |_| &dest).await;
     assert!(r[0].is_ok(), "{r:?}");
     // Connection refused outright.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = outbox_testkit::free_port();
     let closed = outbox::RabbitMqTransport::lazy(rabbitmq_config(&format!(
         "amqp://guest:guest@127.0.0.1:{port}/%2f"
     )))

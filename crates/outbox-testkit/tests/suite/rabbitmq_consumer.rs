@@ -72,7 +72,8 @@ async fn consumer_end_to_end_with_confirmations() {
     let handler = ScriptedHandler::new(&s.effects);
     let mut config = consumer_config(&s.broker).with_confirmations(sender.clone());
     config.runner.concurrency = 4;
-    let runner = Running::spawn(config, &s.inbox, handler.clone());
+    let runner =
+        Running::spawn(config, &s.inbox, handler.clone()).stopping_within(Duration::from_secs(10));
     let metrics = runner.metrics.clone();
     let ids = s.fx.enqueue_commit(msgs).await.unwrap();
     check_lost_confirmation_outcome(&s, &ids, &sender, &metrics).await;
@@ -123,7 +124,8 @@ async fn consumer_transient_failure_redelivered_with_backoff_then_applied() {
         fail_until: 3,
         seen: Mutex::new(Vec::new()),
     });
-    let runner = Running::spawn(consumer_config(&fx), &inbox, handler.clone());
+    let runner = Running::spawn(consumer_config(&fx), &inbox, handler.clone())
+        .stopping_within(Duration::from_secs(10));
     let metrics = runner.metrics.clone();
     let m = claimed_message("orders", "flaky");
     let good = fx.good_destination();
@@ -156,7 +158,8 @@ async fn consumer_poison_messages_dead_lettered() {
     let handler = ScriptedHandler::new("effects");
     let mut config = consumer_config(&fx);
     config.runner.max_deliveries = 3;
-    let runner = Running::spawn(config, &inbox, handler.clone());
+    let runner =
+        Running::spawn(config, &inbox, handler.clone()).stopping_within(Duration::from_secs(10));
     let metrics = runner.metrics.clone();
     let mut msgs = vec![
         claimed_message("orders", "poison-1"),
@@ -213,7 +216,8 @@ async fn consumer_malformed_message_rejected_without_blocking() {
     let r = publish_to(fx.transport.as_ref(), std::slice::from_ref(&m), |_| &good).await;
     assert!(r[0].is_ok());
     let handler = Arc::new(EffectHandler::new("effects"));
-    let runner = Running::spawn(consumer_config(&fx), &inbox, handler);
+    let runner = Running::spawn(consumer_config(&fx), &inbox, handler)
+        .stopping_within(Duration::from_secs(10));
     let metrics = runner.metrics.clone();
     wait_until(
         "the good message to apply",
@@ -321,7 +325,8 @@ async fn consumer_per_key_order_with_concurrency_4() {
     let mut config = consumer_config(&fx);
     config.runner.concurrency = 4;
     config.batch = 50;
-    let runner = Running::spawn(config, &inbox, handler.clone());
+    let runner =
+        Running::spawn(config, &inbox, handler.clone()).stopping_within(Duration::from_secs(10));
     let metrics = runner.metrics.clone();
     let total = u64::from(keys * per_key);
     wait_until("every message applied", Duration::from_secs(30), || async {
@@ -377,11 +382,7 @@ async fn consumer_set_up_errors_name_the_field() {
     .unwrap_err();
     assert_eq!(e.field, "queue", "{e}");
     assert!(e.reason.contains("does not exist"), "{e}");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = outbox_testkit::free_port();
     let config = RabbitMqConsumerConfig::new(
         rabbitmq_config(&format!("amqp://guest:guest@127.0.0.1:{port}/%2f")),
         "q",

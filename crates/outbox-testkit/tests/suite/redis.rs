@@ -121,7 +121,8 @@ impl Recording {
     ) -> Recording {
         let handler = Arc::new(Recorder::default());
         Recording {
-            runner: Running::spawn(config, inbox, handler.clone()),
+            runner: Running::spawn(config, inbox, handler.clone())
+                .stopping_within(Duration::from_secs(10)),
             handler,
         }
     }
@@ -185,7 +186,8 @@ async fn c38_no_trimming_by_default_crashed_consumer_recovers_all_5000() {
     });
     let mut config = consumer_config(&stream, "slow-1");
     config.claim_idle = Duration::from_secs(600);
-    let c1 = Running::spawn(config.clone(), &inbox, gate.clone());
+    let c1 = Running::spawn(config.clone(), &inbox, gate.clone())
+        .stopping_within(Duration::from_secs(10));
     within(
         "the consumer to reach its crash point",
         Duration::from_secs(120),
@@ -199,7 +201,8 @@ async fn c38_no_trimming_by_default_crashed_consumer_recovers_all_5000() {
     assert!(applied_before < 5000);
 
     // Restart under the same name: its pending entries first, then the rest.
-    let c2 = Running::spawn(config, &inbox, scripted.clone());
+    let c2 =
+        Running::spawn(config, &inbox, scripted.clone()).stopping_within(Duration::from_secs(10));
     wait_until("all 5,000 applied", Duration::from_secs(180), || async {
         pg_count(
             &fx,
@@ -284,7 +287,8 @@ async fn trimmed_pending(other_consumer: bool) {
     let crashing = Recorder::gated(1);
     let mut config = consumer_config(&stream, "c1");
     config.batch = 20;
-    let c1 = Running::spawn(config.clone(), &inbox, crashing.clone());
+    let c1 = Running::spawn(config.clone(), &inbox, crashing.clone())
+        .stopping_within(Duration::from_secs(10));
     within(
         "the first delivery",
         Duration::from_secs(10),

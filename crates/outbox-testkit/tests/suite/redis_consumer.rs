@@ -46,7 +46,8 @@ async fn consumer_end_to_end_with_confirmations() {
     let sender = Arc::new(RedisConfirmationSender::new(rx.transport.connection()));
     let mut config = consumer_config(&stream, "e2e").with_confirmations(sender);
     config.runner.concurrency = 4;
-    let consumer = Running::spawn(config, &p.inbox, handler);
+    let consumer =
+        Running::spawn(config, &p.inbox, handler).stopping_within(Duration::from_secs(10));
     orders_confirmed_and_rejected(&p.fx, &p.effects, &consumer.metrics).await;
     assert_eq!(
         consumer.metrics.confirmations_sent.load(Ordering::Relaxed),

@@ -30,11 +30,7 @@ pub fn relay_to(
     transport: Arc<dyn outbox::Transport>,
     config: RelayConfig,
 ) -> Relay {
-    Relay::builder(fx.store())
-        .router(Router::single(transport))
-        .config(config)
-        .build()
-        .expect("relay config")
+    outbox_testkit::store_suite::relay_over(fx.store(), transport, config)
 }
 
 /// A relay `r1` ([`fast_config`]) over `fx` publishing to a fresh [`MemoryTransport`],
@@ -374,12 +370,8 @@ async fn postgres_post_commit_notify_wakes_a_relay_elsewhere() {
         poll_interval: Duration::from_secs(30),
         ..fast_config("elsewhere")
     };
-    let handle = Relay::builder(Arc::new(relay_store))
-        .router(Router::single(mem.clone()))
-        .config(config)
-        .build()
-        .unwrap()
-        .spawn();
+    let handle =
+        outbox_testkit::store_suite::relay_over(Arc::new(relay_store), mem.clone(), config).spawn();
     wait_for_listen(&fx).await;
     for (i, n) in [1usize, 2, 3, 4].into_iter().enumerate() {
         if i == 2 {

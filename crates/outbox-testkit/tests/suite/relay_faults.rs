@@ -314,16 +314,8 @@ async fn serve(rx: Arc<Receiver>, mode: Mode) -> (String, CancellationToken) {
             }
         }),
     );
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap();
-    let stop = CancellationToken::new();
-    let s = stop.clone();
-    tokio::spawn(async move {
-        axum::serve(l, app)
-            .with_graceful_shutdown(async move { s.cancelled().await })
-            .await
-    });
-    (format!("http://{addr}/hook"), stop)
+    let (base, stop) = crate::admin::serve_app(app).await;
+    (format!("{base}/hook"), stop)
 }
 
 fn webhook(url: &str, timeout: Duration, concurrency: usize) -> Arc<dyn Transport> {
@@ -507,16 +499,8 @@ async fn serve_receiver<H: outbox::Handler<sqlx::Sqlite>>(
         policy,
     )
     .unwrap();
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}/in", l.local_addr().unwrap());
-    let stop = CancellationToken::new();
-    let s = stop.clone();
-    tokio::spawn(async move {
-        axum::serve(l, app)
-            .with_graceful_shutdown(async move { s.cancelled().await })
-            .await
-    });
-    (url, stop, metrics)
+    let (base, stop) = crate::admin::serve_app(app).await;
+    (format!("{base}/in"), stop, metrics)
 }
 
 /// Item 11: through the real relay (PostgreSQL) and the webhook consumer (SQLite inbox), the

@@ -320,11 +320,7 @@ impl SelfSignedTls {
             .output()
             .expect("openssl is needed for this test");
         assert!(out.status.success(), "{out:?}");
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = outbox_testkit::free_port();
         let child = std::process::Command::new("openssl")
             .args(["s_server", "-quiet", "-www", "-accept"])
             .arg(format!("127.0.0.1:{port}"))
@@ -512,11 +508,7 @@ impl PrivateNats {
     async fn start() -> PrivateNats {
         let dir = std::env::temp_dir().join(unique("obx-nats"));
         std::fs::create_dir_all(dir.join("js")).unwrap();
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = outbox_testkit::free_port();
         let conf = dir.join("nats.conf");
         std::fs::write(&conf, Self::config(port, &dir.join("js"), true)).unwrap();
         let child = std::process::Command::new("nats-server")

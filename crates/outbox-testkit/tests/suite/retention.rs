@@ -14,11 +14,7 @@ use outbox_testkit::{StoreFixture, wait_until};
 use crate::relay::{fast_config, relay_to};
 
 fixture_tests!(
-    [
-        sqlite: outbox_testkit::SqliteFixture,
-        postgres: outbox_testkit::PgFixture,
-        mysql: outbox_testkit::MySqlFixture,
-    ],
+    stores,
     [crate::retention],
     [
         retention_archives_under_four_relays_with_producers_running = four_relays,
@@ -205,53 +201,15 @@ async fn postgres_partition_drop_under_four_relays_with_producers_running() {
     crate::init_tracing();
     let fx = outbox_testkit::PgFixture::partitioned().await;
     let t = fx.table();
-    let (mem, poison, delayed) = poison_and_delayed(&fx).await;
-    let old = fx
-        .enqueue_commit(
-            (0..200)
-                .map(|i| NewMessage::new("old", format!("{i}")))
-                .collect(),
-        )
-        .await
-        .expect("enqueue");
-    // Published and dead-lettered by a relay with the default retention (nothing is old).
-    let first = relay_to(&fx, mem.clone(), fast_config("part-r0")).spawn();
-    wait_until(
-        "the old rows published and the poison dead-lettered",
-        Duration::from_secs(30),
-        || async {
-            let rows = fx.rows().await;
-            rows.iter()
-                .filter(|r| r.status == Status::Sent.as_i16())
-                .count()
-                == old.len()
-                && rows
-                    .iter()
-                    .filter(|r| r.status == Status::Failed.as_i16())
-                    .count()
-                    == poison.len()
-        },
-    )
-    .await;
-    first.shutdown().await.expect("shutdown");
-    // Everything so far becomes yesterday's: its partition (the test creates it; the relays
-    // create only today's and later ones) and every row moved into it.
+    let (mem, poison, delayed, old) = published(&fx, 200, "part-r0").await;
+    // Everything so far becomes yesterday's.
     let pool = fx.store.pool().clone();
-    let (yesterday, today): (String, String) = sqlx::query_as(
-        "SELECT to_char((now() AT TIME ZONE 'UTC')::date - 1, 'YYYYMMDD'), \
-                to_char((now() AT TIME ZONE 'UTC')::date, 'YYYYMMDD')",
-    )
-    .fetch_one(&pool)
-    .await
-    .unwrap();
-    let yesterday_part = format!("{t}_p{yesterday}");
-    fx.exec(&format!(
-        "CREATE TABLE {yesterday_part} PARTITION OF {t} FOR VALUES FROM \
-         (to_date('{yesterday}', 'YYYYMMDD')::timestamp AT TIME ZONE 'UTC') TO \
-         (to_date('{today}', 'YYYYMMDD')::timestamp AT TIME ZONE 'UTC'); \
-         UPDATE {t} SET partitioned_at = partitioned_at - interval '1 day'"
-    ))
-    .await;
+    let yesterday_part = age_into_yesterday(&fx).await;
+    let today: String =
+        sqlx::query_scalar("SELECT to_char((now() AT TIME ZONE 'UTC')::date, 'YYYYMMDD')")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
     let row_ids = |rows: &[outbox_testkit::RowState], ids: &[uuid::Uuid]| -> Vec<i64> {
         let mut v: Vec<i64> = ids
             .iter()
@@ -272,13 +230,7 @@ async fn postgres_partition_drop_under_four_relays_with_producers_running() {
     .unwrap();
     assert_eq!(in_yesterday as usize, poison.len() + 1 + old.len());
 
-    let retention = Retention {
-        sent: Rule::archive_after(Duration::from_millis(100)),
-        confirmed: Rule::delete_after(Duration::from_millis(100)),
-        rejected: Rule::delete_after(Duration::from_millis(100)),
-        rolled_back: Rule::delete_after(Duration::from_millis(100)),
-        ..Retention::default()
-    };
+    let retention = archive_sent_delete_settled();
     let relays: Vec<_> = (1..=4)
         .map(|i| {
             let config = RelayConfig {
@@ -368,6 +320,57 @@ async fn postgres_partition_drop_under_four_relays_with_producers_running() {
     fx.cleanup().await;
 }
 
+/// SENT rows archived and settled ones (CONFIRMED, REJECTED, ROLLED_BACK) deleted once
+/// 100 ms old; dead letters (no rule) and PENDING rows kept.
+fn archive_sent_delete_settled() -> Retention {
+    let soon = Duration::from_millis(100);
+    Retention {
+        sent: Rule::archive_after(soon),
+        confirmed: Rule::delete_after(soon),
+        rejected: Rule::delete_after(soon),
+        rolled_back: Rule::delete_after(soon),
+        ..Retention::default()
+    }
+}
+
+/// [`poison_and_delayed`] and `n` messages, published and dead-lettered by a relay named
+/// `relay` with the default retention (nothing is old yet), which is shut down. Returns the
+/// transport, the ten dead letters (FAILED), the delayed message (PENDING) and the `n`
+/// published messages (SENT).
+async fn published(
+    fx: &outbox_testkit::PgFixture,
+    n: usize,
+    relay: &str,
+) -> (
+    Arc<MemoryTransport>,
+    Vec<uuid::Uuid>,
+    uuid::Uuid,
+    Vec<uuid::Uuid>,
+) {
+    let (mem, poison, delayed) = poison_and_delayed(fx).await;
+    let old = fx
+        .enqueue_commit(
+            (0..n)
+                .map(|i| NewMessage::new("old", format!("{i}")))
+                .collect(),
+        )
+        .await
+        .expect("enqueue");
+    let first = relay_to(fx, mem.clone(), fast_config(relay)).spawn();
+    wait_until(
+        "the old rows published and the poison dead-lettered",
+        Duration::from_secs(30),
+        || async {
+            let rows = fx.rows().await;
+            let count = |s: Status| rows.iter().filter(|r| r.status == s.as_i16()).count();
+            count(Status::Sent) == old.len() && count(Status::Failed) == poison.len()
+        },
+    )
+    .await;
+    first.shutdown().await.expect("shutdown");
+    (mem, poison, delayed, old)
+}
+
 /// Every row of `fx`'s partitioned table made yesterday's: yesterday's partition created (the
 /// relays create only today's and later ones) and every row moved into it. Returns that
 /// partition.
@@ -401,34 +404,7 @@ async fn postgres_partition_detached_by_a_dead_relay_is_finished_next_round() {
     crate::init_tracing();
     let fx = outbox_testkit::PgFixture::partitioned().await;
     let t = fx.table();
-    let (mem, poison, delayed) = poison_and_delayed(&fx).await;
-    let old = fx
-        .enqueue_commit(
-            (0..20)
-                .map(|i| NewMessage::new("old", format!("{i}")))
-                .collect(),
-        )
-        .await
-        .expect("enqueue");
-    let first = relay_to(&fx, mem.clone(), fast_config("detached-r0")).spawn();
-    wait_until(
-        "the old rows published and the poison dead-lettered",
-        Duration::from_secs(30),
-        || async {
-            let rows = fx.rows().await;
-            rows.iter()
-                .filter(|r| r.status == Status::Sent.as_i16())
-                .count()
-                == old.len()
-                && rows
-                    .iter()
-                    .filter(|r| r.status == Status::Failed.as_i16())
-                    .count()
-                    == poison.len()
-        },
-    )
-    .await;
-    first.shutdown().await.expect("shutdown");
+    let (mem, poison, delayed, old) = published(&fx, 20, "detached-r0").await;
     let before = fx.rows().await;
     let part = age_into_yesterday(&fx).await;
     fx.exec(&format!("ALTER TABLE {t} DETACH PARTITION {part}"))
@@ -439,13 +415,7 @@ async fn postgres_partition_detached_by_a_dead_relay_is_finished_next_round() {
     );
     let published = mem.delivered().len();
 
-    let retention = Retention {
-        sent: Rule::archive_after(Duration::from_millis(100)),
-        confirmed: Rule::delete_after(Duration::from_millis(100)),
-        rejected: Rule::delete_after(Duration::from_millis(100)),
-        rolled_back: Rule::delete_after(Duration::from_millis(100)),
-        ..Retention::default()
-    };
+    let retention = archive_sent_delete_settled();
     let config = RelayConfig {
         retention,
         ..fast_config("detached-r1")

@@ -38,6 +38,10 @@ use crate::confirm::{
     fast_retry, lost_confirmation_messages,
 };
 
+/// How long a RocketMQ consumer or listener may take to stop: 30 s (the client leaves its
+/// rebalance and pull loops slowly).
+const ROCKETMQ_STOPS_WITHIN: Duration = Duration::from_secs(30);
+
 async fn publish(t: &dyn Transport, msgs: &[Message], dest: &str) -> Vec<outbox::TransportError> {
     publish_all(t, msgs, dest)
         .await
@@ -424,7 +428,8 @@ async fn rocketmq_failing_handler_is_retried_by_the_broker_then_applied() {
     crate::init_tracing();
     let s = ConsumerSide::new().await;
     let handler = RecordingHandler::new(&s.applied, "a", 3);
-    let mut consumer = Running::spawn(s.config(), &s.inbox, handler.clone());
+    let mut consumer = Running::spawn(s.config(), &s.inbox, handler.clone())
+        .stopping_within(ROCKETMQ_STOPS_WITHIN);
     let metrics = consumer.metrics.clone();
     let flaky = claimed_message("orders", "flaky-1");
     let ok = claimed_message("orders", "ok-1");
@@ -516,8 +521,8 @@ async fn rocketmq_group_members_share_the_work_and_apply_each_message_once() {
     assert_eq!(per_message.len(), sent.len());
     assert!(per_message.iter().all(|(_, n)| *n == 1), "{per_message:?}");
     assert_eq!(metrics.applied.load(Ordering::Relaxed), sent.len() as u64);
-    stop_consumer(cancel.clone(), first).await;
-    stop_consumer(cancel, second).await;
+    stop_consumer(cancel.clone(), first, ROCKETMQ_STOPS_WITHIN).await;
+    stop_consumer(cancel, second, ROCKETMQ_STOPS_WITHIN).await;
     s.finish().await;
 }
 
@@ -552,7 +557,8 @@ async fn rocketmq_per_key_order_with_concurrency_and_malformed_consumed() {
     let mut config = s.config();
     config.batch = 16;
     config.runner.concurrency = 4;
-    let mut consumer = Running::spawn(config, &s.inbox, handler);
+    let mut consumer =
+        Running::spawn(config, &s.inbox, handler).stopping_within(ROCKETMQ_STOPS_WITHIN);
     let metrics = consumer.metrics.clone();
     wait_running(
         "all applied",
@@ -615,7 +621,8 @@ async fn rocketmq_postgres_confirmed_rejected_and_lost_confirmation() {
     let mut listen = ListenConfig::new(ns.clone(), reply.clone(), format!("{}_producer", mq.topic));
     listen.route_refresh = Duration::from_secs(10);
     let listener =
-        Listener::spawn(|stop| outbox::confirm::rocketmq::listen(listen, p.store.clone(), stop));
+        Listener::spawn(|stop| outbox::confirm::rocketmq::listen(listen, p.store.clone(), stop))
+            .stopping_within(ROCKETMQ_STOPS_WITHIN);
     let mut sender_config = RocketMqConfig::new(ns.clone());
     sender_config.producer_group = format!("{}_confirmer", mq.topic);
     let real: Arc<dyn ConfirmationSender> = Arc::new(
@@ -636,7 +643,7 @@ async fn rocketmq_postgres_confirmed_rejected_and_lost_confirmation() {
     config.runner.retry = fast_retry();
     config.route_refresh = Duration::from_secs(10);
     config.runner.concurrency = 4;
-    let consumer = Running::spawn(config, &p.inbox, handler);
+    let consumer = Running::spawn(config, &p.inbox, handler).stopping_within(ROCKETMQ_STOPS_WITHIN);
     let ids = p.fx.enqueue_commit(msgs).await.unwrap();
     check_lost_confirmation_outcome_within(
         &p,

@@ -2,12 +2,7 @@
 //! MySQL/MariaDB (own tables).
 
 fixture_tests!(
-    [
-        sqlite: outbox_testkit::SqliteFixture,
-        postgres: outbox_testkit::PgFixture,
-        postgres_partitioned: outbox_testkit::PgPartitionedFixture,
-        mysql: outbox_testkit::MySqlFixture,
-    ],
+    stores_and_partitioned,
     [outbox_testkit::store_suite],
     [
         migrate_is_idempotent,

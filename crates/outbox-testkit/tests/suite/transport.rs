@@ -64,10 +64,7 @@ async fn webhook_classifies_answers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn webhook_connection_refused_is_unavailable() {
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
+    let port = outbox_testkit::free_port();
     let url = format!("http://127.0.0.1:{port}/hook");
     let mut config = WebhookConfig::new(url.clone());
     config.timeout = Duration::from_secs(2);

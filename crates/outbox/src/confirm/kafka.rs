@@ -112,12 +112,11 @@ pub async fn listen(
     store: Arc<dyn Store>,
     cancel: CancellationToken,
 ) -> Result<ConfirmReport, ConfigError> {
-    if !valid_topic(&topic) {
-        return Err(ConfigError::new(
-            "topic",
-            format!("{topic:?} is not a Kafka topic name"),
-        ));
-    }
+    ConfigError::invalid_if(
+        !valid_topic(&topic),
+        "topic",
+        format!("{topic:?} is not a Kafka topic name"),
+    )?;
     let mut c = KafkaConsumerConfig::new(config, group_id, [topic]);
     c.batch = 500;
     c.batch_wait = Duration::from_millis(5);

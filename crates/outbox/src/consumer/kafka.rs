@@ -142,12 +142,12 @@ impl KafkaConsumerConfig {
     /// [`ConfigError`] naming the first bad field (`group_id`, `topics`, `batch`, …).
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.client.validate()?;
-        if self.group_id.is_empty() {
-            return Err(ConfigError::new("group_id", "must not be empty"));
-        }
-        if self.topics.is_empty() {
-            return Err(ConfigError::new("topics", "at least one topic is needed"));
-        }
+        ConfigError::invalid_if(self.group_id.is_empty(), "group_id", "must not be empty")?;
+        ConfigError::invalid_if(
+            self.topics.is_empty(),
+            "topics",
+            "at least one topic is needed",
+        )?;
         if let Some(t) = self
             .topics
             .iter()
@@ -158,22 +158,22 @@ impl KafkaConsumerConfig {
                 format!("{t:?} is not a Kafka topic name (1 to 249 of A-Z a-z 0-9 . _ -)"),
             ));
         }
-        if !(1..=100_000).contains(&self.batch) {
-            return Err(ConfigError::new("batch", "must be 1 to 100000"));
-        }
+        ConfigError::invalid_if(
+            !(1..=100_000).contains(&self.batch),
+            "batch",
+            "must be 1 to 100000",
+        )?;
         self.runner.validate()?;
-        if self.session_timeout < Duration::from_millis(1) {
-            return Err(ConfigError::new(
-                "session_timeout",
-                "must be at least 1 ms (brokers usually require 6 s to 300 s)",
-            ));
-        }
-        if !matches!(self.auto_offset_reset.as_str(), "earliest" | "latest") {
-            return Err(ConfigError::new(
-                "auto_offset_reset",
-                "must be \"earliest\" or \"latest\"",
-            ));
-        }
+        ConfigError::invalid_if(
+            self.session_timeout < Duration::from_millis(1),
+            "session_timeout",
+            "must be at least 1 ms (brokers usually require 6 s to 300 s)",
+        )?;
+        ConfigError::invalid_if(
+            !matches!(self.auto_offset_reset.as_str(), "earliest" | "latest"),
+            "auto_offset_reset",
+            "must be \"earliest\" or \"latest\"",
+        )?;
         Ok(())
     }
 }
@@ -284,12 +284,11 @@ pub(crate) async fn subscribe(
             format!("cannot reach Kafka at {}: {e}", client.bootstrap_servers),
         )
     })?;
-    if !missing.is_empty() {
-        return Err(ConfigError::new(
-            "topics",
-            format!("topics {missing:?} do not exist; create them first"),
-        ));
-    }
+    ConfigError::invalid_if(
+        !missing.is_empty(),
+        "topics",
+        format!("topics {missing:?} do not exist; create them first"),
+    )?;
     let names: Vec<&str> = topics.iter().map(String::as_str).collect();
     consumer
         .subscribe(&names)

@@ -200,30 +200,40 @@ impl RunnerSettings {
     /// `runner.max_deliveries` or `runner.maintenance_interval` when zero.
     pub fn validate(&self) -> Result<(), crate::error::ConfigError> {
         use crate::error::ConfigError;
-        if self.concurrency == 0 {
-            return Err(ConfigError::new("runner.concurrency", "must be at least 1"));
-        }
-        if self.inbox_batch == 0 {
-            return Err(ConfigError::new("runner.inbox_batch", "must be at least 1"));
-        }
-        if self.max_deliveries == 0 {
-            return Err(ConfigError::new(
-                "runner.max_deliveries",
-                "must be at least 1",
-            ));
-        }
-        if self.maintenance_interval.is_zero() {
-            return Err(ConfigError::new(
-                "runner.maintenance_interval",
-                "must be more than 0 s",
-            ));
-        }
+        ConfigError::invalid_if(
+            self.concurrency == 0,
+            "runner.concurrency",
+            "must be at least 1",
+        )?;
+        ConfigError::invalid_if(
+            self.inbox_batch == 0,
+            "runner.inbox_batch",
+            "must be at least 1",
+        )?;
+        ConfigError::invalid_if(
+            self.max_deliveries == 0,
+            "runner.max_deliveries",
+            "must be at least 1",
+        )?;
+        ConfigError::invalid_if(
+            self.maintenance_interval.is_zero(),
+            "runner.maintenance_interval",
+            "must be more than 0 s",
+        )?;
         Ok(())
     }
 }
 
 /// The builder method every broker's consumer config has: `with_confirmations(sender)` sets
 /// its `runner.confirmations` ([`RunnerSettings::confirmations`]).
+#[cfg(any(
+    feature = "kafka",
+    feature = "mqtt",
+    feature = "nats",
+    feature = "rabbitmq",
+    feature = "redis",
+    feature = "rocketmq"
+))]
 macro_rules! with_confirmations {
     ($config:ty) => {
         impl $config {
@@ -238,6 +248,14 @@ macro_rules! with_confirmations {
         }
     };
 }
+#[cfg(any(
+    feature = "kafka",
+    feature = "mqtt",
+    feature = "nats",
+    feature = "rabbitmq",
+    feature = "redis",
+    feature = "rocketmq"
+))]
 pub(crate) use with_confirmations;
 
 /// What [`deliver`] needs: dead letters, retries and confirmations ([`RunnerSettings::policy`]

@@ -124,21 +124,17 @@ impl RabbitMqConsumerConfig {
         self.connection
             .validate()
             .map_err(|e| ConfigError::new(format!("connection.{}", e.field), e.reason))?;
-        if self.queue.is_empty() || self.queue.len() > 230 {
-            return Err(ConfigError::new(
-                "queue",
-                "must be 1 to 230 bytes (its retry queues add .retry.<ms>)",
-            ));
-        }
-        if self.queue.chars().any(char::is_control) {
-            return Err(ConfigError::new(
-                "queue",
-                "must not have control characters",
-            ));
-        }
-        if self.batch == 0 {
-            return Err(ConfigError::new("batch", "must be at least 1"));
-        }
+        ConfigError::invalid_if(
+            self.queue.is_empty() || self.queue.len() > 230,
+            "queue",
+            "must be 1 to 230 bytes (its retry queues add .retry.<ms>)",
+        )?;
+        ConfigError::invalid_if(
+            self.queue.chars().any(char::is_control),
+            "queue",
+            "must not have control characters",
+        )?;
+        ConfigError::invalid_if(self.batch == 0, "batch", "must be at least 1")?;
         self.runner.validate()?;
         Ok(())
     }

@@ -171,12 +171,11 @@ impl RocketMqConsumerConfig {
         validate_batch(self.batch)?;
         self.runner.validate()?;
         validate_route_refresh(self.route_refresh)?;
-        if self.delay_levels.is_empty() || self.delay_levels.windows(2).any(|w| w[0] > w[1]) {
-            return Err(ConfigError::new(
-                "delay_levels",
-                "must be a non-empty list in increasing order (the broker's messageDelayLevel)",
-            ));
-        }
+        ConfigError::invalid_if(
+            self.delay_levels.is_empty() || self.delay_levels.windows(2).any(|w| w[0] > w[1]),
+            "delay_levels",
+            "must be a non-empty list in increasing order (the broker's messageDelayLevel)",
+        )?;
         Ok(())
     }
 }
@@ -187,9 +186,11 @@ impl RocketMqConsumerConfig {
 /// # Errors
 /// [`ConfigError`] naming `batch`.
 pub(crate) fn validate_batch(batch: usize) -> Result<(), ConfigError> {
-    if !(1..=1024).contains(&batch) {
-        return Err(ConfigError::new("batch", "must be between 1 and 1024"));
-    }
+    ConfigError::invalid_if(
+        !(1..=1024).contains(&batch),
+        "batch",
+        "must be between 1 and 1024",
+    )?;
     Ok(())
 }
 
@@ -199,12 +200,11 @@ pub(crate) fn validate_batch(batch: usize) -> Result<(), ConfigError> {
 /// # Errors
 /// [`ConfigError`] naming `route_refresh`.
 pub(crate) fn validate_route_refresh(route_refresh: Duration) -> Result<(), ConfigError> {
-    if !(Duration::from_secs(10)..=Duration::from_secs(600)).contains(&route_refresh) {
-        return Err(ConfigError::new(
-            "route_refresh",
-            "must be between 10 s and 10 min (the client's pollNameServerInterval bounds)",
-        ));
-    }
+    ConfigError::invalid_if(
+        !(Duration::from_secs(10)..=Duration::from_secs(600)).contains(&route_refresh),
+        "route_refresh",
+        "must be between 10 s and 10 min (the client's pollNameServerInterval bounds)",
+    )?;
     Ok(())
 }
 
@@ -329,15 +329,14 @@ pub(crate) async fn start_push_consumer(
     };
     let servers =
         parse_name_servers(s.name_server).map_err(|r| ConfigError::new("name_server", r))?;
-    if !any_reachable(&servers, Duration::from_secs(3)).await {
-        return Err(ConfigError::new(
-            "name_server",
-            format!(
-                "no RocketMQ name server accepts connections at {}",
-                s.name_server
-            ),
-        ));
-    }
+    ConfigError::invalid_if(
+        !any_reachable(&servers, Duration::from_secs(3)).await,
+        "name_server",
+        format!(
+            "no RocketMQ name server accepts connections at {}",
+            s.name_server
+        ),
+    )?;
     let batch = u32::try_from(s.batch).unwrap_or(1024);
     let mut client = client_config(s.name_server, s.role, Duration::from_secs(3));
     client.poll_name_server_interval =

@@ -64,6 +64,7 @@ pub struct InboxSql {
 
 /// Rows per multi-row inbox insert on MySQL/MariaDB and SQLite: 3 parameters each, well under
 /// both databases' limits on bound parameters (65,535 and 32,766).
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
 pub(crate) const INSERT_ROWS: usize = 1_000;
 
 /// `n` rows `(?, ?, ?, 0, NULL)` of a multi-row inbox insert (consumer, message id, topic; outcome

@@ -156,19 +156,18 @@ impl RelayGroup {
     /// Outside a Tokio runtime.
     pub fn add(&self, name: impl Into<String>, open: Opener) -> Result<(), ConfigError> {
         let name = name.into();
-        if name.is_empty() {
-            return Err(ConfigError::new("databases", "a member needs a name"));
-        }
+        ConfigError::invalid_if(name.is_empty(), "databases", "a member needs a name")?;
         let mut members = self.lock();
-        if self.inner.stop.is_cancelled() {
-            return Err(ConfigError::new("databases", "the group was shut down"));
-        }
-        if members.contains_key(&name) {
-            return Err(ConfigError::new(
-                "databases",
-                format!("two members are named {name:?}"),
-            ));
-        }
+        ConfigError::invalid_if(
+            self.inner.stop.is_cancelled(),
+            "databases",
+            "the group was shut down",
+        )?;
+        ConfigError::invalid_if(
+            members.contains_key(&name),
+            "databases",
+            format!("two members are named {name:?}"),
+        )?;
         let state = Arc::new(Mutex::new(MemberState::Opening {
             failures: 0,
             last_error: None,

@@ -245,9 +245,11 @@ impl RelayBuilder {
     /// [`ConfigError`] for an invalid configuration field or an empty router (`routes`).
     pub fn build(self) -> Result<Relay, ConfigError> {
         self.config.validate()?;
-        if self.router.routes().is_empty() {
-            return Err(ConfigError::new("routes", "at least one route is needed"));
-        }
+        ConfigError::invalid_if(
+            self.router.routes().is_empty(),
+            "routes",
+            "at least one route is needed",
+        )?;
         let transports = self.router.transports();
         let health = transports.iter().map(|_| Health::default()).collect();
         let patterns: Vec<String> = self

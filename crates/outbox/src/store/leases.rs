@@ -286,28 +286,41 @@ pub(crate) fn per_bucket_limit(limit: u32, buckets: usize) -> u32 {
 }
 
 /// [`Store::read_buckets`] for dialects without `LATERAL` (MySQL/MariaDB, SQLite), in rounds of
-/// one statement each. `fetch(parts, k, remaining)` reads, for each `(bucket, after_id)` of
-/// `parts`, the first `k` due PENDING rows of the bucket with `id > after_id` in id order (one
-/// index range scan per bucket), then the first `remaining` of them all by id; it returns each
-/// row with its bucket and id. A bucket that filled its `k` rows may have more: while fewer than
-/// `limit` rows came, the next round reads on from the last id of each such bucket. Every
-/// bucket's rows are therefore a prefix of its due rows, in id order. The rows come back as the
-/// batch ([`BucketBatch::push`]: a row that does not decode goes to its `malformed`).
+/// one statement each. `fetch(parts, skip, k, remaining)` reads, for each `(bucket, after_id)`
+/// of `parts`, the first `k` due PENDING rows of the bucket with `id > after_id` in id order
+/// (one index range scan per bucket) whose partition key is not in `skip` (`skip_keys` as a
+/// JSON array, `None` when there are none), then the first `remaining` of them all by id; each
+/// row has its id in column 0 and its bucket in column 9 (`err` maps a column that does not
+/// read). A bucket that filled its `k` rows may have more: while fewer than `limit` rows came,
+/// the next round reads on from the last id of each such bucket. Every bucket's rows are
+/// therefore a prefix of its due rows, in id order. The rows come back as the batch
+/// ([`BucketBatch::push`]: a row that does not decode goes to its `malformed`).
 #[cfg(any(feature = "mysql", feature = "sqlite"))]
 pub(crate) async fn read_in_rounds<R, F, Fut>(
     buckets: &[Bucket],
+    skip_keys: &[String],
     limit: u32,
+    err: impl Fn(sqlx::Error) -> super::StoreError,
     mut fetch: F,
 ) -> Result<super::BucketBatch, super::StoreError>
 where
-    F: FnMut(Vec<(Bucket, i64)>, u32, u32) -> Fut,
-    Fut: std::future::Future<Output = Result<Vec<(Bucket, i64, R)>, super::StoreError>>,
+    F: FnMut(Vec<(Bucket, i64)>, Option<std::sync::Arc<str>>, u32, u32) -> Fut,
+    Fut: std::future::Future<Output = Result<Vec<R>, super::StoreError>>,
     R: sqlx::Row,
     usize: sqlx::ColumnIndex<R>,
     for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
     for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> i16: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
     for<'r> Vec<u8>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
 {
+    if buckets.is_empty() || limit == 0 {
+        return Ok(super::BucketBatch::default());
+    }
+    let skip: Option<std::sync::Arc<str>> = (!skip_keys.is_empty()).then(|| {
+        serde_json::to_string(skip_keys)
+            .expect("keys serialize")
+            .into()
+    });
     let mut seen = std::collections::HashSet::new();
     let mut parts: Vec<(Bucket, i64)> = buckets
         .iter()
@@ -321,7 +334,15 @@ where
             break;
         }
         let k = per_bucket_limit(remaining, parts.len());
-        let rows = fetch(parts.clone(), k, remaining).await?;
+        let rows = fetch(parts.clone(), skip.clone(), k, remaining)
+            .await?
+            .into_iter()
+            .map(|row| {
+                let id: i64 = row.try_get(0).map_err(&err)?;
+                let bucket: Bucket = row.try_get(9).map_err(&err)?;
+                Ok((bucket, id, row))
+            })
+            .collect::<Result<Vec<_>, super::StoreError>>()?;
         let full = u32::try_from(rows.len()).unwrap_or(u32::MAX) >= remaining;
         let mut last: std::collections::BTreeMap<Bucket, (u32, i64)> = Default::default();
         for (bucket, id, _) in &rows {

@@ -62,6 +62,7 @@ pub(crate) mod status_sql {
     /// [`Status::Undecided`].
     pub(crate) const UNDECIDED: i16 = Status::Undecided as i16;
     /// The highest status number: the upper bound of the status column's `CHECK` (schema v8).
+    #[cfg(any(feature = "postgres", feature = "sqlite"))]
     pub(crate) const LAST: i16 = UNDECIDED;
 }
 

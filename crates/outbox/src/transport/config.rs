@@ -347,28 +347,27 @@ impl RouteConfig {
     /// [`ConfigError`] naming `topics`, `on_dead_letter` (without `ordered`),
     /// `confirm.reply_to` (empty) or `confirm.timeout` (zero).
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if self.topics.is_empty() || self.topics.trim_end_matches('*').contains('*') {
-            return Err(ConfigError::new(
-                "topics",
-                "must be \"*\", \"prefix*\" or an exact topic (a '*' only at the end)",
-            ));
-        }
-        if self.on_dead_letter.is_some() && !self.ordered {
-            return Err(ConfigError::new(
-                "on_dead_letter",
-                "applies to ordered routes only: set `ordered = true` or remove it",
-            ));
-        }
+        ConfigError::invalid_if(
+            self.topics.is_empty() || self.topics.trim_end_matches('*').contains('*'),
+            "topics",
+            "must be \"*\", \"prefix*\" or an exact topic (a '*' only at the end)",
+        )?;
+        ConfigError::invalid_if(
+            self.on_dead_letter.is_some() && !self.ordered,
+            "on_dead_letter",
+            "applies to ordered routes only: set `ordered = true` or remove it",
+        )?;
         if let Some(c) = &self.confirm {
-            if c.reply_to.is_empty() {
-                return Err(ConfigError::new("confirm.reply_to", "must not be empty"));
-            }
-            if c.timeout.is_zero() {
-                return Err(ConfigError::new(
-                    "confirm.timeout",
-                    "must be greater than zero",
-                ));
-            }
+            ConfigError::invalid_if(
+                c.reply_to.is_empty(),
+                "confirm.reply_to",
+                "must not be empty",
+            )?;
+            ConfigError::invalid_if(
+                c.timeout.is_zero(),
+                "confirm.timeout",
+                "must be greater than zero",
+            )?;
         }
         Ok(())
     }
@@ -441,12 +440,11 @@ pub fn check_routes(
     routes: &[RouteConfig],
     transports: &std::collections::BTreeMap<&str, &TransportConfig>,
 ) -> Result<(), ConfigError> {
-    if routes.is_empty() {
-        return Err(ConfigError::new(
-            "routes",
-            "at least one [[routes]] entry is needed",
-        ));
-    }
+    ConfigError::invalid_if(
+        routes.is_empty(),
+        "routes",
+        "at least one [[routes]] entry is needed",
+    )?;
     for (i, r) in routes.iter().enumerate() {
         let named = |e: ConfigError| ConfigError::new(format!("routes[{i}].{}", e.field), e.reason);
         let Some(t) = transports.get(r.transport.as_str()) else {

@@ -129,12 +129,8 @@ impl WebhookConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         crate::transport::settings::check_url(&self.url, &["http", "https"])?;
         let c = self.resolve_secrets()?;
-        if c.timeout.is_zero() {
-            return Err(ConfigError::new("timeout", "must be greater than zero"));
-        }
-        if c.concurrency == 0 {
-            return Err(ConfigError::new("concurrency", "must be at least 1"));
-        }
+        ConfigError::invalid_if(c.timeout.is_zero(), "timeout", "must be greater than zero")?;
+        ConfigError::invalid_if(c.concurrency == 0, "concurrency", "must be at least 1")?;
         if let Some(s) = &c.secret {
             WebhookSigner::new(s)?;
         }
@@ -184,9 +180,7 @@ impl WebhookSigner {
         let key = base64::engine::general_purpose::STANDARD
             .decode(b64)
             .map_err(|_| ConfigError::new("secret", "not a whsec_ + base64 secret"))?;
-        if key.is_empty() {
-            return Err(ConfigError::new("secret", "empty secret"));
-        }
+        ConfigError::invalid_if(key.is_empty(), "secret", "empty secret")?;
         Ok(WebhookSigner { key })
     }
 
@@ -268,15 +262,17 @@ impl WebhookTransport {
     pub fn new(config: WebhookConfig) -> Result<Self, ConfigError> {
         let url =
             reqwest::Url::parse(&config.url).map_err(|e| ConfigError::new("url", e.to_string()))?;
-        if !matches!(url.scheme(), "http" | "https") {
-            return Err(ConfigError::new("url", "scheme must be http or https"));
-        }
-        if config.timeout.is_zero() {
-            return Err(ConfigError::new("timeout", "must be greater than zero"));
-        }
-        if config.concurrency == 0 {
-            return Err(ConfigError::new("concurrency", "must be at least 1"));
-        }
+        ConfigError::invalid_if(
+            !matches!(url.scheme(), "http" | "https"),
+            "url",
+            "scheme must be http or https",
+        )?;
+        ConfigError::invalid_if(
+            config.timeout.is_zero(),
+            "timeout",
+            "must be greater than zero",
+        )?;
+        ConfigError::invalid_if(config.concurrency == 0, "concurrency", "must be at least 1")?;
         let signer = config
             .secret
             .as_deref()

@@ -19,11 +19,7 @@ use uuid::Uuid;
 use crate::relay::fast_config;
 
 fixture_tests!(
-    [
-        sqlite: outbox_testkit::SqliteFixture,
-        postgres: outbox_testkit::PgFixture,
-        mysql: outbox_testkit::MySqlFixture,
-    ],
+    stores,
     [crate::two_phase],
     [
         two_phase_commit_and_rollback_by_the_producer = producer_decides,

@@ -167,16 +167,16 @@ impl MySqlStore {
         tx.commit().await
     }
 
-    /// One round of [`Store::read_buckets`] (see [`crate::store::read_in_rounds`]): a `UNION ALL` of one
+    /// One round of [`Store::read_buckets`] ([`crate::store::read_in_rounds`]): a `UNION ALL` of one
     /// `ORDER BY id LIMIT k` range scan of `(status, bucket, id)` per bucket (MariaDB has no
     /// `LATERAL`), then the first `remaining` by id.
     pub(super) async fn read_parts(
         &self,
         parts: Vec<(Bucket, i64)>,
-        skip_json: Option<&str>,
+        skip_json: Option<std::sync::Arc<str>>,
         k: u32,
         remaining: u32,
-    ) -> Result<Vec<(Bucket, i64, MySqlRow)>, StoreError> {
+    ) -> Result<Vec<MySqlRow>, StoreError> {
         let t = self.table.as_str();
         let (with, skip) = match skip_json {
             // The keys as a derived table (one placeholder however many keys and buckets).
@@ -199,7 +199,7 @@ impl MySqlStore {
         );
         let mut q = sqlx::query(AssertSqlSafe(sql));
         if let Some(json) = skip_json {
-            q = q.bind(json);
+            q = q.bind(json.to_string());
         }
         for (bucket, after) in &parts {
             q = q.bind(*bucket).bind(*after).bind(i64::from(k));
@@ -209,12 +209,6 @@ impl MySqlStore {
             .fetch_all(&self.pool)
             .await
             .map_err(self.err("read_buckets"))?;
-        rows.into_iter()
-            .map(|row| {
-                let id: i64 = row.try_get(0).map_err(self.err("read_buckets"))?;
-                let bucket: Bucket = row.try_get(9).map_err(self.err("read_buckets"))?;
-                Ok((bucket, id, row))
-            })
-            .collect()
+        Ok(rows)
     }
 }

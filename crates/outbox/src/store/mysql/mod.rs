@@ -54,8 +54,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use sqlx::AssertSqlSafe;
 use sqlx::mysql::{MySqlConnection, MySqlPool, MySqlRow};
-use sqlx::{AssertSqlSafe, Row};
 use tokio::sync::Notify;
 use uuid::Uuid;
 
@@ -360,11 +360,13 @@ impl Store for MySqlStore {
         skip_keys: &[String],
         limit: u32,
     ) -> Result<BucketBatch, StoreError> {
-        let skip_json = (!skip_keys.is_empty())
-            .then(|| serde_json::to_string(skip_keys).expect("keys serialize"));
-        super::read_in_rounds(buckets, limit, |parts, k, remaining| {
-            self.read_parts(parts, skip_json.as_deref(), k, remaining)
-        })
+        super::read_in_rounds(
+            buckets,
+            skip_keys,
+            limit,
+            self.err("read_buckets"),
+            |parts, skip, k, remaining| self.read_parts(parts, skip, k, remaining),
+        )
         .await
     }
 

@@ -315,25 +315,22 @@ impl MySqlStore {
         sqlx::Transaction::begin(conn, None).await
     }
 
-    /// Run one statement in its own READ COMMITTED transaction, retrying lock conflicts.
-    pub(super) async fn exec_rc(
-        &self,
-        op: &'static str,
-        sql: &str,
-        binds: &[Bind<'_>],
-    ) -> Result<u64, StoreError> {
+    /// Run `body` in a READ COMMITTED transaction of its own ([`Self::begin_rc`]), which it
+    /// hands back with the rows it wrote, and commit; a lock conflict
+    /// ([`Self::retry_conflict`]) runs it again in a new transaction, other errors are `op`'s.
+    async fn in_rc_retrying<'a, F>(&self, op: &'static str, mut body: F) -> Result<u64, StoreError>
+    where
+        F: FnMut(
+                RcTransaction,
+            )
+                -> futures::future::BoxFuture<'a, Result<(RcTransaction, u64), sqlx::Error>>
+            + Send,
+    {
         let mut attempt = 0;
         loop {
             let r = async {
-                let mut tx = self.begin_rc().await?;
-                let mut q = sqlx::query(AssertSqlSafe(sql.to_owned()));
-                for b in binds {
-                    q = match b {
-                        Bind::I64(v) => q.bind(*v),
-                        Bind::Str(v) => q.bind(*v),
-                    };
-                }
-                let n = q.execute(&mut *tx).await?.rows_affected();
+                let tx = self.begin_rc().await?;
+                let (tx, n) = body(tx).await?;
                 tx.commit().await?;
                 Ok::<_, sqlx::Error>(n)
             }
@@ -344,6 +341,23 @@ impl MySqlStore {
                 Err(e) => return Err(self.err(op)(e)),
             }
         }
+    }
+
+    /// Run one statement in its own READ COMMITTED transaction, retrying lock conflicts.
+    pub(super) async fn exec_rc(
+        &self,
+        op: &'static str,
+        sql: &str,
+        binds: &[Bind<'_>],
+    ) -> Result<u64, StoreError> {
+        self.in_rc_retrying(op, |mut tx| {
+            Box::pin(async move {
+                let q = bound(sqlx::query(AssertSqlSafe(sql.to_owned())), binds);
+                let n = q.execute(&mut *tx).await?.rows_affected();
+                Ok((tx, n))
+            })
+        })
+        .await
     }
 
     /// A maintenance write that never waits on another session's row: in one READ COMMITTED
@@ -361,42 +375,25 @@ impl MySqlStore {
         write: &str,
         binds: &[Bind<'_>],
     ) -> Result<u64, StoreError> {
-        let mut attempt = 0;
-        loop {
-            let r = async {
-                let mut tx = self.begin_rc().await?;
+        self.in_rc_retrying(op, |mut tx| {
+            Box::pin(async move {
                 let ids: Vec<i64> = sqlx::query_scalar(AssertSqlSafe(select.to_owned()))
                     .bind(i64::from(limit))
                     .fetch_all(&mut *tx)
                     .await?;
                 if ids.is_empty() {
-                    tx.commit().await?;
-                    return Ok(0);
+                    return Ok((tx, 0));
                 }
-                let mut q = sqlx::query(AssertSqlSafe(format!(
-                    "{write}({})",
-                    placeholders(ids.len())
-                )));
-                for b in binds {
-                    q = match b {
-                        Bind::I64(v) => q.bind(*v),
-                        Bind::Str(v) => q.bind(*v),
-                    };
-                }
+                let sql = format!("{write}({})", placeholders(ids.len()));
+                let mut q = bound(sqlx::query(AssertSqlSafe(sql)), binds);
                 for id in &ids {
                     q = q.bind(*id);
                 }
                 let n = q.execute(&mut *tx).await?.rows_affected();
-                tx.commit().await?;
-                Ok::<_, sqlx::Error>(n)
-            }
-            .await;
-            match r {
-                Ok(n) => return Ok(n),
-                Err(e) if self.retry_conflict(op, &e, attempt).await => attempt += 1,
-                Err(e) => return Err(self.err(op)(e)),
-            }
-        }
+                Ok((tx, n))
+            })
+        })
+        .await
     }
 
     pub(super) async fn confirm_processed(
@@ -432,4 +429,21 @@ impl MySqlStore {
         tx.commit().await?;
         Ok(moved)
     }
+}
+
+/// A READ COMMITTED transaction of [`MySqlStore::begin_rc`].
+type RcTransaction = sqlx::Transaction<'static, sqlx::MySql>;
+
+/// `q` with `binds` bound in order.
+fn bound<'q>(
+    mut q: sqlx::query::Query<'q, sqlx::MySql, sqlx::mysql::MySqlArguments>,
+    binds: &[Bind<'_>],
+) -> sqlx::query::Query<'q, sqlx::MySql, sqlx::mysql::MySqlArguments> {
+    for b in binds {
+        q = match b {
+            Bind::I64(v) => q.bind(*v),
+            Bind::Str(v) => q.bind(*v),
+        };
+    }
+    q
 }

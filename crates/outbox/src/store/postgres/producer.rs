@@ -407,60 +407,62 @@ impl PgStore {
             max_attempts.push(m.max_attempts.map(|a| i32::try_from(a).unwrap_or(i32::MAX)));
             delays.push(m.delay.map(millis).unwrap_or(0));
         }
-        let Some(timeout) = self.enqueue_timeout else {
-            sqlx::query(AssertSqlSafe(self.sql.insert.clone()))
-                .bind(&ids)
-                .bind(topics)
-                .bind(keys)
-                .bind(headers)
-                .bind(payloads)
-                .bind(max_attempts)
-                .bind(delays)
-                .execute(conn)
+        let database = |e| EnqueueError::Database(self.err("enqueue")(e));
+        // With a timeout: `lock_timeout` for the insert alone, set here (returning the session's
+        // value) and restored by the insert itself once it holds its locks. Session-level (not
+        // LOCAL), so it also applies outside a transaction block; inside one, a rollback undoes
+        // it anyway.
+        let previous = match self.enqueue_timeout {
+            None => None,
+            Some(timeout) => {
+                let ms = format!("{}ms", timeout.as_millis().max(1));
+                // The target list is evaluated left to right: the session's value is read
+                // before it is set.
+                let (previous, _): (String, String) = sqlx::query_as(
+                    "SELECT current_setting('lock_timeout'), set_config('lock_timeout', $1, false)",
+                )
+                .bind(&ms)
+                .fetch_one(&mut *conn)
                 .await
-                .map_err(|e| EnqueueError::Database(self.err("enqueue")(e)))?;
-            return Ok(ids);
+                .map_err(database)?;
+                Some((timeout, previous))
+            }
         };
-        // `lock_timeout` for the insert alone: set here (returning the session's value), and
-        // restored by the insert itself once it holds its locks. Session-level (not LOCAL), so it
-        // also applies outside a transaction block; inside one, a rollback undoes it anyway.
-        let ms = format!("{}ms", timeout.as_millis().max(1));
-        // The target list is evaluated left to right: the session's value is read before it is set.
-        let (previous, _): (String, String) = sqlx::query_as(
-            "SELECT current_setting('lock_timeout'), set_config('lock_timeout', $1, false)",
-        )
-        .bind(&ms)
-        .fetch_one(&mut *conn)
-        .await
-        .map_err(|e| EnqueueError::Database(self.err("enqueue")(e)))?;
-        let inserted = sqlx::query(AssertSqlSafe(self.sql.insert_timed.clone()))
+        let sql = match previous {
+            None => &self.sql.insert,
+            Some(_) => &self.sql.insert_timed,
+        };
+        let mut insert = sqlx::query(AssertSqlSafe(sql.clone()))
             .bind(&ids)
             .bind(topics)
             .bind(keys)
             .bind(headers)
             .bind(payloads)
             .bind(max_attempts)
-            .bind(delays)
+            .bind(delays);
+        if let Some((_, previous)) = &previous {
+            insert = insert.bind(previous);
+        }
+        let Err(e) = insert.execute(&mut *conn).await else {
+            return Ok(ids);
+        };
+        let Some((timeout, previous)) = previous else {
+            return Err(database(e));
+        };
+        // Outside a transaction block the setting would outlive the failed insert: restore it
+        // (inside one, this fails on the aborted transaction and the rollback restores).
+        let _ = sqlx::query("SELECT set_config('lock_timeout', $1, false)")
             .bind(&previous)
             .execute(&mut *conn)
             .await;
-        if let Err(e) = inserted {
-            // Outside a transaction block the setting would outlive the failed insert: restore
-            // it (inside one, this fails on the aborted transaction and the rollback restores).
-            let _ = sqlx::query("SELECT set_config('lock_timeout', $1, false)")
-                .bind(&previous)
-                .execute(&mut *conn)
-                .await;
-            if errors::is_lock_timeout(&e) {
-                return Err(EnqueueError::Timeout {
-                    table: self.table.as_str().to_owned(),
-                    timeout,
-                    source: e,
-                });
-            }
-            return Err(EnqueueError::Database(self.err("enqueue")(e)));
+        if errors::is_lock_timeout(&e) {
+            return Err(EnqueueError::Timeout {
+                table: self.table.as_str().to_owned(),
+                timeout,
+                source: e,
+            });
         }
-        Ok(ids)
+        Err(database(e))
     }
 
     /// Begin a transaction on the store's pool for a producer that commits it with

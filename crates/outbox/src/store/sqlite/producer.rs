@@ -425,16 +425,16 @@ impl SqliteStore {
         Ok(round)
     }
 
-    /// One round of [`Store::read_buckets`] (see [`crate::store::read_in_rounds`]): a `UNION ALL` of one
+    /// One round of [`Store::read_buckets`] ([`crate::store::read_in_rounds`]): a `UNION ALL` of one
     /// `ORDER BY id LIMIT k` range scan of the partial index `(bucket, id) WHERE status = 0` per
     /// bucket, the first `remaining` ids of them all, then those rows by id.
     pub(super) async fn read_parts(
         &self,
         parts: Vec<(Bucket, i64)>,
-        skip_json: Option<&str>,
+        skip_json: Option<std::sync::Arc<str>>,
         k: u32,
         remaining: u32,
-    ) -> Result<Vec<(Bucket, i64, sqlx::sqlite::SqliteRow)>, StoreError> {
+    ) -> Result<Vec<sqlx::sqlite::SqliteRow>, StoreError> {
         let t = self.table.as_str();
         // ?1 the overall limit, ?2 the per-bucket limit, ?3 the keys to skip (if any), then a
         // bucket and the id to read after per part.
@@ -464,7 +464,7 @@ impl SqliteStore {
         .bind(i64::from(remaining))
         .bind(i64::from(k));
         if let Some(json) = skip_json {
-            q = q.bind(json);
+            q = q.bind(json.to_string());
         }
         for (bucket, after) in &parts {
             q = q.bind(*bucket).bind(*after);
@@ -473,12 +473,6 @@ impl SqliteStore {
             .fetch_all(&self.pool)
             .await
             .map_err(self.err("read_buckets"))?;
-        rows.into_iter()
-            .map(|row| {
-                let id: i64 = row.try_get(0).map_err(self.err("read_buckets"))?;
-                let bucket: Bucket = row.try_get(9).map_err(self.err("read_buckets"))?;
-                Ok((bucket, id, row))
-            })
-            .collect()
+        Ok(rows)
     }
 }

@@ -240,65 +240,54 @@ impl KafkaConfig {
                 format!("{t:?} is not a Kafka topic name (1 to 249 of A-Z a-z 0-9 . _ -)"),
             ));
         }
-        if self.partitions < 1 {
-            return Err(ConfigError::new("partitions", "must be at least 1"));
-        }
-        if self.replication < 1 {
-            return Err(ConfigError::new("replication", "must be at least 1"));
-        }
+        ConfigError::invalid_if(self.partitions < 1, "partitions", "must be at least 1")?;
+        ConfigError::invalid_if(self.replication < 1, "replication", "must be at least 1")?;
         Ok(())
     }
 
     /// [`KafkaConfig::validate`] of the settings themselves, secrets as they are.
     pub(super) fn check(&self) -> Result<(), ConfigError> {
-        if self.bootstrap_servers.is_empty() {
-            return Err(ConfigError::new("bootstrap_servers", "must not be empty"));
-        }
+        ConfigError::invalid_if(
+            self.bootstrap_servers.is_empty(),
+            "bootstrap_servers",
+            "must not be empty",
+        )?;
         for server in self.bootstrap_servers.split(',') {
             let ok = server
                 .rsplit_once(':')
                 .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
-            if !ok {
-                return Err(ConfigError::new(
-                    "bootstrap_servers",
-                    format!("{server:?} is not host:port"),
-                ));
-            }
+            ConfigError::invalid_if(
+                !ok,
+                "bootstrap_servers",
+                format!("{server:?} is not host:port"),
+            )?;
         }
-        if self.client_id.is_empty() {
-            return Err(ConfigError::new("client_id", "must not be empty"));
-        }
-        if self.delivery_timeout < Duration::from_millis(1) {
-            return Err(ConfigError::new(
-                "delivery_timeout",
-                "must be at least 1 ms",
-            ));
-        }
-        if self.connect_timeout.is_zero() {
-            return Err(ConfigError::new(
-                "connect_timeout",
-                "must be greater than zero",
-            ));
-        }
-        if !(1000..=1_000_000_000).contains(&self.max_message_bytes) {
-            return Err(ConfigError::new(
-                "max_message_bytes",
-                "must be 1000 to 1000000000 (librdkafka's range)",
-            ));
-        }
+        ConfigError::invalid_if(self.client_id.is_empty(), "client_id", "must not be empty")?;
+        ConfigError::invalid_if(
+            self.delivery_timeout < Duration::from_millis(1),
+            "delivery_timeout",
+            "must be at least 1 ms",
+        )?;
+        ConfigError::invalid_if(
+            self.connect_timeout.is_zero(),
+            "connect_timeout",
+            "must be greater than zero",
+        )?;
+        ConfigError::invalid_if(
+            !(1000..=1_000_000_000).contains(&self.max_message_bytes),
+            "max_message_bytes",
+            "must be 1000 to 1000000000 (librdkafka's range)",
+        )?;
         if let Some(s) = &self.sasl {
-            if !["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"].contains(&s.mechanism.as_str()) {
-                return Err(ConfigError::new(
-                    "sasl.mechanism",
-                    format!(
-                        "{:?} is not PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512",
-                        s.mechanism
-                    ),
-                ));
-            }
-            if s.username.is_empty() {
-                return Err(ConfigError::new("sasl.username", "must not be empty"));
-            }
+            ConfigError::invalid_if(
+                !["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"].contains(&s.mechanism.as_str()),
+                "sasl.mechanism",
+                format!(
+                    "{:?} is not PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512",
+                    s.mechanism
+                ),
+            )?;
+            ConfigError::invalid_if(s.username.is_empty(), "sasl.username", "must not be empty")?;
         }
         if let Some(acks) = self.properties.get("acks")
             && !matches!(acks.as_str(), "all" | "-1")
@@ -396,31 +385,29 @@ impl KafkaConfig {
     pub fn check_features(&self) -> Result<(), ConfigError> {
         let features = builtin_features();
         let has = |f: &str| features.split(',').any(|x| x == f);
-        if self.tls.is_some() && !has("ssl") {
-            return Err(ConfigError::new(
-                "tls",
-                format!(
-                    "this librdkafka build has no TLS support (builtin.features = {features}); \
+        ConfigError::invalid_if(
+            self.tls.is_some() && !has("ssl"),
+            "tls",
+            format!(
+                "this librdkafka build has no TLS support (builtin.features = {features}); \
                      build outbox with the rdkafka crate's `ssl` feature"
-                ),
-            ));
-        }
+            ),
+        )?;
         if let Some(s) = &self.sasl {
             let needed = if s.mechanism == "PLAIN" {
                 "sasl_plain"
             } else {
                 "sasl_scram"
             };
-            if !has(needed) {
-                return Err(ConfigError::new(
-                    "sasl.mechanism",
-                    format!(
-                        "this librdkafka build cannot do {} (builtin.features = {features}); \
+            ConfigError::invalid_if(
+                !has(needed),
+                "sasl.mechanism",
+                format!(
+                    "this librdkafka build cannot do {} (builtin.features = {features}); \
                          build outbox with the rdkafka crate's `ssl` feature for SCRAM",
-                        s.mechanism
-                    ),
-                ));
-            }
+                    s.mechanism
+                ),
+            )?;
         }
         Ok(())
     }

@@ -114,20 +114,14 @@ impl MqttConfig {
     /// or `connect_timeout`.
     pub fn validate(&self) -> Result<(), ConfigError> {
         parse_url(&self.url)?;
-        if self.client_id.is_empty() {
-            return Err(ConfigError::new("client_id", "must not be empty"));
-        }
+        ConfigError::invalid_if(self.client_id.is_empty(), "client_id", "must not be empty")?;
         self.resolve_secrets()?;
-        if self.max_inflight == 0 {
-            return Err(ConfigError::new("max_inflight", "must be at least 1"));
-        }
+        ConfigError::invalid_if(self.max_inflight == 0, "max_inflight", "must be at least 1")?;
         for (field, d) in [
             ("ack_timeout", self.ack_timeout),
             ("connect_timeout", self.connect_timeout),
         ] {
-            if d.is_zero() {
-                return Err(ConfigError::new(field, "must be greater than zero"));
-            }
+            ConfigError::invalid_if(d.is_zero(), field, "must be greater than zero")?;
         }
         Ok(())
     }
@@ -227,9 +221,11 @@ pub fn options(
 ) -> Result<MqttOptions, ConfigError> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let addr = parse_url(url)?;
-    if client_id.is_empty() || client_id.len() > 65535 {
-        return Err(ConfigError::new("client_id", "must be 1 to 65,535 bytes"));
-    }
+    ConfigError::invalid_if(
+        client_id.is_empty() || client_id.len() > 65535,
+        "client_id",
+        "must be 1 to 65,535 bytes",
+    )?;
     let mut o = MqttOptions::new(client_id, addr.host, addr.port);
     o.set_keep_alive(keep_alive.max(Duration::from_secs(5)));
     o.set_connection_timeout(connect_timeout.as_secs().max(1));

@@ -166,28 +166,26 @@ impl NatsConfig {
         }
         seeds(&self.url).map_err(|e| ConfigError::new("url", e))?;
         if let Some(s) = &self.stream {
-            if s.name.is_empty() || s.name.contains(['.', '*', '>', ' ']) {
-                return Err(ConfigError::new(
-                    "stream",
-                    format!(
-                        "{:?} is not a stream name (non-empty, no . * > or space)",
-                        s.name
-                    ),
-                ));
-            }
-            if s.subjects.is_empty() {
-                return Err(ConfigError::new("subjects", "must not be empty"));
-            }
-            if !(1..=5).contains(&s.replicas) {
-                return Err(ConfigError::new(
-                    "replicas",
-                    format!("{} is not 1 to 5 (JetStream's range)", s.replicas),
-                ));
-            }
+            ConfigError::invalid_if(
+                s.name.is_empty() || s.name.contains(['.', '*', '>', ' ']),
+                "stream",
+                format!(
+                    "{:?} is not a stream name (non-empty, no . * > or space)",
+                    s.name
+                ),
+            )?;
+            ConfigError::invalid_if(s.subjects.is_empty(), "subjects", "must not be empty")?;
+            ConfigError::invalid_if(
+                !(1..=5).contains(&s.replicas),
+                "replicas",
+                format!("{} is not 1 to 5 (JetStream's range)", s.replicas),
+            )?;
         }
-        if self.ack_timeout.is_zero() {
-            return Err(ConfigError::new("ack_timeout", "must be greater than zero"));
-        }
+        ConfigError::invalid_if(
+            self.ack_timeout.is_zero(),
+            "ack_timeout",
+            "must be greater than zero",
+        )?;
         Ok(())
     }
 }

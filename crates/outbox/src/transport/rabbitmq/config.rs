@@ -141,12 +141,11 @@ impl RabbitMqConfig {
                     format!("cannot read {}: {e}", path.display()),
                 )
             })?;
-            if !pem.contains("-----BEGIN CERTIFICATE-----") {
-                return Err(ConfigError::new(
-                    "tls_ca_file",
-                    format!("{} holds no PEM certificate", path.display()),
-                ));
-            }
+            ConfigError::invalid_if(
+                !pem.contains("-----BEGIN CERTIFICATE-----"),
+                "tls_ca_file",
+                format!("{} holds no PEM certificate", path.display()),
+            )?;
             c.tls_ca_pem = Some(pem);
         }
         Ok(c)
@@ -188,24 +187,21 @@ impl RabbitMqConfig {
                 format!("{e:?} is not an exchange name (1 to 255 bytes, no '/')"),
             ));
         }
-        if self.confirm_timeout.is_zero() {
-            return Err(ConfigError::new(
-                "confirm_timeout",
-                "must be greater than zero",
-            ));
-        }
-        if self.connect_timeout.is_zero() {
-            return Err(ConfigError::new(
-                "connect_timeout",
-                "must be greater than zero",
-            ));
-        }
-        if self.max_message_bytes == 0 {
-            return Err(ConfigError::new(
-                "max_message_bytes",
-                "must be greater than zero",
-            ));
-        }
+        ConfigError::invalid_if(
+            self.confirm_timeout.is_zero(),
+            "confirm_timeout",
+            "must be greater than zero",
+        )?;
+        ConfigError::invalid_if(
+            self.connect_timeout.is_zero(),
+            "connect_timeout",
+            "must be greater than zero",
+        )?;
+        ConfigError::invalid_if(
+            self.max_message_bytes == 0,
+            "max_message_bytes",
+            "must be greater than zero",
+        )?;
         Ok(())
     }
 
@@ -220,15 +216,14 @@ impl RabbitMqConfig {
 
     fn one_uri(&self, url: &str) -> Result<AMQPUri, ConfigError> {
         let scheme_ok = url.starts_with("amqp://") || url.starts_with("amqps://");
-        if !scheme_ok {
-            return Err(ConfigError::new(
-                "url",
-                format!(
-                    "{:?} is not an AMQP URI (amqp://user:password@host:5672/vhost or amqps://…; several separated by commas)",
-                    redact(url)
-                ),
-            ));
-        }
+        ConfigError::invalid_if(
+            !scheme_ok,
+            "url",
+            format!(
+                "{:?} is not an AMQP URI (amqp://user:password@host:5672/vhost or amqps://…; several separated by commas)",
+                redact(url)
+            ),
+        )?;
         let mut uri: AMQPUri = url.parse().map_err(|e| {
             ConfigError::new(
                 "url",

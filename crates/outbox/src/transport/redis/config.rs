@@ -102,32 +102,28 @@ impl RedisConfig {
         for url in self.url.split(',') {
             connection_info(url.trim(), resolved.password.as_deref())?;
         }
-        if self.max_len == Some(0) {
-            return Err(ConfigError::new(
-                "max_len",
-                "must be at least 1 (leave it unset for no trimming)",
-            ));
-        }
+        ConfigError::invalid_if(
+            self.max_len == Some(0),
+            "max_len",
+            "must be at least 1 (leave it unset for no trimming)",
+        )?;
         if let Some(w) = self.wait_replicas {
-            if w.replicas == 0 {
-                return Err(ConfigError::new(
-                    "wait_replicas",
-                    "replicas must be at least 1",
-                ));
-            }
-            if w.timeout.is_zero() || w.timeout >= self.response_timeout {
-                return Err(ConfigError::new(
-                    "wait_replicas",
-                    "timeout must be greater than zero and shorter than response_timeout",
-                ));
-            }
+            ConfigError::invalid_if(
+                w.replicas == 0,
+                "wait_replicas",
+                "replicas must be at least 1",
+            )?;
+            ConfigError::invalid_if(
+                w.timeout.is_zero() || w.timeout >= self.response_timeout,
+                "wait_replicas",
+                "timeout must be greater than zero and shorter than response_timeout",
+            )?;
         }
-        if self.response_timeout.is_zero() {
-            return Err(ConfigError::new(
-                "response_timeout",
-                "must be greater than zero",
-            ));
-        }
+        ConfigError::invalid_if(
+            self.response_timeout.is_zero(),
+            "response_timeout",
+            "must be greater than zero",
+        )?;
         Ok(())
     }
 }
@@ -213,12 +209,11 @@ pub(super) fn connection_info(
     url: &str,
     password: Option<&str>,
 ) -> Result<redis::ConnectionInfo, ConfigError> {
-    if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
-        return Err(ConfigError::new(
-            "url",
-            format!("{url:?} is not a redis:// or rediss:// URL"),
-        ));
-    }
+    ConfigError::invalid_if(
+        !(url.starts_with("redis://") || url.starts_with("rediss://")),
+        "url",
+        format!("{url:?} is not a redis:// or rediss:// URL"),
+    )?;
     let info = url
         .into_connection_info()
         .map_err(|e| ConfigError::new("url", format!("invalid Redis URL {url:?}: {e}")))?;

@@ -32,15 +32,12 @@ impl Credentials {
         {
             k.secret_key = v;
         }
-        if k.access_key.is_empty() {
-            return Err(ConfigError::new("access_key", "must not be empty"));
-        }
-        if k.secret_key.is_empty() {
-            return Err(ConfigError::new(
-                "secret_key_env",
-                "the secret key is empty: name the environment variable holding it",
-            ));
-        }
+        ConfigError::invalid_if(k.access_key.is_empty(), "access_key", "must not be empty")?;
+        ConfigError::invalid_if(
+            k.secret_key.is_empty(),
+            "secret_key_env",
+            "the secret key is empty: name the environment variable holding it",
+        )?;
         Ok(k)
     }
 }
@@ -242,32 +239,31 @@ impl RocketMqConfig {
     /// `default_topic`, `send_timeout`, `max_message_size`, `max_in_flight`, `access_key`,
     /// `secret_key_env`, `create_topic_key`.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if self.name_server.contains("://") {
-            return Err(ConfigError::new(
-                "name_server",
-                format!(
-                    "{:?} is not a rocketmq://host:port[;host:port…] URL",
-                    self.name_server
-                ),
-            ));
-        }
+        ConfigError::invalid_if(
+            self.name_server.contains("://"),
+            "name_server",
+            format!(
+                "{:?} is not a rocketmq://host:port[;host:port…] URL",
+                self.name_server
+            ),
+        )?;
         parse_name_servers(&self.name_server).map_err(|r| ConfigError::new("name_server", r))?;
         validate_group(&self.producer_group).map_err(|r| ConfigError::new("producer_group", r))?;
-        if !(Duration::from_millis(100)..=Duration::from_secs(60)).contains(&self.send_timeout) {
-            return Err(ConfigError::new(
-                "send_timeout",
-                "must be between 100 ms and 60 s (the client's request timeout bounds)",
-            ));
-        }
-        if self.max_message_size == 0 || self.max_message_size > u32::MAX as usize {
-            return Err(ConfigError::new(
-                "max_message_size",
-                "must be between 1 and 4294967295 bytes",
-            ));
-        }
-        if self.max_in_flight == 0 {
-            return Err(ConfigError::new("max_in_flight", "must be at least 1"));
-        }
+        ConfigError::invalid_if(
+            !(Duration::from_millis(100)..=Duration::from_secs(60)).contains(&self.send_timeout),
+            "send_timeout",
+            "must be between 100 ms and 60 s (the client's request timeout bounds)",
+        )?;
+        ConfigError::invalid_if(
+            self.max_message_size == 0 || self.max_message_size > u32::MAX as usize,
+            "max_message_size",
+            "must be between 1 and 4294967295 bytes",
+        )?;
+        ConfigError::invalid_if(
+            self.max_in_flight == 0,
+            "max_in_flight",
+            "must be at least 1",
+        )?;
         if let Some(t) = &self.default_topic {
             validate_topic(t).map_err(|r| ConfigError::new("default_topic", r))?;
         }

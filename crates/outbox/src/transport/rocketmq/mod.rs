@@ -257,15 +257,14 @@ impl RocketMqTransport {
         };
         let name_servers = parse_name_servers(&config.name_server)
             .map_err(|r| ConfigError::new("name_server", r))?;
-        if !any_reachable(&name_servers, Duration::from_secs(3)).await {
-            return Err(ConfigError::new(
-                "name_server",
-                format!(
-                    "no RocketMQ name server accepts connections at {}",
-                    config.name_server
-                ),
-            ));
-        }
+        ConfigError::invalid_if(
+            !any_reachable(&name_servers, Duration::from_secs(3)).await,
+            "name_server",
+            format!(
+                "no RocketMQ name server accepts connections at {}",
+                config.name_server
+            ),
+        )?;
         let mut builder = DefaultMQProducer::builder(runtime)
             .client_config(client_config(
                 &config.name_server,
