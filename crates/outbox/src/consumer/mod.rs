@@ -226,14 +226,8 @@ impl RunnerSettings {
 
 /// The builder method every broker's consumer config has: `with_confirmations(sender)` sets
 /// its `runner.confirmations` ([`RunnerSettings::confirmations`]).
-#[cfg(any(
-    feature = "kafka",
-    feature = "mqtt",
-    feature = "nats",
-    feature = "rabbitmq",
-    feature = "redis",
-    feature = "rocketmq"
-))]
+// Used by the broker consumers: unused when no broker feature is on.
+#[allow(unused_macros)]
 macro_rules! with_confirmations {
     ($config:ty) => {
         impl $config {
@@ -248,14 +242,7 @@ macro_rules! with_confirmations {
         }
     };
 }
-#[cfg(any(
-    feature = "kafka",
-    feature = "mqtt",
-    feature = "nats",
-    feature = "rabbitmq",
-    feature = "redis",
-    feature = "rocketmq"
-))]
+#[allow(unused_imports)]
 pub(crate) use with_confirmations;
 
 /// What [`deliver`] needs: dead letters, retries and confirmations ([`RunnerSettings::policy`]

@@ -69,6 +69,7 @@ pub(crate) const INSERT_ROWS: usize = 1_000;
 
 /// `n` rows `(?, ?, ?, 0, NULL)` of a multi-row inbox insert (consumer, message id, topic; outcome
 /// processed, no reason).
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
 pub(crate) fn values_rows(n: usize) -> String {
     vec!["(?, ?, ?, 0, NULL)"; n].join(", ")
 }
