@@ -34,8 +34,8 @@ use crate::broker_support::{
     ConsumerTask, Listener, Running, pg_inbox, spawn_consumer, stop_consumer,
 };
 use crate::confirm::{
-    FaultySender, LostVerdict, PgProducer, ScriptedHandler, check_lost_confirmation_outcome_within,
-    fast_retry, lost_confirmation_messages,
+    FaultySender, PgProducer, ScriptedHandler, check_lost_confirmation_outcome_within, fast_retry,
+    lost_confirmation_messages,
 };
 
 /// How long a RocketMQ consumer or listener may take to stop: 30 s (the client leaves its
@@ -650,7 +650,7 @@ async fn rocketmq_postgres_confirmed_rejected_and_lost_confirmation() {
         &ids,
         &sender,
         &consumer.metrics,
-        LostVerdict::Repeated(Duration::from_secs(60)),
+        Duration::from_secs(60),
     )
     .await;
     consumer.stop().await;
