@@ -70,7 +70,7 @@ await drive("dashboard ", async (page, step) => {
 
   step("open the dead letter");
   await page.goto(`${base}/#/messages/${failedId}`);
-  await page.waitForSelector("dl.fields");
+  await page.waitForFunction((id) => document.querySelector("main h1")?.textContent.startsWith(`Message ${id} `), failedId);
   const detail = await page.textContent("main");
   check(detail.includes("FAILED") && detail.includes("simulated broker refusal"), "the detail shows the state and the last error");
   check((await page.textContent("#payload")).includes('"order"'), "the payload is shown (JSON, pretty-printed)");
@@ -118,7 +118,7 @@ await drive("dashboard ", async (page, step) => {
 
   step("an undecided two-phase message");
   await page.goto(`${base}/#/messages/${undecidedId}`);
-  await page.waitForSelector("dl.fields");
+  await page.waitForFunction((id) => document.querySelector("main h1")?.textContent.startsWith(`Message ${id} `), undecidedId);
   check((await page.textContent("main")).includes("UNDECIDED"), "the detail shows UNDECIDED");
   check((await page.textContent("main")).includes("15 check-backs answered UNKNOWN"), "and why it was parked");
   await page.screenshot({ path: `${shots}/undecided.png`, fullPage: true });

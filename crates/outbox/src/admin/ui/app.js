@@ -19,11 +19,17 @@ function headers(json) {
   return h;
 }
 
+// The page being drawn: a newer route aborts the reads of the one before, so a page whose
+// answer comes late never replaces the page shown after it (actions, which POST, run on).
+let drawing = new AbortController();
+
 async function api(path, body) {
-  const init = body === undefined ? { headers: headers(false) } : { method: "POST", headers: headers(true), body: JSON.stringify(body) };
+  const init = body === undefined
+    ? { headers: headers(false), signal: drawing.signal }
+    : { method: "POST", headers: headers(true), body: JSON.stringify(body) };
   const r = await fetch(path, init);
   let data = null;
-  try { data = await r.json(); } catch (_) { /* not JSON */ }
+  try { data = await r.json(); } catch (e) { if (e.name === "AbortError") throw e; /* not JSON */ }
   if (!r.ok) throw new Error((data && data.error) || `${r.status} ${r.statusText}`);
   return data;
 }
@@ -456,6 +462,8 @@ async function inboxDetail(consumer, id) {
 }
 
 async function route() {
+  drawing.abort();
+  drawing = new AbortController();
   const hash = location.hash.replace(/^#/, "") || "/";
   const [path, query] = hash.split("?");
   try {
@@ -470,7 +478,7 @@ async function route() {
     }
     else await overview();
   } catch (e) {
-    showError(e);
+    if (e.name !== "AbortError") showError(e);
   }
 }
 
