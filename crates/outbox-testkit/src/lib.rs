@@ -106,6 +106,32 @@ pub fn unique(prefix: &str) -> String {
     format!("{prefix}_{:016x}", rand::random::<u64>())
 }
 
+/// Read `metrics` every 20 ms until `cond` holds for the snapshot
+/// ([`RelayMetrics::snapshot`](outbox::RelayMetrics::snapshot)), for at most `seconds`, e.g.
+/// `wait_metrics(relay.metrics(), 5, "the outage", |m| m.outages >= 1)`.
+///
+/// # Panics
+/// After `seconds`, with `what` and the last snapshot in the message.
+pub async fn wait_metrics(
+    metrics: &outbox::RelayMetrics,
+    seconds: u64,
+    what: &str,
+    cond: impl Fn(&outbox::MetricsSnapshot) -> bool,
+) {
+    let timeout = Duration::from_secs(seconds);
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let snapshot = metrics.snapshot();
+        if cond(&snapshot) {
+            return;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            panic!("timed out after {timeout:?} waiting for {what}: {snapshot:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Poll `cond` every 20 ms until it is true.
 ///
 /// # Panics

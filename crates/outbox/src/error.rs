@@ -518,6 +518,13 @@ impl ConfigError {
         }
     }
 
+    /// `Err` for `field` with the reason "must be greater than zero" when `zero` holds, else
+    /// `Ok(())`: the rule of every duration, size and count that 0 would break, as in
+    /// `ConfigError::zero_if(self.linger.is_zero(), "linger")?`.
+    pub fn zero_if(zero: bool, field: impl Into<String>) -> Result<(), ConfigError> {
+        ConfigError::invalid_if(zero, field, "must be greater than zero")
+    }
+
     /// `Err` for `field` with `reason` when `invalid` holds, else `Ok(())`: one rule of a
     /// `validate()`, as in `ConfigError::invalid_if(self.batch == 0, "batch", "must be at least
     /// 1")?`. The reason is built whether or not the rule is broken, so it must not depend on

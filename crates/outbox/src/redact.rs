@@ -134,6 +134,36 @@ mod tests {
             c.password = Some(S.into());
             printed.push(format!("{c:?}"));
         }
+        #[cfg(feature = "kafka")]
+        {
+            use crate::transport::kafka::{KafkaConfig, KafkaSasl};
+            let mut c = KafkaConfig::new("127.0.0.1:9092");
+            c.sasl = Some(KafkaSasl {
+                mechanism: "PLAIN".into(),
+                username: "user".into(),
+                password: S.into(),
+                ..KafkaSasl::default()
+            });
+            c.properties.insert("sasl.password".into(), S.into());
+            c.properties.insert("ssl.key.password".into(), S.into());
+            printed.push(format!("{c:?}"));
+            let consumer = crate::consumer::kafka::KafkaConsumerConfig::new(c, "g", ["t"]);
+            printed.push(format!("{consumer:?}"));
+        }
+        #[cfg(feature = "rocketmq")]
+        {
+            let credentials = crate::transport::rocketmq::Credentials {
+                access_key: "ak".into(),
+                secret_key: S.into(),
+                secret_key_env: None,
+            };
+            let mut c = crate::transport::rocketmq::RocketMqConfig::new("127.0.0.1:9876");
+            c.credentials = Some(credentials.clone());
+            printed.push(format!("{c:?}"));
+            let mut l = crate::confirm::rocketmq::ListenConfig::new("127.0.0.1:9876", "t", "g");
+            l.credentials = Some(credentials);
+            printed.push(format!("{l:?}"));
+        }
         for p in &printed {
             assert!(!p.contains(S), "a secret in {p}");
             assert!(p.contains("***"), "{p}");

@@ -27,7 +27,7 @@ use outbox::{
 };
 use uuid::Uuid;
 
-use crate::{ConfirmFixture, HookControl, StoreFixture, wait_until, within};
+use crate::{ConfirmFixture, HookControl, StoreFixture, wait_metrics, wait_until, within};
 
 mod basics;
 mod buckets;

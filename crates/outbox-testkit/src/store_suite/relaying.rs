@@ -443,10 +443,11 @@ pub async fn release_gives_the_attempt_back<F: StoreFixture>(fx: &F) {
     let mem = Arc::new(MemoryTransport::new());
     mem.set_down(true);
     let handle = spawn_relay(fx, &mem);
-    wait_until(
+    wait_metrics(
+        handle.metrics(),
+        10,
         "the relay to release the message",
-        Duration::from_secs(10),
-        || async { handle.metrics().snapshot().released >= 1 },
+        |m| m.released >= 1,
     )
     .await;
     let r = fx.row(ids[0]).await;

@@ -3,6 +3,7 @@
 //! by every filter, paged, shown, requeued (and published again by the relay), published early
 //! and discarded into the archive; a change without the token is refused and changes nothing.
 
+use outbox_testkit_macros::suite_test;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -573,10 +574,8 @@ fn urlencode(s: &str) -> String {
 /// the time and count columns, a blob as the key and the headers): the relay dead-letters it
 /// and publishes its neighbour; the API still lists it and shows it, with what cannot be read
 /// as null or named, so the operator can find and discard it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sqlite_garbage_row_is_listed_shown_and_discarded() {
-    crate::init_tracing();
-    let fx = outbox_testkit::SqliteFixture::new().await;
+#[suite_test]
+async fn sqlite_garbage_row_is_listed_shown_and_discarded(fx: outbox_testkit::SqliteFixture) {
     sqlx::query(
         "INSERT INTO outbox (message_id, topic, partition_key, headers, payload, attempts, created_at) \
          VALUES ('00000000-0000-7000-8000-0000000000ff', 'orders', x'00ff', x'ff', 'text payload', 'many', 'yesterday')",

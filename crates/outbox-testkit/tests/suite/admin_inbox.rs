@@ -1,6 +1,7 @@
 //! The inboxes' dead letters through the admin API (`outbox::admin::http::router`) over real
 //! HTTP on each database, written by the consumer runner's `Inbox::dead_letter`.
 
+use outbox_testkit_macros::suite_test;
 use std::sync::Arc;
 
 use outbox_testkit::StoreFixture;
@@ -143,10 +144,8 @@ async fn inbox_scenario<DB: outbox::InboxBackend>(
     cancel.cancel();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sqlite_admin_api_settles_inbox_dead_letters() {
-    crate::init_tracing();
-    let fx = outbox_testkit::SqliteFixture::new().await;
+#[suite_test]
+async fn sqlite_admin_api_settles_inbox_dead_letters(fx: outbox_testkit::SqliteFixture) {
     sqlx::query("CREATE TABLE adm_inbox_effects (message_id TEXT NOT NULL, payload BLOB)")
         .execute(fx.store.pool())
         .await
@@ -154,10 +153,8 @@ async fn sqlite_admin_api_settles_inbox_dead_letters() {
     inbox_scenario(fx.store(), fx.store.pool().clone(), "adm_inbox").await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_admin_api_settles_inbox_dead_letters() {
-    crate::init_tracing();
-    let fx = outbox_testkit::PgFixture::new().await;
+#[suite_test]
+async fn postgres_admin_api_settles_inbox_dead_letters(fx: outbox_testkit::PgFixture) {
     let table = format!("{}.adm_inbox", fx.schema);
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "CREATE TABLE {table}_effects (message_id uuid NOT NULL, payload bytea)"
@@ -166,13 +163,10 @@ async fn postgres_admin_api_settles_inbox_dead_letters() {
     .await
     .unwrap();
     inbox_scenario(fx.store(), fx.store.pool().clone(), &table).await;
-    fx.cleanup().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mysql_admin_api_settles_inbox_dead_letters() {
-    crate::init_tracing();
-    let fx = outbox_testkit::MySqlFixture::new().await;
+#[suite_test]
+async fn mysql_admin_api_settles_inbox_dead_letters(fx: outbox_testkit::MySqlFixture) {
     let table = format!("{}_adm_inbox", fx.table);
     fx.exec(&format!(
         "CREATE TABLE {table}_effects (message_id CHAR(36) NOT NULL, payload LONGBLOB)"
@@ -182,5 +176,4 @@ async fn mysql_admin_api_settles_inbox_dead_letters() {
     for t in ["", "_dlq", "_effects"] {
         fx.exec(&format!("DROP TABLE IF EXISTS {table}{t}")).await;
     }
-    fx.cleanup().await;
 }

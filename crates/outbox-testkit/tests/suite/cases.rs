@@ -3,6 +3,7 @@
 //! transport and inbox modules; C10's compile-time half is the `compile_fail` doc test in the
 //! test kit's crate docs.
 
+use outbox_testkit_macros::suite_test;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,7 +14,7 @@ use outbox::{
     RelayConfig, SqliteStore, Status, StoreErrorKind, StoreOptions, TransportErrorKind,
 };
 use outbox_testkit::store_suite::relay_over;
-use outbox_testkit::{PgFixture, SqliteFixture, StoreFixture, wait_until, within};
+use outbox_testkit::{PgFixture, SqliteFixture, StoreFixture, wait_metrics, wait_until, within};
 use sqlx::{AssertSqlSafe, Executor as _, PgConnection};
 
 use crate::crash::PauseFirstClaim;
@@ -24,10 +25,8 @@ use crate::relay::{
 
 /// C01: a row whose transaction commits after a later row's is still published (claim by
 /// state, no id cursor).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn c01_late_commit_is_published() {
-    crate::init_tracing();
-    let fx = PgFixture::new().await;
+#[suite_test]
+async fn c01_late_commit_is_published(fx: PgFixture) {
     let (mem, relay) = memory_relay(&fx);
     // Session A draws the lower id and does not commit.
     let mut a = fx.store.pool().begin().await.unwrap();
@@ -49,7 +48,6 @@ async fn c01_late_commit_is_published() {
     .await;
     assert!(id1 < id2, "M1 drew the lower id");
     relay.shutdown().await.unwrap();
-    fx.cleanup().await;
 }
 
 /// C01's check, session A holding M1 uncommitted and M2 committed: M2 is published alone, M1
@@ -78,10 +76,8 @@ pub(crate) async fn late_commit_published(
 
 /// C05: while the broker is down, messages are not dead-lettered and their attempts are not
 /// burned; they are delivered when it comes back (max_attempts = 5).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn c05_broker_outage_does_not_burn_attempts() {
-    crate::init_tracing();
-    let fx = SqliteFixture::new().await;
+#[suite_test]
+async fn c05_broker_outage_does_not_burn_attempts(fx: SqliteFixture) {
     let mem = Arc::new(MemoryTransport::new());
     mem.set_down(true);
     let relay = relay_to(
@@ -94,11 +90,9 @@ async fn c05_broker_outage_does_not_burn_attempts() {
     )
     .spawn();
     fx.enqueue_numbered(5).await;
-    wait_until(
-        "the outage to be noticed",
-        Duration::from_secs(5),
-        || async { relay.metrics().snapshot().outages >= 1 },
-    )
+    wait_metrics(relay.metrics(), 5, "the outage to be noticed", |m| {
+        m.outages >= 1
+    })
     .await;
     // The outage lasts 2 s: about 20 poll intervals and many probes.
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -126,10 +120,8 @@ async fn c05_broker_outage_does_not_burn_attempts() {
 
 /// C07: a permanent error dead-letters that message after one attempt, with its reason, while
 /// the rest of the batch is delivered.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn c07_permanent_error_dead_letters_only_that_message() {
-    crate::init_tracing();
-    let fx = SqliteFixture::new().await;
+#[suite_test]
+async fn c07_permanent_error_dead_letters_only_that_message(fx: SqliteFixture) {
     let mem = Arc::new(MemoryTransport::new());
     let msgs: Vec<NewMessage> = (0..5)
         .map(|i| NewMessage::new("t", format!("{i}")))
@@ -169,10 +161,8 @@ async fn c07_permanent_error_dead_letters_only_that_message() {
 
 /// C08 end to end on PostgreSQL: a JSON payload with `\u0000` and raw bytes 0xFF 0xFE are
 /// stored byte-exact (bytea, not jsonb) and delivered byte-identical.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn c08_nul_json_and_invalid_utf8_delivered_byte_identical() {
-    crate::init_tracing();
-    let fx = PgFixture::new().await;
+#[suite_test]
+async fn c08_nul_json_and_invalid_utf8_delivered_byte_identical(fx: PgFixture) {
     let mem = Arc::new(MemoryTransport::new());
     let json = NewMessage::json("t", &serde_json::json!({"name": "nul\u{0000}here"})).unwrap();
     let json_bytes = json.payload().to_vec();
@@ -192,7 +182,6 @@ async fn c08_nul_json_and_invalid_utf8_delivered_byte_identical() {
         assert_eq!(&d.message.payload, expected);
     }
     relay.shutdown().await.unwrap();
-    fx.cleanup().await;
 }
 
 /// A consumer handler that enqueues a reply in the inbox transaction (the C10 setting).
@@ -218,10 +207,8 @@ impl outbox::Handler<sqlx::Postgres> for ReplyHandler {
 /// C10 at run time: replies enqueued inside 300 consumer transactions are all delivered (the
 /// enqueue is awaited inside the transaction; committing first does not compile, see the crate
 /// docs).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn c10_replies_enqueued_in_consumer_transactions_are_all_delivered() {
-    crate::init_tracing();
-    let fx = PgFixture::new().await;
+#[suite_test]
+async fn c10_replies_enqueued_in_consumer_transactions_are_all_delivered(fx: PgFixture) {
     let (mem, relay) = memory_relay(&fx);
     let inbox = Inbox::<sqlx::Postgres>::new(fx.store.pool().clone(), &fx.inbox_table(), "replier")
         .unwrap();
@@ -245,17 +232,14 @@ async fn c10_replies_enqueued_in_consumer_transactions_are_all_delivered() {
     assert_eq!(counts_by_id(&mem.delivered()).len(), 300);
     assert_eq!(fx.rows().await.len(), 300, "no row deleted or lost");
     relay.shutdown().await.unwrap();
-    fx.cleanup().await;
 }
 
 /// C20: the relay is killed (aborted) with a batch of 37 of 100 messages in flight (read, about
 /// to be published) and before writing any result. A relay started after it takes the buckets
 /// over once their lease expires and publishes every message once; nothing needs resetting by
 /// hand and no row is left in flight.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn c20_rows_in_flight_at_a_crash_are_published_after_restart() {
-    crate::init_tracing();
-    let fx = PgFixture::new().await;
+#[suite_test]
+async fn c20_rows_in_flight_at_a_crash_are_published_after_restart(fx: PgFixture) {
     fx.enqueue_numbered(100).await;
     let hooks = PauseFirstClaim::new();
     let mem = Arc::new(MemoryTransport::new());
@@ -296,15 +280,13 @@ async fn c20_rows_in_flight_at_a_crash_are_published_after_restart() {
     assert_eq!(counts.len(), 100);
     assert!(counts.values().all(|n| *n == 1));
     r2.shutdown().await.unwrap();
-    fx.cleanup().await;
 }
 
 /// C24: an in-memory SQLite pool that can close idle connections is refused at start-up;
 /// `SqliteStore::connect("sqlite::memory:")` pins its connection, keeps its tables through idle
 /// time, and publishes 10 messages.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn c24_in_memory_sqlite_pool() {
-    crate::init_tracing();
     let pool = sqlx::sqlite::SqlitePoolOptions::new()
         .max_connections(4)
         .idle_timeout(Duration::from_secs(1))
@@ -384,10 +366,8 @@ pub(crate) fn retry_a_minute_later(name: &str) -> RelayConfig {
 /// C35: two instances whose sessions run in Asia/Shanghai and UTC enqueue at the same moment:
 /// the stored instants agree within 1 s, and delays and the retries a relay in the Shanghai session
 /// records are measured on the database clock whatever the session time zone.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn c35_session_time_zones_do_not_shift_times() {
-    crate::init_tracing();
-    let fx = PgFixture::new().await;
+#[suite_test]
+async fn c35_session_time_zones_do_not_shift_times(fx: PgFixture) {
     let shanghai = pg_store_in_time_zone(&fx, "Asia/Shanghai").await;
     let utc = pg_store_in_time_zone(&fx, "UTC").await;
     let tz: String = sqlx::query_scalar("SHOW TimeZone")
@@ -455,8 +435,7 @@ async fn c35_session_time_zones_do_not_shift_times() {
         retry_a_minute_later("shanghai"),
     )
     .spawn();
-    wait_until("both to fail once", Duration::from_secs(10), || async {
-        let r = relay.metrics().snapshot();
+    wait_metrics(relay.metrics(), 10, "both to fail once", |r| {
         r.retried >= 2 && r.completion_writes >= 1
     })
     .await;
@@ -479,5 +458,4 @@ async fn c35_session_time_zones_do_not_shift_times() {
     assert!(due > Duration::from_secs(55), "next due in {due:?}");
     assert_eq!(mem.count(), 0, "published before its retry was due");
     let _ = (shanghai.pool().close().await, utc.pool().close().await);
-    fx.cleanup().await;
 }

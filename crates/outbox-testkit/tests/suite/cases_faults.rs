@@ -2,18 +2,19 @@
 //! out of id order (C01 stress), a NATS outage through a proxy (C05), and malformed rows from foreign
 //! producers dead-lettered without blocking.
 
+use outbox_testkit_macros::suite_test;
 use std::sync::Arc;
 use std::time::Duration;
 
 use outbox::{Inbox, NewMessage, Relay, RelayConfig, Router, Status};
-use outbox_testkit::{PgFixture, SqliteFixture, StoreFixture, wait_until, within};
+use outbox_testkit::{PgFixture, SqliteFixture, StoreFixture, wait_metrics, wait_until, within};
 
 use crate::relay::{counts_by_id, fast_config, memory_relay, wait_all_status};
 
 /// C27 through the JetStream consumer runner: while the inbox insert fails (a trigger raises),
 /// no message is acknowledged (each is negatively acknowledged and redelivered) and nothing is
 /// applied; after the trigger is dropped all 10 are applied once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn c27_nats_runner_does_not_ack_while_inbox_write_fails() {
     use outbox::consumer::ConsumerMetrics;
     use outbox::consumer::nats::NatsConsumerConfig;
@@ -111,7 +112,7 @@ async fn c27_nats_runner_does_not_ack_while_inbox_write_fails() {
 /// a random 0–50 ms pause inside their transaction, so commits land in a different order from the
 /// ids they drew; 1 in 10 transactions rolls back. The published set equals the committed set and
 /// holds nothing rolled back.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn c01_stress_concurrent_writers_commit_out_of_id_order() {
     use rand::Rng;
     crate::init_tracing();
@@ -177,9 +178,8 @@ async fn c01_stress_concurrent_writers_commit_out_of_id_order() {
 /// while messages are committed. The outage is noticed and logged in the metrics, nothing is
 /// dead-lettered and no attempt is burned beyond the one in flight; every message is delivered,
 /// once in the stream, after the broker comes back.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn c05_nats_outage_through_proxy_pauses_and_recovers() {
-    crate::init_tracing();
     let proxy =
         outbox_testkit::FaultProxy::start(outbox_testkit::host_port(&outbox_testkit::nats_url()))
             .await;
@@ -213,11 +213,9 @@ async fn c05_nats_outage_through_proxy_pauses_and_recovers() {
         )
         .await
         .unwrap();
-    wait_until(
-        "the outage to be noticed",
-        Duration::from_secs(15),
-        || async { relay.metrics().snapshot().outages >= 1 },
-    )
+    wait_metrics(relay.metrics(), 15, "the outage to be noticed", |m| {
+        m.outages >= 1
+    })
     .await;
     // Stay down for several probe periods and publish timeouts.
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -241,10 +239,8 @@ async fn c05_nats_outage_through_proxy_pauses_and_recovers() {
 /// Rows written by a foreign producer with plain SQL: a payload stored as TEXT is published as its
 /// bytes; headers that are not a JSON object of strings, or a message id that is not a UUID, send
 /// that row to FAILED with the reason at once, and the rest of its batch is delivered.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sqlite_malformed_foreign_rows_are_dead_lettered_without_blocking() {
-    crate::init_tracing();
-    let fx = SqliteFixture::new().await;
+#[suite_test]
+async fn sqlite_malformed_foreign_rows_are_dead_lettered_without_blocking(fx: SqliteFixture) {
     let pool = fx.store.pool().clone();
     let ok = uuid::Uuid::now_v7();
     for (mid, headers, payload) in [
@@ -318,10 +314,8 @@ async fn sqlite_malformed_foreign_rows_are_dead_lettered_without_blocking() {
 }
 
 /// The same on PostgreSQL: headers that are valid JSON but not an object of strings.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_malformed_foreign_rows_are_dead_lettered_without_blocking() {
-    crate::init_tracing();
-    let fx = PgFixture::new().await;
+#[suite_test]
+async fn postgres_malformed_foreign_rows_are_dead_lettered_without_blocking(fx: PgFixture) {
     let t = fx.table();
     fx.exec(&format!(
         "INSERT INTO {t} (topic, headers, payload) VALUES ('t', '[1]', 'x'), ('t', '{{\"a\": 1}}', 'y'), ('t', '{{}}', 'z')"
@@ -344,5 +338,4 @@ async fn postgres_malformed_foreign_rows_are_dead_lettered_without_blocking() {
     .await;
     assert_eq!(mem.delivered()[0].message.payload, b"z");
     relay.shutdown().await.unwrap();
-    fx.cleanup().await;
 }

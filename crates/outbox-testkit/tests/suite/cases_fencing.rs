@@ -3,6 +3,7 @@
 //! PostgreSQL with the race the case describes (a completion waiting on a row lock while its
 //! lease runs out: no takeover until it commits; docs/lease-model.md, D1).
 
+use outbox_testkit_macros::suite_test;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -13,7 +14,7 @@ use outbox::store::{
 };
 use outbox::transport::memory::Delivered;
 use outbox::{MemoryTransport, NewMessage, RelayConfig, RelayHooks, Status};
-use outbox_testkit::{PgFixture, SqliteFixture, StoreFixture, wait_until, within};
+use outbox_testkit::{PgFixture, SqliteFixture, StoreFixture, wait_metrics, wait_until, within};
 use sqlx::AssertSqlSafe;
 use tokio::sync::Notify;
 
@@ -91,11 +92,9 @@ async fn c17_scenario(
     let sent = fx.row(id).await;
     assert_eq!(sent.attempts, 1, "R2's takeover counted one attempt");
     hooks.resume.notify_one();
-    wait_until(
-        "R1's late completion to be refused",
-        Duration::from_secs(5),
-        || async { r1.metrics().snapshot().lost_leases >= 1 },
-    )
+    wait_metrics(r1.metrics(), 5, "R1's late completion to be refused", |m| {
+        m.lost_leases >= 1
+    })
     .await;
     r1.shutdown().await.unwrap();
     r2.shutdown().await.unwrap();
@@ -120,9 +119,8 @@ async fn c17_scenario(
 }
 
 /// C17 on PostgreSQL through two relays (see [`c17_scenario`]).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn c17_takeover_never_overwrites_a_completion() {
-    crate::init_tracing();
     let (fx, pool, effects) = pg_with_effects().await;
     c17_scenario(&fx, async |all| {
         let (applied, _) = apply_through_inbox(&pool, &fx.inbox_table(), &effects, &all).await;
@@ -134,10 +132,8 @@ async fn c17_takeover_never_overwrites_a_completion() {
 }
 
 /// C17 on SQLite through two relays (see [`c17_scenario`]).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn c17_sqlite_takeover_never_overwrites_a_completion() {
-    crate::init_tracing();
-    let fx = SqliteFixture::new().await;
+#[suite_test]
+async fn c17_sqlite_takeover_never_overwrites_a_completion(fx: SqliteFixture) {
     let pool = fx.store.pool().clone();
     crate::inbox::sqlite_effects_table(&pool).await;
     c17_scenario(&fx, async |all| {
@@ -261,10 +257,8 @@ async fn lock_waiters(fx: &PgFixture, n: i64) {
 /// goes, R1's SENT lands; R2 then takes the bucket over and has nothing to read. (c) The other
 /// order: R2's takeover write lands first; R1's late completion is refused; R2 publishes and
 /// records SENT, which a further late completion of R1 does not change.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn c17_store_late_completion_and_takeover_are_fenced() {
-    crate::init_tracing();
-    let fx = PgFixture::new().await;
+#[suite_test]
+async fn c17_store_late_completion_and_takeover_are_fenced(fx: PgFixture) {
     let store = fx.store();
     let table = fx.table();
     let lease = Duration::from_millis(500);
@@ -397,5 +391,4 @@ async fn c17_store_late_completion_and_takeover_are_fenced() {
         (row.status, row.attempts, row.last_error.as_deref()),
         (Status::Sent.as_i16(), 1, None)
     );
-    fx.cleanup().await;
 }

@@ -2,6 +2,7 @@
 //! C21/C31 deadlocks between concurrent claimers and other sessions, C35 session time zones,
 //! binary payloads and 4-byte UTF-8.
 
+use outbox_testkit_macros::suite_test;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -19,10 +20,8 @@ use crate::relay::{counts_by_id, fast_config, memory_relay, relay_to, wait_all_s
 
 /// C01 on MariaDB: session A draws the lower AUTO_INCREMENT id and commits late, a rolled-back
 /// insert leaves a gap; the row committed late is still published.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mysql_c01_late_commit_across_auto_increment_gap_is_published() {
-    crate::init_tracing();
-    let fx = MySqlFixture::new().await;
+#[suite_test]
+async fn mysql_c01_late_commit_across_auto_increment_gap_is_published(fx: MySqlFixture) {
     let (mem, relay) = memory_relay(&fx);
     let mut a = fx.store.pool().begin().await.unwrap();
     let m1 = fx
@@ -45,14 +44,12 @@ async fn mysql_c01_late_commit_across_auto_increment_gap_is_published() {
     assert!(id1 < id2, "M1 drew the lower id");
     assert!(id2 - id1 >= 2, "the rolled-back insert left a gap");
     relay.shutdown().await.unwrap();
-    fx.cleanup().await;
 }
 
 /// The error numbers MariaDB reports for a deadlock (1213, SQLSTATE 40001) and a lock wait
 /// timeout (1205, SQLSTATE HY000) are transient store errors.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mysql_deadlock_and_lock_wait_timeout_are_transient() {
-    let fx = MySqlFixture::new().await;
+#[suite_test]
+async fn mysql_deadlock_and_lock_wait_timeout_are_transient(fx: MySqlFixture) {
     fx.enqueue_commit(vec![NewMessage::new("t", "a"), NewMessage::new("t", "b")])
         .await
         .unwrap();
@@ -111,16 +108,14 @@ async fn mysql_deadlock_and_lock_wait_timeout_are_transient() {
         .unwrap();
     drop(waiter);
     holder.rollback().await.unwrap();
-    fx.cleanup().await;
 }
 
 /// C31/C21 on MariaDB: 4 relays (each with its own pool, like 4 processes) drain 5,000 messages
 /// while another session keeps updating the same rows in descending id order (the opposite of
 /// the claim order). Every message is published exactly once, none fails, and the deadlocks and
 /// lock wait timeouts InnoDB raises are retried and counted, never surfacing as failures.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[suite_test(workers = 4)]
 async fn mysql_c31_concurrent_relays_and_contending_updates_lose_nothing() {
-    crate::init_tracing();
     const N: usize = 5_000;
     let fx = MySqlFixture::new().await;
     let t = fx.table.clone();
@@ -257,10 +252,8 @@ async fn seconds(store: &MySqlStore, sql: &str, id: uuid::Uuid) -> f64 {
 /// C35 on MariaDB: sessions in '+08:00' and '+00:00' enqueue at the same moment: the stored
 /// instants agree, and delays and the retries a relay in the '+08:00' session records are
 /// measured on the UTC database clock whatever the session time zone.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mysql_c35_session_time_zones_do_not_shift_times() {
-    crate::init_tracing();
-    let fx = MySqlFixture::new().await;
+#[suite_test]
+async fn mysql_c35_session_time_zones_do_not_shift_times(fx: MySqlFixture) {
     let shanghai = mysql_store_in_time_zone(&fx, "+08:00").await;
     let utc = mysql_store_in_time_zone(&fx, "+00:00").await;
     let offset: i64 = sqlx::query_scalar("SELECT TIMESTAMPDIFF(HOUR, UTC_TIMESTAMP(), NOW())")
@@ -362,15 +355,12 @@ async fn mysql_c35_session_time_zones_do_not_shift_times() {
     let due = utc.next_due_in().await.unwrap().unwrap();
     assert!(due > Duration::from_secs(55), "next due in {due:?}");
     let _ = (shanghai.pool().close().await, utc.pool().close().await);
-    fx.cleanup().await;
 }
 
 /// Binary payloads (0xFF 0xFE, NUL) and 4-byte UTF-8 (emoji) in topic, key, headers, payload and
 /// error text round-trip byte-exact through MariaDB and a relay.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mysql_binary_payloads_and_emoji_round_trip() {
-    crate::init_tracing();
-    let fx = MySqlFixture::new().await;
+#[suite_test]
+async fn mysql_binary_payloads_and_emoji_round_trip(fx: MySqlFixture) {
     let binary: Vec<u8> = vec![0xFF, 0xFE, 0x00, 0x01, 0x00, 0x80, 0xC3, 0x28, 0xFF];
     let all_bytes: Vec<u8> = (0..=255u8).rev().collect();
     let emoji = "订单 😀🚀 \u{1F9D1}\u{200D}\u{1F4BB}".to_owned();
@@ -446,16 +436,13 @@ async fn mysql_binary_payloads_and_emoji_round_trip() {
     assert_eq!(delivered[1].message.payload, all_bytes);
     assert_eq!(delivered[2].message.payload, emoji.as_bytes());
     assert_eq!(delivered[2].message.topic, "订单.😀");
-    fx.cleanup().await;
 }
 
 /// No LISTEN/NOTIFY on MySQL: a commit through [`MySqlStore::commit`] wakes the embedded relay at
 /// once; a plain-SQL insert from elsewhere waits for the next poll. Measured with a 1 s poll
 /// interval (the default).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mysql_in_process_wake_beats_polling() {
-    crate::init_tracing();
-    let fx = MySqlFixture::new().await;
+#[suite_test]
+async fn mysql_in_process_wake_beats_polling(fx: MySqlFixture) {
     let mem = Arc::new(MemoryTransport::new());
     let config = RelayConfig {
         poll_interval: Duration::from_secs(1),
@@ -508,5 +495,4 @@ async fn mysql_in_process_wake_beats_polling() {
         woken[10]
     );
     relay.shutdown().await.unwrap();
-    fx.cleanup().await;
 }

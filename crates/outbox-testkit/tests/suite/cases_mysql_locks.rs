@@ -1,6 +1,7 @@
 //! Issue 11, item 3 on MySQL/MariaDB: a producer transaction held open, or rows another transaction
 //! locks, delay only those rows; the relay's statements never wait on them.
 
+use outbox_testkit_macros::suite_test;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -46,10 +47,8 @@ async fn wait_sent(fx: &MySqlFixture, ids: &[uuid::Uuid], what: &str, bound: Dur
 /// more than three leases, delays nothing but its own row: the real relay publishes and records
 /// every other row of that bucket and of others at once, each exactly once, with no lease lost
 /// and no relay statement waiting on a lock; after the commit the held row is published once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn defect_03_open_producer_transaction_delays_only_its_own_rows() {
-    crate::init_tracing();
-    let fx = MySqlFixture::new().await;
+#[suite_test]
+async fn defect_03_open_producer_transaction_delays_only_its_own_rows(fx: MySqlFixture) {
     let t = fx.table.clone();
     fx.exec(&format!(
         "CREATE TABLE {t}_orders (id BIGINT NOT NULL PRIMARY KEY) ENGINE=InnoDB"
@@ -65,11 +64,9 @@ async fn defect_03_open_producer_transaction_delays_only_its_own_rows() {
         ..fast_config("r1")
     };
     let relay = relay_to(&fx, mem.clone(), config).spawn();
-    outbox_testkit::wait_until(
-        "the relay holds every bucket",
-        Duration::from_secs(10),
-        || async { relay.metrics().snapshot().buckets_acquired >= 64 },
-    )
+    outbox_testkit::wait_metrics(relay.metrics(), 10, "the relay holds every bucket", |m| {
+        m.buckets_acquired >= 64
+    })
     .await;
 
     // The producer: a business row and an outbox row, not committed.
@@ -168,7 +165,6 @@ async fn defect_03_open_producer_transaction_delays_only_its_own_rows() {
     );
     relay.shutdown().await.unwrap();
     fx.exec(&format!("DROP TABLE {t}_orders")).await;
-    fx.cleanup().await;
 }
 
 /// Issue 11, item 3, maintenance: check-back and retention never wait on a row another
@@ -177,10 +173,8 @@ async fn defect_03_open_producer_transaction_delays_only_its_own_rows() {
 /// LIMIT` waited on such a row for `innodb_lock_wait_timeout` and check-back and retention
 /// waited behind it (the reaper is gone since issue 12). Now each step skips locked rows (`FOR UPDATE SKIP LOCKED`), handles the
 /// others at once, and takes the skipped ones once they are free.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn defect_03_maintenance_skips_rows_another_transaction_locks() {
-    crate::init_tracing();
-    let fx = MySqlFixture::new().await;
+#[suite_test]
+async fn defect_03_maintenance_skips_rows_another_transaction_locks(fx: MySqlFixture) {
     let t = fx.table.clone();
     // Two rows each: past retention (SENT an hour ago), a confirmation deadline passed (SENT).
     let kinds = [
@@ -283,5 +277,4 @@ async fn defect_03_maintenance_skips_rows_another_transaction_locks() {
         "a message was published twice: {counts:?}"
     );
     relay.shutdown().await.unwrap();
-    fx.cleanup().await;
 }

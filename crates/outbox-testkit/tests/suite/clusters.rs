@@ -9,6 +9,7 @@
 //! and restart nodes through that script (`OUTBOX_TEST_CLUSTERS`, default the checkout's copy).
 //! Size: `OUTBOX_CLUSTER_MESSAGES` (default 6,000; the full-size run is 100,000).
 
+use outbox_testkit_macros::suite_test;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -388,7 +389,7 @@ async fn wait_replicas_current(js: &async_nats::jetstream::Context, stream: &str
 // node had caught up with the stream, and the stream-info requests around the kills had no
 // retry. The test now waits for both replicas to be current before each kill and the last
 // count, and asks for the stream's info again while the cluster does not answer.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn nats_cluster_loses_nothing_when_the_connected_node_and_the_stream_leader_die() {
     let _cluster = NATS_CLUSTER.lock().await;
     crate::init_tracing();
@@ -466,7 +467,7 @@ async fn nats_cluster_loses_nothing_when_the_connected_node_and_the_stream_leade
     fx.cleanup().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn rabbitmq_cluster_loses_nothing_when_the_connected_node_and_the_queue_leader_die() {
     use outbox::RabbitMqTransport;
     use outbox::consumer::rabbitmq::{QueueSetup, RabbitMqConsumerConfig};
@@ -569,7 +570,7 @@ async fn rabbitmq_cluster_loses_nothing_when_the_connected_node_and_the_queue_le
     fx.cleanup().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn redis_cluster_loses_nothing_when_the_stream_primary_dies_twice() {
     use outbox::consumer::redis::RedisConsumerConfig;
     use outbox::transport::redis::WaitReplicas;
@@ -678,7 +679,7 @@ async fn redis_cluster_loses_nothing_when_the_stream_primary_dies_twice() {
 /// each attempt in `reconnects`, instead of stopping with a set-up error; once the nodes are
 /// back it applies every message once. (Before the fix, the runner took the lookup's timeout
 /// for a missing stream and returned: the CI stall of 2026-12-04, issue 18.)
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn nats_consumer_started_without_a_majority_waits_for_the_cluster() {
     use std::sync::atomic::Ordering;
 

@@ -5,6 +5,7 @@
 //! dead-letter table and their replay. Inbox retention and the upgrade from a v1 schema:
 //! `confirm_upgrade.rs`.
 
+use outbox_testkit_macros::suite_test;
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -452,9 +453,8 @@ impl NatsSetup {
 /// REJECTED with the compensation run once each and no effect; a lost confirmation is recovered
 /// by the check-back (the redelivered copy is a duplicate at the inbox, its verdict is sent
 /// again), and its effect happened exactly once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[suite_test(workers = 4)]
 async fn nats_postgres_confirmed_rejected_and_lost_confirmation() {
-    crate::init_tracing();
     let s = NatsSetup::new().await;
     let client = outbox_testkit::nats_client().await;
     let sender = FaultySender::new(Arc::new(NatsConfirmationSender::new(client)));
@@ -470,9 +470,8 @@ async fn nats_postgres_confirmed_rejected_and_lost_confirmation() {
 /// NATS consumer crash between the inbox commit and the broker ack: the effect is committed, the
 /// ack and the confirmation are never sent; after a restart the broker redelivers, the inbox sees
 /// a duplicate, the confirmation goes out and the message ends CONFIRMED, effect once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[suite_test(workers = 4)]
 async fn nats_consumer_crash_between_commit_and_ack() {
-    crate::init_tracing();
     let s = NatsSetup::new().await;
     let client = outbox_testkit::nats_client().await;
     let real: Arc<dyn ConfirmationSender> = Arc::new(NatsConfirmationSender::new(client));
@@ -519,9 +518,8 @@ async fn nats_consumer_crash_between_commit_and_ack() {
 /// one after `max_deliveries`; both land in `<inbox>_dlq` with their error, the producer gets a
 /// `Rejected` confirmation (REJECTED, compensation once), and the other messages keep flowing.
 /// An operator replay with a now-working handler applies each once and empties the DLQ.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[suite_test(workers = 4)]
 async fn nats_poison_messages_dead_lettered_and_replayed() {
-    crate::init_tracing();
     let s = NatsSetup::new().await;
     let client = outbox_testkit::nats_client().await;
     let sender = FaultySender::new(Arc::new(NatsConfirmationSender::new(client)));
@@ -667,15 +665,12 @@ async fn check_back_starts_a_new_round_of_attempts<F: StoreFixture + ConfirmFixt
     assert_eq!(fx.confirm_state(id).await.check_backs, 1);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sqlite_check_back_starts_a_new_round_of_attempts() {
-    let fx = SqliteFixture::new().await;
+#[suite_test]
+async fn sqlite_check_back_starts_a_new_round_of_attempts(fx: SqliteFixture) {
     check_back_starts_a_new_round_of_attempts(&fx).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn pg_check_back_starts_a_new_round_of_attempts() {
-    let fx = PgFixture::new().await;
+#[suite_test]
+async fn pg_check_back_starts_a_new_round_of_attempts(fx: PgFixture) {
     check_back_starts_a_new_round_of_attempts(&fx).await;
-    fx.cleanup().await;
 }

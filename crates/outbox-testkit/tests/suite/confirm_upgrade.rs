@@ -1,6 +1,7 @@
 //! Inbox retention in bounded batches, and the upgrade of a version-1 outbox and inbox (as
 //! released before confirmations) by `migrate`.
 
+use outbox_testkit_macros::suite_test;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,9 +15,8 @@ use crate::confirm::{ScriptedHandler, confirm_config};
 
 /// Inbox retention on both dialects: `purge` deletes only records older than the window, at most
 /// `limit` per call, and keeps dead letters.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn inbox_purge_only_old_in_bounded_batches() {
-    crate::init_tracing();
     // SQLite.
     let fx = SqliteFixture::new().await;
     let pool = fx.store.pool().clone();
@@ -245,9 +245,8 @@ async fn check_upgraded(store: Arc<dyn Store>, pending: Uuid) {
     assert_eq!(r.confirmed, 1);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn migrate_from_v1_postgres() {
-    crate::init_tracing();
     let pool = outbox_testkit::pg_pool(4).await;
     let t = unique("obxv1");
     let i = format!("{t}_inbox");
@@ -279,9 +278,8 @@ async fn migrate_from_v1_postgres() {
     .unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn migrate_from_v1_sqlite() {
-    crate::init_tracing();
     let path = std::env::temp_dir().join(format!("{}.db", unique("outbox_v1")));
     let url = format!("sqlite://{}?mode=rwc", path.display());
     let pool = sqlx::sqlite::SqlitePoolOptions::new()

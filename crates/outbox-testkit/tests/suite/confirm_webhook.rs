@@ -1,6 +1,7 @@
 //! Confirmations over webhooks, SQLite on both sides: the consumer's axum receiver confirms to
 //! the producer's confirmation endpoint, one request per message or one per group commit.
 
+use outbox_testkit_macros::suite_test;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -17,7 +18,7 @@ use crate::confirm::{FaultySender, ScriptedHandler, confirm_config, fast_retry, 
 /// producer's confirmation endpoint (`confirm::webhook::router`); processed → CONFIRMED, rejected
 /// → REJECTED with the compensation once, a lost confirmation recovered by the check-back with
 /// the effect once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[suite_test(workers = 4)]
 async fn webhook_sqlite_confirmed_rejected_and_lost_confirmation() {
     webhook_sqlite_confirmations(1).await;
 }
@@ -26,7 +27,7 @@ async fn webhook_sqlite_confirmed_rejected_and_lost_confirmation() {
 /// at once are applied in shared inbox transactions, and each group's confirmations go to the
 /// producer's endpoint as one JSON array (`WebhookConfirmationSender::send_all`), applied there
 /// in one transaction.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[suite_test(workers = 4)]
 async fn webhook_sqlite_group_commit_confirms_each_group_in_one_request() {
     let (sender, metrics) = webhook_sqlite_confirmations(16).await;
     assert!(

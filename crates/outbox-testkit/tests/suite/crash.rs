@@ -1,6 +1,7 @@
 //! Crashes and stalls: a relay that dies between the broker's ack and recording SENT; a relay
 //! paused past its lease (C15); two relays sharing 20,000 messages.
 
+use outbox_testkit_macros::suite_test;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -15,7 +16,8 @@ use outbox::{
     RelayConfig, RelayHooks, Router, Status,
 };
 use outbox_testkit::{
-    AckThenHang, NatsFixture, PgFixture, StoreFixture, TransportFixture as _, wait_until, within,
+    AckThenHang, NatsFixture, PgFixture, StoreFixture, TransportFixture as _, wait_metrics,
+    wait_until, within,
 };
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -100,9 +102,8 @@ pub async fn crash_after_ack_scenario(
     r2.shutdown().await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn crash_after_ack_before_completion_republishes_once_applied() {
-    crate::init_tracing();
     let (fx, pool, effects) = pg_with_effects().await;
     crash_after_ack_scenario(&fx, async |delivered| {
         let (applied, dup) =
@@ -115,10 +116,8 @@ async fn crash_after_ack_before_completion_republishes_once_applied() {
 
 /// The same crash with NATS: the re-publish carries the same `Nats-Msg-Id`, so the stream keeps
 /// one copy, and the consumer runner applies each message once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn crash_after_ack_nats_duplicate_window_and_inbox() {
-    crate::init_tracing();
-    let fx = PgFixture::new().await;
+#[suite_test]
+async fn crash_after_ack_nats_duplicate_window_and_inbox(fx: PgFixture) {
     let nats = NatsFixture::new().await;
     let pool = fx.store.pool().clone();
     let effects = format!("{}.effects", fx.schema);
@@ -177,7 +176,6 @@ async fn crash_after_ack_nats_duplicate_window_and_inbox() {
     let _ = within("consumer stop", Duration::from_secs(5), consumer).await;
     r2.shutdown().await.unwrap();
     nats.cleanup().await;
-    fx.cleanup().await;
 }
 
 /// Pauses the first claim until told to resume.
@@ -246,14 +244,9 @@ pub async fn c15_scenario(
     .await;
     wait_all_status(fx, Status::Sent, Duration::from_secs(5)).await;
     hooks.resume.notify_one();
-    wait_until(
-        "R1 to notice its stale claim",
-        Duration::from_secs(5),
-        || async {
-            let m = r1.metrics().snapshot();
-            m.stale_batches + m.lost_leases >= 1
-        },
-    )
+    wait_metrics(r1.metrics(), 5, "R1 to notice its stale claim", |m| {
+        m.stale_batches + m.lost_leases >= 1
+    })
     .await;
     let mut all = mem1.delivered();
     all.extend(mem2.delivered());
@@ -276,9 +269,8 @@ pub async fn c15_scenario(
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn c15_paused_relay_past_its_lease() {
-    crate::init_tracing();
     let (fx, pool, effects) = pg_with_effects().await;
     c15_scenario(&fx, async |all| {
         let (applied, _) = apply_through_inbox(&pool, &fx.inbox_table(), &effects, &all).await;
@@ -289,10 +281,8 @@ async fn c15_paused_relay_past_its_lease() {
 }
 
 /// Two relays on PostgreSQL share 20,000 messages: none lost, none published twice.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_relays_share_20000_messages() {
-    crate::init_tracing();
-    let fx = PgFixture::new().await;
+#[suite_test]
+async fn two_relays_share_20000_messages(fx: PgFixture) {
     for chunk in 0..20 {
         fx.enqueue_commit(
             (0..1000)
@@ -332,5 +322,4 @@ async fn two_relays_share_20000_messages() {
         mem1.count(),
         mem2.count()
     );
-    fx.cleanup().await;
 }

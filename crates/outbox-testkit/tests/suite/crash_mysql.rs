@@ -3,14 +3,13 @@
 //! applied through a MariaDB inbox.
 
 use outbox_testkit::{MySqlFixture, StoreFixture};
+use outbox_testkit_macros::suite_test;
 
 use crate::crash::{apply_through_inbox, c15_scenario, crash_after_ack_scenario};
 use crate::inbox::{mysql_count, mysql_effects};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mysql_crash_after_ack_before_completion_republishes_once_applied() {
-    crate::init_tracing();
-    let fx = MySqlFixture::new().await;
+#[suite_test]
+async fn mysql_crash_after_ack_before_completion_republishes_once_applied(fx: MySqlFixture) {
     let pool = fx.store.pool().clone();
     let effects = format!("{}_effects", fx.table);
     mysql_effects(&pool, &effects).await;
@@ -25,13 +24,10 @@ async fn mysql_crash_after_ack_before_completion_republishes_once_applied() {
     })
     .await;
     fx.exec(&format!("DROP TABLE {effects}")).await;
-    fx.cleanup().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mysql_c15_paused_relay_past_its_lease() {
-    crate::init_tracing();
-    let fx = MySqlFixture::new().await;
+#[suite_test]
+async fn mysql_c15_paused_relay_past_its_lease(fx: MySqlFixture) {
     let pool = fx.store.pool().clone();
     let effects = format!("{}_effects", fx.table);
     mysql_effects(&pool, &effects).await;
@@ -44,5 +40,4 @@ async fn mysql_c15_paused_relay_past_its_lease() {
     })
     .await;
     fx.exec(&format!("DROP TABLE {effects}")).await;
-    fx.cleanup().await;
 }

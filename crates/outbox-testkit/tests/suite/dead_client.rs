@@ -11,6 +11,7 @@
 //! (`retried == 0`) and every row SENT with `attempts == 1`: a publish that met the dead
 //! connection is an outage (`Unavailable`: released, attempt given back), never a failed attempt.
 
+use outbox_testkit_macros::suite_test;
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,7 +19,7 @@ use std::time::Duration;
 use outbox::transport::Transport;
 use outbox::{NewMessage, Relay, RelayConfig, RelayHandle, Router, Status};
 use outbox_testkit::{
-    FaultProxy, SqliteFixture, StoreFixture as _, TransportFixture as _, unique, wait_until,
+    FaultProxy, SqliteFixture, StoreFixture as _, TransportFixture as _, unique, wait_metrics,
 };
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -119,15 +120,9 @@ where
     let stop_before = CancellationToken::new();
     let before = produce(db.clone(), "before", BEFORE, stop_before.clone());
     let metrics = relay.metrics().clone();
-    let m = metrics.clone();
-    wait_until(
-        "the relay to send the first messages",
-        Duration::from_secs(30),
-        move || {
-            let m = m.clone();
-            async move { m.snapshot().sent >= BEFORE as u64 }
-        },
-    )
+    wait_metrics(&metrics, 30, "the relay to send the first messages", |m| {
+        m.sent >= BEFORE as u64
+    })
     .await;
     // The producer is still going: messages are in flight while the connection dies.
     kill().await;
@@ -206,10 +201,10 @@ fn assert_delivered(ids: &[Uuid], got: &HashSet<Uuid>) {
 
 /// Redis: `CLIENT KILL ID` on the transport's connection while the relay works. The
 /// `ConnectionManager` reconnects; a pipeline that met the dead connection is `Unavailable`.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn defect_04_redis_killed_connection_is_rebuilt_without_burning_attempts() {
-    crate::init_tracing();
-    let fx = outbox_testkit::RedisFixture::new().await;
+#[suite_test]
+async fn defect_04_redis_killed_connection_is_rebuilt_without_burning_attempts(
+    fx: outbox_testkit::RedisFixture,
+) {
     let stream = fx.key("dead");
     let client_id = || {
         let mut conn = fx.transport.connection();
@@ -248,10 +243,10 @@ async fn defect_04_redis_killed_connection_is_rebuilt_without_burning_attempts()
 /// RabbitMQ: `rabbitmqctl close_connection` on the relay's connection (found by its connection
 /// name) while the relay works. The transport reconnects (its probe or its next publish); a
 /// publish that met the closed connection is `Unavailable`.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn defect_04_rabbitmq_closed_connection_is_rebuilt_without_burning_attempts() {
-    crate::init_tracing();
-    let fx = outbox_testkit::RabbitMqFixture::new().await;
+#[suite_test]
+async fn defect_04_rabbitmq_closed_connection_is_rebuilt_without_burning_attempts(
+    fx: outbox_testkit::RabbitMqFixture,
+) {
     let conn_name = unique("obx-d04");
     let mut config = outbox_testkit::rabbitmq_config(&outbox_testkit::rabbitmq_url());
     config.connection_name = conn_name.clone();
@@ -274,7 +269,6 @@ async fn defect_04_rabbitmq_closed_connection_is_rebuilt_without_burning_attempt
         .collect();
     assert_delivered(&out.ids, &got);
     out.relay.shutdown().await.unwrap();
-    fx.cleanup().await;
 }
 
 /// Close every RabbitMQ connection whose client-given name is `name` (`rabbitmqctl`, run as root
@@ -314,9 +308,8 @@ async fn close_rabbitmq_connections(name: &str) -> usize {
 /// works (and lets the client reconnect at once). async-nats reconnects by itself; a PubAck
 /// lost with the connection is `Unavailable` (JetStream deduplicates the re-publish by
 /// `Nats-Msg-Id`).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn defect_04_nats_cut_connection_is_rebuilt_without_burning_attempts() {
-    crate::init_tracing();
     let proxy = FaultProxy::start(outbox_testkit::host_port(&outbox_testkit::nats_url())).await;
     let client = outbox_testkit::nats_client_at(&format!("nats://{}", proxy.addr)).await;
     let fx = outbox_testkit::NatsFixture::with_client(client).await;
@@ -349,10 +342,10 @@ async fn defect_04_nats_cut_connection_is_rebuilt_without_burning_attempts() {
 /// MQTT: a [`FaultProxy`] between the transport and the broker cuts the connection while the
 /// relay works. The transport's event loop reconnects; publishes waiting for their PUBACK when
 /// the connection dies are `Unavailable`.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn defect_04_mqtt_cut_connection_is_rebuilt_without_burning_attempts() {
-    crate::init_tracing();
-    let fx = outbox_testkit::MqttFixture::new().await;
+#[suite_test]
+async fn defect_04_mqtt_cut_connection_is_rebuilt_without_burning_attempts(
+    fx: outbox_testkit::MqttFixture,
+) {
     let upstream = outbox::transport::mqtt::parse_url(&outbox_testkit::mqtt_url()).unwrap();
     let proxy = FaultProxy::start(format!("{}:{}", upstream.host, upstream.port)).await;
     let transport = Arc::new(
@@ -384,7 +377,6 @@ async fn defect_04_mqtt_cut_connection_is_rebuilt_without_burning_attempts() {
         .collect();
     assert_delivered(&out.ids, &got);
     out.relay.shutdown().await.unwrap();
-    fx.cleanup().await;
 }
 
 /// RocketMQ: every TCP connection of this test process to the RocketMQ name server and broker is
@@ -401,10 +393,10 @@ async fn defect_04_mqtt_cut_connection_is_rebuilt_without_burning_attempts() {
 ///
 /// Not covered: a broker restart (the shared broker must stay up for the other tests).
 #[cfg(feature = "rocketmq")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn defect_04_rocketmq_reset_connections_are_rebuilt_and_nothing_is_dead_lettered() {
-    crate::init_tracing();
-    let fx = outbox_testkit::RocketMqFixture::new().await;
+#[suite_test]
+async fn defect_04_rocketmq_reset_connections_are_rebuilt_and_nothing_is_dead_lettered(
+    fx: outbox_testkit::RocketMqFixture,
+) {
     let out = kill_while_relaying_with(
         "d04-rocketmq",
         fx.transport.clone(),

@@ -1,6 +1,7 @@
 //! The inbox on SQLite, PostgreSQL and MySQL/MariaDB: duplicates skip the handler, handler errors roll back,
 //! concurrent copies apply once (C25), a failing inbox write is an error, never an ack (C27).
 
+use outbox_testkit_macros::suite_test;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -105,7 +106,7 @@ pub async fn sqlite_with_effects(
     (fx, pool, inbox)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn sqlite_duplicate_skips_handler_and_error_rolls_back() {
     let (_fx, pool, inbox) = sqlite_with_effects("billing").await;
     let h = EffectHandler::new("effects");
@@ -182,7 +183,7 @@ pub async fn duplicate_and_failure_scenario<DB>(
     assert_eq!(inbox.process(&m2, &h).await.unwrap(), Processed::Applied);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn postgres_duplicate_skips_handler_and_error_rolls_back() {
     let (fx, pool, effects) = pg_with_effects().await;
     let inbox = Inbox::<sqlx::Postgres>::new(pool.clone(), &fx.inbox_table(), "billing").unwrap();
@@ -225,7 +226,7 @@ pub async fn c25_scenario<DB>(
     assert_eq!(outcomes, vec![Processed::Applied, Processed::Duplicate]);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn c25_concurrent_copies_apply_once() {
     let (fx, pool, effects) = pg_with_effects().await;
     let pools = (pool, outbox_testkit::pg_pool(2).await);
@@ -238,9 +239,8 @@ async fn c25_concurrent_copies_apply_once() {
 /// C27: while the inbox insert fails (a trigger raises), `process` returns an error, so the
 /// runner does not acknowledge and nothing is applied; after the trigger is dropped each message
 /// is applied once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn c27_failing_inbox_write_is_an_error_not_an_ack() {
-    let fx = PgFixture::new().await;
+#[suite_test]
+async fn c27_failing_inbox_write_is_an_error_not_an_ack(fx: PgFixture) {
     let pool = fx.store.pool().clone();
     let s = &fx.schema;
     let effects = format!("{s}.effects");
@@ -269,7 +269,6 @@ async fn c27_failing_inbox_write_is_an_error_not_an_ack() {
         .await,
         10
     );
-    fx.cleanup().await;
 }
 
 /// C27's steps on an inbox whose writes are refused: ten messages each fail with a retryable
@@ -348,7 +347,7 @@ async fn mysql_drop(fx: &MySqlFixture, effects: &str) {
     fx.cleanup().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn mysql_duplicate_skips_handler_and_error_rolls_back() {
     let (fx, pool, effects) = mysql_with_effects().await;
     let inbox = Inbox::<sqlx::MySql>::new(pool.clone(), &fx.inbox_table(), "billing").unwrap();
@@ -382,7 +381,7 @@ async fn mysql_duplicate_skips_handler_and_error_rolls_back() {
 
 /// C25 on MariaDB: two instances process two copies of one message at the same time with a
 /// handler that waits: the effect is applied once and the inbox holds one row.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn mysql_c25_concurrent_copies_apply_once() {
     let (fx, pool, effects) = mysql_with_effects().await;
     let pools = (pool, outbox_testkit::mysql_pool(2).await);
@@ -394,7 +393,7 @@ async fn mysql_c25_concurrent_copies_apply_once() {
 
 /// C27 on MariaDB: while the inbox insert fails (a trigger SIGNALs), `process` returns an error
 /// and nothing is applied; after the trigger is dropped each message is applied once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn mysql_c27_failing_inbox_write_is_an_error_not_an_ack() {
     let (fx, pool, effects) = mysql_with_effects().await;
     let inbox = Inbox::<sqlx::MySql>::new(pool.clone(), &fx.inbox_table(), "billing").unwrap();
@@ -485,7 +484,7 @@ pub fn interleaved(keys: usize, per_key: u32) -> Vec<InboundMessage> {
 /// `deliver_batch`: different keys run in parallel lanes, each key's messages are applied in
 /// batch order, and a failing message holds back the later messages of its own key only (they
 /// are retried with it, never applied before it).
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[suite_test(workers = 4)]
 async fn deliver_batch_keeps_per_key_order_and_holds_back_only_the_failing_key() {
     use outbox::consumer::{ConsumerMetrics, DeliveryPolicy, Disposition, deliver_batch, lane_of};
     let fx = PgFixture::new().await;

@@ -5,6 +5,7 @@
 //! ones end as they would alone; and, on each of the three databases, a batch's multi-row inbox
 //! insert tells new messages from recorded and repeated ones.
 
+use outbox_testkit_macros::suite_test;
 use std::sync::Mutex;
 use std::sync::atomic::Ordering;
 
@@ -60,9 +61,8 @@ impl outbox::Handler<sqlx::Postgres> for Script {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn deliver_batch_in_inbox_batches_isolates_failures_and_keeps_order() {
-    let fx = PgFixture::new().await;
+#[suite_test]
+async fn deliver_batch_in_inbox_batches_isolates_failures_and_keeps_order(fx: PgFixture) {
     let pool = fx.store.pool().clone();
     let effects = format!("{}.batch_effects", fx.schema);
     sqlx::raw_sql(AssertSqlSafe(format!(
@@ -161,7 +161,6 @@ async fn deliver_batch_in_inbox_batches_isolates_failures_and_keeps_order() {
     assert!(metrics.inbox_batch_splits.load(Ordering::Relaxed) >= 3);
     assert_eq!(metrics.applied.load(Ordering::Relaxed), 78);
     assert_eq!(metrics.dead_lettered.load(Ordering::Relaxed), 1);
-    fx.cleanup().await;
 }
 
 /// The batch's inbox rows go in multi-row statements on every database (PostgreSQL `unnest`,
@@ -239,7 +238,7 @@ async fn batch_recognises_recorded_and_repeated<DB>(
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn postgres_batch_recognises_recorded_and_repeated_messages() {
     let (fx, pool, effects) = crate::inbox::pg_with_effects().await;
     let inbox = Inbox::<sqlx::Postgres>::new(pool.clone(), &fx.inbox_table(), "batched").unwrap();
@@ -251,9 +250,8 @@ async fn postgres_batch_recognises_recorded_and_repeated_messages() {
     fx.cleanup().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mysql_batch_recognises_recorded_and_repeated_messages() {
-    let fx = outbox_testkit::MySqlFixture::new().await;
+#[suite_test]
+async fn mysql_batch_recognises_recorded_and_repeated_messages(fx: outbox_testkit::MySqlFixture) {
     let pool = fx.store.pool().clone();
     let effects = format!("{}_effects", fx.table);
     crate::inbox::mysql_effects(&pool, &effects).await;
@@ -264,10 +262,9 @@ async fn mysql_batch_recognises_recorded_and_repeated_messages() {
     })
     .await;
     fx.exec(&format!("DROP TABLE IF EXISTS {effects}")).await;
-    fx.cleanup().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn sqlite_batch_recognises_recorded_and_repeated_messages() {
     let (_fx, pool, inbox) = crate::inbox::sqlite_with_effects("batched").await;
     batch_recognises_recorded_and_repeated(&inbox, "effects", async |sql| {

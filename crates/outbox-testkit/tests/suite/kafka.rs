@@ -7,6 +7,7 @@
 //! Tansu's consumer groups can take many seconds for their first read (5 to 23 s seen on its
 //! memory engine), so the consumer tests wait up to 90 s for the first deliveries.
 
+use outbox_testkit_macros::suite_test;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -51,10 +52,8 @@ fn kafka_relay_config(name: &str) -> RelayConfig {
 
 /// The record key is the partition key, or the message id for a message without one; every
 /// record of one key lands in one partition (of four), in publish order.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn kafka_partition_key_is_the_record_key() {
-    crate::init_tracing();
-    let fx = KafkaFixture::new().await;
+#[suite_test]
+async fn kafka_partition_key_is_the_record_key(fx: KafkaFixture) {
     let topic = fx.topic("keyed", 4).await;
     let mut msgs: Vec<_> = (0..12)
         .map(|i| {
@@ -95,17 +94,14 @@ async fn kafka_partition_key_is_the_record_key() {
     );
     assert_eq!(r.native_id.as_deref(), Some(id.as_str()));
     assert!(!r.headers.contains_key("outbox-partition-key"));
-    fx.cleanup().await;
 }
 
 /// A record over `message.max.bytes` is permanent and does not affect the next record of the
 /// same batch and partition; an unknown topic is a missing destination (`Unavailable`: the
 /// relay pauses the transport and dead-letters only after `missing_destination_grace`; topics
 /// are created by deployments, see `outbox::transport::kafka`).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn kafka_too_large_is_permanent_and_unknown_topic_a_missing_destination() {
-    crate::init_tracing();
-    let fx = KafkaFixture::new().await;
+#[suite_test]
+async fn kafka_too_large_is_permanent_and_unknown_topic_a_missing_destination(fx: KafkaFixture) {
     let dest = fx.good_destination();
     let big = claimed_message("t", vec![7u8; 1_100_000]);
     let small = claimed_message("t", "small");
@@ -126,14 +122,12 @@ async fn kafka_too_large_is_permanent_and_unknown_topic_a_missing_destination() 
     let e = r[0].as_ref().unwrap_err();
     assert_eq!(e.kind(), TransportErrorKind::Unavailable, "{e:?}");
     assert!(e.is_missing_destination(), "{e:?}");
-    fx.cleanup().await;
 }
 
 /// Nothing listening at the bootstrap address: publishes fail `Unavailable` (not a burned
 /// attempt) and so does the probe; `connect` names `bootstrap_servers`.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn kafka_broker_down_is_unavailable() {
-    crate::init_tracing();
     let port = outbox_testkit::free_port();
     let mut config = KafkaConfig::new(format!("127.0.0.1:{port}"));
     config.delivery_timeout = Duration::from_millis(1500);
@@ -150,9 +144,8 @@ async fn kafka_broker_down_is_unavailable() {
 
 /// The producer is idempotent: librdkafka's statistics show the producer id the broker assigned
 /// (InitProducerId), which only an idempotent producer asks for.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn kafka_idempotent_producer_is_on() {
-    crate::init_tracing();
     let mut config = kafka_config();
     config
         .properties
@@ -184,10 +177,8 @@ async fn kafka_idempotent_producer_is_on() {
 /// stored; M3 is released: topics are unordered (docs/architecture.md, "Ordering"), so a dead
 /// M1 does not hold back the later message of its key, which is delivered. The relay keeps
 /// running: a message enqueued afterwards is delivered too.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn c07_kafka_oversize_record_dead_letters_only_itself() {
-    crate::init_tracing();
-    let fx = PgFixture::new().await;
+#[suite_test]
+async fn c07_kafka_oversize_record_dead_letters_only_itself(fx: PgFixture) {
     let mut config = kafka_config();
     config.max_message_bytes = 1024 * 1024;
     let kafka = KafkaFixture::with_config(config).await;
@@ -249,7 +240,6 @@ async fn c07_kafka_oversize_record_dead_letters_only_itself() {
     wait_status(&fx, &later, Status::Sent, Duration::from_secs(20)).await;
     relay.shutdown().await.unwrap();
     kafka.cleanup().await;
-    fx.cleanup().await;
 }
 
 /// A handler that records each application as a row `(n bigserial, key, payload, delivery)`, fails
@@ -422,9 +412,8 @@ impl KafkaSetup {
 /// producer: processed messages end CONFIRMED with their effect once; rejected ones end REJECTED
 /// with the compensation run once and no effect; a record without outbox headers is counted as
 /// malformed and skipped without blocking its partition.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[suite_test(workers = 4)]
 async fn kafka_consumer_end_to_end_with_confirmations() {
-    crate::init_tracing();
     let s = KafkaSetup::new(3).await;
     // A foreign record without outbox headers, before the real ones.
     let raw = s.kafka.transport.producer();
@@ -483,9 +472,8 @@ async fn kafka_consumer_end_to_end_with_confirmations() {
 /// A transient handler failure is redelivered with backoff (the partition is paused and sought
 /// back) until it passes, and the later messages of its key are applied after it, in order, each
 /// once; the failing record's delivery count grows with each redelivery.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[suite_test(workers = 4)]
 async fn kafka_transient_failure_is_retried_then_applied_in_order() {
-    crate::init_tracing();
     let s = KafkaSetup::new(2).await;
     let handler = KeyedHandler::new(&s.effects, Duration::ZERO);
     handler.failures.lock().unwrap().insert("K-1".into(), 2);
@@ -530,9 +518,8 @@ async fn kafka_transient_failure_is_retried_then_applied_in_order() {
 
 /// With 4 lanes over 3 partitions, 240 messages of 12 keys are applied concurrently (more than
 /// one application at a time) and each key's messages in publish order, each once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[suite_test(workers = 4)]
 async fn kafka_per_key_order_with_concurrency() {
-    crate::init_tracing();
     let s = KafkaSetup::new(3).await;
     let handler = KeyedHandler::new(&s.effects, Duration::from_millis(3));
     let mut config = s.consumer_config(4);

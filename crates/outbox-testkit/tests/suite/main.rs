@@ -11,7 +11,7 @@
 // The RocketMQ client's futures are deep types; proving them `Send` needs more than the default.
 #![cfg_attr(feature = "rocketmq", recursion_limit = "256")]
 
-/// One `#[tokio::test]` per fixture and case, in a module per fixture: `<module>::<name>` runs
+/// One test (`#[suite_test]`, crates/outbox-testkit-macros) per fixture and case, in a module per fixture: `<module>::<name>` runs
 /// `<suite>::<function>(&fx)` on a fresh `<Fixture>::new()`, then `fx.cleanup()`. A case is
 /// `name = function`, or `name` alone when the function has the test's name. The fixtures are
 /// a list of `module: Fixture`, or `stores` (SQLite, PostgreSQL and MySQL/MariaDB in modules
@@ -59,12 +59,9 @@ macro_rules! fixture_tests {
         fixture_tests!(@case $fixture, $suite, $name = $name);
     };
     (@case $fixture:ty, [$($suite:tt)+], $name:ident = $func:ident) => {
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn $name() {
-            crate::init_tracing();
-            let fx = <$fixture>::new().await;
+        #[outbox_testkit_macros::suite_test]
+        async fn $name(fx: $fixture) {
             $($suite)+::$func(&fx).await;
-            fx.cleanup().await;
         }
     };
 }

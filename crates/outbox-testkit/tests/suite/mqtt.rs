@@ -6,6 +6,7 @@
 //! session keeping messages for an offline consumer, and the refusal of a broker that does not
 //! speak MQTT 5.
 
+use outbox_testkit_macros::suite_test;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -67,9 +68,8 @@ async fn publish_when_subscribed(t: &dyn Transport, topic: &str, msgs: &[outbox:
 /// The runner end to end with PostgreSQL on both sides and confirmations over MQTT: processed
 /// messages end CONFIRMED with their effect once, rejected ones REJECTED with the compensation
 /// once; two runners share the work through a shared subscription.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[suite_test(workers = 4)]
 async fn consumer_end_to_end_with_confirmations() {
-    crate::init_tracing();
     let prefix = unique("obx");
     let reply = format!("{prefix}/confirmations");
     let transport = Arc::new(mqtt_transport(MqttConfig::new(mqtt_url())).await);
@@ -118,10 +118,8 @@ async fn consumer_end_to_end_with_confirmations() {
 /// A failing handler: MQTT has no negative ack, so the runner applies the unacknowledged message
 /// again after the backoff, counting deliveries (1, 2, 3) until it succeeds; a message that always
 /// fails is dead-lettered at `max_deliveries`; other keys flow meanwhile.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn failing_handler_retried_then_applied_or_dead_lettered() {
-    crate::init_tracing();
-    let fx = PgFixture::new().await;
+#[suite_test(workers = 4)]
+async fn failing_handler_retried_then_applied_or_dead_lettered(fx: PgFixture) {
     let prefix = unique("obx");
     let inbox = pg_inbox(&fx).await;
     let mut config = consumer_config(&format!("{prefix}-c"), &format!("{prefix}/#"));
@@ -133,15 +131,13 @@ async fn failing_handler_retried_then_applied_or_dead_lettered() {
     publish_when_subscribed(&transport, &format!("{prefix}/flaky"), &msgs).await;
     check_retried_and_dead_lettered(&inbox, &consumer, &msgs).await;
     consumer.runner.stop().await;
-    fx.cleanup().await;
 }
 
 /// User properties carry every header (traceparent included) and the partition key; the
 /// correlation data is the message id's 16 bytes; `content-type` sets the MQTT content type; the
 /// message is not retained.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn user_properties_and_correlation_data_are_carried() {
-    let fx = MqttFixture::new().await;
+#[suite_test]
+async fn user_properties_and_correlation_data_are_carried(fx: MqttFixture) {
     let mut m = claimed_message("orders.created", "{}");
     m.partition_key = Some("order-7".into());
     m.headers.insert(
@@ -168,13 +164,12 @@ async fn user_properties_and_correlation_data_are_carried() {
         Some(m.message_id.as_bytes().as_slice())
     );
     assert_eq!(props.content_type.as_deref(), Some("application/json"));
-    fx.cleanup().await;
 }
 
 /// A topic nobody subscribes to: the broker answers PUBACK 0x10 and discards the message, so it
 /// is not a success by default (retryable), and is with `NoSubscribers::Accept`. A wildcard
 /// topic is refused before it reaches the broker.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn no_matching_subscribers_is_not_success() {
     let topic = format!("{}/nobody", unique("obx"));
     let t = mqtt_transport(MqttConfig::new(mqtt_url())).await;
@@ -195,9 +190,8 @@ async fn no_matching_subscribers_is_not_success() {
 /// The broker cut through a FaultProxy: the probe and the publishes report `Unavailable`; once
 /// the proxy lets connections through again, the client reconnects and publishes are
 /// acknowledged.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn broker_cut_is_unavailable_then_recovers() {
-    let fx = MqttFixture::new().await;
+#[suite_test]
+async fn broker_cut_is_unavailable_then_recovers(fx: MqttFixture) {
     let proxy = FaultProxy::start(host_port(&mqtt_url())).await;
     let mut config = MqttConfig::new(format!("mqtt://{}", proxy.addr));
     config.keep_alive = Duration::from_secs(5);
@@ -238,16 +232,13 @@ async fn broker_cut_is_unavailable_then_recovers() {
         got.contains(&b"before".to_vec()) && got.contains(&b"after".to_vec()),
         "{got:?}"
     );
-    fx.cleanup().await;
 }
 
 /// The persistent session: a consumer that is offline keeps its subscription at the broker
 /// (publishes are acknowledged with success and queued), and receives the messages when it comes
 /// back under the same client id.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn persistent_session_keeps_messages_for_an_offline_consumer() {
-    crate::init_tracing();
-    let fx = PgFixture::new().await;
+#[suite_test(workers = 4)]
+async fn persistent_session_keeps_messages_for_an_offline_consumer(fx: PgFixture) {
     let prefix = unique("obx");
     let inbox = pg_inbox(&fx).await;
     let topic = format!("{prefix}/orders");
@@ -287,7 +278,6 @@ async fn persistent_session_keeps_messages_for_an_offline_consumer() {
         (0..5).map(|i| format!("offline-{i}")).collect::<Vec<_>>()
     );
     consumer.stop().await;
-    fx.cleanup().await;
 }
 
 /// The source the runners use, closed right after settling a batch (as a runner does when it
@@ -365,7 +355,7 @@ async fn closing_right_after_settling_writes_the_acknowledgements() {
 /// A broker that does not speak MQTT 5: `connect` fails naming `url`, saying that outbox needs
 /// MQTT 5. Two fakes answer the CONNECT: one with MQTT 5's *Unsupported Protocol Version*
 /// (0x84), one as an MQTT 3.1.1 broker does (CONNACK return code 0x01).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn mqtt_3_1_1_broker_is_refused_with_a_clear_error() {
     for answer in [
         vec![0x20u8, 0x03, 0x00, 0x84, 0x00],

@@ -2,6 +2,7 @@
 //! MariaDB and SQLite: shared cases C11 and C13, dead-letter policies, fencing of a stale relay,
 //! crash-loop protection, rebalancing, and 4 relays killed at random keeping every key in order.
 
+use outbox_testkit_macros::suite_test;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -442,10 +443,8 @@ impl RelayHooks for PauseBeforeComplete {
 /// A relay that lost its bucket while publishing (another owner took it) writes nothing: its
 /// completion is refused and counted, the row stays PENDING, and it is published again by the
 /// bucket's next owner.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_stale_relay_completion_is_fenced() {
-    crate::init_tracing();
-    let fx = PgFixture::new().await;
+#[suite_test]
+async fn postgres_stale_relay_completion_is_fenced(fx: PgFixture) {
     let transport = Arc::new(MemoryTransport::new());
     let hook = Arc::new(PauseBeforeComplete {
         armed: AtomicBool::new(true),
@@ -502,15 +501,12 @@ async fn postgres_stale_relay_completion_is_fenced() {
         "published again by the bucket's next owner"
     );
     relay.shutdown().await.expect("shutdown");
-    fx.cleanup().await;
 }
 
 /// One relay write per message: a row trigger logs every UPDATE of the outbox table during a
 /// drain of 3,000 messages (ordered and unordered, several keys): exactly one per message.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_one_write_per_message() {
-    crate::init_tracing();
-    let fx = PgFixture::new().await;
+#[suite_test]
+async fn postgres_one_write_per_message(fx: PgFixture) {
     let t = fx.table();
     let s = &fx.schema;
     fx.exec(&format!(
@@ -562,15 +558,13 @@ async fn postgres_one_write_per_message() {
         .await;
     assert_eq!(writes, n as i64, "relay row writes for {n} messages");
     assert_eq!(most, 0, "no row written twice");
-    fx.cleanup().await;
 }
 
 /// Issue 6: 4 relays, killed and restarted at random, publish `OUTBOX_TEST_ORDERED_MESSAGES`
 /// (default 100,000) messages over 1,000 keys, committed while they run; the consumer's first
 /// sight of each message is in commit order for every key, none is lost, none dead-lettered.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn postgres_four_relays_killed_at_random_keep_every_key_in_order() {
-    crate::init_tracing();
     let total: usize = std::env::var("OUTBOX_TEST_ORDERED_MESSAGES")
         .ok()
         .and_then(|v| v.parse().ok())

@@ -5,6 +5,7 @@
 //! runner end to end with confirmations over RabbitMQ, redelivery with backoff through the retry
 //! queues, dead letters, malformed messages, and per-key order with concurrency 4.
 
+use outbox_testkit_macros::suite_test;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -16,8 +17,8 @@ use outbox::{
 };
 use outbox_testkit::{
     FaultProxy, RabbitMqFixture, SqliteFixture, StoreFixture, TransportFixture as _,
-    claimed_message, publish_to, rabbitmq_config, rabbitmq_host_port, rabbitmq_url, wait_until,
-    within,
+    claimed_message, publish_to, rabbitmq_config, rabbitmq_host_port, rabbitmq_url, wait_metrics,
+    wait_until, within,
 };
 use uuid::Uuid;
 
@@ -55,10 +56,8 @@ pub(crate) fn consumer_config(fx: &RabbitMqFixture) -> RabbitMqConsumerConfig {
 /// C04 (a): a message routed to an exchange that does not exist is not SENT: it is FAILED at once
 /// (permanent) with the broker's reason recorded; the other messages of the same relay batch are
 /// published and SENT (a 404 closing a channel does not take them down).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn c04a_missing_exchange_not_sent_reason_recorded() {
-    crate::init_tracing();
-    let fx = RabbitMqFixture::new().await;
+#[suite_test]
+async fn c04a_missing_exchange_not_sent_reason_recorded(fx: RabbitMqFixture) {
     let db = SqliteFixture::new().await;
     let missing = format!("{}_missing", fx.exchange);
     let router = Router::new()
@@ -108,16 +107,13 @@ async fn c04a_missing_exchange_not_sent_reason_recorded() {
         );
     }
     relay.shutdown().await.unwrap();
-    fx.cleanup().await;
 }
 
 /// C04 (b): the exchange exists but no queue is bound: with the mandatory flag the broker returns
 /// the message (`312 NO_ROUTE`), which is not a success: the row is retried, never SENT, and ends
 /// FAILED after its attempts with the broker's reason recorded.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn c04b_unroutable_with_mandatory_not_success() {
-    crate::init_tracing();
-    let fx = RabbitMqFixture::new().await;
+#[suite_test]
+async fn c04b_unroutable_with_mandatory_not_success(fx: RabbitMqFixture) {
     let unbound = fx.extra_exchange("unbound").await;
     let db = SqliteFixture::new().await;
     let relay = Relay::builder(db.store())
@@ -145,7 +141,6 @@ async fn c04b_unroutable_with_mandatory_not_success() {
         "{err}"
     );
     relay.shutdown().await.unwrap();
-    fx.cleanup().await;
 }
 
 /// C04 (c): the connection is cut after the publish frame reached the broker but before its
@@ -153,9 +148,8 @@ async fn c04b_unroutable_with_mandatory_not_success() {
 /// broker unavailable, the row is not SENT; after reconnecting the relay publishes it again with
 /// the same `message_id`, so the queue holds two copies sharing it, and the consumer's inbox
 /// applies it once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[suite_test(workers = 4)]
 async fn c04c_cut_before_confirm_republished_with_same_id_applied_once() {
-    crate::init_tracing();
     let proxy = FaultProxy::start(rabbitmq_host_port()).await;
     let mut config = rabbitmq_config(&format!("amqp://guest:guest@{}/%2f", proxy.addr));
     config.confirm_timeout = Duration::from_secs(30);
@@ -201,14 +195,9 @@ async fn c04c_cut_before_confirm_republished_with_same_id_applied_once() {
     proxy.set_blocked(true);
     // Unavailable: released unsent, the attempt not counted, the transport marked down.
     // The row stays PENDING while it is in flight (no claim write), so wait for the release.
-    wait_until(
-        "the row to be released unsent",
-        Duration::from_secs(10),
-        || async {
-            let m = relay.metrics().snapshot();
-            m.released >= 1 && m.outages >= 1
-        },
-    )
+    wait_metrics(relay.metrics(), 10, "the row to be released unsent", |m| {
+        m.released >= 1 && m.outages >= 1
+    })
     .await;
     let r = db.row(id).await;
     assert!(r.status == Status::Pending.as_i16() && !r.sent, "{r:?}");
@@ -256,10 +245,8 @@ async fn c04c_cut_before_confirm_republished_with_same_id_applied_once() {
 /// Native fields: `message_id` (with the `-r<n>` suffix on an intentional redelivery),
 /// persistent delivery mode, `content_type`, `type` = topic, `timestamp`, `app_id`, and every
 /// header (traceparent included) in the AMQP headers table.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn native_properties_and_headers() {
-    crate::init_tracing();
-    let fx = RabbitMqFixture::new().await;
+#[suite_test]
+async fn native_properties_and_headers(fx: RabbitMqFixture) {
     let mut m = claimed_message("orders.created", "{\"order\":1}");
     m.headers
         .insert("content-type".into(), "application/json".into());
@@ -307,17 +294,14 @@ async fn native_properties_and_headers() {
         Some(format!("{}-r2", again.message_id)),
         "an intentional redelivery carries its own message_id"
     );
-    fx.cleanup().await;
 }
 
 /// An exchange deleted after the transport checked it: the publish closes the channel (404);
 /// the other messages of the batch still get their own results (acknowledged, or `Unavailable`
 /// when their confirm was cut by the closing channel, never permanent), the one for the deleted
 /// exchange is a missing destination with the broker's reason, and the next batch checks again.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn exchange_deleted_after_check_fails_only_its_message() {
-    crate::init_tracing();
-    let fx = RabbitMqFixture::new().await;
+#[suite_test]
+async fn exchange_deleted_after_check_fails_only_its_message(fx: RabbitMqFixture) {
     let gone = fx.extra_exchange("gone").await;
     let gone_dest = format!("{gone}/x");
     // Checked and cached (unroutable: no queue bound to it, which is not the point here).
@@ -391,15 +375,13 @@ async fn exchange_deleted_after_check_fails_only_its_message() {
     assert_eq!(e.kind(), TransportErrorKind::Unavailable);
     assert!(e.is_missing_destination(), "{e:?}");
     assert!(e.message().contains("does not exist"), "{e:?}");
-    fx.cleanup().await;
 }
 
 /// Size limits and bad destinations are permanent and do not affect their neighbours: a payload
 /// over `max_message_bytes`, headers that do not fit in one frame, an empty destination; an
 /// unroutable message is permanent under [`Unroutable::Fail`].
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn limits_destinations_and_unroutable_policy() {
-    crate::init_tracing();
     let mut config = rabbitmq_config(&rabbitmq_url());
     config.max_message_bytes = 1024;
     config.unroutable = Unroutable::Fail;
@@ -448,10 +430,8 @@ async fn limits_destinations_and_unroutable_policy() {
 /// are released without spending attempts (`max_attempts = 2` would dead-letter them after two
 /// refusals), the transport is not paused (another exchange on the same transport goes on), and
 /// once the queue has room every message arrives once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_nacking_queue_is_backed_off_alone_without_spending_attempts() {
-    crate::init_tracing();
-    let fx = RabbitMqFixture::new().await;
+#[suite_test]
+async fn a_nacking_queue_is_backed_off_alone_without_spending_attempts(fx: RabbitMqFixture) {
     let full = fx.extra_exchange("full").await;
     let full_queue = format!("{full}_q");
     fx.declare_bounded_queue(&full_queue, &[(&full, "#")], 5)
@@ -486,10 +466,11 @@ async fn a_nacking_queue_is_backed_off_alone_without_spending_attempts() {
         .await
         .unwrap();
     // Refused several times over: with attempts counted, every refused row would be FAILED.
-    wait_until(
+    wait_metrics(
+        relay.metrics(),
+        20,
         "the full queue to refuse 15 messages 4 times",
-        Duration::from_secs(20),
-        || async { relay.metrics().snapshot().busy >= 60 },
+        |m| m.busy >= 60,
     )
     .await;
     let open_ids = db
@@ -546,14 +527,12 @@ async fn a_nacking_queue_is_backed_off_alone_without_spending_attempts() {
     assert_eq!((got.len(), ids), (20, want), "each message once");
     assert_eq!(relay.metrics().snapshot().failed, 0);
     relay.shutdown().await.unwrap();
-    fx.cleanup().await;
 }
 
 /// Connection refused or cut: publishes fail `Unavailable` (not permanent, no burned attempt),
 /// the probe says unavailable, and both recover when the broker is reachable again.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn cut_connection_is_unavailable_then_reconnects() {
-    crate::init_tracing();
     let proxy = FaultProxy::start(rabbitmq_host_port()).await;
     let fx = RabbitMqFixture::with_config(rabbitmq_config(&format!(
         "amqp://guest:guest@{}/%2f",

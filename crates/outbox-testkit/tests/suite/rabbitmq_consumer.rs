@@ -1,6 +1,7 @@
 //! The RabbitMQ consumer runner: end to end with confirmations, transient failures redelivered
 //! with backoff, poison and malformed messages, per-key order with concurrency, set-up errors.
 
+use outbox_testkit_macros::suite_test;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -57,9 +58,8 @@ impl RabbitSetup {
 /// ones REJECTED with the compensation once and no effect, and a lost confirmation is recovered
 /// by the check-back (the redelivered copy is a duplicate at the inbox, its verdict is sent
 /// again).
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[suite_test(workers = 4)]
 async fn consumer_end_to_end_with_confirmations() {
-    crate::init_tracing();
     let s = RabbitSetup::new().await;
     let sender = FaultySender::new(Arc::new(
         RabbitMqConfirmationSender::new(rabbitmq_config(&rabbitmq_url())).unwrap(),
@@ -115,10 +115,8 @@ impl outbox::Handler<sqlx::Sqlite> for Flaky {
 /// A transient handler failure is moved to the retry queue of its backoff step, dead-lettered
 /// back by RabbitMQ after the TTL, and delivered again with the next delivery count (1, 2, 3)
 /// until it applies; the other message is not held up.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn consumer_transient_failure_redelivered_with_backoff_then_applied() {
-    crate::init_tracing();
-    let fx = RabbitMqFixture::new().await;
+#[suite_test]
+async fn consumer_transient_failure_redelivered_with_backoff_then_applied(fx: RabbitMqFixture) {
     let (db, inbox) = sqlite_consumer("flaky").await;
     let handler = Arc::new(Flaky {
         fail_until: 3,
@@ -144,16 +142,13 @@ async fn consumer_transient_failure_redelivered_with_backoff_then_applied() {
     assert!(fx.queue_exists(&first).await, "{first} was used");
     assert_eq!(fx.ready(&first).await, 0);
     runner.stop().await;
-    fx.cleanup().await;
 }
 
 /// A permanent failure is dead-lettered at once; a message that keeps failing transiently after
 /// `max_deliveries` deliveries (the count reaches the inbox through the retry copies); both are
 /// acknowledged, the other messages flow.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn consumer_poison_messages_dead_lettered() {
-    crate::init_tracing();
-    let fx = RabbitMqFixture::new().await;
+#[suite_test]
+async fn consumer_poison_messages_dead_lettered(fx: RabbitMqFixture) {
     let (_db, inbox) = sqlite_consumer("poison").await;
     let handler = ScriptedHandler::new("effects");
     let mut config = consumer_config(&fx);
@@ -200,15 +195,12 @@ async fn consumer_poison_messages_dead_lettered() {
     })
     .await;
     runner.stop().await;
-    fx.cleanup().await;
 }
 
 /// A message without the outbox headers is logged, counted and rejected without requeue: it
 /// neither blocks the message behind it nor comes back.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn consumer_malformed_message_rejected_without_blocking() {
-    crate::init_tracing();
-    let fx = RabbitMqFixture::new().await;
+#[suite_test]
+async fn consumer_malformed_message_rejected_without_blocking(fx: RabbitMqFixture) {
     let (db, inbox) = sqlite_consumer("malformed").await;
     fx.publish_raw(&fx.queue, b"not an outbox message").await;
     let m = claimed_message("orders", "fine");
@@ -243,7 +235,6 @@ async fn consumer_malformed_message_rejected_without_blocking() {
         1,
         "and not delivered again"
     );
-    fx.cleanup().await;
 }
 
 /// A PostgreSQL handler that records the order in which each key's messages were applied and how
@@ -288,10 +279,8 @@ impl outbox::Handler<sqlx::Postgres> for OrderHandler {
 
 /// Per-key order with concurrency 4: 20 keys × 25 messages, published in order; the runner
 /// applies different keys in parallel lanes and each key's messages in publish order.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn consumer_per_key_order_with_concurrency_4() {
-    crate::init_tracing();
-    let fx = RabbitMqFixture::new().await;
+#[suite_test(workers = 4)]
+async fn consumer_per_key_order_with_concurrency_4(fx: RabbitMqFixture) {
     let db = PgFixture::new().await;
     let effects = format!("{}.effects", db.schema);
     db.exec(&format!(
@@ -354,14 +343,12 @@ async fn consumer_per_key_order_with_concurrency_4() {
     );
     runner.stop().await;
     db.cleanup().await;
-    fx.cleanup().await;
 }
 
 /// The runner reports a missing queue as a configuration error naming `queue`, and a broker it
 /// cannot reach as `connection.url`.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn consumer_set_up_errors_name_the_field() {
-    crate::init_tracing();
     // Fails naming OUTBOX_TEST_RABBITMQ_URL when the broker is not there.
     drop(outbox_testkit::rabbitmq::rabbitmq_connection().await);
     let (_db, inbox) = sqlite_consumer("setup").await;

@@ -3,6 +3,7 @@
 //! as a user would copy them, deliver every order to the consumer exactly once on the real
 //! PostgreSQL and NATS JetStream.
 
+use outbox_testkit_macros::suite_test;
 #[path = "../../../outbox/examples/readme/consumer.rs"]
 mod consumer;
 #[path = "../../../outbox/examples/readme/producer.rs"]
@@ -80,9 +81,8 @@ fn defect_13_readme_code_blocks_are_the_example_files() {
 /// exactly the ordered quantities, one inbox row per message, nothing FAILED). With the
 /// README's previous relay example (no stream, a catch-all route elsewhere) every message was
 /// dead-lettered ("no stream for subject") and the consumer found no stream `ORDERS`.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn defect_13_readme_examples_deliver_every_order_once() {
-    crate::init_tracing();
     // Own schema (the examples use the default table names) and a fresh stream `ORDERS`.
     let admin = outbox_testkit::pg_pool(2).await;
     let schema = outbox_testkit::unique("readme");

@@ -5,6 +5,7 @@
 //! Redis, transient failures retried with delivery counts from the server, and per-key order with
 //! concurrency > 1.
 
+use outbox_testkit_macros::suite_test;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -151,10 +152,8 @@ pub(crate) async fn pending(rx: &RedisFixture, stream: &str) -> i64 {
 /// relay and PostgreSQL store; a slow consumer (concurrency 1) crashes once in the middle of a
 /// batch, leaving pending entries; after a restart under the same consumer name every one of the
 /// 5,000 is applied exactly once (the stream kept every entry), nothing is lost or left pending.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn c38_no_trimming_by_default_crashed_consumer_recovers_all_5000() {
-    crate::init_tracing();
-    let fx = PgFixture::new().await;
+#[suite_test(workers = 4)]
+async fn c38_no_trimming_by_default_crashed_consumer_recovers_all_5000(fx: PgFixture) {
     let rx = RedisFixture::new().await;
     assert!(
         rx.transport.warnings().is_empty(),
@@ -232,7 +231,6 @@ async fn c38_no_trimming_by_default_crashed_consumer_recovers_all_5000() {
     c2.stop().await;
     relay.shutdown().await.unwrap();
     rx.cleanup().await;
-    fx.cleanup().await;
 }
 
 /// Wraps a handler and hangs at its `at`-th call (after notifying `reached`).
@@ -262,14 +260,14 @@ impl outbox::Handler<sqlx::Postgres> for Gate {
 /// holding 20 pending entries, the stream is trimmed to its newest 5, and the restarted consumer
 /// (same name, so its own pending list is resumed) logs, acknowledges and counts the 15 lost ids,
 /// applies the 5 others, and keeps running; nothing stays pending.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[suite_test(workers = 4)]
 async fn trimmed_pending_ids_are_counted_lost_on_resume() {
     trimmed_pending(false).await;
 }
 
 /// The same through `XAUTOCLAIM`: a new consumer name takes the crashed one's entries over after
 /// `claim_idle`; the trimmed ids come back as `XAUTOCLAIM`'s deleted ids.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[suite_test(workers = 4)]
 async fn trimmed_pending_ids_are_counted_lost_on_autoclaim() {
     trimmed_pending(true).await;
 }
@@ -338,7 +336,7 @@ async fn trimmed_pending(other_consumer: bool) {
 
 /// A length cap is opt-in and warned about: `warnings()` names C38, and the cap really trims
 /// (the hazard the warning is about), while the default keeps every entry.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn length_cap_is_warned_about_and_trims() {
     let mut config = RedisConfig::new(redis_url());
     config.max_len = Some(100);
@@ -369,7 +367,7 @@ async fn length_cap_is_warned_about_and_trims() {
 /// `WAIT` for a replica this server does not have: the entries were added, but the batch is not
 /// acknowledged (`Unavailable`: the cluster's state, no attempt counted), so the relay publishes
 /// it again rather than calling it durable, and dead-letters nothing while the replica is away.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn wait_for_missing_replicas_is_unavailable() {
     let mut config = RedisConfig::new(redis_url());
     config.wait_replicas = Some(WaitReplicas {
@@ -403,7 +401,7 @@ async fn wait_for_missing_replicas_is_unavailable() {
 
 /// A server that does not answer: connect names the URL; a transport whose server went away
 /// reports `Unavailable` from publish and probe.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn unreachable_server_is_unavailable() {
     let proxy = outbox_testkit::FaultProxy::start(outbox_testkit::host_port(&redis_url())).await;
     let mut config = RedisConfig::new(format!("redis://{}", proxy.addr));

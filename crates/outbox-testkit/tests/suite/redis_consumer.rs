@@ -1,6 +1,7 @@
 //! The Redis Streams consumer runner: end to end with confirmations, retries and dead letters,
 //! per-key order with concurrency, and trimming only what every group delivered.
 
+use outbox_testkit_macros::suite_test;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -22,9 +23,8 @@ use crate::redis::{Recording, consumer_config, pending, publish};
 /// The runner end to end with PostgreSQL on both sides and confirmations over Redis Streams:
 /// processed messages end CONFIRMED with their effect once, rejected ones REJECTED with the
 /// producer's compensation run once; every entry is acknowledged.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[suite_test(workers = 4)]
 async fn consumer_end_to_end_with_confirmations() {
-    crate::init_tracing();
     let rx = RedisFixture::new().await;
     let stream = rx.key("orders");
     let reply = rx.key("confirmations");
@@ -102,10 +102,8 @@ pub(crate) async fn orders_confirmed_and_rejected(
 /// backoff and applied at its third, with the delivery count read from the server (1, 2, 3); a
 /// message that always fails is dead-lettered at `max_deliveries` (3) with 3 deliveries; others
 /// flow meanwhile.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn transient_failure_retried_then_applied_or_dead_lettered() {
-    crate::init_tracing();
-    let fx = PgFixture::new().await;
+#[suite_test(workers = 4)]
+async fn transient_failure_retried_then_applied_or_dead_lettered(fx: PgFixture) {
     let rx = RedisFixture::new().await;
     let stream = rx.key("flaky");
     let inbox = pg_inbox(&fx).await;
@@ -121,7 +119,6 @@ async fn transient_failure_retried_then_applied_or_dead_lettered() {
     .await;
     consumer.runner.stop().await;
     rx.cleanup().await;
-    fx.cleanup().await;
 }
 
 /// The messages of the retry tests: `fail2-a` (fails its first two deliveries), `always-fail`,
@@ -174,10 +171,8 @@ pub(crate) async fn check_retried_and_dead_lettered(
 
 /// Per-key order with concurrency 4: 400 messages over 8 keys, applied in stream order per key,
 /// while different keys run in parallel lanes.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn per_key_order_with_concurrency() {
-    crate::init_tracing();
-    let fx = PgFixture::new().await;
+#[suite_test(workers = 4)]
+async fn per_key_order_with_concurrency(fx: PgFixture) {
     let rx = RedisFixture::new().await;
     let stream = rx.key("ordered");
     let inbox = pg_inbox(&fx).await;
@@ -214,15 +209,13 @@ async fn per_key_order_with_concurrency() {
     }
     consumer.runner.stop().await;
     rx.cleanup().await;
-    fx.cleanup().await;
 }
 
 /// Safe trimming (C38): `trim_delivered` removes only entries every group has received and
 /// acknowledged; a group's pending entries and undelivered entries stay, and a stream without
 /// groups is left alone.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn trim_delivered_keeps_pending_and_undelivered_entries() {
-    let rx = RedisFixture::new().await;
+#[suite_test]
+async fn trim_delivered_keeps_pending_and_undelivered_entries(rx: RedisFixture) {
     let stream = rx.key("trim");
     let msgs: Vec<_> = (0..10)
         .map(|i| claimed_message("t", format!("m{i}")))
@@ -296,5 +289,4 @@ async fn trim_delivered_keeps_pending_and_undelivered_entries() {
     assert_eq!(rx.transport.trim_delivered(&stream).await.unwrap(), 1);
     let left = entry_ids().await;
     assert_eq!(left, ids[3..].to_vec(), "g's pending entries are kept");
-    rx.cleanup().await;
 }

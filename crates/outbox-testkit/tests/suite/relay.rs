@@ -1,6 +1,7 @@
 //! The relay end to end: SQLite + memory transport; PostgreSQL + NATS JetStream + the JetStream
 //! consumer runner feeding an inbox; PostgreSQL LISTEN/NOTIFY wake-up.
 
+use outbox_testkit_macros::suite_test;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -73,10 +74,8 @@ pub async fn wait_all_status(fx: &dyn StoreFixture, status: Status, timeout: Dur
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sqlite_memory_end_to_end() {
-    crate::init_tracing();
-    let fx = SqliteFixture::new().await;
+#[suite_test]
+async fn sqlite_memory_end_to_end(fx: SqliteFixture) {
     let (mem, handle) = memory_relay(&fx);
     let mut msgs: Vec<NewMessage> = (0..50)
         .map(|i| NewMessage::new(format!("topic.{}", i % 3), format!("m{i}")))
@@ -106,10 +105,8 @@ async fn sqlite_memory_end_to_end() {
 
 /// PostgreSQL outbox → relay → NATS JetStream → consumer runner → PostgreSQL inbox: every message
 /// applied exactly once, payload byte-identical.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_nats_consumer_inbox_end_to_end() {
-    crate::init_tracing();
-    let fx = PgFixture::new().await;
+#[suite_test]
+async fn postgres_nats_consumer_inbox_end_to_end(fx: PgFixture) {
     let nats = NatsFixture::new().await;
     let pool = fx.store.pool().clone();
     let effects = format!("{}.effects", fx.schema);
@@ -172,16 +169,13 @@ async fn postgres_nats_consumer_inbox_end_to_end() {
         .unwrap();
     handle.shutdown().await.unwrap();
     nats.cleanup().await;
-    fx.cleanup().await;
 }
 
 /// A misnamed stream still stops the NATS consumer runner at its first set-up, with a
 /// [`outbox::ConfigError`] naming `stream` (the server's "stream not found" is a refusal; only
 /// timeouts and cluster errors are retried, `clusters::nats_consumer_started_without_a_majority_waits_for_the_cluster`).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nats_consumer_refuses_a_missing_stream_at_start() {
-    crate::init_tracing();
-    let fx = PgFixture::new().await;
+#[suite_test]
+async fn nats_consumer_refuses_a_missing_stream_at_start(fx: PgFixture) {
     let nats = NatsFixture::new().await;
     let refused = within(
         "the runner's first set-up",
@@ -264,9 +258,8 @@ async fn next_notification(listener: &mut sqlx::postgres::PgListener) -> String 
 /// of its own at commit, `PgStore::commit` sends exactly the one after it, and an unmarked
 /// transaction still notifies through the trigger. Notifications arrive in commit order, so a
 /// marker notified after each commit shows what that commit sent.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_deferred_notify_is_sent_after_commit_only() {
-    let fx = PgFixture::new().await;
+#[suite_test]
+async fn postgres_deferred_notify_is_sent_after_commit_only(fx: PgFixture) {
     let channel = fx.store.channel().to_owned();
     let mut listener = sqlx::postgres::PgListener::connect_with(fx.store.pool())
         .await
@@ -347,7 +340,6 @@ async fn postgres_deferred_notify_is_sent_after_commit_only() {
         .await,
         4
     );
-    fx.cleanup().await;
 }
 
 /// A relay elsewhere (another store instance, 30 s poll interval) publishes at once what a
@@ -355,10 +347,8 @@ async fn postgres_deferred_notify_is_sent_after_commit_only() {
 /// it, although the transaction itself notified nothing. When the notifier's connection is
 /// killed between commits, the next commit's NOTIFY is sent again on a new connection at once
 /// (not left to the poll interval).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_post_commit_notify_wakes_a_relay_elsewhere() {
-    crate::init_tracing();
-    let fx = PgFixture::new().await;
+#[suite_test]
+async fn postgres_post_commit_notify_wakes_a_relay_elsewhere(fx: PgFixture) {
     let mem = Arc::new(MemoryTransport::new());
     // The relay's own store: its in-process waker is not the producer's.
     let relay_store = outbox::PgStore::from_pool(
@@ -394,15 +384,12 @@ async fn postgres_post_commit_notify_wakes_a_relay_elsewhere() {
         assert_eq!(mem.delivered()[i].message.message_id, id);
     }
     handle.shutdown().await.unwrap();
-    fx.cleanup().await;
 }
 
 /// A relay with a 30 s poll interval publishes a row inserted by plain SQL (another language's
 /// producer) within a few seconds: the insert trigger's NOTIFY wakes it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_listen_notify_wakes_relay() {
-    crate::init_tracing();
-    let fx = PgFixture::new().await;
+#[suite_test]
+async fn postgres_listen_notify_wakes_relay(fx: PgFixture) {
     let mem = Arc::new(MemoryTransport::new());
     let config = RelayConfig {
         poll_interval: Duration::from_secs(30),
@@ -430,5 +417,4 @@ async fn postgres_listen_notify_wakes_relay() {
     assert!(started.elapsed() < Duration::from_secs(5));
     assert_eq!(mem.delivered()[1].message.message_id, id);
     handle.shutdown().await.unwrap();
-    fx.cleanup().await;
 }

@@ -3,6 +3,7 @@
 //! 1 (item 11). Every test drives the real `Relay` against a real store (PostgreSQL, SQLite) and,
 //! for webhooks, real HTTP.
 
+use outbox_testkit_macros::suite_test;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -342,10 +343,8 @@ fn relay_to_webhook(
 /// Before: the batch's publish timeout marked every message retryable, the answered ones were
 /// posted again and nothing of the batch was SENT. After: each answered message is SENT after
 /// exactly one post; only the hanging one is retried (attempt 2) and then SENT.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn defect_02_acknowledged_messages_survive_a_publish_timeout() {
-    crate::init_tracing();
-    let fx = PgFixture::new().await;
+#[suite_test]
+async fn defect_02_acknowledged_messages_survive_a_publish_timeout(fx: PgFixture) {
     let rx = Arc::new(Receiver::default());
     let (url, stop) = serve(rx.clone(), Mode::SlowAndOneHangs).await;
     let mut msgs = batch_of(49, "w");
@@ -383,7 +382,6 @@ async fn defect_02_acknowledged_messages_survive_a_publish_timeout() {
     assert!(relay.metrics().snapshot().publish_timeouts >= 1);
     relay.shutdown().await.expect("shutdown");
     stop.cancel();
-    fx.cleanup().await;
 }
 
 /// Item 2: a receiver that answers one request at a time (20 ms each) cannot take a whole batch
@@ -391,10 +389,8 @@ async fn defect_02_acknowledged_messages_survive_a_publish_timeout() {
 /// retried, the same first messages were posted again and again, and nothing was SENT. After:
 /// every round records what was answered, releases what was never sent, and the table drains;
 /// a message is posted more than once only if it was in flight when a round timed out.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn defect_02_a_slow_receiver_still_drains() {
-    crate::init_tracing();
-    let fx = PgFixture::new().await;
+#[suite_test]
+async fn defect_02_a_slow_receiver_still_drains(fx: PgFixture) {
     let rx = Arc::new(Receiver::default());
     let (url, stop) = serve(rx.clone(), Mode::Serial).await;
     let ids = fx
@@ -427,7 +423,6 @@ async fn defect_02_a_slow_receiver_still_drains() {
     );
     relay.shutdown().await.expect("shutdown");
     stop.cancel();
-    fx.cleanup().await;
 }
 
 /// Fails every delivery of a payload `fail` transiently; records each delivery's
@@ -507,9 +502,8 @@ async fn serve_receiver<H: outbox::Handler<sqlx::Sqlite>>(
 /// first delivery carries `outbox-attempt: 1`, each retry one more, and the consumer with
 /// `max_deliveries = 3` dead-letters at the third delivery. Before: the first delivery said 0,
 /// so the consumer dead-lettered one delivery late (at the fourth).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn defect_11_attempt_header_counts_from_one() {
-    crate::init_tracing();
     let fx = PgFixture::new().await;
     let consumer_db = SqliteFixture::new().await;
     let inbox = Inbox::<sqlx::Sqlite>::new(
@@ -603,9 +597,8 @@ impl outbox::Handler<sqlx::Sqlite> for GroupedHandler {
 /// has exactly one effect, at far fewer transactions than messages; a message whose handler
 /// fails or panics inside a group costs the others nothing, leaves no effect and is
 /// dead-lettered at its third delivery (answered 200 then), so every row ends SENT.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn webhook_group_commit_applies_concurrent_requests_together_and_isolates_failures() {
-    crate::init_tracing();
     let fx = PgFixture::new().await;
     let (consumer_db, pool, inbox) = crate::inbox::sqlite_with_effects("grouped").await;
     let handler = Arc::new(GroupedHandler::default());

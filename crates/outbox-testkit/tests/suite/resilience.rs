@@ -7,6 +7,7 @@
 //! subscriber, so they see exactly the relay's own events (every task of the runtime runs on the
 //! test's thread).
 
+use outbox_testkit_macros::suite_test;
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -18,7 +19,7 @@ use outbox::{
 };
 use outbox_testkit::{
     KafkaFixture, RabbitMqFixture, SqliteFixture, StoreFixture, TransportFixture as _,
-    rabbitmq_config, rabbitmq_host_port, unique, wait_until,
+    rabbitmq_config, rabbitmq_host_port, unique, wait_metrics, wait_until,
 };
 
 use crate::confirm::wait_status;
@@ -145,8 +146,7 @@ async fn refusals_released_at_no_cost(
     what: &str,
     released: u64,
 ) {
-    wait_until(what, Duration::from_secs(60), || async {
-        let m = metrics.snapshot();
+    wait_metrics(metrics, 60, what, |m| {
         m.released >= released || m.failed > 0
     })
     .await;
@@ -224,9 +224,8 @@ async fn defect_09_rabbitmq_access_refused_pauses_without_dead_letters() {
 /// Issue 11 item 9: an exchange deleted and re-created while messages flow used to dead-letter
 /// the messages that met the gap (`404 NOT_FOUND`, permanent). Now they wait: nothing is FAILED
 /// and every message is delivered once the exchange is back.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn defect_09_rabbitmq_exchange_recreated_under_load_dead_letters_nothing() {
-    crate::init_tracing();
     let fx = Arc::new(RabbitMqFixture::new().await);
     let db = Arc::new(SqliteFixture::new().await);
     let router = Router::new().route(
@@ -258,21 +257,13 @@ async fn defect_09_rabbitmq_exchange_recreated_under_load_dead_letters_nothing()
         })
     };
     let metrics = relay.metrics().clone();
-    let m = metrics.clone();
-    wait_until("messages flowing", Duration::from_secs(20), move || {
-        let m = m.clone();
-        async move { m.snapshot().sent >= 60 }
-    })
-    .await;
+    wait_metrics(&metrics, 20, "messages flowing", |m| m.sent >= 60).await;
     fx.delete_exchange(&fx.exchange).await;
-    let m = metrics.clone();
-    wait_until(
+    wait_metrics(
+        &metrics,
+        20,
         "the relay to meet the missing exchange",
-        Duration::from_secs(20),
-        move || {
-            let m = m.clone();
-            async move { m.snapshot().outages >= 1 || m.snapshot().failed > 0 }
-        },
+        |m| m.outages >= 1 || m.failed > 0,
     )
     .await;
     fx.declare_exchange(&fx.exchange).await;
@@ -419,10 +410,8 @@ async fn defect_09_webhook_untrusted_certificate_pauses_without_flapping() {
 /// rebuilt only as a side effect of that failure. Now every failure of a dead producer is
 /// `Unavailable` (no attempt counted), the producer is rebuilt, and every message is delivered
 /// with one attempt, without a restart.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn defect_04_kafka_fenced_producer_is_rebuilt_without_burning_attempts() {
-    crate::init_tracing();
-    let fx = KafkaFixture::new().await;
+#[suite_test]
+async fn defect_04_kafka_fenced_producer_is_rebuilt_without_burning_attempts(fx: KafkaFixture) {
     let db = SqliteFixture::new().await;
     // Fence the producer before the relay publishes anything.
     let fenced = fx.transport.producer();
@@ -477,7 +466,6 @@ async fn defect_04_kafka_fenced_producer_is_rebuilt_without_burning_attempts() {
         .collect();
     assert_eq!(got, ids.iter().copied().collect::<HashSet<_>>());
     relay.shutdown().await.unwrap();
-    fx.cleanup().await;
 }
 
 /// A private `nats-server` with JetStream and two users, on a free loopback port: `admin` may do

@@ -3,13 +3,14 @@
 //! the table; nothing unfinished is moved or deleted, no database error surfaces (a deadlock or
 //! lock wait would), and dead letters stay until a rule names them.
 
+use outbox_testkit_macros::suite_test;
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use outbox::retention::{Retention, Rule};
 use outbox::{MemoryTransport, NewMessage, RelayConfig, Status, TransportErrorKind};
-use outbox_testkit::{StoreFixture, wait_until};
+use outbox_testkit::{StoreFixture, wait_metrics, wait_until};
 
 use crate::relay::{fast_config, relay_to};
 
@@ -175,14 +176,9 @@ pub async fn per_state(fx: &dyn StoreFixture) {
     assert_eq!(archived[0].1, "retention");
     assert_eq!(archived[0].2, Status::Failed.as_i16());
     // The relay counts its rows after the transaction that moved them committed.
-    wait_until(
-        "the relay counted them",
-        Duration::from_secs(10),
-        || async {
-            let m = relay.metrics().snapshot();
-            m.purged + m.archived >= 2
-        },
-    )
+    wait_metrics(relay.metrics(), 10, "the relay counted them", |m| {
+        m.purged + m.archived >= 2
+    })
     .await;
     let m = relay.metrics().snapshot();
     assert_eq!((m.purged, m.archived), (1, 1), "{m:?}");
@@ -196,9 +192,8 @@ pub async fn per_state(fx: &dyn StoreFixture) {
 /// letters (no rule) and the delayed message are carried forward into today's partition with
 /// their row ids, today's rows stay (younger than the partition), and no database error
 /// surfaces (a deadlock or a lock wait beyond the detach's timeout would).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn postgres_partition_drop_under_four_relays_with_producers_running() {
-    crate::init_tracing();
     let fx = outbox_testkit::PgFixture::partitioned().await;
     let t = fx.table();
     let (mem, poison, delayed, old) = published(&fx, 200, "part-r0").await;
@@ -399,9 +394,8 @@ async fn age_into_yesterday(fx: &outbox_testkit::PgFixture) -> String {
 /// the rows that must stay (dead letters without a rule, a delayed message) back into the table
 /// with their row ids and states, archives the published rows (ruled `archive`) and drops it.
 /// Nothing is lost, nothing is published again, and no database error surfaces.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn postgres_partition_detached_by_a_dead_relay_is_finished_next_round() {
-    crate::init_tracing();
     let fx = outbox_testkit::PgFixture::partitioned().await;
     let t = fx.table();
     let (mem, poison, delayed, old) = published(&fx, 20, "detached-r0").await;

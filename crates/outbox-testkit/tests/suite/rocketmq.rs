@@ -4,6 +4,7 @@
 //! and PostgreSQL with confirmations over RocketMQ, the broker's retry of a failing handler,
 //! a consumer group sharing the work, and per-key order with concurrency.
 
+use outbox_testkit_macros::suite_test;
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -60,10 +61,8 @@ fn keyed(topic: &str, key: &str, payload: impl Into<Vec<u8>>) -> Message {
 /// destination's tag is the tag, every wire header is a user property (traceparent included),
 /// the body is byte-exact, and one key's messages share the queue Java's hash selector picks,
 /// in batch order.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn rocketmq_keys_tags_and_properties_are_carried() {
-    crate::init_tracing();
-    let fx = RocketMqFixture::new().await;
+#[suite_test]
+async fn rocketmq_keys_tags_and_properties_are_carried(fx: RocketMqFixture) {
     let mut first = keyed("orders.created", "order-7", "{\"n\":1}");
     first.headers.insert(
         "traceparent".into(),
@@ -130,7 +129,6 @@ async fn rocketmq_keys_tags_and_properties_are_carried() {
         !inbound.headers.contains_key("KEYS"),
         "system properties are not headers"
     );
-    fx.cleanup().await;
 }
 
 /// Refusals are permanent and reported at their own position, while the rest of the batch is
@@ -138,9 +136,8 @@ async fn rocketmq_keys_tags_and_properties_are_carried() {
 /// transport's `max_message_size`, a body over the broker's `maxMessageSize` (the broker's
 /// `MESSAGE_ILLEGAL`, with the client's limit raised above it), a destination that is not a
 /// topic name, a system topic.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn rocketmq_refusals_are_permanent_and_the_rest_goes_through() {
-    crate::init_tracing();
     let mut config = RocketMqConfig::new(rocketmq_name_server());
     config.max_message_size = 16 * 1024 * 1024;
     config.send_timeout = Duration::from_secs(10);
@@ -202,9 +199,8 @@ async fn rocketmq_refusals_are_permanent_and_the_rest_goes_through() {
 /// and dead-letters it after the last attempt). The broker `.ci/run` starts creates topics
 /// (`autoCreateTopicEnable`), so the test takes away the route the client borrows for unknown
 /// topics (`createTopicKey`), which is what a broker without auto-creation looks like to it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn rocketmq_unknown_topic_without_auto_create_is_retryable() {
-    crate::init_tracing();
     let mut config = RocketMqConfig::new(rocketmq_name_server());
     config.create_topic_key = Some("outbox_no_default_route".into());
     let t = RocketMqTransport::connect(config).await.unwrap();
@@ -230,9 +226,8 @@ async fn rocketmq_unknown_topic_without_auto_create_is_retryable() {
 /// The name server behind a proxy that cuts connections: a send that needs a route fails
 /// `Unavailable` (not permanent, no attempt burned), the probe says unavailable, and both recover
 /// when the network does.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn rocketmq_name_server_down_is_unavailable_then_recovers() {
-    crate::init_tracing();
     let ns = rocketmq_name_server();
     let upstream = ns.split(';').next().unwrap().to_owned();
     let proxy = FaultProxy::start(upstream).await;
@@ -423,9 +418,8 @@ async fn wait_running<F, Fut>(
 /// A transiently failing handler is retried by the broker (`CONSUMER_SEND_MSG_BACK` to the
 /// group's retry topic, delivery count from `reconsumeTimes`) until it passes at the third
 /// delivery; it is applied once, and the other message of the batch once at its first delivery.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[suite_test(workers = 4)]
 async fn rocketmq_failing_handler_is_retried_by_the_broker_then_applied() {
-    crate::init_tracing();
     let s = ConsumerSide::new().await;
     let handler = RecordingHandler::new(&s.applied, "a", 3);
     let mut consumer = Running::spawn(s.config(), &s.inbox, handler.clone())
@@ -470,9 +464,8 @@ async fn rocketmq_failing_handler_is_retried_by_the_broker_then_applied() {
 
 /// Two instances of one consumer group share the topic's queues: both apply messages, and every
 /// message is applied exactly once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[suite_test(workers = 4)]
 async fn rocketmq_group_members_share_the_work_and_apply_each_message_once() {
-    crate::init_tracing();
     let s = ConsumerSide::new().await;
     let (a, b) = (
         RecordingHandler::new(&s.applied, "a", 1),
@@ -528,9 +521,8 @@ async fn rocketmq_group_members_share_the_work_and_apply_each_message_once() {
 
 /// Batches of 16 applied in 4 lanes keep each partition key's order; a foreign message without
 /// outbox properties is counted as malformed and consumed without blocking the others.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[suite_test(workers = 4)]
 async fn rocketmq_per_key_order_with_concurrency_and_malformed_consumed() {
-    crate::init_tracing();
     let s = ConsumerSide::new().await;
     let foreign = rocketmq_model::common::message::message_single::Message::builder()
         .topic(s.mq.topic.as_str())
@@ -603,9 +595,8 @@ async fn rocketmq_per_key_order_with_concurrency_and_malformed_consumed() {
 /// over RocketMQ to the producer's listener. Processed messages end CONFIRMED with their effect
 /// once; rejected ones REJECTED with the compensation run once; a lost confirmation is recovered
 /// by the check-back (the copy is a duplicate at the inbox, its verdict is sent again).
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[suite_test(workers = 4)]
 async fn rocketmq_postgres_confirmed_rejected_and_lost_confirmation() {
-    crate::init_tracing();
     let mq = RocketMqFixture::new().await;
     let ns = rocketmq_name_server();
     let reply_topic = format!("{}_confirm", mq.topic);

@@ -1,6 +1,7 @@
 //! The store conformance suite, run against SQLite (temporary file), PostgreSQL (own schema) and
 //! MySQL/MariaDB (own tables).
 
+use outbox_testkit_macros::suite_test;
 fixture_tests!(
     stores_and_partitioned,
     [outbox_testkit::store_suite],
@@ -36,7 +37,7 @@ fixture_tests!(
 );
 
 /// Concurrent `migrate` calls on PostgreSQL are serialised and all succeed.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn postgres_concurrent_migrate() {
     use outbox::store::Store as _;
     use outbox_testkit::StoreFixture as _;
@@ -49,7 +50,7 @@ async fn postgres_concurrent_migrate() {
 }
 
 /// An unqualified PostgreSQL table name (the default layout) migrates and works too.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn postgres_unqualified_table() {
     use outbox::store::{MembershipRequest, Store as _};
     let pool = outbox_testkit::pg_pool(4).await;
@@ -88,7 +89,7 @@ async fn postgres_unqualified_table() {
 }
 
 /// Concurrent `migrate` calls on MySQL/MariaDB are serialised by `GET_LOCK` and all succeed.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn mysql_concurrent_migrate() {
     use outbox::store::Store as _;
     use outbox_testkit::StoreFixture as _;
@@ -115,7 +116,7 @@ async fn mysql_concurrent_migrate() {
 /// connection in between, or membership tables left behind by a dropped outbox table). `migrate`
 /// runs again, meets the column that is already there, applies the rest and records v6. Before
 /// the fix it failed for good with "1060 Duplicate column name 'routes'" (CI's MariaDB demo).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn mysql_migration_interrupted_between_statements_completes_on_the_next_run() {
     use outbox::store::Store as _;
     use outbox_testkit::StoreFixture as _;
@@ -160,7 +161,7 @@ async fn mysql_migration_interrupted_between_statements_completes_on_the_next_ru
 /// `PgStore::connect` and `MySqlStore::connect` against the real servers: their pools (with the
 /// `TCP_NODELAY` hook after each connect) open, migrate, and carry a producer's
 /// `begin` / `enqueue` / `commit` to a committed PENDING row.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn connect_pools_carry_a_producer_transaction() {
     use outbox::store::Store as _;
     let table = outbox_testkit::unique("obx_connect");
@@ -233,7 +234,7 @@ async fn connect_pools_carry_a_producer_transaction() {
 /// future cancelled between `START TRANSACTION` and its answer leaves sqlx unaware of it) does not
 /// make the store's next READ COMMITTED transaction or its stats snapshot fail (MySQL refuses
 /// `SET TRANSACTION` inside a transaction: error 1568, seen in CI's MariaDB demo).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn mysql_connection_left_in_a_transaction_is_recovered() {
     use outbox::store::Store as _;
     use outbox_testkit::StoreFixture as _;

@@ -1,6 +1,7 @@
 //! The transport conformance suite against a webhook receiver and NATS JetStream, plus each
 //! transport's own classification rules.
 
+use outbox_testkit_macros::suite_test;
 use std::time::Duration;
 
 use outbox::transport::Transport;
@@ -37,9 +38,8 @@ async fn publish_one(t: &dyn Transport, dest: &str) -> Result<(), outbox::Transp
     publish(t, &claimed_message("t", "{}"), dest).await
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn webhook_classifies_answers() {
-    let fx = WebhookFixture::new().await;
+#[suite_test]
+async fn webhook_classifies_answers(fx: WebhookFixture) {
     let t = fx.transport();
     let t = t.as_ref();
     let answer = |path: &str| {
@@ -62,7 +62,7 @@ async fn webhook_classifies_answers() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn webhook_connection_refused_is_unavailable() {
     let port = outbox_testkit::free_port();
     let url = format!("http://127.0.0.1:{port}/hook");
@@ -77,9 +77,8 @@ async fn webhook_connection_refused_is_unavailable() {
 
 /// Deliveries verify with the Standard Webhooks reference library; the message id is in
 /// `webhook-id` and `outbox-message-id`.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn webhook_signature_verifies_with_standardwebhooks() {
-    let fx = WebhookFixture::new().await;
+#[suite_test]
+async fn webhook_signature_verifies_with_standardwebhooks(fx: WebhookFixture) {
     let mut m = claimed_message("orders.created", "{\"order\":42,\"note\":\"héllo 😀\"}");
     m.headers
         .insert("content-type".into(), "application/json".into());
@@ -104,9 +103,8 @@ async fn webhook_signature_verifies_with_standardwebhooks() {
 
 /// Publishing the same message twice stores it once: `Nats-Msg-Id` is the message id and the
 /// stream's duplicate window drops the copy.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nats_same_message_twice_is_stored_once() {
-    let fx = NatsFixture::new().await;
+#[suite_test]
+async fn nats_same_message_twice_is_stored_once(fx: NatsFixture) {
     let dest = fx.good_destination();
     let m = claimed_message("t", "once");
     for _ in 0..2 {
@@ -119,12 +117,10 @@ async fn nats_same_message_twice_is_stored_once() {
         received[0].native_id.as_deref(),
         Some(m.message_id.to_string().as_str())
     );
-    fx.cleanup().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nats_subject_without_stream_is_a_missing_destination() {
-    let fx = NatsFixture::new().await;
+#[suite_test]
+async fn nats_subject_without_stream_is_a_missing_destination(fx: NatsFixture) {
     let e = publish_one(
         fx.transport().as_ref(),
         &format!("{}_nostream.x", fx.prefix),
@@ -133,12 +129,10 @@ async fn nats_subject_without_stream_is_a_missing_destination() {
     .unwrap_err();
     assert_eq!(e.kind(), TransportErrorKind::Unavailable, "{e:?}");
     assert!(e.is_missing_destination(), "{e:?}");
-    fx.cleanup().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nats_payload_over_max_payload_is_permanent() {
-    let fx = NatsFixture::new().await;
+#[suite_test]
+async fn nats_payload_over_max_payload_is_permanent(fx: NatsFixture) {
     let max = fx.transport.client().server_info().max_payload;
     let m = claimed_message("t", vec![7u8; max + 1]);
     let dest = fx.good_destination();
@@ -148,12 +142,11 @@ async fn nats_payload_over_max_payload_is_permanent() {
     assert_eq!(e.kind(), TransportErrorKind::Permanent, "{e:?}");
     assert!(r[1].is_ok(), "the next message is unaffected: {:?}", r[1]);
     assert_eq!(fx.stored().await, 1);
-    fx.cleanup().await;
 }
 
 /// NATS behind a proxy that cuts the connection: publishes fail `Unavailable` (not permanent, not
 /// a burned attempt), the probe says unavailable, and both recover when the network does.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[suite_test]
 async fn nats_cut_connection_is_unavailable_then_recovers() {
     let proxy =
         outbox_testkit::FaultProxy::start(outbox_testkit::host_port(&outbox_testkit::nats_url()))

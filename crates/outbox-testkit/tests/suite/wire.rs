@@ -10,6 +10,7 @@
 //! `Nats-Msg-Id` header replaced the duplicate-detection id, so JetStream dropped distinct
 //! messages while their rows were marked SENT.
 
+use outbox_testkit_macros::suite_test;
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -269,16 +270,18 @@ fn assert_headers_intact(received: &[Received], rows: &[Row]) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn defect_01_nats_unsendable_header_or_key_is_dead_lettered_and_the_relay_goes_on() {
-    let fx = NatsFixture::new().await;
+#[suite_test]
+async fn defect_01_nats_unsendable_header_or_key_is_dead_lettered_and_the_relay_goes_on(
+    fx: NatsFixture,
+) {
     let dest = fx.good_destination();
     bad_rows_dead_lettered_rest_published(&fx, &dest, ordinary_rows(), crlf_and_space_rows()).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn defect_08_nats_reserved_headers_from_sql_are_dead_lettered_not_deduplicated() {
-    let fx = NatsFixture::new().await;
+#[suite_test]
+async fn defect_08_nats_reserved_headers_from_sql_are_dead_lettered_not_deduplicated(
+    fx: NatsFixture,
+) {
     let dest = fx.good_destination();
     // Two distinct messages with the same user Nats-Msg-Id: before the fix JetStream kept one and
     // both rows were SENT.
@@ -303,16 +306,16 @@ async fn defect_08_nats_reserved_headers_from_sql_are_dead_lettered_not_deduplic
     bad_rows_dead_lettered_rest_published(&fx, &dest, ordinary_rows(), bad).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn defect_01_webhook_unsendable_header_or_key_is_dead_lettered() {
-    let fx = WebhookFixture::new().await;
+#[suite_test]
+async fn defect_01_webhook_unsendable_header_or_key_is_dead_lettered(fx: WebhookFixture) {
     let dest = fx.good_destination();
     bad_rows_dead_lettered_rest_published(&fx, &dest, ordinary_rows(), crlf_and_space_rows()).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn defect_08_webhook_connection_and_signature_headers_from_sql_are_dead_lettered() {
-    let fx = WebhookFixture::new().await;
+#[suite_test]
+async fn defect_08_webhook_connection_and_signature_headers_from_sql_are_dead_lettered(
+    fx: WebhookFixture,
+) {
     let dest = fx.good_destination();
     let bad = bad_headers(&[
         ("Content-Length", "0", "\"Content-Length\" is reserved"),
@@ -335,9 +338,8 @@ async fn defect_08_webhook_connection_and_signature_headers_from_sql_are_dead_le
 
 /// Enqueue refuses a broker-reserved header with an error naming it and the broker, before
 /// anything is written.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn defect_08_enqueue_refuses_broker_reserved_headers() {
-    let fx = SqliteFixture::new().await;
+#[suite_test]
+async fn defect_08_enqueue_refuses_broker_reserved_headers(fx: SqliteFixture) {
     for (name, broker) in [
         ("Nats-Msg-Id", "NATS JetStream"),
         ("BCC", "RabbitMQ"),
@@ -362,9 +364,10 @@ async fn defect_08_enqueue_refuses_broker_reserved_headers() {
     assert!(fx.rows().await.is_empty(), "nothing was written");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn defect_01_rabbitmq_unsendable_header_is_dead_lettered_and_what_amqp_carries_travels() {
-    let fx = outbox_testkit::RabbitMqFixture::new().await;
+#[suite_test]
+async fn defect_01_rabbitmq_unsendable_header_is_dead_lettered_and_what_amqp_carries_travels(
+    fx: outbox_testkit::RabbitMqFixture,
+) {
     let dest = fx.good_destination();
     let long = "n".repeat(256);
     let bad = vec![
@@ -400,9 +403,10 @@ async fn defect_01_rabbitmq_unsendable_header_is_dead_lettered_and_what_amqp_car
     assert_headers_intact(&received, &others);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn defect_08_rabbitmq_headers_rabbitmq_interprets_are_dead_lettered() {
-    let fx = outbox_testkit::RabbitMqFixture::new().await;
+#[suite_test]
+async fn defect_08_rabbitmq_headers_rabbitmq_interprets_are_dead_lettered(
+    fx: outbox_testkit::RabbitMqFixture,
+) {
     let dest = fx.good_destination();
     let bad = bad_headers(&[
         ("CC", "elsewhere", "\"CC\" is reserved by RabbitMQ"),
@@ -419,15 +423,17 @@ async fn defect_08_rabbitmq_headers_rabbitmq_interprets_are_dead_lettered() {
     bad_rows_dead_lettered_rest_published(&fx, &dest, good, bad).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn defect_01_kafka_every_header_and_key_travels_bad_topic_is_dead_lettered() {
-    let fx = outbox_testkit::KafkaFixture::new().await;
+#[suite_test]
+async fn defect_01_kafka_every_header_and_key_travels_bad_topic_is_dead_lettered(
+    fx: outbox_testkit::KafkaFixture,
+) {
     every_header_travels_bad_topic_dead_lettered(&fx, "is 1 to 249 of A-Z a-z 0-9 . _ -").await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn defect_01_redis_every_header_and_key_travels_bad_stream_key_is_dead_lettered() {
-    let fx = outbox_testkit::RedisFixture::new().await;
+#[suite_test]
+async fn defect_01_redis_every_header_and_key_travels_bad_stream_key_is_dead_lettered(
+    fx: outbox_testkit::RedisFixture,
+) {
     every_header_travels_bad_topic_dead_lettered(&fx, "invalid Redis stream key").await;
 }
 
@@ -451,9 +457,10 @@ async fn every_header_travels_bad_topic_dead_lettered<F: TransportFixture>(
     assert_headers_intact(&received, &other_brokers_reserved_on(&topic));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn defect_01_mqtt_malformed_strings_are_dead_lettered_and_the_relay_goes_on() {
-    let fx = outbox_testkit::MqttFixture::new().await;
+#[suite_test]
+async fn defect_01_mqtt_malformed_strings_are_dead_lettered_and_the_relay_goes_on(
+    fx: outbox_testkit::MqttFixture,
+) {
     let dest = fx.good_destination();
     let long = "v".repeat(70_000);
     // Mosquitto closes the connection on a user property with a control character; rumqttc
@@ -485,9 +492,10 @@ async fn defect_01_mqtt_malformed_strings_are_dead_lettered_and_the_relay_goes_o
 }
 
 #[cfg(feature = "rocketmq")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn defect_01_and_08_rocketmq_separators_and_system_properties_are_dead_lettered() {
-    let fx = outbox_testkit::rocketmq::RocketMqFixture::new().await;
+#[suite_test]
+async fn defect_01_and_08_rocketmq_separators_and_system_properties_are_dead_lettered(
+    fx: outbox_testkit::rocketmq::RocketMqFixture,
+) {
     let dest = fx.good_destination();
     let mut bad = bad_headers(&[
         ("note", "x\u{1}y", "header \"note\""),

@@ -73,7 +73,7 @@ impl ConfirmationSender for RocketMqConfirmationSender {
 }
 
 /// Settings of the confirmation listener.
-#[derive(Clone)]
+#[derive(Clone, derive_more::Debug)]
 pub struct ListenConfig {
     /// Name server list `host:port[;host:port…]`. Required.
     pub name_server: String,
@@ -88,24 +88,14 @@ pub struct ListenConfig {
     /// How often the client refreshes topic routes from the name server
     /// (`pollNameServerInterval`, 10 s to 10 min); confirmations sent to a topic that did not
     /// exist when the listener started are received after the next refresh. Default 30 s.
+    #[debug(skip)]
     pub route_refresh: std::time::Duration,
     /// ACL credentials. Default none.
     pub credentials: Option<Credentials>,
     /// The client runtime. Default none: the process-wide
     /// [`client_runtime`](crate::transport::rocketmq::client_runtime).
+    #[debug(skip)]
     pub runtime: Option<Arc<ClientRuntime>>,
-}
-
-impl std::fmt::Debug for ListenConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ListenConfig")
-            .field("name_server", &self.name_server)
-            .field("destination", &self.destination)
-            .field("group", &self.group)
-            .field("batch", &self.batch)
-            .field("credentials", &self.credentials)
-            .finish_non_exhaustive()
-    }
 }
 
 impl ListenConfig {

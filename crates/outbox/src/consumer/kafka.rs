@@ -70,7 +70,7 @@ use crate::transport::kafka::{KafkaConfig, config_error};
 pub const DEFAULT_SESSION_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Settings of a Kafka consumer runner.
-#[derive(Clone)]
+#[derive(Clone, derive_more::Debug)]
 pub struct KafkaConsumerConfig {
     /// Connection settings (bootstrap servers, SASL, TLS, shared librdkafka properties). Required.
     pub client: KafkaConfig,
@@ -82,6 +82,7 @@ pub struct KafkaConsumerConfig {
     pub batch: usize,
     /// After the first record of a batch, how long to wait for more before applying it.
     /// Default 20 ms.
+    #[debug(skip)]
     pub batch_wait: Duration,
     /// Lanes, retries, dead letters, confirmations and inbox upkeep: the settings every
     /// runner shares ([`RunnerSettings`], with its defaults).
@@ -90,28 +91,19 @@ pub struct KafkaConsumerConfig {
     /// `auto.offset.reset` for a group without committed offsets: `earliest` or `latest`.
     /// Default `earliest` (a new group starts from the oldest record, so nothing published
     /// before its first start is skipped).
+    #[debug(skip)]
     pub auto_offset_reset: String,
     /// `session.timeout.ms`: how long the group coordinator waits for a silent member before it
     /// moves its partitions to the others. Default 10 s ([`DEFAULT_SESSION_TIMEOUT`]; librdkafka's
     /// own default is 45 s). Shorter means faster failover after a crash, and a faster first join
     /// on Tansu, whose coordinator holds a new group's first join for about half of it.
+    #[debug(skip)]
     pub session_timeout: Duration,
     /// Extra librdkafka properties for this consumer only (e.g. `session.timeout.ms`), applied
     /// after [`KafkaConfig::properties`]. The forced settings above cannot be overridden.
     /// Default empty.
+    #[debug(skip)]
     pub properties: BTreeMap<String, String>,
-}
-
-impl std::fmt::Debug for KafkaConsumerConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KafkaConsumerConfig")
-            .field("client", &self.client)
-            .field("group_id", &self.group_id)
-            .field("topics", &self.topics)
-            .field("batch", &self.batch)
-            .field("runner", &self.runner)
-            .finish_non_exhaustive()
-    }
 }
 
 crate::consumer::with_confirmations!(KafkaConsumerConfig);

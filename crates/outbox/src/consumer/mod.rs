@@ -125,7 +125,7 @@ pub struct ConsumerMetrics {
 /// Settings every broker's consumer runner shares: the `runner` field of each broker's config
 /// ([`NatsConsumerConfig`](nats::NatsConsumerConfig) and the others). [`Default`] gives the
 /// defaults listed on each field.
-#[derive(Clone)]
+#[derive(Clone, derive_more::Debug)]
 pub struct RunnerSettings {
     /// Messages of one fetched batch applied concurrently, in lanes by partition key so each
     /// key's messages stay in order ([`deliver_batch`]). Default 1; at least 1.
@@ -145,6 +145,7 @@ pub struct RunnerSettings {
     pub max_deliveries: u32,
     /// Where confirmations go out (to the `outbox-reply-to` of each message); `None` sends none.
     /// Default none.
+    #[debug("{}", confirmations.is_some())]
     pub confirmations: Option<Arc<dyn ConfirmationSender>>,
     /// Inbox records older than this are deleted by the maintenance task. Default 7 days;
     /// `None` keeps them.
@@ -165,20 +166,6 @@ impl Default for RunnerSettings {
             dedup_window: Some(Duration::from_secs(7 * 24 * 3600)),
             maintenance_interval: Duration::from_secs(2),
         }
-    }
-}
-
-impl std::fmt::Debug for RunnerSettings {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RunnerSettings")
-            .field("concurrency", &self.concurrency)
-            .field("inbox_batch", &self.inbox_batch)
-            .field("retry", &self.retry)
-            .field("max_deliveries", &self.max_deliveries)
-            .field("confirmations", &self.confirmations.is_some())
-            .field("dedup_window", &self.dedup_window)
-            .field("maintenance_interval", &self.maintenance_interval)
-            .finish()
     }
 }
 
@@ -247,29 +234,19 @@ pub(crate) use with_confirmations;
 
 /// What [`deliver`] needs: dead letters, retries and confirmations ([`RunnerSettings::policy`]
 /// of a runner; the webhook receiver takes one directly).
-#[derive(Clone)]
+#[derive(Clone, derive_more::Debug)]
 pub struct DeliveryPolicy {
     /// Deliveries before a transiently failing message is dead-lettered. Default 5.
     pub max_deliveries: u32,
     /// Delay before redelivering a failed message, by delivery count. Default 500 ms, ×2, ≤ 60 s.
     pub retry: Backoff,
     /// Where confirmations go out; `None` sends none. Default none.
+    #[debug("{}", confirmations.is_some())]
     pub confirmations: Option<Arc<dyn ConfirmationSender>>,
     /// Most messages of a lane in one inbox transaction ([`deliver_batch`];
     /// [`RunnerSettings::inbox_batch`]); for the webhook receiver, above 1 turns on group
     /// commit of concurrent requests ([`webhook`]). Default 1; 0 is treated as 1.
     pub inbox_batch: usize,
-}
-
-impl std::fmt::Debug for DeliveryPolicy {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DeliveryPolicy")
-            .field("max_deliveries", &self.max_deliveries)
-            .field("retry", &self.retry)
-            .field("confirmations", &self.confirmations.is_some())
-            .field("inbox_batch", &self.inbox_batch)
-            .finish()
-    }
 }
 
 impl Default for DeliveryPolicy {

@@ -83,7 +83,7 @@ pub fn default_delay_levels() -> Vec<Duration> {
 }
 
 /// Settings of a RocketMQ consumer runner.
-#[derive(Clone)]
+#[derive(Clone, derive_more::Debug)]
 pub struct RocketMqConsumerConfig {
     /// Name server list `host:port[;host:port…]`. Required.
     pub name_server: String,
@@ -108,30 +108,20 @@ pub struct RocketMqConsumerConfig {
     pub from_first_offset: bool,
     /// The broker's delay levels (its `messageDelayLevel`), level 1 first. Default
     /// [`default_delay_levels`].
+    #[debug(skip)]
     pub delay_levels: Vec<Duration>,
     /// How often the client refreshes topic routes from the name server
     /// (`pollNameServerInterval`, 10 s to 10 min); a consumer started before its topic exists
     /// receives nothing until the next refresh. Default 30 s (RocketMQ's).
+    #[debug(skip)]
     pub route_refresh: Duration,
     /// ACL credentials. Default none.
+    #[debug(skip)]
     pub credentials: Option<Credentials>,
     /// The client runtime. Default none: the process-wide
     /// [`client_runtime`](crate::transport::rocketmq::client_runtime).
+    #[debug(skip)]
     pub runtime: Option<Arc<ClientRuntime>>,
-}
-
-impl std::fmt::Debug for RocketMqConsumerConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RocketMqConsumerConfig")
-            .field("name_server", &self.name_server)
-            .field("group", &self.group)
-            .field("topic", &self.topic)
-            .field("tags", &self.tags)
-            .field("batch", &self.batch)
-            .field("runner", &self.runner)
-            .field("from_first_offset", &self.from_first_offset)
-            .finish_non_exhaustive()
-    }
 }
 
 crate::consumer::with_confirmations!(RocketMqConsumerConfig);

@@ -363,11 +363,7 @@ impl RouteConfig {
                 "confirm.reply_to",
                 "must not be empty",
             )?;
-            ConfigError::invalid_if(
-                c.timeout.is_zero(),
-                "confirm.timeout",
-                "must be greater than zero",
-            )?;
+            ConfigError::zero_if(c.timeout.is_zero(), "confirm.timeout")?;
         }
         Ok(())
     }

@@ -312,11 +312,12 @@ impl std::fmt::Display for TopicPattern {
 
 /// A route: topics matching `pattern` go to `transport` at `destination`, where `{topic}` in the
 /// destination is replaced by the message's topic.
-#[derive(Clone)]
+#[derive(Clone, derive_more::Debug)]
 pub struct Route {
     /// Which topics.
     pub pattern: TopicPattern,
     /// Where they go.
+    #[debug("{:?}", transport.name())]
     pub transport: Arc<dyn Transport>,
     /// Destination template; `{topic}` is replaced by the topic. For NATS a subject, for webhooks
     /// a URL (or empty for the transport's own URL).
@@ -346,18 +347,6 @@ pub enum DeadLetterPolicy {
     /// The key stays blocked while a dead letter is ahead of it, until an operator requeues
     /// (`outbox requeue`) or deletes it. For consumers that must never see a gap.
     Block,
-}
-
-impl std::fmt::Debug for Route {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Route")
-            .field("pattern", &self.pattern)
-            .field("transport", &self.transport.name())
-            .field("destination", &self.destination)
-            .field("confirm", &self.confirm)
-            .field("ordered", &self.ordered)
-            .finish()
-    }
 }
 
 /// Ordered list of routes; the first match wins. A topic with no route is a permanent error

@@ -129,7 +129,7 @@ impl WebhookConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         crate::transport::settings::check_url(&self.url, &["http", "https"])?;
         let c = self.resolve_secrets()?;
-        ConfigError::invalid_if(c.timeout.is_zero(), "timeout", "must be greater than zero")?;
+        ConfigError::zero_if(c.timeout.is_zero(), "timeout")?;
         ConfigError::invalid_if(c.concurrency == 0, "concurrency", "must be at least 1")?;
         if let Some(s) = &c.secret {
             WebhookSigner::new(s)?;
@@ -267,11 +267,7 @@ impl WebhookTransport {
             "url",
             "scheme must be http or https",
         )?;
-        ConfigError::invalid_if(
-            config.timeout.is_zero(),
-            "timeout",
-            "must be greater than zero",
-        )?;
+        ConfigError::zero_if(config.timeout.is_zero(), "timeout")?;
         ConfigError::invalid_if(config.concurrency == 0, "concurrency", "must be at least 1")?;
         let signer = config
             .secret

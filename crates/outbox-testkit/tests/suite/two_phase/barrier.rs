@@ -4,6 +4,7 @@
 use super::*;
 use futures::future::BoxFuture;
 use outbox::two_phase::barrier::{Barrier, BarrierDatabase, BarrierError};
+use outbox_testkit_macros::suite_test;
 use sqlx::{Pool, Row};
 
 /// Whether a statement on the barrier table waits for a row lock (PostgreSQL, InnoDB);
@@ -128,18 +129,13 @@ where
     assert_eq!(published(&mem, rolled_back), 0);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn barrier_races_and_check_back_sqlite() {
-    crate::init_tracing();
-    let fx = outbox_testkit::SqliteFixture::new().await;
+#[suite_test]
+async fn barrier_races_and_check_back_sqlite(fx: outbox_testkit::SqliteFixture) {
     scenarios(&fx, fx.store.pool().clone(), "outbox_barrier", None).await;
-    fx.cleanup().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn barrier_races_and_check_back_postgres() {
-    crate::init_tracing();
-    let fx = outbox_testkit::PgFixture::new().await;
+#[suite_test]
+async fn barrier_races_and_check_back_postgres(fx: outbox_testkit::PgFixture) {
     let pool = fx.store.pool().clone();
     let table = format!("{}.outbox_barrier", fx.schema);
     let p = outbox_testkit::pg_pool(1).await;
@@ -157,13 +153,10 @@ async fn barrier_races_and_check_back_postgres() {
         })
     }));
     scenarios(&fx, pool, &table, waiting).await;
-    fx.cleanup().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn barrier_races_and_check_back_mysql() {
-    crate::init_tracing();
-    let fx = outbox_testkit::MySqlFixture::new().await;
+#[suite_test]
+async fn barrier_races_and_check_back_mysql(fx: outbox_testkit::MySqlFixture) {
     let pool = fx.store.pool().clone();
     let table = format!("{}_barrier", fx.table);
     // The probe has a connection of its own: on the store's pool it took the connection the
@@ -188,5 +181,4 @@ async fn barrier_races_and_check_back_mysql() {
     }));
     scenarios(&fx, pool, &table, waiting).await;
     fx.exec(&format!("DROP TABLE IF EXISTS {table}")).await;
-    fx.cleanup().await;
 }

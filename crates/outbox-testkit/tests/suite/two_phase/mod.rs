@@ -13,7 +13,7 @@ use outbox::two_phase::{
     Answer, CheckBack, CheckBackHook, CheckBackPolicy, CheckRequest, DecideError, Decided, TwoPhase,
 };
 use outbox::{BoxError, MemoryTransport, NewMessage, Relay, RelayConfig, Router, Status};
-use outbox_testkit::{StoreFixture, wait_until};
+use outbox_testkit::{StoreFixture, wait_metrics, wait_until};
 use uuid::Uuid;
 
 use crate::relay::fast_config;
@@ -434,8 +434,8 @@ pub async fn unreachable_producer(fx: &dyn StoreFixture) {
         .prepare(NewMessage::new("orders", "x"), &cb)
         .await
         .unwrap();
-    wait_until("10 failed check-backs", WAIT, || async {
-        h.metrics().snapshot().prepared_check_errors >= 10
+    wait_metrics(h.metrics(), WAIT.as_secs(), "10 failed check-backs", |m| {
+        m.prepared_check_errors >= 10
     })
     .await;
     assert_eq!(status(fx, id).await, Status::Prepared);

@@ -156,7 +156,7 @@ impl RedisConsumerConfig {
             )?;
         }
         ConfigError::invalid_if(self.batch == 0, "batch", "must be at least 1")?;
-        ConfigError::invalid_if(self.block.is_zero(), "block", "must be greater than zero")?;
+        ConfigError::zero_if(self.block.is_zero(), "block")?;
         ConfigError::invalid_if(
             self.claim_idle.is_zero() || self.claim_interval.is_zero(),
             "claim_idle",

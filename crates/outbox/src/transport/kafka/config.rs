@@ -12,7 +12,7 @@ use super::*;
 /// [`TransportConfig`](crate::transport::config::TransportConfig)): durations written `"5s"`, `sasl` and
 /// `tls` as inline tables, `properties` as a table of strings; every field but
 /// `bootstrap_servers` may be left out.
-#[derive(Clone, serde::Deserialize, serde::Serialize)]
+#[derive(Clone, serde::Deserialize, serde::Serialize, derive_more::Debug)]
 #[serde(default, deny_unknown_fields)]
 pub struct KafkaConfig {
     /// `bootstrap.servers`: comma-separated `host:port` list, e.g. `127.0.0.1:9092` or
@@ -47,6 +47,7 @@ pub struct KafkaConfig {
     /// applied last to every client built from this config (producer, consumer, admin).
     /// `acks` other than `all`/`-1` and `enable.idempotence=false` are refused: they would break
     /// "SENT only after a durable acknowledgement". Default empty.
+    #[debug("{:?}", redacted(properties))]
     pub properties: BTreeMap<String, String>,
     /// Topics the transport built by
     /// [`TransportConfig::build`](crate::transport::config::TransportConfig::build) creates when missing
@@ -71,34 +72,19 @@ pub(super) fn de_bootstrap<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Str
     Ok(KafkaConfig::new(s).bootstrap_servers)
 }
 
-pub(super) fn plain() -> String {
-    "PLAIN".into()
+/// `properties` as `Debug` prints them: the value of every secret property ([`is_secret`])
+/// replaced by `***`.
+// Called only from the derived `Debug`, which the dead-code lint does not count as a use.
+#[allow(dead_code)]
+fn redacted(properties: &BTreeMap<String, String>) -> BTreeMap<&str, &str> {
+    properties
+        .iter()
+        .map(|(k, v)| (k.as_str(), if is_secret(k) { "***" } else { v }))
+        .collect()
 }
 
-impl std::fmt::Debug for KafkaConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KafkaConfig")
-            .field("bootstrap_servers", &self.bootstrap_servers)
-            .field("client_id", &self.client_id)
-            .field("sasl", &self.sasl)
-            .field("tls", &self.tls)
-            .field("delivery_timeout", &self.delivery_timeout)
-            .field("linger", &self.linger)
-            .field("max_message_bytes", &self.max_message_bytes)
-            .field("connect_timeout", &self.connect_timeout)
-            .field("create_topics", &self.create_topics)
-            .field("partitions", &self.partitions)
-            .field("replication", &self.replication)
-            .field(
-                "properties",
-                &self
-                    .properties
-                    .iter()
-                    .map(|(k, v)| (k.as_str(), if is_secret(k) { "<redacted>" } else { v }))
-                    .collect::<BTreeMap<_, _>>(),
-            )
-            .finish()
-    }
+pub(super) fn plain() -> String {
+    "PLAIN".into()
 }
 
 /// SASL authentication (`security.protocol=sasl_plaintext`, or `sasl_ssl` with [`KafkaTls`]).
@@ -106,7 +92,7 @@ impl std::fmt::Debug for KafkaConfig {
 /// In a configuration file: `sasl = { mechanism = "PLAIN", username_env = "…", password_env =
 /// "…" }`, the credentials read from the named environment variables by
 /// [`KafkaConfig::resolve_secrets`].
-#[derive(Clone, Default, serde::Deserialize, serde::Serialize)]
+#[derive(Clone, Default, serde::Deserialize, serde::Serialize, derive_more::Debug)]
 #[serde(deny_unknown_fields)]
 pub struct KafkaSasl {
     /// `sasl.mechanism`: `PLAIN`, `SCRAM-SHA-256` or `SCRAM-SHA-512`. SCRAM needs librdkafka built
@@ -119,6 +105,7 @@ pub struct KafkaSasl {
     /// `sasl.password` (never printed). Never read from nor written to a file: see
     /// `password_env`.
     #[serde(skip)]
+    #[debug("***")]
     pub password: String,
     /// Name of the environment variable holding the user name, read when `username` is empty.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -126,18 +113,6 @@ pub struct KafkaSasl {
     /// Name of the environment variable holding the password, read when `password` is empty.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub password_env: Option<String>,
-}
-
-impl std::fmt::Debug for KafkaSasl {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KafkaSasl")
-            .field("mechanism", &self.mechanism)
-            .field("username", &self.username)
-            .field("password", &"<redacted>")
-            .field("username_env", &self.username_env)
-            .field("password_env", &self.password_env)
-            .finish()
-    }
 }
 
 /// TLS settings (`security.protocol=ssl`, or `sasl_ssl` with [`KafkaSasl`]). In a
@@ -268,11 +243,7 @@ impl KafkaConfig {
             "delivery_timeout",
             "must be at least 1 ms",
         )?;
-        ConfigError::invalid_if(
-            self.connect_timeout.is_zero(),
-            "connect_timeout",
-            "must be greater than zero",
-        )?;
+        ConfigError::zero_if(self.connect_timeout.is_zero(), "connect_timeout")?;
         ConfigError::invalid_if(
             !(1000..=1_000_000_000).contains(&self.max_message_bytes),
             "max_message_bytes",

@@ -121,7 +121,7 @@ impl MqttConfig {
             ("ack_timeout", self.ack_timeout),
             ("connect_timeout", self.connect_timeout),
         ] {
-            ConfigError::invalid_if(d.is_zero(), field, "must be greater than zero")?;
+            ConfigError::zero_if(d.is_zero(), field)?;
         }
         Ok(())
     }

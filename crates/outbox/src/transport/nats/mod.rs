@@ -181,11 +181,7 @@ impl NatsConfig {
                 format!("{} is not 1 to 5 (JetStream's range)", s.replicas),
             )?;
         }
-        ConfigError::invalid_if(
-            self.ack_timeout.is_zero(),
-            "ack_timeout",
-            "must be greater than zero",
-        )?;
+        ConfigError::zero_if(self.ack_timeout.is_zero(), "ack_timeout")?;
         Ok(())
     }
 }

@@ -187,21 +187,9 @@ impl RabbitMqConfig {
                 format!("{e:?} is not an exchange name (1 to 255 bytes, no '/')"),
             ));
         }
-        ConfigError::invalid_if(
-            self.confirm_timeout.is_zero(),
-            "confirm_timeout",
-            "must be greater than zero",
-        )?;
-        ConfigError::invalid_if(
-            self.connect_timeout.is_zero(),
-            "connect_timeout",
-            "must be greater than zero",
-        )?;
-        ConfigError::invalid_if(
-            self.max_message_bytes == 0,
-            "max_message_bytes",
-            "must be greater than zero",
-        )?;
+        ConfigError::zero_if(self.confirm_timeout.is_zero(), "confirm_timeout")?;
+        ConfigError::zero_if(self.connect_timeout.is_zero(), "connect_timeout")?;
+        ConfigError::zero_if(self.max_message_bytes == 0, "max_message_bytes")?;
         Ok(())
     }
 

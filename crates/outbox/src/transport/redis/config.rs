@@ -119,11 +119,7 @@ impl RedisConfig {
                 "timeout must be greater than zero and shorter than response_timeout",
             )?;
         }
-        ConfigError::invalid_if(
-            self.response_timeout.is_zero(),
-            "response_timeout",
-            "must be greater than zero",
-        )?;
+        ConfigError::zero_if(self.response_timeout.is_zero(), "response_timeout")?;
         Ok(())
     }
 }

@@ -4,11 +4,12 @@ use super::*;
 
 /// ACL credentials (RocketMQ ACL 1.0 `AccessKey`/`SecretKey`, signed on every request by the
 /// client's `AclClientRPCHook`).
-#[derive(Clone, Default)]
+#[derive(Clone, Default, derive_more::Debug)]
 pub struct Credentials {
     /// The access key.
     pub access_key: String,
     /// The secret key (never logged, never read from nor written to a file).
+    #[debug("***")]
     pub secret_key: String,
     /// Name of the environment variable holding the secret key, read by
     /// [`RocketMqConfig::resolve_secrets`] when `secret_key` is empty. Default none.
@@ -42,22 +43,12 @@ impl Credentials {
     }
 }
 
-impl std::fmt::Debug for Credentials {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Credentials")
-            .field("access_key", &self.access_key)
-            .field("secret_key", &"<redacted>")
-            .field("secret_key_env", &self.secret_key_env)
-            .finish()
-    }
-}
-
 /// RocketMQ transport settings; the `[transports.<name>] kind = "rocketmq"` table of the
 /// configuration file (see [`TransportConfig`](crate::transport::config::TransportConfig)), written
 /// `url = "rocketmq://host:port[;host:port…]"`, `producer_group`, `default_topic`, `access_key`,
 /// `secret_key_env`, `send_timeout` (`"3s"`), `retries`, `max_message_size`, `max_in_flight`,
 /// `order_by_partition_key`, `create_topic_key`; every field but `url` may be left out.
-#[derive(Clone, serde::Deserialize, serde::Serialize)]
+#[derive(Clone, serde::Deserialize, serde::Serialize, derive_more::Debug)]
 #[serde(from = "RocketMqFile", into = "RocketMqFile")]
 pub struct RocketMqConfig {
     /// Name server address list, `host:port` separated by `;` (RocketMQ's `namesrvAddr`), e.g.
@@ -89,6 +80,7 @@ pub struct RocketMqConfig {
     /// `autoCreateTopicEnable=true` registers). Default none (the client's default).
     pub create_topic_key: Option<String>,
     /// The client runtime to run on. Default none: the process-wide [`client_runtime`].
+    #[debug("{}", runtime.is_some())]
     pub runtime: Option<Arc<ClientRuntime>>,
     /// RocketMQ topic of the routes that name no destination: they send to
     /// `<default_topic>:{topic}`, the outbox topic as the tag
@@ -169,24 +161,6 @@ impl From<RocketMqConfig> for RocketMqFile {
             order_by_partition_key: Some(c.order_by_partition_key),
             create_topic_key: c.create_topic_key,
         }
-    }
-}
-
-impl std::fmt::Debug for RocketMqConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RocketMqConfig")
-            .field("name_server", &self.name_server)
-            .field("producer_group", &self.producer_group)
-            .field("send_timeout", &self.send_timeout)
-            .field("retries", &self.retries)
-            .field("max_message_size", &self.max_message_size)
-            .field("max_in_flight", &self.max_in_flight)
-            .field("order_by_partition_key", &self.order_by_partition_key)
-            .field("credentials", &self.credentials)
-            .field("create_topic_key", &self.create_topic_key)
-            .field("runtime", &self.runtime.is_some())
-            .field("default_topic", &self.default_topic)
-            .finish()
     }
 }
 
