@@ -33,8 +33,9 @@ use syn::parse::Parser;
 use syn::{FnArg, ItemFn, Pat};
 
 /// The suite's test attribute; see the crate docs for the expansion. Errors (at compile time):
-/// an argument other than `workers = N`, a function that is not `async`, or more than one
-/// fixture argument.
+/// an argument other than `workers = N`, a function that is not `async`, more than one fixture
+/// argument, an attribute on the fixture argument, or a return type beside a fixture (an early
+/// `?` would skip the cleanup).
 #[proc_macro_attribute]
 pub fn suite_test(args: TokenStream, item: TokenStream) -> TokenStream {
     match expand(args.into(), item.into()) {
@@ -68,6 +69,12 @@ fn expand(
     let fixture = match f.sig.inputs.len() {
         0 => None,
         1 => match f.sig.inputs.first() {
+            Some(FnArg::Typed(arg)) if !arg.attrs.is_empty() => {
+                return Err(syn::Error::new_spanned(
+                    arg,
+                    "a fixture argument takes no attributes",
+                ));
+            }
             Some(FnArg::Typed(arg)) => match &*arg.pat {
                 Pat::Ident(name) => Some((name.clone(), (*arg.ty).clone())),
                 other => {
@@ -84,6 +91,13 @@ fn expand(
             ));
         }
     };
+    if fixture.is_some() && !matches!(f.sig.output, syn::ReturnType::Default) {
+        // `?` or a returned error would skip the cleanup.
+        return Err(syn::Error::new_spanned(
+            &f.sig.output,
+            "a suite test with a fixture returns `()`: panic instead, so the cleanup is not skipped by `?`",
+        ));
+    }
     f.sig.inputs.clear();
     let body = &f.block;
     let block = match fixture {

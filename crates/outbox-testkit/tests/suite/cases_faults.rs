@@ -21,7 +21,6 @@ async fn c27_nats_runner_does_not_ack_while_inbox_write_fails() {
     use outbox_testkit::NatsFixture;
     use std::sync::atomic::Ordering;
 
-    crate::init_tracing();
     let fx = PgFixture::new().await;
     let nats = NatsFixture::new().await;
     let pool = fx.store.pool().clone();
@@ -115,7 +114,6 @@ async fn c27_nats_runner_does_not_ack_while_inbox_write_fails() {
 #[suite_test]
 async fn c01_stress_concurrent_writers_commit_out_of_id_order() {
     use rand::Rng;
-    crate::init_tracing();
     let fx = PgFixture::new().await;
     let (mem, relay) = memory_relay(&fx);
     let mut writers = tokio::task::JoinSet::new();

@@ -392,7 +392,6 @@ async fn wait_replicas_current(js: &async_nats::jetstream::Context, stream: &str
 #[suite_test]
 async fn nats_cluster_loses_nothing_when_the_connected_node_and_the_stream_leader_die() {
     let _cluster = NATS_CLUSTER.lock().await;
-    crate::init_tracing();
     let (fx, effects) = backlog(messages()).await;
     let prefix = unique("cl");
     let (url, transport, stream) = nats_stream(&prefix).await;
@@ -473,7 +472,6 @@ async fn rabbitmq_cluster_loses_nothing_when_the_connected_node_and_the_queue_le
     use outbox::consumer::rabbitmq::{QueueSetup, RabbitMqConsumerConfig};
     use outbox_testkit::rabbitmq_config;
 
-    crate::init_tracing();
     let url = seeds(
         "OUTBOX_TEST_RABBITMQ_CLUSTER_URL",
         "amqp://guest:guest@127.0.0.1:5681/%2f,amqp://guest:guest@127.0.0.1:5682/%2f,amqp://guest:guest@127.0.0.1:5683/%2f",
@@ -576,7 +574,6 @@ async fn redis_cluster_loses_nothing_when_the_stream_primary_dies_twice() {
     use outbox::transport::redis::WaitReplicas;
     use outbox::{RedisConfig, RedisTransport};
 
-    crate::init_tracing();
     let url = seeds(
         "OUTBOX_TEST_REDIS_CLUSTER_URL",
         "redis://127.0.0.1:7001,redis://127.0.0.1:7002,redis://127.0.0.1:7003",
@@ -684,7 +681,6 @@ async fn nats_consumer_started_without_a_majority_waits_for_the_cluster() {
     use std::sync::atomic::Ordering;
 
     let _cluster = NATS_CLUSTER.lock().await;
-    crate::init_tracing();
     let n = 300;
     let (fx, effects) = backlog(n).await;
     let prefix = unique("nq");

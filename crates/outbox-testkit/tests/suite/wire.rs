@@ -91,7 +91,8 @@ fn counts(received: &[Received]) -> HashMap<Uuid, usize> {
 
 /// Insert `good` and `bad` rows interleaved (so they share batches), run a relay routing every
 /// topic to `fx` at `destination` (`{topic}` allowed), and check the outcome (see the module
-/// docs). Returns what the broker received, for broker-specific checks.
+/// docs). Returns what the broker received, for broker-specific checks; `fx` is the test's
+/// fixture, cleaned up by `#[suite_test]`.
 async fn bad_rows_dead_lettered_rest_published<F: TransportFixture>(
     fx: &F,
     destination: &str,
@@ -180,7 +181,6 @@ async fn bad_rows_dead_lettered_rest_published<F: TransportFixture>(
         assert!(!c.contains_key(id), "bad message {id} reached the broker");
     }
     handle.shutdown().await.expect("shutdown");
-    fx.cleanup().await;
     db.cleanup().await;
     received
 }
