@@ -1,14 +1,68 @@
-//! Fault injection: a transport that hangs after the broker's ack, a TCP proxy that cuts,
-//! stalls or drops replies on command.
+//! Fault injection: a transport that hangs after the broker's ack, relay hooks that pause the
+//! first batch at one step, a TCP proxy that cuts, stalls or drops replies on command.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
-use outbox::TransportError;
 use outbox::transport::{Outgoing, Transport};
+use outbox::{Message, RelayHooks, TransportError};
 use tokio::sync::Notify;
+
+/// Where [`PauseFirst`] pauses a relay's first batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PauseAt {
+    /// [`RelayHooks::before_publish`]: after the batch was read, before it is published (a
+    /// relay that "dies" holding rows it read).
+    Publish,
+    /// [`RelayHooks::before_complete`]: after the broker acknowledged, before the outcome is
+    /// recorded (a relay that "dies" between the ack and SENT).
+    Complete,
+}
+
+/// Relay hooks that pause the first batch to reach one step ([`PauseAt`]): they notify
+/// [`entered`](Self::entered) and wait for [`resume`](Self::resume) (forever, when the test
+/// never resumes it). Later batches pass. Both are [`Notify`]s, so a notification sent before
+/// the other side waits is kept.
+pub struct PauseFirst {
+    at: PauseAt,
+    armed: AtomicBool,
+    /// Notified when the first batch reached the step and paused.
+    pub entered: Notify,
+    /// Notify once to let the paused batch go on.
+    pub resume: Notify,
+}
+
+impl PauseFirst {
+    /// Hooks pausing the first batch at `at`.
+    pub fn new(at: PauseAt) -> Arc<PauseFirst> {
+        Arc::new(PauseFirst {
+            at,
+            armed: AtomicBool::new(true),
+            entered: Notify::new(),
+            resume: Notify::new(),
+        })
+    }
+
+    async fn reached(&self, at: PauseAt) {
+        if at == self.at && self.armed.swap(false, Ordering::AcqRel) {
+            self.entered.notify_one();
+            self.resume.notified().await;
+        }
+    }
+}
+
+#[async_trait]
+impl RelayHooks for PauseFirst {
+    async fn before_publish(&self, _messages: &[Message]) {
+        self.reached(PauseAt::Publish).await;
+    }
+
+    async fn before_complete(&self, _messages: &[Message]) {
+        self.reached(PauseAt::Complete).await;
+    }
+}
 
 /// A transport that publishes through `inner` and, once the broker acknowledged, signals
 /// [`AckThenHang::acked`] and never returns: the relay looks like it died between the broker's ack

@@ -56,7 +56,7 @@ mod stores;
 mod transport;
 pub mod transport_suite;
 
-pub use faults::{AckThenHang, FaultProxy, host_port};
+pub use faults::{AckThenHang, FaultProxy, PauseAt, PauseFirst, host_port};
 pub use fixture::{
     ConfirmFixture, ConfirmState, HookControl, RecordingHook, RowState, StoreFixture,
 };

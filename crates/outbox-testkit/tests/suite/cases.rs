@@ -3,6 +3,7 @@
 //! transport and inbox modules; C10's compile-time half is the `compile_fail` doc test in the
 //! test kit's crate docs.
 
+use outbox_testkit::{PauseAt, PauseFirst};
 use outbox_testkit_macros::suite_test;
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,7 +18,6 @@ use outbox_testkit::store_suite::relay_over;
 use outbox_testkit::{PgFixture, SqliteFixture, StoreFixture, wait_metrics, wait_until, within};
 use sqlx::{AssertSqlSafe, Executor as _, PgConnection};
 
-use crate::crash::PauseFirstClaim;
 use crate::inbox::inbound;
 use crate::relay::{
     counts_by_id, fast_config, hooked_relay_to, memory_relay, relay_to, wait_all_status,
@@ -241,7 +241,7 @@ async fn c10_replies_enqueued_in_consumer_transactions_are_all_delivered(fx: PgF
 #[suite_test]
 async fn c20_rows_in_flight_at_a_crash_are_published_after_restart(fx: PgFixture) {
     fx.enqueue_numbered(100).await;
-    let hooks = PauseFirstClaim::new();
+    let hooks = PauseFirst::new(PauseAt::Publish);
     let mem = Arc::new(MemoryTransport::new());
     let config = RelayConfig {
         batch_size: 37,

@@ -3,51 +3,22 @@
 //! PostgreSQL with the race the case describes (a completion waiting on a row lock while its
 //! lease runs out: no takeover until it commits; docs/lease-model.md, D1).
 
+use outbox_testkit::{PauseAt, PauseFirst};
 use outbox_testkit_macros::suite_test;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use outbox::store::{
     Bucket, BucketCompletion, BucketLease, BucketRow, LeaseToken, MembershipRequest, Outcome, Store,
 };
 use outbox::transport::memory::Delivered;
-use outbox::{MemoryTransport, NewMessage, RelayConfig, RelayHooks, Status};
+use outbox::{MemoryTransport, NewMessage, RelayConfig, Status};
 use outbox_testkit::{PgFixture, SqliteFixture, StoreFixture, wait_metrics, wait_until, within};
 use sqlx::AssertSqlSafe;
-use tokio::sync::Notify;
 
 use crate::crash::apply_through_inbox;
 use crate::inbox::pg_with_effects;
 use crate::relay::{fast_config, hooked_relay_to, relay_to, wait_all_status};
-
-/// Pauses the first batch after its publish and before its completion until told to resume.
-pub struct PauseFirstCompletion {
-    pub first: AtomicBool,
-    pub entered: Notify,
-    pub resume: Notify,
-}
-
-impl PauseFirstCompletion {
-    pub fn new() -> Arc<Self> {
-        Arc::new(PauseFirstCompletion {
-            first: AtomicBool::new(true),
-            entered: Notify::new(),
-            resume: Notify::new(),
-        })
-    }
-}
-
-#[async_trait]
-impl RelayHooks for PauseFirstCompletion {
-    async fn before_complete(&self, _messages: &[outbox::Message]) {
-        if self.first.swap(false, Ordering::SeqCst) {
-            self.entered.notify_one();
-            self.resume.notified().await;
-        }
-    }
-}
 
 /// C17 through two relays: R1 publishes M1 and stalls before recording it, past its lease; R2
 /// takes the bucket over (the recovery), counts the attempt, publishes M1 again and records
@@ -59,7 +30,7 @@ async fn c17_scenario(
     fx: &dyn StoreFixture,
     apply: impl AsyncFnOnce(Vec<Delivered>) -> (usize, i64),
 ) {
-    let hooks = PauseFirstCompletion::new();
+    let hooks = PauseFirst::new(PauseAt::Complete);
     let (mem1, mem2) = (
         Arc::new(MemoryTransport::new()),
         Arc::new(MemoryTransport::new()),

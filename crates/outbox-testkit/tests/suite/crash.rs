@@ -1,25 +1,23 @@
 //! Crashes and stalls: a relay that dies between the broker's ack and recording SENT; a relay
 //! paused past its lease (C15); two relays sharing 20,000 messages.
 
+use outbox_testkit::{PauseAt, PauseFirst};
 use outbox_testkit_macros::suite_test;
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use outbox::consumer::ConsumerMetrics;
 use outbox::consumer::nats::NatsConsumerConfig;
 use outbox::transport::memory::Delivered;
 use outbox::{
     InboundMessage, Inbox, InboxBackend, MemoryTransport, NewMessage, Processed, Relay,
-    RelayConfig, RelayHooks, Router, Status,
+    RelayConfig, Router, Status,
 };
 use outbox_testkit::{
     AckThenHang, NatsFixture, PgFixture, StoreFixture, TransportFixture as _, wait_metrics,
     wait_until, within,
 };
-use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -178,34 +176,6 @@ async fn crash_after_ack_nats_duplicate_window_and_inbox(fx: PgFixture) {
     nats.cleanup().await;
 }
 
-/// Pauses the first claim until told to resume.
-pub struct PauseFirstClaim {
-    pub first: AtomicBool,
-    pub entered: Notify,
-    pub resume: Notify,
-}
-
-impl PauseFirstClaim {
-    /// Pausing the first claim.
-    pub fn new() -> Arc<Self> {
-        Arc::new(PauseFirstClaim {
-            first: AtomicBool::new(true),
-            entered: Notify::new(),
-            resume: Notify::new(),
-        })
-    }
-}
-
-#[async_trait]
-impl RelayHooks for PauseFirstClaim {
-    async fn before_publish(&self, _messages: &[outbox::Message]) {
-        if self.first.swap(false, Ordering::SeqCst) {
-            self.entered.notify_one();
-            self.resume.notified().await;
-        }
-    }
-}
-
 /// C15: R1 is paused right after its claim for longer than the lease. R2 takes the message over
 /// and publishes it; R1, on resume, does not publish (stale batch) or has its completion refused
 /// (lost lease). The inbox applies the message once; no row is left SENDING. Shared by every
@@ -215,7 +185,7 @@ pub async fn c15_scenario(
     fx: &dyn StoreFixture,
     apply: impl AsyncFnOnce(Vec<Delivered>) -> (usize, i64),
 ) {
-    let hooks = PauseFirstClaim::new();
+    let hooks = PauseFirst::new(PauseAt::Publish);
     let mem1 = Arc::new(MemoryTransport::new());
     let mem2 = Arc::new(MemoryTransport::new());
     // One batch in flight: while its batch is paused R1 claims nothing else, so the takeover is

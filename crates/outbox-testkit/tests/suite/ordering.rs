@@ -2,10 +2,11 @@
 //! MariaDB and SQLite: shared cases C11 and C13, dead-letter policies, fencing of a stale relay,
 //! crash-loop protection, rebalancing, and 4 relays killed at random keeping every key in order.
 
+use outbox_testkit::{PauseAt, PauseFirst};
 use outbox_testkit_macros::suite_test;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -13,8 +14,8 @@ use outbox::error::TransportErrorKind;
 use outbox::store::BUCKETS;
 use outbox::transport::memory::Delivered;
 use outbox::{
-    DeadLetterPolicy, MemoryTransport, Message, NewMessage, Outgoing, Relay, RelayConfig,
-    RelayHooks, Router, Status, Transport, TransportError,
+    DeadLetterPolicy, MemoryTransport, NewMessage, Outgoing, Relay, RelayConfig, RelayHooks,
+    Router, Status, Transport, TransportError,
 };
 use outbox_testkit::{PgFixture, StoreFixture, wait_until};
 use tokio::sync::Notify;
@@ -69,32 +70,12 @@ async fn status_of(fx: &dyn StoreFixture, id: Uuid) -> i16 {
     fx.row(id).await.status
 }
 
-/// Blocks the first `before_publish` forever (the relay "dies" after reading, before publishing),
-/// signalling `reached`.
-struct StallFirstPublish {
-    armed: AtomicBool,
-    reached: Notify,
-}
-
-#[async_trait]
-impl RelayHooks for StallFirstPublish {
-    async fn before_publish(&self, _messages: &[Message]) {
-        if self.armed.swap(false, Ordering::AcqRel) {
-            self.reached.notify_one();
-            std::future::pending::<()>().await;
-        }
-    }
-}
-
 /// C11: A (key K) committed; the relay dies after reading A and before publishing it; another
 /// relay takes the bucket over after the lease; then B (key K) is committed. The consumer sees A
 /// before B, each once at least, and A's attempt was recorded by the takeover.
 async fn c11_order_survives_relay_crash(fx: &dyn StoreFixture) {
     let transport = Arc::new(MemoryTransport::new());
-    let hook = Arc::new(StallFirstPublish {
-        armed: AtomicBool::new(true),
-        reached: Notify::new(),
-    });
+    let hook = PauseFirst::new(PauseAt::Publish);
     let a = fx
         .enqueue_commit(vec![keyed("orders", "K", "A")])
         .await
@@ -107,7 +88,7 @@ async fn c11_order_survives_relay_crash(fx: &dyn StoreFixture) {
         Some(hook.clone()),
     )
     .spawn();
-    hook.reached.notified().await;
+    hook.entered.notified().await;
     r1.abort(); // crash between read and publish
     assert_eq!(
         transport.count(),
@@ -423,34 +404,13 @@ fixture_tests!(
     ],
 );
 
-/// Pauses the first `before_complete` until `resume`, signalling `paused`.
-struct PauseBeforeComplete {
-    armed: AtomicBool,
-    paused: Notify,
-    resume: Notify,
-}
-
-#[async_trait]
-impl RelayHooks for PauseBeforeComplete {
-    async fn before_complete(&self, _messages: &[Message]) {
-        if self.armed.swap(false, Ordering::AcqRel) {
-            self.paused.notify_one();
-            self.resume.notified().await;
-        }
-    }
-}
-
 /// A relay that lost its bucket while publishing (another owner took it) writes nothing: its
 /// completion is refused and counted, the row stays PENDING, and it is published again by the
 /// bucket's next owner.
 #[suite_test]
 async fn postgres_stale_relay_completion_is_fenced(fx: PgFixture) {
     let transport = Arc::new(MemoryTransport::new());
-    let hook = Arc::new(PauseBeforeComplete {
-        armed: AtomicBool::new(true),
-        paused: Notify::new(),
-        resume: Notify::new(),
-    });
+    let hook = PauseFirst::new(PauseAt::Complete);
     let id = fx
         .enqueue_commit(vec![keyed("orders", "K", "M")])
         .await
@@ -463,7 +423,7 @@ async fn postgres_stale_relay_completion_is_fenced(fx: PgFixture) {
         Some(hook.clone()),
     )
     .spawn();
-    hook.paused.notified().await;
+    hook.entered.notified().await;
     assert_eq!(transport.count(), 1, "published, not yet recorded");
     // Another relay takes the bucket over while this one is paused.
     let t = fx.table();

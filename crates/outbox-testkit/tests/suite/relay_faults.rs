@@ -3,9 +3,10 @@
 //! 1 (item 11). Every test drives the real `Relay` against a real store (PostgreSQL, SQLite) and,
 //! for webhooks, real HTTP.
 
+use outbox_testkit::{PauseAt, PauseFirst};
 use outbox_testkit_macros::suite_test;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -18,7 +19,6 @@ use outbox::{
     RelayConfig, RelayHooks, Status, TransportError,
 };
 use outbox_testkit::{PgFixture, SqliteFixture, StoreFixture, wait_until};
-use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -197,28 +197,10 @@ async fn defect_01_batch_panic_is_contained(fx: &dyn StoreFixture) {
     relay.shutdown().await.expect("shutdown");
 }
 
-/// Blocks `before_complete` of the first batch until `resume`.
-struct HangBeforeComplete {
-    armed: AtomicBool,
-    resume: Notify,
-}
-
-#[async_trait]
-impl RelayHooks for HangBeforeComplete {
-    async fn before_complete(&self, _messages: &[Message]) {
-        if self.armed.swap(false, Ordering::AcqRel) {
-            self.resume.notified().await;
-        }
-    }
-}
-
 /// Item 1: a relay that cannot make progress says so: a batch stuck past its lease shows in
 /// `stalled()` and `stalled_batches` (and an error log), and clears when it returns.
 async fn defect_01_a_stalled_relay_says_so(fx: &dyn StoreFixture) {
-    let hook = Arc::new(HangBeforeComplete {
-        armed: AtomicBool::new(true),
-        resume: Notify::new(),
-    });
+    let hook = PauseFirst::new(PauseAt::Complete);
     fx.enqueue_commit(batch_of(3, "e")).await.expect("enqueue");
     let relay = outbox::Relay::builder(fx.store())
         .router(outbox::Router::single(Arc::new(MemoryTransport::new())))
