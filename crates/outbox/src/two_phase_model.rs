@@ -267,7 +267,7 @@ where
 /// How the relay checks back PREPARED messages: the `[relay.check_back]` table of a
 /// configuration file (durations written `"30s"`; every key optional, unknown keys are errors).
 /// Defaults follow RocketMQ (`transactionCheckInterval` 30 s, `transactionCheckMax` 15).
-#[derive(Clone, Serialize, Deserialize)]
+#[derive(Clone, Serialize, Deserialize, derive_more::Debug)]
 #[serde(default, deny_unknown_fields)]
 pub struct CheckBackPolicy {
     /// Delay after an UNKNOWN answer. Default 30 s.
@@ -294,23 +294,12 @@ pub struct CheckBackPolicy {
     /// (`webhook-id`, `webhook-timestamp`, `webhook-signature`). Default none (unsigned). Never
     /// written out or shown.
     #[serde(skip_serializing)]
+    #[debug("{:?}", crate::redact::secret(secret))]
     pub secret: Option<String>,
     /// The name of an environment variable holding the `whsec_…` secret instead (read when
     /// the relay is built), so the secret need not be written in a file.
     pub secret_env: Option<String>,
 }
-
-crate::redact::redacted_debug!(CheckBackPolicy {
-    interval: plain,
-    max_checks: plain,
-    timeout: plain,
-    error_backoff: plain,
-    error_backoff_max: plain,
-    concurrency: plain,
-    poll_interval: plain,
-    secret: secret,
-    secret_env: plain,
-});
 
 impl Default for CheckBackPolicy {
     fn default() -> Self {

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use outbox::consumer::ConsumerMetrics;
 use outbox::transport::config::TransportConfig;
 use outbox::{Backoff, Inbox, Relay, RelayConfig, Router, Status, Transport};
-use outbox_testkit::{PgFixture, StoreFixture as _, unique, wait_until};
+use outbox_testkit::{PgFixture, StoreFixture as _, unique, wait_until, within};
 use tokio_util::sync::CancellationToken;
 
 use crate::inbox::{EffectHandler, pg_count, pg_effects};
@@ -312,8 +312,26 @@ async fn nats_stream(prefix: &str) -> (String, Arc<outbox::NatsTransport>, Strin
         replicas: 3,
     });
     TransportConfig::Nats(config.clone()).validate().unwrap();
-    let transport = Arc::new(NatsTransport::connect(config).await.unwrap());
-    (url, transport, stream)
+    // After the previous cluster test's restarts the cluster may still be electing its meta
+    // leader: creating the stream answers 503 "JetStream system temporarily unavailable" until
+    // it has one. (The daemon's lazy transport retries that the same way.)
+    let transport = within(
+        "the NATS cluster to create the stream",
+        Duration::from_secs(60),
+        async {
+            loop {
+                match NatsTransport::connect(config.clone()).await {
+                    Ok(t) => break t,
+                    Err(e) if e.to_string().contains("temporarily unavailable") => {
+                        tokio::time::sleep(Duration::from_millis(250)).await;
+                    }
+                    Err(e) => panic!("the NATS cluster refused the stream: {e}"),
+                }
+            }
+        },
+    )
+    .await;
+    (url, Arc::new(transport), stream)
 }
 
 /// The production NATS consumer runner (durable `billing`) over the seed list `url`, applying

@@ -61,9 +61,10 @@ impl ConfirmationSender for MqttConfirmationSender {
 }
 
 /// Where [`listen`] receives confirmations.
-#[derive(Clone)]
+#[derive(Clone, derive_more::Debug)]
 pub struct MqttListenConfig {
     /// Broker URL, `mqtt://…` or `mqtts://…`. Required.
+    #[debug("{:?}", crate::redact::url(url))]
     pub url: String,
     /// Client id of the listener's persistent session; stable per producer instance. Default
     /// `outbox-confirmations-<16 hex digits>`.
@@ -71,6 +72,7 @@ pub struct MqttListenConfig {
     /// User name, overriding one in the URL. Default none.
     pub username: Option<String>,
     /// Password, overriding one in the URL. Default none.
+    #[debug("{:?}", crate::redact::secret(password))]
     pub password: Option<String>,
     /// The reply topic (the routes' `reply_to`). Required.
     pub topic: String,
@@ -79,16 +81,6 @@ pub struct MqttListenConfig {
     /// How long the broker keeps the session after a disconnect. Default 1 day.
     pub session_expiry: Duration,
 }
-
-crate::redact::redacted_debug!(MqttListenConfig {
-    url: url,
-    client_id: plain,
-    username: plain,
-    password: secret,
-    topic: plain,
-    group: plain,
-    session_expiry: plain
-});
 
 impl MqttListenConfig {
     /// Settings for `topic` at `url` with the defaults.

@@ -70,11 +70,13 @@ impl ConfirmationSender for RedisConfirmationSender {
 }
 
 /// Where [`listen`] reads confirmations.
-#[derive(Clone)]
+#[derive(Clone, derive_more::Debug)]
 pub struct RedisListenConfig {
     /// Server URL, `redis://…` or `rediss://…`. Required.
+    #[debug("{:?}", crate::redact::url(url))]
     pub url: String,
     /// Password, overriding one in the URL. Default none.
+    #[debug("{:?}", crate::redact::secret(password))]
     pub password: Option<String>,
     /// The reply stream (the routes' `reply_to`). Required.
     pub stream: String,
@@ -86,15 +88,6 @@ pub struct RedisListenConfig {
     /// How long one read waits for confirmations. Default 1 s.
     pub block: Duration,
 }
-
-crate::redact::redacted_debug!(RedisListenConfig {
-    url: url,
-    password: secret,
-    stream: plain,
-    group: plain,
-    consumer: plain,
-    block: plain
-});
 
 impl RedisListenConfig {
     /// Settings for `stream` at `url` with the defaults.

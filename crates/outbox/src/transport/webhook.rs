@@ -75,15 +75,17 @@ const HTTP_HEADERS: HeaderRules = HeaderRules {
 /// Webhook transport settings; the `[transports.<name>] kind = "webhook"` table of the
 /// configuration file (see [`TransportConfig`](super::config::TransportConfig)): `url`,
 /// `secret_env`, `timeout` (`"10s"`), `concurrency`. Every field but `url` may be left out.
-#[derive(Clone, serde::Deserialize, serde::Serialize)]
+#[derive(Clone, serde::Deserialize, serde::Serialize, derive_more::Debug)]
 #[serde(default, deny_unknown_fields)]
 pub struct WebhookConfig {
     /// Default target URL (`http://` or `https://`), used when a route's destination is empty.
     /// Required.
+    #[debug("{:?}", crate::redact::url(url))]
     pub url: String,
     /// Signing secret, `whsec_` + base64 (Standard Webhooks). Default: none (unsigned). Never
     /// read from nor written to a file: see `secret_env`.
     #[serde(skip)]
+    #[debug("{:?}", crate::redact::secret(secret))]
     pub secret: Option<String>,
     /// Name of the environment variable holding the signing secret, read by
     /// [`WebhookConfig::resolve_secrets`] when `secret` is none. Default: none.
@@ -94,14 +96,6 @@ pub struct WebhookConfig {
     /// Requests in flight at once per batch. Default 64.
     pub concurrency: usize,
 }
-
-crate::redact::redacted_debug!(WebhookConfig {
-    url: url,
-    secret: secret,
-    secret_env: plain,
-    timeout: plain,
-    concurrency: plain
-});
 
 impl Default for WebhookConfig {
     /// [`WebhookConfig::new`] with an empty URL.

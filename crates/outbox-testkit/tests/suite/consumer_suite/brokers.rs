@@ -242,6 +242,9 @@ pub(super) mod mqtt {
             let url = format!("mqtt://{}", self.proxy.addr);
             let mut config = MqttConsumerConfig::new(url, self.client_id.clone(), self.filter());
             config.session_expiry = Duration::from_secs(600);
+            // The queued messages reach the session one packet at a time: without a wait the
+            // first batch may hold only the first of them (the batch properties need more).
+            config.batch_wait = Duration::from_millis(100);
             spawn_runner!(outbox::consumer::mqtt::run, config, c, inbox, handler)
         }
 

@@ -56,15 +56,17 @@ use streams::{
 };
 
 /// Settings of a Redis Streams consumer runner.
-#[derive(Clone)]
+#[derive(Clone, derive_more::Debug)]
 pub struct RedisConsumerConfig {
     /// Server URL, `redis://…` or `rediss://…`; for a Redis Cluster, a seed list or one node
     /// with `cluster` (as [`RedisConfig::url`](crate::transport::redis::RedisConfig::url)).
     /// Required.
+    #[debug("{:?}", crate::redact::url(url))]
     pub url: String,
     /// Connect to a Redis Cluster; implied by a seed list in `url`. Default false.
     pub cluster: bool,
     /// Password, overriding one in the URL. Default none.
+    #[debug("{:?}", crate::redact::secret(password))]
     pub password: Option<String>,
     /// Stream key to consume. Required.
     pub stream: String,
@@ -95,22 +97,6 @@ pub struct RedisConsumerConfig {
     /// How long to wait for the first connection. Default 5 s.
     pub connect_timeout: Duration,
 }
-
-crate::redact::redacted_debug!(RedisConsumerConfig {
-    url: url,
-    cluster: plain,
-    password: secret,
-    stream: plain,
-    group: plain,
-    consumer: plain,
-    start_id: plain,
-    batch: plain,
-    block: plain,
-    runner: plain,
-    claim_idle: plain,
-    claim_interval: plain,
-    connect_timeout: plain
-});
 
 crate::consumer::with_confirmations!(RedisConsumerConfig);
 

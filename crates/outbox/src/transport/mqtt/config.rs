@@ -22,12 +22,13 @@ pub enum NoSubscribers {
 /// MQTT transport settings; the `[transports.<name>] kind = "mqtt"` table of the configuration
 /// file (see [`TransportConfig`](crate::transport::config::TransportConfig)). Durations are written
 /// `"5s"`; every field but `url` may be left out.
-#[derive(Clone, serde::Deserialize, serde::Serialize)]
+#[derive(Clone, serde::Deserialize, serde::Serialize, derive_more::Debug)]
 #[serde(default, deny_unknown_fields)]
 pub struct MqttConfig {
     /// Broker URL: `mqtt://[user[:password]@]host[:port]` (TCP, default port 1883) or
     /// `mqtts://…` (TLS with rustls and the platform's root certificates, default port 8883).
     /// Required.
+    #[debug("{:?}", crate::redact::url(url))]
     pub url: String,
     /// Client identifier. Default `outbox-relay-<16 hex digits>`, random per transport (the
     /// publisher uses a clean session, so it needs no stable identity).
@@ -37,6 +38,7 @@ pub struct MqttConfig {
     /// Password, overriding one in the URL. Default none. Never read from nor written to a
     /// file: see `password_env`.
     #[serde(skip)]
+    #[debug("{:?}", crate::redact::secret(password))]
     pub password: Option<String>,
     /// Name of the environment variable holding the password, read by
     /// [`MqttConfig::resolve_secrets`] when `password` is none. Default none.
@@ -57,19 +59,6 @@ pub struct MqttConfig {
     #[serde(deserialize_with = "de_no_subscribers")]
     pub no_subscribers: NoSubscribers,
 }
-
-crate::redact::redacted_debug!(MqttConfig {
-    url: url,
-    client_id: plain,
-    username: plain,
-    password: secret,
-    password_env: plain,
-    ack_timeout: plain,
-    connect_timeout: plain,
-    keep_alive: plain,
-    max_inflight: plain,
-    no_subscribers: plain
-});
 
 /// `no_subscribers`, with an error that names the key (an internally tagged
 /// [`TransportConfig`](crate::transport::config::TransportConfig) loses the key's path).
@@ -139,7 +128,7 @@ impl MqttConfig {
 }
 
 /// A parsed `mqtt://` / `mqtts://` URL.
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq, derive_more::Debug)]
 pub struct BrokerAddress {
     /// Host name or address.
     pub host: String,
@@ -150,16 +139,9 @@ pub struct BrokerAddress {
     /// User name from the URL.
     pub username: Option<String>,
     /// Password from the URL.
+    #[debug("{:?}", crate::redact::secret(password))]
     pub password: Option<String>,
 }
-
-crate::redact::redacted_debug!(BrokerAddress {
-    host: plain,
-    port: plain,
-    tls: plain,
-    username: plain,
-    password: secret
-});
 
 /// Parse a broker URL (see [`MqttConfig::url`]).
 ///

@@ -124,13 +124,14 @@ pub async fn connect_client(url: &str) -> Result<async_nats::Client, String> {
 /// file (see [`TransportConfig`](super::config::TransportConfig)), where the stream is written
 /// flat: `url`, `stream` (its name), `subjects` (default `["<stream lower-cased>.>"]`),
 /// `create_stream` (default true), `replicas` (default 1), `ack_timeout` (`"5s"`).
-#[derive(Clone, serde::Deserialize, serde::Serialize)]
+#[derive(Clone, serde::Deserialize, serde::Serialize, derive_more::Debug)]
 #[serde(from = "NatsFile", into = "NatsFile")]
 pub struct NatsConfig {
     /// Server URL, e.g. `nats://127.0.0.1:4222`, or a seed list of a cluster's servers separated
     /// by commas (`nats://a:4222,nats://b:4222`, see [`seeds`]); credentials may be given in the
     /// first (`nats://user:password@host:4222`, `nats://token@host:4222`, see
     /// [`connect_options`]). Required.
+    #[debug("{:?}", crate::redact::url(url))]
     pub url: String,
     /// The stream that captures the published subjects, if the transport should check or create it.
     /// Default: none (the stream is managed elsewhere).
@@ -138,12 +139,6 @@ pub struct NatsConfig {
     /// How long to wait for one PubAck. Default 5 s.
     pub ack_timeout: Duration,
 }
-
-crate::redact::redacted_debug!(NatsConfig {
-    url: url,
-    stream: plain,
-    ack_timeout: plain
-});
 
 impl NatsConfig {
     /// Settings for `url` with the defaults.

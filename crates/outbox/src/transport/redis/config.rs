@@ -8,19 +8,21 @@ use crate::transport::settings::fill_secret;
 /// replica wait is written flat: `url`, `cluster`, `password_env`, `max_len`, `wait_replicas` (a count),
 /// `wait_timeout` (default `"1s"`, only with `wait_replicas`), `response_timeout`,
 /// `connect_timeout`.
-#[derive(Clone, serde::Deserialize, serde::Serialize)]
+#[derive(Clone, serde::Deserialize, serde::Serialize, derive_more::Debug)]
 #[serde(try_from = "RedisFile", into = "RedisFile")]
 pub struct RedisConfig {
     /// Server URL: `redis://[user[:password]@]host[:port][/db]`, or `rediss://…` for TLS
     /// (rustls with the platform's root certificates). For a Redis Cluster, the URLs of some of
     /// its nodes separated by commas (a seed list, which implies `cluster`), or one node's URL
     /// with `cluster = true`. Required.
+    #[debug("{:?}", crate::redact::url(url))]
     pub url: String,
     /// Connect to a Redis Cluster ([`RedisConnection::Cluster`]) instead of one server. Implied
     /// by a seed list in `url`. Default false.
     pub cluster: bool,
     /// Password (ACL or `requirepass`), overriding one in the URL. Default: none (the URL's).
     /// Never read from nor written to a file: see `password_env`.
+    #[debug("{:?}", crate::redact::secret(password))]
     pub password: Option<String>,
     /// Name of the environment variable holding the password, read by
     /// [`RedisConfig::resolve_secrets`] when `password` is none. Default none.
@@ -37,17 +39,6 @@ pub struct RedisConfig {
     /// How long to wait for a connection. Default 5 s.
     pub connect_timeout: Duration,
 }
-
-crate::redact::redacted_debug!(RedisConfig {
-    url: url,
-    cluster: plain,
-    password: secret,
-    password_env: plain,
-    max_len: plain,
-    wait_replicas: plain,
-    response_timeout: plain,
-    connect_timeout: plain
-});
 
 /// `WAIT numreplicas timeout` after each batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
