@@ -123,6 +123,14 @@ mod tests {
             };
             printed.push(format!("{c:?}"));
         }
+        #[cfg(feature = "admin")]
+        printed.push(format!(
+            "{:?}",
+            crate::admin::http::AdminAuth {
+                token: Some(S.into()),
+                protect_reads: true,
+            }
+        ));
         #[cfg(feature = "kafka")]
         {
             use crate::transport::kafka::{KafkaConfig, KafkaSasl};

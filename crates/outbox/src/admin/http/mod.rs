@@ -45,22 +45,14 @@ use crate::message::Status;
 use crate::store::Store;
 
 /// Who may read and change through the API.
-#[derive(Clone, Default)]
+#[derive(Clone, Default, derive_more::Debug)]
 pub struct AdminAuth {
     /// The bearer token mutations need (and reads, with [`AdminAuth::protect_reads`]). `None`:
-    /// mutations are refused. Never shown in any response or log.
+    /// mutations are refused. Never shown in any response or log (`Debug` prints `***`).
+    #[debug("{:?}", crate::redact::secret(token))]
     pub token: Option<String>,
     /// Reads need the token too. Default `false`.
     pub protect_reads: bool,
-}
-
-impl std::fmt::Debug for AdminAuth {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AdminAuth")
-            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
-            .field("protect_reads", &self.protect_reads)
-            .finish()
-    }
 }
 
 /// How long after its heartbeat a relay counts as alive (the relay's default lease), given to

@@ -178,7 +178,7 @@ impl MySqlStore {
         remaining: u32,
     ) -> Result<Vec<MySqlRow>, StoreError> {
         let t = self.table.as_str();
-        let (with, skip) = match skip_json {
+        let (with, skip) = match &skip_json {
             // The keys as a derived table (one placeholder however many keys and buckets).
             Some(_) => (
                 "WITH s AS (SELECT k COLLATE utf8mb4_bin AS k FROM JSON_TABLE(?, '$[*]' COLUMNS (\
@@ -198,8 +198,8 @@ impl MySqlStore {
             vec![part.as_str(); parts.len()].join(" UNION ALL ")
         );
         let mut q = sqlx::query(AssertSqlSafe(sql));
-        if let Some(json) = skip_json {
-            q = q.bind(json.to_string());
+        if let Some(json) = &skip_json {
+            q = q.bind(&**json);
         }
         for (bucket, after) in &parts {
             q = q.bind(*bucket).bind(*after).bind(i64::from(k));
