@@ -83,6 +83,15 @@ impl AckThenHang {
             acked: Notify::new(),
         }
     }
+
+    /// Wait until a hung batch was acknowledged by the broker (the moment to kill the relay).
+    ///
+    /// # Panics
+    /// When no batch was acknowledged within 10 s.
+    pub async fn wait_acked(&self) {
+        let timeout = std::time::Duration::from_secs(10);
+        crate::within("the broker ack", timeout, self.acked.notified()).await;
+    }
 }
 
 #[async_trait]

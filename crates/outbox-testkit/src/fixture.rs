@@ -68,10 +68,33 @@ pub trait StoreFixture: Send + Sync + 'static {
     /// # Panics
     /// When the enqueue fails.
     async fn enqueue_numbered(&self, n: usize) -> Vec<Uuid> {
+        self.commit_numbered("t", "", n).await
+    }
+
+    /// Enqueue `n` messages on `topic`, payloads `{prefix}0` to `{prefix}{n - 1}`, in one
+    /// transaction, then commit; their ids.
+    ///
+    /// # Panics
+    /// When the enqueue fails, naming the error.
+    async fn commit_numbered(&self, topic: &str, prefix: &str, n: usize) -> Vec<Uuid> {
         let msgs = (0..n)
-            .map(|i| NewMessage::new("t", format!("{i}")))
+            .map(|i| NewMessage::new(topic, format!("{prefix}{i}")))
             .collect();
-        self.enqueue_commit(msgs).await.expect("enqueue")
+        match self.enqueue_commit(msgs).await {
+            Ok(ids) => ids,
+            Err(e) => panic!("enqueue {n} messages on {topic}: {e}"),
+        }
+    }
+
+    /// Enqueue one message in its own transaction, then commit; its id.
+    ///
+    /// # Panics
+    /// When the enqueue fails, naming the error.
+    async fn commit_one(&self, msg: NewMessage) -> Uuid {
+        match self.enqueue_commit(vec![msg]).await {
+            Ok(ids) => ids[0],
+            Err(e) => panic!("enqueue one message: {e}"),
+        }
     }
 
     /// The row of `message_id`.

@@ -254,6 +254,29 @@ impl PgFixture {
         format!("{}.outbox_inbox", self.schema)
     }
 
+    /// Make every `INSERT` into `table` (of this fixture's schema) fail with "writes to
+    /// `table` are refused", through a trigger, until [`allow_inserts`](Self::allow_inserts).
+    ///
+    /// # Panics
+    /// On a database error.
+    pub async fn refuse_inserts(&self, table: &str) {
+        let s = &self.schema;
+        self.exec(&format!(
+            "CREATE OR REPLACE FUNCTION {s}.refuse() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN RAISE EXCEPTION 'writes to % are refused', TG_TABLE_NAME; END $$; \
+             CREATE TRIGGER refuse BEFORE INSERT ON {table} FOR EACH ROW EXECUTE FUNCTION {s}.refuse();"
+        ))
+        .await;
+    }
+
+    /// Undo [`refuse_inserts`](Self::refuse_inserts) on `table`.
+    ///
+    /// # Panics
+    /// On a database error.
+    pub async fn allow_inserts(&self, table: &str) {
+        self.exec(&format!("DROP TRIGGER refuse ON {table}")).await;
+    }
+
     exec_and_count!();
 }
 
@@ -462,6 +485,27 @@ impl MySqlFixture {
     /// The inbox table created beside the outbox.
     pub fn inbox_table(&self) -> String {
         format!("{}_inbox", self.table)
+    }
+
+    /// Make every `INSERT` into `table` fail with "writes to `table` are refused" (SQLSTATE
+    /// 45000), through a trigger, until [`allow_inserts`](Self::allow_inserts).
+    ///
+    /// # Panics
+    /// On a database error.
+    pub async fn refuse_inserts(&self, table: &str) {
+        self.exec(&format!(
+            "CREATE TRIGGER {table}_refuse BEFORE INSERT ON {table} FOR EACH ROW \
+             SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'writes to {table} are refused'"
+        ))
+        .await;
+    }
+
+    /// Undo [`refuse_inserts`](Self::refuse_inserts) on `table`.
+    ///
+    /// # Panics
+    /// On a database error.
+    pub async fn allow_inserts(&self, table: &str) {
+        self.exec(&format!("DROP TRIGGER {table}_refuse")).await;
     }
 
     exec_and_count!();

@@ -177,28 +177,17 @@ pub async fn bucket_takeover_after_expiry<F: StoreFixture>(fx: &F) {
     let a = hold_all(&store, "relay-a", Duration::from_secs(1)).await;
     let rows = read_all(&store).await;
     assert_eq!(rows.len(), 1);
-    let r = round(&store, "relay-b", SHORT, &BTreeMap::new()).await;
+    let mut relay_b = ProtocolRelay::new("relay-b", SHORT);
+    let r = relay_b.round(&store).await;
     assert!(r.acquired.is_empty(), "a live lease was taken: {r:?}");
 
     // Poll on the database clock: relay-b's round acquires nothing until relay-a's leases
     // expired, then (relay-a no longer live either) takes every bucket over.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    let taken = loop {
-        let r = round(&store, "relay-b", SHORT, &BTreeMap::new()).await;
-        if !r.acquired.is_empty() {
-            break r;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "relay-a's leases never expired"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let taken = relay_b.round_until_acquired(&store).await;
     assert_eq!(taken.live_relays, 1, "relay-a is no longer live");
     assert_eq!(taken.acquired.len(), usize::from(BUCKETS), "{taken:?}");
     assert!(taken.acquired.iter().all(|l| l.takeover), "{taken:?}");
-    let mut b = BTreeMap::new();
-    hold(&mut b, &taken);
+    let b = relay_b.held.clone();
     // relay-b renews for long; nothing is left to acquire.
     let r = round(&store, "relay-b", LONG, &b).await;
     assert_eq!(r.renewed.len(), usize::from(BUCKETS));

@@ -238,14 +238,7 @@ pub async fn retention_removes_only_old_finished_rows<F: ConfirmFixture>(fx: &F)
     let mk = |p: &'static str| fx.enqueue_commit(vec![NewMessage::new("t", p)]);
     let hour = Duration::from_secs(3600);
     // CONFIRMED ×3 and REJECTED.
-    let fin = fx
-        .enqueue_commit(
-            (0..4)
-                .map(|i| NewMessage::new("t", format!("f{i}")))
-                .collect(),
-        )
-        .await
-        .unwrap();
+    let fin = fx.commit_numbered("t", "f", 4).await;
     send_all(&store, awaiting(LONG)).await;
     let r = store
         .apply_confirmations(&[

@@ -172,6 +172,27 @@ impl ProtocolRelay {
         r
     }
 
+    /// Rounds until one acquires buckets: the first round after another relay's leases
+    /// expired, on the database's clock (polled every 20 ms, for at most 10 s).
+    ///
+    /// # Panics
+    /// When no round acquired a bucket within 10 s.
+    async fn round_until_acquired(&mut self, store: &Arc<dyn outbox::Store>) -> MembershipRound {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let r = self.round(store).await;
+            if !r.acquired.is_empty() {
+                return r;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{}: the other relay's leases never expired",
+                self.name
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// Read up to `limit` due rows of the held buckets. The rows of a taken-over bucket's first
     /// batch are `counted` (their attempt is recorded before publishing).
     async fn read(&mut self, store: &Arc<dyn outbox::Store>, limit: u32) -> Vec<Work> {

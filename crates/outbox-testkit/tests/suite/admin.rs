@@ -583,10 +583,7 @@ async fn sqlite_garbage_row_is_listed_shown_and_discarded(fx: outbox_testkit::Sq
     .execute(fx.store.pool())
     .await
     .unwrap();
-    let good = fx
-        .enqueue_commit(vec![NewMessage::new("orders", "ok")])
-        .await
-        .unwrap()[0];
+    let good = fx.commit_one(NewMessage::new("orders", "ok")).await;
     let mem = Arc::new(MemoryTransport::new());
     let relay = relay_to(&fx, mem.clone(), fast_config("admin-garbage")).spawn();
     // Read through the API itself: the test kit's row reader refuses this row.

@@ -37,10 +37,7 @@ async fn c01_late_commit_is_published(fx: PgFixture) {
         .await
         .unwrap();
     // Session B draws the next id and commits.
-    let m2 = fx
-        .enqueue_commit(vec![NewMessage::new("t", "M2")])
-        .await
-        .unwrap()[0];
+    let m2 = fx.commit_one(NewMessage::new("t", "M2")).await;
     // The scenario's "wait 2 poll intervals" while A stays open: M1 is invisible meanwhile.
     let (id1, id2) = late_commit_published(&mem, (m1, m2), Duration::from_millis(250), async {
         a.commit().await.unwrap()

@@ -29,13 +29,7 @@ async fn c27_nats_runner_does_not_ack_while_inbox_write_fails() {
     crate::inbox::pg_effects(&pool, &effects).await;
     let inbox = Inbox::<sqlx::Postgres>::new(pool.clone(), &fx.inbox_table(), "billing").unwrap();
     inbox.migrate().await.unwrap();
-    fx.exec(&format!(
-        "CREATE FUNCTION {s}.refuse() RETURNS trigger LANGUAGE plpgsql AS \
-         $$ BEGIN RAISE EXCEPTION 'inbox writes are refused'; END $$; \
-         CREATE TRIGGER refuse BEFORE INSERT ON {} FOR EACH ROW EXECUTE FUNCTION {s}.refuse();",
-        fx.inbox_table()
-    ))
-    .await;
+    fx.refuse_inserts(&fx.inbox_table()).await;
     let relay = outbox::Relay::builder(fx.store())
         .router(outbox::Router::new().route(
             "*",
@@ -83,8 +77,7 @@ async fn c27_nats_runner_does_not_ack_while_inbox_write_fails() {
         .unwrap();
     let info = c.info().await.unwrap();
     assert_eq!(info.ack_floor.stream_sequence, 0, "a message was acked");
-    fx.exec(&format!("DROP TRIGGER refuse ON {}", fx.inbox_table()))
-        .await;
+    fx.allow_inserts(&fx.inbox_table()).await;
     wait_until(
         "10 effects after restore",
         Duration::from_secs(15),
@@ -203,14 +196,7 @@ async fn c05_nats_outage_through_proxy_pauses_and_recovers() {
     wait_all_status(&fx, Status::Sent, Duration::from_secs(10)).await;
 
     proxy.set_blocked(true);
-    let ids = fx
-        .enqueue_commit(
-            (0..20)
-                .map(|i| NewMessage::new("during", format!("{i}")))
-                .collect(),
-        )
-        .await
-        .unwrap();
+    let ids = fx.commit_numbered("during", "", 20).await;
     wait_metrics(relay.metrics(), 15, "the outage to be noticed", |m| {
         m.outages >= 1
     })
@@ -256,10 +242,7 @@ async fn sqlite_malformed_foreign_rows_are_dead_lettered_without_blocking(fx: Sq
         .await
         .unwrap();
     }
-    let good = fx
-        .enqueue_commit(vec![NewMessage::new("t", "library")])
-        .await
-        .unwrap()[0];
+    let good = fx.commit_one(NewMessage::new("t", "library")).await;
     let (mem, relay) = memory_relay(&fx);
     within(
         "the two good rows",

@@ -41,10 +41,7 @@ async fn c17_scenario(
         ..fast_config("r1")
     };
     let r1 = hooked_relay_to(fx, mem1.clone(), config, hooks.clone()).spawn();
-    let id = fx
-        .enqueue_commit(vec![NewMessage::new("t", "m1")])
-        .await
-        .unwrap()[0];
+    let id = fx.commit_one(NewMessage::new("t", "m1")).await;
     within(
         "R1 to publish and stall before its completion",
         Duration::from_secs(5),
@@ -235,10 +232,7 @@ async fn c17_store_late_completion_and_takeover_are_fenced(fx: PgFixture) {
     let lease = Duration::from_millis(500);
 
     // (a)
-    let a = fx
-        .enqueue_commit(vec![NewMessage::new("t", "a")])
-        .await
-        .unwrap()[0];
+    let a = fx.commit_one(NewMessage::new("t", "a")).await;
     let b = bucket_of(&fx, a).await;
     let l1 = acquire_bucket(&store, "r1", lease, b).await;
     let batch = store.read_buckets(&[b], &[], 100).await.unwrap();
@@ -265,10 +259,7 @@ async fn c17_store_late_completion_and_takeover_are_fenced(fx: PgFixture) {
     assert_eq!(fx.row(a).await.status, Status::Sent.as_i16());
 
     // (b)
-    let m = fx
-        .enqueue_commit(vec![NewMessage::new("t", "m1")])
-        .await
-        .unwrap()[0];
+    let m = fx.commit_one(NewMessage::new("t", "m1")).await;
     let b = bucket_of(&fx, m).await;
     let l1 = acquire_bucket(&store, "r3", lease, b).await;
     let batch = store.read_buckets(&[b], &[], 100).await.unwrap();
@@ -316,10 +307,7 @@ async fn c17_store_late_completion_and_takeover_are_fenced(fx: PgFixture) {
     );
 
     // (c)
-    let m = fx
-        .enqueue_commit(vec![NewMessage::new("t", "m2")])
-        .await
-        .unwrap()[0];
+    let m = fx.commit_one(NewMessage::new("t", "m2")).await;
     let b = bucket_of(&fx, m).await;
     let l1 = acquire_bucket(&store, "r5", lease, b).await;
     let r1_row = store.read_buckets(&[b], &[], 100).await.unwrap().rows[0].clone();

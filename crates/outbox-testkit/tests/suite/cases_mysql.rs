@@ -33,10 +33,7 @@ async fn mysql_c01_late_commit_across_auto_increment_gap_is_published(fx: MySqlF
     fx.enqueue_rollback(vec![NewMessage::new("t", "gone")])
         .await
         .unwrap();
-    let m2 = fx
-        .enqueue_commit(vec![NewMessage::new("t", "M2")])
-        .await
-        .unwrap()[0];
+    let m2 = fx.commit_one(NewMessage::new("t", "M2")).await;
     let (id1, id2) = late_commit_published(&mem, (m1, m2), Duration::from_millis(300), async {
         a.commit().await.unwrap()
     })

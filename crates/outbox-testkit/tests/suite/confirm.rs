@@ -632,10 +632,7 @@ async fn check_back_starts_a_new_round_of_attempts<F: StoreFixture + ConfirmFixt
         .build()
         .expect("relay config")
         .spawn();
-    let id = fx
-        .enqueue_commit(vec![NewMessage::new("t", "m")])
-        .await
-        .unwrap()[0];
+    let id = fx.commit_one(NewMessage::new("t", "m")).await;
     let copies = || {
         mem.delivered()
             .iter()

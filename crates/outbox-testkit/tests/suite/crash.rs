@@ -70,12 +70,7 @@ pub async fn crash_after_ack_scenario(
     };
     let r1 = relay_to(fx, hang.clone(), one_lane).spawn();
     let ids = fx.enqueue_numbered(10).await;
-    within(
-        "the broker ack",
-        Duration::from_secs(10),
-        hang.acked.notified(),
-    )
-    .await;
+    hang.wait_acked().await;
     r1.abort();
     assert_eq!(mem.count(), 10);
     assert!(
@@ -129,12 +124,7 @@ async fn crash_after_ack_nats_duplicate_window_and_inbox(fx: PgFixture) {
         .unwrap()
         .spawn();
     fx.enqueue_numbered(10).await;
-    within(
-        "the broker ack",
-        Duration::from_secs(10),
-        hang.acked.notified(),
-    )
-    .await;
+    hang.wait_acked().await;
     r1.abort();
     let r2 = Relay::builder(fx.store())
         .router(Router::new().route("*", nats.transport.clone(), dest))

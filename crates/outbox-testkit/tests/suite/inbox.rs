@@ -246,18 +246,11 @@ async fn c27_failing_inbox_write_is_an_error_not_an_ack(fx: PgFixture) {
     let effects = format!("{s}.effects");
     pg_effects(&pool, &effects).await;
     let inbox = Inbox::<sqlx::Postgres>::new(pool.clone(), &fx.inbox_table(), "billing").unwrap();
-    fx.exec(&format!(
-        "CREATE FUNCTION {s}.refuse() RETURNS trigger LANGUAGE plpgsql AS \
-         $$ BEGIN RAISE EXCEPTION 'inbox writes are refused'; END $$; \
-         CREATE TRIGGER refuse BEFORE INSERT ON {} FOR EACH ROW EXECUTE FUNCTION {s}.refuse();",
-        fx.inbox_table()
-    ))
-    .await;
+    fx.refuse_inserts(&fx.inbox_table()).await;
     let h = EffectHandler::new(&effects);
     refused_then_applied_once(&inbox, &h, async {
         assert_eq!(fx.count(&effects).await, 0);
-        fx.exec(&format!("DROP TRIGGER refuse ON {}", fx.inbox_table()))
-            .await;
+        fx.allow_inserts(&fx.inbox_table()).await;
     })
     .await;
     assert_eq!(fx.count(&effects).await, 10);
@@ -272,7 +265,7 @@ async fn c27_failing_inbox_write_is_an_error_not_an_ack(fx: PgFixture) {
 }
 
 /// C27's steps on an inbox whose writes are refused: ten messages each fail with a retryable
-/// store error naming the refusal ("inbox writes are refused") and the handler never runs; then
+/// store error naming the refusal ("writes to <inbox table> are refused") and the handler never runs; then
 /// `allow` (which may check that nothing was applied) lets writes through, and each message is
 /// applied once and a duplicate the second time.
 async fn refused_then_applied_once<DB>(
@@ -397,20 +390,14 @@ async fn mysql_c25_concurrent_copies_apply_once() {
 async fn mysql_c27_failing_inbox_write_is_an_error_not_an_ack() {
     let (fx, pool, effects) = mysql_with_effects().await;
     let inbox = Inbox::<sqlx::MySql>::new(pool.clone(), &fx.inbox_table(), "billing").unwrap();
-    let trigger = format!("{}_refuse", fx.table);
-    fx.exec(&format!(
-        "CREATE TRIGGER {trigger} BEFORE INSERT ON {} FOR EACH ROW \
-         SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'inbox writes are refused'",
-        fx.inbox_table()
-    ))
-    .await;
+    fx.refuse_inserts(&fx.inbox_table()).await;
     let h = EffectHandler::new(&effects);
     refused_then_applied_once(&inbox, &h, async {
         assert_eq!(
             mysql_count(&pool, &format!("SELECT COUNT(*) FROM {effects}")).await,
             0
         );
-        fx.exec(&format!("DROP TRIGGER {trigger}")).await;
+        fx.allow_inserts(&fx.inbox_table()).await;
     })
     .await;
     assert_eq!(

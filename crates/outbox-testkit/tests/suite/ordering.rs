@@ -76,10 +76,7 @@ async fn status_of(fx: &dyn StoreFixture, id: Uuid) -> i16 {
 async fn c11_order_survives_relay_crash(fx: &dyn StoreFixture) {
     let transport = Arc::new(MemoryTransport::new());
     let hook = PauseFirst::new(PauseAt::Publish);
-    let a = fx
-        .enqueue_commit(vec![keyed("orders", "K", "A")])
-        .await
-        .expect("enqueue A")[0];
+    let a = fx.commit_one(keyed("orders", "K", "A")).await;
     let r1 = ordered_relay(
         fx,
         transport.clone(),
@@ -109,10 +106,7 @@ async fn c11_order_survives_relay_crash(fx: &dyn StoreFixture) {
         || async { status_of(fx, a).await == Status::Sent.as_i16() },
     )
     .await;
-    let b = fx
-        .enqueue_commit(vec![keyed("orders", "K", "B")])
-        .await
-        .expect("enqueue B")[0];
+    let b = fx.commit_one(keyed("orders", "K", "B")).await;
     wait_until("B SENT", Duration::from_secs(20), || async {
         status_of(fx, b).await == Status::Sent.as_i16()
     })
@@ -214,10 +208,7 @@ async fn dead_letter_block_waits_for_requeue(fx: &dyn StoreFixture) {
     })
     .await;
     // Another key committed after A's failure is published; B stays held back meanwhile.
-    let d = fx
-        .enqueue_commit(vec![keyed("orders", "other", "D")])
-        .await
-        .expect("enqueue D")[0];
+    let d = fx.commit_one(keyed("orders", "other", "D")).await;
     wait_until("D SENT", Duration::from_secs(20), || async {
         status_of(fx, d).await == Status::Sent.as_i16()
     })
@@ -411,10 +402,7 @@ fixture_tests!(
 async fn postgres_stale_relay_completion_is_fenced(fx: PgFixture) {
     let transport = Arc::new(MemoryTransport::new());
     let hook = PauseFirst::new(PauseAt::Complete);
-    let id = fx
-        .enqueue_commit(vec![keyed("orders", "K", "M")])
-        .await
-        .expect("enqueue")[0];
+    let id = fx.commit_one(keyed("orders", "K", "M")).await;
     let relay = ordered_relay(
         &fx,
         transport.clone(),

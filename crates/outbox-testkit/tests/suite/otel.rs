@@ -182,9 +182,8 @@ where
             .await
             .unwrap();
     let untraced =
-        s.fx.enqueue_commit(vec![NewMessage::new("orders", "ok-untraced")])
-            .await
-            .unwrap()[0];
+        s.fx.commit_one(NewMessage::new("orders", "ok-untraced"))
+            .await;
     drop(request);
     let (ok, rejected, flaky, own) = (ids[0], ids[1], ids[2], ids[3]);
 

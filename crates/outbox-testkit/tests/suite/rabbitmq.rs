@@ -457,14 +457,7 @@ async fn a_nacking_queue_is_backed_off_alone_without_spending_attempts(fx: Rabbi
         .build()
         .unwrap()
         .spawn();
-    let full_ids = db
-        .enqueue_commit(
-            (0..20)
-                .map(|i| NewMessage::new("full.orders", format!("full {i}")))
-                .collect(),
-        )
-        .await
-        .unwrap();
+    let full_ids = db.commit_numbered("full.orders", "full ", 20).await;
     // Refused several times over: with attempts counted, every refused row would be FAILED.
     wait_metrics(
         relay.metrics(),
@@ -473,14 +466,7 @@ async fn a_nacking_queue_is_backed_off_alone_without_spending_attempts(fx: Rabbi
         |m| m.busy >= 60,
     )
     .await;
-    let open_ids = db
-        .enqueue_commit(
-            (0..10)
-                .map(|i| NewMessage::new("orders", format!("open {i}")))
-                .collect(),
-        )
-        .await
-        .unwrap();
+    let open_ids = db.commit_numbered("orders", "open ", 10).await;
     wait_status(&db, &open_ids, Status::Sent, Duration::from_secs(10)).await;
     assert_eq!(fx.ready(&full_queue).await, 5);
     let rows = db.rows().await;

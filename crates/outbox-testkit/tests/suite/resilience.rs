@@ -598,14 +598,7 @@ async fn defect_09_nats_permission_violation_pauses_without_dead_letters() {
         .build()
         .unwrap()
         .spawn();
-    let denied = db
-        .enqueue_commit(
-            (0..20)
-                .map(|i| NewMessage::new("denied", format!("d{i}")))
-                .collect(),
-        )
-        .await
-        .unwrap();
+    let denied = db.commit_numbered("denied", "d", 20).await;
     refusals_released_at_no_cost(
         &db,
         relay.metrics(),
@@ -624,14 +617,7 @@ async fn defect_09_nats_permission_violation_pauses_without_dead_letters() {
         "the warning names the cause:\n{}",
         logs.dump()
     );
-    let allowed = db
-        .enqueue_commit(
-            (0..20)
-                .map(|i| NewMessage::new("allowed", format!("a{i}")))
-                .collect(),
-        )
-        .await
-        .unwrap();
+    let allowed = db.commit_numbered("allowed", "a", 20).await;
     wait_status(&db, &allowed, Status::Sent, Duration::from_secs(60)).await;
     server.grant();
     wait_status(&db, &denied, Status::Sent, Duration::from_secs(60)).await;

@@ -34,7 +34,7 @@ async fn poison_and_delayed(
         mem.fail_next(*id, vec![TransportErrorKind::Permanent]);
     }
     let later = NewMessage::new("later", "x").with_delay(Duration::from_secs(3600));
-    let delayed = fx.enqueue_commit(vec![later]).await.expect("enqueue")[0];
+    let delayed = fx.commit_one(later).await;
     (mem, poison, delayed)
 }
 
@@ -343,14 +343,7 @@ async fn published(
     Vec<uuid::Uuid>,
 ) {
     let (mem, poison, delayed) = poison_and_delayed(fx).await;
-    let old = fx
-        .enqueue_commit(
-            (0..n)
-                .map(|i| NewMessage::new("old", format!("{i}")))
-                .collect(),
-        )
-        .await
-        .expect("enqueue");
+    let old = fx.commit_numbered("old", "", n).await;
     let first = relay_to(fx, mem.clone(), fast_config(relay)).spawn();
     wait_until(
         "the old rows published and the poison dead-lettered",

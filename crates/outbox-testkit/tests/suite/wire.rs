@@ -151,11 +151,8 @@ async fn bad_rows_dead_lettered_rest_published<F: TransportFixture>(
     }
     // The relay goes on: a message enqueued now is published.
     let after = db
-        .enqueue_commit(vec![
-            NewMessage::new(good[0].topic.clone(), "after").with_header("tag", "after"),
-        ])
-        .await
-        .expect("enqueue")[0];
+        .commit_one(NewMessage::new(good[0].topic.clone(), "after").with_header("tag", "after"))
+        .await;
     wait_until(
         "the message enqueued afterwards SENT",
         Duration::from_secs(15),

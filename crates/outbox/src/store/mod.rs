@@ -73,6 +73,8 @@ mod connect;
 mod leases;
 mod rows;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+mod shared;
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 mod upgrade;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub(crate) use upgrade::*;

@@ -82,11 +82,7 @@ async fn scripted(
 ) -> (Arc<MemoryTransport>, outbox::RelayHandle, Uuid) {
     let mem = Arc::new(MemoryTransport::new());
     let h = relay(fx, mem.clone(), "tp-r1", policy, &[("orders", script)]);
-    let id = fx
-        .store()
-        .prepare(NewMessage::new("orders", "x"), &hooked("orders"))
-        .await
-        .unwrap();
+    let id = prepare_order(fx, &hooked("orders")).await;
     (mem, h, id)
 }
 
@@ -152,6 +148,12 @@ impl CheckBackHook for Script {
 }
 
 /// The status of `id`'s row.
+/// Prepare the message `orders`/`x` with `check_back`; its id.
+async fn prepare_order(fx: &dyn StoreFixture, check_back: &CheckBack) -> Uuid {
+    let msg = NewMessage::new("orders", "x");
+    fx.store().prepare(msg, check_back).await.expect("prepare")
+}
+
 async fn status(fx: &dyn StoreFixture, id: Uuid) -> Status {
     Status::from_i16(fx.row(id).await.status).expect("status in the schema")
 }
@@ -209,10 +211,7 @@ pub async fn producer_decides(fx: &dyn StoreFixture) {
         Err(outbox::EnqueueError::DuplicateMessageId(id)) if id == a
     ));
     // A third, plain message: once it is published, the relay has read past the prepared ones.
-    let plain = fx
-        .enqueue_commit(vec![NewMessage::new("orders", "plain")])
-        .await
-        .unwrap()[0];
+    let plain = fx.commit_one(NewMessage::new("orders", "plain")).await;
     wait_published(&mem, plain).await;
     assert_eq!(
         published(&mem, a),
@@ -282,10 +281,7 @@ pub async fn check_back_rolls_back(fx: &dyn StoreFixture) {
     let script = Script::new(|_| Ok(Answer::Rollback));
     let (mem, h, id) = scripted(fx, fast_policy(), script.clone()).await;
     wait_status(fx, id, Status::RolledBack).await;
-    let plain = fx
-        .enqueue_commit(vec![NewMessage::new("orders", "after")])
-        .await
-        .unwrap()[0];
+    let plain = fx.commit_one(NewMessage::new("orders", "after")).await;
     wait_published(&mem, plain).await;
     assert_eq!(h.metrics().snapshot().prepared_rolled_back, 1);
     h.shutdown().await.unwrap();
@@ -371,11 +367,7 @@ pub async fn garbled_answer(fx: &dyn StoreFixture) {
     let cb = CheckBack::http(&ep.url)
         .unwrap()
         .after(Duration::from_millis(50));
-    let id = fx
-        .store()
-        .prepare(NewMessage::new("orders", "x"), &cb)
-        .await
-        .unwrap();
+    let id = prepare_order(fx, &cb).await;
     // More garbled answers than max_checks: none counted.
     wait_until("5 garbled answers", WAIT, || async {
         ep.requests.lock().unwrap().len() >= 5
@@ -429,11 +421,7 @@ pub async fn unreachable_producer(fx: &dyn StoreFixture) {
     let cb = CheckBack::http(format!("http://{addr}/check-back"))
         .unwrap()
         .after(Duration::from_millis(50));
-    let id = fx
-        .store()
-        .prepare(NewMessage::new("orders", "x"), &cb)
-        .await
-        .unwrap();
+    let id = prepare_order(fx, &cb).await;
     wait_metrics(h.metrics(), WAIT.as_secs(), "10 failed check-backs", |m| {
         m.prepared_check_errors >= 10
     })
@@ -504,11 +492,7 @@ pub async fn deadline_parks(fx: &dyn StoreFixture) {
     let cb = hooked("orders")
         .after(Duration::from_secs(3600))
         .deadline(Duration::from_millis(500));
-    let id = fx
-        .store()
-        .prepare(NewMessage::new("orders", "x"), &cb)
-        .await
-        .unwrap();
+    let id = prepare_order(fx, &cb).await;
     wait_status(fx, id, Status::Undecided).await;
     let (answered, note) = checks(fx, id).await;
     assert_eq!(answered, 0);
@@ -626,11 +610,7 @@ pub async fn relay_killed_mid_check(fx: &dyn StoreFixture) {
         policy.clone(),
         &[("orders", hook.clone())],
     );
-    let id = fx
-        .store()
-        .prepare(NewMessage::new("orders", "x"), &hooked("orders"))
-        .await
-        .unwrap();
+    let id = prepare_order(fx, &hooked("orders")).await;
     wait_until("the first check-back in flight", WAIT, || async {
         calls.load(Ordering::SeqCst) >= 1
     })

@@ -292,22 +292,7 @@ pub(crate) async fn run_migrations(pool: &MySqlPool, steps: Vec<Step>) -> Result
         .await
         .map_err(e("migrate"))?;
         // A table migrated by a newer build is left alone: this build does not know its schema.
-        for (table, needed) in super::super::newest_versions(&steps) {
-            let found: Option<i64> = sqlx::query_scalar(
-                "SELECT MAX(version) FROM outbox_migrations WHERE table_name = ?",
-            )
-            .bind(&table)
-            .fetch_one(&mut *conn)
-            .await
-            .map_err(e("migrate"))?;
-            if let Some(found) = found.filter(|f| *f > needed) {
-                return Err(StoreError::SchemaVersion {
-                    table,
-                    found,
-                    needed,
-                });
-            }
-        }
+        crate::store::shared::refuse_newer::<sqlx::MySql, _>(&mut *conn, &steps, "SELECT MAX(version) FROM outbox_migrations WHERE table_name = ?").await?;
         for (table, version, stmts) in steps {
             let done: Option<i64> = sqlx::query_scalar(
                 "SELECT version FROM outbox_migrations WHERE table_name = ? AND version = ?",

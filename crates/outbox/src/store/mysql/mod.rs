@@ -61,10 +61,11 @@ use uuid::Uuid;
 
 use self::errors::{is_already_applied, is_lock_conflict, is_lock_wait_timeout};
 use self::migrations::{migrations, run_migrations};
+use super::shared::{On, due_in, stats_in};
 use super::status_sql::{CONFIRMED, FAILED, PENDING, REJECTED, SENDING, SENT};
 use super::{
     Bucket, BucketBatch, BucketCompletion, FailedMessage, KeyHead, LeaseToken, MembershipRequest,
-    MembershipRound, RelayInfo, Stats, Store, StoreOptions, millis, new_token, stats_from,
+    MembershipRound, RelayInfo, Stats, Store, StoreOptions, millis, new_token,
 };
 use crate::error::{EnqueueError, StoreError};
 use crate::ident::TableName;
@@ -237,31 +238,16 @@ impl Store for MySqlStore {
 
     async fn check_schema(&self) -> Result<(), StoreError> {
         let t = self.table.as_str();
-        let needed = super::latest_version(&migrations(&self.table, &self.inbox_table), t);
-        let found: Option<i64> = match sqlx::query_scalar(
-            "SELECT MAX(version) FROM outbox_migrations WHERE table_name = ?",
-        )
-        .bind(t)
-        .fetch_one(&self.pool)
-        .await
-        {
-            Ok(v) => v,
-            Err(e) if errors::is_missing_table(&e) => None,
-            Err(e) => return Err(self.err("check_schema")(e)),
-        };
-        if super::compare_version(t, found, needed)? {
-            return Ok(());
-        }
-        // No migration recorded: a missing table says so; one made by other means is at v0.
-        sqlx::query(AssertSqlSafe(format!("SELECT 1 FROM {t} LIMIT 0")))
-            .execute(&self.pool)
+        let steps = migrations(&self.table, &self.inbox_table);
+        On(&self.pool)
+            .check_schema(
+                t,
+                "SELECT MAX(version) FROM outbox_migrations WHERE table_name = ?",
+                super::latest_version(&steps, t),
+                errors::is_missing_table,
+                self.err("check_schema"),
+            )
             .await
-            .map_err(self.err("check_schema"))?;
-        Err(StoreError::SchemaVersion {
-            table: t.to_owned(),
-            found: 0,
-            needed,
-        })
     }
 
     async fn membership(&self, req: &MembershipRequest) -> Result<MembershipRound, StoreError> {
@@ -277,15 +263,12 @@ impl Store for MySqlStore {
 
     async fn relays(&self, lease: Duration) -> Result<Vec<RelayInfo>, StoreError> {
         let t = self.table.as_str();
-        let rows: Vec<super::rows::RelayRow> = sqlx::query_as(AssertSqlSafe(format!(
+        let sql = AssertSqlSafe(format!(
             "SELECT name, routes, routes_hash FROM {t}_relays \
                  WHERE heartbeat_at > {NOW} - INTERVAL (? * 1000) MICROSECOND ORDER BY name"
-        )))
-        .bind(millis(lease))
-        .fetch_all(&self.pool)
-        .await
-        .map_err(self.err("relays"))?;
-        Ok(super::rows::relays(rows))
+        ));
+        let relays = On(&self.pool).relays(sql, lease).await;
+        relays.map_err(self.err("relays"))
     }
 
     async fn hand_off_buckets(
@@ -433,53 +416,47 @@ impl Store for MySqlStore {
             .fetch_optional(&self.pool)
             .await
             .map_err(self.err("next_due"))?;
-        Ok(ms.map(|ms| Duration::from_millis(ms.max(0) as u64)))
+        Ok(due_in(ms))
     }
 
     async fn next_due_in(&self) -> Result<Option<Duration>, StoreError> {
         let t = self.table.as_str();
         // GREATEST is NULL when any argument is NULL: an empty table answers NULL.
-        let ms: Option<i64> = sqlx::query_scalar(AssertSqlSafe(format!(
+        let sql = AssertSqlSafe(format!(
             "SELECT CAST(GREATEST(CEIL(TIMESTAMPDIFF(MICROSECOND, {NOW}, MIN(available_at)) / 1000), 0) AS SIGNED) \
              FROM {t} WHERE status = {PENDING}"
-        )))
-        .fetch_one(&self.pool)
-        .await
-        .map_err(self.err("next_due"))?;
-        Ok(ms.map(|ms| Duration::from_millis(ms.max(0) as u64)))
+        ));
+        On(&self.pool)
+            .next_due(sql)
+            .await
+            .map_err(self.err("next_due"))
     }
 
     async fn stats(&self) -> Result<Stats, StoreError> {
         let t = self.table.as_str();
+        let err = self.err("stats");
         // One consistent snapshot for both statements, so counts and ages agree.
-        let mut conn = self.pool.acquire().await.map_err(self.err("stats"))?;
+        let mut conn = self.pool.acquire().await.map_err(&err)?;
         set_isolation(&mut conn, "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
             .await
-            .map_err(self.err("stats"))?;
+            .map_err(&err)?;
         let mut tx = sqlx::Connection::begin_with(
             &mut *conn,
             "START TRANSACTION WITH CONSISTENT SNAPSHOT, READ ONLY",
         )
         .await
-        .map_err(self.err("stats"))?;
-        let rows: Vec<(i64, i64)> = sqlx::query_as(AssertSqlSafe(format!(
-            "SELECT status, COUNT(*) FROM {t} GROUP BY status"
-        )))
-        .fetch_all(&mut *tx)
-        .await
-        .map_err(self.err("stats"))?;
-        let ages: (Option<i64>, i64, Option<i64>) = sqlx::query_as(AssertSqlSafe(format!(
+        .map_err(&err)?;
+        let counts = AssertSqlSafe(format!("SELECT status, COUNT(*) FROM {t} GROUP BY status"));
+        let ages = AssertSqlSafe(format!(
             "SELECT (SELECT TIMESTAMPDIFF(MICROSECOND, MIN(created_at), {NOW}) DIV 1000 FROM {t} \
                      WHERE status = {PENDING} AND available_at <= {NOW}), \
                     (SELECT COUNT(*) FROM {t} WHERE status = {SENT} AND confirm_deadline IS NOT NULL), \
                     (SELECT TIMESTAMPDIFF(MICROSECOND, MIN(sent_at), {NOW}) DIV 1000 FROM {t} \
                      WHERE status = {SENT} AND confirm_deadline IS NOT NULL)"
-        )))
-        .fetch_one(&mut *tx)
-        .await
-        .map_err(self.err("stats"))?;
-        tx.commit().await.map_err(self.err("stats"))?;
-        stats_from(rows, ages)
+        ));
+        let stats = stats_in::<sqlx::MySql>(&mut tx, counts, ages, &err).await?;
+        tx.commit().await.map_err(&err)?;
+        Ok(stats)
     }
 
     async fn apply_confirmations(
@@ -546,15 +523,14 @@ impl Store for MySqlStore {
 
     async fn failed(&self, limit: u32) -> Result<Vec<FailedMessage>, StoreError> {
         let t = self.table.as_str();
-        let rows: Vec<super::rows::FailedRow> = sqlx::query_as(AssertSqlSafe(format!(
+        let sql = AssertSqlSafe(format!(
             "SELECT id, message_id, topic, attempts, last_error FROM {t} WHERE status = {FAILED} \
                  ORDER BY updated_at DESC, id DESC LIMIT ?"
-        )))
-        .bind(i64::from(limit))
-        .fetch_all(&self.pool)
-        .await
-        .map_err(self.err("failed"))?;
-        Ok(super::rows::failed_messages(rows))
+        ));
+        On(&self.pool)
+            .failed(sql, limit)
+            .await
+            .map_err(self.err("failed"))
     }
 
     fn admin_target(&self) -> super::admin::AdminTarget {

@@ -35,6 +35,11 @@ pub(crate) fn classify(e: &sqlx::Error) -> DbErrorClass {
     }
 }
 
+/// Whether `e` is a missing table (42P01).
+pub(crate) fn is_missing_table(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some(UNDEFINED_TABLE))
+}
+
 /// Whether `e` is a `lock_timeout` expiry (55P03).
 pub(crate) fn is_lock_timeout(e: &sqlx::Error) -> bool {
     matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some(LOCK_NOT_AVAILABLE))

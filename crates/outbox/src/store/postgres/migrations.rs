@@ -319,21 +319,12 @@ async fn migrate_once(pool: &PgPool, steps: Vec<(String, i64, String)>) -> Resul
     .await
     .map_err(e("migrate"))?;
     // A table migrated by a newer build is left alone: this build does not know its schema.
-    for (table, needed) in super::super::newest_versions(&steps) {
-        let found: Option<i32> =
-            sqlx::query_scalar("SELECT MAX(version) FROM outbox_migrations WHERE table_name = $1")
-                .bind(&table)
-                .fetch_one(&mut *tx)
-                .await
-                .map_err(e("migrate"))?;
-        if let Some(found) = found.map(i64::from).filter(|f| *f > needed) {
-            return Err(StoreError::SchemaVersion {
-                table,
-                found,
-                needed,
-            });
-        }
-    }
+    crate::store::shared::refuse_newer::<sqlx::Postgres, _>(
+        &mut *tx,
+        &steps,
+        "SELECT MAX(version)::bigint FROM outbox_migrations WHERE table_name = $1",
+    )
+    .await?;
     for (table, version, sql) in steps {
         let done: Option<i32> = sqlx::query_scalar(
             "SELECT version FROM outbox_migrations WHERE table_name = $1 AND version = $2",

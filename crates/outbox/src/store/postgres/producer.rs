@@ -94,7 +94,7 @@ impl PgStore {
                  FROM {t} WHERE status = {PENDING}"
             )
             .into(),
-            counts: format!("SELECT status, COUNT(*) FROM {t} GROUP BY status").into(),
+            counts: format!("SELECT status::bigint, COUNT(*) FROM {t} GROUP BY status").into(),
             ages: format!(
                 "SELECT (SELECT (EXTRACT(EPOCH FROM now() - MIN(created_at)) * 1000)::bigint FROM {t} \
                          WHERE status = {PENDING} AND available_at <= now()), \

@@ -204,21 +204,14 @@ pub(crate) async fn run_migrations(
     .await
     .map_err(e("migrate"))?;
     // A table migrated by a newer build is left alone: this build does not know its schema.
-    for (table, needed) in super::super::newest_versions(&steps) {
-        let found: Option<i64> =
-            sqlx::query_scalar("SELECT MAX(version) FROM outbox_migrations WHERE table_name = ?1")
-                .bind(&table)
-                .fetch_one(pool)
-                .await
-                .map_err(e("migrate"))?;
-        if let Some(found) = found.filter(|f| *f > needed) {
-            return Err(StoreError::SchemaVersion {
-                table,
-                found,
-                needed,
-            });
-        }
-    }
+    let mut conn = pool.acquire().await.map_err(e("migrate"))?;
+    crate::store::shared::refuse_newer::<sqlx::Sqlite, _>(
+        &mut *conn,
+        &steps,
+        "SELECT MAX(version) FROM outbox_migrations WHERE table_name = ?1",
+    )
+    .await?;
+    drop(conn);
     for (table, version, sql) in steps {
         let mut conn = pool.acquire().await.map_err(e("migrate"))?;
         let mut tx = sqlx::Connection::begin_with(&mut *conn, "BEGIN IMMEDIATE")

@@ -29,10 +29,11 @@ use uuid::Uuid;
 
 use self::errors::is_busy;
 use self::migrations::{migrations, run_migrations};
+use super::shared::{On, due_in, stats_in};
 use super::status_sql::{CONFIRMED, FAILED, PENDING, REJECTED, SENDING, SENT};
 use super::{
     Bucket, BucketBatch, BucketCompletion, FailedMessage, KeyHead, LeaseToken, MembershipRequest,
-    MembershipRound, RelayInfo, Stats, Store, millis, new_token, stats_from,
+    MembershipRound, RelayInfo, Stats, Store, millis, new_token,
 };
 use crate::error::{EnqueueError, StoreError};
 use crate::ident::TableName;
@@ -176,34 +177,16 @@ impl Store for SqliteStore {
 
     async fn check_schema(&self) -> Result<(), StoreError> {
         let t = self.table.as_str();
-        let needed = super::latest_version(
-            &migrations(self.table.as_str(), self.inbox_table.as_str()),
-            t,
-        );
-        let found: Option<i64> = match sqlx::query_scalar(
-            "SELECT MAX(version) FROM outbox_migrations WHERE table_name = ?1",
-        )
-        .bind(t)
-        .fetch_one(&self.pool)
-        .await
-        {
-            Ok(v) => v,
-            Err(e) if errors::is_missing_table(&e) => None,
-            Err(e) => return Err(self.err("check_schema")(e)),
-        };
-        if super::compare_version(t, found, needed)? {
-            return Ok(());
-        }
-        // No migration recorded: a missing table says so; one made by other means is at v0.
-        sqlx::query(AssertSqlSafe(format!("SELECT 1 FROM {t} LIMIT 0")))
-            .execute(&self.pool)
+        let steps = migrations(self.table.as_str(), self.inbox_table.as_str());
+        On(&self.pool)
+            .check_schema(
+                t,
+                "SELECT MAX(version) FROM outbox_migrations WHERE table_name = ?1",
+                super::latest_version(&steps, t),
+                errors::is_missing_table,
+                self.err("check_schema"),
+            )
             .await
-            .map_err(self.err("check_schema"))?;
-        Err(StoreError::SchemaVersion {
-            table: t.to_owned(),
-            found: 0,
-            needed,
-        })
     }
 
     async fn membership(&self, req: &MembershipRequest) -> Result<MembershipRound, StoreError> {
@@ -214,15 +197,12 @@ impl Store for SqliteStore {
 
     async fn relays(&self, lease: Duration) -> Result<Vec<RelayInfo>, StoreError> {
         let t = self.table.as_str();
-        let rows: Vec<super::rows::RelayRow> = sqlx::query_as(AssertSqlSafe(format!(
+        let sql = AssertSqlSafe(format!(
             "SELECT name, routes, routes_hash FROM {t}_relays \
                  WHERE heartbeat_at > {NOW_MS} - ?1 ORDER BY name"
-        )))
-        .bind(millis(lease))
-        .fetch_all(&self.pool)
-        .await
-        .map_err(self.err("relays"))?;
-        Ok(super::rows::relays(rows))
+        ));
+        let relays = On(&self.pool).relays(sql, lease).await;
+        relays.map_err(self.err("relays"))
     }
 
     async fn hand_off_buckets(
@@ -390,31 +370,26 @@ impl Store for SqliteStore {
         .fetch_optional(&self.pool)
         .await
         .map_err(self.err("next_due"))?;
-        Ok(ms.map(|ms| Duration::from_millis(ms.max(0) as u64)))
+        Ok(due_in(ms))
     }
 
     async fn next_due_in(&self) -> Result<Option<Duration>, StoreError> {
-        let ms: Option<i64> = sqlx::query_scalar(AssertSqlSafe(self.sql.next_due.clone()))
-            .fetch_one(&self.pool)
+        let sql = AssertSqlSafe(self.sql.next_due.clone());
+        On(&self.pool)
+            .next_due(sql)
             .await
-            .map_err(self.err("next_due"))?;
-        Ok(ms.map(|ms| Duration::from_millis(ms.max(0) as u64)))
+            .map_err(self.err("next_due"))
     }
 
     async fn stats(&self) -> Result<Stats, StoreError> {
         // One snapshot for both statements, so counts and ages agree.
-        let mut tx = self.pool.begin().await.map_err(self.err("stats"))?;
-        let rows: Vec<(i64, i64)> = sqlx::query_as(AssertSqlSafe(self.sql.counts.clone()))
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(self.err("stats"))?;
-        let ages: (Option<i64>, i64, Option<i64>) =
-            sqlx::query_as(AssertSqlSafe(self.sql.ages.clone()))
-                .fetch_one(&mut *tx)
-                .await
-                .map_err(self.err("stats"))?;
-        tx.commit().await.map_err(self.err("stats"))?;
-        stats_from(rows, ages)
+        let err = self.err("stats");
+        let mut tx = self.pool.begin().await.map_err(&err)?;
+        let counts = AssertSqlSafe(self.sql.counts.clone());
+        let ages = AssertSqlSafe(self.sql.ages.clone());
+        let stats = stats_in::<sqlx::Sqlite>(&mut tx, counts, ages, &err).await?;
+        tx.commit().await.map_err(&err)?;
+        Ok(stats)
     }
 
     async fn apply_confirmations(
@@ -465,13 +440,11 @@ impl Store for SqliteStore {
     }
 
     async fn failed(&self, limit: u32) -> Result<Vec<FailedMessage>, StoreError> {
-        let rows: Vec<super::rows::FailedRow> =
-            sqlx::query_as(AssertSqlSafe(self.sql.failed.clone()))
-                .bind(i64::from(limit))
-                .fetch_all(&self.pool)
-                .await
-                .map_err(self.err("failed"))?;
-        Ok(super::rows::failed_messages(rows))
+        let sql = AssertSqlSafe(self.sql.failed.clone());
+        On(&self.pool)
+            .failed(sql, limit)
+            .await
+            .map_err(self.err("failed"))
     }
 
     fn admin_target(&self) -> super::admin::AdminTarget {

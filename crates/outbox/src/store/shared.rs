@@ -1,0 +1,173 @@
+//! The statements the three dialects run alike around their own SQL: each call chain written
+//! once, generic over the sqlx database. The SQL stays with its dialect; a dialect passes its
+//! statement in and maps the `sqlx::Error` through its own classification (`self.err(op)`).
+
+use std::time::Duration;
+
+use sqlx::{Database, Pool, SqlSafeStr};
+
+use super::rows::{self, FailedRow, RelayRow};
+use crate::error::StoreError;
+use crate::store::{FailedMessage, RelayInfo, Stats};
+
+/// The pool a dialect's shared statements run on.
+pub(crate) struct On<'a, DB: Database>(pub(crate) &'a Pool<DB>);
+
+impl<DB: Database> On<'_, DB>
+where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    DB::Arguments: sqlx::IntoArguments<DB>,
+    for<'q> i64: sqlx::Encode<'q, DB> + sqlx::Decode<'q, DB> + sqlx::Type<DB>,
+    for<'q> String: sqlx::Encode<'q, DB> + sqlx::Decode<'q, DB> + sqlx::Type<DB>,
+    usize: sqlx::ColumnIndex<DB::Row>,
+{
+    /// [`Store::relays`](crate::Store::relays): `sql` takes the lease in milliseconds and
+    /// answers [`RelayRow`]s.
+    pub(crate) async fn relays(
+        &self,
+        sql: impl SqlSafeStr,
+        lease: Duration,
+    ) -> Result<Vec<RelayInfo>, sqlx::Error> {
+        let rows: Vec<RelayRow> = sqlx::query_as(sql)
+            .bind(super::millis(lease))
+            .fetch_all(self.0)
+            .await?;
+        Ok(rows::relays(rows))
+    }
+
+    /// [`Store::failed`](crate::Store::failed): `sql` takes the limit and answers
+    /// [`FailedRow`]s.
+    pub(crate) async fn failed(
+        &self,
+        sql: impl SqlSafeStr,
+        limit: u32,
+    ) -> Result<Vec<FailedMessage>, sqlx::Error> {
+        let rows: Vec<FailedRow> = sqlx::query_as(sql)
+            .bind(i64::from(limit))
+            .fetch_all(self.0)
+            .await?;
+        Ok(rows::failed_messages(rows))
+    }
+
+    /// [`Store::next_due_in`](crate::Store::next_due_in): `sql` answers one nullable
+    /// BIGINT, the milliseconds until the next PENDING row is due (NULL: none; negative: due).
+    pub(crate) async fn next_due(
+        &self,
+        sql: impl SqlSafeStr,
+    ) -> Result<Option<Duration>, sqlx::Error> {
+        let ms: Option<i64> = sqlx::query_scalar(sql).fetch_one(self.0).await?;
+        Ok(due_in(ms))
+    }
+
+    /// The end of [`Store::check_schema`](crate::Store::check_schema): `version` (the
+    /// highest migration recorded for `table`, a nullable BIGINT from `version_sql`, which takes
+    /// the table's name) against `needed`. A missing `outbox_migrations` table
+    /// (`is_missing_table`) counts as none recorded; with none recorded, a missing outbox table
+    /// is named by the database's error, and one made by other means is at version 0.
+    ///
+    /// # Errors
+    /// [`StoreError::SchemaVersion`] when the table is behind or ahead of this build; what
+    /// `err` makes of a database error.
+    pub(crate) async fn check_schema(
+        &self,
+        table: &str,
+        version_sql: &'static str,
+        needed: i64,
+        is_missing_table: fn(&sqlx::Error) -> bool,
+        err: impl Fn(sqlx::Error) -> StoreError,
+    ) -> Result<(), StoreError> {
+        let found: Option<i64> = match sqlx::query_scalar(version_sql)
+            .bind(table.to_owned())
+            .fetch_one(self.0)
+            .await
+        {
+            Ok(v) => v,
+            Err(e) if is_missing_table(&e) => None,
+            Err(e) => return Err(err(e)),
+        };
+        if super::compare_version(table, found, needed)? {
+            return Ok(());
+        }
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT 1 FROM {table} LIMIT 0"
+        )))
+        .execute(self.0)
+        .await
+        .map_err(err)?;
+        Err(StoreError::SchemaVersion {
+            table: table.to_owned(),
+            found: 0,
+            needed,
+        })
+    }
+}
+
+/// [`Store::stats`](crate::Store::stats) in the snapshot transaction `tx` the dialect opened:
+/// `counts` answers `(status, count)` BIGINT pairs, `ages` one row of the oldest due PENDING
+/// row's age in milliseconds (nullable), the count of SENT rows awaiting a confirmation and the
+/// oldest of those's age (nullable).
+///
+/// # Errors
+/// What `err` makes of a database error; [`StoreError::Corrupt`] for an unknown status.
+pub(crate) async fn stats_in<DB: Database>(
+    tx: &mut DB::Connection,
+    counts: impl SqlSafeStr,
+    ages: impl SqlSafeStr,
+    err: impl Fn(sqlx::Error) -> StoreError,
+) -> Result<Stats, StoreError>
+where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    DB::Arguments: sqlx::IntoArguments<DB>,
+    for<'q> i64: sqlx::Decode<'q, DB> + sqlx::Type<DB>,
+    usize: sqlx::ColumnIndex<DB::Row>,
+{
+    let rows: Vec<(i64, i64)> = sqlx::query_as(counts)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(&err)?;
+    let ages: (Option<i64>, i64, Option<i64>) = sqlx::query_as(ages)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(&err)?;
+    super::stats_from(rows, ages)
+}
+
+/// Before migrating: refuse when a table of `steps` was migrated by a newer build (this build
+/// does not know its schema, so it leaves the table alone). `max_sql` answers the highest
+/// version recorded in `outbox_migrations` for the table it takes, a nullable BIGINT.
+///
+/// # Errors
+/// [`StoreError::SchemaVersion`] naming the first such table; a database error as `migrate`.
+pub(crate) async fn refuse_newer<DB: Database, S>(
+    conn: &mut DB::Connection,
+    steps: &[(String, i64, S)],
+    max_sql: &'static str,
+) -> Result<(), StoreError>
+where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    DB::Arguments: sqlx::IntoArguments<DB>,
+    for<'q> i64: sqlx::Decode<'q, DB> + sqlx::Type<DB>,
+    for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    usize: sqlx::ColumnIndex<DB::Row>,
+{
+    for (table, needed) in super::newest_versions(steps) {
+        let found: Option<i64> = sqlx::query_scalar(max_sql)
+            .bind(table.clone())
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(|e| super::database_error("migrate", e))?;
+        if let Some(found) = found.filter(|f| *f > needed) {
+            return Err(StoreError::SchemaVersion {
+                table,
+                found,
+                needed,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Milliseconds until due (negative: already due, `None`: nothing) as a wait.
+pub(crate) fn due_in(ms: Option<i64>) -> Option<Duration> {
+    ms.map(|ms| Duration::from_millis(ms.max(0) as u64))
+}
