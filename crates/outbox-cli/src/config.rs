@@ -475,6 +475,60 @@ impl ConfirmationsSection {
         })?;
         Ok(Some(c))
     }
+
+    /// The listener settings of a `kind = "redis"` section (`None` for other kinds), the
+    /// password read; without `consumer`, the listener's random consumer name.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming `confirmations.password_env` when its variable is not set.
+    #[cfg(feature = "redis")]
+    pub fn redis(&self) -> Result<Option<outbox::confirm::redis::RedisListenConfig>, ConfigError> {
+        let ConfirmationsSection::Redis {
+            url,
+            password_env,
+            stream,
+            group,
+            consumer,
+        } = self
+        else {
+            return Ok(None);
+        };
+        let mut c = outbox::confirm::redis::RedisListenConfig::new(url, stream);
+        c.password = env_secret("confirmations.password_env", password_env.as_deref())?;
+        c.group = group.clone();
+        if let Some(consumer) = consumer {
+            c.consumer = consumer.clone();
+        }
+        Ok(Some(c))
+    }
+
+    /// The listener settings of a `kind = "mqtt"` section (`None` for other kinds), the
+    /// password read; without `client_id`, the listener's random client id.
+    ///
+    /// # Errors
+    /// [`ConfigError`] naming `confirmations.password_env` when its variable is not set.
+    #[cfg(feature = "mqtt")]
+    pub fn mqtt(&self) -> Result<Option<outbox::confirm::mqtt::MqttListenConfig>, ConfigError> {
+        let ConfirmationsSection::Mqtt {
+            url,
+            topic,
+            group,
+            client_id,
+            username,
+            password_env,
+        } = self
+        else {
+            return Ok(None);
+        };
+        let mut c = outbox::confirm::mqtt::MqttListenConfig::new(url, topic);
+        c.password = env_secret("confirmations.password_env", password_env.as_deref())?;
+        c.username = username.clone();
+        c.group = group.clone();
+        if let Some(client_id) = client_id {
+            c.client_id = client_id.clone();
+        }
+        Ok(Some(c))
+    }
 }
 
 fn default_queue() -> String {

@@ -76,23 +76,13 @@ pub(crate) async fn spawn(
             )
         }
         #[cfg(feature = "redis")]
-        config::ConfirmationsSection::Redis {
-            url,
-            password_env,
-            stream,
-            group,
-            consumer,
-        } => {
-            let mut lc = outbox::confirm::redis::RedisListenConfig::new(url, stream.clone());
-            lc.password = outbox::transport::config::env_secret(
-                "confirmations.password_env",
-                password_env.as_deref(),
-            )?;
-            lc.group = group;
-            if let Some(c) = consumer {
-                lc.consumer = c;
-            }
-            tracing::info!(stream, group = %lc.group, "listening for confirmations on Redis");
+        ref section @ config::ConfirmationsSection::Redis { .. } => {
+            let lc = section.redis()?.context("confirmations: not redis")?;
+            tracing::info!(
+                stream = lc.stream.as_str(),
+                group = %lc.group,
+                "listening for confirmations on Redis"
+            );
             (
                 "Redis",
                 listener(
@@ -101,25 +91,13 @@ pub(crate) async fn spawn(
             )
         }
         #[cfg(feature = "mqtt")]
-        config::ConfirmationsSection::Mqtt {
-            url,
-            topic,
-            group,
-            client_id,
-            username,
-            password_env,
-        } => {
-            let mut lc = outbox::confirm::mqtt::MqttListenConfig::new(url, topic.clone());
-            lc.password = outbox::transport::config::env_secret(
-                "confirmations.password_env",
-                password_env.as_deref(),
-            )?;
-            lc.username = username;
-            lc.group = group;
-            if let Some(c) = client_id {
-                lc.client_id = c;
-            }
-            tracing::info!(topic, group = %lc.group, "listening for confirmations on MQTT");
+        ref section @ config::ConfirmationsSection::Mqtt { .. } => {
+            let lc = section.mqtt()?.context("confirmations: not mqtt")?;
+            tracing::info!(
+                topic = lc.topic.as_str(),
+                group = %lc.group,
+                "listening for confirmations on MQTT"
+            );
             (
                 "MQTT",
                 listener(

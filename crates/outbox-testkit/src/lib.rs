@@ -44,6 +44,7 @@ use std::time::Duration;
 
 mod faults;
 mod fixture;
+mod handlers;
 pub mod kafka;
 pub mod mqtt;
 mod nats;
@@ -60,9 +61,10 @@ pub use faults::{AckThenHang, FaultProxy, PauseAt, PauseFirst, host_port};
 pub use fixture::{
     ConfirmFixture, ConfirmState, HookControl, RecordingHook, RowState, StoreFixture,
 };
+pub use handlers::Concurrent;
 pub use kafka::KafkaFixture;
 pub use mqtt::{MqttFixture, mqtt_url};
-pub use nats::{NatsFixture, nats_client, nats_client_at};
+pub use nats::{NatsFixture, nats_client, nats_client_at, nats_stream_info};
 pub use rabbitmq::{RabbitMqFixture, rabbitmq_config, rabbitmq_host_port, rabbitmq_url};
 pub use redis::{RedisFixture, redis_url};
 #[cfg(feature = "rocketmq")]
@@ -73,7 +75,7 @@ pub use stores::{
 };
 pub use transport::{
     RawDelivery, Received, TransportFixture, WebhookFixture, WebhookReceiver, claimed_message,
-    header_message_id, publish_all, publish_to,
+    header_message_id, publish_all, publish_to, wait_probe_fails, wait_probe_ok,
 };
 
 /// Default PostgreSQL URL when `OUTBOX_TEST_POSTGRES_URL` is unset.
@@ -98,6 +100,20 @@ pub fn free_port() -> u16 {
         .and_then(|l| l.local_addr())
         .expect("a free loopback port")
         .port()
+}
+
+/// Wait until something accepts TCP connections on `127.0.0.1:port` (a server the test started
+/// there, for example on a [`free_port`]).
+///
+/// # Panics
+/// After `timeout`, with `what` in the message.
+pub async fn wait_listening(what: &str, port: u16, timeout: Duration) {
+    wait_until(what, timeout, || async move {
+        tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_ok()
+    })
+    .await;
 }
 
 /// A lower-case name `prefix_<16 hex digits>`, unique per call: a valid SQL identifier and NATS

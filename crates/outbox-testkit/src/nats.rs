@@ -8,7 +8,7 @@ use async_trait::async_trait;
 use outbox::transport::Transport;
 use outbox::{NatsConfig, NatsTransport, StreamSetup};
 
-use crate::{Received, TransportFixture, nats_url, unique, within};
+use crate::{FaultProxy, Received, TransportFixture, host_port, nats_url, unique, within};
 
 /// Connect to the test NATS server and wait until connected.
 ///
@@ -16,6 +16,24 @@ use crate::{Received, TransportFixture, nats_url, unique, within};
 /// When NATS does not answer within 5 s, naming the URL and `OUTBOX_TEST_NATS_URL`.
 pub async fn nats_client() -> async_nats::Client {
     nats_client_at(&nats_url()).await
+}
+
+/// The current info of JetStream stream `stream` (its state: messages stored, sequences).
+///
+/// # Panics
+/// When the stream cannot be read, naming it and the error.
+pub async fn nats_stream_info(
+    js: &async_nats::jetstream::Context,
+    stream: &str,
+) -> async_nats::jetstream::stream::Info {
+    let mut s = js
+        .get_stream(stream)
+        .await
+        .unwrap_or_else(|e| panic!("get stream {stream}: {e}"));
+    s.info()
+        .await
+        .unwrap_or_else(|e| panic!("info of stream {stream}: {e}"))
+        .clone()
 }
 
 /// Connect to NATS at `url` (for example through a [`FaultProxy`]).
@@ -58,6 +76,17 @@ impl NatsFixture {
         Self::with_client(client).await
     }
 
+    /// As [`NatsFixture::new`], its client connected through a fresh [`FaultProxy`] in front of
+    /// the test server (to cut or stall the connection): the proxy and the fixture.
+    ///
+    /// # Panics
+    /// As [`NatsFixture::new`].
+    pub async fn behind_proxy() -> (FaultProxy, NatsFixture) {
+        let proxy = FaultProxy::start(host_port(&nats_url())).await;
+        let client = nats_client_at(&format!("nats://{}", proxy.addr)).await;
+        (proxy, NatsFixture::with_client(client).await)
+    }
+
     /// As [`NatsFixture::new`] with an existing client (for example through a [`FaultProxy`]).
     ///
     /// # Panics
@@ -88,13 +117,10 @@ impl NatsFixture {
     /// # Panics
     /// When the stream cannot be read.
     pub async fn stored(&self) -> u64 {
-        let mut s = self
-            .transport
-            .jetstream()
-            .get_stream(&self.stream)
+        nats_stream_info(self.transport.jetstream(), &self.stream)
             .await
-            .expect("get stream");
-        s.info().await.expect("stream info").state.messages
+            .state
+            .messages
     }
 }
 

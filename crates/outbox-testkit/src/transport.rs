@@ -82,6 +82,22 @@ pub async fn publish_all(
     publish_to(t, msgs, |_| destination).await
 }
 
+/// Wait until `t`'s probe succeeds: the transport reconnected after a fault.
+///
+/// # Panics
+/// After `timeout`, with `what` in the message.
+pub async fn wait_probe_ok(what: &str, timeout: Duration, t: &dyn Transport) {
+    crate::wait_until(what, timeout, || async { t.probe().await.is_ok() }).await;
+}
+
+/// Wait until `t`'s probe fails: the transport noticed a fault.
+///
+/// # Panics
+/// After `timeout`, with `what` in the message.
+pub async fn wait_probe_fails(what: &str, timeout: Duration, t: &dyn Transport) {
+    crate::wait_until(what, timeout, || async { t.probe().await.is_err() }).await;
+}
+
 /// The message id header of a received message (`outbox-message-id`).
 pub fn header_message_id(r: &Received) -> Option<Uuid> {
     r.headers

@@ -355,8 +355,6 @@ pub(super) fn render(r: &Report) -> String {
         t.row([
             format!("on / off ({} scrapes)", m.scrapes),
             fmt_ratio(m.ratio),
-            String::new(),
-            String::new(),
         ]);
         section(
             "Cost of the Prometheus metrics (drain without / with the export)",
@@ -409,7 +407,6 @@ pub(super) fn render(r: &Report) -> String {
             "with / without".to_owned(),
             fmt_ratio(s.load_ratio),
             fmt_ratio(s.drain_ratio),
-            String::new(),
         ]);
         section(
             "Cost of the search indexes (keyed messages loaded, then drained by one relay)",
@@ -444,8 +441,6 @@ pub(super) fn render(r: &Report) -> String {
             String::new(),
             String::new(),
             fmt_ratio(r.ratio),
-            String::new(),
-            String::new(),
         ]);
         section(
             &format!(

@@ -310,28 +310,24 @@ fn filters(fill: &Fill) -> Vec<(String, MessageFilter, usize)> {
         states: vec![s],
         ..f()
     };
+    let topic = |t: &str| MessageFilter {
+        topic: Some(t.into()),
+        ..f()
+    };
+    // Created from `from` hours back to `to` hours back (`None`: to now).
+    let created = |from: i64, to: Option<i64>| MessageFilter {
+        created_after: Some(fill.hours_back(from)),
+        created_before: to.map(|h| fill.hours_back(h)),
+        ..f()
+    };
     let middle = fill.rows / 2 + 1;
     let key = format!("key-{}", middle % 1_000_000);
     vec![
         ("the newest page".into(), f(), 1),
         ("state=failed".into(), states(Status::Failed), 1),
         ("state=pending".into(), states(Status::Pending), 1),
-        (
-            "topic=topic.1* (glob)".into(),
-            MessageFilter {
-                topic: Some("topic.1*".into()),
-                ..f()
-            },
-            1,
-        ),
-        (
-            "topic=topic.17".into(),
-            MessageFilter {
-                topic: Some("topic.17".into()),
-                ..f()
-            },
-            1,
-        ),
+        ("topic=topic.1* (glob)".into(), topic("topic.1*"), 1),
+        ("topic=topic.17".into(), topic("topic.17"), 1),
         (
             "message_id (a row in the middle)".into(),
             MessageFilter {
@@ -371,39 +367,20 @@ fn filters(fill: &Fill) -> Vec<(String, MessageFilter, usize)> {
         ),
         (
             "created in 1 hour, 80 hours back".into(),
-            MessageFilter {
-                created_after: Some(fill.hours_back(80)),
-                created_before: Some(fill.hours_back(79)),
-                ..f()
-            },
+            created(80, Some(79)),
             1,
         ),
         (
             "created in 1 hour, 80 hours back, 3rd page".into(),
-            MessageFilter {
-                created_after: Some(fill.hours_back(80)),
-                created_before: Some(fill.hours_back(79)),
-                ..f()
-            },
+            created(80, Some(79)),
             3,
         ),
         (
             "created in 24 hours, 50 hours back".into(),
-            MessageFilter {
-                created_after: Some(fill.hours_back(50)),
-                created_before: Some(fill.hours_back(26)),
-                ..f()
-            },
+            created(50, Some(26)),
             1,
         ),
-        (
-            "created after 2 hours back".into(),
-            MessageFilter {
-                created_after: Some(fill.hours_back(2)),
-                ..f()
-            },
-            1,
-        ),
+        ("created after 2 hours back".into(), created(2, None), 1),
         (
             "sent in 1 hour, 80 hours back".into(),
             MessageFilter {

@@ -22,7 +22,16 @@ fn valid(toml: &str) -> FileConfig {
 /// it naming `field`.
 fn assert_invalid_fields(base: &str, good: &str, cases: &[(&str, &str)]) {
     for (bad, field) in cases {
-        assert_eq!(invalid_field(&base.replace(good, bad)), *field, "{bad}");
+        assert_invalid_edits(base, &[(good, bad, field)]);
+    }
+}
+
+/// For each `(from, to, field)`: `base`, which contains `from`, with `from` replaced by `to`
+/// reads, and `validate` refuses it naming `field`.
+fn assert_invalid_edits(base: &str, cases: &[(&str, &str, &str)]) {
+    for (from, to, field) in cases {
+        assert!(base.contains(from), "{from}");
+        assert_eq!(invalid_field(&base.replace(from, to)), *field, "{to}");
     }
 }
 
@@ -30,6 +39,15 @@ fn assert_invalid_fields(base: &str, good: &str, cases: &[(&str, &str)]) {
 fn assert_unreadable(toml: &str, name: &str) {
     let e = parse(toml).unwrap_err().to_string();
     assert!(e.contains(name), "{e}");
+}
+
+/// For each `(from, to, name)`: `base`, which contains `from`, with `from` replaced by `to` is
+/// refused as the file is read, by an error naming `name`.
+fn assert_unreadable_edits(base: &str, cases: &[(&str, &str, &str)]) {
+    for (from, to, name) in cases {
+        assert!(base.contains(from), "{from}");
+        assert_unreadable(&base.replace(from, to), name);
+    }
 }
 
 const GOOD: &str = r#"
@@ -82,13 +100,20 @@ fn confirmations_and_retention_parse() {
     assert!(
         matches!(c.confirmations, Some(ConfirmationsSection::Nats { ref queue, .. }) if queue == "outbox-confirmations")
     );
-    assert_unreadable(
-        &with.replace("retention = \"forever\"", "retention = \"soon\""),
-        "retention",
-    );
-    assert_unreadable(
-        &with.replace("subject = \"orders.confirm\"", "subject = \"x\"\nbogus = 1"),
-        "bogus",
+    assert_unreadable_edits(
+        &with,
+        &[
+            (
+                "retention = \"forever\"",
+                "retention = \"soon\"",
+                "retention",
+            ),
+            (
+                "subject = \"orders.confirm\"",
+                "subject = \"x\"\nbogus = 1",
+                "bogus",
+            ),
+        ],
     );
     assert_eq!(
         invalid_field(&with.replace("subject = \"orders.confirm\"", "subject = \"r c\"")),
@@ -135,44 +160,46 @@ fn rabbitmq_sections_validate_and_name_the_field() {
     assert_eq!(cfg.confirm_timeout, Duration::from_secs(3));
     assert_eq!(cfg.unroutable, outbox::Unroutable::Fail);
     assert_eq!(cfg.url, "amqp://127.0.0.1:5672/%2f");
-    let field = invalid_field;
-    let with = |extra: &str| base.replace("exchange = \"orders\"", extra);
-    assert_eq!(
-        field(&base.replace("amqp://127.0.0.1:5672/%2f", "http://x")),
-        "transports.mq.url"
-    );
-    assert_eq!(
-        field(&with(
-            "password_env = \"OUTBOX_TEST_SURELY_UNSET_VARIABLE\""
-        )),
-        "transports.mq.password_env"
-    );
-    let c = parse(&with("password_env = \"PATH\"\nusername = \"app\"")).unwrap();
+    // The exchange's line, replaced by another setting.
+    let exchange = "exchange = \"orders\"";
+    let c = parse(&base.replace(exchange, "password_env = \"PATH\"\nusername = \"app\"")).unwrap();
     let TransportConfig::Rabbitmq(m) = &c.transports["mq"] else {
         panic!("not rabbitmq")
     };
     let cfg = m.resolve_secrets().unwrap();
     assert_eq!(cfg.password, std::env::var("PATH").ok());
     assert_eq!(cfg.username.as_deref(), Some("app"));
-    assert_eq!(
-        field(&base.replace("amqp://", "amqps://")),
-        "transports.mq.tls_ca_file"
+    assert_invalid_edits(
+        &base,
+        &[
+            ("amqp://127.0.0.1:5672/%2f", "http://x", "transports.mq.url"),
+            (
+                exchange,
+                "password_env = \"OUTBOX_TEST_SURELY_UNSET_VARIABLE\"",
+                "transports.mq.password_env",
+            ),
+            ("amqp://", "amqps://", "transports.mq.tls_ca_file"),
+            (
+                exchange,
+                "tls_ca_file = \"/etc/hostname\"",
+                "transports.mq.tls_ca_file",
+            ),
+            (exchange, "exchange = \"a/b\"", "transports.mq.exchange"),
+            ("\"3s\"", "\"0s\"", "transports.mq.confirm_timeout"),
+            (
+                exchange,
+                "max_message_bytes = 0",
+                "transports.mq.max_message_bytes",
+            ),
+        ],
     );
-    assert_eq!(
-        field(&with("tls_ca_file = \"/etc/hostname\"")),
-        "transports.mq.tls_ca_file"
+    assert_unreadable_edits(
+        &base,
+        &[
+            (exchange, "exchang = \"x\"", "exchang"),
+            ("\"fail\"", "\"maybe\"", "maybe"),
+        ],
     );
-    assert_eq!(field(&with("exchange = \"a/b\"")), "transports.mq.exchange");
-    assert_eq!(
-        field(&base.replace("\"3s\"", "\"0s\"")),
-        "transports.mq.confirm_timeout"
-    );
-    assert_eq!(
-        field(&with("max_message_bytes = 0")),
-        "transports.mq.max_message_bytes"
-    );
-    assert_unreadable(&with("exchang = \"x\""), "exchang");
-    assert_unreadable(&base.replace("\"fail\"", "\"maybe\""), "maybe");
     // [confirmations] kind = "rabbitmq".
     let confirm = format!(
         "{base}\n[confirmations]\nkind = \"rabbitmq\"\nurl = \"amqp://127.0.0.1/%2f\"\nqueue = \"orders.confirmations\"\n"
@@ -186,13 +213,16 @@ fn rabbitmq_sections_validate_and_name_the_field() {
         .unwrap()
         .unwrap();
     assert_eq!(cfg.url, "amqp://127.0.0.1/%2f");
-    assert_eq!(
-        field(&confirm.replace("queue = \"orders.confirmations\"", "queue = \"\"")),
-        "confirmations.queue"
-    );
-    assert_eq!(
-        field(&confirm.replace("amqp://127.0.0.1/%2f", "nats://x")),
-        "confirmations.url"
+    assert_invalid_edits(
+        &confirm,
+        &[
+            (
+                "queue = \"orders.confirmations\"",
+                "queue = \"\"",
+                "confirmations.queue",
+            ),
+            ("amqp://127.0.0.1/%2f", "nats://x", "confirmations.url"),
+        ],
     );
 }
 
@@ -234,42 +264,53 @@ fn kafka_section_parses_and_names_bad_fields() {
     assert_eq!(kc.max_message_bytes, 1048576);
     assert_eq!(kc.properties["compression.type"], "lz4");
     assert_eq!(k.topics()[0].partitions, 3);
-    let field = |from: &str, to: &str| invalid_field(&good.replace(from, to));
-    assert_eq!(
-        field("kafka://127.0.0.1:19092", "nohostport"),
-        "transports.k.bootstrap_servers"
-    );
-    // The relay's default publish timeout is 10 s.
-    assert_eq!(
-        field("delivery_timeout = \"3s\"", "delivery_timeout = \"10s\""),
-        "transports.k.delivery_timeout"
-    );
-    assert_eq!(
-        field("\"compression.type\" = \"lz4\"", "acks = \"1\""),
-        "transports.k.properties.acks"
-    );
-    assert_eq!(
-        field("[\"orders.created\"]", "[\"bad topic\"]"),
-        "transports.k.create_topics"
-    );
-    assert_eq!(
-        field("partitions = 3", "partitions = 0"),
-        "transports.k.partitions"
-    );
-    assert_eq!(
-        field(
-            "partitions = 3",
-            "sasl = { username_env = \"OUTBOX_TEST_SURELY_UNSET_USER\", password_env = \"OUTBOX_TEST_SURELY_UNSET_PASSWORD\" }"
-        ),
-        "transports.k.sasl.username_env"
+    assert_invalid_edits(
+        &good,
+        &[
+            (
+                "kafka://127.0.0.1:19092",
+                "nohostport",
+                "transports.k.bootstrap_servers",
+            ),
+            // The relay's default publish timeout is 10 s.
+            (
+                "delivery_timeout = \"3s\"",
+                "delivery_timeout = \"10s\"",
+                "transports.k.delivery_timeout",
+            ),
+            (
+                "\"compression.type\" = \"lz4\"",
+                "acks = \"1\"",
+                "transports.k.properties.acks",
+            ),
+            (
+                "[\"orders.created\"]",
+                "[\"bad topic\"]",
+                "transports.k.create_topics",
+            ),
+            (
+                "partitions = 3",
+                "partitions = 0",
+                "transports.k.partitions",
+            ),
+            (
+                "partitions = 3",
+                "sasl = { username_env = \"OUTBOX_TEST_SURELY_UNSET_USER\", password_env = \"OUTBOX_TEST_SURELY_UNSET_PASSWORD\" }",
+                "transports.k.sasl.username_env",
+            ),
+        ],
     );
     if !outbox::transport::kafka::builtin_features()
         .split(',')
         .any(|f| f == "ssl")
     {
-        assert_eq!(
-            field("partitions = 3", "tls = { ca_file = \"/etc/ssl/ca.pem\" }"),
-            "transports.k.tls"
+        assert_invalid_edits(
+            &good,
+            &[(
+                "partitions = 3",
+                "tls = { ca_file = \"/etc/ssl/ca.pem\" }",
+                "transports.k.tls",
+            )],
         );
     }
     assert_unreadable(
@@ -289,30 +330,29 @@ fn kafka_confirmations_parse_and_validate() {
         panic!("kafka confirmations");
     };
     assert_eq!(k.group, "outbox-confirmations");
-    assert_eq!(
-        invalid_field(&with.replace("orders.confirm", "orders confirm")),
-        "confirmations.topic"
-    );
-    assert_eq!(
-        invalid_field(&with.replace("127.0.0.1:19092", "")),
-        "confirmations.bootstrap_servers"
+    assert_invalid_edits(
+        &with,
+        &[
+            ("orders.confirm", "orders confirm", "confirmations.topic"),
+            ("127.0.0.1:19092", "", "confirmations.bootstrap_servers"),
+        ],
     );
     assert_unreadable(&format!("{with}bogus = 1\n"), "bogus");
 }
 
 #[test]
 fn bad_values_name_the_field() {
-    assert_eq!(
-        invalid_field(&GOOD.replace("lease = \"30s\"", "lease = \"1s\"")),
-        "relay.lease"
-    );
-    assert_eq!(
-        invalid_field(&GOOD.replace("transport = \"bus\"", "transport = \"nope\"")),
-        "routes[0].transport"
-    );
-    assert_eq!(
-        invalid_field(&GOOD.replace("http://127.0.0.1:9/", "ftp://x")),
-        "transports.hooks.url"
+    assert_invalid_edits(
+        GOOD,
+        &[
+            ("lease = \"30s\"", "lease = \"1s\"", "relay.lease"),
+            (
+                "transport = \"bus\"",
+                "transport = \"nope\"",
+                "routes[0].transport",
+            ),
+            ("http://127.0.0.1:9/", "ftp://x", "transports.hooks.url"),
+        ],
     );
     assert_unreadable(
         &GOOD.replace("batch_size = 100", "batch_size = \"many\""),
@@ -356,20 +396,21 @@ fn redis_section_is_validated() {
             ),
         ],
     );
-    // A wait timeout without replicas is refused as the file is read, naming the key.
-    assert_unreadable(
-        &base.replace(
-            "url = \"redis://127.0.0.1:6379\"",
-            "url = \"redis://x\"\nwait_timeout = \"1s\"",
-        ),
-        "wait_timeout",
-    );
-    assert_unreadable(
-        &base.replace(
-            "url = \"redis://127.0.0.1:6379\"",
-            "url = \"redis://x\"\nmaxlen = 3",
-        ),
-        "maxlen",
+    assert_unreadable_edits(
+        &base,
+        &[
+            // A wait timeout without replicas is refused as the file is read, naming the key.
+            (
+                "url = \"redis://127.0.0.1:6379\"",
+                "url = \"redis://x\"\nwait_timeout = \"1s\"",
+                "wait_timeout",
+            ),
+            (
+                "url = \"redis://127.0.0.1:6379\"",
+                "url = \"redis://x\"\nmaxlen = 3",
+                "maxlen",
+            ),
+        ],
     );
     let with = base.clone()
         + "\n[confirmations]\nkind = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\nstream = \"orders:confirm\"\n";
@@ -377,6 +418,16 @@ fn redis_section_is_validated() {
     assert!(
         matches!(c.confirmations, Some(ConfirmationsSection::Redis { ref group, .. }) if group == "outbox-confirmations")
     );
+    let listen = c.confirmations.as_ref().unwrap().redis().unwrap().unwrap();
+    assert_eq!(listen.stream, "orders:confirm");
+    // The password's variable is read by `redis()`, naming the setting when it is not set.
+    let unset = with.replace(
+        "stream = \"orders:confirm\"",
+        "stream = \"orders:confirm\"\npassword_env = \"OUTBOX_TEST_UNSET_VARIABLE_4711\"",
+    );
+    let c = parse(&unset).unwrap();
+    let e = c.confirmations.as_ref().unwrap().redis().unwrap_err();
+    assert_eq!(e.field, "confirmations.password_env");
     assert_eq!(
         invalid_field(&with.replace("stream = \"orders:confirm\"", "stream = \"a b\"")),
         "confirmations.stream"
@@ -418,6 +469,16 @@ fn mqtt_section_is_validated() {
     let with = base.clone()
         + "\n[confirmations]\nkind = \"mqtt\"\nurl = \"mqtt://127.0.0.1:1883\"\ntopic = \"orders/confirm\"\n";
     valid(&with);
+    // The listener's settings: the group defaulted, the user and the password's variable read.
+    let secured = with.replace(
+        "topic = \"orders/confirm\"",
+        "topic = \"orders/confirm\"\nusername = \"app\"\npassword_env = \"PATH\"",
+    );
+    let section = parse(&secured).unwrap().confirmations.unwrap();
+    let listen = section.mqtt().unwrap().unwrap();
+    assert_eq!(listen.group, "outbox-confirmations");
+    assert_eq!(listen.username.as_deref(), Some("app"));
+    assert_eq!(listen.password, std::env::var("PATH").ok());
     assert_eq!(
         invalid_field(&with.replace("topic = \"orders/confirm\"", "topic = \"orders/#\"")),
         "confirmations.topic"
@@ -540,10 +601,7 @@ fn rocketmq_bad_values_name_the_field() {
             "confirmations.group",
         ),
     ];
-    for (from, to, expected) in cases {
-        assert!(RMQ.contains(from), "{from}");
-        assert_eq!(invalid_field(&RMQ.replacen(from, to, 1)), expected, "{to}");
-    }
+    assert_invalid_edits(RMQ, &cases);
     assert_unreadable(
         &RMQ.replace("default_topic", "default_topik"),
         "default_topik",

@@ -347,11 +347,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     let mut kills_done = 0;
     let drained = loop {
         tick.tick().await;
-        while let Some(joined) = clients.try_join_next() {
-            joined
-                .context("an order client panicked")?
-                .context("placing an order failed")?;
-        }
+        reap_clients(&mut clients, "an order client")?;
         let placed_now = placed.load(Ordering::Relaxed);
         // Effects are counted in the inventory database: a delivery whose HTTP exchange was cut
         // by a relay kill may have committed without the receiver counting it.
@@ -427,6 +423,21 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     .await?;
     report.print(&delivery);
     conclude(drained, args.timeout, "", || report.verdict())
+}
+
+/// Take the finished tasks of `clients`, each placing orders: the first that panicked (`<who>
+/// panicked`) or failed (`placing an order failed`) is the error. The demo and the two-phase
+/// demo call it on every tick.
+fn reap_clients(
+    clients: &mut tokio::task::JoinSet<anyhow::Result<()>>,
+    who: &str,
+) -> anyhow::Result<()> {
+    while let Some(joined) = clients.try_join_next() {
+        joined
+            .with_context(|| format!("{who} panicked"))?
+            .context("placing an order failed")?;
+    }
+    Ok(())
 }
 
 /// Stop the demo's services (`cancel`) and wait for their tasks: the first error of one.

@@ -121,6 +121,22 @@ pub(super) struct Report {
     elapsed: Duration,
 }
 
+/// Print the report's line of the outbox rows by status: each status with rows, `<STATUS>
+/// <rows>`, in status order. The demo and the two-phase demo print it.
+pub(super) fn print_statuses(statuses: &BTreeMap<Status, u64>) {
+    let shown: Vec<String> = statuses
+        .iter()
+        .filter(|(_, n)| **n > 0)
+        .map(|(s, n)| format!("{s} {n}"))
+        .collect();
+    println!("outbox rows by status      {:>10}", shown.join(", "));
+}
+
+/// A check's verdict in a report: `ok` when it held, `FAILED` when not.
+pub(super) fn check_mark(ok: bool) -> &'static str {
+    if ok { "ok" } else { "FAILED" }
+}
+
 /// The run's two phases: the burst at full speed, then the paced phase.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Phases {
@@ -329,12 +345,6 @@ impl Report {
                 h.len()
             )
         };
-        let statuses: Vec<String> = self
-            .statuses
-            .iter()
-            .filter(|(_, n)| **n > 0)
-            .map(|(s, n)| format!("{s} {n}"))
-            .collect();
         let [
             lost_before,
             acks_lost,
@@ -342,7 +352,6 @@ impl Report {
             copies,
             confirmations_lost,
         ] = self.faults;
-        let check = |ok: bool| if ok { "ok" } else { "FAILED" };
         let ids = |v: &[i64]| {
             if v.is_empty() {
                 String::new()
@@ -360,7 +369,7 @@ impl Report {
             println!(
                 "{label:<27}{:>10}  {}{}",
                 v.len(),
-                check(v.is_empty()),
+                check_mark(v.is_empty()),
                 ids(v)
             );
         };
@@ -368,7 +377,7 @@ impl Report {
         println!();
         println!("== outbox demo report ==");
         println!("orders placed              {:>10}", self.orders);
-        println!("outbox rows by status      {:>10}", statuses.join(", "));
+        print_statuses(&self.statuses);
         println!(
             "publish attempts           {:>10}  ({:.2} per order)",
             self.attempts,
@@ -423,7 +432,7 @@ impl Report {
         println!(
             "ended in between           {:>10}  {}{}",
             self.in_between.len(),
-            check(self.in_between.is_empty()),
+            check_mark(self.in_between.is_empty()),
             if self.in_between.is_empty() {
                 "  every order DEDUCTED-and-CONFIRMED or CANCELLED".to_owned()
             } else {
@@ -448,13 +457,13 @@ impl Report {
         println!(
             "dead letters (FAILED)      {:>10}  {}",
             failed,
-            check(failed == 0)
+            check_mark(failed == 0)
         );
         id_row("lost", &self.lost);
         id_row("applied twice", &self.applied_twice);
         println!(
             "stock consistency          {:>10}  {}",
-            check(self.stock_problems.is_empty()),
+            check_mark(self.stock_problems.is_empty()),
             if self.stock_problems.is_empty() {
                 "initial - final = deducted = ordered by orders not cancelled, for every SKU"
                     .to_owned()
@@ -497,26 +506,21 @@ impl Report {
 
     /// `Ok` when every promise held.
     pub(super) fn verdict(&self) -> anyhow::Result<()> {
-        ensure!(
-            self.lost.is_empty(),
-            "{} orders never took effect",
-            self.lost.len()
-        );
-        ensure!(
-            self.applied_twice.is_empty(),
-            "{} orders took effect more than once",
-            self.applied_twice.len()
-        );
-        ensure!(
-            self.in_between.is_empty(),
-            "{} orders ended neither DEDUCTED-and-CONFIRMED nor CANCELLED",
-            self.in_between.len()
-        );
-        ensure!(
-            self.refused_but_fit.is_empty(),
-            "{} orders were cancelled although the stock covered them",
-            self.refused_but_fit.len()
-        );
+        // The orders' findings, each a broken promise; the first found is the error.
+        for (orders, broken) in [
+            (self.lost.len(), "never took effect"),
+            (self.applied_twice.len(), "took effect more than once"),
+            (
+                self.in_between.len(),
+                "ended neither DEDUCTED-and-CONFIRMED nor CANCELLED",
+            ),
+            (
+                self.refused_but_fit.len(),
+                "were cancelled although the stock covered them",
+            ),
+        ] {
+            ensure!(orders == 0, "{orders} orders {broken}");
+        }
         let failed = self.statuses.get(&Status::Failed).copied().unwrap_or(0);
         ensure!(failed == 0, "{failed} outbox messages were dead-lettered");
         ensure!(

@@ -380,13 +380,16 @@ async fn daemon_discovers_tenant_schemas_without_a_restart() {
     let (f, pool, js) = Fixture::started("tenants").await;
     let suffix = f.table.rsplit('_').next().unwrap().to_owned();
     let schema = |t: &str| format!("tn_{suffix}_{t}");
+    // Run `sql` on the fixture's database.
+    let exec = |sql: String| {
+        let pool = pool.clone();
+        async move { sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&pool).await }
+    };
     let create = |t: &str| {
-        let (pool, s) = (pool.clone(), schema(t));
+        let s = schema(t);
+        let created = exec(format!("CREATE SCHEMA {s}"));
         async move {
-            sqlx::query(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {s}")))
-                .execute(&pool)
-                .await
-                .unwrap();
+            created.await.unwrap();
             succeeds(
                 outbox()
                     .args([
@@ -403,13 +406,9 @@ async fn daemon_discovers_tenant_schemas_without_a_restart() {
     create("a").await;
     create("b").await;
     // A schema matching the pattern without the table: not a tenant (yet).
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "CREATE SCHEMA {}",
-        schema("empty")
-    )))
-    .execute(&pool)
-    .await
-    .unwrap();
+    exec(format!("CREATE SCHEMA {}", schema("empty")))
+        .await
+        .unwrap();
     let addr = free_addr();
     let relay =
         "name = \"tenants\"\npoll_interval = \"200ms\"\nlease = \"3s\"\npublish_timeout = \"1s\"\n";
@@ -434,30 +433,20 @@ async fn daemon_discovers_tenant_schemas_without_a_restart() {
         let (pool, s) = (pool.clone(), schema(t));
         async move { enqueue_topics(&pool, &format!("{s}.outbox"), &[&s], n).await }
     };
+    // Wait until every message of tenant `t` is sent and none failed.
+    let all_sent = |t: &str| {
+        let (pool, table) = (pool.clone(), format!("{}.outbox", schema(t)));
+        async move { wait_all_sent_none_failed(&pool, &table, Duration::from_secs(20)).await }
+    };
     insert("a", 5).await;
     insert("b", 7).await;
-    wait_all_sent_none_failed(
-        &pool,
-        &format!("{}.outbox", schema("a")),
-        Duration::from_secs(20),
-    )
-    .await;
-    wait_all_sent_none_failed(
-        &pool,
-        &format!("{}.outbox", schema("b")),
-        Duration::from_secs(20),
-    )
-    .await;
+    all_sent("a").await;
+    all_sent("b").await;
     // A tenant added while the daemon runs.
     create("c").await;
     wait_status(&addr, &format!("/readyz/{}", member("c")), 200, &f.dir).await;
     insert("c", 3).await;
-    wait_all_sent_none_failed(
-        &pool,
-        &format!("{}.outbox", schema("c")),
-        Duration::from_secs(20),
-    )
-    .await;
+    all_sent("c").await;
     assert_eq!(stream_ids(&js, &f.stream, 15).await.len(), 15);
     // `outbox status --config`: one status per tenant, named as the daemon's members.
     let out = succeeds(outbox().args(["status", "--json", "--config"]).arg(&config));
@@ -523,24 +512,15 @@ async fn daemon_discovers_tenant_schemas_without_a_restart() {
         log_path.display()
     );
     // A tenant dropped: its member goes.
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "DROP SCHEMA {} CASCADE",
-        schema("a")
-    )))
-    .execute(&pool)
-    .await
-    .unwrap();
+    exec(format!("DROP SCHEMA {} CASCADE", schema("a")))
+        .await
+        .unwrap();
     wait_status(&addr, &format!("/readyz/{}", member("a")), 404, &f.dir).await;
     wait_status(&addr, "/readyz", 200, &f.dir).await;
     drop(_relays);
     js.delete_stream(&f.stream).await.unwrap();
     for t in ["b", "c", "empty"] {
-        let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "DROP SCHEMA {} CASCADE",
-            schema(t)
-        )))
-        .execute(&pool)
-        .await;
+        let _ = exec(format!("DROP SCHEMA {} CASCADE", schema(t))).await;
     }
 }
 

@@ -127,7 +127,12 @@ pub async fn bucket_hand_over_and_route_sets<F: StoreFixture>(fx: &F) {
     // relay-a hands bucket `h` to relay-b; a stale hand-over (wrong token) does nothing.
     let (h, th) = a.iter().next().map(|(b, t)| (*b, *t)).unwrap();
     store
-        .hand_off_buckets("relay-a", &[(h, th ^ 1)], "relay-b", LONG)
+        .hand_off_buckets(&HandOff {
+            relay: "relay-a",
+            buckets: &[(h, th ^ 1)],
+            to: "relay-b",
+            lease: LONG,
+        })
         .await
         .unwrap();
     let r = round(&store, "relay-a", LONG, &a).await;
@@ -136,7 +141,12 @@ pub async fn bucket_hand_over_and_route_sets<F: StoreFixture>(fx: &F) {
         "a stale hand-over gave the bucket away"
     );
     store
-        .hand_off_buckets("relay-a", &[(h, th)], "relay-b", LONG)
+        .hand_off_buckets(&HandOff {
+            relay: "relay-a",
+            buckets: &[(h, th)],
+            to: "relay-b",
+            lease: LONG,
+        })
         .await
         .unwrap();
     a.remove(&h);

@@ -160,28 +160,16 @@ pub async fn check_back_then_unconfirmed<F: ConfirmFixture>(fx: &F) {
     // loaded machine: at 300 ms the first "not before the deadline" check failed once in CI
     // (PostgreSQL, 2 cores, the whole suite running).
     let short = Duration::from_millis(1500);
-    let ids = fx
-        .enqueue_commit(vec![NewMessage::new("t", "awaiting")])
-        .await
-        .unwrap();
+    let awaiting_id = fx.commit_one(NewMessage::new("t", "awaiting")).await;
     send_all(&store, awaiting(short)).await;
-    let plain = fx
-        .enqueue_commit(vec![NewMessage::new("t", "plain")])
-        .await
-        .unwrap();
+    let plain = fx.commit_one(NewMessage::new("t", "plain")).await;
     send_all(&store, Outcome::Sent).await;
-    let later = fx
-        .enqueue_commit(vec![NewMessage::new("t", "later")])
-        .await
-        .unwrap();
+    let later = fx.commit_one(NewMessage::new("t", "later")).await;
     send_all(&store, awaiting(LONG)).await;
-    let late = fx
-        .enqueue_commit(vec![NewMessage::new("t", "late")])
-        .await
-        .unwrap();
+    let late = fx.commit_one(NewMessage::new("t", "late")).await;
     send_all(&store, awaiting(short)).await;
     // A SENT row without a deadline, made long ago: still never checked back.
-    fx.backdate(plain[0], Duration::from_secs(3600)).await;
+    fx.backdate(plain, Duration::from_secs(3600)).await;
 
     let max = 2;
     for round in 1..=max {
@@ -190,43 +178,43 @@ pub async fn check_back_then_unconfirmed<F: ConfirmFixture>(fx: &F) {
         tokio::time::sleep(short * 2).await;
         let expected = if round == 1 { 2 } else { 1 };
         assert_eq!(store.check_back(100, max).await.unwrap(), expected);
-        let r = fx.row(ids[0]).await;
+        let r = fx.row(awaiting_id).await;
         assert_eq!(r.status, Status::Pending.as_i16(), "round {round}");
         assert!(r.due_in_ms <= 0, "checked back rows are due now");
         assert!(r.last_error.is_some());
         assert_eq!(r.attempts, 0, "a check-back starts a new round of attempts");
-        let st = fx.confirm_state(ids[0]).await;
+        let st = fx.confirm_state(awaiting_id).await;
         assert_eq!(st.check_backs, i64::from(round));
         assert!(st.deadline_in_ms.is_none());
         if round == 1 {
             // The late one was checked back in the same statement; its confirmation arrives now.
-            assert_eq!(fx.row(late[0]).await.status, Status::Pending.as_i16());
-            let rep = store
-                .apply_confirmations(&[processed(late[0])])
-                .await
-                .unwrap();
+            assert_eq!(fx.row(late).await.status, Status::Pending.as_i16());
+            let rep = store.apply_confirmations(&[processed(late)]).await.unwrap();
             assert_eq!(
                 rep.confirmed, 1,
                 "a late confirmation confirms a checked-back row"
             );
-            assert_eq!(fx.row(late[0]).await.status, Status::Confirmed.as_i16());
+            assert_eq!(fx.row(late).await.status, Status::Confirmed.as_i16());
         }
         // Published again: SENT with a new deadline.
         assert_eq!(send_all(&store, awaiting(short)).await, 1);
-        assert_eq!(fx.row(ids[0]).await.status, Status::Sent.as_i16());
+        assert_eq!(fx.row(awaiting_id).await.status, Status::Sent.as_i16());
     }
     tokio::time::sleep(short * 2).await;
     assert_eq!(store.check_back(100, max).await.unwrap(), 1);
-    let r = fx.row(ids[0]).await;
+    let r = fx.row(awaiting_id).await;
     assert_eq!(r.status, Status::Failed.as_i16());
     let err = r.last_error.unwrap_or_default();
     assert!(err.starts_with("unconfirmed"), "{err}");
-    assert_eq!(fx.confirm_state(ids[0]).await.check_backs, i64::from(max));
+    assert_eq!(
+        fx.confirm_state(awaiting_id).await.check_backs,
+        i64::from(max)
+    );
     assert_eq!(store.check_back(100, max).await.unwrap(), 0);
-    assert_eq!(fx.row(plain[0]).await.status, Status::Sent.as_i16());
-    assert_eq!(fx.confirm_state(plain[0]).await.check_backs, 0);
-    assert_eq!(fx.row(later[0]).await.status, Status::Sent.as_i16());
-    assert_eq!(fx.confirm_state(later[0]).await.check_backs, 0);
+    assert_eq!(fx.row(plain).await.status, Status::Sent.as_i16());
+    assert_eq!(fx.confirm_state(plain).await.check_backs, 0);
+    assert_eq!(fx.row(later).await.status, Status::Sent.as_i16());
+    assert_eq!(fx.confirm_state(later).await.check_backs, 0);
 }
 
 /// Retention ([`Store::retire`], what the relay's maintenance runs) deletes only old CONFIRMED and REJECTED rows (and old SENT rows that await no

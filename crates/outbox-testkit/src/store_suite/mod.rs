@@ -18,8 +18,8 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use outbox::store::{
-    BUCKETS, Bucket, BucketCompletion, BucketRow, LeaseToken, MembershipRequest, MembershipRound,
-    Outcome,
+    BUCKETS, Bucket, BucketCompletion, BucketRow, HandOff, LeaseToken, MembershipRequest,
+    MembershipRound, Outcome,
 };
 use outbox::{
     Backoff, ConfirmReport, Confirmation, EnqueueError, MemoryTransport, NewMessage, Relay,
@@ -79,6 +79,25 @@ impl Work {
     }
 }
 
+/// What a relay believes it holds after membership `round`, as `outbox::Relay` keeps it: the
+/// renewed buckets of `held` are kept and the lost ones dropped (from `suspect` too), the
+/// acquired ones added with their tokens, and those taken over marked `suspect` (their first
+/// batch not read yet).
+pub fn keep_after_round(
+    held: &mut BTreeMap<Bucket, LeaseToken>,
+    suspect: &mut BTreeSet<Bucket>,
+    round: &MembershipRound,
+) {
+    held.retain(|b, _| round.renewed.contains(b));
+    suspect.retain(|b| round.renewed.contains(b));
+    for l in &round.acquired {
+        held.insert(l.bucket, l.token);
+        if l.takeover {
+            suspect.insert(l.bucket);
+        }
+    }
+}
+
 /// One relay's side of the bucket protocol, making the store calls `outbox::Relay` makes with
 /// the same arguments (relay.rs: `membership_loop`, `read_buckets` in the main loop,
 /// `process_inner`, `complete`, `leave`).
@@ -120,14 +139,7 @@ impl ProtocolRelay {
             })
             .await
             .expect("membership");
-        self.held.retain(|b, _| r.renewed.contains(b));
-        self.suspect.retain(|b| r.renewed.contains(b));
-        for l in &r.acquired {
-            self.held.insert(l.bucket, l.token);
-            if l.takeover {
-                self.suspect.insert(l.bucket);
-            }
-        }
+        keep_after_round(&mut self.held, &mut self.suspect, &r);
         r
     }
 
@@ -331,11 +343,19 @@ pub fn relay_over(
     transport: Arc<dyn outbox::Transport>,
     config: RelayConfig,
 ) -> Relay {
+    relay_routed(store, Router::single(transport), config)
+}
+
+/// A relay over `store` publishing by `router` with `config`.
+///
+/// # Panics
+/// When `config` or `router` is invalid, naming the error.
+pub fn relay_routed(store: Arc<dyn outbox::Store>, router: Router, config: RelayConfig) -> Relay {
     Relay::builder(store)
-        .router(Router::single(transport))
+        .router(router)
         .config(config)
         .build()
-        .expect("relay config")
+        .unwrap_or_else(|e| panic!("relay config: {e}"))
 }
 
 /// A relay over `fx`'s store publishing every topic to `mem`, running.

@@ -121,16 +121,13 @@ pub async fn relays_never_share_a_bucket<F: StoreFixture>(fx: &F) {
 /// it; the dead relay's late completion is refused.
 pub async fn lease_expiry_takeover_reads_again<F: StoreFixture>(fx: &F) {
     let store = fx.store();
-    let ids = fx
-        .enqueue_commit(vec![NewMessage::new("t", "x")])
-        .await
-        .unwrap();
+    let id = fx.commit_one(NewMessage::new("t", "x")).await;
     // relay-a's lease (1 s) outlasts relay-b's liveness window (900 ms): once relay-a's buckets
     // expired, relay-a no longer counts as live and relay-b's share is every bucket.
     let mut a = sole_relay(&store, "relay-a", Duration::from_secs(1)).await;
     let read_by_a = a.read(&store, 10).await;
     assert_eq!(read_by_a.len(), 1);
-    assert_eq!(read_by_a[0].row.message.message_id, ids[0]);
+    assert_eq!(read_by_a[0].row.message.message_id, id);
     // relay-a dies here, between read and completion.
     let mut b = ProtocolRelay::new("relay-b", Duration::from_millis(900));
     let r = b.round(&store).await;
@@ -141,19 +138,19 @@ pub async fn lease_expiry_takeover_reads_again<F: StoreFixture>(fx: &F) {
     assert_eq!(taken.live_relays, 1, "relay-a is no longer live");
     assert!(taken.acquired.iter().all(|l| l.takeover), "{taken:?}");
     assert_eq!(b.held.len(), usize::from(BUCKETS));
-    let r = fx.row(ids[0]).await;
+    let r = fx.row(id).await;
     assert_eq!((r.status, r.attempts), (Status::Pending.as_i16(), 0));
 
     let mut work = b.read(&store, 10).await;
     assert_eq!(work.len(), 1, "the row is read again after the takeover");
-    assert_eq!(work[0].row.message.message_id, ids[0]);
+    assert_eq!(work[0].row.message.message_id, id);
     assert_eq!(work[0].row.message.attempts, 0);
     assert!(
         work[0].counted,
         "a takeover batch records its attempt first"
     );
     assert_eq!(b.record_takeover_attempts(&store, &mut work).await, 1);
-    let r = fx.row(ids[0]).await;
+    let r = fx.row(id).await;
     assert_eq!(
         (r.status, r.attempts),
         (Status::Pending.as_i16(), 1),
@@ -166,10 +163,10 @@ pub async fn lease_expiry_takeover_reads_again<F: StoreFixture>(fx: &F) {
         .complete_batch(&store, &[(&read_by_a[0], Outcome::Sent)])
         .await;
     assert_eq!(n, 0, "a dead relay's completion was applied");
-    assert_eq!(fx.row(ids[0]).await.status, Status::Pending.as_i16());
+    assert_eq!(fx.row(id).await.status, Status::Pending.as_i16());
     let n = b.complete_batch(&store, &[(&work[0], Outcome::Sent)]).await;
     assert_eq!(n, 1);
-    let r = fx.row(ids[0]).await;
+    let r = fx.row(id).await;
     assert_eq!((r.status, r.attempts), (Status::Sent.as_i16(), 1));
 }
 
@@ -272,10 +269,7 @@ pub async fn stale_completion_writes_nothing<F: StoreFixture>(fx: &F) {
 /// once, read after the delay (`next_due_in_buckets` says when), attempts kept, error recorded.
 pub async fn retry_backs_off_on_the_database_clock<F: StoreFixture>(fx: &F) {
     let store = fx.store();
-    let ids = fx
-        .enqueue_commit(vec![NewMessage::new("t", "x")])
-        .await
-        .unwrap();
+    let id = fx.commit_one(NewMessage::new("t", "x")).await;
     let mut a = sole_relay(&store, "relay-a", LONG).await;
     let work = a.read(&store, 10).await;
     let delay = Duration::from_millis(1500);
@@ -285,7 +279,7 @@ pub async fn retry_backs_off_on_the_database_clock<F: StoreFixture>(fx: &F) {
     };
     assert_eq!(a.complete_batch(&store, &[(&work[0], retry)]).await, 1);
     let started = tokio::time::Instant::now();
-    let r = fx.row(ids[0]).await;
+    let r = fx.row(id).await;
     assert_eq!(r.status, Status::Pending.as_i16());
     assert_eq!(r.attempts, 1);
     assert_eq!(r.last_error.as_deref(), Some("broker said no"));
@@ -327,7 +321,7 @@ pub async fn retry_backs_off_on_the_database_clock<F: StoreFixture>(fx: &F) {
         a.complete_batch(&store, &[(&work[0], Outcome::Sent)]).await,
         1
     );
-    let r = fx.row(ids[0]).await;
+    let r = fx.row(id).await;
     assert_eq!((r.status, r.attempts), (Status::Sent.as_i16(), 2));
 }
 
@@ -410,10 +404,7 @@ pub async fn relay_dead_letters_at_max_attempts<F: StoreFixture>(fx: &F) {
 /// publishes it as its first attempt once the broker is back.
 pub async fn release_gives_the_attempt_back<F: StoreFixture>(fx: &F) {
     let store = fx.store();
-    let ids = fx
-        .enqueue_commit(vec![NewMessage::new("t", "x")])
-        .await
-        .unwrap();
+    let id = fx.commit_one(NewMessage::new("t", "x")).await;
     let mut a = sole_relay(&store, "relay-a", LONG).await;
     let work = a.read(&store, 10).await;
     assert_eq!(work[0].attempt(), 1);
@@ -421,7 +412,7 @@ pub async fn release_gives_the_attempt_back<F: StoreFixture>(fx: &F) {
         delay: Duration::ZERO,
     };
     assert_eq!(a.complete_batch(&store, &[(&work[0], release)]).await, 1);
-    let r = fx.row(ids[0]).await;
+    let r = fx.row(id).await;
     assert_eq!((r.status, r.attempts), (Status::Pending.as_i16(), 0));
     let work = a.read(&store, 10).await;
     assert_eq!(work.len(), 1);
@@ -439,15 +430,15 @@ pub async fn release_gives_the_attempt_back<F: StoreFixture>(fx: &F) {
         |m| m.released >= 1,
     )
     .await;
-    let r = fx.row(ids[0]).await;
+    let r = fx.row(id).await;
     assert_eq!(
         (r.status, r.attempts),
         (Status::Pending.as_i16(), 0),
         "an unreachable broker costs no attempt"
     );
     mem.set_down(false);
-    wait_status(fx, ids[0], Status::Sent).await;
-    assert_eq!(fx.row(ids[0]).await.attempts, 1);
+    wait_status(fx, id, Status::Sent).await;
+    assert_eq!(fx.row(id).await.attempts, 1);
     let delivered = mem.delivered();
     assert_eq!(delivered.len(), 1);
     assert_eq!(delivered[0].message.attempts, 1);

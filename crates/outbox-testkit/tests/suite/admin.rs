@@ -74,6 +74,34 @@ pub(crate) async fn post(base: &str, path: &str, token: Option<&str>, body: Valu
     (status, r.json().await.expect("a JSON body"))
 }
 
+/// `POST /api/messages/<action>` (`requeue`, `discard`, `publish-now`) with the token for the
+/// rows `ids` (a JSON array): the status code and the report.
+async fn act_on(base: &str, action: &str, ids: Value) -> (u16, Value) {
+    post(
+        base,
+        &format!("/api/messages/{action}"),
+        Some(TOKEN),
+        json!({ "ids": ids }),
+    )
+    .await
+}
+
+/// Wait (at most 20 s) until the relay settled `fx`'s rows: `sent` SENT and `failed` FAILED.
+async fn wait_settled(fx: &dyn StoreFixture, sent: usize, failed: usize) {
+    let count = |rows: &[outbox_testkit::RowState], status: Status| {
+        rows.iter().filter(|r| r.status == status.as_i16()).count()
+    };
+    wait_until(
+        &format!("the relay to settle {sent} rows SENT and {failed} FAILED"),
+        Duration::from_secs(20),
+        || async {
+            let rows = fx.rows().await;
+            count(&rows, Status::Sent) == sent && count(&rows, Status::Failed) == failed
+        },
+    )
+    .await;
+}
+
 fn ids(page: &Value) -> Vec<i64> {
     page["messages"]
         .as_array()
@@ -106,23 +134,7 @@ pub async fn scenario(fx: &dyn StoreFixture) {
     mem.fail_next(mids[1], vec![TransportErrorKind::Permanent]);
     mem.fail_next(mids[3], vec![TransportErrorKind::Permanent]);
     let relay = relay_to(fx, mem.clone(), fast_config("admin-r1")).spawn();
-    wait_until(
-        "the relay settled every due row",
-        Duration::from_secs(20),
-        || async {
-            let rows = fx.rows().await;
-            rows.iter()
-                .filter(|r| r.status == Status::Failed.as_i16())
-                .count()
-                == 2
-                && rows
-                    .iter()
-                    .filter(|r| r.status == Status::Sent.as_i16())
-                    .count()
-                    == 3
-        },
-    )
-    .await;
+    wait_settled(fx, 3, 2).await;
     let rows = fx.rows().await;
     let row_of = |m: uuid::Uuid| rows.iter().find(|r| r.message_id == m).unwrap().id;
     let (failed_a, failed_b, delayed) = (row_of(mids[1]), row_of(mids[3]), row_of(mids[4]));
@@ -233,13 +245,7 @@ pub async fn scenario(fx: &dyn StoreFixture) {
 
     // Requeue one dead letter (and name what cannot be requeued): the relay publishes it again.
     let published = mem.count();
-    let (code, report) = post(
-        &base,
-        "/api/messages/requeue",
-        Some(TOKEN),
-        json!({"ids": [failed_a, delayed, 999999999]}),
-    )
-    .await;
+    let (code, report) = act_on(&base, "requeue", json!([failed_a, delayed, 999999999])).await;
     assert_eq!(code, 200, "{report}");
     assert_eq!(report["changed"], 1, "{report}");
     let reasons: Vec<(i64, String)> = report["not_changed"]
@@ -367,23 +373,7 @@ pub async fn search_indexes<F: StoreFixture + outbox_testkit::ConfirmFixture>(fx
     let mem = Arc::new(MemoryTransport::new());
     mem.fail_next(mids[doomed], vec![TransportErrorKind::Permanent]);
     let relay = relay_to(fx, mem.clone(), fast_config("admin-search")).spawn();
-    wait_until(
-        "the relay settled every row",
-        Duration::from_secs(20),
-        || async {
-            let rows = fx.rows().await;
-            rows.iter()
-                .filter(|r| r.status == Status::Sent.as_i16())
-                .count()
-                == N - 1
-                && rows
-                    .iter()
-                    .filter(|r| r.status == Status::Failed.as_i16())
-                    .count()
-                    == 1
-        },
-    )
-    .await;
+    wait_settled(fx, N - 1, 1).await;
     relay.shutdown().await.unwrap();
     for (i, m) in mids.iter().enumerate() {
         fx.backdate(*m, Duration::from_secs(hours[i] * 3600)).await;
@@ -449,13 +439,7 @@ pub async fn search_indexes<F: StoreFixture + outbox_testkit::ConfirmFixture>(fx
     let doomed_row = row_of(mids[doomed]);
     let (all, _) = all_pages(&base, &window, 5, async |next| {
         assert_eq!(next, doomed_row, "the first page ends on the dead letter");
-        let (code, report) = post(
-            &base,
-            "/api/messages/discard",
-            Some(TOKEN),
-            json!({"ids": [next]}),
-        )
-        .await;
+        let (code, report) = act_on(&base, "discard", json!([next])).await;
         assert_eq!(
             (code, report["changed"].as_u64()),
             (200, Some(1)),
@@ -540,13 +524,7 @@ pub async fn leases_and_blocked_keys(fx: &dyn StoreFixture) {
     assert!(leases["now"].is_string());
 
     // Requeue the head: A, then B and C are published; nothing is held back any more.
-    let (_, report) = post(
-        &base,
-        "/api/messages/requeue",
-        Some(TOKEN),
-        json!({"ids": [head]}),
-    )
-    .await;
+    let (_, report) = act_on(&base, "requeue", json!([head])).await;
     assert_eq!(report["changed"], 1, "{report}");
     wait_until("K published in order", Duration::from_secs(20), || async {
         fx.rows()
@@ -614,13 +592,7 @@ async fn sqlite_garbage_row_is_listed_shown_and_discarded(fx: outbox_testkit::Sq
     assert_eq!(code, 200, "{m}");
     assert!(m["headers_error"].is_string(), "{m}");
     assert_eq!(m["payload"]["text"], "text payload");
-    let (_, report) = post(
-        &base,
-        "/api/messages/discard",
-        Some(TOKEN),
-        json!({"ids": [id]}),
-    )
-    .await;
+    let (_, report) = act_on(&base, "discard", json!([id])).await;
     assert_eq!(report["changed"], 1, "{report}");
     assert_eq!(
         fx.archived().await,

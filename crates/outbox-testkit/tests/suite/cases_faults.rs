@@ -171,11 +171,7 @@ async fn c01_stress_concurrent_writers_commit_out_of_id_order() {
 /// once in the stream, after the broker comes back.
 #[suite_test]
 async fn c05_nats_outage_through_proxy_pauses_and_recovers() {
-    let proxy =
-        outbox_testkit::FaultProxy::start(outbox_testkit::host_port(&outbox_testkit::nats_url()))
-            .await;
-    let client = outbox_testkit::nats_client_at(&format!("nats://{}", proxy.addr)).await;
-    let nats = outbox_testkit::NatsFixture::with_client(client).await;
+    let (proxy, nats) = outbox_testkit::NatsFixture::behind_proxy().await;
     let fx = SqliteFixture::new().await;
     let relay = Relay::builder(fx.store())
         .router(Router::new().route(

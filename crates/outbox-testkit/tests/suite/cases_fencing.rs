@@ -12,13 +12,12 @@ use outbox::store::{
     Bucket, BucketCompletion, BucketLease, BucketRow, LeaseToken, MembershipRequest, Outcome, Store,
 };
 use outbox::transport::memory::Delivered;
-use outbox::{MemoryTransport, NewMessage, RelayConfig, Status};
-use outbox_testkit::{PgFixture, SqliteFixture, StoreFixture, wait_metrics, wait_until, within};
+use outbox::{NewMessage, Status};
+use outbox_testkit::{PgFixture, SqliteFixture, StoreFixture, wait_metrics, wait_until};
 use sqlx::AssertSqlSafe;
 
-use crate::crash::apply_through_inbox;
+use crate::crash::{apply_through_inbox, r1_paused, r2_takes_over};
 use crate::inbox::pg_with_effects;
-use crate::relay::{fast_config, hooked_relay_to, relay_to, wait_all_status};
 
 /// C17 through two relays: R1 publishes M1 and stalls before recording it, past its lease; R2
 /// takes the bucket over (the recovery), counts the attempt, publishes M1 again and records
@@ -31,32 +30,10 @@ async fn c17_scenario(
     apply: impl AsyncFnOnce(Vec<Delivered>) -> (usize, i64),
 ) {
     let hooks = PauseFirst::new(PauseAt::Complete);
-    let (mem1, mem2) = (
-        Arc::new(MemoryTransport::new()),
-        Arc::new(MemoryTransport::new()),
-    );
-    // One batch in flight: while it stalls, R1 reads nothing else.
-    let config = RelayConfig {
-        in_flight_batches: 1,
-        ..fast_config("r1")
-    };
-    let r1 = hooked_relay_to(fx, mem1.clone(), config, hooks.clone()).spawn();
-    let id = fx.commit_one(NewMessage::new("t", "m1")).await;
-    within(
-        "R1 to publish and stall before its completion",
-        Duration::from_secs(5),
-        hooks.entered.notified(),
-    )
-    .await;
+    let (mem1, r1, id) =
+        r1_paused(fx, &hooks, "R1 to publish and stall before its completion").await;
     assert_eq!(mem1.count(), 1);
-    let r2 = relay_to(fx, mem2.clone(), fast_config("r2")).spawn();
-    within(
-        "R2 to take over after R1's lease and publish",
-        Duration::from_secs(10),
-        mem2.wait_for(1),
-    )
-    .await;
-    wait_all_status(fx, Status::Sent, Duration::from_secs(5)).await;
+    let (mem2, r2) = r2_takes_over(fx).await;
     let sent = fx.row(id).await;
     assert_eq!(sent.attempts, 1, "R2's takeover counted one attempt");
     hooks.resume.notify_one();

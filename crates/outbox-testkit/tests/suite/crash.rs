@@ -21,7 +21,7 @@ use outbox_testkit::{
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::inbox::{EffectHandler, pg_count, pg_effects, pg_with_effects};
+use crate::inbox::{EffectHandler, pg_count, pg_effects_of, pg_with_effects};
 use crate::relay::{counts_by_id, fast_config, hooked_relay_to, relay_to, wait_all_status};
 
 /// Feed every delivery (duplicates included) through an inbox on `pool`, as a consumer would.
@@ -113,8 +113,7 @@ async fn crash_after_ack_before_completion_republishes_once_applied() {
 async fn crash_after_ack_nats_duplicate_window_and_inbox(fx: PgFixture) {
     let nats = NatsFixture::new().await;
     let pool = fx.store.pool().clone();
-    let effects = format!("{}.effects", fx.schema);
-    pg_effects(&pool, &effects).await;
+    let effects = pg_effects_of(&fx).await;
     let dest = format!("{}.{{topic}}", nats.prefix);
     let hang = Arc::new(AckThenHang::new(nats.transport.clone(), 1));
     let r1 = Relay::builder(fx.store())
@@ -166,6 +165,43 @@ async fn crash_after_ack_nats_duplicate_window_and_inbox(fx: PgFixture) {
     nats.cleanup().await;
 }
 
+/// Relay R1 over `fx` to a fresh memory transport, paused by `hooks`, and one message `m1`
+/// enqueued; once R1 paused on it (`what`, within 5 s): R1's transport, R1 and the message's id.
+/// R1 has one batch in flight: while that batch is paused it reads nothing else, so a takeover
+/// is another relay's.
+pub(crate) async fn r1_paused(
+    fx: &dyn StoreFixture,
+    hooks: &Arc<PauseFirst>,
+    what: &str,
+) -> (Arc<MemoryTransport>, outbox::RelayHandle, Uuid) {
+    let mem1 = Arc::new(MemoryTransport::new());
+    let config = RelayConfig {
+        in_flight_batches: 1,
+        ..fast_config("r1")
+    };
+    let r1 = hooked_relay_to(fx, mem1.clone(), config, hooks.clone()).spawn();
+    let id = fx.commit_one(NewMessage::new("t", "m1")).await;
+    within(what, Duration::from_secs(5), hooks.entered.notified()).await;
+    (mem1, r1, id)
+}
+
+/// Relay R2 over `fx` to a fresh memory transport; once R1's lease ran out it takes the message
+/// over and publishes it (within 10 s), and every row is SENT (within 5 s): R2's transport and R2.
+pub(crate) async fn r2_takes_over(
+    fx: &dyn StoreFixture,
+) -> (Arc<MemoryTransport>, outbox::RelayHandle) {
+    let mem2 = Arc::new(MemoryTransport::new());
+    let r2 = relay_to(fx, mem2.clone(), fast_config("r2")).spawn();
+    within(
+        "R2 to take over after R1's lease and publish",
+        Duration::from_secs(10),
+        mem2.wait_for(1),
+    )
+    .await;
+    wait_all_status(fx, Status::Sent, Duration::from_secs(5)).await;
+    (mem2, r2)
+}
+
 /// C15: R1 is paused right after its claim for longer than the lease. R2 takes the message over
 /// and publishes it; R1, on resume, does not publish (stale batch) or has its completion refused
 /// (lost lease). The inbox applies the message once; no row is left SENDING. Shared by every
@@ -176,33 +212,8 @@ pub async fn c15_scenario(
     apply: impl AsyncFnOnce(Vec<Delivered>) -> (usize, i64),
 ) {
     let hooks = PauseFirst::new(PauseAt::Publish);
-    let mem1 = Arc::new(MemoryTransport::new());
-    let mem2 = Arc::new(MemoryTransport::new());
-    // One batch in flight: while its batch is paused R1 claims nothing else, so the takeover is
-    // R2's.
-    let config = RelayConfig {
-        in_flight_batches: 1,
-        ..fast_config("r1")
-    };
-    let r1 = hooked_relay_to(fx, mem1.clone(), config, hooks.clone()).spawn();
-    let ids = fx
-        .enqueue_commit(vec![NewMessage::new("t", "m1")])
-        .await
-        .unwrap();
-    within(
-        "R1 to claim",
-        Duration::from_secs(5),
-        hooks.entered.notified(),
-    )
-    .await;
-    let r2 = relay_to(fx, mem2.clone(), fast_config("r2")).spawn();
-    within(
-        "R2 to take over after the lease",
-        Duration::from_secs(10),
-        mem2.wait_for(1),
-    )
-    .await;
-    wait_all_status(fx, Status::Sent, Duration::from_secs(5)).await;
+    let (mem1, r1, id) = r1_paused(fx, &hooks, "R1 to claim").await;
+    let (mem2, r2) = r2_takes_over(fx).await;
     hooks.resume.notify_one();
     wait_metrics(r1.metrics(), 5, "R1 to notice its stale claim", |m| {
         m.stale_batches + m.lost_leases >= 1
@@ -211,7 +222,7 @@ pub async fn c15_scenario(
     let mut all = mem1.delivered();
     all.extend(mem2.delivered());
     assert_eq!(apply(all).await, (1, 1), "(applied, effects)");
-    let row = fx.row(ids[0]).await;
+    let row = fx.row(id).await;
     assert_eq!(
         row.status,
         Status::Sent.as_i16(),

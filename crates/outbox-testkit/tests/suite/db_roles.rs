@@ -2,7 +2,7 @@
 //! connection, a locked outbox table) and schema versions, on the real PostgreSQL, MariaDB and
 //! SQLite.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use outbox::store::Store;
@@ -17,45 +17,8 @@ use outbox_testkit::{
 use sqlx::AssertSqlSafe;
 use tokio_util::sync::CancellationToken;
 
+use crate::logs::Logs;
 use crate::relay::fast_config;
-
-/// Log lines (INFO and above) of the current thread, for tests on a current-thread runtime:
-/// every task they spawn logs into it.
-#[derive(Clone, Default)]
-struct Logs(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Logs {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Logs {
-    /// Capture this thread's events until the guard is dropped.
-    fn capture() -> (Logs, tracing::subscriber::DefaultGuard) {
-        let logs = Logs::default();
-        let writer = logs.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .with_max_level(tracing::Level::INFO)
-            .with_ansi(false)
-            .with_writer(move || writer.clone())
-            .finish();
-        (logs, tracing::subscriber::set_default(subscriber))
-    }
-
-    /// Lines that contain every one of `parts`.
-    fn lines_with(&self, parts: &[&str]) -> Vec<String> {
-        let text = String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned();
-        text.lines()
-            .filter(|l| parts.iter().all(|p| l.contains(p)))
-            .map(str::to_owned)
-            .collect()
-    }
-}
 
 /// `postgres_url()` with another `host:port` or database.
 fn pg_url_with(host_port_: Option<&str>, database: Option<&str>) -> String {
@@ -143,7 +106,7 @@ async fn listener_port(admin: &sqlx::PgPool, channel: &str) -> u16 {
 /// delivered.
 #[tokio::test]
 async fn defect_05_read_only_server_connections_are_dropped_and_relay_recovers() {
-    let (logs, _guard) = Logs::capture();
+    let (logs, _guard) = Logs::capture(tracing::Level::INFO);
     let admin = pg_pool(2).await;
     let db = unique("ro");
     sqlx::raw_sql(AssertSqlSafe(format!("CREATE DATABASE {db}")))
@@ -281,7 +244,7 @@ async fn defect_05_read_only_refusal_is_classified_unavailable() {
 /// that acquired buckets) publishes it without any NOTIFY.
 #[tokio::test]
 async fn defect_05_half_open_listener_is_detected_and_replaced() {
-    let (logs, _guard) = Logs::capture();
+    let (logs, _guard) = Logs::capture(tracing::Level::INFO);
     let admin = pg_pool(2).await;
     let proxy = FaultProxy::start(pg_host_port()).await;
     let schema = unique("obx");
@@ -372,7 +335,7 @@ async fn defect_05_half_open_listener_is_detected_and_replaced() {
 /// wake-ups work again.
 #[tokio::test]
 async fn defect_05_killed_listener_logs_its_reconnect() {
-    let (logs, _guard) = Logs::capture();
+    let (logs, _guard) = Logs::capture(tracing::Level::INFO);
     let fx = PgFixture::new().await;
     let transport = Arc::new(MemoryTransport::new());
     let mut config = fast_config(&unique("relay"));
@@ -654,6 +617,33 @@ async fn expect_refusal(store: Arc<dyn Store>) -> StoreError {
     r.expect_err("the relay refuses to start")
 }
 
+/// A relay over `store` and `store`'s `migrate`, on a table a newer build migrated to `newer`:
+/// both refuse with a schema version error naming `newer`. Their messages, relay's first.
+///
+/// # Panics
+/// When either starts, or its error is another or does not name `newer`.
+async fn refusals_of_a_newer_schema(
+    store: Arc<dyn Store>,
+    backend: &str,
+    newer: i64,
+) -> [String; 2] {
+    let refusals = [
+        expect_refusal(store.clone()).await,
+        store.migrate().await.unwrap_err(),
+    ];
+    refusals.map(|e| {
+        assert_eq!(
+            e.kind(),
+            StoreErrorKind::SchemaVersion,
+            "{backend}: {}",
+            e.report()
+        );
+        let msg = e.to_string();
+        assert!(msg.contains(&format!("v{newer}")), "{backend}: {msg}");
+        msg
+    })
+}
+
 /// Item 7: a relay of this build on a table at an older schema (here v3: before bucket leases).
 /// Before: it started, and its membership failed forever with "table … does not exist". After:
 /// it refuses to start with "run `outbox migrate` (table … at v3, this build needs vN)".
@@ -693,26 +683,12 @@ async fn defect_07_relay_and_migrate_refuse_a_newer_schema() {
         fx.table()
     ))
     .await;
-    let check = |e: &StoreError, backend: &str| {
-        assert_eq!(
-            e.kind(),
-            StoreErrorKind::SchemaVersion,
-            "{backend}: {}",
-            e.report()
-        );
-        let msg = e.to_string();
+    for msg in refusals_of_a_newer_schema(Arc::new(fx.store.clone()), "postgres", newer).await {
         assert!(
-            msg.contains(&format!("v{newer}"))
-                && msg.contains(&format!("v{needed}"))
-                && msg.contains("upgrade"),
-            "{backend}: {msg}"
+            msg.contains(&format!("v{needed}")) && msg.contains("upgrade"),
+            "postgres: {msg}"
         );
-    };
-    check(
-        &expect_refusal(Arc::new(fx.store.clone())).await,
-        "postgres relay",
-    );
-    check(&fx.store.migrate().await.unwrap_err(), "postgres migrate");
+    }
     fx.exec(&format!(
         "DELETE FROM outbox_migrations WHERE table_name = '{}' AND version = {newer}",
         fx.table()
@@ -734,21 +710,8 @@ async fn defect_07_relay_and_migrate_refuse_a_newer_schema() {
         my.table
     ))
     .await;
-    for e in [
-        expect_refusal(Arc::new(my.store.clone())).await,
-        my.store.migrate().await.unwrap_err(),
-    ] {
-        assert_eq!(
-            e.kind(),
-            StoreErrorKind::SchemaVersion,
-            "mysql: {}",
-            e.report()
-        );
-        let msg = e.to_string();
-        assert!(
-            msg.contains(&format!("v{newer_my}")) && msg.contains(&format!("v{needed}")),
-            "{msg}"
-        );
+    for msg in refusals_of_a_newer_schema(Arc::new(my.store.clone()), "mysql", newer_my).await {
+        assert!(msg.contains(&format!("v{needed}")), "{msg}");
     }
     my.cleanup().await;
 
@@ -765,16 +728,5 @@ async fn defect_07_relay_and_migrate_refuse_a_newer_schema() {
         .execute(lite.store.pool())
         .await
         .unwrap();
-    for e in [
-        expect_refusal(Arc::new(lite.store.clone())).await,
-        lite.store.migrate().await.unwrap_err(),
-    ] {
-        assert_eq!(
-            e.kind(),
-            StoreErrorKind::SchemaVersion,
-            "sqlite: {}",
-            e.report()
-        );
-        assert!(e.to_string().contains(&format!("v{}", needed + 2)), "{e}");
-    }
+    refusals_of_a_newer_schema(Arc::new(lite.store.clone()), "sqlite", needed + 2).await;
 }

@@ -310,9 +310,7 @@ async fn close_rabbitmq_connections(name: &str) -> usize {
 /// `Nats-Msg-Id`).
 #[suite_test]
 async fn defect_04_nats_cut_connection_is_rebuilt_without_burning_attempts() {
-    let proxy = FaultProxy::start(outbox_testkit::host_port(&outbox_testkit::nats_url())).await;
-    let client = outbox_testkit::nats_client_at(&format!("nats://{}", proxy.addr)).await;
-    let fx = outbox_testkit::NatsFixture::with_client(client).await;
+    let (proxy, fx) = outbox_testkit::NatsFixture::behind_proxy().await;
     let destination = format!("{}.{{topic}}", fx.prefix);
     let out = kill_while_relaying("d04-nats", fx.transport.clone(), &destination, || async {
         proxy.set_blocked(true);

@@ -77,9 +77,15 @@ pub async fn pg_effects(pool: &PgPool, name: &str) {
 pub async fn pg_with_effects() -> (PgFixture, PgPool, String) {
     let fx = PgFixture::new().await;
     let pool = fx.store.pool().clone();
-    let effects = format!("{}.effects", fx.schema);
-    pg_effects(&pool, &effects).await;
+    let effects = pg_effects_of(&fx).await;
     (fx, pool, effects)
+}
+
+/// The effects table `<schema>.effects` ([`pg_effects`]), created in `fx`'s schema: its name.
+pub async fn pg_effects_of(fx: &PgFixture) -> String {
+    let effects = format!("{}.effects", fx.schema);
+    pg_effects(fx.store.pool(), &effects).await;
+    effects
 }
 
 pub async fn pg_count(pool: &PgPool, sql: &str) -> i64 {
@@ -330,9 +336,16 @@ pub async fn mysql_count(pool: &MySqlPool, sql: &str) -> i64 {
 async fn mysql_with_effects() -> (MySqlFixture, MySqlPool, String) {
     let fx = MySqlFixture::new().await;
     let pool = fx.store.pool().clone();
-    let effects = format!("{}_effects", fx.table);
-    mysql_effects(&pool, &effects).await;
+    let effects = mysql_effects_of(&fx).await;
     (fx, pool, effects)
+}
+
+/// The effects table `<outbox table>_effects` ([`mysql_effects`]), created beside `fx`'s outbox:
+/// its name.
+pub async fn mysql_effects_of(fx: &MySqlFixture) -> String {
+    let effects = format!("{}_effects", fx.table);
+    mysql_effects(fx.store.pool(), &effects).await;
+    effects
 }
 
 async fn mysql_drop(fx: &MySqlFixture, effects: &str) {

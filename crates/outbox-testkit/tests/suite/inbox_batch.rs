@@ -253,8 +253,7 @@ async fn postgres_batch_recognises_recorded_and_repeated_messages() {
 #[suite_test]
 async fn mysql_batch_recognises_recorded_and_repeated_messages(fx: outbox_testkit::MySqlFixture) {
     let pool = fx.store.pool().clone();
-    let effects = format!("{}_effects", fx.table);
-    crate::inbox::mysql_effects(&pool, &effects).await;
+    let effects = crate::inbox::mysql_effects_of(&fx).await;
     let inbox = Inbox::<sqlx::MySql>::new(pool.clone(), &fx.inbox_table(), "batched").unwrap();
     inbox.migrate().await.unwrap();
     batch_recognises_recorded_and_repeated(&inbox, &effects, async |sql| {

@@ -9,7 +9,7 @@
 
 use outbox_testkit_macros::suite_test;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -27,8 +27,8 @@ use outbox::{
 };
 use outbox_testkit::kafka::{kafka_config, read_keyed, read_partition};
 use outbox_testkit::{
-    ConfirmFixture, HookControl, KafkaFixture, PgFixture, StoreFixture, TransportFixture as _,
-    claimed_message, publish_all, unique, wait_until,
+    Concurrent, ConfirmFixture, HookControl, KafkaFixture, PgFixture, StoreFixture,
+    TransportFixture as _, claimed_message, publish_all, unique, wait_until,
 };
 use sqlx::{AssertSqlSafe, PgConnection};
 use tokio_util::sync::CancellationToken;
@@ -242,26 +242,22 @@ async fn c07_kafka_oversize_record_dead_letters_only_itself(fx: PgFixture) {
     kafka.cleanup().await;
 }
 
-/// A handler that records each application as a row `(n bigserial, key, payload, delivery)`, fails
-/// transiently for the payloads in `failures` as many times as given, and tracks how many
-/// applications run at once.
+/// A handler that records each application as a row `(n bigserial, key, payload, delivery)`,
+/// pauses `pause` after it, and fails transiently for the payloads in `failures` as many times as
+/// given.
 struct KeyedHandler {
     effects: String,
     failures: Mutex<HashMap<String, u32>>,
-    running: AtomicUsize,
-    max_running: AtomicUsize,
     pause: Duration,
 }
 
 impl KeyedHandler {
-    fn new(effects: &str, pause: Duration) -> Arc<Self> {
-        Arc::new(KeyedHandler {
+    fn new(effects: &str, pause: Duration) -> Self {
+        KeyedHandler {
             effects: effects.into(),
             failures: Mutex::default(),
-            running: AtomicUsize::new(0),
-            max_running: AtomicUsize::new(0),
             pause,
-        })
+        }
     }
 }
 
@@ -272,36 +268,29 @@ impl outbox::Handler<sqlx::Postgres> for KeyedHandler {
         conn: &mut PgConnection,
         msg: &InboundMessage,
     ) -> Result<(), HandlerError> {
-        let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
-        self.max_running.fetch_max(now, Ordering::SeqCst);
         let payload = String::from_utf8_lossy(&msg.payload).into_owned();
-        let result = async {
-            sqlx::query(AssertSqlSafe(format!(
-                "INSERT INTO {} (message_id, key, payload, delivery) VALUES ($1, $2, $3, $4)",
-                self.effects
-            )))
-            .bind(msg.message_id.to_string())
-            .bind(msg.partition_key.clone())
-            .bind(&payload)
-            .bind(msg.delivery_count as i32)
-            .execute(&mut *conn)
-            .await
-            .map_err(HandlerError::transient)?;
-            if !self.pause.is_zero() {
-                tokio::time::sleep(self.pause).await;
-            }
-            let mut failures = self.failures.lock().unwrap();
-            if let Some(n) = failures.get_mut(&payload)
-                && *n > 0
-            {
-                *n -= 1;
-                return Err(HandlerError::transient(format!("{payload} failed (test)")));
-            }
-            Ok(())
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {} (message_id, key, payload, delivery) VALUES ($1, $2, $3, $4)",
+            self.effects
+        )))
+        .bind(msg.message_id.to_string())
+        .bind(msg.partition_key.clone())
+        .bind(&payload)
+        .bind(msg.delivery_count as i32)
+        .execute(&mut *conn)
+        .await
+        .map_err(HandlerError::transient)?;
+        if !self.pause.is_zero() {
+            tokio::time::sleep(self.pause).await;
         }
-        .await;
-        self.running.fetch_sub(1, Ordering::SeqCst);
-        result
+        let mut failures = self.failures.lock().unwrap();
+        if let Some(n) = failures.get_mut(&payload)
+            && *n > 0
+        {
+            *n -= 1;
+            return Err(HandlerError::transient(format!("{payload} failed (test)")));
+        }
+        Ok(())
     }
 }
 
@@ -475,7 +464,7 @@ async fn kafka_consumer_end_to_end_with_confirmations() {
 #[suite_test(workers = 4)]
 async fn kafka_transient_failure_is_retried_then_applied_in_order() {
     let s = KafkaSetup::new(2).await;
-    let handler = KeyedHandler::new(&s.effects, Duration::ZERO);
+    let handler = Arc::new(KeyedHandler::new(&s.effects, Duration::ZERO));
     handler.failures.lock().unwrap().insert("K-1".into(), 2);
     let msgs: Vec<NewMessage> = ["K-1", "K-2", "K-3"]
         .iter()
@@ -521,7 +510,10 @@ async fn kafka_transient_failure_is_retried_then_applied_in_order() {
 #[suite_test(workers = 4)]
 async fn kafka_per_key_order_with_concurrency() {
     let s = KafkaSetup::new(3).await;
-    let handler = KeyedHandler::new(&s.effects, Duration::from_millis(3));
+    let handler = Arc::new(Concurrent::new(KeyedHandler::new(
+        &s.effects,
+        Duration::from_millis(3),
+    )));
     let mut config = s.consumer_config(4);
     config.batch = 60;
     config.runner.confirmations = None;
@@ -556,10 +548,7 @@ async fn kafka_per_key_order_with_concurrency() {
             .collect();
         assert_eq!(seq, (0..20).collect::<Vec<u32>>(), "order of {key}");
     }
-    assert!(
-        handler.max_running.load(Ordering::SeqCst) > 1,
-        "applications ran concurrently"
-    );
+    assert!(handler.most() > 1, "applications ran concurrently");
     assert_eq!(metrics.applied.load(Ordering::Relaxed), 240);
     s.finish(consumer).await;
 }

@@ -121,6 +121,7 @@ mod inbox;
 mod inbox_batch;
 mod kafka;
 mod lanes;
+mod logs;
 mod model;
 mod mqtt;
 mod ordering;

@@ -20,7 +20,7 @@ use outbox::{MqttConfig, NoSubscribers, TransportErrorKind};
 use outbox_testkit::mqtt::mqtt_transport;
 use outbox_testkit::{
     FaultProxy, MqttFixture, PgFixture, StoreFixture as _, TransportFixture as _, claimed_message,
-    host_port, mqtt_url, publish_all, unique, wait_until, within,
+    host_port, mqtt_url, publish_all, unique, wait_probe_fails, wait_probe_ok, wait_until, within,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -201,10 +201,7 @@ async fn broker_cut_is_unavailable_then_recovers(fx: MqttFixture) {
     assert!(publish(&t, &dest, std::slice::from_ref(&m)).await[0].is_ok());
     t.probe().await.expect("connected");
     proxy.set_blocked(true);
-    wait_until("the cut to be noticed", Duration::from_secs(20), || async {
-        t.probe().await.is_err()
-    })
-    .await;
+    wait_probe_fails("the cut to be noticed", Duration::from_secs(20), &t).await;
     assert_eq!(
         t.probe().await.unwrap_err().kind(),
         TransportErrorKind::Unavailable
@@ -214,12 +211,7 @@ async fn broker_cut_is_unavailable_then_recovers(fx: MqttFixture) {
     let e = r[0].as_ref().unwrap_err();
     assert_eq!(e.kind(), TransportErrorKind::Unavailable, "{e:?}");
     proxy.set_blocked(false);
-    wait_until(
-        "the client to reconnect",
-        Duration::from_secs(20),
-        || async { t.probe().await.is_ok() },
-    )
-    .await;
+    wait_probe_ok("the client to reconnect", Duration::from_secs(20), &t).await;
     let after = claimed_message("t", "after");
     assert!(publish(&t, &dest, std::slice::from_ref(&after)).await[0].is_ok());
     let got: Vec<Vec<u8>> = fx

@@ -18,7 +18,7 @@ use outbox::{
 use outbox_testkit::{
     FaultProxy, RabbitMqFixture, SqliteFixture, StoreFixture, TransportFixture as _,
     claimed_message, publish_to, rabbitmq_config, rabbitmq_host_port, rabbitmq_url, wait_metrics,
-    wait_until, within,
+    wait_probe_fails, wait_probe_ok, wait_until, within,
 };
 use uuid::Uuid;
 
@@ -526,29 +526,22 @@ async fn cut_connection_is_unavailable_then_reconnects() {
     )))
     .await;
     let dest = fx.good_destination();
+    let t = fx.transport.as_ref();
     let one = || claimed_message("t", "x");
-    let r = publish_to(fx.transport.as_ref(), &[one()], |_| &dest).await;
+    let r = publish_to(t, &[one()], |_| &dest).await;
     assert!(r[0].is_ok(), "{r:?}");
     proxy.set_blocked(true);
-    wait_until("the probe to fail", Duration::from_secs(10), || async {
-        fx.transport.probe().await.is_err()
-    })
-    .await;
-    let e = fx.transport.probe().await.unwrap_err();
+    wait_probe_fails("the probe to fail", Duration::from_secs(10), t).await;
+    let e = t.probe().await.unwrap_err();
     assert_eq!(e.kind(), TransportErrorKind::Unavailable, "{e:?}");
-    let e = publish_to(fx.transport.as_ref(), &[one()], |_| &dest)
+    let e = publish_to(t, &[one()], |_| &dest)
         .await
         .remove(0)
         .unwrap_err();
     assert_eq!(e.kind(), TransportErrorKind::Unavailable, "{e:?}");
     proxy.set_blocked(false);
-    wait_until(
-        "the transport to reconnect",
-        Duration::from_secs(10),
-        || async { fx.transport.probe().await.is_ok() },
-    )
-    .await;
-    let r = publish_to(fx.transport.as_ref(), &[one()], |_| &dest).await;
+    wait_probe_ok("the transport to reconnect", Duration::from_secs(10), t).await;
+    let r = publish_to(t, &[one()], |_| &dest).await;
     assert!(r[0].is_ok(), "{r:?}");
     // Connection refused outright.
     let port = outbox_testkit::free_port();

@@ -3,7 +3,7 @@
 
 use outbox_testkit_macros::suite_test;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -13,8 +13,8 @@ use outbox::consumer::ConsumerMetrics;
 use outbox::consumer::rabbitmq::{RabbitMqConsumerConfig, retry_queue, retry_tier};
 use outbox::{HandlerError, InboundMessage, Inbox, NewMessage, Verdict};
 use outbox_testkit::{
-    PgFixture, RabbitMqFixture, StoreFixture, TransportFixture as _, claimed_message, publish_to,
-    rabbitmq_config, rabbitmq_url, wait_until,
+    Concurrent, PgFixture, RabbitMqFixture, StoreFixture, TransportFixture as _, claimed_message,
+    publish_to, rabbitmq_config, rabbitmq_url, wait_until,
 };
 use sqlx::{AssertSqlSafe, PgConnection};
 use tokio_util::sync::CancellationToken;
@@ -237,13 +237,10 @@ async fn consumer_malformed_message_rejected_without_blocking(fx: RabbitMqFixtur
     );
 }
 
-/// A PostgreSQL handler that records the order in which each key's messages were applied and how
-/// many ran at once.
+/// A PostgreSQL handler that records the order in which each key's messages were applied.
 struct OrderHandler {
     effects: String,
     order: Mutex<HashMap<String, Vec<u32>>>,
-    running: AtomicUsize,
-    most: AtomicUsize,
     calls: AtomicU64,
 }
 
@@ -254,8 +251,6 @@ impl outbox::Handler<sqlx::Postgres> for OrderHandler {
         conn: &mut PgConnection,
         msg: &InboundMessage,
     ) -> Result<(), HandlerError> {
-        let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
-        self.most.fetch_max(now, Ordering::SeqCst);
         self.calls.fetch_add(1, Ordering::SeqCst);
         let r = sqlx::query(AssertSqlSafe(format!(
             "INSERT INTO {} (message_id, payload) VALUES ($1, $2)",
@@ -272,7 +267,6 @@ impl outbox::Handler<sqlx::Postgres> for OrderHandler {
             .entry(msg.partition_key.clone().unwrap())
             .or_default()
             .push(seq);
-        self.running.fetch_sub(1, Ordering::SeqCst);
         r.map(|_| ()).map_err(HandlerError::transient)
     }
 }
@@ -304,13 +298,11 @@ async fn consumer_per_key_order_with_concurrency_4(fx: RabbitMqFixture) {
         let r = publish_to(fx.transport.as_ref(), chunk, |_| &good).await;
         assert!(r.iter().all(Result::is_ok), "{r:?}");
     }
-    let handler = Arc::new(OrderHandler {
+    let handler = Arc::new(Concurrent::new(OrderHandler {
         effects: effects.clone(),
         order: Mutex::new(HashMap::new()),
-        running: AtomicUsize::new(0),
-        most: AtomicUsize::new(0),
         calls: AtomicU64::new(0),
-    });
+    }));
     let mut config = consumer_config(&fx);
     config.runner.concurrency = 4;
     config.batch = 50;
@@ -322,17 +314,14 @@ async fn consumer_per_key_order_with_concurrency_4(fx: RabbitMqFixture) {
         metrics.applied.load(Ordering::Relaxed) == total
     })
     .await;
-    let order = handler.order.lock().unwrap().clone();
+    let order = handler.inner().order.lock().unwrap().clone();
     assert_eq!(order.len(), keys as usize);
     let expected: Vec<u32> = (0..per_key).collect();
     for (k, seqs) in &order {
         assert_eq!(seqs, &expected, "key {k} out of order");
     }
-    assert!(
-        handler.most.load(Ordering::SeqCst) >= 2,
-        "lanes ran concurrently"
-    );
-    assert_eq!(handler.calls.load(Ordering::SeqCst), total);
+    assert!(handler.most() >= 2, "lanes ran concurrently");
+    assert_eq!(handler.inner().calls.load(Ordering::SeqCst), total);
     assert_eq!(
         pg_count(
             &db,

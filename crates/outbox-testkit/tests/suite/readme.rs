@@ -180,14 +180,7 @@ async fn defect_13_readme_examples_deliver_every_order_once() {
         "an order was applied twice or not at all"
     );
     assert_eq!(q("SELECT COUNT(*) FROM outbox WHERE status = 2").await, n);
-    let info = js
-        .get_stream("ORDERS")
-        .await
-        .unwrap()
-        .info()
-        .await
-        .unwrap()
-        .clone();
+    let info = outbox_testkit::nats_stream_info(&js, "ORDERS").await;
     assert_eq!(
         info.state.messages, n as u64,
         "one message per order in ORDERS"

@@ -20,7 +20,7 @@ use outbox::{
 };
 use outbox_testkit::{
     PgFixture, RedisFixture, StoreFixture as _, TransportFixture as _, claimed_message,
-    publish_all, redis_url, wait_until, within,
+    publish_all, redis_url, wait_probe_ok, wait_until, within,
 };
 use sqlx::PgConnection;
 use uuid::Uuid;
@@ -427,12 +427,7 @@ async fn unreachable_server_is_unavailable() {
     let e = outbox::RedisTransport::connect(config).await.unwrap_err();
     assert_eq!(e.field, "url");
     proxy.set_blocked(false);
-    wait_until(
-        "the transport to reconnect",
-        Duration::from_secs(20),
-        || async { t.probe().await.is_ok() },
-    )
-    .await;
+    wait_probe_ok("the transport to reconnect", Duration::from_secs(20), &t).await;
     let r = t
         .publish(&[Outgoing {
             message: &m,

@@ -18,7 +18,7 @@ use sqlx::AssertSqlSafe;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::inbox::{EffectHandler, pg_count, pg_effects};
+use crate::inbox::{EffectHandler, pg_count, pg_effects_of};
 
 /// Relay settings scaled down for tests ([`outbox_testkit::store_suite::relay_config`]).
 pub fn fast_config(name: &str) -> RelayConfig {
@@ -109,8 +109,7 @@ async fn sqlite_memory_end_to_end(fx: SqliteFixture) {
 async fn postgres_nats_consumer_inbox_end_to_end(fx: PgFixture) {
     let nats = NatsFixture::new().await;
     let pool = fx.store.pool().clone();
-    let effects = format!("{}.effects", fx.schema);
-    pg_effects(&pool, &effects).await;
+    let effects = pg_effects_of(&fx).await;
     let router = Router::new().route(
         "*",
         nats.transport.clone(),
@@ -254,6 +253,42 @@ async fn next_notification(listener: &mut sqlx::postgres::PgListener) -> String 
         .to_owned()
 }
 
+/// A transaction holding one message on topic `t` with `payload`: begun by `PgStore::begin`
+/// (marked, its wake-up deferred to `PgStore::commit`) when `marked`, else on the pool (as any
+/// other producer).
+async fn one_enqueued(
+    fx: &PgFixture,
+    marked: bool,
+    payload: &str,
+) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut tx = if marked {
+        fx.store.begin().await.unwrap()
+    } else {
+        fx.store.pool().begin().await.unwrap()
+    };
+    fx.store
+        .enqueue(&mut tx, NewMessage::new("t", payload))
+        .await
+        .unwrap();
+    tx
+}
+
+/// Notify the marker `tag` on `fx`'s channel and assert it is the next notification on
+/// `listener`: notifications arrive in commit order, so nothing else was sent before it.
+async fn nothing_else_notified(
+    fx: &PgFixture,
+    listener: &mut sqlx::postgres::PgListener,
+    tag: &str,
+) {
+    sqlx::query("SELECT pg_notify($1, $2)")
+        .bind(fx.store.channel())
+        .bind(tag)
+        .execute(fx.store.pool())
+        .await
+        .unwrap();
+    assert_eq!(next_notification(listener).await, tag);
+}
+
 /// Deferred wake-up (`PgStore::begin` / `PgStore::commit`): a marked transaction sends no NOTIFY
 /// of its own at commit, `PgStore::commit` sends exactly the one after it, and an unmarked
 /// transaction still notifies through the trigger. Notifications arrive in commit order, so a
@@ -265,72 +300,36 @@ async fn postgres_deferred_notify_is_sent_after_commit_only(fx: PgFixture) {
         .await
         .unwrap();
     listener.listen(&channel).await.unwrap();
-    let marker = |tag: &'static str| {
-        let (pool, channel) = (fx.store.pool().clone(), channel.clone());
-        async move {
-            sqlx::query("SELECT pg_notify($1, $2)")
-                .bind(channel)
-                .bind(tag)
-                .execute(&pool)
-                .await
-                .unwrap();
-        }
-    };
 
     // Marked, committed by hand: no NOTIFY at all (the row waits for the relays' poll).
-    let mut tx = fx.store.begin().await.unwrap();
-    fx.store
-        .enqueue(&mut tx, NewMessage::new("t", "deferred"))
-        .await
-        .unwrap();
+    let tx = one_enqueued(&fx, true, "deferred").await;
     tx.commit().await.unwrap();
-    marker("after-plain-commit").await;
-    assert_eq!(next_notification(&mut listener).await, "after-plain-commit");
+    nothing_else_notified(&fx, &mut listener, "after-plain-commit").await;
 
     // Marked, committed by the store: exactly one NOTIFY, sent after the commit.
-    let mut tx = fx.store.begin().await.unwrap();
-    fx.store
-        .enqueue(&mut tx, NewMessage::new("t", "deferred, woken"))
-        .await
-        .unwrap();
+    let tx = one_enqueued(&fx, true, "deferred, woken").await;
     fx.store.commit(tx).await.unwrap();
     assert_eq!(next_notification(&mut listener).await, "");
-    marker("after-store-commit").await;
-    assert_eq!(next_notification(&mut listener).await, "after-store-commit");
+    nothing_else_notified(&fx, &mut listener, "after-store-commit").await;
 
     // The notifier's connection dies between commits: the next commit's NOTIFY is sent again
     // on a new connection, not lost.
     kill_notifier(&fx).await;
-    let mut tx = fx.store.begin().await.unwrap();
-    fx.store
-        .enqueue(&mut tx, NewMessage::new("t", "after a lost connection"))
-        .await
-        .unwrap();
+    let tx = one_enqueued(&fx, true, "after a lost connection").await;
     fx.store.commit(tx).await.unwrap();
     assert_eq!(next_notification(&mut listener).await, "");
-    marker("after-reconnect").await;
-    assert_eq!(next_notification(&mut listener).await, "after-reconnect");
+    nothing_else_notified(&fx, &mut listener, "after-reconnect").await;
 
     // Not marked (any other producer): the trigger notifies at the commit.
-    let mut tx = fx.store.pool().begin().await.unwrap();
-    fx.store
-        .enqueue(&mut tx, NewMessage::new("t", "plain"))
-        .await
-        .unwrap();
+    let tx = one_enqueued(&fx, false, "plain").await;
     tx.commit().await.unwrap();
     assert_eq!(next_notification(&mut listener).await, "");
-    marker("after-unmarked").await;
-    assert_eq!(next_notification(&mut listener).await, "after-unmarked");
+    nothing_else_notified(&fx, &mut listener, "after-unmarked").await;
 
     // A rolled-back marked transaction notifies nothing and leaves nothing.
-    let mut tx = fx.store.begin().await.unwrap();
-    fx.store
-        .enqueue(&mut tx, NewMessage::new("t", "rolled back"))
-        .await
-        .unwrap();
+    let tx = one_enqueued(&fx, true, "rolled back").await;
     tx.rollback().await.unwrap();
-    marker("after-rollback").await;
-    assert_eq!(next_notification(&mut listener).await, "after-rollback");
+    nothing_else_notified(&fx, &mut listener, "after-rollback").await;
     assert_eq!(
         fx.count(&format!(
             "{} WHERE status = {}",

@@ -9,77 +9,38 @@
 
 use outbox_testkit_macros::suite_test;
 use std::collections::HashSet;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use outbox::transport::Transport;
-use outbox::{
-    NewMessage, RabbitMqTransport, Relay, RelayConfig, Router, Status, WebhookConfig,
-    WebhookTransport,
-};
+use outbox::{RabbitMqTransport, RelayConfig, Router, Status, WebhookConfig, WebhookTransport};
+use outbox_testkit::store_suite::relay_routed;
 use outbox_testkit::{
     KafkaFixture, RabbitMqFixture, SqliteFixture, StoreFixture, TransportFixture as _,
-    rabbitmq_config, rabbitmq_host_port, unique, wait_metrics, wait_until,
+    rabbitmq_config, rabbitmq_host_port, unique, wait_listening, wait_metrics, wait_until,
 };
 
 use crate::confirm::wait_status;
+use crate::logs::Logs;
 use crate::relay::fast_config;
 
-/// Every line the relay logs (debug and above), as text.
-#[derive(Clone, Default)]
-struct Capture(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Capture {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
+/// Lines from the relay's outage handling: warnings that the transport is unavailable and
+/// notices that it is available again.
+fn state_changes(logs: &Logs) -> usize {
+    logs.count("WARN", "transport unavailable") + logs.count("INFO", "available again")
 }
 
-impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Capture {
-    type Writer = Capture;
-
-    fn make_writer(&'a self) -> Capture {
-        self.clone()
-    }
-}
-
-impl Capture {
-    /// Start capturing the events of this thread (the test's current-thread runtime).
-    fn start() -> (Capture, tracing::subscriber::DefaultGuard) {
-        let capture = Capture::default();
-        let subscriber = tracing_subscriber::fmt()
-            .with_writer(capture.clone())
-            .with_ansi(false)
-            .with_max_level(tracing::Level::DEBUG)
-            .finish();
-        let guard = tracing::subscriber::set_default(subscriber);
-        (capture, guard)
-    }
-
-    /// Lines at `level` (`"WARN"`, `"INFO"`, `"DEBUG"`) containing `needle`.
-    fn count(&self, level: &str, needle: &str) -> usize {
-        let text = String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned();
-        text.lines()
-            .filter(|l| l.contains(level) && l.contains(needle))
-            .count()
-    }
-
-    /// Lines at warn level or above, or at info level, from the relay's outage handling.
-    fn state_changes(&self) -> usize {
-        self.count("WARN", "transport unavailable") + self.count("INFO", "available again")
-    }
-
-    fn dump(&self) -> String {
-        let text = String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned();
-        let lines: Vec<&str> = text.lines().collect();
-        let from = lines.len().saturating_sub(40);
-        lines[from..].join("\n")
-    }
+/// Asserts that the relay warned once that the transport is unavailable.
+///
+/// # Panics
+/// When it warned more or less often, with the last log lines.
+fn assert_one_outage_warning(logs: &Logs) {
+    assert_eq!(
+        logs.count("WARN", "transport unavailable"),
+        1,
+        "one warning per outage:\n{}",
+        logs.dump()
+    );
 }
 
 /// Run `rabbitmqctl` (the tests run as root beside the broker).
@@ -137,6 +98,25 @@ impl Drop for ReadOnlyUser {
     }
 }
 
+/// Take every message from `fx`'s queue: their AMQP message ids (the outbox message ids).
+async fn taken_message_ids(fx: &RabbitMqFixture) -> HashSet<String> {
+    fx.take_all(&fx.queue)
+        .await
+        .into_iter()
+        .filter_map(|s| s.received.native_id)
+        .collect()
+}
+
+/// [`fast_config`] named `name` for a broker that refuses publishes: a refused publish gives up
+/// after 2 s, well within the 6 s lease.
+fn refusal_config(name: &str) -> RelayConfig {
+    RelayConfig {
+        publish_timeout: Duration::from_secs(2),
+        lease: Duration::from_secs(6),
+        ..fast_config(name)
+    }
+}
+
 /// Wait (at most 60 s) until the relay released `released` refused publishes (`what`), or
 /// dead-lettered one; then nothing is dead-lettered, no attempt was counted, and every row of
 /// `db` is PENDING with no attempt spent.
@@ -166,7 +146,7 @@ async fn refusals_released_at_no_cost(
 /// delivered with one attempt and one "available again" line.
 #[tokio::test]
 async fn defect_09_rabbitmq_access_refused_pauses_without_dead_letters() {
-    let (logs, _guard) = Capture::start();
+    let (logs, _guard) = Logs::capture(tracing::Level::DEBUG);
     let fx = RabbitMqFixture::new().await;
     let user = ReadOnlyUser::create().await;
     let transport = Arc::new(
@@ -176,27 +156,10 @@ async fn defect_09_rabbitmq_access_refused_pauses_without_dead_letters() {
     );
     let db = SqliteFixture::new().await;
     let router = Router::new().route("*", transport, format!("{}/{{topic}}", fx.exchange));
-    let relay = Relay::builder(db.store())
-        .router(router)
-        .config(RelayConfig {
-            publish_timeout: Duration::from_secs(2),
-            lease: Duration::from_secs(6),
-            ..fast_config("d09-403")
-        })
-        .build()
-        .unwrap()
-        .spawn();
-    let msgs: Vec<NewMessage> = (0..100)
-        .map(|i| NewMessage::new("perm", format!("m{i}")))
-        .collect();
-    let ids = db.enqueue_commit(msgs).await.unwrap();
+    let relay = relay_routed(db.store(), router, refusal_config("d09-403")).spawn();
+    let ids = db.commit_numbered("perm", "m", 100).await;
     refusals_released_at_no_cost(&db, relay.metrics(), "three refusals (300 releases)", 300).await;
-    assert_eq!(
-        logs.count("WARN", "transport unavailable"),
-        1,
-        "one warning per outage:\n{}",
-        logs.dump()
-    );
+    assert_one_outage_warning(&logs);
     assert_eq!(logs.count("INFO", "available again"), 0, "{}", logs.dump());
     assert!(
         logs.count("DEBUG", "still unavailable after a successful probe") >= 2,
@@ -208,13 +171,8 @@ async fn defect_09_rabbitmq_access_refused_pauses_without_dead_letters() {
     for r in db.rows().await {
         assert_eq!(r.attempts, 1, "{r:?}");
     }
-    assert_eq!(logs.state_changes(), 2, "{}", logs.dump());
-    let stored: HashSet<String> = fx
-        .take_all(&fx.queue)
-        .await
-        .into_iter()
-        .filter_map(|s| s.received.native_id)
-        .collect();
+    assert_eq!(state_changes(&logs), 2, "{}", logs.dump());
+    let stored = taken_message_ids(&fx).await;
     let expected: HashSet<String> = ids.iter().map(|u| u.to_string()).collect();
     assert_eq!(stored, expected);
     relay.shutdown().await.unwrap();
@@ -233,12 +191,7 @@ async fn defect_09_rabbitmq_exchange_recreated_under_load_dead_letters_nothing()
         fx.transport.clone(),
         format!("{}/{{topic}}", fx.exchange),
     );
-    let relay = Relay::builder(db.store())
-        .router(router)
-        .config(fast_config("d09-404"))
-        .build()
-        .unwrap()
-        .spawn();
+    let relay = relay_routed(db.store(), router, fast_config("d09-404")).spawn();
     let stop = tokio_util::sync::CancellationToken::new();
     let producer = {
         let (db, stop) = (db.clone(), stop.clone());
@@ -246,10 +199,7 @@ async fn defect_09_rabbitmq_exchange_recreated_under_load_dead_letters_nothing()
             let mut ids = Vec::new();
             let mut round = 0;
             while !stop.is_cancelled() || round < 4 {
-                let msgs: Vec<NewMessage> = (0..20)
-                    .map(|i| NewMessage::new("load", format!("r{round}m{i}")))
-                    .collect();
-                ids.extend(db.enqueue_commit(msgs).await.unwrap());
+                ids.extend(db.commit_numbered("load", &format!("r{round}m"), 20).await);
                 round += 1;
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
@@ -274,12 +224,7 @@ async fn defect_09_rabbitmq_exchange_recreated_under_load_dead_letters_nothing()
     let snap = relay.metrics().snapshot();
     assert_eq!(snap.failed, 0, "{snap:?}");
     assert!(snap.released > 0, "the gap was met: {snap:?}");
-    let stored: HashSet<String> = fx
-        .take_all(&fx.queue)
-        .await
-        .into_iter()
-        .filter_map(|s| s.received.native_id)
-        .collect();
+    let stored = taken_message_ids(&fx).await;
     for id in &ids {
         assert!(stored.contains(&id.to_string()), "{id} not delivered");
     }
@@ -324,12 +269,7 @@ impl SelfSignedTls {
             .stderr(std::process::Stdio::null())
             .spawn()
             .expect("start openssl s_server");
-        wait_until("the TLS listener", Duration::from_secs(10), || async move {
-            tokio::net::TcpStream::connect(("127.0.0.1", port))
-                .await
-                .is_ok()
-        })
-        .await;
+        wait_listening("the TLS listener", port, Duration::from_secs(10)).await;
         SelfSignedTls {
             port,
             child,
@@ -351,22 +291,19 @@ impl Drop for SelfSignedTls {
 /// paused, one warning is logged, nothing is dead-lettered and no attempt is counted.
 #[tokio::test]
 async fn defect_09_webhook_untrusted_certificate_pauses_without_flapping() {
-    let (logs, _guard) = Capture::start();
+    let (logs, _guard) = Logs::capture(tracing::Level::DEBUG);
     let tls = SelfSignedTls::start().await;
     let mut config = WebhookConfig::new(format!("https://127.0.0.1:{}/hook", tls.port));
     config.timeout = Duration::from_secs(2);
     let transport = Arc::new(WebhookTransport::new(config).unwrap());
     let db = SqliteFixture::new().await;
-    let relay = Relay::builder(db.store())
-        .router(Router::new().route("*", transport.clone(), ""))
-        .config(fast_config("d09-tls"))
-        .build()
-        .unwrap()
-        .spawn();
-    let msgs: Vec<NewMessage> = (0..20)
-        .map(|i| NewMessage::new("tls", format!("m{i}")))
-        .collect();
-    db.enqueue_commit(msgs).await.unwrap();
+    let relay = relay_routed(
+        db.store(),
+        Router::new().route("*", transport.clone(), ""),
+        fast_config("d09-tls"),
+    )
+    .spawn();
+    db.commit_numbered("tls", "m", 20).await;
     let l = logs.clone();
     wait_until(
         "eight failed probes (or eight flaps)",
@@ -385,12 +322,7 @@ async fn defect_09_webhook_untrusted_certificate_pauses_without_flapping() {
         "the transport flapped:\n{}",
         logs.dump()
     );
-    assert_eq!(
-        logs.count("WARN", "transport unavailable"),
-        1,
-        "{}",
-        logs.dump()
-    );
+    assert_one_outage_warning(&logs);
     assert!(
         transport.probe().await.is_err(),
         "the probe sees the TLS fault"
@@ -432,16 +364,13 @@ async fn defect_04_kafka_fenced_producer_is_rebuilt_without_burning_attempts(fx:
             "the producer is dead"
         );
     }
-    let relay = Relay::builder(db.store())
-        .router(Router::new().route("*", fx.transport.clone(), fx.good_destination()))
-        .config(fast_config("d04-kafka"))
-        .build()
-        .unwrap()
-        .spawn();
-    let msgs: Vec<NewMessage> = (0..100)
-        .map(|i| NewMessage::new("fenced", format!("m{i}")))
-        .collect();
-    let ids = db.enqueue_commit(msgs).await.unwrap();
+    let relay = relay_routed(
+        db.store(),
+        Router::new().route("*", fx.transport.clone(), fx.good_destination()),
+        fast_config("d04-kafka"),
+    )
+    .spawn();
+    let ids = db.commit_numbered("fenced", "m", 100).await;
     wait_status(&db, &ids, Status::Sent, Duration::from_secs(60)).await;
     let snap = relay.metrics().snapshot();
     assert_eq!(snap.failed, 0, "{snap:?}");
@@ -506,14 +435,10 @@ impl PrivateNats {
             .stderr(std::process::Stdio::null())
             .spawn()
             .expect("nats-server is needed for this test (it runs a private server with users)");
-        wait_until(
+        wait_listening(
             &format!("the private nats-server on 127.0.0.1:{port}"),
+            port,
             Duration::from_secs(20),
-            || async move {
-                tokio::net::TcpStream::connect(("127.0.0.1", port))
-                    .await
-                    .is_ok()
-            },
         )
         .await;
         PrivateNats {
@@ -558,7 +483,7 @@ impl Drop for PrivateNats {
 #[tokio::test]
 async fn defect_09_nats_permission_violation_pauses_without_dead_letters() {
     use outbox::{NatsConfig, NatsTransport, transport::nats::StreamSetup};
-    let (logs, _guard) = Capture::start();
+    let (logs, _guard) = Logs::capture(tracing::Level::DEBUG);
     let server = PrivateNats::start().await;
     let admin = outbox_testkit::nats_client_at(&server.url("admin")).await;
     let js = async_nats::jetstream::new(admin);
@@ -583,21 +508,18 @@ async fn defect_09_nats_permission_violation_pauses_without_dead_letters() {
             .expect("relay connects"),
     );
     let db = SqliteFixture::new().await;
-    let relay = Relay::builder(db.store())
-        .router(
-            Router::new()
-                .route("denied", transport.clone(), "denied.{topic}")
-                .route("allowed", transport.clone(), "allowed.{topic}"),
-        )
-        .config(RelayConfig {
-            publish_timeout: Duration::from_secs(2),
-            lease: Duration::from_secs(6),
+    let router = Router::new()
+        .route("denied", transport.clone(), "denied.{topic}")
+        .route("allowed", transport.clone(), "allowed.{topic}");
+    let relay = relay_routed(
+        db.store(),
+        router,
+        RelayConfig {
             max_attempts: 2,
-            ..fast_config("d09-nats-perm")
-        })
-        .build()
-        .unwrap()
-        .spawn();
+            ..refusal_config("d09-nats-perm")
+        },
+    )
+    .spawn();
     let denied = db.commit_numbered("denied", "d", 20).await;
     refusals_released_at_no_cost(
         &db,
@@ -606,12 +528,7 @@ async fn defect_09_nats_permission_violation_pauses_without_dead_letters() {
         60,
     )
     .await;
-    assert_eq!(
-        logs.count("WARN", "transport unavailable"),
-        1,
-        "one warning per outage:\n{}",
-        logs.dump()
-    );
+    assert_one_outage_warning(&logs);
     assert!(
         logs.count("WARN", "permissions violation") >= 1,
         "the warning names the cause:\n{}",
@@ -626,14 +543,7 @@ async fn defect_09_nats_permission_violation_pauses_without_dead_letters() {
     }
     let snap = relay.metrics().snapshot();
     assert_eq!(snap.failed, 0, "{snap:?}");
-    let stream = js
-        .get_stream("PERM")
-        .await
-        .unwrap()
-        .info()
-        .await
-        .unwrap()
-        .clone();
+    let stream = outbox_testkit::nats_stream_info(&js, "PERM").await;
     assert_eq!(stream.state.messages, 40, "{stream:?}");
     relay.shutdown().await.unwrap();
 }

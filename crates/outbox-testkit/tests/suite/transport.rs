@@ -148,37 +148,21 @@ async fn nats_payload_over_max_payload_is_permanent(fx: NatsFixture) {
 /// a burned attempt), the probe says unavailable, and both recover when the network does.
 #[suite_test]
 async fn nats_cut_connection_is_unavailable_then_recovers() {
-    let proxy =
-        outbox_testkit::FaultProxy::start(outbox_testkit::host_port(&outbox_testkit::nats_url()))
-            .await;
-    let client = outbox_testkit::nats_client_at(&format!("nats://{}", proxy.addr)).await;
-    let fx = NatsFixture::with_client(client).await;
+    let (proxy, fx) = NatsFixture::behind_proxy().await;
     let dest = fx.good_destination();
-    publish_one(fx.transport().as_ref(), &dest)
+    let t = fx.transport.as_ref();
+    publish_one(t, &dest)
         .await
         .expect("publish through the proxy");
     proxy.set_blocked(true);
-    outbox_testkit::wait_until(
-        "the client to notice the cut",
-        Duration::from_secs(10),
-        || {
-            let t = fx.transport.clone();
-            async move { t.probe().await.is_err() }
-        },
-    )
-    .await;
-    let e = publish_one(fx.transport().as_ref(), &dest)
-        .await
-        .unwrap_err();
+    outbox_testkit::wait_probe_fails("the client to notice the cut", Duration::from_secs(10), t)
+        .await;
+    let e = publish_one(t, &dest).await.unwrap_err();
     assert_ne!(e.kind(), TransportErrorKind::Permanent, "{e:?}");
     assert_eq!(e.kind(), TransportErrorKind::Unavailable, "{e:?}");
     proxy.set_blocked(false);
-    outbox_testkit::wait_until("the client to reconnect", Duration::from_secs(15), || {
-        let t = fx.transport.clone();
-        async move { t.probe().await.is_ok() }
-    })
-    .await;
-    publish_one(fx.transport().as_ref(), &dest)
+    outbox_testkit::wait_probe_ok("the client to reconnect", Duration::from_secs(15), t).await;
+    publish_one(t, &dest)
         .await
         .expect("publish after reconnect");
     fx.cleanup().await;

@@ -168,11 +168,13 @@ async fn hand_off(relay: &Relay) {
     }
     for (peer, buckets) in to {
         let n = buckets.len() as u64;
-        match inner
-            .store
-            .hand_off_buckets(&cfg.name, &buckets, &peer, cfg.lease)
-            .await
-        {
+        let h = HandOff {
+            relay: &cfg.name,
+            buckets: &buckets,
+            to: &peer,
+            lease: cfg.lease,
+        };
+        match inner.store.hand_off_buckets(&h).await {
             Ok(()) => {
                 add(&inner.metrics.buckets_released, n);
                 tracing::info!(

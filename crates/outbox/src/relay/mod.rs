@@ -134,8 +134,8 @@ use crate::error::{ConfigError, StoreError, StoreErrorKind, TransportError, Tran
 use crate::message::Message;
 use crate::retry::Backoff;
 use crate::store::{
-    Bucket, BucketBatch, BucketCompletion, LeaseToken, MembershipRequest, MembershipRound, Outcome,
-    Store,
+    Bucket, BucketBatch, BucketCompletion, HandOff, LeaseToken, MembershipRequest, MembershipRound,
+    Outcome, Store,
 };
 use crate::transport::{AckState, Acks, DeadLetterPolicy, Outgoing, Router, Transport};
 struct Inner {

@@ -5,6 +5,7 @@
 
 use super::*;
 use crate::message::Status;
+use crate::store::FencedRow;
 use crate::two_phase::{Answer, CheckResult, CheckUpdate, DuePrepared};
 
 /// The loop: every `check_back.poll_interval` (at once again after a full round), one round;
@@ -79,11 +80,13 @@ async fn round(relay: &Relay, limit: u32) -> Result<usize, StoreError> {
         let Some(&token) = leases.get(&bucket) else {
             continue;
         };
-        if inner
-            .store
-            .record_check(relay_name, id, bucket, token, &update)
-            .await?
-        {
+        let row = FencedRow {
+            relay: relay_name,
+            id,
+            bucket,
+            token,
+        };
+        if inner.store.record_check(row, &update).await? {
             add(&inner.metrics.prepared_undecided, 1);
             tracing::warn!(id, reason, "malformed prepared row parked as UNDECIDED");
         }
@@ -96,10 +99,13 @@ async fn round(relay: &Relay, limit: u32) -> Result<usize, StoreError> {
             let Some(&token) = leases.get(&row.bucket) else {
                 return Ok(());
             };
-            let written = inner
-                .store
-                .record_check(relay_name, row.request.id, row.bucket, token, &update)
-                .await?;
+            let fenced = FencedRow {
+                relay: relay_name,
+                id: row.request.id,
+                bucket: row.bucket,
+                token,
+            };
+            let written = inner.store.record_check(fenced, &update).await?;
             if written {
                 count(inner, &row, &result, &update);
             }

@@ -24,6 +24,37 @@ pub struct BucketLease {
     pub takeover: bool,
 }
 
+/// A hand-off of buckets from one relay to another
+/// ([`Store::hand_off_buckets`](super::Store::hand_off_buckets)). Named fields, because the
+/// two relays' names would otherwise be two `&str` arguments side by side.
+#[derive(Debug, Clone, Copy)]
+pub struct HandOff<'a> {
+    /// The relay giving the buckets away (their `owner`).
+    pub relay: &'a str,
+    /// The buckets, each with the token of the relay's lease on it; a bucket whose owner or
+    /// token no longer match is left as it is.
+    pub buckets: &'a [(Bucket, LeaseToken)],
+    /// The relay the buckets are reserved for.
+    pub to: &'a str,
+    /// How long the reservation lasts; after it anyone may acquire the buckets.
+    pub lease: Duration,
+}
+
+/// A write to one row fenced by its bucket's lease: it applies only while `relay` owns
+/// `bucket` with `token` under an unexpired lease
+/// ([`TwoPhase::record_check`](crate::two_phase::TwoPhase::record_check)).
+#[derive(Debug, Clone, Copy)]
+pub struct FencedRow<'a> {
+    /// The relay writing.
+    pub relay: &'a str,
+    /// The row's id.
+    pub id: i64,
+    /// The row's bucket.
+    pub bucket: Bucket,
+    /// The relay's lease token on the bucket.
+    pub token: LeaseToken,
+}
+
 /// One membership round of a relay ([`Store::membership`](super::Store::membership)).
 #[derive(Debug, Clone)]
 pub struct MembershipRequest {

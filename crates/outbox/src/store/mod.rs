@@ -93,8 +93,8 @@ pub use connect::{Dialect, connect, connect_existing};
 #[cfg(any(feature = "mysql", feature = "sqlite"))]
 pub(crate) use leases::read_in_rounds;
 pub use leases::{
-    BUCKETS, Bucket, BucketBatch, BucketCompletion, BucketLease, BucketRow, KeyHead,
-    MembershipRequest, MembershipRound, RelayInfo, normalise_routes, routes_hash,
+    BUCKETS, Bucket, BucketBatch, BucketCompletion, BucketLease, BucketRow, FencedRow, HandOff,
+    KeyHead, MembershipRequest, MembershipRound, RelayInfo, normalise_routes, routes_hash,
 };
 pub(crate) use leases::{BucketColumns, membership_round, relay_info, routes_json};
 
@@ -265,18 +265,13 @@ pub trait Store: Send + Sync + 'static {
     /// sets they advertised, by name. One statement.
     async fn relays(&self, lease: Duration) -> Result<Vec<RelayInfo>, StoreError>;
 
-    /// Hand buckets over to the relay `to`, where owner and token still match: the bucket is
-    /// free (`owner = NULL`) but reserved for `to` for one `lease` (`handoff = to`,
-    /// `expires_at = now() + lease`): no other relay acquires it meanwhile, and `to` acquires
-    /// it at its next membership round even above its fair share. Used by a relay that holds
-    /// messages only `to` can route; after the reservation expired anyone may take it.
-    async fn hand_off_buckets(
-        &self,
-        relay: &str,
-        buckets: &[(Bucket, LeaseToken)],
-        to: &str,
-        lease: Duration,
-    ) -> Result<(), StoreError>;
+    /// Hand `h.buckets` over to the relay `h.to`, where owner (`h.relay`) and token still
+    /// match: the bucket is free (`owner = NULL`) but reserved for `to` for one `h.lease`
+    /// (`handoff = to`, `expires_at = now() + lease`): no other relay acquires it meanwhile,
+    /// and `to` acquires it at its next membership round even above its fair share. Used by a
+    /// relay that holds messages only `to` can route; after the reservation expired anyone may
+    /// take it. No buckets: nothing is written.
+    async fn hand_off_buckets(&self, h: &HandOff<'_>) -> Result<(), StoreError>;
 
     /// The status of each of `ids` that exists, in id order (ids without a row are left out).
     /// For operator commands (`outbox requeue` names the ids it could not requeue).

@@ -6,9 +6,8 @@ use std::time::Duration;
 
 use sqlx::{Database, Pool, SqlSafeStr};
 
-use super::rows::{self, FailedRow, RelayRow};
 use crate::error::StoreError;
-use crate::store::{FailedMessage, RelayInfo, Stats};
+use crate::store::Stats;
 
 /// The pool a dialect's shared statements run on.
 pub(crate) struct On<'a, DB: Database>(pub(crate) &'a Pool<DB>);
@@ -21,32 +20,22 @@ where
     for<'q> String: sqlx::Encode<'q, DB> + sqlx::Decode<'q, DB> + sqlx::Type<DB>,
     usize: sqlx::ColumnIndex<DB::Row>,
 {
-    /// [`Store::relays`](crate::Store::relays): `sql` takes the lease in milliseconds and
-    /// answers [`RelayRow`]s.
-    pub(crate) async fn relays(
+    /// Every row `sql` answers for its one BIGINT parameter, decoded as `R` and turned into
+    /// what the caller wants by `map`: [`Store::relays`](crate::Store::relays) (the lease in
+    /// milliseconds, [`RelayRow`]s, [`rows::relays`]) and
+    /// [`Store::failed`](crate::Store::failed) (the limit, [`FailedRow`]s,
+    /// [`rows::failed_messages`]).
+    pub(crate) async fn all<R, T>(
         &self,
         sql: impl SqlSafeStr,
-        lease: Duration,
-    ) -> Result<Vec<RelayInfo>, sqlx::Error> {
-        let rows: Vec<RelayRow> = sqlx::query_as(sql)
-            .bind(super::millis(lease))
-            .fetch_all(self.0)
-            .await?;
-        Ok(rows::relays(rows))
-    }
-
-    /// [`Store::failed`](crate::Store::failed): `sql` takes the limit and answers
-    /// [`FailedRow`]s.
-    pub(crate) async fn failed(
-        &self,
-        sql: impl SqlSafeStr,
-        limit: u32,
-    ) -> Result<Vec<FailedMessage>, sqlx::Error> {
-        let rows: Vec<FailedRow> = sqlx::query_as(sql)
-            .bind(i64::from(limit))
-            .fetch_all(self.0)
-            .await?;
-        Ok(rows::failed_messages(rows))
+        param: i64,
+        map: fn(Vec<R>) -> T,
+    ) -> Result<T, sqlx::Error>
+    where
+        R: for<'r> sqlx::FromRow<'r, DB::Row> + Send + Unpin,
+    {
+        let rows: Vec<R> = sqlx::query_as(sql).bind(param).fetch_all(self.0).await?;
+        Ok(map(rows))
     }
 
     /// [`Store::next_due_in`](crate::Store::next_due_in): `sql` answers one nullable

@@ -7,7 +7,7 @@ use uuid::Uuid;
 use super::{CheckBack, CheckUpdate, DecideError, Decided, PreparedBatch};
 use crate::error::{EnqueueError, StoreError};
 use crate::message::NewMessage;
-use crate::store::{Bucket, LeaseToken, Store};
+use crate::store::{Bucket, FencedRow, Store};
 
 /// The two-phase operations of a [`Store`] (implemented for every store; `use
 /// outbox::two_phase::TwoPhase` to call them).
@@ -67,18 +67,15 @@ pub trait TwoPhase {
         limit: u32,
     ) -> Result<PreparedBatch, StoreError>;
 
-    /// Write a check-back's result to row `id`, fenced: only while it is PREPARED and its
-    /// `bucket` is owned by `relay` with `token` and an unexpired lease. Whether it was written
+    /// Write a check-back's result to `row`, fenced: only while it is PREPARED and its bucket
+    /// is owned by the relay with its token and an unexpired lease. Whether it was written
     /// (false: decided meanwhile, or the bucket was lost; the new owner checks it again).
     ///
     /// # Errors
     /// [`StoreError`] from the database.
     async fn record_check(
         &self,
-        relay: &str,
-        id: i64,
-        bucket: Bucket,
-        token: LeaseToken,
+        row: FencedRow<'_>,
         update: &CheckUpdate,
     ) -> Result<bool, StoreError>;
 }
@@ -123,13 +120,9 @@ impl<S: Store + ?Sized> TwoPhase for S {
 
     async fn record_check(
         &self,
-        relay: &str,
-        id: i64,
-        bucket: Bucket,
-        token: LeaseToken,
+        row: FencedRow<'_>,
         update: &CheckUpdate,
     ) -> Result<bool, StoreError> {
-        crate::store::admin::record_check_on(self.admin_target(), relay, id, bucket, token, update)
-            .await
+        crate::store::admin::record_check_on(self.admin_target(), row, update).await
     }
 }

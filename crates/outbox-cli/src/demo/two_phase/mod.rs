@@ -36,7 +36,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use anyhow::{Context, ensure};
+use anyhow::ensure;
 use outbox::two_phase::{CheckBack, CheckBackPolicy, DecideError, Decided, TwoPhase};
 use outbox::{NewMessage, Relay, RelayConfig, Router, Status, Store};
 use rand::{Rng, SeedableRng};
@@ -344,11 +344,7 @@ pub(super) async fn run(args: &DemoArgs) -> anyhow::Result<()> {
     let mut next_progress = Instant::now() + PROGRESS_EVERY;
     let drained = loop {
         tick.tick().await;
-        while let Some(joined) = clients.try_join_next() {
-            joined
-                .context("a producer panicked")?
-                .context("placing an order failed")?;
-        }
+        super::reap_clients(&mut clients, "a producer")?;
         let progress = Instant::now() >= next_progress;
         if clients.is_empty() || progress {
             let stats = store.stats().await?;

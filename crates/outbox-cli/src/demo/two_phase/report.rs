@@ -11,6 +11,7 @@ use outbox::two_phase::Decided;
 use outbox::{Status, Store};
 
 use super::super::TOPIC;
+use super::super::report::{check_mark, print_statuses};
 
 /// The outbox table (on a server database it may share with other demos, hence the prefix).
 use super::*;
@@ -279,13 +280,6 @@ impl Report {
     /// Print the figures and the checks.
     pub(super) fn print(&self) {
         let n = |s| self.statuses.get(&s).copied().unwrap_or(0);
-        let statuses: Vec<String> = self
-            .statuses
-            .iter()
-            .filter(|(_, n)| **n > 0)
-            .map(|(s, n)| format!("{s} {n}"))
-            .collect();
-        let check = |ok: bool| if ok { "ok" } else { "FAILED" };
         let failed = |what: &str| self.problems.iter().any(|p| p.starts_with(what));
         println!();
         println!("== outbox demo --two-phase report ==");
@@ -329,7 +323,7 @@ impl Report {
             self.relay.prepared_unknown, self.relay.prepared_check_errors
         );
         println!("undecided                  {:>10}", n(Status::Undecided));
-        println!("outbox rows by status      {:>10}", statuses.join(", "));
+        print_statuses(&self.statuses);
         println!(
             "published                  {:>10}  (delivered to the consumer: {} distinct, {} handler runs, {} duplicates absorbed by the inbox)",
             n(Status::Sent),
@@ -340,22 +334,22 @@ impl Report {
         println!(
             "committed orders           {:>10}  {}  every one published and applied exactly once",
             self.checked_committed,
-            check(!failed("committed orders published once") && !failed("business rows"))
+            check_mark(!failed("committed orders published once") && !failed("business rows"))
         );
         println!(
             "orders without a business row{:>8}  {}  every message ROLLED_BACK, never delivered",
             self.checked_rolled_back,
-            check(!failed("orders without a business row rolled back"))
+            check_mark(!failed("orders without a business row rolled back"))
         );
         println!(
             "left PREPARED/UNDECIDED    {:>10}  {}",
             n(Status::Prepared) + n(Status::Undecided),
-            check(!failed("every message decided"))
+            check_mark(!failed("every message decided"))
         );
         println!(
             "decisions                  {:>10}  {}  producer + check-back decisions = committed and rolled-back rows; no producer decision refused",
             "",
-            check(!failed("decisions add up") && !failed("producer decisions"))
+            check_mark(!failed("decisions add up") && !failed("producer decisions"))
         );
         for p in self.problems.iter().take(20) {
             println!("  FAILED {p}");

@@ -8,6 +8,7 @@ use outbox::store::{
     BUCKETS, Bucket, BucketCompletion, KeyHead, LeaseToken, MembershipRequest, Outcome,
 };
 use outbox::{ConfirmReport, Confirmation, NewMessage, Status, Verdict};
+use outbox_testkit::store_suite::keep_after_round;
 use uuid::Uuid;
 
 use super::db::{ModelDb, RowView};
@@ -254,14 +255,7 @@ impl<F: ModelDb> Case<'_, F> {
             };
         }
         let relay = &mut model.relays[r];
-        relay.held.retain(|b, _| round.renewed.contains(b));
-        relay.suspect.retain(|b| round.renewed.contains(b));
-        for l in &round.acquired {
-            relay.held.insert(l.bucket, l.token);
-            if l.takeover {
-                relay.suspect.insert(l.bucket);
-            }
-        }
+        keep_after_round(&mut relay.held, &mut relay.suspect, &round);
         let in_flight = relay.in_flight();
         let excess = relay.held.len().saturating_sub(share as usize);
         let spare: Vec<(Bucket, LeaseToken)> = relay

@@ -76,14 +76,7 @@ where
         secret: Some(secret.into()),
         ..fast_policy()
     };
-    let mem = Arc::new(MemoryTransport::new());
-    let h = relay(
-        fx,
-        mem.clone(),
-        "tp-r1",
-        policy,
-        &[("orders", barrier.hook())],
-    );
+    let (mem, h) = orders_relay(fx, policy, barrier.hook());
     let store = fx.store();
     // The first check 2 s after the prepare: the business transaction commits long before it.
     // Should the check still come first (a stalled test machine), the barrier refuses the late

@@ -73,15 +73,26 @@ fn fast_policy() -> CheckBackPolicy {
     }
 }
 
-/// A relay `tp-r1` with `script` registered as the hook `orders`, publishing to a fresh memory
-/// transport, and one message prepared with that hook: the transport, the relay, the id.
+/// A relay `tp-r1` with `hook` registered as the hook `orders`, publishing to a fresh memory
+/// transport: the transport and the relay.
+fn orders_relay(
+    fx: &dyn StoreFixture,
+    policy: CheckBackPolicy,
+    hook: Arc<dyn CheckBackHook>,
+) -> (Arc<MemoryTransport>, outbox::RelayHandle) {
+    let mem = Arc::new(MemoryTransport::new());
+    let h = relay(fx, mem.clone(), "tp-r1", policy, &[("orders", hook)]);
+    (mem, h)
+}
+
+/// [`orders_relay`] with `script` as the hook, and one message prepared with that hook: the
+/// transport, the relay, the id.
 async fn scripted(
     fx: &dyn StoreFixture,
     policy: CheckBackPolicy,
     script: Arc<Script>,
 ) -> (Arc<MemoryTransport>, outbox::RelayHandle, Uuid) {
-    let mem = Arc::new(MemoryTransport::new());
-    let h = relay(fx, mem.clone(), "tp-r1", policy, &[("orders", script)]);
+    let (mem, h) = orders_relay(fx, policy, script);
     let id = prepare_order(fx, &hooked("orders")).await;
     (mem, h, id)
 }
@@ -480,14 +491,7 @@ pub async fn budget_then_resume(fx: &dyn StoreFixture) {
 /// A check-back that keeps failing past the message's decision deadline parks it.
 pub async fn deadline_parks(fx: &dyn StoreFixture) {
     let script = Script::new(|_| Err("the orders database is down".into()));
-    let mem = Arc::new(MemoryTransport::new());
-    let h = relay(
-        fx,
-        mem.clone(),
-        "tp-r1",
-        fast_policy(),
-        &[("orders", script.clone())],
-    );
+    let (mem, h) = orders_relay(fx, fast_policy(), script.clone());
     // The first check would come after an hour: the deadline brings it forward.
     let cb = hooked("orders")
         .after(Duration::from_secs(3600))
@@ -602,14 +606,7 @@ pub async fn relay_killed_mid_check(fx: &dyn StoreFixture) {
         timeout: Duration::from_secs(60),
         ..fast_policy()
     };
-    let mem = Arc::new(MemoryTransport::new());
-    let r1 = relay(
-        fx,
-        mem.clone(),
-        "tp-r1",
-        policy.clone(),
-        &[("orders", hook.clone())],
-    );
+    let (mem, r1) = orders_relay(fx, policy.clone(), hook.clone());
     let id = prepare_order(fx, &hooked("orders")).await;
     wait_until("the first check-back in flight", WAIT, || async {
         calls.load(Ordering::SeqCst) >= 1
@@ -634,14 +631,7 @@ pub async fn relay_killed_mid_check(fx: &dyn StoreFixture) {
 /// UNDECIDED with the reason instead of blocking the rest.
 pub async fn plain_sql_rows(fx: &dyn StoreFixture) {
     let script = Script::new(|_| Ok(Answer::Commit));
-    let mem = Arc::new(MemoryTransport::new());
-    let h = relay(
-        fx,
-        mem.clone(),
-        "tp-r1",
-        fast_policy(),
-        &[("orders", script.clone())],
-    );
+    let (mem, h) = orders_relay(fx, fast_policy(), script.clone());
     let bad = fx
         .insert_prepared_sql("orders", b"garbage", "ftp://nowhere")
         .await;

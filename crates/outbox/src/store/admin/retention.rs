@@ -35,6 +35,24 @@ admin_impl! {
             .map_err(|e| crate::store::db_error(op, self.table, e))
     }
 
+    /// `SELECT id FROM <from> WHERE ` with the instant `older_than` before the database's clock
+    /// as its first argument, and that argument as a time expression to compare a column with.
+    async fn pick_older(
+        &self,
+        op: &'static str,
+        from: &str,
+        older_than: std::time::Duration,
+    ) -> Result<(Sql<'_>, String), StoreError> {
+        let cutoff = self
+            .clock(op)
+            .await?
+            .saturating_sub(crate::store::millis(older_than));
+        let mut pick = Sql::new(self.d, format!("SELECT id FROM {from} WHERE "));
+        let p = pick.arg(Arg::Int(cutoff));
+        let before = (self.d.at_ms)(&p);
+        Ok((pick, before))
+    }
+
     /// [`Store::retire`](crate::Store::retire): one transaction of at most `limit` (and
     /// [`ACTION_CHUNK`]) rows of `state` finished more than `older_than` ago (by the database
     /// clock), skipping rows another transaction holds; deleted, or copied to the archive and
@@ -47,13 +65,7 @@ admin_impl! {
         limit: u32,
     ) -> Result<u64, StoreError> {
         let (d, table) = (self.d, self.table);
-        let cutoff = self
-            .clock("retention")
-            .await?
-            .saturating_sub(crate::store::millis(older_than));
-        let mut pick = Sql::new(d, format!("SELECT id FROM {table} WHERE "));
-        let p = pick.arg(Arg::Int(cutoff));
-        let before = (d.at_ms)(&p);
+        let (mut pick, before) = self.pick_older("retention", table, older_than).await?;
         let (rows, age) = finished(state);
         pick.push(&format!("{rows} AND {age} < {before} LIMIT {}", chunk(limit)));
         pick.push(d.skip_locked);
@@ -74,15 +86,12 @@ admin_impl! {
         limit: u32,
     ) -> Result<u64, StoreError> {
         let (d, table) = (self.d, self.table);
-        let cutoff = self
-            .clock("archive retention")
-            .await?
-            .saturating_sub(crate::store::millis(older_than));
-        let mut pick = Sql::new(d, format!("SELECT id FROM {table}_archive WHERE "));
-        let p = pick.arg(Arg::Int(cutoff));
+        let archive = format!("{table}_archive");
+        let (mut pick, before) = self
+            .pick_older("archive retention", &archive, older_than)
+            .await?;
         pick.push(&format!(
-            "archived_at < {} LIMIT {}{}",
-            (d.at_ms)(&p),
+            "archived_at < {before} LIMIT {}{}",
             chunk(limit),
             d.skip_locked
         ));

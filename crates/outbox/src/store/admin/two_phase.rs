@@ -6,7 +6,7 @@ use super::{Admin, AdminTarget, Affected, Arg, Sql, Target};
 use crate::error::EnqueueError;
 use crate::message::{NewMessage, Status};
 use crate::store::status_sql::{PENDING, PREPARED, ROLLED_BACK, UNDECIDED};
-use crate::store::{Bucket, LeaseToken, StoreError};
+use crate::store::{Bucket, FencedRow, StoreError};
 use crate::two_phase_model::{
     CheckBack, CheckRequest, CheckUpdate, DecideError, Decided, DuePrepared, PreparedBatch,
 };
@@ -51,13 +51,10 @@ pub(crate) async fn due_prepared_on(
 /// [`Store::record_check`](crate::Store::record_check) on `target`.
 pub(crate) async fn record_check_on(
     target: AdminTarget,
-    relay: &str,
-    id: i64,
-    bucket: Bucket,
-    token: LeaseToken,
+    row: FencedRow<'_>,
     update: &crate::two_phase_model::CheckUpdate,
 ) -> Result<bool, StoreError> {
-    on_target!(&target.0, record_check(relay, id, bucket, token, update))
+    on_target!(&target.0, record_check(row, update))
 }
 
 admin_impl! {
@@ -252,12 +249,15 @@ admin_impl! {
     /// [`Store::record_check`](crate::Store::record_check).
     pub(super) async fn record_check(
         &self,
-        relay: &str,
-        id: i64,
-        bucket: Bucket,
-        token: LeaseToken,
+        row: FencedRow<'_>,
         update: &CheckUpdate,
     ) -> Result<bool, StoreError> {
+        let FencedRow {
+            relay,
+            id,
+            bucket,
+            token,
+        } = row;
         let (d, table) = (self.d, self.table);
         let now = d.now;
         let mut sql = Sql::new(d, format!("UPDATE {table} SET "));

@@ -64,8 +64,8 @@ use self::migrations::{migrations, run_migrations};
 use super::shared::{On, due_in, stats_in};
 use super::status_sql::{CONFIRMED, FAILED, PENDING, REJECTED, SENDING, SENT};
 use super::{
-    Bucket, BucketBatch, BucketCompletion, FailedMessage, KeyHead, LeaseToken, MembershipRequest,
-    MembershipRound, RelayInfo, Stats, Store, StoreOptions, millis, new_token,
+    Bucket, BucketBatch, BucketCompletion, FailedMessage, HandOff, KeyHead, LeaseToken,
+    MembershipRequest, MembershipRound, RelayInfo, Stats, Store, StoreOptions, millis, new_token,
 };
 use crate::error::{EnqueueError, StoreError};
 use crate::ident::TableName;
@@ -267,17 +267,19 @@ impl Store for MySqlStore {
             "SELECT name, routes, routes_hash FROM {t}_relays \
                  WHERE heartbeat_at > {NOW} - INTERVAL (? * 1000) MICROSECOND ORDER BY name"
         ));
-        let relays = On(&self.pool).relays(sql, lease).await;
-        relays.map_err(self.err("relays"))
+        On(&self.pool)
+            .all(sql, millis(lease), super::rows::relays)
+            .await
+            .map_err(self.err("relays"))
     }
 
-    async fn hand_off_buckets(
-        &self,
-        relay: &str,
-        buckets: &[(Bucket, LeaseToken)],
-        to: &str,
-        lease: Duration,
-    ) -> Result<(), StoreError> {
+    async fn hand_off_buckets(&self, h: &HandOff<'_>) -> Result<(), StoreError> {
+        let HandOff {
+            relay,
+            buckets,
+            to,
+            lease,
+        } = *h;
         if buckets.is_empty() {
             return Ok(());
         }
@@ -528,7 +530,7 @@ impl Store for MySqlStore {
                  ORDER BY updated_at DESC, id DESC LIMIT ?"
         ));
         On(&self.pool)
-            .failed(sql, limit)
+            .all(sql, i64::from(limit), super::rows::failed_messages)
             .await
             .map_err(self.err("failed"))
     }

@@ -105,38 +105,26 @@ fn producer_settings_keep_the_promises() {
 #[test]
 fn errors_are_classified() {
     use RDKafkaErrorCode as C;
+    use TransportErrorKind::{Permanent, Retryable, Unavailable};
     let k = |c| KafkaError::MessageProduction(c);
-    assert_eq!(
-        classify(&k(C::MessageSizeTooLarge), false),
-        TransportErrorKind::Permanent
-    );
-    assert_eq!(
-        classify(&k(C::QueueFull), false),
-        TransportErrorKind::Retryable
-    );
-    assert_eq!(
-        classify(&k(C::UnknownTopicOrPartition), false),
-        TransportErrorKind::Unavailable
-    );
-    assert!(produce_error(k(C::UnknownTopicOrPartition), false, "t").is_missing_destination());
-    for dead in [
-        C::Fatal,
-        C::ProducerFenced,
-        C::TopicAuthorizationFailed,
-        C::SaslAuthenticationFailed,
+    // (error code, all brokers down, kind)
+    for (code, brokers_down, kind) in [
+        (C::MessageSizeTooLarge, false, Permanent),
+        (C::QueueFull, false, Retryable),
+        (C::UnknownTopicOrPartition, false, Unavailable),
+        (C::Fatal, false, Unavailable),
+        (C::ProducerFenced, false, Unavailable),
+        (C::TopicAuthorizationFailed, false, Unavailable),
+        (C::SaslAuthenticationFailed, false, Unavailable),
+        (C::MessageTimedOut, false, Retryable),
+        (C::MessageTimedOut, true, Unavailable),
+        (C::AllBrokersDown, false, Unavailable),
     ] {
-        assert_eq!(classify(&k(dead), false), TransportErrorKind::Unavailable);
+        assert_eq!(
+            classify(&k(code), brokers_down),
+            kind,
+            "{code:?}, brokers down: {brokers_down}"
+        );
     }
-    assert_eq!(
-        classify(&k(C::MessageTimedOut), false),
-        TransportErrorKind::Retryable
-    );
-    assert_eq!(
-        classify(&k(C::MessageTimedOut), true),
-        TransportErrorKind::Unavailable
-    );
-    assert_eq!(
-        classify(&k(C::AllBrokersDown), false),
-        TransportErrorKind::Unavailable
-    );
+    assert!(produce_error(k(C::UnknownTopicOrPartition), false, "t").is_missing_destination());
 }

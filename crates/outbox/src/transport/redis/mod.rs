@@ -97,19 +97,29 @@ pub async fn connect_manager(
         .set_number_of_retries(2)
         .set_max_delay(Duration::from_secs(2));
     let connect = ConnectionManager::new_with_config(client, config);
+    connect_within(&format!("Redis at {url}"), connect_timeout, connect).await
+}
+
+/// Await `connect` for `connect_timeout` and a second more, naming `what` (`Redis at <url>`)
+/// in the error: refused credentials are a `password` error, anything else a `url` error.
+async fn connect_within<C>(
+    what: &str,
+    connect_timeout: Duration,
+    connect: impl std::future::Future<Output = redis::RedisResult<C>>,
+) -> Result<C, ConfigError> {
     match tokio::time::timeout(connect_timeout + Duration::from_secs(1), connect).await {
         Ok(Ok(c)) => Ok(c),
         Ok(Err(e)) if e.kind() == redis::ErrorKind::AuthenticationFailed => Err(ConfigError::new(
             "password",
-            format!("Redis at {url} refused the credentials: {e}"),
+            format!("{what} refused the credentials: {e}"),
         )),
         Ok(Err(e)) => Err(ConfigError::new(
             "url",
-            format!("cannot connect to Redis at {url}: {e}"),
+            format!("cannot connect to {what}: {e}"),
         )),
         Err(_) => Err(ConfigError::new(
             "url",
-            format!("Redis at {url} did not answer within {connect_timeout:?}"),
+            format!("{what} did not answer within {connect_timeout:?}"),
         )),
     }
 }
@@ -209,26 +219,9 @@ pub async fn connect_redis(
         .map_err(|e| {
             ConfigError::new("url", format!("invalid Redis Cluster seeds {shown}: {e}"))
         })?;
-    match tokio::time::timeout(
-        connect_timeout + Duration::from_secs(1),
-        client.get_async_connection(),
-    )
-    .await
-    {
-        Ok(Ok(c)) => Ok(RedisConnection::Cluster(c)),
-        Ok(Err(e)) if e.kind() == redis::ErrorKind::AuthenticationFailed => Err(ConfigError::new(
-            "password",
-            format!("Redis Cluster at {shown} refused the credentials: {e}"),
-        )),
-        Ok(Err(e)) => Err(ConfigError::new(
-            "url",
-            format!("cannot connect to the Redis Cluster at {shown}: {e}"),
-        )),
-        Err(_) => Err(ConfigError::new(
-            "url",
-            format!("the Redis Cluster at {shown} did not answer within {connect_timeout:?}"),
-        )),
-    }
+    let what = format!("the Redis Cluster at {shown}");
+    let c = connect_within(&what, connect_timeout, client.get_async_connection()).await?;
+    Ok(RedisConnection::Cluster(c))
 }
 
 /// Publishes to Redis Streams (see the module docs).
