@@ -121,39 +121,108 @@ where
     super::stats_from(rows, ages)
 }
 
-/// Before migrating: refuse when a table of `steps` was migrated by a newer build (this build
-/// does not know its schema, so it leaves the table alone). `max_sql` answers the highest
-/// version recorded in `outbox_migrations` for the table it takes, a nullable BIGINT.
-///
-/// # Errors
-/// [`StoreError::SchemaVersion`] naming the first such table; a database error as `migrate`.
-pub(crate) async fn refuse_newer<DB: Database, S>(
-    conn: &mut DB::Connection,
-    steps: &[(String, i64, S)],
-    max_sql: &'static str,
-) -> Result<(), StoreError>
-where
-    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
-    DB::Arguments: sqlx::IntoArguments<DB>,
-    for<'q> i64: sqlx::Decode<'q, DB> + sqlx::Type<DB>,
-    for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
-    usize: sqlx::ColumnIndex<DB::Row>,
-{
-    for (table, needed) in super::newest_versions(steps) {
-        let found: Option<i64> = sqlx::query_scalar(max_sql)
-            .bind(table.clone())
+/// A dialect's statements on `outbox_migrations`, where each table's applied migration
+/// versions are recorded; each takes the table's name, and `applied` and `record` the version
+/// (a BIGINT) after it.
+pub(crate) struct MigrationLog {
+    /// The highest version recorded, a nullable BIGINT.
+    pub(crate) newest: &'static str,
+    /// How many rows record the version, a BIGINT (0 or 1).
+    pub(crate) applied: &'static str,
+    /// Record the version.
+    pub(crate) record: &'static str,
+}
+
+impl MigrationLog {
+    /// Before migrating: refuse when a table of `steps` was migrated by a newer build (this
+    /// build does not know its schema, so it leaves the table alone).
+    ///
+    /// # Errors
+    /// [`StoreError::SchemaVersion`] naming the first such table; a database error as
+    /// `migrate`.
+    pub(crate) async fn refuse_newer<DB: Database, S>(
+        &self,
+        conn: &mut DB::Connection,
+        steps: &[(String, i64, S)],
+    ) -> Result<(), StoreError>
+    where
+        for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+        DB::Arguments: sqlx::IntoArguments<DB>,
+        for<'q> i64: sqlx::Encode<'q, DB> + sqlx::Decode<'q, DB> + sqlx::Type<DB>,
+        for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+        usize: sqlx::ColumnIndex<DB::Row>,
+    {
+        for (table, needed) in super::newest_versions(steps) {
+            let found: Option<i64> = sqlx::query_scalar(self.newest)
+                .bind(table.clone())
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(migrate_error)?;
+            if let Some(found) = found.filter(|f| *f > needed) {
+                return Err(StoreError::SchemaVersion {
+                    table,
+                    found,
+                    needed,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether migration `version` of `table` is recorded.
+    ///
+    /// # Errors
+    /// A database error as `migrate`.
+    pub(crate) async fn applied<DB: Database>(
+        &self,
+        conn: &mut DB::Connection,
+        table: &str,
+        version: i64,
+    ) -> Result<bool, StoreError>
+    where
+        for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+        DB::Arguments: sqlx::IntoArguments<DB>,
+        for<'q> i64: sqlx::Encode<'q, DB> + sqlx::Decode<'q, DB> + sqlx::Type<DB>,
+        for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+        usize: sqlx::ColumnIndex<DB::Row>,
+    {
+        let n: i64 = sqlx::query_scalar(self.applied)
+            .bind(table.to_owned())
+            .bind(version)
             .fetch_one(&mut *conn)
             .await
-            .map_err(|e| super::database_error("migrate", e))?;
-        if let Some(found) = found.filter(|f| *f > needed) {
-            return Err(StoreError::SchemaVersion {
-                table,
-                found,
-                needed,
-            });
-        }
+            .map_err(migrate_error)?;
+        Ok(n > 0)
     }
-    Ok(())
+
+    /// Record migration `version` of `table` as applied.
+    ///
+    /// # Errors
+    /// A database error as `migrate`.
+    pub(crate) async fn record<DB: Database>(
+        &self,
+        conn: &mut DB::Connection,
+        table: &str,
+        version: i64,
+    ) -> Result<(), StoreError>
+    where
+        for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+        DB::Arguments: sqlx::IntoArguments<DB>,
+        for<'q> i64: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+        for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    {
+        sqlx::query(self.record)
+            .bind(table.to_owned())
+            .bind(version)
+            .execute(&mut *conn)
+            .await
+            .map_err(migrate_error)?;
+        Ok(())
+    }
+}
+
+fn migrate_error(e: sqlx::Error) -> StoreError {
+    super::database_error("migrate", e)
 }
 
 /// Milliseconds until due (negative: already due, `None`: nothing) as a wait.

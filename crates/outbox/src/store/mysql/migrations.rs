@@ -1,6 +1,7 @@
 //! MySQL/MariaDB migrations: the steps of each table, applied once each under a named lock.
 
 use super::*;
+use crate::store::shared::MigrationLog;
 
 /// Each step is a list of statements, of which only the last may be non-idempotent (MySQL DDL
 /// is not transactional; `CREATE TABLE IF NOT EXISTS` is, and a single `ALTER TABLE` is atomic).
@@ -270,6 +271,13 @@ async fn drop_status_check(
 
 /// Apply migrations once each, recorded in `outbox_migrations`, serialised by the named lock
 /// `outbox_migrate` (`GET_LOCK`) so concurrent `migrate` calls are safe.
+/// `outbox_migrations` on MySQL/MariaDB.
+const LOG: MigrationLog = MigrationLog {
+    newest: "SELECT MAX(version) FROM outbox_migrations WHERE table_name = ?",
+    applied: "SELECT COUNT(*) FROM outbox_migrations WHERE table_name = ? AND version = ?",
+    record: "INSERT INTO outbox_migrations (table_name, version) VALUES (?, ?)",
+};
+
 pub(crate) async fn run_migrations(pool: &MySqlPool, steps: Vec<Step>) -> Result<(), StoreError> {
     let e = |op| move |e| crate::store::database_error(op, e);
     let mut conn = pool.acquire().await.map_err(e("migrate"))?;
@@ -292,17 +300,9 @@ pub(crate) async fn run_migrations(pool: &MySqlPool, steps: Vec<Step>) -> Result
         .await
         .map_err(e("migrate"))?;
         // A table migrated by a newer build is left alone: this build does not know its schema.
-        crate::store::shared::refuse_newer::<sqlx::MySql, _>(&mut *conn, &steps, "SELECT MAX(version) FROM outbox_migrations WHERE table_name = ?").await?;
+        LOG.refuse_newer::<sqlx::MySql, _>(&mut *conn, &steps).await?;
         for (table, version, stmts) in steps {
-            let done: Option<i64> = sqlx::query_scalar(
-                "SELECT version FROM outbox_migrations WHERE table_name = ? AND version = ?",
-            )
-            .bind(&table)
-            .bind(version)
-            .fetch_optional(&mut *conn)
-            .await
-            .map_err(e("migrate"))?;
-            if done.is_some() {
+            if LOG.applied::<sqlx::MySql>(&mut conn, &table, version).await? {
                 continue;
             }
             for sql in stmts {
@@ -324,12 +324,7 @@ pub(crate) async fn run_migrations(pool: &MySqlPool, steps: Vec<Step>) -> Result
                     Err(err) => return Err(e("migrate")(err)),
                 }
             }
-            sqlx::query("INSERT INTO outbox_migrations (table_name, version) VALUES (?, ?)")
-                .bind(&table)
-                .bind(version)
-                .execute(&mut *conn)
-                .await
-                .map_err(e("migrate"))?;
+            LOG.record::<sqlx::MySql>(&mut conn, &table, version).await?;
             tracing::info!(table, version, "applied MySQL migration");
         }
         Ok(())

@@ -1,6 +1,7 @@
 //! PostgreSQL migrations: the steps of each table, applied once each under an advisory lock.
 
 use super::*;
+use crate::store::shared::MigrationLog;
 use crate::store::status_sql::{LAST, PREPARED};
 
 /// The outbox table's columns as version 1 created them, without its keys (the plain table and
@@ -298,6 +299,13 @@ pub(crate) async fn run_migrations(
     }
 }
 
+/// `outbox_migrations` on PostgreSQL (`version` is an `int`).
+const LOG: MigrationLog = MigrationLog {
+    newest: "SELECT MAX(version)::bigint FROM outbox_migrations WHERE table_name = $1",
+    applied: "SELECT COUNT(*) FROM outbox_migrations WHERE table_name = $1 AND version = $2",
+    record: "INSERT INTO outbox_migrations (table_name, version) VALUES ($1, $2)",
+};
+
 async fn migrate_once(pool: &PgPool, steps: Vec<(String, i64, String)>) -> Result<(), StoreError> {
     let e = |op| move |e| crate::store::database_error(op, e);
     let mut tx = pool.begin().await.map_err(e("migrate"))?;
@@ -319,34 +327,21 @@ async fn migrate_once(pool: &PgPool, steps: Vec<(String, i64, String)>) -> Resul
     .await
     .map_err(e("migrate"))?;
     // A table migrated by a newer build is left alone: this build does not know its schema.
-    crate::store::shared::refuse_newer::<sqlx::Postgres, _>(
-        &mut *tx,
-        &steps,
-        "SELECT MAX(version)::bigint FROM outbox_migrations WHERE table_name = $1",
-    )
-    .await?;
+    LOG.refuse_newer::<sqlx::Postgres, _>(&mut *tx, &steps)
+        .await?;
     for (table, version, sql) in steps {
-        let done: Option<i32> = sqlx::query_scalar(
-            "SELECT version FROM outbox_migrations WHERE table_name = $1 AND version = $2",
-        )
-        .bind(&table)
-        .bind(version as i32)
-        .fetch_optional(&mut *tx)
-        .await
-        .map_err(e("migrate"))?;
-        if done.is_some() {
+        if LOG
+            .applied::<sqlx::Postgres>(&mut tx, &table, version)
+            .await?
+        {
             continue;
         }
         sqlx::raw_sql(AssertSqlSafe(sql))
             .execute(&mut *tx)
             .await
             .map_err(e("migrate"))?;
-        sqlx::query("INSERT INTO outbox_migrations (table_name, version) VALUES ($1, $2)")
-            .bind(&table)
-            .bind(version as i32)
-            .execute(&mut *tx)
-            .await
-            .map_err(e("migrate"))?;
+        LOG.record::<sqlx::Postgres>(&mut tx, &table, version)
+            .await?;
         tracing::info!(table, version, "applied PostgreSQL migration");
     }
     tx.commit().await.map_err(e("migrate"))?;

@@ -1,6 +1,7 @@
 //! SQLite migrations: the steps of each table, applied once each.
 
 use super::*;
+use crate::store::shared::MigrationLog;
 use crate::store::status_sql::{LAST, PREPARED};
 
 pub(crate) fn migrations(t: &str, inbox: &str) -> Vec<(String, i64, String)> {
@@ -189,6 +190,13 @@ pub(crate) fn inbox_steps(inbox: &str) -> Vec<(String, i64, String)> {
     ]
 }
 
+/// `outbox_migrations` on SQLite.
+const LOG: MigrationLog = MigrationLog {
+    newest: "SELECT MAX(version) FROM outbox_migrations WHERE table_name = ?1",
+    applied: "SELECT COUNT(*) FROM outbox_migrations WHERE table_name = ?1 AND version = ?2",
+    record: "INSERT INTO outbox_migrations (table_name, version) VALUES (?1, ?2)",
+};
+
 /// Apply migrations for the given tables, each once, recorded in `outbox_migrations`.
 pub(crate) async fn run_migrations(
     pool: &SqlitePool,
@@ -205,27 +213,18 @@ pub(crate) async fn run_migrations(
     .map_err(e("migrate"))?;
     // A table migrated by a newer build is left alone: this build does not know its schema.
     let mut conn = pool.acquire().await.map_err(e("migrate"))?;
-    crate::store::shared::refuse_newer::<sqlx::Sqlite, _>(
-        &mut *conn,
-        &steps,
-        "SELECT MAX(version) FROM outbox_migrations WHERE table_name = ?1",
-    )
-    .await?;
+    LOG.refuse_newer::<sqlx::Sqlite, _>(&mut *conn, &steps)
+        .await?;
     drop(conn);
     for (table, version, sql) in steps {
         let mut conn = pool.acquire().await.map_err(e("migrate"))?;
         let mut tx = sqlx::Connection::begin_with(&mut *conn, "BEGIN IMMEDIATE")
             .await
             .map_err(e("migrate"))?;
-        let done: Option<i64> = sqlx::query_scalar(
-            "SELECT version FROM outbox_migrations WHERE table_name = ?1 AND version = ?2",
-        )
-        .bind(&table)
-        .bind(version)
-        .fetch_optional(&mut *tx)
-        .await
-        .map_err(e("migrate"))?;
-        if done.is_some() {
+        if LOG
+            .applied::<sqlx::Sqlite>(&mut tx, &table, version)
+            .await?
+        {
             continue;
         }
         let edits_schema = sql.contains("writable_schema");
@@ -245,12 +244,7 @@ pub(crate) async fn run_migrations(
                 .await
                 .map_err(e("migrate"))?;
         }
-        sqlx::query("INSERT INTO outbox_migrations (table_name, version) VALUES (?1, ?2)")
-            .bind(&table)
-            .bind(version)
-            .execute(&mut *tx)
-            .await
-            .map_err(e("migrate"))?;
+        LOG.record::<sqlx::Sqlite>(&mut tx, &table, version).await?;
         tx.commit().await.map_err(e("migrate"))?;
         tracing::info!(table, version, "applied SQLite migration");
     }
