@@ -316,13 +316,27 @@ pub(crate) fn per_bucket_limit(limit: u32, buckets: usize) -> u32 {
     (limit / buckets).saturating_mul(4).max(32).min(limit)
 }
 
+/// One statement of a round-based [`Store::read_buckets`] ([`read_in_rounds`]): for each
+/// `(bucket, after_id)` of `parts`, the first `per_bucket` due PENDING rows of the bucket with
+/// `id > after_id` in id order (one index range scan per bucket) whose partition key is not in
+/// `skip`, then the first `limit` of them all by id.
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
+pub(crate) struct ReadRound {
+    /// `(bucket, after_id)`: the buckets to read and the id each reads on from
+    /// (`i64::MIN` in the first round).
+    pub(crate) parts: Vec<(Bucket, i64)>,
+    /// The partition keys to skip as a JSON array of strings; `None` when there are none.
+    pub(crate) skip: Option<std::sync::Arc<str>>,
+    /// Rows at most per bucket ([`per_bucket_limit`]).
+    pub(crate) per_bucket: u32,
+    /// Rows at most in all.
+    pub(crate) limit: u32,
+}
+
 /// [`Store::read_buckets`] for dialects without `LATERAL` (MySQL/MariaDB, SQLite), in rounds of
-/// one statement each. `fetch(parts, skip, k, remaining)` reads, for each `(bucket, after_id)`
-/// of `parts`, the first `k` due PENDING rows of the bucket with `id > after_id` in id order
-/// (one index range scan per bucket) whose partition key is not in `skip` (`skip_keys` as a
-/// JSON array, `None` when there are none), then the first `remaining` of them all by id; each
-/// row has its id in column 0 and its bucket in column 9 (`err` maps a column that does not
-/// read). A bucket that filled its `k` rows may have more: while fewer than `limit` rows came,
+/// one statement each: `fetch` reads a [`ReadRound`]; each row it returns has its id in
+/// column 0 and its bucket in column 9 (`err` maps a column that does not read). A bucket that
+/// filled its `per_bucket` rows may have more: while fewer than `limit` rows came,
 /// the next round reads on from the last id of each such bucket. Every bucket's rows are
 /// therefore a prefix of its due rows, in id order. The rows come back as the batch
 /// ([`BucketBatch::push`]: a row that does not decode goes to its `malformed`).
@@ -335,7 +349,7 @@ pub(crate) async fn read_in_rounds<R, F, Fut>(
     mut fetch: F,
 ) -> Result<super::BucketBatch, super::StoreError>
 where
-    F: FnMut(Vec<(Bucket, i64)>, Option<std::sync::Arc<str>>, u32, u32) -> Fut,
+    F: FnMut(ReadRound) -> Fut,
     Fut: std::future::Future<Output = Result<Vec<R>, super::StoreError>>,
     R: sqlx::Row,
     usize: sqlx::ColumnIndex<R>,
@@ -365,7 +379,13 @@ where
             break;
         }
         let k = per_bucket_limit(remaining, parts.len());
-        let rows = fetch(parts.clone(), skip.clone(), k, remaining)
+        let round = ReadRound {
+            parts: parts.clone(),
+            skip: skip.clone(),
+            per_bucket: k,
+            limit: remaining,
+        };
+        let rows = fetch(round)
             .await?
             .into_iter()
             .map(|row| {

@@ -90,13 +90,13 @@ pub mod sqlite;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) use connect::server_pool;
 pub use connect::{Dialect, connect, connect_existing};
-#[cfg(any(feature = "mysql", feature = "sqlite"))]
-pub(crate) use leases::read_in_rounds;
 pub use leases::{
     BUCKETS, Bucket, BucketBatch, BucketCompletion, BucketLease, BucketRow, FencedRow, HandOff,
     KeyHead, MembershipRequest, MembershipRound, RelayInfo, normalise_routes, routes_hash,
 };
 pub(crate) use leases::{BucketColumns, membership_round, relay_info, routes_json};
+#[cfg(any(feature = "mysql", feature = "sqlite"))]
+pub(crate) use leases::{ReadRound, read_in_rounds};
 
 /// The class of a driver error, by the dialect that raised it (`store::<dialect>::errors`):
 /// shared driver errors first ([`DbErrorClass::of_driver`]), then the database error's own type
@@ -270,7 +270,7 @@ pub trait Store: Send + Sync + 'static {
     /// (`handoff = to`, `expires_at = now() + lease`): no other relay acquires it meanwhile,
     /// and `to` acquires it at its next membership round even above its fair share. Used by a
     /// relay that holds messages only `to` can route; after the reservation expired anyone may
-    /// take it. No buckets: nothing is written.
+    /// take it. No buckets: the statement matches no row (the relay calls it only with some).
     async fn hand_off_buckets(&self, h: &HandOff<'_>) -> Result<(), StoreError>;
 
     /// The status of each of `ids` that exists, in id order (ids without a row are left out).

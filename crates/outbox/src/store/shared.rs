@@ -134,28 +134,43 @@ pub(crate) struct MigrationLog {
 }
 
 impl MigrationLog {
+    /// This log's statements on `conn` (a migration's connection or transaction).
+    pub(crate) fn on<'c, DB: Database>(
+        &'static self,
+        conn: &'c mut DB::Connection,
+    ) -> LogOn<'c, DB> {
+        LogOn { log: self, conn }
+    }
+}
+
+/// A [`MigrationLog`]'s statements bound to the connection a migration runs on.
+pub(crate) struct LogOn<'c, DB: Database> {
+    log: &'static MigrationLog,
+    conn: &'c mut DB::Connection,
+}
+
+impl<DB: Database> LogOn<'_, DB>
+where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    DB::Arguments: sqlx::IntoArguments<DB>,
+    for<'q> i64: sqlx::Encode<'q, DB> + sqlx::Decode<'q, DB> + sqlx::Type<DB>,
+    for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    usize: sqlx::ColumnIndex<DB::Row>,
+{
     /// Before migrating: refuse when a table of `steps` was migrated by a newer build (this
     /// build does not know its schema, so it leaves the table alone).
     ///
     /// # Errors
     /// [`StoreError::SchemaVersion`] naming the first such table; a database error as
     /// `migrate`.
-    pub(crate) async fn refuse_newer<DB: Database, S>(
-        &self,
-        conn: &mut DB::Connection,
+    pub(crate) async fn refuse_newer<S>(
+        &mut self,
         steps: &[(String, i64, S)],
-    ) -> Result<(), StoreError>
-    where
-        for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
-        DB::Arguments: sqlx::IntoArguments<DB>,
-        for<'q> i64: sqlx::Encode<'q, DB> + sqlx::Decode<'q, DB> + sqlx::Type<DB>,
-        for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
-        usize: sqlx::ColumnIndex<DB::Row>,
-    {
+    ) -> Result<(), StoreError> {
         for (table, needed) in super::newest_versions(steps) {
-            let found: Option<i64> = sqlx::query_scalar(self.newest)
+            let found: Option<i64> = sqlx::query_scalar(self.log.newest)
                 .bind(table.clone())
-                .fetch_one(&mut *conn)
+                .fetch_one(&mut *self.conn)
                 .await
                 .map_err(migrate_error)?;
             if let Some(found) = found.filter(|f| *f > needed) {
@@ -173,23 +188,11 @@ impl MigrationLog {
     ///
     /// # Errors
     /// A database error as `migrate`.
-    pub(crate) async fn applied<DB: Database>(
-        &self,
-        conn: &mut DB::Connection,
-        table: &str,
-        version: i64,
-    ) -> Result<bool, StoreError>
-    where
-        for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
-        DB::Arguments: sqlx::IntoArguments<DB>,
-        for<'q> i64: sqlx::Encode<'q, DB> + sqlx::Decode<'q, DB> + sqlx::Type<DB>,
-        for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
-        usize: sqlx::ColumnIndex<DB::Row>,
-    {
-        let n: i64 = sqlx::query_scalar(self.applied)
+    pub(crate) async fn applied(&mut self, table: &str, version: i64) -> Result<bool, StoreError> {
+        let n: i64 = sqlx::query_scalar(self.log.applied)
             .bind(table.to_owned())
             .bind(version)
-            .fetch_one(&mut *conn)
+            .fetch_one(&mut *self.conn)
             .await
             .map_err(migrate_error)?;
         Ok(n > 0)
@@ -199,22 +202,11 @@ impl MigrationLog {
     ///
     /// # Errors
     /// A database error as `migrate`.
-    pub(crate) async fn record<DB: Database>(
-        &self,
-        conn: &mut DB::Connection,
-        table: &str,
-        version: i64,
-    ) -> Result<(), StoreError>
-    where
-        for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
-        DB::Arguments: sqlx::IntoArguments<DB>,
-        for<'q> i64: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
-        for<'q> String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
-    {
-        sqlx::query(self.record)
+    pub(crate) async fn record(&mut self, table: &str, version: i64) -> Result<(), StoreError> {
+        sqlx::query(self.log.record)
             .bind(table.to_owned())
             .bind(version)
-            .execute(&mut *conn)
+            .execute(&mut *self.conn)
             .await
             .map_err(migrate_error)?;
         Ok(())

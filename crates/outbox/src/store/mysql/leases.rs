@@ -168,17 +168,11 @@ impl MySqlStore {
     }
 
     /// One round of [`Store::read_buckets`] ([`crate::store::read_in_rounds`]): a `UNION ALL` of one
-    /// `ORDER BY id LIMIT k` range scan of `(status, bucket, id)` per bucket (MariaDB has no
-    /// `LATERAL`), then the first `remaining` by id.
-    pub(super) async fn read_parts(
-        &self,
-        parts: Vec<(Bucket, i64)>,
-        skip_json: Option<std::sync::Arc<str>>,
-        k: u32,
-        remaining: u32,
-    ) -> Result<Vec<MySqlRow>, StoreError> {
+    /// `ORDER BY id LIMIT per_bucket` range scan of `(status, bucket, id)` per bucket (MariaDB has no
+    /// `LATERAL`), then the first `limit` by id.
+    pub(super) async fn read_parts(&self, round: ReadRound) -> Result<Vec<MySqlRow>, StoreError> {
         let t = self.table.as_str();
-        let (with, skip) = match &skip_json {
+        let (with, skip) = match &round.skip {
             // The keys as a derived table (one placeholder however many keys and buckets).
             Some(_) => (
                 "WITH s AS (SELECT k COLLATE utf8mb4_bin AS k FROM JSON_TABLE(?, '$[*]' COLUMNS (\
@@ -195,17 +189,20 @@ impl MySqlStore {
         );
         let sql = format!(
             "{with}SELECT * FROM ({}) r ORDER BY id LIMIT ?",
-            vec![part.as_str(); parts.len()].join(" UNION ALL ")
+            vec![part.as_str(); round.parts.len()].join(" UNION ALL ")
         );
         let mut q = sqlx::query(AssertSqlSafe(sql));
-        if let Some(json) = &skip_json {
+        if let Some(json) = &round.skip {
             q = q.bind(&**json);
         }
-        for (bucket, after) in &parts {
-            q = q.bind(*bucket).bind(*after).bind(i64::from(k));
+        for (bucket, after) in &round.parts {
+            q = q
+                .bind(*bucket)
+                .bind(*after)
+                .bind(i64::from(round.per_bucket));
         }
         let rows = q
-            .bind(i64::from(remaining))
+            .bind(i64::from(round.limit))
             .fetch_all(&self.pool)
             .await
             .map_err(self.err("read_buckets"))?;

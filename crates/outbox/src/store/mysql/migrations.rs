@@ -272,7 +272,7 @@ async fn drop_status_check(
 /// Apply migrations once each, recorded in `outbox_migrations`, serialised by the named lock
 /// `outbox_migrate` (`GET_LOCK`) so concurrent `migrate` calls are safe.
 /// `outbox_migrations` on MySQL/MariaDB.
-const LOG: MigrationLog = MigrationLog {
+static LOG: MigrationLog = MigrationLog {
     newest: "SELECT MAX(version) FROM outbox_migrations WHERE table_name = ?",
     applied: "SELECT COUNT(*) FROM outbox_migrations WHERE table_name = ? AND version = ?",
     record: "INSERT INTO outbox_migrations (table_name, version) VALUES (?, ?)",
@@ -300,9 +300,9 @@ pub(crate) async fn run_migrations(pool: &MySqlPool, steps: Vec<Step>) -> Result
         .await
         .map_err(e("migrate"))?;
         // A table migrated by a newer build is left alone: this build does not know its schema.
-        LOG.refuse_newer::<sqlx::MySql, _>(&mut *conn, &steps).await?;
+        LOG.on::<sqlx::MySql>(&mut *conn).refuse_newer(&steps).await?;
         for (table, version, stmts) in steps {
-            if LOG.applied::<sqlx::MySql>(&mut conn, &table, version).await? {
+            if LOG.on::<sqlx::MySql>(&mut conn).applied(&table, version).await? {
                 continue;
             }
             for sql in stmts {
@@ -324,7 +324,7 @@ pub(crate) async fn run_migrations(pool: &MySqlPool, steps: Vec<Step>) -> Result
                     Err(err) => return Err(e("migrate")(err)),
                 }
             }
-            LOG.record::<sqlx::MySql>(&mut conn, &table, version).await?;
+            LOG.on::<sqlx::MySql>(&mut conn).record(&table, version).await?;
             tracing::info!(table, version, "applied MySQL migration");
         }
         Ok(())

@@ -65,7 +65,8 @@ use super::shared::{On, due_in, stats_in};
 use super::status_sql::{CONFIRMED, FAILED, PENDING, REJECTED, SENDING, SENT};
 use super::{
     Bucket, BucketBatch, BucketCompletion, FailedMessage, HandOff, KeyHead, LeaseToken,
-    MembershipRequest, MembershipRound, RelayInfo, Stats, Store, StoreOptions, millis, new_token,
+    MembershipRequest, MembershipRound, ReadRound, RelayInfo, Stats, Store, StoreOptions, millis,
+    new_token,
 };
 use crate::error::{EnqueueError, StoreError};
 use crate::ident::TableName;
@@ -199,8 +200,11 @@ enum Bind<'a> {
 /// `expires_at` of a bucket nobody holds: long past (a `DATETIME` cannot be `-infinity`).
 const LONG_AGO: &str = "'1970-01-01 00:00:01'";
 
-/// `(bucket = ? AND token = ?) OR …` for `n` pairs.
+/// `(bucket = ? AND token = ?) OR …` for `n` pairs; `FALSE` (no row) for none.
 fn bucket_token_pairs(n: usize) -> String {
+    if n == 0 {
+        return "FALSE".into();
+    }
     vec!["(bucket = ? AND token = ?)"; n].join(" OR ")
 }
 
@@ -251,14 +255,8 @@ impl Store for MySqlStore {
     }
 
     async fn membership(&self, req: &MembershipRequest) -> Result<MembershipRound, StoreError> {
-        let mut attempt = 0;
-        loop {
-            match self.membership_once(req).await {
-                Ok(round) => return Ok(round),
-                Err(e) if self.retry_conflict("membership", &e, attempt).await => attempt += 1,
-                Err(e) => return Err(self.err("membership")(e)),
-            }
-        }
+        self.retrying("membership", move || self.membership_once(req))
+            .await
     }
 
     async fn relays(&self, lease: Duration) -> Result<Vec<RelayInfo>, StoreError> {
@@ -274,24 +272,19 @@ impl Store for MySqlStore {
     }
 
     async fn hand_off_buckets(&self, h: &HandOff<'_>) -> Result<(), StoreError> {
-        let HandOff {
-            relay,
-            buckets,
-            to,
-            lease,
-        } = *h;
-        if buckets.is_empty() {
-            return Ok(());
-        }
         let t = self.table.as_str();
         let sql = format!(
             "UPDATE {t}_buckets SET owner = NULL, token = NULL, handoff = ?, expires_at = {} \
              WHERE owner = ? AND ({})",
             now_plus_ms(),
-            bucket_token_pairs(buckets.len())
+            bucket_token_pairs(h.buckets.len())
         );
-        let mut binds = vec![Bind::Str(to), Bind::I64(millis(lease)), Bind::Str(relay)];
-        for (bucket, token) in buckets {
+        let mut binds = vec![
+            Bind::Str(h.to),
+            Bind::I64(millis(h.lease)),
+            Bind::Str(h.relay),
+        ];
+        for (bucket, token) in h.buckets {
             binds.push(Bind::I64(i64::from(*bucket)));
             binds.push(Bind::I64(*token));
         }
@@ -327,16 +320,10 @@ impl Store for MySqlStore {
         if buckets.is_empty() && !leave {
             return Ok(());
         }
-        let mut attempt = 0;
-        loop {
-            match self.release_once(relay, buckets, leave).await {
-                Ok(()) => return Ok(()),
-                Err(e) if self.retry_conflict("release_buckets", &e, attempt).await => {
-                    attempt += 1;
-                }
-                Err(e) => return Err(self.err("release_buckets")(e)),
-            }
-        }
+        self.retrying("release_buckets", move || {
+            self.release_once(relay, buckets, leave)
+        })
+        .await
     }
 
     async fn read_buckets(
@@ -350,7 +337,7 @@ impl Store for MySqlStore {
             skip_keys,
             limit,
             self.err("read_buckets"),
-            |parts, skip, k, remaining| self.read_parts(parts, skip, k, remaining),
+            |round| self.read_parts(round),
         )
         .await
     }
@@ -569,14 +556,8 @@ impl super::confirming::ConfirmSteps for MySqlStore {
     }
 
     async fn confirm(&self, ids: &[String]) -> Result<Vec<String>, StoreError> {
-        let mut attempt = 0;
-        loop {
-            match self.confirm_processed(ids).await {
-                Ok(moved) => return Ok(moved),
-                Err(e) if self.retry_conflict("confirm", &e, attempt).await => attempt += 1,
-                Err(e) => return Err(self.err("confirm")(e)),
-            }
-        }
+        self.retrying("confirm", move || self.confirm_processed(ids))
+            .await
     }
 
     async fn reject(

@@ -315,32 +315,46 @@ impl MySqlStore {
         sqlx::Transaction::begin(conn, None).await
     }
 
-    /// Run `body` in a READ COMMITTED transaction of its own ([`Self::begin_rc`]), which it
-    /// hands back with the rows it wrote, and commit; a lock conflict
-    /// ([`Self::retry_conflict`]) runs it again in a new transaction, other errors are `op`'s.
-    async fn in_rc_retrying<'a, F>(&self, op: &'static str, mut body: F) -> Result<u64, StoreError>
+    /// Run `run` again while it fails with a lock conflict ([`Self::retry_conflict`]); another
+    /// error is `op`'s. `run` starts a fresh attempt each time (its own transaction).
+    pub(super) async fn retrying<T, Fut>(
+        &self,
+        op: &'static str,
+        mut run: impl FnMut() -> Fut,
+    ) -> Result<T, StoreError>
     where
-        F: FnMut(
-                RcTransaction,
-            )
-                -> futures::future::BoxFuture<'a, Result<(RcTransaction, u64), sqlx::Error>>
-            + Send,
+        Fut: std::future::Future<Output = Result<T, sqlx::Error>>,
     {
         let mut attempt = 0;
         loop {
-            let r = async {
-                let tx = self.begin_rc().await?;
-                let (tx, n) = body(tx).await?;
-                tx.commit().await?;
-                Ok::<_, sqlx::Error>(n)
-            }
-            .await;
-            match r {
-                Ok(n) => return Ok(n),
+            match run().await {
+                Ok(v) => return Ok(v),
                 Err(e) if self.retry_conflict(op, &e, attempt).await => attempt += 1,
                 Err(e) => return Err(self.err(op)(e)),
             }
         }
+    }
+
+    /// Run `body` in a READ COMMITTED transaction of its own ([`Self::begin_rc`]), which it
+    /// hands back with the rows it wrote, and commit; a lock conflict
+    /// ([`Self::retry_conflict`]) runs it again in a new transaction, other errors are `op`'s.
+    async fn in_rc_retrying<'a, F>(&self, op: &'static str, body: F) -> Result<u64, StoreError>
+    where
+        F: Fn(
+                RcTransaction,
+            )
+                -> futures::future::BoxFuture<'a, Result<(RcTransaction, u64), sqlx::Error>>
+            + Send
+            + Sync,
+    {
+        let body = &body;
+        self.retrying(op, move || async move {
+            let tx = self.begin_rc().await?;
+            let (tx, n) = body(tx).await?;
+            tx.commit().await?;
+            Ok(n)
+        })
+        .await
     }
 
     /// Run one statement in its own READ COMMITTED transaction, retrying lock conflicts.

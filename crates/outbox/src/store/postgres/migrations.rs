@@ -300,7 +300,7 @@ pub(crate) async fn run_migrations(
 }
 
 /// `outbox_migrations` on PostgreSQL (`version` is an `int`).
-const LOG: MigrationLog = MigrationLog {
+static LOG: MigrationLog = MigrationLog {
     newest: "SELECT MAX(version)::bigint FROM outbox_migrations WHERE table_name = $1",
     applied: "SELECT COUNT(*) FROM outbox_migrations WHERE table_name = $1 AND version = $2",
     record: "INSERT INTO outbox_migrations (table_name, version) VALUES ($1, $2)",
@@ -327,11 +327,13 @@ async fn migrate_once(pool: &PgPool, steps: Vec<(String, i64, String)>) -> Resul
     .await
     .map_err(e("migrate"))?;
     // A table migrated by a newer build is left alone: this build does not know its schema.
-    LOG.refuse_newer::<sqlx::Postgres, _>(&mut *tx, &steps)
+    LOG.on::<sqlx::Postgres>(&mut *tx)
+        .refuse_newer(&steps)
         .await?;
     for (table, version, sql) in steps {
         if LOG
-            .applied::<sqlx::Postgres>(&mut tx, &table, version)
+            .on::<sqlx::Postgres>(&mut tx)
+            .applied(&table, version)
             .await?
         {
             continue;
@@ -340,7 +342,8 @@ async fn migrate_once(pool: &PgPool, steps: Vec<(String, i64, String)>) -> Resul
             .execute(&mut *tx)
             .await
             .map_err(e("migrate"))?;
-        LOG.record::<sqlx::Postgres>(&mut tx, &table, version)
+        LOG.on::<sqlx::Postgres>(&mut tx)
+            .record(&table, version)
             .await?;
         tracing::info!(table, version, "applied PostgreSQL migration");
     }

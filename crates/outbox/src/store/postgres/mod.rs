@@ -321,22 +321,13 @@ impl Store for PgStore {
     }
 
     async fn hand_off_buckets(&self, h: &HandOff<'_>) -> Result<(), StoreError> {
-        let HandOff {
-            relay,
-            buckets,
-            to,
-            lease,
-        } = *h;
-        if buckets.is_empty() {
-            return Ok(());
-        }
-        let (b, t): (Vec<Bucket>, Vec<LeaseToken>) = buckets.iter().copied().unzip();
+        let (b, t): (Vec<Bucket>, Vec<LeaseToken>) = h.buckets.iter().copied().unzip();
         sqlx::query(AssertSqlSafe(self.sql.hand_off.clone()))
-            .bind(relay)
+            .bind(h.relay)
             .bind(&b)
             .bind(&t)
-            .bind(to)
-            .bind(millis(lease))
+            .bind(h.to)
+            .bind(millis(h.lease))
             .execute(&self.pool)
             .await
             .map_err(self.err("hand_off_buckets"))?;

@@ -191,7 +191,7 @@ pub(crate) fn inbox_steps(inbox: &str) -> Vec<(String, i64, String)> {
 }
 
 /// `outbox_migrations` on SQLite.
-const LOG: MigrationLog = MigrationLog {
+static LOG: MigrationLog = MigrationLog {
     newest: "SELECT MAX(version) FROM outbox_migrations WHERE table_name = ?1",
     applied: "SELECT COUNT(*) FROM outbox_migrations WHERE table_name = ?1 AND version = ?2",
     record: "INSERT INTO outbox_migrations (table_name, version) VALUES (?1, ?2)",
@@ -213,7 +213,8 @@ pub(crate) async fn run_migrations(
     .map_err(e("migrate"))?;
     // A table migrated by a newer build is left alone: this build does not know its schema.
     let mut conn = pool.acquire().await.map_err(e("migrate"))?;
-    LOG.refuse_newer::<sqlx::Sqlite, _>(&mut *conn, &steps)
+    LOG.on::<sqlx::Sqlite>(&mut *conn)
+        .refuse_newer(&steps)
         .await?;
     drop(conn);
     for (table, version, sql) in steps {
@@ -222,7 +223,8 @@ pub(crate) async fn run_migrations(
             .await
             .map_err(e("migrate"))?;
         if LOG
-            .applied::<sqlx::Sqlite>(&mut tx, &table, version)
+            .on::<sqlx::Sqlite>(&mut tx)
+            .applied(&table, version)
             .await?
         {
             continue;
@@ -244,7 +246,9 @@ pub(crate) async fn run_migrations(
                 .await
                 .map_err(e("migrate"))?;
         }
-        LOG.record::<sqlx::Sqlite>(&mut tx, &table, version).await?;
+        LOG.on::<sqlx::Sqlite>(&mut tx)
+            .record(&table, version)
+            .await?;
         tx.commit().await.map_err(e("migrate"))?;
         tracing::info!(table, version, "applied SQLite migration");
     }

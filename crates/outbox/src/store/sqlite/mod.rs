@@ -33,7 +33,7 @@ use super::shared::{On, due_in, stats_in};
 use super::status_sql::{CONFIRMED, FAILED, PENDING, REJECTED, SENDING, SENT};
 use super::{
     Bucket, BucketBatch, BucketCompletion, FailedMessage, HandOff, KeyHead, LeaseToken,
-    MembershipRequest, MembershipRound, RelayInfo, Stats, Store, millis, new_token,
+    MembershipRequest, MembershipRound, ReadRound, RelayInfo, Stats, Store, millis, new_token,
 };
 use crate::error::{EnqueueError, StoreError};
 use crate::ident::TableName;
@@ -208,25 +208,16 @@ impl Store for SqliteStore {
     }
 
     async fn hand_off_buckets(&self, h: &HandOff<'_>) -> Result<(), StoreError> {
-        let HandOff {
-            relay,
-            buckets,
-            to,
-            lease,
-        } = *h;
-        if buckets.is_empty() {
-            return Ok(());
-        }
         let t = self.table.as_str();
         sqlx::query(AssertSqlSafe(format!(
             "UPDATE {t}_buckets SET owner = NULL, token = NULL, handoff = ?3, expires_at = {NOW_MS} + ?4 \
              WHERE owner = ?1 AND EXISTS (SELECT 1 FROM json_each(?2) h \
              WHERE h.value ->> '$[0]' = {t}_buckets.bucket AND h.value ->> '$[1]' = {t}_buckets.token)"
         )))
-        .bind(relay)
-        .bind(serde_json::to_string(buckets).expect("buckets serialize"))
-        .bind(to)
-        .bind(millis(lease))
+        .bind(h.relay)
+        .bind(serde_json::to_string(h.buckets).expect("buckets serialize"))
+        .bind(h.to)
+        .bind(millis(h.lease))
         .execute(&self.pool)
         .await
         .map_err(self.err("hand_off_buckets"))?;
@@ -295,7 +286,7 @@ impl Store for SqliteStore {
             skip_keys,
             limit,
             self.err("read_buckets"),
-            |parts, skip, k, remaining| self.read_parts(parts, skip, k, remaining),
+            |round| self.read_parts(round),
         )
         .await
     }

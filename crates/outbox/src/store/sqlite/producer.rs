@@ -426,26 +426,23 @@ impl SqliteStore {
     }
 
     /// One round of [`Store::read_buckets`] ([`crate::store::read_in_rounds`]): a `UNION ALL` of one
-    /// `ORDER BY id LIMIT k` range scan of the partial index `(bucket, id) WHERE status = 0` per
-    /// bucket, the first `remaining` ids of them all, then those rows by id.
+    /// `ORDER BY id LIMIT per_bucket` range scan of the partial index `(bucket, id) WHERE status = 0` per
+    /// bucket, the first `limit` ids of them all, then those rows by id.
     pub(super) async fn read_parts(
         &self,
-        parts: Vec<(Bucket, i64)>,
-        skip_json: Option<std::sync::Arc<str>>,
-        k: u32,
-        remaining: u32,
+        round: ReadRound,
     ) -> Result<Vec<sqlx::sqlite::SqliteRow>, StoreError> {
         let t = self.table.as_str();
         // ?1 the overall limit, ?2 the per-bucket limit, ?3 the keys to skip (if any), then a
         // bucket and the id to read after per part.
-        let (skip, first) = match skip_json {
+        let (skip, first) = match round.skip {
             Some(_) => (
                 " AND (partition_key IS NULL OR partition_key NOT IN (SELECT value FROM json_each(?3)))",
                 4,
             ),
             None => ("", 3),
         };
-        let sql = (0..parts.len())
+        let sql = (0..round.parts.len())
             .map(|i| {
                 let (b, a) = (first + 2 * i, first + 2 * i + 1);
                 format!(
@@ -461,12 +458,12 @@ impl SqliteStore {
             "SELECT {READ_COLS}, ({NOW_MS} - MAX(created_at, available_at)) * 1000 FROM {t} \
              WHERE id IN (SELECT id FROM ({sql}) ORDER BY id LIMIT ?1) ORDER BY id"
         )))
-        .bind(i64::from(remaining))
-        .bind(i64::from(k));
-        if let Some(json) = skip_json {
+        .bind(i64::from(round.limit))
+        .bind(i64::from(round.per_bucket));
+        if let Some(json) = round.skip {
             q = q.bind(json.to_string());
         }
-        for (bucket, after) in &parts {
+        for (bucket, after) in &round.parts {
             q = q.bind(*bucket).bind(*after);
         }
         let rows = q
