@@ -173,12 +173,10 @@ mod imp {
         // What the consumer continues: this span (the row keeps the producer's context).
         let own = headers_of(&span.context());
         if !own.is_empty() {
-            message
-                .headers
-                .retain(|k, _| !k.eq_ignore_ascii_case(HEADER_TRACEPARENT));
-            message
-                .headers
-                .retain(|k, _| !k.eq_ignore_ascii_case(HEADER_TRACESTATE));
+            message.headers.retain(|k, _| {
+                !k.eq_ignore_ascii_case(HEADER_TRACEPARENT)
+                    && !k.eq_ignore_ascii_case(HEADER_TRACESTATE)
+            });
             message.headers.extend(own);
         }
         Some(span)
@@ -210,12 +208,18 @@ mod imp {
         (h.remove(HEADER_TRACEPARENT), h.remove(HEADER_TRACESTATE))
     }
 
-    pub(super) fn confirmation_span(c: &mut Confirmation) -> Option<tracing::Span> {
+    /// The W3C headers confirmation `c` carries; `None` without a `traceparent`.
+    fn carried(c: &Confirmation) -> Option<Headers> {
         let mut carried = Headers::new();
         carried.insert(HEADER_TRACEPARENT.to_owned(), c.traceparent.clone()?);
         if let Some(s) = &c.tracestate {
             carried.insert(HEADER_TRACESTATE.to_owned(), s.clone());
         }
+        Some(carried)
+    }
+
+    pub(super) fn confirmation_span(c: &mut Confirmation) -> Option<tracing::Span> {
+        let carried = carried(c)?;
         let span = tracing::info_span!(
             parent: None,
             "outbox.confirmation",
@@ -240,9 +244,9 @@ mod imp {
     }
 
     pub(super) fn rejection_hook_span(c: &Confirmation, table: &str) -> tracing::Span {
-        let Some(p) = &c.traceparent else {
+        if c.traceparent.is_none() {
             return tracing::Span::none();
-        };
+        }
         let span = tracing::info_span!(
             parent: None,
             "outbox.rejection_hook",
@@ -251,12 +255,9 @@ mod imp {
             messaging.consumer.group.name = %c.consumer,
             outbox.table = table,
         );
-        if !span.is_disabled() {
-            let mut carried = Headers::new();
-            carried.insert(HEADER_TRACEPARENT.to_owned(), p.clone());
-            if let Some(s) = &c.tracestate {
-                carried.insert(HEADER_TRACESTATE.to_owned(), s.clone());
-            }
+        if !span.is_disabled()
+            && let Some(carried) = carried(c)
+        {
             continue_from(&span, &carried, true);
         }
         span

@@ -235,33 +235,22 @@ impl<'de> serde::Deserialize<'de> for RuleFile {
             after: Option<String>,
             action: Option<RetentionAction>,
         }
-        struct V;
-        impl<'de> serde::de::Visitor<'de> for V {
-            type Value = RuleFile;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a duration, \"forever\", or { after, action }")
-            }
-            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<RuleFile, E> {
+        str_or_table(
+            d,
+            "a duration, \"forever\", or { after, action }",
+            |s| {
                 Ok(RuleFile {
-                    after: Some(parse_after(s).map_err(E::custom)?),
+                    after: Some(parse_after(s)?),
                     action: None,
                 })
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(self, m: A) -> Result<RuleFile, A::Error> {
-                let t = <Table as serde::Deserialize>::deserialize(
-                    serde::de::value::MapAccessDeserializer::new(m),
-                )?;
-                let after = match t.after {
-                    Some(s) => Some(parse_after(&s).map_err(serde::de::Error::custom)?),
-                    None => None,
-                };
+            },
+            |t: Table| {
                 Ok(RuleFile {
-                    after,
+                    after: t.after.as_deref().map(parse_after).transpose()?,
                     action: t.action,
                 })
-            }
-        }
-        d.deserialize_any(V)
+            },
+        )
     }
 }
 
@@ -283,31 +272,21 @@ impl<'de> serde::Deserialize<'de> for Retention {
             rolled_back: RuleFile,
             archived: Option<String>,
         }
-        struct V;
-        impl<'de> serde::de::Visitor<'de> for V {
-            type Value = Retention;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a duration, \"forever\", or a table of rules per state")
-            }
-            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<Retention, E> {
-                Ok(match parse_after(s).map_err(E::custom)? {
+        str_or_table(
+            d,
+            "a duration, \"forever\", or a table of rules per state",
+            |s| {
+                Ok(match parse_after(s)? {
                     Some(d) => Retention::finished_after(d),
                     None => Retention::keep_all(),
                 })
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(self, m: A) -> Result<Retention, A::Error> {
-                let t = <Table as serde::Deserialize>::deserialize(
-                    serde::de::value::MapAccessDeserializer::new(m),
-                )?;
+            },
+            |t: Table| {
                 let default = Retention::default();
                 let action = t.action.unwrap_or_default();
                 let rule = |f: RuleFile, d: Rule| Rule {
                     after: f.after.unwrap_or(d.after),
                     action: f.action.unwrap_or(action),
-                };
-                let archived = match t.archived {
-                    Some(s) => parse_after(&s).map_err(serde::de::Error::custom)?,
-                    None => None,
                 };
                 Ok(Retention {
                     sent: rule(t.sent, default.sent),
@@ -315,12 +294,50 @@ impl<'de> serde::Deserialize<'de> for Retention {
                     rejected: rule(t.rejected, default.rejected),
                     failed: rule(t.failed, default.failed),
                     rolled_back: rule(t.rolled_back, default.rolled_back),
-                    archived,
+                    archived: t.archived.as_deref().map_or(Ok(None), parse_after)?,
                 })
-            }
-        }
-        d.deserialize_any(V)
+            },
+        )
     }
+}
+
+/// Deserialize a value written either as a string (read by `from_str`) or as a table `T` (read
+/// by `from_table`); `expecting` describes both for serde's type errors. The table's own errors
+/// (an unknown field, a wrong type) are serde's; `from_str`'s and `from_table`'s become custom
+/// errors.
+fn str_or_table<'de, D, T, R>(
+    d: D,
+    expecting: &'static str,
+    from_str: fn(&str) -> Result<R, String>,
+    from_table: fn(T) -> Result<R, String>,
+) -> Result<R, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: serde::Deserialize<'de>,
+{
+    struct V<T, R> {
+        expecting: &'static str,
+        from_str: fn(&str) -> Result<R, String>,
+        from_table: fn(T) -> Result<R, String>,
+    }
+    impl<'de, T: serde::Deserialize<'de>, R> serde::de::Visitor<'de> for V<T, R> {
+        type Value = R;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(self.expecting)
+        }
+        fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<R, E> {
+            (self.from_str)(s).map_err(E::custom)
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(self, m: A) -> Result<R, A::Error> {
+            let t = T::deserialize(serde::de::value::MapAccessDeserializer::new(m))?;
+            (self.from_table)(t).map_err(serde::de::Error::custom)
+        }
+    }
+    d.deserialize_any(V {
+        expecting,
+        from_str,
+        from_table,
+    })
 }
 
 impl serde::Serialize for Retention {

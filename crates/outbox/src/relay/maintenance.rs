@@ -14,16 +14,8 @@ pub(super) async fn maintenance_loop(relay: Relay, cancel: CancellationToken) {
     let mut failures = 0u32;
     let mut full = false;
     loop {
-        let wait = if failures > 0 {
-            cfg.probe_backoff.delay(failures)
-        } else if full {
-            Duration::ZERO
-        } else {
-            cfg.maintenance_interval
-        };
-        tokio::select! {
-            _ = cancel.cancelled() => return,
-            _ = tokio::time::sleep(wait) => {}
+        if !pause(cfg, failures, full, cfg.maintenance_interval, &cancel).await {
+            return;
         }
         let limit = cfg.batch_size;
         let steps = async {

@@ -658,3 +658,26 @@ impl Relay {
         sent.filter(|s| *s > began).map(|_| age)
     }
 }
+
+/// Wait before the next round of a periodic loop (maintenance, check-back of prepared messages):
+/// `probe_backoff` after `failures` failed rounds in a row, no wait after a full round (more to
+/// do), else `interval`. `false` when `cancel` fired first.
+async fn pause(
+    cfg: &RelayConfig,
+    failures: u32,
+    full: bool,
+    interval: Duration,
+    cancel: &CancellationToken,
+) -> bool {
+    let wait = if failures > 0 {
+        cfg.probe_backoff.delay(failures)
+    } else if full {
+        Duration::ZERO
+    } else {
+        interval
+    };
+    tokio::select! {
+        _ = cancel.cancelled() => false,
+        _ = tokio::time::sleep(wait) => true,
+    }
+}

@@ -17,16 +17,8 @@ pub(super) async fn prepared_loop(relay: Relay, cancel: CancellationToken) {
     let mut failures = 0u32;
     let mut full = false;
     loop {
-        let wait = if failures > 0 {
-            inner.config.probe_backoff.delay(failures)
-        } else if full {
-            Duration::ZERO
-        } else {
-            policy.poll_interval
-        };
-        tokio::select! {
-            _ = cancel.cancelled() => return,
-            _ = tokio::time::sleep(wait) => {}
+        if !pause(&inner.config, failures, full, policy.poll_interval, &cancel).await {
+            return;
         }
         // Cancelled mid-round (shutdown, or the relay dropped): the round is dropped with its
         // checks in flight; what they did not write yet is asked again by the bucket's owner.

@@ -153,18 +153,13 @@ impl ClientContext for OutageContext {
 type KafkaProducer = FutureProducer<OutageContext>;
 
 /// Publishes to Kafka (see the module docs).
+#[derive(derive_more::Debug)]
 pub struct KafkaTransport {
     config: KafkaConfig,
+    #[debug(skip)]
     state: Arc<ProducerState>,
+    #[debug(skip)]
     producer: RwLock<Arc<KafkaProducer>>,
-}
-
-impl std::fmt::Debug for KafkaTransport {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KafkaTransport")
-            .field("config", &self.config)
-            .finish_non_exhaustive()
-    }
 }
 
 impl KafkaTransport {

@@ -290,34 +290,27 @@ pub(crate) fn parse_name_servers(list: &str) -> Result<Vec<String>, String> {
 /// Check a topic name as RocketMQ does (`Validators.checkTopic`): 1 to 127 characters from
 /// `%|a-zA-Z0-9_-`.
 pub(crate) fn validate_topic(topic: &str) -> Result<(), String> {
-    if topic.is_empty() || topic.len() > 127 {
-        return Err(format!(
-            "RocketMQ topic {topic:?} must have 1 to 127 characters"
-        ));
-    }
-    if !topic
-        .bytes()
-        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'%' | b'|' | b'_' | b'-'))
-    {
-        return Err(format!(
-            "RocketMQ topic {topic:?} may only contain letters, digits and %|_- (TopicValidator)"
-        ));
-    }
-    Ok(())
+    validate_name("RocketMQ topic", topic, 127)
 }
 
 /// Check a producer or consumer group name as RocketMQ does (`Validators.checkGroup`): 1 to 120
 /// characters from `%|a-zA-Z0-9_-`.
 pub(crate) fn validate_group(group: &str) -> Result<(), String> {
-    if group.is_empty() || group.len() > 120 {
-        return Err(format!("group {group:?} must have 1 to 120 characters"));
+    validate_name("group", group, 120)
+}
+
+/// Check a RocketMQ name (a topic, a group): 1 to `max` characters from `%|a-zA-Z0-9_-`. The
+/// error names it as `what`.
+fn validate_name(what: &str, name: &str, max: usize) -> Result<(), String> {
+    if name.is_empty() || name.len() > max {
+        return Err(format!("{what} {name:?} must have 1 to {max} characters"));
     }
-    if !group
+    if !name
         .bytes()
         .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'%' | b'|' | b'_' | b'-'))
     {
         return Err(format!(
-            "group {group:?} may only contain letters, digits and %|_-"
+            "{what} {name:?} may only contain letters, digits and %|_-"
         ));
     }
     Ok(())

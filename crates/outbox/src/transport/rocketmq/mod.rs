@@ -227,18 +227,11 @@ pub(crate) fn acl_hook(credentials: &Credentials) -> Arc<ClientRpcHook> {
 }
 
 /// Publishes normal messages to RocketMQ (see the module docs).
-#[derive(Clone)]
+#[derive(Clone, derive_more::Debug)]
 pub struct RocketMqTransport {
+    #[debug(skip)]
     producer: DefaultMQProducer,
     config: Arc<RocketMqConfig>,
-}
-
-impl std::fmt::Debug for RocketMqTransport {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RocketMqTransport")
-            .field("config", &self.config)
-            .finish_non_exhaustive()
-    }
 }
 
 impl RocketMqTransport {
@@ -426,25 +419,20 @@ impl RocketMqTransport {
 /// `value` U+0002 per property, unescaped, so neither character may appear in a name or value.
 const ROCKETMQ_PROPERTIES: HeaderRules = HeaderRules {
     broker: Broker::RocketMq,
-    name: |n| {
-        if n.contains(['\u{1}', '\u{2}']) {
-            Err(
-                "a RocketMQ property name cannot contain U+0001 or U+0002 (the property separators)",
-            )
-        } else {
-            Ok(())
-        }
-    },
-    value: |v| {
-        if v.contains(['\u{1}', '\u{2}']) {
-            Err(
-                "a RocketMQ property value cannot contain U+0001 or U+0002 (the property separators)",
-            )
-        } else {
-            Ok(())
-        }
-    },
+    name: without_separators,
+    value: without_separators,
 };
+
+/// `Err(rule)` for a property name or value holding a property separator (U+0001, U+0002).
+fn without_separators(s: &str) -> Result<(), &'static str> {
+    if s.contains(['\u{1}', '\u{2}']) {
+        Err(
+            "a RocketMQ property name or value cannot contain U+0001 or U+0002 (the property separators)",
+        )
+    } else {
+        Ok(())
+    }
+}
 
 /// What RocketMQ cannot carry (see the module docs): an invalid destination, an empty payload or
 /// one over `max_message_size` bytes, a header named as a system property, a property separator
