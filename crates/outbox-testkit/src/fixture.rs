@@ -226,9 +226,10 @@ pub(crate) async fn server_pool<DB: sqlx::Database>(
 }
 
 /// `impl StoreFixture for $fixture` with the methods every dialect writes alike over its
-/// `store` field (`store`, `enqueue_commit`, `enqueue_rollback`), plus the items given.
+/// `store` field, a `$store` (`store`, `enqueue_commit`, `enqueue_rollback`, `archived`,
+/// `open_with_table`), plus the items given.
 macro_rules! store_fixture {
-    ($fixture:ty, { $($item:tt)* }) => {
+    ($fixture:ty, $store:ty, { $($item:tt)* }) => {
         #[async_trait::async_trait]
         impl $crate::StoreFixture for $fixture {
             fn store(&self) -> std::sync::Arc<dyn outbox::store::Store> {
@@ -253,6 +254,24 @@ macro_rules! store_fixture {
                 let r = self.store.enqueue_many(&mut tx, msgs).await;
                 tx.rollback().await.expect("rollback");
                 r
+            }
+
+            async fn archived(&self) -> Vec<(i64, String, i16)> {
+                sqlx::query_as(sqlx::AssertSqlSafe(format!(
+                    "SELECT id, archive_reason, status FROM {}_archive ORDER BY id",
+                    outbox::store::Store::table(&self.store)
+                )))
+                .fetch_all(self.store.pool())
+                .await
+                .expect("read the archive")
+            }
+
+            async fn open_with_table(
+                &self,
+                table: &str,
+            ) -> Result<(), outbox::StoreError> {
+                <$store>::from_pool(self.store.pool().clone(), outbox::StoreOptions::table(table))
+                    .map(|_| ())
             }
 
             $($item)*

@@ -70,8 +70,8 @@ pub use redis::{RedisFixture, redis_url};
 #[cfg(feature = "rocketmq")]
 pub use rocketmq::RocketMqFixture;
 pub use stores::{
-    DEFAULT_MYSQL_URL, MySqlFixture, PgFixture, PgPartitionedFixture, SqliteFixture, mysql_pool,
-    mysql_url, pg_pool,
+    DEFAULT_MYSQL_URL, MySqlFixture, PgFixture, PgPartitionedFixture, Producer, SqliteFixture,
+    mysql_pool, mysql_url, pg_pool,
 };
 pub use transport::{
     RawDelivery, Received, TransportFixture, WebhookFixture, WebhookReceiver, claimed_message,

@@ -16,6 +16,49 @@ use crate::{
     ConfirmFixture, ConfirmState, HookControl, RecordingHook, RowState, postgres_url, unique,
 };
 
+/// One message enqueued as a producer does, on the store of any dialect.
+#[async_trait]
+pub trait Producer {
+    /// Enqueue `msg` in a plain transaction of its own from the store's pool (`pool().begin()`,
+    /// then `tx.commit()`: the wake-ups are the database's own, none in-process); its id.
+    ///
+    /// # Panics
+    /// On an error, naming the step.
+    async fn enqueue_plain(&self, msg: outbox::NewMessage) -> Uuid;
+
+    /// Enqueue `msg` in a transaction of its own from the store's `begin()`, committed by its
+    /// `commit()` (the producer API's wake-ups); its id.
+    ///
+    /// # Panics
+    /// On an error, naming the step.
+    async fn enqueue_committed(&self, msg: outbox::NewMessage) -> Uuid;
+}
+
+/// [`Producer`] for the stores given (their `pool()`, `begin()`, `enqueue` and `commit` are
+/// alike).
+macro_rules! producer {
+    ($($store:ty),+) => {$(
+        #[async_trait]
+        impl Producer for $store {
+            async fn enqueue_plain(&self, msg: outbox::NewMessage) -> Uuid {
+                let mut tx = self.pool().begin().await.expect("begin");
+                let id = self.enqueue(&mut tx, msg).await.expect("enqueue");
+                tx.commit().await.expect("commit");
+                id
+            }
+
+            async fn enqueue_committed(&self, msg: outbox::NewMessage) -> Uuid {
+                let mut tx = self.begin().await.expect("begin");
+                let id = self.enqueue(&mut tx, msg).await.expect("enqueue");
+                self.commit(tx).await.expect("commit");
+                id
+            }
+        }
+    )+};
+}
+
+producer!(PgStore, MySqlStore, SqliteStore);
+
 /// SQLite in a temporary file.
 pub struct SqliteFixture {
     /// The store.
@@ -49,7 +92,7 @@ impl Drop for SqliteFixture {
     }
 }
 
-store_fixture!(SqliteFixture, {
+store_fixture!(SqliteFixture, SqliteStore, {
     async fn insert_prepared_sql(&self, topic: &str, payload: &[u8], check_back: &str) -> Uuid {
         let id = Uuid::now_v7();
         sqlx::query(
@@ -112,17 +155,6 @@ store_fixture!(SqliteFixture, {
                 payload: r.get(8),
             })
             .collect()
-    }
-
-    async fn archived(&self) -> Vec<(i64, String, i16)> {
-        sqlx::query_as("SELECT id, archive_reason, status FROM outbox_archive ORDER BY id")
-            .fetch_all(self.store.pool())
-            .await
-            .expect("read the archive")
-    }
-
-    async fn open_with_table(&self, table: &str) -> Result<(), outbox::StoreError> {
-        SqliteStore::from_pool(self.store.pool().clone(), StoreOptions::table(table)).map(|_| ())
     }
 
     async fn cleanup(&self) {}
@@ -280,7 +312,7 @@ impl PgFixture {
     exec_and_count!();
 }
 
-store_fixture!(PgFixture, {
+store_fixture!(PgFixture, PgStore, {
     async fn insert_prepared_sql(&self, topic: &str, payload: &[u8], check_back: &str) -> Uuid {
         sqlx::query_scalar(AssertSqlSafe(format!(
             "INSERT INTO {} (topic, payload, status, check_back) VALUES ($1, $2, 5, $3) RETURNING message_id",
@@ -342,20 +374,6 @@ store_fixture!(PgFixture, {
                 payload: r.get(8),
             })
             .collect()
-    }
-
-    async fn archived(&self) -> Vec<(i64, String, i16)> {
-        sqlx::query_as(AssertSqlSafe(format!(
-            "SELECT id, archive_reason, status FROM {}_archive ORDER BY id",
-            self.table()
-        )))
-        .fetch_all(self.store.pool())
-        .await
-        .expect("read the archive")
-    }
-
-    async fn open_with_table(&self, table: &str) -> Result<(), outbox::StoreError> {
-        PgStore::from_pool(self.store.pool().clone(), StoreOptions::table(table)).map(|_| ())
     }
 
     async fn cleanup(&self) {
@@ -511,7 +529,7 @@ impl MySqlFixture {
     exec_and_count!();
 }
 
-store_fixture!(MySqlFixture, {
+store_fixture!(MySqlFixture, MySqlStore, {
     async fn insert_prepared_sql(&self, topic: &str, payload: &[u8], check_back: &str) -> Uuid {
         let id = Uuid::now_v7();
         sqlx::query(AssertSqlSafe(format!(
@@ -580,20 +598,6 @@ store_fixture!(MySqlFixture, {
                 payload: r.get(8),
             })
             .collect()
-    }
-
-    async fn archived(&self) -> Vec<(i64, String, i16)> {
-        sqlx::query_as(AssertSqlSafe(format!(
-            "SELECT id, archive_reason, status FROM {}_archive ORDER BY id",
-            self.table
-        )))
-        .fetch_all(self.store.pool())
-        .await
-        .expect("read the archive")
-    }
-
-    async fn open_with_table(&self, table: &str) -> Result<(), outbox::StoreError> {
-        MySqlStore::from_pool(self.store.pool().clone(), StoreOptions::table(table)).map(|_| ())
     }
 
     async fn cleanup(&self) {

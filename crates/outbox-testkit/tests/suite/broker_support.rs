@@ -116,6 +116,18 @@ impl Running {
         Running { bound, ..self }
     }
 
+    /// Wait (at most `bound`, for `what`) until `reached` (its handler's crash point), then end
+    /// it as a dying process would ([`Running::abort`]); its metrics.
+    pub(crate) async fn crash_at(
+        self,
+        what: &str,
+        bound: Duration,
+        reached: impl std::future::Future<Output = ()>,
+    ) -> Arc<ConsumerMetrics> {
+        within(what, bound, reached).await;
+        self.abort().await
+    }
+
     /// End it as a dying process would (its task aborted); its metrics.
     pub(crate) async fn abort(self) -> Arc<ConsumerMetrics> {
         self.task.abort();

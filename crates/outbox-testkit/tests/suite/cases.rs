@@ -15,7 +15,9 @@ use outbox::{
     RelayConfig, SqliteStore, Status, StoreErrorKind, StoreOptions, TransportErrorKind,
 };
 use outbox_testkit::store_suite::relay_over;
-use outbox_testkit::{PgFixture, SqliteFixture, StoreFixture, wait_metrics, wait_until, within};
+use outbox_testkit::{
+    PgFixture, Producer, SqliteFixture, StoreFixture, wait_metrics, wait_until, within,
+};
 use sqlx::{AssertSqlSafe, Executor as _, PgConnection};
 
 use crate::inbox::inbound;
@@ -39,27 +41,24 @@ async fn c01_late_commit_is_published(fx: PgFixture) {
     // Session B draws the next id and commits.
     let m2 = fx.commit_one(NewMessage::new("t", "M2")).await;
     // The scenario's "wait 2 poll intervals" while A stays open: M1 is invisible meanwhile.
-    let (id1, id2) = late_commit_published(&mem, (m1, m2), Duration::from_millis(250), async {
-        a.commit().await.unwrap()
-    })
-    .await;
-    assert!(id1 < id2, "M1 drew the lower id");
+    late_commit_published(&mem, a, (m1, m2), Duration::from_millis(250)).await;
     relay.shutdown().await.unwrap();
 }
 
-/// C01's check, session A holding M1 uncommitted and M2 committed: M2 is published alone, M1
-/// stays invisible for `hold`, then `commit` (A's) publishes it. Returns the row ids of M1 and M2.
-pub(crate) async fn late_commit_published(
+/// C01's check, session A (`a`) holding M1 uncommitted and M2 committed: M2 is published alone,
+/// M1 stays invisible for `hold`, then A's commit publishes it; M1 drew the lower row id.
+/// Returns the row ids of M1 and M2.
+pub(crate) async fn late_commit_published<DB: sqlx::Database>(
     mem: &MemoryTransport,
+    a: sqlx::Transaction<'_, DB>,
     (m1, m2): (uuid::Uuid, uuid::Uuid),
     hold: Duration,
-    commit: impl std::future::Future<Output = ()>,
 ) -> (i64, i64) {
     within("M2 published", Duration::from_secs(5), mem.wait_for(1)).await;
     assert_eq!(mem.delivered()[0].message.message_id, m2);
     tokio::time::sleep(hold).await;
     assert_eq!(mem.count(), 1, "M1 is invisible until A commits");
-    commit.await;
+    a.commit().await.unwrap();
     within(
         "M1 published after A commits",
         Duration::from_secs(5),
@@ -68,7 +67,9 @@ pub(crate) async fn late_commit_published(
     .await;
     let delivered = mem.delivered();
     assert_eq!(delivered[1].message.message_id, m1);
-    (delivered[1].message.id, delivered[0].message.id)
+    let (id1, id2) = (delivered[1].message.id, delivered[0].message.id);
+    assert!(id1 < id2, "M1 drew the lower id");
+    (id1, id2)
 }
 
 /// C05: while the broker is down, messages are not dead-lettered and their attempts are not
@@ -321,19 +322,93 @@ async fn c24_in_memory_sqlite_pool() {
     relay.shutdown().await.unwrap();
 }
 
-async fn pg_store_in_time_zone(fx: &PgFixture, tz: &'static str) -> PgStore {
-    let pool = sqlx::postgres::PgPoolOptions::new()
+/// A pool of 5 connections to `url` whose sessions each run `set_time_zone` first (C35: a
+/// producer or relay in another session time zone); `service` names the server in a panic.
+pub(crate) async fn pool_in_time_zone<DB>(
+    url: &str,
+    set_time_zone: String,
+    service: &str,
+) -> sqlx::Pool<DB>
+where
+    DB: sqlx::Database,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    sqlx::pool::PoolOptions::<DB>::new()
         .max_connections(5)
         .after_connect(move |conn, _| {
+            let sql = set_time_zone.clone();
             Box::pin(async move {
-                conn.execute(AssertSqlSafe(format!("SET TIME ZONE '{tz}'")))
-                    .await?;
+                conn.execute(AssertSqlSafe(sql)).await?;
                 Ok(())
             })
         })
-        .connect(&outbox_testkit::postgres_url())
+        .connect(url)
         .await
-        .expect("PostgreSQL (OUTBOX_TEST_POSTGRES_URL)");
+        .expect(service)
+}
+
+/// C35's messages, enqueued by plain producers in two session time zones at the same moment:
+/// one due now and one due in 60 s in each. Their ids: `[shanghai, utc]` due now, then
+/// `[shanghai, utc]` delayed.
+pub(crate) async fn enqueue_in_both_zones<S: Producer + Sync>(
+    shanghai: &S,
+    utc: &S,
+) -> ([uuid::Uuid; 2], [uuid::Uuid; 2]) {
+    let later = |payload: &str| NewMessage::new("t", payload).with_delay(Duration::from_secs(60));
+    let now = tokio::join!(
+        shanghai.enqueue_plain(NewMessage::new("t", "sh")),
+        utc.enqueue_plain(NewMessage::new("t", "utc"))
+    );
+    let delayed = tokio::join!(
+        shanghai.enqueue_plain(later("sh-late")),
+        utc.enqueue_plain(later("utc-late"))
+    );
+    (now.into(), delayed.into())
+}
+
+/// C35's checks of each of `ids` from each of `readers`: `due_in(reader, id)` seconds, between 58
+/// and 60 (a delay or a retry of 60 s measured on the database clock); `what` names it.
+pub(crate) async fn assert_due_in_a_minute<R>(
+    what: &str,
+    readers: [&R; 2],
+    ids: &[uuid::Uuid],
+    due_in: impl AsyncFn(&R, uuid::Uuid) -> f64,
+) {
+    for reader in readers {
+        for id in ids {
+            let d = due_in(reader, *id).await;
+            assert!((58.0..=60.0).contains(&d), "{what} due in {d} s");
+        }
+    }
+}
+
+/// C35's relay in the Shanghai session, over a memory broker that refuses each of `ids` once
+/// (retryable): their retries are due a minute later. The broker and the running relay.
+pub(crate) fn relay_refusing_once(
+    shanghai: Arc<dyn outbox::store::Store>,
+    ids: &[uuid::Uuid],
+) -> (Arc<MemoryTransport>, outbox::RelayHandle) {
+    let mem = Arc::new(MemoryTransport::new());
+    for id in ids {
+        mem.fail_next(*id, vec![TransportErrorKind::Retryable]);
+    }
+    let relay = relay_over(shanghai, mem.clone(), retry_a_minute_later("shanghai")).spawn();
+    (mem, relay)
+}
+
+/// C35's last check: nothing in `store` is due within 55 s for a relay in its session.
+pub(crate) async fn assert_nothing_due_soon(store: &dyn outbox::store::Store) {
+    let due = store.next_due_in().await.unwrap().unwrap();
+    assert!(due > Duration::from_secs(55), "next due in {due:?}");
+}
+
+async fn pg_store_in_time_zone(fx: &PgFixture, tz: &'static str) -> PgStore {
+    let pool = pool_in_time_zone(
+        &outbox_testkit::postgres_url(),
+        format!("SET TIME ZONE '{tz}'"),
+        "PostgreSQL (OUTBOX_TEST_POSTGRES_URL)",
+    )
+    .await;
     PgStore::from_pool(pool, StoreOptions::table(fx.table())).unwrap()
 }
 
@@ -372,26 +447,7 @@ async fn c35_session_time_zones_do_not_shift_times(fx: PgFixture) {
         .await
         .unwrap();
     assert_eq!(tz, "Asia/Shanghai");
-    let enqueue = |store: PgStore, msg: NewMessage| async move {
-        let mut tx = store.pool().begin().await.unwrap();
-        let id = store.enqueue(&mut tx, msg).await.unwrap();
-        tx.commit().await.unwrap();
-        id
-    };
-    let (a, b) = tokio::join!(
-        enqueue(shanghai.clone(), NewMessage::new("t", "sh")),
-        enqueue(utc.clone(), NewMessage::new("t", "utc"))
-    );
-    let (da, db) = tokio::join!(
-        enqueue(
-            shanghai.clone(),
-            NewMessage::new("t", "sh-late").with_delay(Duration::from_secs(60))
-        ),
-        enqueue(
-            utc.clone(),
-            NewMessage::new("t", "utc-late").with_delay(Duration::from_secs(60))
-        )
-    );
+    let ([a, b], [da, db]) = enqueue_in_both_zones(&shanghai, &utc).await;
     let t = fx.table();
     let created =
         format!("SELECT EXTRACT(EPOCH FROM created_at)::float8 FROM {t} WHERE message_id = $1");
@@ -414,24 +470,11 @@ async fn c35_session_time_zones_do_not_shift_times(fx: PgFixture) {
     let due_in = format!(
         "SELECT EXTRACT(EPOCH FROM available_at - now())::float8 FROM {t} WHERE message_id = $1"
     );
-    for reader in [&shanghai, &utc] {
-        for id in [da, db] {
-            let d = epoch(reader, &due_in, id).await;
-            assert!((58.0..=60.0).contains(&d), "delayed message due in {d} s");
-        }
-    }
+    let due = async |reader: &PgStore, id: uuid::Uuid| epoch(reader, &due_in, id).await;
+    assert_due_in_a_minute("delayed message", [&shanghai, &utc], &[da, db], &due).await;
     // Only a relay in the Shanghai session processes; the broker refuses both once, and the
     // retry backoff is exactly 60 s.
-    let mem = Arc::new(MemoryTransport::new());
-    for id in [a, b] {
-        mem.fail_next(id, vec![TransportErrorKind::Retryable]);
-    }
-    let relay = relay_over(
-        Arc::new(shanghai.clone()),
-        mem.clone(),
-        retry_a_minute_later("shanghai"),
-    )
-    .spawn();
+    let (mem, relay) = relay_refusing_once(Arc::new(shanghai.clone()), &[a, b]);
     wait_metrics(relay.metrics(), 10, "both to fail once", |r| {
         r.retried >= 2 && r.completion_writes >= 1
     })
@@ -444,15 +487,9 @@ async fn c35_session_time_zones_do_not_shift_times(fx: PgFixture) {
     })
     .await;
     relay.shutdown().await.unwrap();
-    for reader in [&shanghai, &utc] {
-        for id in [a, b] {
-            let d = epoch(reader, &due_in, id).await;
-            assert!((58.0..=60.0).contains(&d), "retry due in {d} s");
-        }
-    }
+    assert_due_in_a_minute("retry", [&shanghai, &utc], &[a, b], &due).await;
     // Nothing is due for a relay in the UTC session either.
-    let due = utc.next_due_in().await.unwrap().unwrap();
-    assert!(due > Duration::from_secs(55), "next due in {due:?}");
+    assert_nothing_due_soon(&utc).await;
     assert_eq!(mem.count(), 0, "published before its retry was due");
     let _ = (shanghai.pool().close().await, utc.pool().close().await);
 }

@@ -8,14 +8,17 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use outbox::store::{BucketCompletion, MembershipRequest, Outcome, Store as _};
-use outbox::{MemoryTransport, MySqlStore, NewMessage, Status, StoreErrorKind, TransportErrorKind};
+use outbox::{MemoryTransport, MySqlStore, NewMessage, Status, StoreErrorKind};
 use outbox::{RelayConfig, StoreOptions};
 use outbox_testkit::{MySqlFixture, StoreFixture as _, wait_until, within};
 use sqlx::{AssertSqlSafe, Executor as _};
 
 use outbox_testkit::store_suite::relay_over;
 
-use crate::cases::{late_commit_published, retry_a_minute_later};
+use crate::cases::{
+    assert_due_in_a_minute, assert_nothing_due_soon, enqueue_in_both_zones, late_commit_published,
+    pool_in_time_zone, relay_refusing_once,
+};
 use crate::relay::{counts_by_id, fast_config, memory_relay, relay_to, wait_all_status};
 
 /// C01 on MariaDB: session A draws the lower AUTO_INCREMENT id and commits late, a rolled-back
@@ -34,11 +37,7 @@ async fn mysql_c01_late_commit_across_auto_increment_gap_is_published(fx: MySqlF
         .await
         .unwrap();
     let m2 = fx.commit_one(NewMessage::new("t", "M2")).await;
-    let (id1, id2) = late_commit_published(&mem, (m1, m2), Duration::from_millis(300), async {
-        a.commit().await.unwrap()
-    })
-    .await;
-    assert!(id1 < id2, "M1 drew the lower id");
+    let (id1, id2) = late_commit_published(&mem, a, (m1, m2), Duration::from_millis(300)).await;
     assert!(id2 - id1 >= 2, "the rolled-back insert left a gap");
     relay.shutdown().await.unwrap();
 }
@@ -222,18 +221,12 @@ async fn mysql_c31_concurrent_relays_and_contending_updates_lose_nothing() {
 }
 
 async fn mysql_store_in_time_zone(fx: &MySqlFixture, tz: &'static str) -> MySqlStore {
-    let pool = sqlx::mysql::MySqlPoolOptions::new()
-        .max_connections(5)
-        .after_connect(move |conn, _| {
-            Box::pin(async move {
-                conn.execute(AssertSqlSafe(format!("SET time_zone = '{tz}'")))
-                    .await?;
-                Ok(())
-            })
-        })
-        .connect(&outbox_testkit::mysql_url())
-        .await
-        .expect("MySQL/MariaDB (OUTBOX_TEST_MYSQL_URL)");
+    let pool = pool_in_time_zone(
+        &outbox_testkit::mysql_url(),
+        format!("SET time_zone = '{tz}'"),
+        "MySQL/MariaDB (OUTBOX_TEST_MYSQL_URL)",
+    )
+    .await;
     MySqlStore::from_pool(pool, StoreOptions::table(&fx.table)).unwrap()
 }
 
@@ -258,26 +251,7 @@ async fn mysql_c35_session_time_zones_do_not_shift_times(fx: MySqlFixture) {
         .await
         .unwrap();
     assert_eq!(offset, 8, "the session time zone is applied");
-    let enqueue = |store: MySqlStore, msg: NewMessage| async move {
-        let mut tx = store.pool().begin().await.unwrap();
-        let id = store.enqueue(&mut tx, msg).await.unwrap();
-        tx.commit().await.unwrap();
-        id
-    };
-    let (a, b) = tokio::join!(
-        enqueue(shanghai.clone(), NewMessage::new("t", "sh")),
-        enqueue(utc.clone(), NewMessage::new("t", "utc"))
-    );
-    let (da, db) = tokio::join!(
-        enqueue(
-            shanghai.clone(),
-            NewMessage::new("t", "sh-late").with_delay(Duration::from_secs(60))
-        ),
-        enqueue(
-            utc.clone(),
-            NewMessage::new("t", "utc-late").with_delay(Duration::from_secs(60))
-        )
-    );
+    let ([a, b], [da, db]) = enqueue_in_both_zones(&shanghai, &utc).await;
     // A plain-SQL producer in the +08:00 session gets UTC defaults too.
     let plain = uuid::Uuid::now_v7();
     sqlx::query(AssertSqlSafe(format!(
@@ -310,24 +284,11 @@ async fn mysql_c35_session_time_zones_do_not_shift_times(fx: MySqlFixture) {
     let due_in = format!(
         "SELECT TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), available_at) FROM {t} WHERE message_id = ?"
     );
-    for reader in [&shanghai, &utc] {
-        for id in [da, db] {
-            let d = seconds(reader, &due_in, id).await;
-            assert!((58.0..=60.0).contains(&d), "delayed message due in {d} s");
-        }
-    }
+    let due = async |reader: &MySqlStore, id: uuid::Uuid| seconds(reader, &due_in, id).await;
+    assert_due_in_a_minute("delayed message", [&shanghai, &utc], &[da, db], &due).await;
     // Only a relay in the +08:00 session processes; the broker refuses each once, and the
     // retry backoff is exactly 60 s.
-    let mem = Arc::new(MemoryTransport::new());
-    for id in [a, b, plain] {
-        mem.fail_next(id, vec![TransportErrorKind::Retryable]);
-    }
-    let relay = relay_over(
-        Arc::new(shanghai.clone()),
-        mem.clone(),
-        retry_a_minute_later("shanghai"),
-    )
-    .spawn();
+    let (mem, relay) = relay_refusing_once(Arc::new(shanghai.clone()), &[a, b, plain]);
     wait_until("3 retries recorded", Duration::from_secs(10), || async {
         let rows = fx.rows().await;
         [a, b, plain].iter().all(|id| {
@@ -342,15 +303,9 @@ async fn mysql_c35_session_time_zones_do_not_shift_times(fx: MySqlFixture) {
     .await;
     relay.shutdown().await.unwrap();
     assert_eq!(mem.count(), 0, "published before its retry was due");
-    for reader in [&shanghai, &utc] {
-        for id in [a, b, plain] {
-            let d = seconds(reader, &due_in, id).await;
-            assert!((58.0..=60.0).contains(&d), "retry due in {d} s");
-        }
-    }
+    assert_due_in_a_minute("retry", [&shanghai, &utc], &[a, b, plain], &due).await;
     // Nothing is due for a relay in the +00:00 session either.
-    let due = utc.next_due_in().await.unwrap().unwrap();
-    assert!(due > Duration::from_secs(55), "next due in {due:?}");
+    assert_nothing_due_soon(&utc).await;
     let _ = (shanghai.pool().close().await, utc.pool().close().await);
 }
 

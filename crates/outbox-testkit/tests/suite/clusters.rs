@@ -14,11 +14,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use outbox::consumer::ConsumerMetrics;
+use outbox::consumer::source::SourceConfig;
 use outbox::transport::config::TransportConfig;
-use outbox::{Backoff, Inbox, Relay, RelayConfig, Router, Status, Transport};
+use outbox::{Backoff, Inbox, Relay, RelayConfig, RelayHandle, Router, Status, Transport};
 use outbox_testkit::{PgFixture, StoreFixture as _, unique, wait_until, within};
 use tokio_util::sync::CancellationToken;
 
+use crate::broker_support::spawn_consumer;
 use crate::inbox::{EffectHandler, pg_count, pg_effects};
 
 /// Messages per drain: `OUTBOX_CLUSTER_MESSAGES`, default (and at least) 6,000: each kill
@@ -31,8 +33,25 @@ fn messages() -> i64 {
         .max(6_000)
 }
 
-/// The seed list in `var`, or `default`, after checking that one of its nodes listens.
-async fn seeds(var: &str, default: &str, kind: &str) -> String {
+/// The seed list of the `kind` cluster (`nats`, `rabbitmq` or `redis`), in its variable
+/// `OUTBOX_TEST_<KIND>_CLUSTER_URL` or else the nodes `.ci/clusters.sh` starts, after checking
+/// that one of its nodes listens.
+async fn seeds(kind: &str) -> String {
+    let (var, default) = match kind {
+        "nats" => (
+            "OUTBOX_TEST_NATS_CLUSTER_URL",
+            "nats://127.0.0.1:4241,nats://127.0.0.1:4242,nats://127.0.0.1:4243",
+        ),
+        "rabbitmq" => (
+            "OUTBOX_TEST_RABBITMQ_CLUSTER_URL",
+            "amqp://guest:guest@127.0.0.1:5681/%2f,amqp://guest:guest@127.0.0.1:5682/%2f,amqp://guest:guest@127.0.0.1:5683/%2f",
+        ),
+        "redis" => (
+            "OUTBOX_TEST_REDIS_CLUSTER_URL",
+            "redis://127.0.0.1:7001,redis://127.0.0.1:7002,redis://127.0.0.1:7003",
+        ),
+        other => panic!("no cluster of kind {other}"),
+    };
     let url = std::env::var(var).unwrap_or_else(|_| default.to_owned());
     for seed in url.split(',') {
         let rest = seed.trim().split_once("://").map_or(seed, |(_, r)| r);
@@ -84,6 +103,10 @@ struct Node {
 }
 
 impl Node {
+    fn new(kind: &'static str, n: usize) -> Node {
+        Node { kind, n }
+    }
+
     async fn stop(&self) {
         clusters(&["stop", self.kind, &self.n.to_string()]).await;
     }
@@ -292,17 +315,88 @@ async fn check_and_report(
     );
 }
 
+/// A drain under way: the relay over `fx`'s backlog, since when it runs, and what each kill did
+/// to it.
+struct Drain<'a> {
+    fx: &'a PgFixture,
+    relay: RelayHandle,
+    started: Instant,
+    kills: Vec<Kill>,
+}
+
+impl<'a> Drain<'a> {
+    /// Start `relay` on `fx`'s backlog.
+    fn start(fx: &'a PgFixture, relay: Relay) -> Drain<'a> {
+        let started = Instant::now();
+        Drain {
+            fx,
+            relay: relay.spawn(),
+            started,
+            kills: Vec::new(),
+        }
+    }
+
+    /// [`kill_and_measure`] `node`, recorded for the report.
+    async fn kill(&mut self, node: Node, role: &str) {
+        self.kills.push(kill_and_measure(self.fx, node, role).await);
+    }
+
+    /// [`fail_over_and_measure`] `node`, the primary of `key`'s slot, recorded for the report.
+    async fn fail_over(&mut self, node: Node, key: &str, role: &str) {
+        self.kills
+            .push(fail_over_and_measure(self.fx, node, key, role).await);
+    }
+
+    /// [`check_and_report`] the drain of all [`messages`] by `consumer` into `effects`.
+    async fn check_and_report(&self, kind: &str, effects: &str, consumer: &mut Runner) {
+        check_and_report(
+            kind,
+            messages(),
+            self.fx,
+            effects,
+            consumer,
+            self.started,
+            &self.kills,
+        )
+        .await;
+    }
+
+    /// Cancel `consumer` (through `cancel`), wait for it, and shut the relay down.
+    async fn stop(self, consumer: Runner, cancel: &CancellationToken) {
+        cancel.cancel();
+        let _ = consumer.await;
+        self.relay.shutdown().await.unwrap();
+    }
+}
+
+/// The consumer inbox `billing` of `fx` (its `inbox_table()`).
+fn billing_inbox(fx: &PgFixture) -> Inbox<sqlx::Postgres> {
+    Inbox::<sqlx::Postgres>::new(fx.store.pool().clone(), &fx.inbox_table(), "billing").unwrap()
+}
+
+/// The production runner of `config`'s broker (`outbox::consumer::run`), applying each message
+/// into `effects` through `fx`'s inbox as consumer `billing`, until `cancel`.
+fn billing_runner<C: SourceConfig + 'static>(
+    config: C,
+    fx: &PgFixture,
+    effects: &str,
+    cancel: &CancellationToken,
+) -> Runner {
+    spawn_consumer(
+        config,
+        &billing_inbox(fx),
+        Arc::new(EffectHandler::new(effects)),
+        Arc::new(ConsumerMetrics::default()),
+        cancel.clone(),
+    )
+}
+
 /// The NATS cluster's pieces for one test: the seed list, an R3 stream named after `prefix` (its
 /// subjects `prefix.>`), created by the production transport built from its configuration as the
 /// daemon builds it, and the stream's name.
 async fn nats_stream(prefix: &str) -> (String, Arc<outbox::NatsTransport>, String) {
     use outbox::{NatsConfig, NatsTransport, StreamSetup};
-    let url = seeds(
-        "OUTBOX_TEST_NATS_CLUSTER_URL",
-        "nats://127.0.0.1:4241,nats://127.0.0.1:4242,nats://127.0.0.1:4243",
-        "nats",
-    )
-    .await;
+    let url = seeds("nats").await;
     let stream = prefix.to_ascii_uppercase();
     let mut config = NatsConfig::new(url.clone());
     config.stream = Some(StreamSetup {
@@ -350,8 +444,7 @@ async fn nats_runner(
     let runner = tokio::spawn(outbox::consumer::nats::run(
         js.clone(),
         NatsConsumerConfig::new(stream, "billing"),
-        Inbox::<sqlx::Postgres>::new(fx.store.pool().clone(), &fx.inbox_table(), "billing")
-            .unwrap(),
+        billing_inbox(fx),
         Arc::new(EffectHandler::new(effects)),
         metrics,
         cancel.clone(),
@@ -416,24 +509,17 @@ async fn nats_cluster_loses_nothing_when_the_connected_node_and_the_stream_leade
     let cancel = CancellationToken::new();
     let metrics = Arc::new(ConsumerMetrics::default());
     let (mut consumer, js) = nats_runner(&url, &stream, &fx, &effects, metrics, &cancel).await;
-    let started = Instant::now();
-    let handle = relay(&fx, transport.clone(), &format!("{prefix}.{{topic}}")).spawn();
+    let mut drain = Drain::start(
+        &fx,
+        relay(&fx, transport.clone(), &format!("{prefix}.{{topic}}")),
+    );
     let n = messages();
-    let mut kills = Vec::new();
 
     wait_sent(&fx, n / 4, Duration::from_secs(60)).await;
     let connected = transport.client().server_info().port as usize - 4240;
-    kills.push(
-        kill_and_measure(
-            &fx,
-            Node {
-                kind: "nats",
-                n: connected,
-            },
-            "the relay's connection",
-        )
-        .await,
-    );
+    drain
+        .kill(Node::new("nats", connected), "the relay's connection")
+        .await;
 
     // The restarted node catches up before the next kill: killing the leader while the other
     // replica still lags would leave the stream without a current majority.
@@ -448,28 +534,13 @@ async fn nats_cluster_loses_nothing_when_the_connected_node_and_the_stream_leade
         .trim_start_matches("nats-")
         .parse()
         .expect("leader named nats-N");
-    kills.push(
-        kill_and_measure(
-            &fx,
-            Node {
-                kind: "nats",
-                n: leader,
-            },
-            "the stream leader",
-        )
-        .await,
-    );
+    drain
+        .kill(Node::new("nats", leader), "the stream leader")
+        .await;
 
-    check_and_report(
-        "NATS JetStream, R3 stream",
-        n,
-        &fx,
-        &effects,
-        &mut consumer,
-        started,
-        &kills,
-    )
-    .await;
+    drain
+        .check_and_report("NATS JetStream, R3 stream", &effects, &mut consumer)
+        .await;
     wait_replicas_current(&js, &stream).await;
     let info = stream_info(&js, &stream).await;
     assert_eq!(
@@ -477,9 +548,7 @@ async fn nats_cluster_loses_nothing_when_the_connected_node_and_the_stream_leade
         "the stream holds each message once (Nats-Msg-Id deduplication): {:?}",
         info.state
     );
-    cancel.cancel();
-    let _ = consumer.await;
-    handle.shutdown().await.unwrap();
+    drain.stop(consumer, &cancel).await;
     let _ = js.delete_stream(&stream).await;
     fx.cleanup().await;
 }
@@ -490,12 +559,7 @@ async fn rabbitmq_cluster_loses_nothing_when_the_connected_node_and_the_queue_le
     use outbox::consumer::rabbitmq::{QueueSetup, RabbitMqConsumerConfig};
     use outbox_testkit::rabbitmq_config;
 
-    let url = seeds(
-        "OUTBOX_TEST_RABBITMQ_CLUSTER_URL",
-        "amqp://guest:guest@127.0.0.1:5681/%2f,amqp://guest:guest@127.0.0.1:5682/%2f,amqp://guest:guest@127.0.0.1:5683/%2f",
-        "rabbitmq",
-    )
-    .await;
+    let url = seeds("rabbitmq").await;
     let (fx, effects) = backlog(messages()).await;
     let queue = unique("cluster_orders");
     // The consumer declares the quorum queue through the second node of its list (so the
@@ -509,14 +573,7 @@ async fn rabbitmq_cluster_loses_nothing_when_the_connected_node_and_the_queue_le
         quorum: true,
     });
     let cancel = CancellationToken::new();
-    let mut consumer: Runner = tokio::spawn(outbox::consumer::rabbitmq::run(
-        consumer_config,
-        Inbox::<sqlx::Postgres>::new(fx.store.pool().clone(), &fx.inbox_table(), "billing")
-            .unwrap(),
-        Arc::new(EffectHandler::new(&effects)),
-        Arc::new(ConsumerMetrics::default()),
-        cancel.clone(),
-    ));
+    let mut consumer = billing_runner(consumer_config, &fx, &effects, &cancel);
     wait_until(
         "the quorum queue has a leader",
         Duration::from_secs(30),
@@ -533,56 +590,29 @@ async fn rabbitmq_cluster_loses_nothing_when_the_connected_node_and_the_queue_le
         .validate()
         .unwrap();
     let transport = Arc::new(RabbitMqTransport::connect(config).await.unwrap());
-    let started = Instant::now();
     // The default exchange routes to the queue named by the routing key.
-    let handle = relay(&fx, transport, &queue).spawn();
+    let mut drain = Drain::start(&fx, relay(&fx, transport, &queue));
     let n = messages();
-    let mut kills = Vec::new();
 
     wait_sent(&fx, n / 4, Duration::from_secs(60)).await;
     // The relay's seed list starts with node 1, which answered: its connection is there.
-    kills.push(
-        kill_and_measure(
-            &fx,
-            Node {
-                kind: "rabbitmq",
-                n: 1,
-            },
-            "the relay's connection",
-        )
-        .await,
-    );
+    drain
+        .kill(Node::new("rabbitmq", 1), "the relay's connection")
+        .await;
 
     wait_sent(&fx, n / 2, Duration::from_secs(60)).await;
     let leader: usize = clusters(&["leader", "rabbitmq", &queue])
         .await
         .parse()
         .expect("leader node number");
-    kills.push(
-        kill_and_measure(
-            &fx,
-            Node {
-                kind: "rabbitmq",
-                n: leader,
-            },
-            "the queue leader",
-        )
-        .await,
-    );
+    drain
+        .kill(Node::new("rabbitmq", leader), "the queue leader")
+        .await;
 
-    check_and_report(
-        "RabbitMQ, quorum queue",
-        n,
-        &fx,
-        &effects,
-        &mut consumer,
-        started,
-        &kills,
-    )
-    .await;
-    cancel.cancel();
-    let _ = consumer.await;
-    handle.shutdown().await.unwrap();
+    drain
+        .check_and_report("RabbitMQ, quorum queue", &effects, &mut consumer)
+        .await;
+    drain.stop(consumer, &cancel).await;
     fx.cleanup().await;
 }
 
@@ -592,12 +622,7 @@ async fn redis_cluster_loses_nothing_when_the_stream_primary_dies_twice() {
     use outbox::transport::redis::WaitReplicas;
     use outbox::{RedisConfig, RedisTransport};
 
-    let url = seeds(
-        "OUTBOX_TEST_REDIS_CLUSTER_URL",
-        "redis://127.0.0.1:7001,redis://127.0.0.1:7002,redis://127.0.0.1:7003",
-        "redis",
-    )
-    .await;
+    let url = seeds("redis").await;
     let (fx, effects) = backlog(messages()).await;
     let key = unique("cluster-orders");
     let mut config = RedisConfig::new(url.clone());
@@ -612,36 +637,18 @@ async fn redis_cluster_loses_nothing_when_the_stream_primary_dies_twice() {
     consumer_config.consumer = "billing-1".into();
     consumer_config.block = Duration::from_millis(200);
     let cancel = CancellationToken::new();
-    let mut consumer: Runner = tokio::spawn(outbox::consumer::redis::run(
-        consumer_config,
-        Inbox::<sqlx::Postgres>::new(fx.store.pool().clone(), &fx.inbox_table(), "billing")
-            .unwrap(),
-        Arc::new(EffectHandler::new(&effects)),
-        Arc::new(ConsumerMetrics::default()),
-        cancel.clone(),
-    ));
-    let started = Instant::now();
-    let handle = relay(&fx, transport, &key).spawn();
+    let mut consumer = billing_runner(consumer_config, &fx, &effects, &cancel);
+    let mut drain = Drain::start(&fx, relay(&fx, transport, &key));
     let n = messages();
-    let mut kills = Vec::new();
 
     wait_sent(&fx, n / 4, Duration::from_secs(60)).await;
     let primary: usize = clusters(&["leader", "redis", &key])
         .await
         .parse()
         .expect("primary node number");
-    kills.push(
-        fail_over_and_measure(
-            &fx,
-            Node {
-                kind: "redis",
-                n: primary,
-            },
-            &key,
-            "the stream's primary",
-        )
-        .await,
-    );
+    drain
+        .fail_over(Node::new("redis", primary), &key, "the stream's primary")
+        .await;
 
     // The killed primary came back as a replica of the promoted one: once it has caught up,
     // kill the stream's new primary, so the stream fails over a second time.
@@ -660,32 +667,14 @@ async fn redis_cluster_loses_nothing_when_the_stream_primary_dies_twice() {
         },
     )
     .await;
-    kills.push(
-        fail_over_and_measure(
-            &fx,
-            Node {
-                kind: "redis",
-                n: second,
-            },
-            &key,
-            "the stream's new primary",
-        )
-        .await,
-    );
+    drain
+        .fail_over(Node::new("redis", second), &key, "the stream's new primary")
+        .await;
 
-    check_and_report(
-        "Redis Cluster, WAIT 1 replica",
-        n,
-        &fx,
-        &effects,
-        &mut consumer,
-        started,
-        &kills,
-    )
-    .await;
-    cancel.cancel();
-    let _ = consumer.await;
-    handle.shutdown().await.unwrap();
+    drain
+        .check_and_report("Redis Cluster, WAIT 1 replica", &effects, &mut consumer)
+        .await;
+    drain.stop(consumer, &cancel).await;
     fx.cleanup().await;
 }
 
@@ -708,7 +697,7 @@ async fn nats_consumer_started_without_a_majority_waits_for_the_cluster() {
     handle.shutdown().await.unwrap();
 
     // Nodes 2 and 3 down: node 1 alone has no majority.
-    let down = [Node { kind: "nats", n: 2 }, Node { kind: "nats", n: 3 }];
+    let down = [Node::new("nats", 2), Node::new("nats", 3)];
     for node in &down {
         node.stop().await;
     }

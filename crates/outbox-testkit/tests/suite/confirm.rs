@@ -22,7 +22,7 @@ use outbox::{
 };
 use outbox_testkit::{
     ConfirmFixture, HookControl, NatsFixture, PgFixture, SqliteFixture, StoreFixture,
-    TransportFixture, wait_until, within,
+    TransportFixture, wait_until,
 };
 use sqlx::AssertSqlSafe;
 use tokio_util::sync::CancellationToken;
@@ -419,6 +419,13 @@ impl NatsSetup {
         .await
     }
 
+    /// The consumer's confirmation sender: NATS, on a client of its own.
+    pub(crate) async fn sender() -> Arc<dyn ConfirmationSender> {
+        Arc::new(NatsConfirmationSender::new(
+            outbox_testkit::nats_client().await,
+        ))
+    }
+
     pub(crate) fn consumer_config(
         &self,
         sender: Arc<dyn ConfirmationSender>,
@@ -456,8 +463,7 @@ impl NatsSetup {
 #[suite_test(workers = 4)]
 async fn nats_postgres_confirmed_rejected_and_lost_confirmation() {
     let s = NatsSetup::new().await;
-    let client = outbox_testkit::nats_client().await;
-    let sender = FaultySender::new(Arc::new(NatsConfirmationSender::new(client)));
+    let sender = FaultySender::new(NatsSetup::sender().await);
     let msgs = lost_confirmation_messages(&sender);
     let handler = ScriptedHandler::new(&s.effects);
     let consumer = s.spawn_consumer(s.consumer_config(sender.clone()), handler);
@@ -473,8 +479,7 @@ async fn nats_postgres_confirmed_rejected_and_lost_confirmation() {
 #[suite_test(workers = 4)]
 async fn nats_consumer_crash_between_commit_and_ack() {
     let s = NatsSetup::new().await;
-    let client = outbox_testkit::nats_client().await;
-    let real: Arc<dyn ConfirmationSender> = Arc::new(NatsConfirmationSender::new(client));
+    let real = NatsSetup::sender().await;
     let sender = FaultySender::new(real.clone());
     let msg = NewMessage::new("orders", "crash");
     let id = msg.message_id();
@@ -482,13 +487,13 @@ async fn nats_consumer_crash_between_commit_and_ack() {
     let handler = ScriptedHandler::new(&s.effects);
     let consumer = s.spawn_consumer(s.consumer_config(sender.clone()), handler.clone());
     s.fx.enqueue_commit(vec![msg]).await.unwrap();
-    within(
-        "the consumer to commit and reach its confirmation",
-        Duration::from_secs(10),
-        sender.hung.notified(),
-    )
-    .await;
-    consumer.abort().await;
+    consumer
+        .crash_at(
+            "the consumer to commit and reach its confirmation",
+            Duration::from_secs(10),
+            sender.hung.notified(),
+        )
+        .await;
     assert_eq!(s.effects_of(id).await, 1, "the commit happened");
     assert_eq!(
         s.inbox.verdict(id).await.unwrap(),
@@ -521,8 +526,7 @@ async fn nats_consumer_crash_between_commit_and_ack() {
 #[suite_test(workers = 4)]
 async fn nats_poison_messages_dead_lettered_and_replayed() {
     let s = NatsSetup::new().await;
-    let client = outbox_testkit::nats_client().await;
-    let sender = FaultySender::new(Arc::new(NatsConfirmationSender::new(client)));
+    let sender = FaultySender::new(NatsSetup::sender().await);
     let handler = ScriptedHandler::new(&s.effects);
     let mut config = s.consumer_config(sender.clone());
     config.runner.max_deliveries = 3;

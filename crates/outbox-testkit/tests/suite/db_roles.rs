@@ -11,8 +11,8 @@ use outbox::{
     StoreErrorKind, StoreOptions,
 };
 use outbox_testkit::{
-    FaultProxy, MySqlFixture, PgFixture, SqliteFixture, StoreFixture as _, pg_pool, postgres_url,
-    unique, wait_until, within,
+    FaultProxy, MySqlFixture, PgFixture, Producer as _, SqliteFixture, StoreFixture as _, pg_pool,
+    postgres_url, unique, wait_until, within,
 };
 use sqlx::AssertSqlSafe;
 use tokio_util::sync::CancellationToken;
@@ -58,18 +58,6 @@ fn pg_host_port() -> String {
 /// A relay over `store` publishing everything to `transport`.
 fn relay(store: Arc<dyn Store>, transport: Arc<MemoryTransport>, config: RelayConfig) -> Relay {
     outbox_testkit::store_suite::relay_over(store, transport, config)
-}
-
-/// Enqueue one message on `store` in a plain transaction (`tx.commit()`: the trigger's NOTIFY,
-/// no in-process wake-up of any other store).
-async fn enqueue_plain(store: &PgStore, topic: &str) -> uuid::Uuid {
-    let mut tx = store.pool().begin().await.expect("begin");
-    let id = store
-        .enqueue(&mut tx, NewMessage::new(topic, "x"))
-        .await
-        .expect("enqueue");
-    tx.commit().await.expect("commit");
-    id
 }
 
 /// The `client_port` of the session LISTENing on `channel` (as the server sees it).
@@ -297,7 +285,8 @@ async fn defect_05_half_open_listener_is_detected_and_replaced() {
         proxy.stall_connection(port),
         "the listener's connection passes the proxy"
     );
-    enqueue_plain(&producer, "second").await;
+    // A plain transaction (`tx.commit()`): the trigger's NOTIFY, no in-process wake-up.
+    producer.enqueue_plain(NewMessage::new("second", "x")).await;
     let started = std::time::Instant::now();
     within(
         "a publish after the LISTEN connection went half-open (poll interval 30 s)",
@@ -316,7 +305,7 @@ async fn defect_05_half_open_listener_is_detected_and_replaced() {
         "the loss is logged with its cause"
     );
     // And the next one is woken by the new listener at once.
-    enqueue_plain(&producer, "third").await;
+    producer.enqueue_plain(NewMessage::new("third", "x")).await;
     within(
         "a publish on the new listener",
         Duration::from_secs(10),
@@ -367,7 +356,7 @@ async fn defect_05_killed_listener_logs_its_reconnect() {
     .await;
     let lost = logs.lines_with(&["LISTEN connection lost"]).remove(0);
     assert!(lost.contains("cause"), "the cause is logged: {lost}");
-    enqueue_plain(&fx.store, "after").await;
+    fx.store.enqueue_plain(NewMessage::new("after", "x")).await;
     within(
         "a NOTIFY-woken publish",
         Duration::from_secs(10),
@@ -409,23 +398,15 @@ async fn defect_05_enqueue_on_a_locked_table_times_out_with_a_typed_error() {
 
     // Outside a transaction block: the session's lock_timeout is restored after the failure.
     let mut conn = fx.store.pool().acquire().await.unwrap();
-    let before: String = sqlx::query_scalar("SHOW lock_timeout")
-        .fetch_one(&mut *conn)
-        .await
-        .unwrap();
-    let e = within(
+    gives_up_keeping::<_, String, _>(
+        &mut *conn,
+        "SHOW lock_timeout",
         "enqueue outside a transaction to give up",
         Duration::from_secs(10),
-        store.enqueue(&mut conn, NewMessage::new("t", "x")),
+        (&fx.table(), timeout),
+        async |conn| store.enqueue(conn, NewMessage::new("t", "x")).await,
     )
-    .await
-    .unwrap_err();
-    assert!(matches!(e, EnqueueError::Timeout { .. }), "{e:?}");
-    let after: String = sqlx::query_scalar("SHOW lock_timeout")
-        .fetch_one(&mut *conn)
-        .await
-        .unwrap();
-    assert_eq!(after, before);
+    .await;
     drop(conn);
 
     locker.rollback().await.unwrap();
@@ -468,24 +449,15 @@ async fn defect_05_mysql_enqueue_on_a_locked_table_times_out_with_a_typed_error(
         .unwrap();
 
     let mut tx = store.begin().await.unwrap();
-    let session_wait: u64 = sqlx::query_scalar("SELECT @@SESSION.lock_wait_timeout")
-        .fetch_one(&mut *tx)
-        .await
-        .unwrap();
-    let waited = gives_up_naming(
+    gives_up_keeping::<_, u64, _>(
+        &mut *tx,
+        "SELECT @@SESSION.lock_wait_timeout",
         "enqueue to give up on the locked table (MySQL)",
         Duration::from_secs(15),
         (&fx.table, timeout),
-        store.enqueue(&mut tx, NewMessage::new("t", "x")),
+        async |conn| store.enqueue(conn, NewMessage::new("t", "x")).await,
     )
     .await;
-    assert!(waited >= Duration::from_millis(900), "waited {waited:?}");
-    // The caller's connection is usable, its own setting untouched.
-    let after: u64 = sqlx::query_scalar("SELECT @@SESSION.lock_wait_timeout")
-        .fetch_one(&mut *tx)
-        .await
-        .unwrap();
-    assert_eq!(after, session_wait);
     tx.rollback().await.unwrap();
 
     sqlx::raw_sql("UNLOCK TABLES")
@@ -493,12 +465,7 @@ async fn defect_05_mysql_enqueue_on_a_locked_table_times_out_with_a_typed_error(
         .await
         .unwrap();
     // Unlocked: the enqueue goes through.
-    let mut tx = store.begin().await.unwrap();
-    store
-        .enqueue(&mut tx, NewMessage::new("t", "x"))
-        .await
-        .unwrap();
-    store.commit(tx).await.unwrap();
+    store.enqueue_committed(NewMessage::new("t", "x")).await;
     assert_eq!(fx.count(&fx.table).await, 1);
     fx.cleanup().await;
 }
@@ -524,23 +491,15 @@ async fn defect_05_sqlite_enqueue_on_a_locked_table_times_out_with_a_typed_error
         .unwrap();
 
     let mut tx = store.begin().await.unwrap();
-    let busy_before: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
-        .fetch_one(&mut *tx)
-        .await
-        .unwrap();
-    let waited = gives_up_naming(
+    gives_up_keeping::<_, i64, _>(
+        &mut *tx,
+        "PRAGMA busy_timeout",
         "enqueue to give up on the locked database (SQLite)",
         Duration::from_secs(5),
         ("outbox", timeout),
-        store.enqueue(&mut tx, NewMessage::new("t", "x")),
+        async |conn| store.enqueue(conn, NewMessage::new("t", "x")).await,
     )
     .await;
-    assert!(waited >= Duration::from_millis(900), "waited {waited:?}");
-    let busy_after: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
-        .fetch_one(&mut *tx)
-        .await
-        .unwrap();
-    assert_eq!(busy_after, busy_before);
     tx.rollback().await.unwrap();
 
     sqlx::raw_sql("ROLLBACK")
@@ -548,12 +507,7 @@ async fn defect_05_sqlite_enqueue_on_a_locked_table_times_out_with_a_typed_error
         .await
         .unwrap();
     drop(locker);
-    let mut tx = store.begin().await.unwrap();
-    store
-        .enqueue(&mut tx, NewMessage::new("t", "x"))
-        .await
-        .unwrap();
-    store.commit(tx).await.unwrap();
+    store.enqueue_committed(NewMessage::new("t", "x")).await;
     let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM outbox")
         .fetch_one(fx.store.pool())
         .await
@@ -586,6 +540,37 @@ async fn gives_up_naming<T: std::fmt::Debug>(
     }
     assert!(e.to_string().contains(table), "{e}");
     waited
+}
+
+/// Await `enqueue` on `conn`, a producer's connection to a locked table (at most `bound`): it
+/// gives up as [`gives_up_naming`] checks, after at least 90 % of `timeout`, and leaves the
+/// connection usable with the session setting `setting` reads (its one value, a `T`) as it was.
+async fn gives_up_keeping<C, T, F>(
+    conn: &mut C,
+    setting: &'static str,
+    what: &str,
+    bound: Duration,
+    (table, timeout): (&str, Duration),
+    enqueue: F,
+) where
+    C: sqlx::Connection,
+    for<'c> &'c mut C: sqlx::Executor<'c, Database = C::Database>,
+    <C::Database as sqlx::Database>::Arguments: sqlx::IntoArguments<C::Database>,
+    T: PartialEq + std::fmt::Debug + Send + Unpin,
+    (T,): for<'r> sqlx::FromRow<'r, <C::Database as sqlx::Database>::Row>,
+    F: AsyncFnOnce(&mut C) -> Result<uuid::Uuid, EnqueueError>,
+{
+    let before: T = sqlx::query_scalar(setting)
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    let waited = gives_up_naming(what, bound, (table, timeout), enqueue(&mut *conn)).await;
+    assert!(waited >= timeout * 9 / 10, "waited {waited:?}");
+    let after: T = sqlx::query_scalar(setting)
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    assert_eq!(after, before, "{setting} after the failure");
 }
 
 /// The version `migrate` recorded for `table` (the version this build needs).

@@ -315,6 +315,21 @@ pub async fn sqlite_effects_table(pool: &sqlx::SqlitePool) {
         .unwrap();
 }
 
+/// Write `msg`'s effect into the `effects` table ([`sqlite_effects_table`]) on a handler's
+/// connection (so it commits or rolls back with the inbox record); a failed write is transient.
+pub async fn sqlite_effect(
+    conn: &mut sqlx::SqliteConnection,
+    msg: &InboundMessage,
+) -> Result<(), HandlerError> {
+    sqlx::query("INSERT INTO effects (message_id, payload) VALUES (?1, ?2)")
+        .bind(msg.message_id.to_string())
+        .bind(&msg.payload)
+        .execute(conn)
+        .await
+        .map_err(HandlerError::transient)?;
+    Ok(())
+}
+
 /// Create the effects table `name` on MySQL/MariaDB.
 pub async fn mysql_effects(pool: &MySqlPool, name: &str) {
     sqlx::raw_sql(AssertSqlSafe(format!(

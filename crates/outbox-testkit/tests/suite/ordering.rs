@@ -53,6 +53,27 @@ pub(crate) fn ordered_relay(
     b.build().expect("relay config")
 }
 
+/// The [`ordered_relay`] named `name` over `fx` (dead letters skipped), spawned with its first
+/// batch paused at `at`: returned once that batch is there, with the hooks that resume it.
+async fn paused_relay(
+    fx: &dyn StoreFixture,
+    transport: Arc<dyn Transport>,
+    name: &str,
+    at: PauseAt,
+) -> (outbox::RelayHandle, Arc<PauseFirst>) {
+    let hook = PauseFirst::new(at);
+    let relay = ordered_relay(
+        fx,
+        transport,
+        DeadLetterPolicy::Skip,
+        ordered_config(name),
+        Some(hook.clone()),
+    )
+    .spawn();
+    hook.entered.notified().await;
+    (relay, hook)
+}
+
 pub(crate) fn keyed(topic: &str, key: &str, payload: &str) -> NewMessage {
     NewMessage::new(topic, payload.as_bytes().to_vec()).with_partition_key(key)
 }
@@ -75,17 +96,8 @@ async fn status_of(fx: &dyn StoreFixture, id: Uuid) -> i16 {
 /// before B, each once at least, and A's attempt was recorded by the takeover.
 async fn c11_order_survives_relay_crash(fx: &dyn StoreFixture) {
     let transport = Arc::new(MemoryTransport::new());
-    let hook = PauseFirst::new(PauseAt::Publish);
     let a = fx.commit_one(keyed("orders", "K", "A")).await;
-    let r1 = ordered_relay(
-        fx,
-        transport.clone(),
-        DeadLetterPolicy::Skip,
-        ordered_config("c11-first"),
-        Some(hook.clone()),
-    )
-    .spawn();
-    hook.entered.notified().await;
+    let (r1, _) = paused_relay(fx, transport.clone(), "c11-first", PauseAt::Publish).await;
     r1.abort(); // crash between read and publish
     assert_eq!(
         transport.count(),
@@ -401,17 +413,8 @@ fixture_tests!(
 #[suite_test]
 async fn postgres_stale_relay_completion_is_fenced(fx: PgFixture) {
     let transport = Arc::new(MemoryTransport::new());
-    let hook = PauseFirst::new(PauseAt::Complete);
     let id = fx.commit_one(keyed("orders", "K", "M")).await;
-    let relay = ordered_relay(
-        &fx,
-        transport.clone(),
-        DeadLetterPolicy::Skip,
-        ordered_config("stale"),
-        Some(hook.clone()),
-    )
-    .spawn();
-    hook.entered.notified().await;
+    let (relay, hook) = paused_relay(&fx, transport.clone(), "stale", PauseAt::Complete).await;
     assert_eq!(transport.count(), 1, "published, not yet recorded");
     // Another relay takes the bucket over while this one is paused.
     let t = fx.table();

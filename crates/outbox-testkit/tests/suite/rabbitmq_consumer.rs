@@ -102,13 +102,7 @@ impl outbox::Handler<sqlx::Sqlite> for Flaky {
                 msg.delivery_count
             )));
         }
-        sqlx::query("INSERT INTO effects (message_id, payload) VALUES (?1, ?2)")
-            .bind(msg.message_id.to_string())
-            .bind(&msg.payload)
-            .execute(&mut *conn)
-            .await
-            .map_err(HandlerError::transient)?;
-        Ok(())
+        crate::inbox::sqlite_effect(conn, msg).await
     }
 }
 

@@ -20,7 +20,7 @@ use outbox::{
 };
 use outbox_testkit::{
     PgFixture, RedisFixture, StoreFixture as _, TransportFixture as _, claimed_message,
-    publish_all, redis_url, wait_probe_ok, wait_until, within,
+    publish_all, redis_url, wait_probe_ok, wait_until,
 };
 use sqlx::PgConnection;
 use uuid::Uuid;
@@ -185,15 +185,13 @@ async fn c38_no_trimming_by_default_crashed_consumer_recovers_all_5000(fx: PgFix
     });
     let mut config = consumer_config(&stream, "slow-1");
     config.claim_idle = Duration::from_secs(600);
-    let c1 = Running::spawn(config.clone(), &inbox, gate.clone())
-        .stopping_within(Duration::from_secs(10));
-    within(
-        "the consumer to reach its crash point",
-        Duration::from_secs(120),
-        gate.reached.notified(),
-    )
-    .await;
-    let m1 = c1.abort().await;
+    let m1 = Running::spawn(config.clone(), &inbox, gate.clone())
+        .crash_at(
+            "the consumer to reach its crash point",
+            Duration::from_secs(120),
+            gate.reached.notified(),
+        )
+        .await;
     let left = pending(&rx, &stream).await;
     assert!(left > 0, "the crash left pending entries");
     let applied_before = m1.applied.load(Ordering::Relaxed);
@@ -285,15 +283,13 @@ async fn trimmed_pending(other_consumer: bool) {
     let crashing = Recorder::gated(1);
     let mut config = consumer_config(&stream, "c1");
     config.batch = 20;
-    let c1 = Running::spawn(config.clone(), &inbox, crashing.clone())
-        .stopping_within(Duration::from_secs(10));
-    within(
-        "the first delivery",
-        Duration::from_secs(10),
-        crashing.gate.notified(),
-    )
-    .await;
-    c1.abort().await;
+    Running::spawn(config.clone(), &inbox, crashing.clone())
+        .crash_at(
+            "the first delivery",
+            Duration::from_secs(10),
+            crashing.gate.notified(),
+        )
+        .await;
     assert_eq!(pending(&rx, &stream).await, 20);
     let _: i64 = rx
         .query(redis::cmd("XTRIM").arg(&stream).arg("MAXLEN").arg(5))

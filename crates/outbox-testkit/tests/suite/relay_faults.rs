@@ -559,12 +559,7 @@ impl outbox::Handler<sqlx::Sqlite> for GroupedHandler {
         msg: &InboundMessage,
     ) -> Result<(), HandlerError> {
         self.calls.fetch_add(1, Ordering::SeqCst);
-        sqlx::query("INSERT INTO effects (message_id, payload) VALUES (?1, ?2)")
-            .bind(msg.message_id.to_string())
-            .bind(&msg.payload)
-            .execute(&mut *conn)
-            .await
-            .map_err(HandlerError::transient)?;
+        crate::inbox::sqlite_effect(conn, msg).await?;
         match &msg.payload[..] {
             b"fail" => Err(HandlerError::transient("always failing")),
             b"panic" => panic!("scripted panic after the effect"),

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use outbox::retention::{Retention, Rule};
-use outbox::{MemoryTransport, NewMessage, RelayConfig, Status, TransportErrorKind};
+use outbox::{MemoryTransport, NewMessage, RelayConfig, RelayHandle, Status, TransportErrorKind};
 use outbox_testkit::{StoreFixture, wait_metrics, wait_until};
 
 use crate::relay::{fast_config, relay_to};
@@ -64,15 +64,7 @@ pub async fn four_relays(fx: &dyn StoreFixture) {
         sent: Rule::archive_after(Duration::from_millis(100)),
         ..Retention::default()
     };
-    let relays: Vec<_> = (1..=4)
-        .map(|i| {
-            let config = RelayConfig {
-                retention,
-                ..fast_config(&format!("ret-r{i}"))
-            };
-            relay_to(fx, mem.clone(), config).spawn()
-        })
-        .collect();
+    let relays = spawn_four(fx, &mem, retention, "ret");
 
     let produced = produce(fx).await;
 
@@ -129,14 +121,7 @@ pub async fn four_relays(fx: &dyn StoreFixture) {
         || async { archived_by_relays() >= produced.len() as u64 },
     )
     .await;
-    let snapshots: Vec<_> = relays.iter().map(|r| r.metrics().snapshot()).collect();
-    let errors: u64 = snapshots.iter().map(|s| s.store_errors).sum();
-    assert_eq!(errors, 0, "a database error surfaced: {snapshots:?}");
-    let by_relays: u64 = snapshots.iter().map(|s| s.archived).sum();
-    assert_eq!(by_relays, produced.len() as u64, "{snapshots:?}");
-    for r in relays {
-        r.shutdown().await.expect("shutdown");
-    }
+    shut_down_having_archived(relays, produced.len()).await;
 }
 
 /// Each state's rule: SENT rows deleted, dead letters archived (a rule set for them), the
@@ -226,15 +211,7 @@ async fn postgres_partition_drop_under_four_relays_with_producers_running() {
     assert_eq!(in_yesterday as usize, poison.len() + 1 + old.len());
 
     let retention = archive_sent_delete_settled();
-    let relays: Vec<_> = (1..=4)
-        .map(|i| {
-            let config = RelayConfig {
-                retention,
-                ..fast_config(&format!("part-r{i}"))
-            };
-            relay_to(&fx, mem.clone(), config).spawn()
-        })
-        .collect();
+    let relays = spawn_four(&fx, &mem, retention, "part");
     let produced = produce(&fx).await;
 
     wait_until(
@@ -304,15 +281,40 @@ async fn postgres_partition_drop_under_four_relays_with_producers_running() {
         produced.len() + kept.len(),
         "today's partition: the new rows and the carried ones"
     );
+    shut_down_having_archived(relays, old.len()).await;
+    fx.cleanup().await;
+}
+
+/// Four relays over `fx` publishing to `mem` with `retention`, named `{prefix}-r1` to
+/// `{prefix}-r4`, spawned.
+fn spawn_four(
+    fx: &dyn StoreFixture,
+    mem: &Arc<MemoryTransport>,
+    retention: Retention,
+    prefix: &str,
+) -> Vec<RelayHandle> {
+    (1..=4)
+        .map(|i| {
+            let config = RelayConfig {
+                retention,
+                ..fast_config(&format!("{prefix}-r{i}"))
+            };
+            relay_to(fx, mem.clone(), config).spawn()
+        })
+        .collect()
+}
+
+/// Check that no database error surfaced in `relays` and that together they counted `archived`
+/// rows archived, then shut them down.
+async fn shut_down_having_archived(relays: Vec<RelayHandle>, archived: usize) {
     let snapshots: Vec<_> = relays.iter().map(|r| r.metrics().snapshot()).collect();
     let errors: u64 = snapshots.iter().map(|s| s.store_errors).sum();
     assert_eq!(errors, 0, "a database error surfaced: {snapshots:?}");
     let by_relays: u64 = snapshots.iter().map(|s| s.archived).sum();
-    assert_eq!(by_relays, old.len() as u64, "{snapshots:?}");
+    assert_eq!(by_relays, archived as u64, "{snapshots:?}");
     for r in relays {
         r.shutdown().await.expect("shutdown");
     }
-    fx.cleanup().await;
 }
 
 /// SENT rows archived and settled ones (CONFIRMED, REJECTED, ROLLED_BACK) deleted once

@@ -51,6 +51,18 @@ async fn publish(t: &dyn Transport, msgs: &[Message], dest: &str) -> Vec<outbox:
         .collect()
 }
 
+/// Publish one message to `dest` through `t`: it fails alone, with an error of `kind`; that error.
+async fn refused_as(
+    t: &dyn Transport,
+    dest: &str,
+    kind: TransportErrorKind,
+) -> outbox::TransportError {
+    let mut e = publish(t, &[claimed_message("t", "x")], dest).await;
+    assert_eq!(e.len(), 1);
+    assert_eq!(e[0].kind(), kind, "{}", e[0].report());
+    e.remove(0)
+}
+
 fn keyed(topic: &str, key: &str, payload: impl Into<Vec<u8>>) -> Message {
     let mut m = claimed_message(topic, payload);
     m.partition_key = Some(key.into());
@@ -204,21 +216,8 @@ async fn rocketmq_unknown_topic_without_auto_create_is_retryable() {
     let mut config = RocketMqConfig::new(rocketmq_name_server());
     config.create_topic_key = Some("outbox_no_default_route".into());
     let t = RocketMqTransport::connect(config).await.unwrap();
-    let m = claimed_message("t", "x");
-    let dest = unique("obx_missing");
-    let e = publish(&t, std::slice::from_ref(&m), &dest).await;
-    assert_eq!(e.len(), 1);
-    assert_eq!(
-        e[0].kind(),
-        TransportErrorKind::Retryable,
-        "{}",
-        e[0].report()
-    );
-    assert!(
-        e[0].message().contains("no such topic"),
-        "{}",
-        e[0].report()
-    );
+    let e = refused_as(&t, &unique("obx_missing"), TransportErrorKind::Retryable).await;
+    assert!(e.message().contains("no such topic"), "{}", e.report());
     t.probe().await.expect("the name server answers");
     t.shutdown().await;
 }
@@ -237,16 +236,8 @@ async fn rocketmq_name_server_down_is_unavailable_then_recovers() {
     proxy.set_blocked(true);
     let e = t.probe().await.unwrap_err();
     assert_eq!(e.kind(), TransportErrorKind::Unavailable, "{e:?}");
-    let m = claimed_message("t", "x");
     let fresh = unique("obx_unrouted");
-    let e = publish(&t, std::slice::from_ref(&m), &fresh).await;
-    assert_eq!(e.len(), 1);
-    assert_eq!(
-        e[0].kind(),
-        TransportErrorKind::Unavailable,
-        "{}",
-        e[0].report()
-    );
+    refused_as(&t, &fresh, TransportErrorKind::Unavailable).await;
     proxy.set_blocked(false);
     // The client reconnects by itself; on a loaded machine the first probe may still see the
     // old connection's failure.

@@ -164,6 +164,7 @@ async fn mysql_migration_interrupted_between_statements_completes_on_the_next_ru
 #[suite_test]
 async fn connect_pools_carry_a_producer_transaction() {
     use outbox::store::Store as _;
+    use outbox_testkit::Producer as _;
     let table = outbox_testkit::unique("obx_connect");
     let options = || outbox::StoreOptions {
         inbox_table: format!("{table}_inbox"),
@@ -173,12 +174,9 @@ async fn connect_pools_carry_a_producer_transaction() {
         .await
         .expect("PgStore::connect");
     pg.migrate().await.unwrap();
-    let mut tx = pg.begin().await.unwrap();
     let id = pg
-        .enqueue(&mut tx, outbox::NewMessage::new("t", "pg"))
-        .await
-        .unwrap();
-    pg.commit(tx).await.unwrap();
+        .enqueue_committed(outbox::NewMessage::new("t", "pg"))
+        .await;
     let status: i16 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "SELECT status FROM {table} WHERE message_id = $1"
     )))
@@ -200,12 +198,9 @@ async fn connect_pools_carry_a_producer_transaction() {
         .await
         .expect("MySqlStore::connect");
     my.migrate().await.unwrap();
-    let mut tx = my.begin().await.unwrap();
     let id = my
-        .enqueue(&mut tx, outbox::NewMessage::new("t", "mysql"))
-        .await
-        .unwrap();
-    my.commit(tx).await.unwrap();
+        .enqueue_committed(outbox::NewMessage::new("t", "mysql"))
+        .await;
     let status: i16 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "SELECT status FROM {table} WHERE message_id = ?"
     )))
