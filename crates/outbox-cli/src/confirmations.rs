@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use outbox::Store;
+use outbox::error::ConfigError;
 use tokio_util::sync::CancellationToken;
 
 use crate::config;
@@ -12,10 +13,13 @@ use crate::config;
 /// A broker's confirmation listener, to its end: its totals.
 type Listen = futures::future::BoxFuture<'static, anyhow::Result<outbox::ConfirmReport>>;
 
+/// A library listener (`outbox::confirm::<broker>::listen(..)`) as a [`Listen`].
 fn listener(
-    listen: impl std::future::Future<Output = anyhow::Result<outbox::ConfirmReport>> + Send + 'static,
+    listen: impl std::future::Future<Output = Result<outbox::ConfirmReport, ConfigError>>
+    + Send
+    + 'static,
 ) -> Listen {
-    Box::pin(listen)
+    Box::pin(async move { Ok(listen.await?) })
 }
 
 /// Start the confirmation listener of `[confirmations]`.
@@ -37,12 +41,9 @@ pub(crate) async fn spawn(
             tracing::info!(subject, queue, "listening for confirmations on NATS");
             (
                 "NATS",
-                listener(async move {
-                    Ok(
-                        outbox::confirm::nats::listen(client, subject, queue, store, cancel)
-                            .await?,
-                    )
-                }),
+                listener(outbox::confirm::nats::listen(
+                    client, subject, queue, store, cancel,
+                )),
             )
         }
         #[cfg(feature = "kafka")]
@@ -55,12 +56,9 @@ pub(crate) async fn spawn(
             );
             (
                 "Kafka",
-                listener(async move {
-                    Ok(
-                        outbox::confirm::kafka::listen(kafka, k.topic, k.group, store, cancel)
-                            .await?,
-                    )
-                }),
+                listener(outbox::confirm::kafka::listen(
+                    kafka, k.topic, k.group, store, cancel,
+                )),
             )
         }
         #[cfg(feature = "rabbitmq")]
@@ -70,9 +68,9 @@ pub(crate) async fn spawn(
             tracing::info!(queue, "listening for confirmations on RabbitMQ");
             (
                 "RabbitMQ",
-                listener(async move {
-                    Ok(outbox::confirm::rabbitmq::listen(connection, queue, store, cancel).await?)
-                }),
+                listener(outbox::confirm::rabbitmq::listen(
+                    connection, queue, store, cancel,
+                )),
             )
         }
         #[cfg(feature = "redis")]
@@ -85,9 +83,7 @@ pub(crate) async fn spawn(
             );
             (
                 "Redis",
-                listener(
-                    async move { Ok(outbox::confirm::redis::listen(lc, store, cancel).await?) },
-                ),
+                listener(outbox::confirm::redis::listen(lc, store, cancel)),
             )
         }
         #[cfg(feature = "mqtt")]
@@ -100,9 +96,7 @@ pub(crate) async fn spawn(
             );
             (
                 "MQTT",
-                listener(
-                    async move { Ok(outbox::confirm::mqtt::listen(lc, store, cancel).await?) },
-                ),
+                listener(outbox::confirm::mqtt::listen(lc, store, cancel)),
             )
         }
         #[cfg(feature = "rocketmq")]
@@ -120,9 +114,7 @@ pub(crate) async fn spawn(
             );
             (
                 "RocketMQ",
-                listener(async move {
-                    Ok(outbox::confirm::rocketmq::listen(listen, store, cancel).await?)
-                }),
+                listener(outbox::confirm::rocketmq::listen(listen, store, cancel)),
             )
         }
         #[cfg(not(feature = "rocketmq"))]

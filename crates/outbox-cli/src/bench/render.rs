@@ -1,5 +1,6 @@
 //! The text tables `outbox bench` prints at the end.
 
+use super::report::{TableStats, fmt_fixed};
 use super::*;
 
 /// The report as text tables (every figure with the 1-minute load beside it).
@@ -54,7 +55,7 @@ pub(super) fn render(r: &Report) -> String {
             fmt_ratio(d.vs_tuned),
             fmt_ratio(d.vs_broker),
             fmt_ratio(d.vs_one_relay),
-            d.flatness.map_or("-".into(), |f| format!("{f:.2}")),
+            fmt_fixed(d.flatness, 2),
             format!("{:.1}", d.seconds),
             fmt_load(d.load),
         ]);
@@ -86,11 +87,13 @@ pub(super) fn render(r: &Report) -> String {
             .chain(sides.iter().map(|s| s.to_string())),
     );
     for (name, d) in &measured {
-        t.row(std::iter::once(name.clone()).chain(sides.iter().map(|s| {
-            d.cpu_us_per_message
-                .get(*s)
-                .map_or("-".into(), |us| format!("{us:.1}"))
-        })));
+        t.row(
+            std::iter::once(name.clone()).chain(
+                sides
+                    .iter()
+                    .map(|s| fmt_fixed(d.cpu_us_per_message.get(*s).copied(), 1)),
+            ),
+        );
     }
     section(
         "CPU per message (process: the relay, the raw loop or the consumer, with the bench's \
@@ -119,7 +122,7 @@ pub(super) fn render(r: &Report) -> String {
             fmt_ratio(d.vs_raw_consumer),
             fmt_ratio(d.vs_inbox_1),
             d.inbox_batches.map_or("-".into(), |b| fmt_count(b as f64)),
-            d.flatness.map_or("-".into(), |f| format!("{f:.2}")),
+            fmt_fixed(d.flatness, 2),
             format!("{:.1}", d.seconds),
             fmt_load(d.load),
         ]);
@@ -146,30 +149,22 @@ pub(super) fn render(r: &Report) -> String {
         let c = d.cost.as_ref();
         let pg = c.and_then(|c| c.pg.as_ref());
         let stmts = c.filter(|c| c.statements > 0);
+        // A figure of the table before the drain and after it.
+        let growth = |figure: fn(&TableStats) -> String| {
+            d.table.as_ref().map_or("-".into(), |g| {
+                format!("{} -> {}", figure(&g.before), figure(&g.after))
+            })
+        };
         t.row([
             label(d),
-            stmts.map_or("-".into(), |c| format!("{:.4}", c.statements_per_message)),
-            stmts.map_or("-".into(), |c| {
-                format!("{:.2}", c.rows_affected_per_message)
-            }),
-            pg.map_or("-".into(), |p| format!("{:.2}", p.rows_written_per_message)),
+            fmt_fixed(stmts.map(|c| c.statements_per_message), 4),
+            fmt_fixed(stmts.map(|c| c.rows_affected_per_message), 2),
+            fmt_fixed(pg.map(|p| p.rows_written_per_message), 2),
             pg.map_or("-".into(), |p| {
                 format!("{}/{}/{}", p.inserted, p.updated, p.deleted)
             }),
-            d.table.as_ref().map_or("-".into(), |g| {
-                format!(
-                    "{} -> {}",
-                    fmt_count(g.before.dead_tuples as f64),
-                    fmt_count(g.after.dead_tuples as f64)
-                )
-            }),
-            d.table.as_ref().map_or("-".into(), |g| {
-                format!(
-                    "{} -> {}",
-                    fmt_mib(g.before.index_bytes),
-                    fmt_mib(g.after.index_bytes)
-                )
-            }),
+            growth(|s| fmt_count(s.dead_tuples as f64)),
+            growth(|s| fmt_mib(s.index_bytes)),
             fmt_load(d.load),
         ]);
     }
@@ -201,8 +196,7 @@ pub(super) fn render(r: &Report) -> String {
             fmt_ms(p.map(|p| p.max_ms)),
             fmt_ms(q.map(|p| p.p50_ms)),
             fmt_ms(q.map(|p| p.p99_ms)),
-            l.relay_statements_per_message
-                .map_or("-".into(), |s| format!("{s:.3}")),
+            fmt_fixed(l.relay_statements_per_message, 3),
             fmt_load(l.load),
         ]);
     }
@@ -321,10 +315,8 @@ pub(super) fn render(r: &Report) -> String {
             ),
             format!("{:.2}", i.statements_per_second),
             format!("{:.2}", i.statements_per_poll_interval),
-            i.table_scans_per_second
-                .map_or("-".into(), |v| format!("{v:.2}")),
-            i.db_commits_per_second_all_clients
-                .map_or("-".into(), |v| format!("{v:.2}")),
+            fmt_fixed(i.table_scans_per_second, 2),
+            fmt_fixed(i.db_commits_per_second_all_clients, 2),
             fmt_load(i.load),
         ]);
         section("Idle cost", &t);
@@ -463,19 +455,13 @@ pub(super) fn render(r: &Report) -> String {
         "load",
     ]);
     for d in &r.databases {
-        let per_cpu = |side: &str| {
-            d.messages_per_cpu_second
-                .get(side)
+        // Messages per CPU second of the first of `sides` that was measured.
+        let per_cpu = |sides: &[&str]| {
+            sides
+                .iter()
+                .find_map(|s| d.messages_per_cpu_second.get(*s))
                 .map_or("-".into(), |v| fmt_count(*v))
         };
-        let database = ["postgres", "mariadb"]
-            .iter()
-            .find_map(|s| d.messages_per_cpu_second.get(*s))
-            .map_or("-".into(), |v| fmt_count(*v));
-        let broker = ["nats", "redis", "rabbitmq"]
-            .iter()
-            .find_map(|s| d.messages_per_cpu_second.get(*s))
-            .map_or("-".into(), |v| fmt_count(*v));
         t.row([
             d.databases.to_string(),
             fmt_count(d.rate),
@@ -485,9 +471,9 @@ pub(super) fn render(r: &Report) -> String {
                 .map(|v| fmt_count(*v))
                 .collect::<Vec<_>>()
                 .join(" / "),
-            per_cpu("relays"),
-            database,
-            broker,
+            per_cpu(&["relays"]),
+            per_cpu(&["postgres", "mariadb"]),
+            per_cpu(&["nats", "redis", "rabbitmq"]),
             format!("{:.1}", d.seconds),
             fmt_load(d.load),
         ]);
@@ -502,7 +488,7 @@ pub(super) fn render(r: &Report) -> String {
         t.row([
             g.name.clone(),
             g.goal.clone(),
-            g.value.map_or("-".into(), |v| format!("{v:.2}")),
+            fmt_fixed(g.value, 2),
             match g.met {
                 Some(true) => "yes".into(),
                 Some(false) => "NO".into(),

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 mod text;
-pub use text::{Table, fmt_count, fmt_load, fmt_mib, fmt_ms, fmt_ratio};
+pub use text::{Table, fmt_count, fmt_fixed, fmt_load, fmt_mib, fmt_ms, fmt_ratio};
 
 /// Version of the JSON layout; bumped when a field changes meaning or disappears.
 pub const FORMAT: u32 = 1;

@@ -327,6 +327,14 @@ impl Services {
         }
     }
 
+    /// The type a `CAST` to a 64-bit integer names on this database.
+    fn bigint(&self) -> &'static str {
+        match self {
+            Services::MySql { .. } => "SIGNED",
+            Services::Sqlite { .. } | Services::Postgres { .. } => "BIGINT",
+        }
+    }
+
     /// `sql`, written with `?` placeholders, in this database's syntax.
     fn sql(&self, sql: &str) -> String {
         match self {
@@ -375,17 +383,18 @@ impl Services {
     /// Every outbox row: (topic, partition key = order id, status number). Read from the table:
     /// the store's API has counts by status ([`Store::stats`]), not rows by topic and key.
     pub(super) async fn outbox_rows(&self) -> anyhow::Result<Vec<(String, Option<String>, i64)>> {
-        let sql = if matches!(self, Services::MySql { .. }) {
-            format!(
-                "SELECT topic, partition_key, CAST(status AS SIGNED) FROM {}",
-                self.tables().outbox
-            )
-        } else {
-            format!(
-                "SELECT CAST(topic AS TEXT), CAST(partition_key AS TEXT), CAST(status AS BIGINT) FROM {}",
-                self.tables().outbox
-            )
+        // MySQL has no CAST to TEXT (its text columns read as strings already).
+        let (topic, key) = match self {
+            Services::MySql { .. } => ("topic", "partition_key"),
+            Services::Sqlite { .. } | Services::Postgres { .. } => {
+                ("CAST(topic AS TEXT)", "CAST(partition_key AS TEXT)")
+            }
         };
+        let sql = format!(
+            "SELECT {topic}, {key}, CAST(status AS {}) FROM {}",
+            self.bigint(),
+            self.tables().outbox
+        );
         Ok(each_db!(self, store, |store| {
             sqlx::query_as(sqlx::AssertSqlSafe(sql))
                 .fetch_all(store.pool())
@@ -460,13 +469,9 @@ impl Services {
     /// Publish attempts recorded in the outbox (the sum of `attempts`). Read from the table:
     /// the store's API does not sum them.
     pub(super) async fn publish_attempts(&self) -> anyhow::Result<i64> {
-        let int = if matches!(self, Services::MySql { .. }) {
-            "SIGNED"
-        } else {
-            "BIGINT"
-        };
         let sql = format!(
-            "SELECT CAST(COALESCE(SUM(attempts), 0) AS {int}) FROM {}",
+            "SELECT CAST(COALESCE(SUM(attempts), 0) AS {}) FROM {}",
+            self.bigint(),
             self.tables().outbox
         );
         Ok(each_db!(self, store, |store| {

@@ -10,7 +10,7 @@
 //   DASH_SHOTS      where to write a screenshot of each page
 //   CHROMIUM        the browser (default /usr/bin/chromium)
 // Exits 0 when every step holds; otherwise prints the step that failed and exits 1.
-import { check, confirm, drive, env, toastSays } from "./harness.mjs";
+import { check, confirm, drive, env, pageErrors, toastSays } from "./harness.mjs";
 
 const base = env("DASH_URL");
 const token = env("DASH_TOKEN");
@@ -23,13 +23,11 @@ const inboxDiscard = env("DASH_INBOX_DISCARD");
 const inboxReplay = env("DASH_INBOX_REPLAY");
 
 await drive("dashboard ", async (page, step) => {
-  const consoleErrors = [];
-  page.on("pageerror", (e) => consoleErrors.push(String(e)));
-  // Script errors only: a refused request (the 401 below) is logged as a failed resource load.
-  page.on("console", (m) => {
-    if (m.type() === "error" && !m.text().startsWith("Failed to load resource")) consoleErrors.push(m.text());
+  const consoleErrors = pageErrors(page, {
+    // Script errors only: a refused request (the 401 below) is logged as a failed resource load.
+    consoleError: (text) => !text.startsWith("Failed to load resource"),
+    failed: (status) => status === 404,
   });
-  page.on("response", (r) => { if (r.status() === 404) consoleErrors.push(`404 for ${r.url()}`); });
 
   step("overview");
   await page.goto(base + "/");

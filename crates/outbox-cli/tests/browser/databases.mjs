@@ -9,7 +9,7 @@
 //   DBS_SHOTS    where to write a screenshot of each page
 //   CHROMIUM     the browser (default /usr/bin/chromium)
 // Exits 0 when every step holds; otherwise prints the step that failed and exits 1.
-import { check, drive, env } from "./harness.mjs";
+import { check, drive, env, pageErrors } from "./harness.mjs";
 
 const base = env("DBS_URL");
 const members = env("DBS_MEMBERS").split(",");
@@ -19,10 +19,7 @@ const other = env("DBS_OTHER");
 const shots = env("DBS_SHOTS");
 
 await drive("", async (page, step) => {
-  const errors = [];
-  page.on("pageerror", (e) => errors.push(String(e)));
-  page.on("console", (m) => { if (m.type() === "error") errors.push(m.text()); });
-  page.on("response", (r) => { if (r.status() >= 400) errors.push(`${r.status()} for ${r.url()}`); });
+  const errors = pageErrors(page);
 
   step("the list of databases");
   await page.goto(base + "/");

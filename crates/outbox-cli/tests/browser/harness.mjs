@@ -29,6 +29,17 @@ export async function toastSays(page, text) {
   }, text);
 }
 
+// Collect the page's errors from now on into the returned array: script errors, console errors
+// whose text `consoleError` keeps, and responses whose status `failed` flags (by default every
+// console error and every status from 400).
+export function pageErrors(page, { consoleError = () => true, failed = (status) => status >= 400 } = {}) {
+  const errors = [];
+  page.on("pageerror", (e) => errors.push(String(e)));
+  page.on("console", (m) => { if (m.type() === "error" && consoleError(m.text())) errors.push(m.text()); });
+  page.on("response", (r) => { if (failed(r.status())) errors.push(`${r.status()} for ${r.url()}`); });
+  return errors;
+}
+
 // Launch the browser (CHROMIUM, default /usr/bin/chromium), open a 1280×900 page and run
 // `steps(page, step)`, where `step(name)` names the step under way. Exits 1 printing the step
 // that failed (after `label`).

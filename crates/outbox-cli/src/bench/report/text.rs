@@ -91,7 +91,12 @@ pub fn fmt_ratio(r: Option<f64>) -> String {
 
 /// Milliseconds with two decimals, or `-`.
 pub fn fmt_ms(v: Option<f64>) -> String {
-    v.map_or_else(|| "-".into(), |v| format!("{v:.2}"))
+    fmt_fixed(v, 2)
+}
+
+/// A number with `decimals` decimals, or `-`.
+pub fn fmt_fixed(v: Option<f64>, decimals: usize) -> String {
+    v.map_or_else(|| "-".into(), |v| format!("{v:.decimals$}"))
 }
 
 /// Bytes in MiB with one decimal.
