@@ -72,6 +72,15 @@ const GOOD: &str = r#"
         transport = "hooks"
     "#;
 
+/// [`GOOD`] with the `bus` transport's NATS settings (`kind`, `url`, `stream`) replaced by
+/// `settings`.
+fn good_with_bus(settings: &str) -> String {
+    GOOD.replace(
+        "kind = \"nats\"\n        url = \"nats://127.0.0.1:4222\"\n        stream = \"ORDERS\"",
+        settings,
+    )
+}
+
 #[test]
 fn good_file_parses_and_validates() {
     let c = valid(GOOD);
@@ -363,10 +372,7 @@ fn bad_values_name_the_field() {
 #[cfg(feature = "redis")]
 #[test]
 fn redis_section_is_validated() {
-    let base = GOOD.replace(
-        "kind = \"nats\"\n        url = \"nats://127.0.0.1:4222\"\n        stream = \"ORDERS\"",
-        "kind = \"redis\"\n        url = \"redis://127.0.0.1:6379\"",
-    );
+    let base = good_with_bus("kind = \"redis\"\n        url = \"redis://127.0.0.1:6379\"");
     let c = valid(&base);
     assert!(matches!(c.transports["bus"], TransportConfig::Redis(_)));
     let capped = base.replace(
@@ -437,10 +443,7 @@ fn redis_section_is_validated() {
 #[cfg(feature = "mqtt")]
 #[test]
 fn mqtt_section_is_validated() {
-    let base = GOOD.replace(
-        "kind = \"nats\"\n        url = \"nats://127.0.0.1:4222\"\n        stream = \"ORDERS\"",
-        "kind = \"mqtt\"\n        url = \"mqtt://127.0.0.1:1883\"",
-    );
+    let base = good_with_bus("kind = \"mqtt\"\n        url = \"mqtt://127.0.0.1:1883\"");
     let c = valid(&base);
     let TransportConfig::Mqtt(m) = &c.transports["bus"] else {
         panic!()

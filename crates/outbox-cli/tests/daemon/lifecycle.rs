@@ -377,41 +377,15 @@ fn defect_12_operator_commands_never_create_a_database() {
         ),
     )
     .unwrap();
-    let runs: [(&str, Vec<String>); 4] = [
-        (
-            "status",
-            vec!["status".into(), "--database".into(), db.clone()],
-        ),
-        (
-            "requeue --all",
-            vec![
-                "requeue".into(),
-                "--database".into(),
-                db.clone(),
-                "--all".into(),
-            ],
-        ),
-        (
-            "requeue --id",
-            vec![
-                "requeue".into(),
-                "--database".into(),
-                db.clone(),
-                "--id".into(),
-                "1".into(),
-            ],
-        ),
-        (
-            "relay",
-            vec![
-                "relay".into(),
-                "--config".into(),
-                config.display().to_string(),
-            ],
-        ),
+    let config = config.display().to_string();
+    let runs: [(&str, &[&str]); 4] = [
+        ("status", &["status", "--database", &db]),
+        ("requeue --all", &["requeue", "--database", &db, "--all"]),
+        ("requeue --id", &["requeue", "--database", &db, "--id", "1"]),
+        ("relay", &["relay", "--config", &config]),
     ];
     for (what, args) in runs {
-        let out = outbox().args(&args).output().unwrap();
+        let out = outbox().args(args).output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(
             !out.status.success(),

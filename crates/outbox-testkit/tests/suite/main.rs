@@ -100,6 +100,7 @@ macro_rules! effect_handler {
 }
 
 mod admin;
+mod admin_auth;
 mod admin_inbox;
 mod broker_support;
 mod cases;
@@ -119,6 +120,7 @@ mod dead_client;
 mod group;
 mod inbox;
 mod inbox_batch;
+mod inbox_lock_order;
 mod kafka;
 mod lanes;
 mod logs;

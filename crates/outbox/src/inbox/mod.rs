@@ -272,6 +272,30 @@ impl<DB: InboxBackend> Inbox<DB> {
         }
     }
 
+    /// The inbox rows of `batch` (see [`InboxBackend::insert_many`]), inserted in message-id
+    /// order whatever the batch's order: two batches that share messages (a redelivery, a
+    /// duplicate) then take the rows' locks in the same order, so neither can hold one the
+    /// other waits for while waiting for one the other holds (PostgreSQL's and InnoDB's
+    /// deadlock). Returns, in the batch's order, whether each message is new.
+    async fn insert_in_id_order(
+        &self,
+        tx: &mut sqlx::Transaction<'_, DB>,
+        batch: &[&InboundMessage],
+    ) -> Result<Vec<bool>, InboxError> {
+        // A stable sort: of two copies of one id, the first in the batch stays the first.
+        let mut order: Vec<usize> = (0..batch.len()).collect();
+        order.sort_by_key(|&i| batch[i].message_id);
+        let sorted: Vec<&InboundMessage> = order.iter().map(|&i| batch[i]).collect();
+        let fresh_sorted = DB::insert_many(tx, &self.sql, &self.consumer, &sorted)
+            .await
+            .map_err(self.err("inbox insert"))?;
+        let mut fresh = vec![false; batch.len()];
+        for (i, f) in order.into_iter().zip(fresh_sorted) {
+            fresh[i] = f;
+        }
+        Ok(fresh)
+    }
+
     /// Apply `batch` in **one** transaction, each message once: insert the batch's inbox rows
     /// (multi-row statements: one on PostgreSQL, one per 1,000 rows on SQLite, and on
     /// MySQL/MariaDB one per 1,000 rows after a savepoint, or one per message when some were
@@ -299,11 +323,8 @@ impl<DB: InboxBackend> Inbox<DB> {
         use tracing::Instrument;
         let at = std::sync::atomic::AtomicUsize::new(0);
         let run = async {
-            let t = &*self.sql;
             let mut tx = self.pool.begin().await.map_err(self.err("inbox begin"))?;
-            let fresh = DB::insert_many(&mut tx, t, &self.consumer, batch)
-                .await
-                .map_err(self.err("inbox insert"))?;
+            let fresh = self.insert_in_id_order(&mut tx, batch).await?;
             let mut processed = Vec::with_capacity(batch.len());
             let mut spans = Vec::new();
             for (i, (msg, fresh)) in batch.iter().zip(fresh).enumerate() {

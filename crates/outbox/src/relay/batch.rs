@@ -535,17 +535,18 @@ impl Relay {
                         .enqueue_to_ack
                         .observe_duration(age + read_at.elapsed());
                 }
-                let max = w.message.max_attempts;
-                let confirm = inner.router.routes()[w.route.as_ref().expect("routed").0]
-                    .confirm
-                    .as_ref()
-                    .map(|p| p.timeout);
-                let dest = &w.route.as_ref().expect("routed").1;
+                let (route, dest) = w.route.as_ref().expect("routed");
+                let at = decide::Attempt {
+                    number: attempt,
+                    max: w.message.max_attempts,
+                    confirm: inner.router.routes()[*route]
+                        .confirm
+                        .as_ref()
+                        .map(|p| p.timeout),
+                };
                 let (outcome, signal) = decide::after_publish(
                     r,
-                    attempt,
-                    max,
-                    confirm,
+                    at,
                     || self.missing_too_long(ti, dest),
                     || self.busy_delay(ti, dest),
                     cfg,

@@ -25,9 +25,21 @@ pub(super) enum Signal {
     Nothing,
 }
 
+/// The message a publish result is about, for [`after_publish`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Attempt {
+    /// This attempt, counted from 1 (it included).
+    pub(super) number: u32,
+    /// The message's `max_attempts`.
+    pub(super) max: u32,
+    /// How long the message's route waits for a confirmation; `None` when the route asks for
+    /// none.
+    pub(super) confirm: Option<Duration>,
+}
+
 /// The outcome of one published message.
 ///
-/// - `Ok` → SENT, or SENT awaiting confirmation within `confirm` on a route with
+/// - `Ok` → SENT, or SENT awaiting confirmation within `attempt.confirm` on a route with
 ///   confirmations;
 /// - `Unavailable` → released without counting the attempt (due again in 500 ms) and the
 ///   transport paused; a missing destination past `missing_destination_grace`
@@ -36,20 +48,18 @@ pub(super) enum Signal {
 ///   attempt, due again after `busy_delay` (the destination's backoff, asked only for a busy
 ///   destination), the transport not paused;
 /// - `Permanent` → FAILED with the error;
-/// - `Retryable` → PENDING again after `cfg.backoff.delay(attempt)`, or FAILED ("attempts
-///   exhausted") when `attempt >= max_attempts`.
+/// - `Retryable` → PENDING again after `cfg.backoff.delay(attempt.number)`, or FAILED ("attempts
+///   exhausted") when `attempt.number >= attempt.max`.
 pub(super) fn after_publish(
     result: Result<(), TransportError>,
-    attempt: u32,
-    max_attempts: u32,
-    confirm: Option<Duration>,
+    attempt: Attempt,
     missing_too_long: impl FnOnce() -> bool,
     busy_delay: impl FnOnce() -> Duration,
     cfg: &RelayConfig,
 ) -> (Outcome, Signal) {
     let e = match result {
         Ok(()) => {
-            let outcome = match confirm {
+            let outcome = match attempt.confirm {
                 Some(within) => Outcome::SentAwaitingConfirmation { within },
                 None => Outcome::Sent,
             };
@@ -84,11 +94,11 @@ pub(super) fn after_publish(
             );
         }
         TransportErrorKind::Permanent => Outcome::Failed { reason: e.report() },
-        TransportErrorKind::Retryable if attempt >= max_attempts => Outcome::Failed {
-            reason: format!("attempts exhausted ({attempt}): {}", e.report()),
+        TransportErrorKind::Retryable if attempt.number >= attempt.max => Outcome::Failed {
+            reason: format!("attempts exhausted ({}): {}", attempt.number, e.report()),
         },
         TransportErrorKind::Retryable => Outcome::Retry {
-            delay: cfg.backoff.delay(attempt),
+            delay: cfg.backoff.delay(attempt.number),
             error: e.report(),
         },
     };
@@ -179,6 +189,15 @@ mod tests {
         }
     }
 
+    /// Attempt `number` of `max`, on a route without confirmations.
+    fn at(number: u32, max: u32) -> Attempt {
+        Attempt {
+            number,
+            max,
+            confirm: None,
+        }
+    }
+
     fn never() -> bool {
         panic!("asked about a missing destination for another error")
     }
@@ -193,9 +212,7 @@ mod tests {
         // Even at the last attempt: a busy destination never dead-letters and spends nothing.
         let (o, s) = after_publish(
             Err(TransportError::destination_busy("nacked")),
-            5,
-            5,
-            None,
+            at(5, 5),
             never,
             || Duration::from_millis(800),
             &c,
@@ -214,12 +231,21 @@ mod tests {
     fn acknowledged_is_sent_or_awaits_its_confirmation() {
         let c = cfg();
         assert_eq!(
-            after_publish(Ok(()), 1, 5, None, never, no_busy, &c),
+            after_publish(Ok(()), at(1, 5), never, no_busy, &c),
             (Outcome::Sent, Signal::Accepted)
         );
         let within = Duration::from_secs(30);
         assert_eq!(
-            after_publish(Ok(()), 3, 5, Some(within), never, no_busy, &c),
+            after_publish(
+                Ok(()),
+                Attempt {
+                    confirm: Some(within),
+                    ..at(3, 5)
+                },
+                never,
+                no_busy,
+                &c
+            ),
             (
                 Outcome::SentAwaitingConfirmation { within },
                 Signal::Accepted
@@ -232,9 +258,7 @@ mod tests {
         let c = cfg();
         let (o, s) = after_publish(
             Err(TransportError::unavailable("broker down")),
-            5,
-            5,
-            None,
+            at(5, 5),
             never,
             no_busy,
             &c,
@@ -253,10 +277,10 @@ mod tests {
     fn a_missing_destination_fails_only_past_the_grace() {
         let c = cfg();
         let missing = || Err(TransportError::missing_destination("no stream"));
-        let (o, s) = after_publish(missing(), 1, 5, None, || false, no_busy, &c);
+        let (o, s) = after_publish(missing(), at(1, 5), || false, no_busy, &c);
         assert!(matches!(o, Outcome::Release { .. }), "{o:?}");
         assert!(matches!(s, Signal::Unavailable(_)));
-        let (o, s) = after_publish(missing(), 1, 5, None, || true, no_busy, &c);
+        let (o, s) = after_publish(missing(), at(1, 5), || true, no_busy, &c);
         match o {
             Outcome::Failed { reason } => {
                 assert!(
@@ -274,9 +298,7 @@ mod tests {
     fn permanent_fails_at_once() {
         let (o, s) = after_publish(
             Err(TransportError::permanent("too large")),
-            1,
-            5,
-            None,
+            at(1, 5),
             never,
             no_busy,
             &cfg(),
@@ -293,7 +315,7 @@ mod tests {
         let c = cfg();
         let err = || Err(TransportError::retryable("nack"));
         for (attempt, ms) in [(1, 100), (2, 200), (3, 400)] {
-            let (o, s) = after_publish(err(), attempt, 5, None, never, no_busy, &c);
+            let (o, s) = after_publish(err(), at(attempt, 5), never, no_busy, &c);
             assert_eq!(s, Signal::Nothing);
             match o {
                 Outcome::Retry { delay, error } => {
@@ -303,7 +325,7 @@ mod tests {
                 o => panic!("attempt {attempt}: {o:?}"),
             }
         }
-        let (o, _) = after_publish(err(), 5, 5, None, never, no_busy, &c);
+        let (o, _) = after_publish(err(), at(5, 5), never, no_busy, &c);
         assert!(
             matches!(&o, Outcome::Failed { reason } if reason.starts_with("attempts exhausted (5)")),
             "{o:?}"

@@ -345,6 +345,16 @@ mod tests {
         }
     }
 
+    /// [`Ownership::apply_round`] for a round sent and answered at `at`.
+    fn apply(
+        own: &mut Ownership,
+        sent: &[(Bucket, LeaseToken)],
+        round: &MembershipRound,
+        at: Instant,
+    ) -> RoundChange {
+        own.apply_round(sent, round, at, at, LEASE, PUBLISH)
+    }
+
     fn held(own: &Ownership) -> Vec<Bucket> {
         own.held.keys().copied().collect()
     }
@@ -353,13 +363,11 @@ mod tests {
     async fn a_round_renews_loses_and_acquires() {
         let mut own = Ownership::default();
         let t0 = Instant::now();
-        let c = own.apply_round(
+        let c = apply(
+            &mut own,
             &[],
             &round(4, &[], &[(1, 1, false), (2, 2, true)], &[]),
             t0,
-            t0,
-            LEASE,
-            PUBLISH,
         );
         assert_eq!(c.acquired, vec![(1, false, false), (2, true, false)]);
         assert!(c.usable && c.below_share && c.lost.is_empty() && c.release.is_empty());
@@ -370,7 +378,7 @@ mod tests {
         let t1 = Instant::now();
         // Bucket 2 was taken over by another relay: not renewed.
         let sent = [(1, token(1)), (2, token(2))];
-        let c = own.apply_round(&sent, &round(2, &[1], &[], &[]), t1, t1, LEASE, PUBLISH);
+        let c = apply(&mut own, &sent, &round(2, &[1], &[], &[]), t1);
         assert_eq!(c.lost, vec![2]);
         assert!(!c.usable, "nothing new to read");
         assert_eq!(held(&own), vec![1]);
@@ -381,24 +389,10 @@ mod tests {
     async fn a_lease_reacquired_under_a_new_token_is_not_lost() {
         let mut own = Ownership::default();
         let t0 = Instant::now();
-        own.apply_round(
-            &[],
-            &round(4, &[], &[(3, 1, false)], &[]),
-            t0,
-            t0,
-            LEASE,
-            PUBLISH,
-        );
+        apply(&mut own, &[], &round(4, &[], &[(3, 1, false)], &[]), t0);
         // The round was sent with token 1; meanwhile the bucket was re-acquired (token 9).
         own.held.get_mut(&3).unwrap().token = token(9);
-        let c = own.apply_round(
-            &[(3, token(1))],
-            &round(4, &[], &[], &[]),
-            t0,
-            t0,
-            LEASE,
-            PUBLISH,
-        );
+        let c = apply(&mut own, &[(3, token(1))], &round(4, &[], &[], &[]), t0);
         assert!(c.lost.is_empty());
         assert_eq!(held(&own), vec![3]);
     }
@@ -410,17 +404,17 @@ mod tests {
         let mut own = Ownership::default();
         let t0 = Instant::now();
         let first = round(4, &[], &[(3, 1, false)], &[]);
-        own.apply_round(&[], &first, t0, t0, LEASE, PUBLISH);
+        apply(&mut own, &[], &first, t0);
         let read = [(3, token(1))];
         let batch = || BucketBatch {
             rows: Vec::new(),
             malformed: vec![(3, 42, "garbage".to_owned())],
         };
         // While the read is in flight: the lease is lost (not renewed), then acquired again.
-        let lost = own.apply_round(&read, &round(4, &[], &[], &[]), t0, t0, LEASE, PUBLISH);
+        let lost = apply(&mut own, &read, &round(4, &[], &[], &[]), t0);
         assert_eq!(lost.lost, vec![3]);
         let again = round(4, &[], &[(3, 9, true)], &[]);
-        own.apply_round(&[], &again, t0, t0, LEASE, PUBLISH);
+        apply(&mut own, &[], &again, t0);
         assert_eq!(own.held[&3].token, token(9));
 
         assert!(
@@ -443,25 +437,11 @@ mod tests {
     async fn a_suspended_bucket_renewed_is_usable_again() {
         let mut own = Ownership::default();
         let t0 = Instant::now();
-        own.apply_round(
-            &[],
-            &round(1, &[], &[(5, 1, false)], &[]),
-            t0,
-            t0,
-            LEASE,
-            PUBLISH,
-        );
+        apply(&mut own, &[], &round(1, &[], &[(5, 1, false)], &[]), t0);
         // A refused completion suspends the bucket (valid_until = now).
         own.held.get_mut(&5).unwrap().valid_until = t0;
         assert!(own.free(t0 + PUBLISH, &BTreeMap::new()).is_empty());
-        let c = own.apply_round(
-            &[(5, token(1))],
-            &round(1, &[5], &[], &[]),
-            t0,
-            t0,
-            LEASE,
-            PUBLISH,
-        );
+        let c = apply(&mut own, &[(5, token(1))], &round(1, &[5], &[], &[]), t0);
         assert!(c.usable);
         assert_eq!(own.free(t0 + PUBLISH, &BTreeMap::new()), vec![5]);
     }
@@ -471,11 +451,11 @@ mod tests {
         let mut own = Ownership::default();
         let t0 = Instant::now();
         let all: Vec<(Bucket, u8, bool)> = (0..6).map(|b| (b, b as u8, false)).collect();
-        own.apply_round(&[], &round(6, &[], &all, &[]), t0, t0, LEASE, PUBLISH);
+        apply(&mut own, &[], &round(6, &[], &all, &[]), t0);
         own.in_flight.insert(5, t0);
         let sent: Vec<(Bucket, LeaseToken)> = own.held.iter().map(|(b, h)| (*b, h.token)).collect();
         let renewed: Vec<Bucket> = (0..6).collect();
-        let c = own.apply_round(&sent, &round(3, &renewed, &[], &[]), t0, t0, LEASE, PUBLISH);
+        let c = apply(&mut own, &sent, &round(3, &renewed, &[], &[]), t0);
         // Bucket 5 is in flight: kept; 4 and 3 and 2 go back.
         assert_eq!(
             c.release.iter().map(|(b, _)| *b).collect::<Vec<_>>(),
@@ -489,13 +469,11 @@ mod tests {
     async fn a_handed_over_bucket_stays_above_the_share_for_one_lease() {
         let mut own = Ownership::default();
         let t0 = Instant::now();
-        own.apply_round(
+        apply(
+            &mut own,
             &[],
             &round(1, &[], &[(0, 0, false), (7, 7, false)], &[7]),
             t0,
-            t0,
-            LEASE,
-            PUBLISH,
         );
         // The round gave 0 back (7 was handed over): 7 stays.
         assert_eq!(held(&own), vec![7]);
@@ -510,7 +488,7 @@ mod tests {
         );
         assert!(c.release.is_empty(), "kept within a lease of the hand-over");
         let t1 = t0 + LEASE;
-        let c = own.apply_round(&sent, &round(0, &[7], &[], &[]), t1, t1, LEASE, PUBLISH);
+        let c = apply(&mut own, &sent, &round(0, &[7], &[], &[]), t1);
         assert_eq!(c.release, vec![(7, token(7))]);
     }
 
@@ -530,7 +508,7 @@ mod tests {
         let mut own = Ownership::default();
         let t0 = Instant::now();
         let all: Vec<(Bucket, u8, bool)> = (0..4).map(|b| (b, b as u8, false)).collect();
-        own.apply_round(&[], &round(4, &[], &all, &[]), t0, t0, LEASE, PUBLISH);
+        apply(&mut own, &[], &round(4, &[], &all, &[]), t0);
         own.in_flight.insert(1, t0);
         own.held.get_mut(&2).unwrap().valid_until = t0 + PUBLISH; // expires within a publish
         let handing: BTreeMap<Bucket, String> = [(3, "peer".to_owned())].into();

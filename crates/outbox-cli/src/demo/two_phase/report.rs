@@ -13,8 +13,8 @@ use outbox::{Status, Store};
 use super::super::TOPIC;
 use super::super::report::{check_mark, print_statuses};
 
-/// The outbox table (on a server database it may share with other demos, hence the prefix).
 use super::*;
+
 /// The figures of the run and the checks' findings.
 pub(super) struct Report {
     /// Orders to place.

@@ -21,7 +21,9 @@
 //!
 //! Authentication: with a token set ([`AdminAuth::token`]) a mutation needs `Authorization:
 //! Bearer <token>` (401 without it, nothing changed); without one, mutations are refused (403).
-//! Reads need the token too when [`AdminAuth::protect_reads`]. Errors are JSON `{"error":
+//! Reads need the token too when [`AdminAuth::protect_reads`]. One layer in front of every
+//! `/api` route but `/api/openapi.json` decides (a `GET` is a read, any other method a
+//! mutation), so a refused request reaches no handler. Errors are JSON `{"error":
 //! "…"}`: 400 naming the parameter, 401, 403, 404, 503 while the database is unreachable, 500.
 
 pub mod prepared;
@@ -30,8 +32,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Json;
-use axum::extract::{Path, Query, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::extract::{Path, Query, Request, State};
+use axum::http::{HeaderMap, Method, StatusCode, header};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use chrono::{DateTime, Utc};
@@ -112,18 +115,7 @@ impl AdminApi {
 }
 
 fn build(api: Api) -> axum::Router {
-    axum::Router::new()
-        .route("/", get(|| asset("text/html; charset=utf-8", INDEX_HTML)))
-        .route(
-            "/assets/app.js",
-            get(|| asset("text/javascript; charset=utf-8", APP_JS)),
-        )
-        .route(
-            "/assets/app.css",
-            get(|| asset("text/css; charset=utf-8", APP_CSS)),
-        )
-        .route("/favicon.ico", get(|| async { StatusCode::NO_CONTENT }))
-        .route("/api/openapi.json", get(openapi))
+    let guarded = axum::Router::new()
         .route("/api/overview", get(overview))
         .route("/api/messages", get(list))
         // `GET` one message by id; `POST` an action by name (requeue, publish-now, discard).
@@ -139,14 +131,41 @@ fn build(api: Api) -> axum::Router {
         )
         .route(
             "/api/inbox/replay",
-            axum::routing::post(|s, h, b| inbox_act(s, h, InboxAction::Replay, b)),
+            axum::routing::post(|s, b| inbox_act(s, InboxAction::Replay, b)),
         )
         .route(
             "/api/inbox/discard",
-            axum::routing::post(|s, h, b| inbox_act(s, h, InboxAction::Discard, b)),
+            axum::routing::post(|s, b| inbox_act(s, InboxAction::Discard, b)),
         )
         .merge(prepared::routes())
+        .route_layer(axum::middleware::from_fn_with_state(api.clone(), authorize));
+    axum::Router::new()
+        .route("/", get(|| asset("text/html; charset=utf-8", INDEX_HTML)))
+        .route(
+            "/assets/app.js",
+            get(|| asset("text/javascript; charset=utf-8", APP_JS)),
+        )
+        .route(
+            "/assets/app.css",
+            get(|| asset("text/css; charset=utf-8", APP_CSS)),
+        )
+        .route("/favicon.ico", get(|| async { StatusCode::NO_CONTENT }))
+        .route("/api/openapi.json", get(openapi))
+        .merge(guarded)
         .with_state(api)
+}
+
+/// The one gate of every `/api` route but the OpenAPI document: a `GET` (or `HEAD`) is a read,
+/// any other method a mutation, and [`Api::check`] decides. One layer, so that no handler can
+/// forget it; a request it refuses reaches no handler.
+async fn authorize(
+    State(api): State<Api>,
+    request: Request,
+    next: Next,
+) -> Result<Response, ApiError> {
+    let mutation = !matches!(*request.method(), Method::GET | Method::HEAD);
+    api.check(request.headers(), mutation)?;
+    Ok(next.run(request).await)
 }
 
 /// An API error: status and message.
@@ -180,7 +199,7 @@ fn same(a: &[u8], b: &[u8]) -> bool {
 
 impl Api {
     /// Whether `headers` carry the token; `mutation` decides what no configured token means.
-    pub(super) fn check(&self, headers: &HeaderMap, mutation: bool) -> Result<(), ApiError> {
+    fn check(&self, headers: &HeaderMap, mutation: bool) -> Result<(), ApiError> {
         if !mutation && !self.auth.protect_reads {
             return Ok(());
         }
@@ -294,8 +313,7 @@ async fn openapi() -> Response {
         .into_response()
 }
 
-async fn overview(State(api): State<Api>, headers: HeaderMap) -> Result<Response, ApiError> {
-    api.check(&headers, false)?;
+async fn overview(State(api): State<Api>) -> Result<Response, ApiError> {
     let stats = api.store.stats().await?;
     let topics = api.store.topic_counts(20).await?;
     let counts: serde_json::Map<String, serde_json::Value> = stats
@@ -315,20 +333,13 @@ async fn overview(State(api): State<Api>, headers: HeaderMap) -> Result<Response
 
 async fn list(
     State(api): State<Api>,
-    headers: HeaderMap,
     Query(pairs): Query<Vec<(String, String)>>,
 ) -> Result<Response, ApiError> {
-    api.check(&headers, false)?;
     let (filter, page) = search_params_api(&pairs)?;
     Ok(Json(api.store.search(&filter, &page).await?).into_response())
 }
 
-async fn show(
-    State(api): State<Api>,
-    headers: HeaderMap,
-    Path(id): Path<String>,
-) -> Result<Response, ApiError> {
-    api.check(&headers, false)?;
+async fn show(State(api): State<Api>, Path(id): Path<String>) -> Result<Response, ApiError> {
     let message: MessageRef = id.parse().map_err(|e| bad("id", e))?;
     let detail = api.store.find_message(message).await?;
     match detail {
@@ -342,7 +353,6 @@ async fn show(
 
 async fn act(
     State(api): State<Api>,
-    headers: HeaderMap,
     Path(name): Path<String>,
     body: Result<Json<Selection>, axum::extract::rejection::JsonRejection>,
 ) -> Result<Response, ApiError> {
@@ -360,7 +370,6 @@ async fn act(
             format!("no action {name:?}: requeue, publish-now, discard or resume"),
         )
     })?;
-    api.check(&headers, true)?;
     let Json(selection) = body.map_err(|e| bad("body", e.body_text()))?;
     let report = api.store.act(action, &selection).await?;
     tracing::info!(
@@ -372,8 +381,7 @@ async fn act(
     Ok(Json(report).into_response())
 }
 
-async fn relays(State(api): State<Api>, headers: HeaderMap) -> Result<Response, ApiError> {
-    api.check(&headers, false)?;
+async fn relays(State(api): State<Api>) -> Result<Response, ApiError> {
     let leases = api.store.leases().await?;
     Ok(Json(json!({
         "now": leases.now,
@@ -386,10 +394,8 @@ async fn relays(State(api): State<Api>, headers: HeaderMap) -> Result<Response, 
 
 async fn blocked_keys(
     State(api): State<Api>,
-    headers: HeaderMap,
     Query(pairs): Query<Vec<(String, String)>>,
 ) -> Result<Response, ApiError> {
-    api.check(&headers, false)?;
     let mut limit = 100;
     for (k, v) in &pairs {
         match k.as_str() {
@@ -414,8 +420,7 @@ impl Api {
     }
 }
 
-async fn series(State(api): State<Api>, headers: HeaderMap) -> Result<Response, ApiError> {
-    api.check(&headers, false)?;
+async fn series(State(api): State<Api>) -> Result<Response, ApiError> {
     let Some(series) = &api.series else {
         return Err(ApiError(
             StatusCode::NOT_FOUND,
@@ -431,18 +436,15 @@ async fn series(State(api): State<Api>, headers: HeaderMap) -> Result<Response, 
     .into_response())
 }
 
-async fn inbox_consumers(State(api): State<Api>, headers: HeaderMap) -> Result<Response, ApiError> {
-    api.check(&headers, false)?;
+async fn inbox_consumers(State(api): State<Api>) -> Result<Response, ApiError> {
     let consumers = api.inbox()?.consumers().await?;
     Ok(Json(json!({ "consumers": consumers })).into_response())
 }
 
 async fn inbox_dead_letters(
     State(api): State<Api>,
-    headers: HeaderMap,
     Query(pairs): Query<Vec<(String, String)>>,
 ) -> Result<Response, ApiError> {
-    api.check(&headers, false)?;
     let (mut consumer, mut limit) = (None, 100);
     for (k, v) in &pairs {
         match k.as_str() {
@@ -463,10 +465,8 @@ async fn inbox_dead_letters(
 
 async fn inbox_dead_letter(
     State(api): State<Api>,
-    headers: HeaderMap,
     Path((consumer, message_id)): Path<(String, String)>,
 ) -> Result<Response, ApiError> {
-    api.check(&headers, false)?;
     let inbox = api.inbox()?;
     let id = message_id
         .parse::<uuid::Uuid>()
@@ -490,11 +490,9 @@ struct InboxSelection {
 
 async fn inbox_act(
     State(api): State<Api>,
-    headers: HeaderMap,
     action: InboxAction,
     body: Result<Json<InboxSelection>, axum::extract::rejection::JsonRejection>,
 ) -> Result<Response, ApiError> {
-    api.check(&headers, true)?;
     let inbox = api.inbox()?;
     let Json(sel) = body.map_err(|e| bad("body", e.body_text()))?;
     let report = inbox.act(action, &sel.consumer, &sel.message_ids).await?;

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use axum::Json;
 use axum::extract::{Path, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use base64::Engine;
 use serde::Deserialize;
@@ -52,20 +52,18 @@ pub(super) fn routes() -> axum::Router<Api> {
         .route("/api/prepared", axum::routing::post(prepare))
         .route(
             "/api/prepared/{message_id}/commit",
-            axum::routing::post(|s, h, p| decide(s, h, p, true)),
+            axum::routing::post(|s, p| decide(s, p, true)),
         )
         .route(
             "/api/prepared/{message_id}/rollback",
-            axum::routing::post(|s, h, p| decide(s, h, p, false)),
+            axum::routing::post(|s, p| decide(s, p, false)),
         )
 }
 
 async fn prepare(
     State(api): State<Api>,
-    headers: HeaderMap,
     body: Result<Json<PrepareRequest>, axum::extract::rejection::JsonRejection>,
 ) -> Result<Response, ApiError> {
-    api.check(&headers, true)?;
     let Json(req) = body.map_err(|e| bad("body", e.body_text()))?;
     let payload = match (req.payload, req.payload_base64) {
         (Some(p), None) => p.into_bytes(),
@@ -115,11 +113,9 @@ async fn prepare(
 
 async fn decide(
     State(api): State<Api>,
-    headers: HeaderMap,
     Path(message_id): Path<String>,
     commit: bool,
 ) -> Result<Response, ApiError> {
-    api.check(&headers, true)?;
     let id = Uuid::parse_str(&message_id).map_err(|e| bad("message_id", e))?;
     let decided = if commit {
         api.store.commit_prepared(id).await
