@@ -280,7 +280,8 @@ macro_rules! store_fixture {
 }
 pub(crate) use store_fixture;
 
-/// `exec` and `count` for a fixture over a server database (its `store` field's pool).
+/// `exec`, `count` and `count_status` for a fixture over a server database (its `store` field's
+/// pool).
 macro_rules! exec_and_count {
     () => {
         /// Run one statement (or several, `;`-separated).
@@ -306,6 +307,19 @@ macro_rules! exec_and_count {
             .fetch_one(self.store.pool())
             .await
             .unwrap_or_else(|e| panic!("count {table_and_where}: {e}"))
+        }
+
+        /// Count the rows of the outbox table with `status`.
+        ///
+        /// # Panics
+        /// On a database error.
+        pub async fn count_status(&self, status: outbox::Status) -> i64 {
+            self.count(&format!(
+                "{} WHERE status = {}",
+                outbox::store::Store::table(&self.store),
+                status.as_i16()
+            ))
+            .await
         }
     };
 }

@@ -75,7 +75,8 @@ pub use stores::{
 };
 pub use transport::{
     RawDelivery, Received, TransportFixture, WebhookFixture, WebhookReceiver, claimed_message,
-    header_message_id, publish_all, publish_to, wait_probe_fails, wait_probe_ok,
+    header_message_id, publish_all, publish_one_elsewhere, publish_to, wait_probe_fails,
+    wait_probe_ok,
 };
 
 /// Default PostgreSQL URL when `OUTBOX_TEST_POSTGRES_URL` is unset.

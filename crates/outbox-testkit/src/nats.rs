@@ -112,6 +112,12 @@ impl NatsFixture {
         }
     }
 
+    /// The destination template that sends each topic to a subject of its own in the stream:
+    /// `<prefix>.{topic}`.
+    pub fn topic_destination(&self) -> String {
+        format!("{}.{{topic}}", self.prefix)
+    }
+
     /// Messages stored in the stream.
     ///
     /// # Panics

@@ -122,6 +122,12 @@ impl RabbitMqFixture {
         fx
     }
 
+    /// The destination template that publishes each topic to the fixture's exchange with the
+    /// topic as routing key: `<exchange>/{topic}`.
+    pub fn topic_destination(&self) -> String {
+        format!("{}/{{topic}}", self.exchange)
+    }
+
     /// A fresh channel on the administrative connection (a refused operation closes only it).
     ///
     /// # Panics

@@ -73,6 +73,26 @@ pub async fn publish_to<'a>(
     t.publish(&batch).await
 }
 
+/// Publish five claimed messages, payloads `m0` to `m4`, through `transport` in one batch: message
+/// `odd` to `elsewhere`, the others to `good`. The messages and one result per message, in order.
+pub async fn publish_one_elsewhere(
+    transport: &dyn Transport,
+    good: &str,
+    odd: usize,
+    elsewhere: &str,
+) -> (Vec<Message>, Vec<Result<(), TransportError>>) {
+    let msgs: Vec<Message> = (0..5)
+        .map(|i| claimed_message("t", format!("m{i}")))
+        .collect();
+    let results = publish_to(
+        transport,
+        &msgs,
+        |i| if i == odd { elsewhere } else { good },
+    )
+    .await;
+    (msgs, results)
+}
+
 /// Publish `msgs` in one batch, every one to `destination`.
 pub async fn publish_all(
     t: &dyn Transport,

@@ -4,7 +4,7 @@
 use outbox::TransportErrorKind;
 use outbox::transport::Outgoing;
 
-use crate::{TransportFixture, claimed_message, header_message_id, publish_to};
+use crate::{TransportFixture, claimed_message, header_message_id, publish_one_elsewhere};
 
 /// A batch is acknowledged: one `Ok` per message, and the broker holds every message, each with
 /// its message id in the native id field and in `outbox-message-id`, its topic, user headers and
@@ -79,13 +79,7 @@ pub async fn binary_payload_is_byte_exact<F: TransportFixture>(fx: &F) {
 pub async fn results_are_in_input_order<F: TransportFixture>(fx: &F) {
     let good = fx.good_destination();
     let bad = fx.rejecting_destination();
-    let msgs: Vec<_> = (0..5)
-        .map(|i| claimed_message("t", format!("m{i}")))
-        .collect();
-    let results = publish_to(fx.transport().as_ref(), &msgs, |i| {
-        if i == 2 { &bad } else { &good }
-    })
-    .await;
+    let (msgs, results) = publish_one_elsewhere(fx.transport().as_ref(), &good, 2, &bad).await;
     assert_eq!(results.len(), 5);
     for (i, r) in results.iter().enumerate() {
         if i == 2 {

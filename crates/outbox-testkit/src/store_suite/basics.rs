@@ -241,11 +241,7 @@ pub async fn delayed_message_and_stats<F: StoreFixture>(fx: &F) {
     );
     let mut a = sole_relay(&store, "relay-a", LONG).await;
     assert!(a.read(&store, 10).await.is_empty());
-    let due = store
-        .next_due_in_buckets(&a.buckets())
-        .await
-        .unwrap()
-        .expect("pending row");
+    let due = a.next_due(&store).await.expect("pending row");
     assert!(due > Duration::from_secs(28), "{due:?}");
     fx.enqueue_commit(vec![NewMessage::new("t", "now")])
         .await

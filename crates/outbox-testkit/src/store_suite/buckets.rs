@@ -389,19 +389,8 @@ pub async fn bucket_fenced_completion<F: StoreFixture>(fx: &F) {
         .map(|(r, (att, o))| done(&held, r, *att, o.clone()))
         .collect();
 
-    let snapshot = |rows: Vec<crate::RowState>| {
-        rows.into_iter()
-            .map(|r| crate::RowState { due_in_ms: 0, ..r })
-            .collect::<Vec<_>>()
-    };
-    let before = snapshot(fx.rows().await);
-    let stale: Vec<BucketCompletion> = comps
-        .iter()
-        .map(|c| BucketCompletion {
-            token: c.token ^ 1,
-            ..c.clone()
-        })
-        .collect();
+    let before = rows_at_rest(fx).await;
+    let stale = with_stale_tokens(&comps);
     assert_eq!(
         store.complete_in_buckets("relay-a", &stale).await.unwrap(),
         0
@@ -411,7 +400,7 @@ pub async fn bucket_fenced_completion<F: StoreFixture>(fx: &F) {
         0
     );
     assert_eq!(
-        snapshot(fx.rows().await),
+        rows_at_rest(fx).await,
         before,
         "a refused completion changed a row"
     );

@@ -205,6 +205,15 @@ impl ProtocolRelay {
         }
     }
 
+    /// How long until the next PENDING row of the held buckets is due (`next_due_in_buckets`,
+    /// as the relay asks before it idles); `None` without one.
+    async fn next_due(&self, store: &Arc<dyn outbox::Store>) -> Option<Duration> {
+        store
+            .next_due_in_buckets(&self.buckets())
+            .await
+            .expect("next_due_in_buckets")
+    }
+
     /// Read up to `limit` due rows of the held buckets. The rows of a taken-over bucket's first
     /// batch are `counted` (their attempt is recorded before publishing).
     async fn read(&mut self, store: &Arc<dyn outbox::Store>, limit: u32) -> Vec<Work> {
@@ -361,6 +370,27 @@ pub fn relay_routed(store: Arc<dyn outbox::Store>, router: Router, config: Relay
 /// A relay over `fx`'s store publishing every topic to `mem`, running.
 fn spawn_relay<F: StoreFixture>(fx: &F, mem: &Arc<MemoryTransport>) -> outbox::RelayHandle {
     relay_over(fx.store(), mem.clone(), relay_config("suite-relay")).spawn()
+}
+
+/// Every row, its `due_in_ms` set to 0 (it moves with the clock): what a write that must change
+/// nothing is compared by, before and after.
+async fn rows_at_rest<F: StoreFixture>(fx: &F) -> Vec<crate::RowState> {
+    fx.rows()
+        .await
+        .into_iter()
+        .map(|r| crate::RowState { due_in_ms: 0, ..r })
+        .collect()
+}
+
+/// `comps` under stale bucket tokens (each token with its lowest bit flipped).
+fn with_stale_tokens(comps: &[BucketCompletion]) -> Vec<BucketCompletion> {
+    comps
+        .iter()
+        .map(|c| BucketCompletion {
+            token: c.token ^ 1,
+            ..c.clone()
+        })
+        .collect()
 }
 
 /// Wait until the row of `id` has `status`.

@@ -197,20 +197,9 @@ pub async fn stale_completion_writes_nothing<F: StoreFixture>(fx: &F) {
             s
         }
     );
-    let snapshot = |rows: Vec<crate::RowState>| {
-        rows.into_iter()
-            .map(|r| crate::RowState { due_in_ms: 0, ..r })
-            .collect::<Vec<_>>()
-    };
-    let before = snapshot(fx.rows().await);
+    let before = rows_at_rest(fx).await;
     let sent: Vec<BucketCompletion> = work.iter().map(|w| w.completion(Outcome::Sent)).collect();
-    let stale: Vec<BucketCompletion> = sent
-        .iter()
-        .map(|c| BucketCompletion {
-            token: c.token ^ 1,
-            ..c.clone()
-        })
-        .collect();
+    let stale = with_stale_tokens(&sent);
     assert_eq!(a.write_completions(&store, &stale).await, 0);
     assert_eq!(
         store.complete_in_buckets("relay-b", &sent).await.unwrap(),
@@ -218,7 +207,7 @@ pub async fn stale_completion_writes_nothing<F: StoreFixture>(fx: &F) {
         "a relay that does not own the bucket completed"
     );
     assert_eq!(
-        snapshot(fx.rows().await),
+        rows_at_rest(fx).await,
         before,
         "a refused completion changed a row"
     );
@@ -289,11 +278,7 @@ pub async fn retry_backs_off_on_the_database_clock<F: StoreFixture>(fx: &F) {
         r.due_in_ms
     );
     assert!(a.read(&store, 10).await.is_empty());
-    let due = store
-        .next_due_in_buckets(&a.buckets())
-        .await
-        .unwrap()
-        .expect("a pending row");
+    let due = a.next_due(&store).await.expect("a pending row");
     assert!(due > Duration::from_millis(900) && due <= delay, "{due:?}");
     let buckets = a.buckets();
     wait_until(

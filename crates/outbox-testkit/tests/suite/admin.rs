@@ -455,26 +455,14 @@ pub async fn search_indexes<F: StoreFixture + outbox_testkit::ConfirmFixture>(fx
 /// names the key, its head and what waits behind it, `GET /api/relays` the relay's heartbeat
 /// and the buckets it holds; requeueing the head through the API frees the key.
 pub async fn leases_and_blocked_keys(fx: &dyn StoreFixture) {
-    use crate::ordering::{keyed, ordered_config, ordered_relay};
-    let mem = Arc::new(MemoryTransport::new());
-    let ids = fx
-        .enqueue_commit(vec![
-            keyed("orders", "K", "A"),
-            keyed("orders", "K", "B"),
-            keyed("orders", "K", "C"),
-            keyed("orders", "other", "D"),
-        ])
-        .await
-        .expect("enqueue");
-    mem.fail_next(ids[0], vec![TransportErrorKind::Permanent]);
-    let relay = ordered_relay(
-        fx,
-        mem.clone(),
-        outbox::DeadLetterPolicy::Block,
-        ordered_config("admin-block"),
-        None,
-    )
-    .spawn();
+    use crate::ordering::{keyed, poisoned_head_with};
+    let behind = vec![
+        keyed("orders", "K", "B"),
+        keyed("orders", "K", "C"),
+        keyed("orders", "other", "D"),
+    ];
+    let (_mem, ids, relay) =
+        poisoned_head_with(fx, behind, outbox::DeadLetterPolicy::Block, "admin-block").await;
     wait_until(
         "A dead-lettered and D published",
         Duration::from_secs(20),

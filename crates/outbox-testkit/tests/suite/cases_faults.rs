@@ -6,7 +6,8 @@ use outbox_testkit_macros::suite_test;
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox::{Inbox, NewMessage, Relay, RelayConfig, Router, Status};
+use outbox::{Inbox, NewMessage, RelayConfig, Router, Status};
+use outbox_testkit::store_suite::relay_routed;
 use outbox_testkit::{PgFixture, SqliteFixture, StoreFixture, wait_metrics, wait_until, within};
 
 use crate::relay::{counts_by_id, fast_config, memory_relay, wait_all_status};
@@ -30,16 +31,8 @@ async fn c27_nats_runner_does_not_ack_while_inbox_write_fails() {
     let inbox = Inbox::<sqlx::Postgres>::new(pool.clone(), &fx.inbox_table(), "billing").unwrap();
     inbox.migrate().await.unwrap();
     fx.refuse_inserts(&fx.inbox_table()).await;
-    let relay = outbox::Relay::builder(fx.store())
-        .router(outbox::Router::new().route(
-            "*",
-            nats.transport.clone(),
-            format!("{}.{{topic}}", nats.prefix),
-        ))
-        .config(fast_config("r1"))
-        .build()
-        .unwrap()
-        .spawn();
+    let router = Router::new().route("*", nats.transport.clone(), nats.topic_destination());
+    let relay = relay_routed(fx.store(), router, fast_config("r1")).spawn();
     let mut config = NatsConsumerConfig::new(nats.stream.clone(), "billing");
     config.runner.retry = outbox::Backoff {
         base: Duration::from_millis(100),
@@ -173,19 +166,15 @@ async fn c01_stress_concurrent_writers_commit_out_of_id_order() {
 async fn c05_nats_outage_through_proxy_pauses_and_recovers() {
     let (proxy, nats) = outbox_testkit::NatsFixture::behind_proxy().await;
     let fx = SqliteFixture::new().await;
-    let relay = Relay::builder(fx.store())
-        .router(Router::new().route(
-            "*",
-            nats.transport.clone(),
-            format!("{}.{{topic}}", nats.prefix),
-        ))
-        .config(RelayConfig {
+    let relay = relay_routed(
+        fx.store(),
+        Router::new().route("*", nats.transport.clone(), nats.topic_destination()),
+        RelayConfig {
             max_attempts: 3,
             ..fast_config("r1")
-        })
-        .build()
-        .unwrap()
-        .spawn();
+        },
+    )
+    .spawn();
     fx.enqueue_commit(vec![NewMessage::new("before", "0")])
         .await
         .unwrap();

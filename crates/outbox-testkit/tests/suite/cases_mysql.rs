@@ -19,7 +19,9 @@ use crate::cases::{
     assert_due_in_a_minute, assert_nothing_due_soon, enqueue_in_both_zones, late_commit_published,
     pool_in_time_zone, relay_refusing_once,
 };
-use crate::relay::{counts_by_id, fast_config, memory_relay, relay_to, wait_all_status};
+use crate::relay::{
+    counts_by_id, fast_config, memory_relay, polling_every, relay_to, wait_all_status,
+};
 
 /// C01 on MariaDB: session A draws the lower AUTO_INCREMENT id and commits late, a rolled-back
 /// insert leaves a gap; the row committed late is still published.
@@ -396,10 +398,7 @@ async fn mysql_binary_payloads_and_emoji_round_trip(fx: MySqlFixture) {
 #[suite_test]
 async fn mysql_in_process_wake_beats_polling(fx: MySqlFixture) {
     let mem = Arc::new(MemoryTransport::new());
-    let config = RelayConfig {
-        poll_interval: Duration::from_secs(1),
-        ..fast_config("r1")
-    };
+    let config = polling_every("r1", Duration::from_secs(1));
     let relay = relay_to(&fx, mem.clone(), config);
     let handle = relay.spawn();
     wait_until(

@@ -178,12 +178,7 @@ fn relay(fx: &PgFixture, transport: Arc<dyn Transport>, destination: &str) -> Re
 }
 
 async fn sent(fx: &PgFixture) -> i64 {
-    fx.count(&format!(
-        "{} WHERE status = {}",
-        fx.table(),
-        Status::Sent.as_i16()
-    ))
-    .await
+    fx.count_status(Status::Sent).await
 }
 
 /// Wait until `fx` holds at least `at_least` SENT rows (or all of them); panics after `within`.
@@ -256,12 +251,7 @@ async fn check_and_report(
     wait_sent(fx, n, Duration::from_secs(300)).await;
     let drained = started.elapsed();
     assert_eq!(
-        fx.count(&format!(
-            "{} WHERE status = {}",
-            fx.table(),
-            Status::Failed.as_i16()
-        ))
-        .await,
+        fx.count_status(Status::Failed).await,
         0,
         "nothing is dead-lettered"
     );

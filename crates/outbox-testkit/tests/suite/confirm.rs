@@ -411,7 +411,7 @@ impl NatsSetup {
     pub(crate) async fn new() -> NatsSetup {
         let nats = NatsFixture::new().await;
         let reply = format!("{}_confirm.producer", nats.prefix);
-        let destination = format!("{}.{{topic}}", nats.prefix);
+        let destination = nats.topic_destination();
         let client = outbox_testkit::nats_client().await;
         BrokerSetup::start(nats, destination, &reply.clone(), |store, stop| {
             outbox::confirm::nats::listen(client, reply, "producer".into(), store, stop)

@@ -269,13 +269,7 @@ async fn migrate_from_v1_postgres() {
     inbox.migrate().await.unwrap();
     assert_eq!(inbox.verdict(old).await.unwrap(), Some(Verdict::Processed));
     assert!(inbox.dead_letters(10).await.unwrap().is_empty());
-    sqlx::raw_sql(AssertSqlSafe(format!(
-        "DROP TABLE {t}, {i}, {i}_dlq, {t}_buckets, {t}_relays; DROP FUNCTION IF EXISTS {t}_notify; \
-         DELETE FROM outbox_migrations WHERE table_name IN ('{t}', '{i}')"
-    )))
-    .execute(&pool)
-    .await
-    .unwrap();
+    crate::store::drop_pg_outbox(&pool, &t).await;
 }
 
 #[suite_test]

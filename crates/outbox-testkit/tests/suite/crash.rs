@@ -114,7 +114,7 @@ async fn crash_after_ack_nats_duplicate_window_and_inbox(fx: PgFixture) {
     let nats = NatsFixture::new().await;
     let pool = fx.store.pool().clone();
     let effects = pg_effects_of(&fx).await;
-    let dest = format!("{}.{{topic}}", nats.prefix);
+    let dest = nats.topic_destination();
     let hang = Arc::new(AckThenHang::new(nats.transport.clone(), 1));
     let r1 = Relay::builder(fx.store())
         .router(Router::new().route("*", hang.clone(), dest.clone()))

@@ -255,7 +255,7 @@ async fn defect_04_rabbitmq_closed_connection_is_rebuilt_without_burning_attempt
             .await
             .expect("connect"),
     );
-    let destination = format!("{}/{{topic}}", fx.exchange);
+    let destination = fx.topic_destination();
     let out = kill_while_relaying("d04-rabbitmq", transport, &destination, || async {
         let closed = close_rabbitmq_connections(&conn_name).await;
         assert!(closed >= 1, "no connection named {conn_name} to close");
@@ -311,7 +311,7 @@ async fn close_rabbitmq_connections(name: &str) -> usize {
 #[suite_test]
 async fn defect_04_nats_cut_connection_is_rebuilt_without_burning_attempts() {
     let (proxy, fx) = outbox_testkit::NatsFixture::behind_proxy().await;
-    let destination = format!("{}.{{topic}}", fx.prefix);
+    let destination = fx.topic_destination();
     let out = kill_while_relaying("d04-nats", fx.transport.clone(), &destination, || async {
         proxy.set_blocked(true);
         proxy.set_blocked(false);

@@ -181,11 +181,22 @@ async fn poisoned_head(
     on_dead_letter: DeadLetterPolicy,
     name: &str,
 ) -> (Arc<MemoryTransport>, Vec<uuid::Uuid>, outbox::RelayHandle) {
+    let behind = vec![keyed("orders", "K", "B")];
+    poisoned_head_with(fx, behind, on_dead_letter, name).await
+}
+
+/// [`poisoned_head`] with `behind` enqueued after A (in the same transaction) instead of B: the
+/// transport, the ids (A's first) and the relay.
+pub(crate) async fn poisoned_head_with(
+    fx: &dyn StoreFixture,
+    behind: Vec<NewMessage>,
+    on_dead_letter: DeadLetterPolicy,
+    name: &str,
+) -> (Arc<MemoryTransport>, Vec<uuid::Uuid>, outbox::RelayHandle) {
     let transport = Arc::new(MemoryTransport::new());
-    let ids = fx
-        .enqueue_commit(vec![keyed("orders", "K", "A"), keyed("orders", "K", "B")])
-        .await
-        .expect("enqueue");
+    let mut msgs = vec![keyed("orders", "K", "A")];
+    msgs.extend(behind);
+    let ids = fx.enqueue_commit(msgs).await.expect("enqueue");
     transport.fail_next(ids[0], vec![TransportErrorKind::Permanent]);
     let relay = ordered_relay(
         fx,
@@ -595,12 +606,7 @@ async fn postgres_four_relays_killed_at_random_keep_every_key_in_order() {
     for r in relays {
         r.shutdown().await.expect("shutdown");
     }
-    assert_eq!(
-        fx.count(&format!("{t} WHERE status = {}", Status::Failed.as_i16()))
-            .await,
-        0,
-        "no dead letters"
-    );
+    assert_eq!(fx.count_status(Status::Failed).await, 0, "no dead letters");
     let delivered = transport.delivered();
     let mut seen = HashSet::new();
     let mut last: HashMap<String, i64> = HashMap::new();

@@ -12,13 +12,12 @@ use std::time::Duration;
 
 use outbox::consumer::rabbitmq::RabbitMqConsumerConfig;
 use outbox::transport::Transport;
-use outbox::{
-    Inbox, Message, NewMessage, Relay, RelayConfig, Router, Status, TransportErrorKind, Unroutable,
-};
+use outbox::{Inbox, NewMessage, RelayConfig, Router, Status, TransportErrorKind, Unroutable};
+use outbox_testkit::store_suite::relay_routed;
 use outbox_testkit::{
     FaultProxy, RabbitMqFixture, SqliteFixture, StoreFixture, TransportFixture as _,
-    claimed_message, publish_to, rabbitmq_config, rabbitmq_host_port, rabbitmq_url, wait_metrics,
-    wait_probe_fails, wait_probe_ok, wait_until, within,
+    claimed_message, publish_one_elsewhere, publish_to, rabbitmq_config, rabbitmq_host_port,
+    rabbitmq_url, wait_metrics, wait_probe_fails, wait_probe_ok, wait_until, within,
 };
 use uuid::Uuid;
 
@@ -62,22 +61,18 @@ async fn c04a_missing_exchange_not_sent_reason_recorded(fx: RabbitMqFixture) {
     let missing = format!("{}_missing", fx.exchange);
     let router = Router::new()
         .route("bad", fx.transport.clone(), format!("{missing}/{{topic}}"))
-        .route(
-            "*",
-            fx.transport.clone(),
-            format!("{}/{{topic}}", fx.exchange),
-        );
+        .route("*", fx.transport.clone(), fx.topic_destination());
     // A missing exchange pauses the transport (issue 11 item 9) and is dead-lettered only after
     // its grace period: short here.
-    let relay = Relay::builder(db.store())
-        .router(router)
-        .config(RelayConfig {
+    let relay = relay_routed(
+        db.store(),
+        router,
+        RelayConfig {
             missing_destination_grace: Duration::from_millis(500),
             ..fast_config("c04a")
-        })
-        .build()
-        .unwrap()
-        .spawn();
+        },
+    )
+    .spawn();
     let mut msgs: Vec<NewMessage> = (0..3)
         .map(|i| NewMessage::new("good", format!("g{i}")))
         .collect();
@@ -116,12 +111,8 @@ async fn c04a_missing_exchange_not_sent_reason_recorded(fx: RabbitMqFixture) {
 async fn c04b_unroutable_with_mandatory_not_success(fx: RabbitMqFixture) {
     let unbound = fx.extra_exchange("unbound").await;
     let db = SqliteFixture::new().await;
-    let relay = Relay::builder(db.store())
-        .router(Router::new().route("*", fx.transport.clone(), format!("{unbound}/{{topic}}")))
-        .config(fast_config("c04b"))
-        .build()
-        .unwrap()
-        .spawn();
+    let router = Router::new().route("*", fx.transport.clone(), format!("{unbound}/{{topic}}"));
+    let relay = relay_routed(db.store(), router, fast_config("c04b")).spawn();
     let ids = db
         .enqueue_commit(vec![
             NewMessage::new("orders", "nobody listens").with_max_attempts(2),
@@ -165,20 +156,16 @@ async fn c04c_cut_before_confirm_republished_with_same_id_applied_once() {
     assert_eq!(fx.take_all(&fx.queue).await.len(), 1);
 
     let db = SqliteFixture::new().await;
-    let relay = Relay::builder(db.store())
-        .router(Router::new().route(
-            "*",
-            fx.transport.clone(),
-            format!("{}/{{topic}}", fx.exchange),
-        ))
-        .config(RelayConfig {
+    let relay = relay_routed(
+        db.store(),
+        Router::new().route("*", fx.transport.clone(), fx.topic_destination()),
+        RelayConfig {
             publish_timeout: Duration::from_secs(20),
             lease: Duration::from_secs(60),
             ..fast_config("c04c")
-        })
-        .build()
-        .unwrap()
-        .spawn();
+        },
+    )
+    .spawn();
     proxy.set_replies_dropped(true);
     let ids = db
         .enqueue_commit(vec![NewMessage::new("orders", "cut before confirm")])
@@ -311,13 +298,8 @@ async fn exchange_deleted_after_check_fails_only_its_message(fx: RabbitMqFixture
     .await;
     fx.delete_exchange(&gone).await;
     let good = fx.good_destination();
-    let msgs: Vec<Message> = (0..5)
-        .map(|i| claimed_message("t", format!("m{i}")))
-        .collect();
-    let results = publish_to(fx.transport().as_ref(), &msgs, |i| {
-        if i == 1 { &gone_dest } else { &good }
-    })
-    .await;
+    let (msgs, results) =
+        publish_one_elsewhere(fx.transport().as_ref(), &good, 1, &gone_dest).await;
     let mut again = Vec::new();
     for (i, r) in results.iter().enumerate() {
         if i == 1 {
@@ -438,13 +420,13 @@ async fn a_nacking_queue_is_backed_off_alone_without_spending_attempts(fx: Rabbi
         .await;
     let db = SqliteFixture::new().await;
     let transport: Arc<dyn Transport> = fx.transport.clone();
-    let relay = Relay::builder(db.store())
-        .router(
-            Router::new()
-                .route("full.*", transport.clone(), format!("{full}/{{topic}}"))
-                .route("*", transport, format!("{}/{{topic}}", fx.exchange)),
-        )
-        .config(RelayConfig {
+    let router = Router::new()
+        .route("full.*", transport.clone(), format!("{full}/{{topic}}"))
+        .route("*", transport, fx.topic_destination());
+    let relay = relay_routed(
+        db.store(),
+        router,
+        RelayConfig {
             max_attempts: 2,
             probe_backoff: outbox::Backoff {
                 base: Duration::from_millis(20),
@@ -453,10 +435,9 @@ async fn a_nacking_queue_is_backed_off_alone_without_spending_attempts(fx: Rabbi
                 jitter: 0.0,
             },
             ..fast_config("nack")
-        })
-        .build()
-        .unwrap()
-        .spawn();
+        },
+    )
+    .spawn();
     let full_ids = db.commit_numbered("full.orders", "full ", 20).await;
     // Refused several times over: with attempts counted, every refused row would be FAILED.
     wait_metrics(

@@ -35,7 +35,7 @@ impl RabbitSetup {
     pub(crate) async fn new() -> RabbitSetup {
         let mq = RabbitMqFixture::new().await;
         let reply = format!("{}.confirmations", mq.queue);
-        let destination = format!("{}/{{topic}}", mq.exchange);
+        let destination = mq.topic_destination();
         let queue = reply.clone();
         let s = BrokerSetup::start(mq, destination, &reply, |store, stop| {
             outbox::confirm::rabbitmq::listen(rabbitmq_config(&rabbitmq_url()), queue, store, stop)

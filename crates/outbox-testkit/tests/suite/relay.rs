@@ -25,6 +25,15 @@ pub fn fast_config(name: &str) -> RelayConfig {
     outbox_testkit::store_suite::relay_config(name)
 }
 
+/// [`fast_config`] named `name` that polls for due rows only every `poll_interval`: what is
+/// published sooner was woken (by a NOTIFY or by the committing store).
+pub fn polling_every(name: &str, poll_interval: Duration) -> RelayConfig {
+    RelayConfig {
+        poll_interval,
+        ..fast_config(name)
+    }
+}
+
 /// A relay over `fx` publishing every topic to `transport`.
 pub fn relay_to(
     fx: &dyn StoreFixture,
@@ -110,11 +119,7 @@ async fn postgres_nats_consumer_inbox_end_to_end(fx: PgFixture) {
     let nats = NatsFixture::new().await;
     let pool = fx.store.pool().clone();
     let effects = pg_effects_of(&fx).await;
-    let router = Router::new().route(
-        "*",
-        nats.transport.clone(),
-        format!("{}.{{topic}}", nats.prefix),
-    );
+    let router = Router::new().route("*", nats.transport.clone(), nats.topic_destination());
     let relay = Relay::builder(fx.store())
         .router(router)
         .config(fast_config("r1"))
@@ -330,15 +335,7 @@ async fn postgres_deferred_notify_is_sent_after_commit_only(fx: PgFixture) {
     let tx = one_enqueued(&fx, true, "rolled back").await;
     tx.rollback().await.unwrap();
     nothing_else_notified(&fx, &mut listener, "after-rollback").await;
-    assert_eq!(
-        fx.count(&format!(
-            "{} WHERE status = {}",
-            fx.table(),
-            Status::Pending.as_i16()
-        ))
-        .await,
-        4
-    );
+    assert_eq!(fx.count_status(Status::Pending).await, 4);
 }
 
 /// A relay elsewhere (another store instance, 30 s poll interval) publishes at once what a
@@ -355,10 +352,7 @@ async fn postgres_post_commit_notify_wakes_a_relay_elsewhere(fx: PgFixture) {
         outbox::StoreOptions::table(fx.table()),
     )
     .unwrap();
-    let config = RelayConfig {
-        poll_interval: Duration::from_secs(30),
-        ..fast_config("elsewhere")
-    };
+    let config = polling_every("elsewhere", Duration::from_secs(30));
     let handle =
         outbox_testkit::store_suite::relay_over(Arc::new(relay_store), mem.clone(), config).spawn();
     wait_for_listen(&fx).await;
@@ -390,10 +384,7 @@ async fn postgres_post_commit_notify_wakes_a_relay_elsewhere(fx: PgFixture) {
 #[suite_test]
 async fn postgres_listen_notify_wakes_relay(fx: PgFixture) {
     let mem = Arc::new(MemoryTransport::new());
-    let config = RelayConfig {
-        poll_interval: Duration::from_secs(30),
-        ..fast_config("listener")
-    };
+    let config = polling_every("listener", Duration::from_secs(30));
     let handle = relay_to(&fx, mem.clone(), config).spawn();
     wait_for_listen(&fx).await;
     // First row: may be picked up by the wake-up that follows LISTEN or by NOTIFY.

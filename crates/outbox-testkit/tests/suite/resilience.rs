@@ -155,7 +155,7 @@ async fn defect_09_rabbitmq_access_refused_pauses_without_dead_letters() {
             .expect("the read-only user may connect"),
     );
     let db = SqliteFixture::new().await;
-    let router = Router::new().route("*", transport, format!("{}/{{topic}}", fx.exchange));
+    let router = Router::new().route("*", transport, fx.topic_destination());
     let relay = relay_routed(db.store(), router, refusal_config("d09-403")).spawn();
     let ids = db.commit_numbered("perm", "m", 100).await;
     refusals_released_at_no_cost(&db, relay.metrics(), "three refusals (300 releases)", 300).await;
@@ -186,11 +186,7 @@ async fn defect_09_rabbitmq_access_refused_pauses_without_dead_letters() {
 async fn defect_09_rabbitmq_exchange_recreated_under_load_dead_letters_nothing() {
     let fx = Arc::new(RabbitMqFixture::new().await);
     let db = Arc::new(SqliteFixture::new().await);
-    let router = Router::new().route(
-        "*",
-        fx.transport.clone(),
-        format!("{}/{{topic}}", fx.exchange),
-    );
+    let router = Router::new().route("*", fx.transport.clone(), fx.topic_destination());
     let relay = relay_routed(db.store(), router, fast_config("d09-404")).spawn();
     let stop = tokio_util::sync::CancellationToken::new();
     let producer = {

@@ -36,6 +36,25 @@ fixture_tests!(
     ],
 );
 
+/// Drop the PostgreSQL outbox `table` (unqualified, on `pool`'s search path) and what migrating it
+/// made beside it: its buckets, relays and archive tables, its inbox `<table>_inbox` and that
+/// inbox's dead letters, its NOTIFY function and their migration records. For a test that
+/// migrated an outbox outside a [`PgFixture`](outbox_testkit::PgFixture)'s schema.
+///
+/// # Panics
+/// On a database error.
+pub(crate) async fn drop_pg_outbox(pool: &sqlx::PgPool, table: &str) {
+    let t = table;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP TABLE IF EXISTS {t}, {t}_buckets, {t}_relays, {t}_archive, {t}_inbox, {t}_inbox_dlq; \
+         DROP FUNCTION IF EXISTS {t}_notify(); \
+         DELETE FROM outbox_migrations WHERE table_name IN ('{t}', '{t}_inbox')"
+    )))
+    .execute(pool)
+    .await
+    .unwrap_or_else(|e| panic!("drop the outbox {t}: {e}"));
+}
+
 /// Concurrent `migrate` calls on PostgreSQL are serialised and all succeed.
 #[suite_test]
 async fn postgres_concurrent_migrate() {
@@ -79,13 +98,7 @@ async fn postgres_unqualified_table() {
     assert_eq!(buckets.len(), usize::from(outbox::store::BUCKETS));
     let batch = store.read_buckets(&buckets, &[], 10).await.unwrap();
     assert_eq!(batch.rows[0].message.message_id, id);
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "DROP TABLE {t}, {t}_inbox, {t}_buckets, {t}_relays, {t}_archive; DROP FUNCTION {t}_notify; \
-         DELETE FROM outbox_migrations WHERE table_name IN ('{t}', '{t}_inbox')"
-    )))
-    .execute(&pool)
-    .await
-    .unwrap();
+    drop_pg_outbox(&pool, &t).await;
 }
 
 /// Concurrent `migrate` calls on MySQL/MariaDB are serialised by `GET_LOCK` and all succeed.
@@ -185,14 +198,7 @@ async fn connect_pools_carry_a_producer_transaction() {
     .await
     .unwrap();
     assert_eq!(status, 0);
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "DROP TABLE {table}, {table}_buckets, {table}_relays, {table}_inbox, {table}_inbox_dlq, {table}_archive; \
-         DROP FUNCTION {table}_notify(); \
-         DELETE FROM outbox_migrations WHERE table_name LIKE '{table}%'"
-    )))
-    .execute(pg.pool())
-    .await
-    .unwrap();
+    drop_pg_outbox(pg.pool(), &table).await;
 
     let my = outbox::MySqlStore::connect(&outbox_testkit::mysql_url(), options())
         .await

@@ -89,6 +89,15 @@ fn counts(received: &[Received]) -> HashMap<Uuid, usize> {
     m
 }
 
+/// [`bad_rows_dead_lettered_rest_published`] routing every topic to `fx`'s good destination.
+async fn bad_rows_at_good_destination<F: TransportFixture>(
+    fx: &F,
+    good: Vec<Row>,
+    bad: Vec<Bad>,
+) -> Vec<Received> {
+    bad_rows_dead_lettered_rest_published(fx, &fx.good_destination(), good, bad).await
+}
+
 /// Insert `good` and `bad` rows interleaved (so they share batches), run a relay routing every
 /// topic to `fx` at `destination` (`{topic}` allowed), and check the outcome (see the module
 /// docs). Returns what the broker received, for broker-specific checks; `fx` is the test's
@@ -271,15 +280,13 @@ fn assert_headers_intact(received: &[Received], rows: &[Row]) {
 async fn defect_01_nats_unsendable_header_or_key_is_dead_lettered_and_the_relay_goes_on(
     fx: NatsFixture,
 ) {
-    let dest = fx.good_destination();
-    bad_rows_dead_lettered_rest_published(&fx, &dest, ordinary_rows(), crlf_and_space_rows()).await;
+    bad_rows_at_good_destination(&fx, ordinary_rows(), crlf_and_space_rows()).await;
 }
 
 #[suite_test]
 async fn defect_08_nats_reserved_headers_from_sql_are_dead_lettered_not_deduplicated(
     fx: NatsFixture,
 ) {
-    let dest = fx.good_destination();
     // Two distinct messages with the same user Nats-Msg-Id: before the fix JetStream kept one and
     // both rows were SENT.
     let bad = bad_headers(&[
@@ -300,20 +307,18 @@ async fn defect_08_nats_reserved_headers_from_sql_are_dead_lettered_not_deduplic
         ),
         ("Nats-TTL", "1s", "Nats-TTL"),
     ]);
-    bad_rows_dead_lettered_rest_published(&fx, &dest, ordinary_rows(), bad).await;
+    bad_rows_at_good_destination(&fx, ordinary_rows(), bad).await;
 }
 
 #[suite_test]
 async fn defect_01_webhook_unsendable_header_or_key_is_dead_lettered(fx: WebhookFixture) {
-    let dest = fx.good_destination();
-    bad_rows_dead_lettered_rest_published(&fx, &dest, ordinary_rows(), crlf_and_space_rows()).await;
+    bad_rows_at_good_destination(&fx, ordinary_rows(), crlf_and_space_rows()).await;
 }
 
 #[suite_test]
 async fn defect_08_webhook_connection_and_signature_headers_from_sql_are_dead_lettered(
     fx: WebhookFixture,
 ) {
-    let dest = fx.good_destination();
     let bad = bad_headers(&[
         ("Content-Length", "0", "\"Content-Length\" is reserved"),
         ("Host", "evil.example", "\"Host\" is reserved"),
@@ -321,7 +326,7 @@ async fn defect_08_webhook_connection_and_signature_headers_from_sql_are_dead_le
         ("webhook-signature", "v1,forged", "webhook-signature"),
         ("Connection", "close", "\"Connection\""),
     ]);
-    let received = bad_rows_dead_lettered_rest_published(&fx, &dest, ordinary_rows(), bad).await;
+    let received = bad_rows_at_good_destination(&fx, ordinary_rows(), bad).await;
     // The signature of every delivery is the transport's own.
     for r in &received {
         let sig = r
@@ -365,7 +370,6 @@ async fn defect_08_enqueue_refuses_broker_reserved_headers(fx: SqliteFixture) {
 async fn defect_01_rabbitmq_unsendable_header_is_dead_lettered_and_what_amqp_carries_travels(
     fx: outbox_testkit::RabbitMqFixture,
 ) {
-    let dest = fx.good_destination();
     let long = "n".repeat(256);
     let bad = vec![
         bad(
@@ -395,7 +399,7 @@ async fn defect_01_rabbitmq_unsendable_header_is_dead_lettered_and_what_amqp_car
             .iter()
             .map(|r| Row::new(&r.topic, None, r.headers.clone())),
     );
-    let received = bad_rows_dead_lettered_rest_published(&fx, &dest, good, bad).await;
+    let received = bad_rows_at_good_destination(&fx, good, bad).await;
     assert_headers_intact(&received, &crlf_and_space_rows_on(TOPIC));
     assert_headers_intact(&received, &others);
 }
@@ -404,7 +408,6 @@ async fn defect_01_rabbitmq_unsendable_header_is_dead_lettered_and_what_amqp_car
 async fn defect_08_rabbitmq_headers_rabbitmq_interprets_are_dead_lettered(
     fx: outbox_testkit::RabbitMqFixture,
 ) {
-    let dest = fx.good_destination();
     let bad = bad_headers(&[
         ("CC", "elsewhere", "\"CC\" is reserved by RabbitMQ"),
         ("BCC", "elsewhere", "\"BCC\" is reserved by RabbitMQ"),
@@ -417,7 +420,7 @@ async fn defect_08_rabbitmq_headers_rabbitmq_interprets_are_dead_lettered(
         None,
         json!({"cc": "lower case is not interpreted"}),
     ));
-    bad_rows_dead_lettered_rest_published(&fx, &dest, good, bad).await;
+    bad_rows_at_good_destination(&fx, good, bad).await;
 }
 
 #[suite_test]
@@ -458,7 +461,6 @@ async fn every_header_travels_bad_topic_dead_lettered<F: TransportFixture>(
 async fn defect_01_mqtt_malformed_strings_are_dead_lettered_and_the_relay_goes_on(
     fx: outbox_testkit::MqttFixture,
 ) {
-    let dest = fx.good_destination();
     let long = "v".repeat(70_000);
     // Mosquitto closes the connection on a user property with a control character; rumqttc
     // writes a string over 65,535 bytes with a truncated length (a malformed packet).
@@ -484,7 +486,7 @@ async fn defect_01_mqtt_malformed_strings_are_dead_lettered_and_the_relay_goes_o
     let mut good = ordinary_rows();
     good.push(Row::new(TOPIC, None, json!({"a b": "v", "a:b": "w"})));
     good.extend(other_brokers_reserved_on(TOPIC));
-    let received = bad_rows_dead_lettered_rest_published(&fx, &dest, good, bad).await;
+    let received = bad_rows_at_good_destination(&fx, good, bad).await;
     assert_headers_intact(&received, &other_brokers_reserved_on(TOPIC));
 }
 
@@ -493,7 +495,6 @@ async fn defect_01_mqtt_malformed_strings_are_dead_lettered_and_the_relay_goes_o
 async fn defect_01_and_08_rocketmq_separators_and_system_properties_are_dead_lettered(
     fx: outbox_testkit::rocketmq::RocketMqFixture,
 ) {
-    let dest = fx.good_destination();
     let mut bad = bad_headers(&[
         ("note", "x\u{1}y", "header \"note\""),
         ("DELAY", "3", "\"DELAY\" is reserved by RocketMQ"),
@@ -512,5 +513,5 @@ async fn defect_01_and_08_rocketmq_separators_and_system_properties_are_dead_let
         None,
         json!({"delay": "lower case is free", "a b": "x\r\ny"}),
     ));
-    bad_rows_dead_lettered_rest_published(&fx, &dest, good, bad).await;
+    bad_rows_at_good_destination(&fx, good, bad).await;
 }

@@ -20,14 +20,15 @@ pub enum Fault {
     Kill { slot: usize, down: Duration },
     /// SIGSTOP relay `slot` for `pause` (past its lease), then SIGCONT.
     Pause { slot: usize, pause: Duration },
-    /// Cut every database connection of the relays and refuse new ones for `cut`.
-    CutDatabase { cut: Duration },
-    /// The same for the broker (what the relays see of a broker restart).
-    CutBroker { cut: Duration },
-    /// Delay every chunk to and from the database by `delay` for `during`.
-    SlowDatabase { delay: Duration, during: Duration },
-    /// Delay every chunk to and from the broker by `delay` for `during`.
-    SlowBroker { delay: Duration, during: Duration },
+    /// Cut every connection of the relays over `link` and refuse new ones for `cut` (for the
+    /// broker, what the relays see of a broker restart).
+    Cut { link: Link, cut: Duration },
+    /// Delay every chunk to and from the other end of `link` by `delay` for `during`.
+    Slow {
+        link: Link,
+        delay: Duration,
+        during: Duration,
+    },
     /// Make the `n`-th open database connection of the relays half-open (nothing passes, nothing
     /// is closed), for good.
     HalfOpenDatabase { n: usize },
@@ -35,6 +36,34 @@ pub enum Fault {
     DropBrokerReplies { during: Duration },
     /// Stop the broker itself (`--restart-broker`) and start it again after `down`.
     RestartBroker { down: Duration },
+}
+
+/// Which of the relays' connections a fault acts on (each runs through its own [`FaultProxy`]).
+#[derive(Debug, Clone, Copy)]
+pub enum Link {
+    /// To the database.
+    Database,
+    /// To the broker.
+    Broker,
+}
+
+impl Link {
+    /// The proxy the link runs through: `db_proxy` or `broker_proxy`.
+    fn proxy<'a>(self, db_proxy: &'a FaultProxy, broker_proxy: &'a FaultProxy) -> &'a FaultProxy {
+        match self {
+            Link::Database => db_proxy,
+            Link::Broker => broker_proxy,
+        }
+    }
+}
+
+impl std::fmt::Display for Link {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Link::Database => "database",
+            Link::Broker => "broker",
+        })
+    }
 }
 
 /// The faults of a run of `duration` with `relays` relays, `kills` of them SIGKILLs, from
@@ -71,17 +100,21 @@ pub fn schedule(
                 slot: rng.random_range(0..relays),
                 pause: lease * 2 + Duration::from_millis(rng.random_range(0..1000)),
             },
-            Fault::CutDatabase {
+            Fault::Cut {
+                link: Link::Database,
                 cut: Duration::from_millis(rng.random_range(500..3000)),
             },
-            Fault::CutBroker {
+            Fault::Cut {
+                link: Link::Broker,
                 cut: Duration::from_millis(rng.random_range(500..3000)),
             },
-            Fault::SlowDatabase {
+            Fault::Slow {
+                link: Link::Database,
                 delay: Duration::from_millis(rng.random_range(20..200)),
                 during: Duration::from_millis(rng.random_range(1000..4000)),
             },
-            Fault::SlowBroker {
+            Fault::Slow {
+                link: Link::Broker,
                 delay: Duration::from_millis(rng.random_range(20..200)),
                 during: Duration::from_millis(rng.random_range(1000..4000)),
             },
@@ -155,30 +188,20 @@ pub(crate) async fn drive_faults(
                 ends.push((now + pause, *fault));
                 format!("SIGSTOP relay {slot} for {} ms", pause.as_millis())
             }
-            Fault::CutDatabase { cut } => {
-                db_proxy.set_blocked(true);
+            Fault::Cut { link, cut } => {
+                link.proxy(db_proxy, broker_proxy).set_blocked(true);
                 ends.push((now + cut, *fault));
-                format!("database cut for {} ms", cut.as_millis())
+                format!("{link} cut for {} ms", cut.as_millis())
             }
-            Fault::CutBroker { cut } => {
-                broker_proxy.set_blocked(true);
-                ends.push((now + cut, *fault));
-                format!("broker cut for {} ms", cut.as_millis())
-            }
-            Fault::SlowDatabase { delay, during } => {
-                db_proxy.set_delay(delay);
+            Fault::Slow {
+                link,
+                delay,
+                during,
+            } => {
+                link.proxy(db_proxy, broker_proxy).set_delay(delay);
                 ends.push((now + during, *fault));
                 format!(
-                    "database +{} ms per chunk for {} ms",
-                    delay.as_millis(),
-                    during.as_millis()
-                )
-            }
-            Fault::SlowBroker { delay, during } => {
-                broker_proxy.set_delay(delay);
-                ends.push((now + during, *fault));
-                format!(
-                    "broker +{} ms per chunk for {} ms",
+                    "{link} +{} ms per chunk for {} ms",
                     delay.as_millis(),
                     during.as_millis()
                 )
@@ -241,10 +264,8 @@ pub(crate) async fn end(
             }
         }
         Fault::Pause { slot, .. } => slots.lock().await[slot].signal_pause(false),
-        Fault::CutDatabase { .. } => db_proxy.set_blocked(false),
-        Fault::CutBroker { .. } => broker_proxy.set_blocked(false),
-        Fault::SlowDatabase { .. } => db_proxy.set_delay(Duration::ZERO),
-        Fault::SlowBroker { .. } => broker_proxy.set_delay(Duration::ZERO),
+        Fault::Cut { link, .. } => link.proxy(db_proxy, broker_proxy).set_blocked(false),
+        Fault::Slow { link, .. } => link.proxy(db_proxy, broker_proxy).set_delay(Duration::ZERO),
         Fault::HalfOpenDatabase { .. } => {}
         Fault::DropBrokerReplies { .. } => {
             broker_proxy.set_replies_dropped(false);
