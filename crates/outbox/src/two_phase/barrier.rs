@@ -21,6 +21,7 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
+use futures::future::BoxFuture;
 use sqlx::{Database, Pool, Row};
 use uuid::Uuid;
 
@@ -46,6 +47,80 @@ pub trait BarrierDatabase: Database + sealed::Sealed {
     fn is_duplicate(e: &sqlx::Error) -> bool {
         matches!(e, sqlx::Error::Database(d) if d.is_unique_violation())
     }
+    /// Run the statements `sql` on `pool` (the barrier's migration).
+    #[doc(hidden)]
+    fn run_script<'a>(pool: &'a Pool<Self>, sql: String) -> BoxFuture<'a, Result<(), sqlx::Error>>;
+    /// Run `insert` (of [`BarrierDatabase::insert`]) for `(id, reason)` on `conn`.
+    #[doc(hidden)]
+    fn run_insert<'a>(
+        conn: &'a mut Self::Connection,
+        insert: String,
+        id: String,
+        reason: &'static str,
+    ) -> BoxFuture<'a, Result<(), sqlx::Error>>;
+    /// Run `tombstone`, then `reason` (of [`BarrierDatabase::tombstone`] and
+    /// [`BarrierDatabase::reason`]) for `id` on `pool`: the row's reason.
+    #[doc(hidden)]
+    fn run_resolve<'a>(
+        pool: &'a Pool<Self>,
+        tombstone: String,
+        reason: String,
+        id: String,
+    ) -> BoxFuture<'a, Result<String, sqlx::Error>>;
+}
+
+/// The execution methods of [`BarrierDatabase`] for one sqlx database: the same statements on
+/// each, written once, compiled for the concrete database (so that [`Barrier`]'s users need no
+/// sqlx bounds beyond `DB: BarrierDatabase`).
+macro_rules! barrier_runs {
+    ($db:ty) => {
+        fn run_script<'a>(
+            pool: &'a Pool<$db>,
+            sql: String,
+        ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+            Box::pin(async move {
+                sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                    .execute(pool)
+                    .await?;
+                Ok(())
+            })
+        }
+
+        fn run_insert<'a>(
+            conn: &'a mut <$db as Database>::Connection,
+            insert: String,
+            id: String,
+            reason: &'static str,
+        ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+            Box::pin(async move {
+                sqlx::query(sqlx::AssertSqlSafe(insert))
+                    .bind(id)
+                    .bind(reason)
+                    .execute(conn)
+                    .await?;
+                Ok(())
+            })
+        }
+
+        fn run_resolve<'a>(
+            pool: &'a Pool<$db>,
+            tombstone: String,
+            reason: String,
+            id: String,
+        ) -> BoxFuture<'a, Result<String, sqlx::Error>> {
+            Box::pin(async move {
+                sqlx::query(sqlx::AssertSqlSafe(tombstone))
+                    .bind(id.clone())
+                    .execute(pool)
+                    .await?;
+                sqlx::query(sqlx::AssertSqlSafe(reason))
+                    .bind(id)
+                    .fetch_one(pool)
+                    .await?
+                    .try_get(0)
+            })
+        }
+    };
 }
 
 mod sealed {
@@ -77,6 +152,7 @@ impl BarrierDatabase for sqlx::Postgres {
     fn reason(t: &str) -> String {
         format!("SELECT reason FROM {t} WHERE message_id = $1::uuid")
     }
+    barrier_runs!(sqlx::Postgres);
 }
 
 #[cfg(feature = "mysql")]
@@ -97,6 +173,7 @@ impl BarrierDatabase for sqlx::MySql {
     fn reason(t: &str) -> String {
         format!("SELECT reason FROM {t} WHERE message_id = ?")
     }
+    barrier_runs!(sqlx::MySql);
 }
 
 #[cfg(feature = "sqlite")]
@@ -116,6 +193,7 @@ impl BarrierDatabase for sqlx::Sqlite {
     fn reason(t: &str) -> String {
         format!("SELECT reason FROM {t} WHERE message_id = ?1")
     }
+    barrier_runs!(sqlx::Sqlite);
 }
 
 /// Why [`Barrier::mark`] failed.
@@ -174,16 +252,7 @@ impl<DB: Database> std::fmt::Debug for Barrier<DB> {
     }
 }
 
-impl<DB> Barrier<DB>
-where
-    DB: BarrierDatabase,
-    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
-    for<'c> &'c Pool<DB>: sqlx::Executor<'c, Database = DB>,
-    for<'q> DB::Arguments: sqlx::IntoArguments<DB>,
-    for<'q> String: sqlx::Encode<'q, DB> + sqlx::Decode<'q, DB> + sqlx::Type<DB>,
-    for<'q> &'q str: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
-    usize: sqlx::ColumnIndex<DB::Row>,
-{
+impl<DB: BarrierDatabase> Barrier<DB> {
     /// A barrier on `pool`'s database, table [`DEFAULT_TABLE`].
     pub fn new(pool: Pool<DB>) -> Self {
         Barrier {
@@ -208,11 +277,9 @@ where
     /// [`StoreError`] from the database.
     pub async fn migrate(&self) -> Result<(), StoreError> {
         let t = self.table.as_str();
-        sqlx::raw_sql(sqlx::AssertSqlSafe(DB::create(t)))
-            .execute(&self.pool)
+        DB::run_script(&self.pool, DB::create(t))
             .await
-            .map_err(|e| crate::store::db_error("barrier migrate", t, e))?;
-        Ok(())
+            .map_err(|e| crate::store::db_error("barrier migrate", t, e))
     }
 
     /// Mark `message_id` as committed by the business transaction on `conn` (call it inside
@@ -227,11 +294,7 @@ where
         message_id: Uuid,
     ) -> Result<(), BarrierError> {
         let t = self.table.as_str();
-        let id = message_id.to_string();
-        sqlx::query(sqlx::AssertSqlSafe(DB::insert(t)))
-            .bind(id)
-            .bind("commit")
-            .execute(conn)
+        DB::run_insert(conn, DB::insert(t), message_id.to_string(), "commit")
             .await
             .map_err(|e| {
                 if DB::is_duplicate(&e) {
@@ -239,8 +302,7 @@ where
                 } else {
                     BarrierError::Store(crate::store::db_error("barrier mark", t, e))
                 }
-            })?;
-        Ok(())
+            })
     }
 
     /// The check-back's answer for `message_id`: COMMIT if the business transaction marked it
@@ -253,18 +315,14 @@ where
     pub async fn resolve(&self, message_id: Uuid) -> Result<Answer, StoreError> {
         let t = self.table.as_str();
         let err = |e| crate::store::db_error("barrier resolve", t, e);
-        let id = message_id.to_string();
-        sqlx::query(sqlx::AssertSqlSafe(DB::tombstone(t)))
-            .bind(id.clone())
-            .execute(&self.pool)
-            .await
-            .map_err(err)?;
-        let row = sqlx::query(sqlx::AssertSqlSafe(DB::reason(t)))
-            .bind(id)
-            .fetch_one(&self.pool)
-            .await
-            .map_err(err)?;
-        let reason: String = row.try_get(0).map_err(err)?;
+        let reason = DB::run_resolve(
+            &self.pool,
+            DB::tombstone(t),
+            DB::reason(t),
+            message_id.to_string(),
+        )
+        .await
+        .map_err(err)?;
         match reason.as_str() {
             "commit" => Ok(Answer::Commit),
             "rollback" => Ok(Answer::Rollback),
@@ -340,16 +398,7 @@ where
 struct BarrierHook<DB: Database>(Barrier<DB>);
 
 #[async_trait]
-impl<DB> CheckBackHook for BarrierHook<DB>
-where
-    DB: BarrierDatabase + 'static,
-    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
-    for<'c> &'c Pool<DB>: sqlx::Executor<'c, Database = DB>,
-    for<'q> DB::Arguments: sqlx::IntoArguments<DB>,
-    for<'q> String: sqlx::Encode<'q, DB> + sqlx::Decode<'q, DB> + sqlx::Type<DB>,
-    for<'q> &'q str: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
-    usize: sqlx::ColumnIndex<DB::Row>,
-{
+impl<DB: BarrierDatabase + 'static> CheckBackHook for BarrierHook<DB> {
     async fn check(&self, request: &CheckRequest) -> Result<Answer, BoxError> {
         Ok(self.0.resolve(request.message_id).await?)
     }

@@ -11,16 +11,12 @@ use sqlx::{Pool, Row};
 /// `None` where that cannot be seen (SQLite: its single writer waits in the busy handler).
 type Waiting<'a> = Option<Box<dyn Fn() -> BoxFuture<'a, bool> + Send + Sync + 'a>>;
 
-async fn scenarios<DB>(fx: &dyn StoreFixture, pool: Pool<DB>, table: &str, waiting: Waiting<'_>)
-where
-    DB: BarrierDatabase + 'static,
-    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
-    for<'c> &'c Pool<DB>: sqlx::Executor<'c, Database = DB>,
-    for<'q> DB::Arguments: sqlx::IntoArguments<DB>,
-    for<'q> String: sqlx::Encode<'q, DB> + sqlx::Decode<'q, DB> + sqlx::Type<DB>,
-    for<'q> &'q str: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
-    usize: sqlx::ColumnIndex<DB::Row>,
-{
+async fn scenarios<DB: BarrierDatabase + 'static>(
+    fx: &dyn StoreFixture,
+    pool: Pool<DB>,
+    table: &str,
+    waiting: Waiting<'_>,
+) {
     let barrier = Barrier::new(pool.clone()).with_table(table).unwrap();
     barrier.migrate().await.unwrap();
     barrier.migrate().await.expect("migrate is idempotent");
